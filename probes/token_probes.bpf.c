@@ -1,0 +1,307 @@
+/* Token-boundary probes for llama.cpp engines (BCC; compiled at attach time).
+ *
+ * Build-time constants (set by sparseety_prof/bpf_loader.py with -D, per engine build):
+ *   UB_N_TOKENS UB_TOKEN UB_POS UB_N_SEQ_ID UB_SEQ_ID UB_OUTPUT  offsets in struct llama_ubatch
+ *   N_VOCAB                                                      floats per logits row
+ *   RB_PAGES                                                     ring buffer size in pages
+ *
+ * Cost discipline: everything here copies raw bits; no floating point, no per-token maps
+ * beyond the per-thread argument stash needed to pair entry and return probes.
+ */
+#include <uapi/linux/ptrace.h>
+#include "events.h"
+
+BPF_RINGBUF_OUTPUT(events, RB_PAGES);
+
+/* counters[0] = next record sequence number, [1] = records dropped (reserve failed),
+ * [2] = ubatch rows not copied (micro-batch larger than MAX_UB_TOK) */
+BPF_ARRAY(counters, u64, 4);
+
+struct sampler_state {
+    u64 ctx;
+    s32 idx;
+    u32 kind;
+    u32 depth;
+};
+BPF_HASH(in_sampler, u32, struct sampler_state, 4096);
+
+struct logits_args {
+    u64 ctx;
+    s32 idx;
+};
+BPF_HASH(logits_args, u32, struct logits_args, 4096);
+BPF_HASH(ubatch_ctx, u32, u64, 4096);
+BPF_HASH(memory_ctx, u32, u64, 4096);
+
+static __always_inline u64 next_seq(void) {
+    int k = 0;
+    u64 *v = counters.lookup(&k);
+    return v ? __sync_fetch_and_add(v, 1) : 0;
+}
+
+static __always_inline void count(int k, u64 n) {
+    u64 *v = counters.lookup(&k);
+    if (v)
+        __sync_fetch_and_add(v, n);
+}
+
+static __always_inline void fill_hdr(struct ev_hdr *h, u16 kind, u64 ctx, u64 seq) {
+    h->seq = seq;
+    h->ts_ns = bpf_ktime_get_ns();
+    h->ctx = ctx;
+    h->tid = (u32)bpf_get_current_pid_tgid();
+    h->kind = kind;
+    h->flags = 0;
+}
+
+static __always_inline void emit_small(u16 kind, u64 ctx, s32 a, s32 b, s32 c, u64 ptr) {
+    u64 seq = next_seq();
+    struct ev_small *e = events.ringbuf_reserve(sizeof(struct ev_small));
+    if (!e) {
+        count(1, 1);
+        return;
+    }
+    fill_hdr(&e->h, kind, ctx, seq);
+    e->a = a;
+    e->b = b;
+    e->c = c;
+    e->pad = 0;
+    e->ptr = ptr;
+    events.ringbuf_submit(e, 0);
+}
+
+/* ---- decode call boundaries: llama_context::decode(const llama_batch &) and, in builds that
+ * have it, decode(const llama_batch_ext &). One may call the other: only the outermost call on a
+ * thread is a decode boundary. */
+struct decode_state {
+    u64 ctx;
+    u32 depth;
+};
+BPF_HASH(decode_ctx, u32, struct decode_state, 4096);
+
+static __always_inline int decode_enter(struct pt_regs *ctx, int public_batch) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct decode_state *cur = decode_ctx.lookup(&tid);
+    if (cur) {
+        cur->depth++;
+        return 0;
+    }
+    struct decode_state st = {};
+    st.ctx = PT_REGS_PARM1(ctx);
+    decode_ctx.update(&tid, &st);
+    s32 n = -1, tok0 = -1, pos0 = -1;
+    u64 b = PT_REGS_PARM2(ctx);
+    if (public_batch) {
+        /* public struct llama_batch (stable C API): n_tokens@0 token@8 pos@24.
+         * Read to verify the private micro-batch layout against it. */
+        u64 p = 0;
+        bpf_probe_read_user(&n, sizeof(n), (void *)b);
+        bpf_probe_read_user(&p, sizeof(p), (void *)(b + 8));
+        if (p)
+            bpf_probe_read_user(&tok0, sizeof(tok0), (void *)p);
+        p = 0;
+        bpf_probe_read_user(&p, sizeof(p), (void *)(b + 24));
+        if (p)
+            bpf_probe_read_user(&pos0, sizeof(pos0), (void *)p);
+    }
+    emit_small(EV_DECODE_BEGIN, st.ctx, n, tok0, pos0, b);
+    return 0;
+}
+
+int decode_public_enter(struct pt_regs *ctx) { return decode_enter(ctx, 1); }
+int decode_ext_enter(struct pt_regs *ctx) { return decode_enter(ctx, 0); }
+
+int decode_return(struct pt_regs *ctx) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct decode_state *st = decode_ctx.lookup(&tid);
+    if (!st)
+        return 0;
+    if (st->depth > 0) {
+        st->depth--;
+        return 0;
+    }
+    emit_small(EV_DECODE_END, st->ctx, (s32)PT_REGS_RC(ctx), 0, 0, 0);
+    decode_ctx.delete(&tid);
+    return 0;
+}
+
+/* ---- micro-batch = one forward pass: llama_context::process_ubatch(const llama_ubatch &, ...) */
+int ubatch_enter(struct pt_regs *ctx) {
+    u64 lctx = PT_REGS_PARM1(ctx);
+    u64 ub = PT_REGS_PARM2(ctx);
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    u64 seq = next_seq();
+    struct ev_ubatch *e = events.ringbuf_reserve(sizeof(struct ev_ubatch));
+    if (!e) {
+        count(1, 1);
+        return 0;
+    }
+    fill_hdr(&e->h, EV_UBATCH, lctx, seq);
+    u32 n = 0;
+    bpf_probe_read_user(&n, sizeof(n), (void *)(ub + UB_N_TOKENS));
+    u32 m = n < MAX_UB_TOK ? n : MAX_UB_TOK;
+    e->n_tokens = n;
+    e->n_copied = m;
+    if (n > MAX_UB_TOK) {
+        e->h.flags |= UB_FLAG_TRUNCATED;
+        count(2, n - MAX_UB_TOK);
+    }
+    u64 tok = 0, pos = 0, sid = 0, out = 0;
+    bpf_probe_read_user(&tok, sizeof(tok), (void *)(ub + UB_TOKEN));
+    bpf_probe_read_user(&pos, sizeof(pos), (void *)(ub + UB_POS));
+    bpf_probe_read_user(&sid, sizeof(sid), (void *)(ub + UB_SEQ_ID));
+    bpf_probe_read_user(&out, sizeof(out), (void *)(ub + UB_OUTPUT));
+    u32 sz = m * 4;
+    if (sz > MAX_UB_TOK * 4)
+        sz = MAX_UB_TOK * 4;
+    if (tok)
+        bpf_probe_read_user(e->token, sz, (void *)tok);
+    else
+        e->h.flags |= 2; /* embeddings input: no token ids */
+    if (pos)
+        bpf_probe_read_user(e->pos, sz, (void *)pos);
+    u32 osz = m;
+    if (osz > MAX_UB_TOK)
+        osz = MAX_UB_TOK;
+    if (out)
+        bpf_probe_read_user(e->output, osz, (void *)out);
+    for (u32 i = 0; i < MAX_UB_TOK; i++) {
+        if (i >= m || !sid)
+            break;
+        u64 p = 0;
+        s32 s = -1;
+        bpf_probe_read_user(&p, sizeof(p), (void *)(sid + i * 8));
+        if (p)
+            bpf_probe_read_user(&s, sizeof(s), (void *)p);
+        e->seq[i] = s;
+    }
+    events.ringbuf_submit(e, 0);
+    ubatch_ctx.update(&tid, &lctx);
+    return 0;
+}
+
+int ubatch_return(struct pt_regs *ctx) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    u64 *lctx = ubatch_ctx.lookup(&tid);
+    if (!lctx)
+        return 0;
+    emit_small(EV_UBATCH_END, *lctx, 0, 0, 0, PT_REGS_RC(ctx));
+    ubatch_ctx.delete(&tid);
+    return 0;
+}
+
+/* ---- sampler calls: llama_sampler_sample(smpl, ctx, idx) / common_sampler_sample(gsmpl, ctx, idx, ..)
+ * Only the outermost sampler call on a thread counts (one may call the other). */
+static __always_inline int sampler_enter(struct pt_regs *ctx, u32 kind) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct sampler_state *st = in_sampler.lookup(&tid);
+    if (st) {
+        st->depth++;
+        return 0;
+    }
+    struct sampler_state s = {};
+    s.ctx = PT_REGS_PARM2(ctx);
+    s.idx = (s32)PT_REGS_PARM3(ctx);
+    s.kind = kind;
+    s.depth = 0;
+    in_sampler.update(&tid, &s);
+    emit_small(EV_SAMPLE_BEGIN, s.ctx, s.idx, kind, 0, 0);
+    return 0;
+}
+
+static __always_inline int sampler_return(struct pt_regs *ctx) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct sampler_state *st = in_sampler.lookup(&tid);
+    if (!st)
+        return 0;
+    if (st->depth > 0) {
+        st->depth--;
+        return 0;
+    }
+    emit_small(EV_SAMPLE_END, st->ctx, (s32)PT_REGS_RC(ctx), st->kind, st->idx, 0);
+    in_sampler.delete(&tid);
+    return 0;
+}
+
+int llama_sampler_enter(struct pt_regs *ctx) { return sampler_enter(ctx, SAMPLER_LLAMA); }
+int common_sampler_enter(struct pt_regs *ctx) { return sampler_enter(ctx, SAMPLER_COMMON); }
+int any_sampler_return(struct pt_regs *ctx) { return sampler_return(ctx); }
+
+/* ---- the logits row a sampler reads: llama_get_logits_ith(ctx, i) -> float* ----------- */
+int logits_enter(struct pt_regs *ctx) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    if (!in_sampler.lookup(&tid))
+        return 0; /* rows read outside a sampler call (n_probs, user code) are not token rows */
+    struct logits_args a = {};
+    a.ctx = PT_REGS_PARM1(ctx);
+    a.idx = (s32)PT_REGS_PARM2(ctx);
+    logits_args.update(&tid, &a);
+    return 0;
+}
+
+static __always_inline int emit_chunk(u64 lctx, s32 idx, u32 c, u64 row, u32 n) {
+    u64 seq = next_seq();
+    struct ev_logits *e = events.ringbuf_reserve(sizeof(struct ev_logits));
+    if (!e) {
+        count(1, 1);
+        return -1;
+    }
+    fill_hdr(&e->h, EV_LOGITS, lctx, seq);
+    e->idx = idx;
+    e->chunk = c;
+    e->n_vals = n;
+    e->n_vocab = N_VOCAB;
+    if (n > LOGITS_CHUNK)
+        n = LOGITS_CHUNK;
+    bpf_probe_read_user(e->vals, n * 4, (void *)(row + (u64)c * LOGITS_CHUNK * 4));
+    events.ringbuf_submit(e, 0);
+    return 0;
+}
+
+int logits_return(struct pt_regs *ctx) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct logits_args *a = logits_args.lookup(&tid);
+    if (!a)
+        return 0;
+    u64 lctx = a->ctx;
+    s32 idx = a->idx;
+    logits_args.delete(&tid);
+    u64 row = PT_REGS_RC(ctx);
+    if (!row)
+        return 0;
+    for (u32 c = 0; c < N_VOCAB / LOGITS_CHUNK && c < MAX_LOGITS_CHUNKS; c++)
+        emit_chunk(lctx, idx, c, row, LOGITS_CHUNK);
+#if N_VOCAB % LOGITS_CHUNK
+    emit_chunk(lctx, idx, N_VOCAB / LOGITS_CHUNK, row, N_VOCAB % LOGITS_CHUNK);
+#endif
+    return 0;
+}
+
+/* ---- cache clears mark request boundaries ----------------------------------------------- */
+int seq_rm_enter(struct pt_regs *ctx) {
+    emit_small(EV_SEQ_RM, PT_REGS_PARM1(ctx), (s32)PT_REGS_PARM2(ctx), (s32)PT_REGS_PARM3(ctx),
+               (s32)PT_REGS_PARM4(ctx), 0);
+    return 0;
+}
+
+int mem_clear_enter(struct pt_regs *ctx) {
+    emit_small(EV_MEM_CLEAR, PT_REGS_PARM1(ctx), 0, 0, 0, 0);
+    return 0;
+}
+
+int get_memory_enter(struct pt_regs *ctx) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    u64 lctx = PT_REGS_PARM1(ctx);
+    memory_ctx.update(&tid, &lctx);
+    return 0;
+}
+
+int get_memory_return(struct pt_regs *ctx) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    u64 *lctx = memory_ctx.lookup(&tid);
+    if (!lctx)
+        return 0;
+    emit_small(EV_GET_MEMORY, *lctx, 0, 0, 0, PT_REGS_RC(ctx));
+    memory_ctx.delete(&tid);
+    return 0;
+}

@@ -1,0 +1,78 @@
+"""Command line: `sparseety-prof <command> ...`. `main(argv) -> int` so tests call it directly;
+ProfError subclasses become a message and their exit code here, in one place."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import __version__
+from .errors import ProfError
+
+EXIT_CODES_HELP = """exit codes:
+  0  success              3  no such process        6  unsupported engine build
+  1  other failure        4  not a supported engine 7  corrupt recording
+  2  usage error          5  missing privileges     8  BPF unavailable (BCC, headers, kernel)
+"""
+
+
+def _cmd_record(args: argparse.Namespace) -> int:
+    from .record import Options, Recorder, install_signal_handlers, summary_line
+
+    opts = Options(pid=args.pid, out=args.output, duration=args.duration, redact_text=args.redact_text,
+                   model=args.model, skip_probes=frozenset(args.skip_probe or ()))
+    rec = Recorder(opts)
+    install_signal_handlers(rec)
+    meta = rec.run()
+    print(summary_line(meta), file=sys.stderr)
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report import print_report
+
+    print_report(args.recording)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sparseety-prof",
+        description="Token-level profiler for sparse LLM inference: attaches to a running llama.cpp engine by PID.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"sparseety-prof {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("record", help="attach to an engine and record every sampled token",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--pid", type=int, required=True, help="process id of the running engine")
+    r.add_argument("-o", "--output", type=Path, required=True, help="recording directory (created; must be empty)")
+    r.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    r.add_argument("--redact-text", action="store_true", help="keep token ids but store no token text")
+    r.add_argument("--model", type=Path, default=None, help="model file, when the engine has none mapped")
+    r.add_argument("--skip-probe", action="append", help=argparse.SUPPRESS)
+    r.set_defaults(func=_cmd_record)
+
+    rp = sub.add_parser("report", help="summary tables of a recording")
+    rp.add_argument("recording", type=Path)
+    rp.set_defaults(func=_cmd_report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ProfError as e:
+        print(f"sparseety-prof: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,363 @@
+"""Turns the probe records of one process into steps and token rows.
+
+Pure consumer-side logic, fed in sequence-number order: no BPF here, so it is unit-tested on
+synthetic records. State is kept per engine context (a draft or embedding context in the same
+process never mixes with another) and per sequence within it.
+
+Request segmentation (before HTTP request ids exist): a sequence starts a new request when
+  * the engine removed cells of it from its cache (llama_memory_seq_rm with p0 at or before the
+    last cached position, or llama_memory_clear), or
+  * a forward pass's input for it is not the continuation: not at the next position, or not the
+    token sampled last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import events as ev
+from .errors import UnsupportedEngineBuild
+from .logits import row_stats
+from .schema import PHASE_DECODE, PHASE_PREFILL, SOURCE_NEXT_INPUT, SOURCE_SAMPLER
+
+VERIFY_UBATCHES = 16     # micro-batches sanity-checked against the layout at attach time
+MAX_SEQ_ID = 1 << 16
+
+
+@dataclass
+class Step:
+    step_id: int
+    ctx_id: int
+    decode_id: int
+    tid: int
+    t_start: int
+    t_end: int | None
+    token: np.ndarray
+    pos: np.ndarray
+    seq: np.ndarray
+    output: np.ndarray
+    n_tokens: int
+    truncated: bool
+
+
+@dataclass
+class SeqState:
+    request_id: str
+    partial: bool
+    max_pos: int
+    samples: int = 0
+    expect_token: int | None = None  # token sampled last, not yet fed back
+    next_input_pending: tuple[Step, int] | None = None  # output row awaiting a next_input token
+
+
+@dataclass
+class SampleState:
+    idx: int
+    tid: int
+    chunks: dict[int, np.ndarray] = field(default_factory=dict)
+    n_vocab: int = 0
+
+
+@dataclass
+class CtxState:
+    ctx_id: int
+    decode_id: int = -1
+    decode_open: bool = False
+    rows: list[tuple[Step, int]] = field(default_factory=list)     # the decode's rows, batch order
+    outputs: list[tuple[Step, int]] = field(default_factory=list)  # rows that produce logits
+    public_batch: tuple[int, int, int] | None = None                # (n_tokens, tok0, pos0) to verify
+    sampler_seen: bool = False
+    seqs: dict[int, SeqState] = field(default_factory=dict)
+    requests: int = 0
+    sampling: dict[int, SampleState] = field(default_factory=dict)  # by tid
+
+
+@dataclass
+class Counters:
+    samples_unresolved: int = 0   # sampler index that matches no row of the last decode
+    logits_incomplete: int = 0    # token rows whose logits row lost a chunk
+    verified_ubatches: int = 0
+    verified_decodes: int = 0     # micro-batches checked against the public llama_batch
+
+
+class Correlator:
+    def __init__(
+        self,
+        *,
+        pid: int,
+        n_vocab: int,
+        wall_offset_ns: int,
+        texts: Callable[[list[int]], list[str | None]] | None = None,
+    ) -> None:
+        self.pid = pid
+        self.n_vocab = n_vocab
+        self.wall_offset_ns = wall_offset_ns
+        self.texts = texts
+        self.ctxs: dict[int, CtxState] = {}
+        self.open_steps: dict[int, Step] = {}  # by tid
+        self.pending_clears: dict[int, list[tuple[int, int]]] = {}  # by tid: (seq, p0)
+        self.next_step_id = 0
+        self.counters = Counters()
+        self._tokens: dict[str, list[object]] = {}
+        self._steps: dict[str, list[object]] = {}
+
+    # ------------------------------------------------------------------ public
+    def feed(self, batch: ev.EventBatch) -> None:
+        """Consume one drained batch. Records are processed in sequence-number order."""
+        groups = [(batch.small, 0), (batch.ubatch, 1), (batch.logits, 2)]
+        seqs = np.concatenate([g["seq"] for g, _ in groups])
+        which = np.concatenate([np.full(len(g), k, np.int8) for g, k in groups])
+        index = np.concatenate([np.arange(len(g)) for g, _ in groups])
+        order = np.argsort(seqs, kind="stable")
+        arrays = [g for g, _ in groups]
+        for o in order:
+            rec = arrays[which[o]][index[o]]
+            kind = int(rec["kind"])
+            handler = _HANDLERS.get(kind)
+            if handler is not None:
+                handler(self, rec)
+
+    def take_rows(self) -> tuple[dict[str, list[object]], dict[str, list[object]]]:
+        """Token and step columns produced since the last call."""
+        tok, st = self._tokens, self._steps
+        self._tokens, self._steps = {}, {}
+        if tok and self.texts is not None:
+            tok["token_text"] = list(self.texts([int(t) for t in tok["token_id"]]))  # type: ignore[call-overload]
+        return tok, st
+
+    # ------------------------------------------------------------------ helpers
+    def _ctx(self, ptr: int) -> CtxState:
+        st = self.ctxs.get(ptr)
+        if st is None:
+            st = self.ctxs[ptr] = CtxState(ctx_id=len(self.ctxs))
+        return st
+
+    def _wall_ms(self, t_ns: int) -> int:
+        return (t_ns + self.wall_offset_ns) // 1_000_000
+
+    @staticmethod
+    def _append(cols: dict[str, list[object]], **row: object) -> None:
+        for k, v in row.items():
+            cols.setdefault(k, []).append(v)
+
+    # ------------------------------------------------------------------ handlers
+    def _on_decode_begin(self, r: np.void) -> None:
+        c = self._ctx(int(r["ctx"]))
+        c.decode_id += 1
+        c.decode_open = True
+        c.rows, c.outputs = [], []
+        c.public_batch = (int(r["a"]), int(r["b"]), int(r["c"])) if int(r["a"]) >= 0 else None
+
+    def _on_decode_end(self, r: np.void) -> None:
+        self._ctx(int(r["ctx"])).decode_open = False
+
+    def _on_ubatch(self, r: np.void) -> None:
+        c = self._ctx(int(r["ctx"]))
+        tid = int(r["tid"])
+        if not c.decode_open:  # engine without a probed decode entry: one micro-batch per decode
+            c.decode_id += 1
+            c.rows, c.outputs = [], []
+        m = int(r["n_copied"])
+        step = Step(
+            step_id=self.next_step_id, ctx_id=c.ctx_id, decode_id=c.decode_id, tid=tid,
+            t_start=int(r["ts_ns"]), t_end=None,
+            token=np.array(r["token"][:m]), pos=np.array(r["pos"][:m]), seq=np.array(r["seq_id"][:m]),
+            output=np.array(r["output"][:m]), n_tokens=int(r["n_tokens"]),
+            truncated=bool(int(r["flags"]) & ev.UB_FLAG_TRUNCATED),
+        )
+        self.next_step_id += 1
+        self._verify(c, step, has_tokens=not (int(r["flags"]) & 2))
+        self.open_steps[tid] = step
+        clears = self.pending_clears.pop(tid, [])
+        self._segment(c, step, clears)
+        c.rows.extend((step, i) for i in range(m))
+        c.outputs.extend((step, i) for i in range(m) if step.output[i])
+        if not c.sampler_seen:  # remember each sequence's last output row for a next_input token
+            for i in np.flatnonzero(step.output):
+                st = c.seqs.get(int(step.seq[i]))
+                if st is not None:
+                    st.next_input_pending = (step, int(i))
+
+    def _on_ubatch_end(self, r: np.void) -> None:
+        step = self.open_steps.pop(int(r["tid"]), None)
+        if step is None:
+            return
+        step.t_end = int(r["ts_ns"])
+        seq_ids = sorted({int(s) for s in step.seq})
+        counts = np.unique(step.seq, return_counts=True)[1] if len(step.seq) else np.array([0])
+        self._append(
+            self._steps,
+            step_id=step.step_id, ctx_id=step.ctx_id, decode_id=step.decode_id,
+            t_start_ns=step.t_start, t_end_ns=step.t_end, ts_unix_ms=self._wall_ms(step.t_start),
+            n_tokens=step.n_tokens, n_outputs=int(np.count_nonzero(step.output)),
+            phase=PHASE_PREFILL if counts.max() > 1 else PHASE_DECODE,
+            seq_ids=seq_ids, token_ids=step.token.tolist(), positions=step.pos.tolist(),
+            row_seq_ids=step.seq.tolist(), output_rows=np.flatnonzero(step.output).tolist(),
+            truncated=step.truncated, pid=self.pid, tid=step.tid,
+        )
+
+    def _on_sample_begin(self, r: np.void) -> None:
+        c = self._ctx(int(r["ctx"]))
+        c.sampler_seen = True
+        c.sampling[int(r["tid"])] = SampleState(idx=int(r["a"]), tid=int(r["tid"]))
+
+    def _on_logits(self, r: np.void) -> None:
+        c = self._ctx(int(r["ctx"]))
+        s = c.sampling.get(int(r["tid"]))
+        if s is None:
+            return
+        n = int(r["n_vals"])
+        s.chunks[int(r["chunk"])] = np.array(r["vals"][:n])
+        s.n_vocab = int(r["n_vocab"])
+
+    def _on_sample_end(self, r: np.void) -> None:
+        c = self._ctx(int(r["ctx"]))
+        s = c.sampling.pop(int(r["tid"]), None)
+        idx = s.idx if s is not None else int(r["c"])
+        where = self._resolve(c, idx)
+        if where is None:
+            self.counters.samples_unresolved += 1
+            return
+        step, i = where
+        logits = None
+        if s is not None and s.chunks:
+            n_chunks = -(-s.n_vocab // ev.LOGITS_CHUNK)
+            if len(s.chunks) == n_chunks:
+                logits = np.concatenate([s.chunks[k] for k in range(n_chunks)])
+            else:
+                self.counters.logits_incomplete += 1
+        self._emit_token(c, step, i, int(r["a"]), int(r["tid"]), SOURCE_SAMPLER, logits)
+
+    def _on_seq_rm(self, r: np.void) -> None:
+        self.pending_clears.setdefault(int(r["tid"]), []).append((int(r["a"]), int(r["b"])))
+
+    def _on_mem_clear(self, r: np.void) -> None:
+        self.pending_clears.setdefault(int(r["tid"]), []).append((-1, 0))
+
+    # ------------------------------------------------------------------ logic
+    def _resolve(self, c: CtxState, idx: int) -> tuple[Step, int] | None:
+        """Map llama_get_logits_ith's index to a micro-batch row: negative = from the end of the
+        decode's outputs, otherwise a position in the decode's batch (micro-batches in order)."""
+        if idx < 0:
+            j = len(c.outputs) + idx
+            return c.outputs[j] if 0 <= j < len(c.outputs) else None
+        if idx < len(c.rows):
+            step, i = c.rows[idx]
+            return (step, i) if step.output[i] else None
+        return None
+
+    def _segment(self, c: CtxState, step: Step, clears: list[tuple[int, int]]) -> None:
+        for s in np.unique(step.seq):
+            seq = int(s)
+            rows = np.flatnonzero(step.seq == s)
+            first = int(rows[0])
+            tok, pos = int(step.token[first]), int(step.pos[first])
+            st = c.seqs.get(seq)
+            cleared = st is not None and any(cs in (-1, seq) and p0 <= st.max_pos for cs, p0 in clears)
+            if st is not None and not cleared and pos == st.max_pos + 1:
+                if st.expect_token is None or st.expect_token == tok:
+                    self._maybe_next_input(c, st, step, first)
+                    st.expect_token = None
+                    st.max_pos = max(st.max_pos, int(step.pos[rows].max()))
+                    continue
+            # A new request. Seen for the first time since attach as a lone token past position 0,
+            # it was most likely already running: partial (a prefix-cache hit that leaves a single
+            # prompt token to evaluate looks the same; partial errs on the safe side).
+            partial = st is None and len(rows) == 1 and pos > 0
+            c.requests += 1
+            c.seqs[seq] = SeqState(
+                request_id=f"r{c.ctx_id}-{seq}-{c.requests}", partial=partial, max_pos=int(step.pos[rows].max())
+            )
+
+    def _maybe_next_input(self, c: CtxState, st: SeqState, step: Step, row: int) -> None:
+        """Engines that sample without a probed sampler call: the token is the next input."""
+        if c.sampler_seen or st.next_input_pending is None:
+            return
+        prev_step, prev_row = st.next_input_pending
+        st.next_input_pending = None
+        self._emit_token(c, prev_step, prev_row, int(step.token[row]), step.tid, SOURCE_NEXT_INPUT, None)
+
+    def _emit_token(
+        self, c: CtxState, step: Step, i: int, token: int, tid: int, source: str, logits: np.ndarray | None
+    ) -> None:
+        seq = int(step.seq[i])
+        logits_pos = int(step.pos[i])
+        st = c.seqs.get(seq)
+        if st is None:  # attached between a forward pass and its sampling
+            c.requests += 1
+            st = c.seqs[seq] = SeqState(request_id=f"r{c.ctx_id}-{seq}-{c.requests}", partial=True, max_pos=logits_pos)
+        stats = row_stats(logits, token) if logits is not None else None
+        first = st.samples == 0
+        self._append(
+            self._tokens,
+            request_id=st.request_id, ctx_id=c.ctx_id, seq_id=seq,
+            decode_order=None if st.partial else st.samples,
+            pos=logits_pos + 1, logits_pos=logits_pos,
+            phase=PHASE_PREFILL if first and not st.partial else PHASE_DECODE,
+            token_id=token, token_source=source,
+            log_prob=stats.log_prob if stats else None,
+            top_ids=stats.top_ids if stats else None,
+            top_log_probs=stats.top_log_probs if stats else None,
+            entropy=stats.entropy if stats else None,
+            step_id=step.step_id, t_start_ns=step.t_start, t_end_ns=step.t_end,
+            ts_unix_ms=self._wall_ms(step.t_end) if step.t_end is not None else None,
+            batch_size=step.n_tokens, partial=st.partial, pid=self.pid, tid=tid,
+        )
+        st.samples += 1
+        st.expect_token = token
+
+    def _verify(self, c: CtxState, step: Step, *, has_tokens: bool) -> None:
+        """Sanity-check the first micro-batches read with this build's layout; compare with the
+        public llama_batch (stable C API) where the decode probe could read it."""
+        if self.counters.verified_ubatches >= VERIFY_UBATCHES:
+            return
+        problems = []
+        if not 0 < step.n_tokens <= 1 << 20:
+            problems.append(f"n_tokens={step.n_tokens}")
+        m = len(step.token)
+        if m:
+            if has_tokens and (step.token.min() < 0 or step.token.max() >= self.n_vocab):
+                problems.append(f"token ids outside [0, {self.n_vocab})")
+            if not np.isin(step.output, (0, 1)).all():
+                problems.append("output flags not 0/1")
+            if step.seq.min() < 0 or step.seq.max() >= MAX_SEQ_ID:
+                problems.append("sequence ids out of range")
+            for s in np.unique(step.seq):
+                p = step.pos[step.seq == s]
+                if len(p) > 1 and not (np.diff(p) == 1).all():
+                    problems.append(f"positions of sequence {int(s)} not consecutive")
+                    break
+            if step.pos.min() < 0:
+                problems.append("negative positions")
+        if c.public_batch is not None and m:
+            n, tok0, pos0 = c.public_batch
+            c.public_batch = None
+            if step.n_tokens > n or (has_tokens and tok0 != int(step.token[0])) or (pos0 >= 0 and pos0 != int(step.pos[0])):
+                problems.append(
+                    f"micro-batch (n={step.n_tokens}, token0={int(step.token[0])}, pos0={int(step.pos[0])}) does not "
+                    f"match the public llama_batch (n={n}, token0={tok0}, pos0={pos0})"
+                )
+            else:
+                self.counters.verified_decodes += 1
+        if problems:
+            raise UnsupportedEngineBuild(
+                "unsupported engine build: the llama_ubatch layout failed verification on live data ("
+                + "; ".join(problems) + "). Nothing more was recorded."
+            )
+        self.counters.verified_ubatches += 1
+
+
+_HANDLERS: dict[int, Callable[[Correlator, np.void], None]] = {
+    ev.EV_DECODE_BEGIN: Correlator._on_decode_begin,
+    ev.EV_DECODE_END: Correlator._on_decode_end,
+    ev.EV_UBATCH: Correlator._on_ubatch,
+    ev.EV_UBATCH_END: Correlator._on_ubatch_end,
+    ev.EV_SAMPLE_BEGIN: Correlator._on_sample_begin,
+    ev.EV_LOGITS: Correlator._on_logits,
+    ev.EV_SAMPLE_END: Correlator._on_sample_end,
+    ev.EV_SEQ_RM: Correlator._on_seq_rm,
+    ev.EV_MEM_CLEAR: Correlator._on_mem_clear,
+}

@@ -1,0 +1,277 @@
+"""`record`: attach to an engine by PID and write a recording until the engine exits, the user
+stops us (Ctrl-C / SIGTERM) or the duration ends. The engine's hot path only runs the probes;
+decoding, correlation, statistics and Parquet writing all happen here, in the consumer."""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import __version__, layouts, schema
+from . import target as tg
+from .bpf_loader import RingReader, Session, compile_and_attach
+from .correlator import Correlator
+from .errors import NotAnEngine, ProfError
+from .events import SeqTracker, decode_records
+from .gguf_info import ModelInfo, Vocab, read_model_info
+from .recording import RecordingWriter, sudo_owner
+
+DRAIN_INTERVAL_S = 0.2
+
+
+@dataclass
+class Options:
+    pid: int
+    out: Path | None
+    duration: float | None = None
+    redact_text: bool = False
+    model: Path | None = None  # override when the process has no GGUF file mapped or open
+    skip_probes: frozenset[str] = frozenset()  # for tests: disable a probe point on purpose
+
+
+@dataclass
+class Progress:
+    """What the live view and the summary line show; updated by the consumer loop."""
+
+    tokens: int = 0
+    steps: int = 0
+    records: int = 0
+    kernel_drops: int = 0
+    seq_gaps: int = 0
+    cpu_s: float = 0.0
+    lag_ms: float = 0.0
+    started_ns: int = field(default_factory=time.monotonic_ns)
+    recent_tokens: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def losses(self) -> int:
+        return max(self.kernel_drops, self.seq_gaps)
+
+
+@dataclass
+class Attached:
+    target: tg.Target
+    build: layouts.EngineBuild
+    model: ModelInfo
+    vocab: Vocab
+    session: Session
+    where: dict[str, Path]
+
+
+def attach(opts: Options) -> Attached:
+    """Validate the target, then compile and attach the probes. Every failure is a ProfError."""
+    tg.check_process(opts.pid)
+    tg.check_privileges()
+    t = tg.inspect(opts.pid)
+    where = tg.find_engine_libs(t)
+    build = layouts.resolve(where[tg.SYM_UBATCH])
+    if tg.SYM_LLAMA_SAMPLER not in where and tg.SYM_COMMON_SAMPLER not in where:
+        raise NotAnEngine(f"PID {opts.pid} maps llama.cpp but no sampler entry point was found")
+    model_path = opts.model or (t.model_paths[0] if t.model_paths else None)
+    if model_path is None:
+        raise NotAnEngine(
+            f"PID {opts.pid} has no .gguf model file mapped or open (was it loaded with use_mmap=False?); "
+            f"pass --model PATH"
+        )
+    model = read_model_info(model_path)
+    vocab = Vocab.from_gguf(model_path)
+    sess = compile_and_attach(opts.pid, where, build.ubatch, len(vocab), skip=opts.skip_probes)
+    return Attached(t, build, model, vocab, sess, where)
+
+
+def run_metadata(a: Attached, opts: Options) -> dict[str, Any]:
+    libs = sorted({str(p) for p in a.where.values()})
+    return {
+        "profiler": {"name": "sparseety-prof", "version": __version__},
+        "engine": {
+            "name": a.build.engine,
+            "version": a.build.version,
+            "llama_cpp_commit": a.build.llama_cpp_commit,
+            "libraries": [{"path": p, "build_id": tg.build_id(Path(p))} for p in libs],
+            "ubatch_layout": a.build.ubatch.__dict__,
+        },
+        "probes": [p.__dict__ for p in a.session.attached],
+        "model": a.model.to_meta(),
+        "target": {"pid": a.target.pid, "exe": a.target.exe, "cmdline": a.target.cmdline},
+        "host": {"hostname": platform.node(), "kernel": platform.release(), "machine": platform.machine()},
+        "clock": "CLOCK_MONOTONIC ns (t_*_ns); ts_unix_ms is wall clock derived from it at attach",
+        "redact_text": opts.redact_text,
+    }
+
+
+class Recorder:
+    """The consumer loop. `run()` blocks until stopped; `stop()` may be called from any thread."""
+
+    def __init__(
+        self, opts: Options, *, on_progress: Callable[[Progress], None] | None = None, log: Callable[[str], None] | None = None
+    ) -> None:
+        self.opts = opts
+        self.on_progress = on_progress
+        self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+        self.progress = Progress()
+        self._stop = threading.Event()
+        self.stop_reason = ""
+        self.meta: dict[str, Any] = {}
+
+    def stop(self, reason: str) -> None:
+        if not self._stop.is_set():
+            self.stop_reason = reason
+            self._stop.set()
+
+    def run(self) -> dict[str, Any]:
+        opts = self.opts
+        cpu0 = _cpu_s()
+        a = attach(opts)
+        wall_offset = time.time_ns() - time.monotonic_ns()
+        self.meta = run_metadata(a, opts)
+        writer = None
+        if opts.out is not None:
+            writer = RecordingWriter(opts.out, self.meta, owner=sudo_owner(), redact_text=opts.redact_text)
+        corr = Correlator(pid=opts.pid, n_vocab=len(a.vocab), wall_offset_ns=wall_offset, texts=a.vocab.texts)
+        tracker = SeqTracker()
+        reader = RingReader(a.session)
+        reader.start()
+        start_unix_ms = time.time_ns() // 1_000_000
+        self.log(
+            f"sparseety-prof: attached to PID {opts.pid} ({a.build.engine} {a.build.version}, model "
+            f"{a.model.path.name}, {len(a.session.attached)} probes, compiled in {a.session.compile_s:.1f}s)"
+            + (f"; recording to {opts.out}" if opts.out else "")
+        )
+        deadline = time.monotonic() + opts.duration if opts.duration else None
+        error: BaseException | None = None
+        try:
+            while not self._stop.is_set():
+                self._stop.wait(DRAIN_INTERVAL_S)
+                self._consume(reader.take(), corr, tracker, writer, a.session)
+                if deadline is not None and time.monotonic() >= deadline:
+                    self.stop("duration reached")
+                if not _alive(opts.pid):
+                    self.stop("target exited")
+        except BaseException as e:  # noqa: BLE001 - re-raised after the recording is closed cleanly
+            error = e
+        finally:
+            rest = reader.stop()
+            counters = a.session.counters()
+            a.session.close()
+            if error is None:
+                try:
+                    self._consume(rest, corr, tracker, writer, a.session, counters=counters, final=True)
+                except BaseException as e:  # noqa: BLE001
+                    error = e
+            else:
+                tracker.update(decode_records(rest).seqs(), final=True)
+            self.progress.cpu_s = _cpu_s() - cpu0
+            final = {
+                "start_unix_ms": start_unix_ms,
+                "end_unix_ms": time.time_ns() // 1_000_000,
+                "stop_reason": self.stop_reason or (type(error).__name__ if error else ""),
+                "losses": {
+                    "kernel_drops": counters["kernel_drops"],
+                    "seq_gaps": tracker.gaps,
+                    "records_produced": counters["records_produced"],
+                    "records_seen": tracker.seen,
+                    "ubatch_rows_not_copied": counters["ubatch_rows_not_copied"],
+                    "logits_incomplete": corr.counters.logits_incomplete,
+                    "samples_unresolved": corr.counters.samples_unresolved,
+                },
+                "verification": {
+                    "verified_ubatches": corr.counters.verified_ubatches,
+                    "verified_decodes": corr.counters.verified_decodes,
+                },
+                "counts": {"tokens": self.progress.tokens, "steps": self.progress.steps},
+                "profiler_cpu_s": round(self.progress.cpu_s, 3),
+                "bpf_compile_s": round(a.session.compile_s, 3),
+            }
+            self.meta.update(final)
+            if writer is not None:
+                writer.close(**final)
+        if error is not None:
+            raise error
+        return self.meta
+
+    def _consume(
+        self,
+        records: list[bytes],
+        corr: Correlator,
+        tracker: SeqTracker,
+        writer: RecordingWriter | None,
+        sess: Session,
+        *,
+        counters: dict[str, int] | None = None,
+        final: bool = False,
+    ) -> None:
+        batch = decode_records(records)
+        tracker.update(batch.seqs(), final=final)
+        if len(batch):
+            corr.feed(batch)
+        tok, steps = corr.take_rows()
+        if writer is not None:
+            if steps:
+                writer.append("steps", schema.frame("steps", steps))
+            if tok:
+                writer.append("tokens", schema.frame("tokens", tok))
+        p = self.progress
+        p.records = tracker.seen
+        p.seq_gaps = tracker.gaps
+        p.kernel_drops = (counters or sess.counters())["kernel_drops"]
+        p.steps += len(steps.get("step_id", []))
+        n_tok = len(tok.get("token_id", []))
+        p.tokens += n_tok
+        if n_tok:
+            keys = ("request_id", "decode_order", "token_id", "token_text", "log_prob", "t_end_ns")
+            rows = [dict(zip(keys, vals, strict=True)) for vals in zip(*(tok[k] for k in keys), strict=True)]
+            p.recent_tokens = (p.recent_tokens + rows)[-400:]
+            p.lag_ms = (time.monotonic_ns() - int(tok["t_end_ns"][-1] or 0)) / 1e6  # type: ignore[call-overload]
+        p.cpu_s = _cpu_s()
+        if self.on_progress is not None:
+            self.on_progress(p)
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie (exited, not yet reaped by its parent) no longer runs anything
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def install_signal_handlers(rec: Recorder) -> None:
+    def handler(signum: int, _frame: object) -> None:
+        rec.stop(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def summary_line(meta: dict[str, Any]) -> str:
+    losses = meta.get("losses", {})
+    return (
+        f"sparseety-prof: {meta['counts']['tokens']} tokens, {meta['counts']['steps']} steps; "
+        f"losses: {losses.get('kernel_drops', 0)} dropped in kernel, {losses.get('seq_gaps', 0)} sequence gaps, "
+        f"{losses.get('logits_incomplete', 0)} incomplete logits; profiler CPU {meta['profiler_cpu_s']:.2f}s "
+        f"(BPF compile {meta['bpf_compile_s']:.2f}s); stopped: {meta['stop_reason']}"
+    )
+
+
+__all__ = ["Options", "Progress", "Recorder", "attach", "install_signal_handlers", "summary_line", "ProfError"]
