@@ -22,6 +22,7 @@ are not replicated.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import Sequence
@@ -181,10 +182,8 @@ def read_model_info(path: Path, *, with_sha256: bool = True) -> ModelInfo:
     file_type = _get_int(reader, _KEY_FILE_TYPE)
     if file_type is not None:
         hparams["file_type"] = file_type
-        try:
+        with contextlib.suppress(ValueError):
             hparams["file_type_name"] = gguf.LlamaFileType(file_type).name
-        except ValueError:
-            pass
     tokens_field = reader.get_field(_KEY_TOKENS)
     if tokens_field is not None:
         n_vocab = len(tokens_field.data)
@@ -317,7 +316,7 @@ class Vocab:
             return None
         return str(self._texts[token_id])
 
-    def texts(self, ids: npt.ArrayLike) -> list[str | None]:
+    def texts(self, ids: npt.ArrayLike | Sequence[int | None]) -> list[str | None]:
         """Rendered text of each id; None for ids outside the vocabulary (and for null ids)."""
         arr = np.asarray(ids)
         if arr.ndim != 1:

@@ -43,6 +43,7 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 DEFAULT_SEGMENT_ROWS = 50_000
 
+_SKIP_HINT = "; open the recording with skip_damaged=True to read the rest"
 _SEGMENT_RE = re.compile(r"^part-(\d{6})\.parquet$")
 #: Keys the writer owns; callers may not set them through meta/update_meta/close.
 _RESERVED_META = frozenset({"format", "schema_version", "complete", "redacted", "tables"})
@@ -269,7 +270,9 @@ class RecordingWriter:
                 d.mkdir(mode=DIR_MODE)
             except FileExistsError:
                 if d == p:
-                    raise UsageError(f"{p} appeared while creating it: choose another output directory") from None
+                    raise UsageError(
+                        f"{p} appeared while creating it: choose another output directory"
+                    ) from None
                 continue
             except OSError as e:
                 raise UsageError(f"cannot create {d}: {e.strerror}: choose another output directory") from e
@@ -351,10 +354,19 @@ class RecordingWriter:
 class Recording:
     """A recording opened for reading (see `open`). Tables are read on first use and cached."""
 
-    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
+    def __init__(self, path: Path, meta: dict[str, Any], *, skip_damaged: bool = False) -> None:
         self.path = path
         self.meta = meta
+        self.skip_damaged = skip_damaged
+        #: With skip_damaged, what was skipped (one message per damaged or missing segment).
+        self.damaged: list[str] = []
         self._cache: dict[str, pl.DataFrame] = {}
+
+    def _damage(self, message: str) -> None:
+        if not self.skip_damaged:
+            raise CorruptRecording(message + _SKIP_HINT)
+        if message not in self.damaged:
+            self.damaged.append(message)
 
     def __repr__(self) -> str:
         state = "complete" if self.complete else "incomplete"
@@ -389,17 +401,18 @@ class Recording:
             if m:
                 found[int(m.group(1))] = entry
         indexes = sorted(found)
-        gaps = sorted(set(range(len(indexes))) - set(indexes))
-        if gaps:
-            raise CorruptRecording(
-                f"{d / segment_name(gaps[0])} is missing (segments are numbered without gaps): "
+        gaps = sorted(set(range(indexes[-1] + 1)) - set(indexes)) if indexes else []
+        for gap in gaps:
+            self._damage(
+                f"{d / segment_name(gap)} is missing (segments are numbered without gaps): "
                 f"rows of the {table} table were lost"
             )
-        expected = self.meta.get("tables", {}).get(table, {}).get("segments")
-        if self.complete and isinstance(expected, int) and expected != len(indexes):
-            raise CorruptRecording(
+        tables = self.meta.get("tables")
+        expected = tables.get(table, {}).get("segments") if isinstance(tables, dict) else None
+        if self.complete and isinstance(expected, int) and expected > len(indexes) + len(gaps):
+            self._damage(
                 f"{d} holds {len(indexes)} segments but {self.path / META_FILE} records {expected}: "
-                "segments were removed or added after the recording was closed"
+                "segments were removed after the recording was closed"
             )
         return [found[i] for i in indexes]
 
@@ -407,7 +420,14 @@ class Recording:
         """A whole table as one frame with exactly the schema's columns and dtypes."""
         self._check_table(name)
         if name not in self._cache:
-            frames = [_read_segment(name, f) for f in self.segments(name)]
+            frames = []
+            for f in self.segments(name):
+                try:
+                    frames.append(_read_segment(name, f))
+                    continue
+                except CorruptRecording as e:
+                    problem = str(e)
+                self._damage(problem)  # raised outside the except: no chained traceback
             df = pl.concat(frames, how="vertical") if frames else schema.empty(name)
             keys = list(_SORT_KEYS.get(name, ()))
             if keys and df.height:
@@ -429,8 +449,7 @@ def _read_segment(table: str, path: Path) -> pl.DataFrame:
     except BaseException as e:  # polars raises its own errors, OSError, and pyo3 PanicException
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CorruptRecording(
-            f"{path} is not a readable Parquet segment ({reason}); it may be truncated. "
-            f"Move it aside to read the rest of the recording."
+            f"{path} is not a readable Parquet segment: it is truncated or damaged ({reason})"
         ) from None
     diff = _schema_diff(table, df.schema)
     if diff:
@@ -438,12 +457,13 @@ def _read_segment(table: str, path: Path) -> pl.DataFrame:
     return df
 
 
-def open(path: str | os.PathLike[str]) -> Recording:
+def open(path: str | os.PathLike[str], *, skip_damaged: bool = False) -> Recording:
     """Open a recording directory written by `RecordingWriter`.
 
     Raises UsageError when `path` is not a directory, CorruptRecording when meta.json is missing
-    or invalid or the recording comes from a newer sparseety-prof. Segment problems are reported
-    (as CorruptRecording) when a table is read.
+    or invalid or the recording comes from a newer sparseety-prof. Damaged or missing segments
+    raise CorruptRecording when their table is read, unless `skip_damaged`: then they are left
+    out and described in `Recording.damaged`.
     """
     p = Path(path)
     if not p.is_dir():
@@ -479,4 +499,4 @@ def open(path: str | os.PathLike[str]) -> Recording:
             f"{meta_path}: recorded with schema version {version}, this sparseety-prof reads up to "
             f"{schema.SCHEMA_VERSION}: upgrade sparseety-prof to read it"
         )
-    return Recording(p, meta)
+    return Recording(p, meta, skip_damaged=skip_damaged)

@@ -21,8 +21,26 @@ def spm_vocab() -> tuple[list[str], list[int]]:
     and an unused token."""
     toks = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
     types = [T.UNKNOWN, T.CONTROL, T.CONTROL, *([T.BYTE] * 256)]
-    normal = ["\u2581", "h", "e", "l", "o", "\u2581h", "\u2581he", "\u2581hel", "\u2581hell", "\u2581hello",
-              "he", "hello", "é", "日本", "a\u2581b", "\u2581\u2581", ".", "\u2581the"]
+    normal = [
+        "\u2581",
+        "h",
+        "e",
+        "l",
+        "o",
+        "\u2581h",
+        "\u2581he",
+        "\u2581hel",
+        "\u2581hell",
+        "\u2581hello",
+        "he",
+        "hello",
+        "é",
+        "日本",
+        "a\u2581b",
+        "\u2581\u2581",
+        ".",
+        "\u2581the",
+    ]
     toks += normal
     types += [T.NORMAL] * len(normal)
     toks += ["<|tool|>", "[UNUSED0]"]
