@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
+import mmap
 import os
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -113,98 +116,202 @@ def sha256_file(path: Path) -> str:
     return digest
 
 
-def _reader(path: Path) -> gguf.GGUFReader:
-    try:
-        return gguf.GGUFReader(path, "r")
-    except OSError as e:
-        raise ProfError(f"cannot read model file {path}: {e.strerror or e}") from e
-    except (ValueError, KeyError, IndexError) as e:
-        raise ProfError(f"{path} is not a readable GGUF model file ({e})") from e
+_V = gguf.GGUFValueType
+_SCALAR_FORMATS: dict[int, str] = {
+    _V.UINT8: "B", _V.INT8: "b", _V.UINT16: "H", _V.INT16: "h", _V.UINT32: "I", _V.INT32: "i",
+    _V.FLOAT32: "f", _V.BOOL: "?", _V.UINT64: "Q", _V.INT64: "q", _V.FLOAT64: "d",
+}  # fmt: skip
+
+Scalar = int | float | str | bool
 
 
-def _scalar(f: gguf.ReaderField) -> int | float | str | bool | None:
-    """The value of a scalar field; None for arrays."""
-    if not f.types or f.types[0] == gguf.GGUFValueType.ARRAY:
+@dataclass(frozen=True)
+class _StringArray:
+    """A string array left undecoded in the file until someone asks for it."""
+
+    offset: int
+    count: int
+
+
+class _Header:
+    """The key/value and tensor-info sections of a GGUF file.
+
+    gguf.GGUFReader builds numpy views for every element of every array field, which takes
+    seconds per read on a real 150k-token vocabulary (plus as many merges); this walks the same
+    layout with struct (format: github.com/ggml-org/ggml/blob/master/docs/gguf.md), decodes
+    string arrays only on request and never touches tensor data. tests/test_gguf_info.py checks
+    it against GGUFReader.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            with path.open("rb") as f:
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise ProfError(f"cannot read model file {path}: {e.strerror or e}") from e
+        except ValueError as e:  # mmap of an empty file
+            raise ProfError(f"{path} is not a readable GGUF model file ({e})") from e
+        self.fields: dict[str, Scalar | npt.NDArray[Any] | _StringArray | list[Any]] = {}
+        self.tensors: list[tuple[str, tuple[int, ...]]] = []
+        try:
+            self._parse()
+        except ProfError:
+            self.close()
+            raise
+        except (struct.error, ValueError, IndexError, UnicodeDecodeError, OverflowError) as e:
+            self.close()
+            raise ProfError(f"{path} is not a readable GGUF model file (truncated or damaged: {e})") from e
+
+    def close(self) -> None:
+        self._mm.close()
+
+    def __enter__(self) -> _Header:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _parse(self) -> None:
+        mm = self._mm
+        if mm[:4] != b"GGUF":
+            raise ProfError(f"{self.path} is not a GGUF model file (no GGUF magic number)")
+        self._e = "<"
+        (version,) = struct.unpack_from("<I", mm, 4)
+        if version & 0xFFFF == 0:  # written on a big-endian host
+            self._e = ">"
+            (version,) = struct.unpack_from(">I", mm, 4)
+        if version not in (2, 3):
+            raise ProfError(f"{self.path}: GGUF version {version} is not supported (2 and 3 are)")
+        n_tensors, n_kv = struct.unpack_from(self._e + "QQ", mm, 8)
+        off = 24
+        for _ in range(n_kv):
+            key, off = self._string(off)
+            (vtype,) = struct.unpack_from(self._e + "I", mm, off)
+            self.fields[key], off = self._value(vtype, off + 4)
+        for _ in range(n_tensors):
+            name, off = self._string(off)
+            (n_dims,) = struct.unpack_from(self._e + "I", mm, off)
+            dims = struct.unpack_from(f"{self._e}{n_dims}Q", mm, off + 4)
+            off += 4 + 8 * n_dims + 4 + 8  # dims, ggml type, data offset
+            self.tensors.append((name, tuple(dims)))
+        if off > len(mm):
+            raise ValueError("header runs past the end of the file")
+
+    def _string(self, off: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from(self._e + "Q", self._mm, off)
+        end = off + 8 + n
+        if end > len(self._mm):
+            raise ValueError(f"string at offset {off} runs past the end of the file")
+        return self._mm[off + 8 : end].decode("utf-8", errors="replace"), end
+
+    def _value(self, vtype: int, off: int) -> tuple[Any, int]:
+        e, mm = self._e, self._mm
+        if vtype == _V.STRING:
+            return self._string(off)
+        fmt = _SCALAR_FORMATS.get(vtype)
+        if fmt is not None:
+            (v,) = struct.unpack_from(e + fmt, mm, off)
+            return v, off + struct.calcsize(fmt)
+        if vtype != _V.ARRAY:
+            raise ValueError(f"unknown value type {vtype} at offset {off}")
+        itype, count = struct.unpack_from(e + "IQ", mm, off)
+        off += 12
+        fmt = _SCALAR_FORMATS.get(itype)
+        if fmt is not None:
+            dtype = np.dtype(e + fmt)
+            if off + count * dtype.itemsize > len(mm):
+                raise ValueError(f"array at offset {off} runs past the end of the file")
+            return np.frombuffer(
+                mm, dtype=dtype, count=count, offset=off
+            ).copy(), off + count * dtype.itemsize
+        if itype == _V.STRING:
+            start = off
+            unpack = struct.Struct(e + "Q").unpack_from
+            for _ in range(count):
+                off += 8 + unpack(mm, off)[0]
+            if off > len(mm):
+                raise ValueError(f"string array at offset {start} runs past the end of the file")
+            return _StringArray(start, count), off
+        items = []
+        for _ in range(count):  # arrays of arrays: rare, decoded eagerly
+            v, off = self._value(itype, off)
+            items.append(v)
+        return items, off
+
+    def scalar(self, key: str) -> Scalar | None:
+        v = self.fields.get(key)
+        return v if isinstance(v, int | float | str | bool) else None
+
+    def str_(self, key: str) -> str | None:
+        v = self.fields.get(key)
+        return v if isinstance(v, str) else None
+
+    def int_(self, key: str) -> int | None:
+        v = self.fields.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    def strings(self, key: str) -> list[str] | None:
+        v = self.fields.get(key)
+        if not isinstance(v, _StringArray):
+            return None
+        mm, out, off = self._mm, [], v.offset
+        unpack = struct.Struct(self._e + "Q").unpack_from
+        for _ in range(v.count):
+            (n,) = unpack(mm, off)
+            out.append(mm[off + 8 : off + 8 + n].decode("utf-8", errors="replace"))
+            off += 8 + n
+        return out
+
+    def array_len(self, key: str) -> int | None:
+        v = self.fields.get(key)
+        if isinstance(v, _StringArray):
+            return v.count
+        if isinstance(v, np.ndarray | list):
+            return len(v)
         return None
-    if f.types[0] == gguf.GGUFValueType.STRING:
-        return bytes(f.parts[-1]).decode("utf-8", errors="replace")
-    value = f.parts[-1][0]
-    if f.types[0] == gguf.GGUFValueType.BOOL:
-        return bool(value)
-    if f.types[0] in (gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.FLOAT64):
-        return float(value)
-    return int(value)
 
-
-def _get_scalar(reader: gguf.GGUFReader, key: str) -> int | float | str | bool | None:
-    f = reader.get_field(key)
-    return None if f is None else _scalar(f)
-
-
-def _get_str(reader: gguf.GGUFReader, key: str) -> str | None:
-    v = _get_scalar(reader, key)
-    return v if isinstance(v, str) else None
-
-
-def _get_int(reader: gguf.GGUFReader, key: str) -> int | None:
-    v = _get_scalar(reader, key)
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
-def _string_array(reader: gguf.GGUFReader, key: str) -> list[str] | None:
-    f = reader.get_field(key)
-    if f is None or len(f.types) < 2 or f.types[-1] != gguf.GGUFValueType.STRING:
-        return None
-    return [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
-
-
-def _int_array(reader: gguf.GGUFReader, key: str) -> npt.NDArray[np.int64] | None:
-    f = reader.get_field(key)
-    if f is None or len(f.types) < 2 or f.types[0] != gguf.GGUFValueType.ARRAY:
-        return None
-    if not f.data:
-        return np.zeros(0, dtype=np.int64)
-    return np.concatenate([f.parts[i] for i in f.data]).astype(np.int64)
+    def ints(self, key: str) -> npt.NDArray[np.int64] | None:
+        v = self.fields.get(key)
+        return v.astype(np.int64) if isinstance(v, np.ndarray) and v.dtype.kind in "iu" else None
 
 
 def read_model_info(path: Path, *, with_sha256: bool = True) -> ModelInfo:
-    """Read a GGUF file's header (memory-mapped; tensor data is not touched except for sha256)."""
+    """Read a GGUF file's metadata (tensor data is not read, except to compute sha256).
+
+    Raises ProfError when the file cannot be read or is not GGUF.
+    """
     path = Path(path)
-    reader = _reader(path)
-    arch = _get_str(reader, _KEY_ARCH) or ""
-    hparams: dict[str, int | float | str | bool] = {}
-    prefix = arch + "."
-    for key, f in reader.fields.items():
-        if arch and key.startswith(prefix):
-            v = _scalar(f)
-            if v is not None:
+    with _Header(path) as h:
+        arch = h.str_(_KEY_ARCH) or ""
+        hparams: dict[str, Scalar] = {}
+        prefix = arch + "."
+        for key in h.fields:
+            v = h.scalar(key)
+            if arch and key.startswith(prefix) and v is not None:
                 hparams[key[len(prefix) :]] = v
-    file_type = _get_int(reader, _KEY_FILE_TYPE)
-    if file_type is not None:
-        hparams["file_type"] = file_type
-        with contextlib.suppress(ValueError):
-            hparams["file_type_name"] = gguf.LlamaFileType(file_type).name
-    tokens_field = reader.get_field(_KEY_TOKENS)
-    if tokens_field is not None:
-        n_vocab = len(tokens_field.data)
-    else:
-        n_vocab = _get_int(reader, f"{arch}.vocab_size") or 0
-    info = ModelInfo(
-        path=path,
-        size_bytes=os.stat(path).st_size,
-        sha256=sha256_file(path) if with_sha256 else None,
-        architecture=arch,
-        name=_get_str(reader, _KEY_NAME),
-        hyperparameters=hparams,
-        n_vocab=n_vocab,
-        tokenizer_model=_get_str(reader, _KEY_TOK_MODEL),
-        bos_token_id=_get_int(reader, _KEY_BOS),
-        eos_token_id=_get_int(reader, _KEY_EOS),
-        n_tensors=len(reader.tensors),
-        n_params=sum(int(t.n_elements) for t in reader.tensors),
-    )
-    del reader  # drop the memory map now
-    return info
+        file_type = h.int_(_KEY_FILE_TYPE)
+        if file_type is not None:
+            hparams["file_type"] = file_type
+            with contextlib.suppress(ValueError):
+                hparams["file_type_name"] = gguf.LlamaFileType(file_type).name
+        n_vocab = h.array_len(_KEY_TOKENS)
+        if n_vocab is None:
+            n_vocab = h.int_(f"{arch}.vocab_size") or 0
+        return ModelInfo(
+            path=path,
+            size_bytes=os.stat(path).st_size,
+            sha256=sha256_file(path) if with_sha256 else None,
+            architecture=arch,
+            name=h.str_(_KEY_NAME),
+            hyperparameters=hparams,
+            n_vocab=n_vocab,
+            tokenizer_model=h.str_(_KEY_TOK_MODEL),
+            bos_token_id=h.int_(_KEY_BOS),
+            eos_token_id=h.int_(_KEY_EOS),
+            n_tensors=len(h.tensors),
+            n_params=sum(math.prod(dims) for _, dims in h.tensors),
+        )
 
 
 @cache
@@ -267,13 +374,12 @@ class Vocab:
 
     @classmethod
     def from_gguf(cls, path: Path) -> Vocab:
-        reader = _reader(Path(path))
-        pieces = _string_array(reader, _KEY_TOKENS)
+        with _Header(Path(path)) as h:
+            pieces = h.strings(_KEY_TOKENS)
+            types = h.ints(_KEY_TOKEN_TYPES)
+            model = h.str_(_KEY_TOK_MODEL)
         if pieces is None:
             raise ProfError(f"{path} has no tokenizer vocabulary ({_KEY_TOKENS}): token text is unavailable")
-        types = _int_array(reader, _KEY_TOKEN_TYPES)
-        model = _get_str(reader, _KEY_TOK_MODEL)
-        del reader
         return cls(pieces, None if types is None else types.tolist(), model)
 
     def _render(self, piece: str, ttype: int) -> bytes:
@@ -305,6 +411,8 @@ class Vocab:
         return self._pieces[token_id]
 
     def token_type(self, token_id: int) -> int:
+        """The GGUF token type (gguf.TokenType: NORMAL, CONTROL, BYTE...)."""
+        self.piece(token_id)  # range check
         return self._types[token_id]
 
     def token_bytes(self, token_id: int) -> bytes | None:

@@ -25,10 +25,10 @@ import os
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import polars as pl
 
@@ -283,7 +283,7 @@ class RecordingWriter:
         if self.owner is not None:
             os.chown(d, *self.owner)
 
-    def _write_atomic(self, final: Path, write: Any) -> None:
+    def _write_atomic(self, final: Path, write: Callable[[BinaryIO], object]) -> None:
         """Write a file via a hidden temp name in the same directory, then rename it into place."""
         tmp = final.with_name(f".{final.name}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)

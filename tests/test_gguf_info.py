@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sparseety_prof.errors import ProfError
-from sparseety_prof.gguf_info import ModelInfo, Vocab, read_model_info, sha256_file
+from sparseety_prof.gguf_info import ModelInfo, Vocab, _Header, read_model_info, sha256_file
 
 T = gguf.TokenType
 
@@ -180,10 +180,44 @@ def test_model_info_is_json_ready(spm_model: Path) -> None:
 def test_a_file_that_is_not_gguf_raises_prof_error(tmp_path: Path) -> None:
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"not a gguf file at all")
-    with pytest.raises(ProfError, match="not a readable GGUF"):
+    with pytest.raises(ProfError, match="is not a GGUF model file"):
         read_model_info(bad)
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(ProfError, match="not a readable GGUF"):
+        read_model_info(tmp_path / "empty.gguf")
     with pytest.raises(ProfError, match="cannot read model file"):
         read_model_info(tmp_path / "missing.gguf")
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.1, 0.3, 0.6])
+def test_a_truncated_model_file_raises_prof_error(spm_model: Path, tmp_path: Path, fraction: float) -> None:
+    data = spm_model.read_bytes()
+    header_end = len(data) - 4 * len(spm_vocab()[0]) * 8  # tensor data is at the end
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: int(header_end * fraction)])
+    with pytest.raises(ProfError, match="truncated or damaged"):
+        read_model_info(cut)
+    with pytest.raises(ProfError, match="truncated or damaged"):
+        Vocab.from_gguf(cut)
+
+
+def test_header_parser_agrees_with_gguf_reader(spm_model: Path, gpt2_model: Path) -> None:
+    for path in (spm_model, gpt2_model):
+        reader = gguf.GGUFReader(path)
+        with _Header(path) as h:
+            fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+            assert list(h.fields) == list(fields)
+            for key, f in fields.items():
+                want = f.contents()
+                if f.types[0] == gguf.GGUFValueType.ARRAY and f.types[-1] == gguf.GGUFValueType.STRING:
+                    assert h.strings(key) == want, key
+                elif f.types[0] == gguf.GGUFValueType.ARRAY:
+                    assert h.fields[key].tolist() == pytest.approx(want), key  # type: ignore[union-attr]
+                else:
+                    assert h.fields[key] == pytest.approx(want), key
+            assert [(n, d) for n, d in h.tensors] == [
+                (t.name, tuple(t.shape.tolist())) for t in reader.tensors
+            ]
 
 
 # ------------------------------------------------------------------ Vocab

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Set up sparseety-prof from zero on a Debian 12 machine (root). Idempotent; prints each step.
+#   - BCC from Debian (python3-bpfcc + libbpfcc), kernel headers and the /lib/modules links,
+#     tracefs;
+#   - the project in ./.venv with the engines it is tested against, pinned to exact versions:
+#     llama-cpp-python (built from its sdist, portable: no -march=native) and xllamacpp.
+# A fresh machine spends about 5 minutes building llama-cpp-python; later runs take seconds.
+#   PYTHON=python3   interpreter for the venv (>= 3.11)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+export DEBIAN_FRONTEND=noninteractive
+
+step() { echo "[setup] $*" >&2; }
+timed() { local s=$SECONDS; "$@"; step "  done in $(( SECONDS - s ))s"; }
+
+apt_retry() {  # wait out a held dpkg lock instead of failing
+  local i
+  for i in $(seq 1 30); do
+    if apt-get -o DPkg::Lock::Timeout=60 "$@"; then return 0; fi
+    step "apt-get $1 failed (lock held?), retry $i"; sleep 5
+  done
+  return 1
+}
+
+if [ "$(id -u)" != 0 ]; then
+  echo "scripts/setup.sh installs Debian packages and mounts tracefs: run it as root (sudo)" >&2
+  exit 5
+fi
+
+# 1. Debian packages. The PyPI package called "bcc" is an unrelated project: BCC comes from Debian.
+pkgs=(python3-bpfcc libbpfcc linux-headers-amd64 binutils curl tmux)
+if ! dpkg -s "${pkgs[@]}" >/dev/null 2>&1; then
+  step "1/6 installing ${pkgs[*]}"
+  timed apt_retry update -qq
+  timed apt_retry install -y -qq --no-install-recommends "${pkgs[@]}" >/dev/null
+else
+  step "1/6 Debian packages present"
+fi
+
+# 2. BCC compiles every program against a kernel header tree. This kernel ships none, so point
+#    /lib/modules/$(uname -r)/{build,source} at Debian's headers (BCC_KERNEL_SOURCE alone does
+#    not work with Debian's split -amd64/-common header packages).
+KREL=$(uname -r)
+if [ ! -e "/lib/modules/$KREL/build/include/generated/autoconf.h" ]; then
+  HDR=$(ls -d /usr/src/linux-headers-*-amd64 | grep -v -- '-rt-\|-cloud-' | sort -V | tail -1)
+  mkdir -p "/lib/modules/$KREL"
+  ln -sfn "$HDR" "/lib/modules/$KREL/build"
+  ln -sfn "${HDR%-amd64}-common" "/lib/modules/$KREL/source"
+  step "2/6 /lib/modules/$KREL/build -> $HDR"
+else
+  step "2/6 kernel headers linked"
+fi
+
+# 3. tracefs: not needed to attach (perf uprobe PMU), but BCC's detach path reads it.
+if [ ! -e /sys/kernel/tracing/uprobe_events ]; then
+  mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null && step "3/6 mounted tracefs" \
+    || step "3/6 could not mount tracefs (attaching still works)"
+else
+  step "3/6 tracefs mounted"
+fi
+
+# 4. the venv and pinned packages
+if [ ! -x "$VENV/bin/python" ]; then
+  step "4/6 creating $VENV with $($PYTHON --version)"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+if ! "$PY" -c 'import llama_cpp, xllamacpp, gguf, polars, rich, pytest' 2>/dev/null \
+   || ! "$PY" -m pip freeze 2>/dev/null | grep -qx 'llama_cpp_python==0.3.36'; then
+  step "4/6 installing pinned packages (llama-cpp-python builds from source: ~5 min on 2 cores the first time)"
+  timed "$PY" -m pip install -q --upgrade pip
+  CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF" timed "$PY" -m pip install -q -r scripts/requirements.txt
+else
+  step "4/6 pinned packages present"
+fi
+"$PY" -m pip install -q --no-deps -e . >/dev/null 2>&1 || "$PY" -m pip install --no-deps -e .
+
+# 5. make Debian's pure-Python bcc importable from the venv: link ONLY that package (putting all of
+#    /usr/lib/python3/dist-packages on the path would shadow the venv's packages).
+PURELIB=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [ ! -e "$PURELIB/bcc" ]; then
+  ln -sfn /usr/lib/python3/dist-packages/bcc "$PURELIB/bcc"
+  step "5/6 linked $PURELIB/bcc"
+else
+  step "5/6 bcc linked into the venv"
+fi
+
+# 6. smoke test: compile, load and hit a uprobe
+"$PY" - <<'PYEOF'
+import ctypes, os
+from bcc import BPF
+b = BPF(text=r"""
+BPF_ARRAY(c, u64, 1);
+int hit(struct pt_regs *ctx) { int k = 0; u64 *v = c.lookup(&k); if (v) __sync_fetch_and_add(v, 1); return 0; }
+""")
+b.attach_uprobe(name="c", sym="getpid", fn_name="hit", pid=os.getpid())
+libc = ctypes.CDLL("libc.so.6")
+for _ in range(10):
+    libc.getpid()
+n = b["c"][ctypes.c_int(0)].value
+b.cleanup()
+assert n >= 10, f"uprobe smoke test saw {n} hits"
+print(f"[setup] 6/6 BPF smoke test passed (uprobe hits={n})", flush=True)
+PYEOF
+step "ready: $VENV/bin/sparseety-prof"

@@ -1,0 +1,172 @@
+"""Shared fixtures. Tests that need root and BPF run for real (CI is root); they skip only when
+the machine truly lacks the capability, and say why."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINES = Path(__file__).resolve().parent / "engines"
+PY = sys.executable
+CLI = [PY, "-m", "sparseety_prof.cli"]
+
+sys.path.insert(0, str(ROOT))
+from scripts.make_models import make_model  # noqa: E402
+
+
+def _bpf_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root for eBPF uprobes (run the tests with sudo; CI runs as root)"
+    try:
+        import bcc  # noqa: F401
+    except ImportError:
+        return "BCC is not importable: run scripts/setup.sh"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = _bpf_reason()
+    if reason is None:
+        return
+    for item in items:
+        if "root" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("models")
+    return {name: make_model(d / f"{name}.gguf", name) for name in ("moe", "dense")}
+
+
+class Engine:
+    """A child engine process speaking the JSON-lines protocol of tests/engines/*.py."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            [PY, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        self.ready = self.read()
+        self.pid = int(self.ready["ready"])
+
+    def read(self, timeout: float = 120) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"engine exited with {self.proc.poll()}")
+            line = line.strip()
+            if line.startswith("{"):
+                return dict(json.loads(line))
+        raise TimeoutError("engine did not answer")
+
+    def send(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def generate(self, prompts: list[str], max_tokens: int, temp: float = 0.0, seed: int = 1) -> list[dict[str, Any]]:
+        self.send({"prompts": prompts, "max_tokens": max_tokens, "temp": temp, "seed": seed})
+        return list(self.read(timeout=600)["results"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send({"exit": True})
+                self.proc.stdin.close()  # type: ignore[union-attr]
+                self.proc.wait(timeout=20)
+            except (BrokenPipeError, subprocess.TimeoutExpired, OSError):
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def llama_engine(models: dict[str, Path]) -> Iterator[Engine]:
+    e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
+    yield e
+    e.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Recorder:
+    """`sparseety-prof record` as a child process, as a user would run it."""
+
+    def __init__(self, pid: int, out: Path, *extra: str) -> None:
+        self.out = out
+        self.proc = subprocess.Popen(
+            [*CLI, "record", "--pid", str(pid), "-o", str(out), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        )
+        self.banner = self._wait_attached()
+
+    def _wait_attached(self, timeout: float = 60) -> str:
+        assert self.proc.stderr is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                raise RuntimeError(f"recorder exited with {self.proc.wait()} before attaching")
+            if "attached to PID" in line:
+                return line
+        raise TimeoutError("recorder did not attach")
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 60) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        return self.proc.returncode, err
+
+
+def run_cli(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, cwd=ROOT, timeout=120, **kw)
+
+
+def bpf_prog_ids() -> set[int]:
+    """IDs of every BPF program loaded in the kernel (BPF_PROG_GET_NEXT_ID)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    sys_bpf = 321
+    bpf_prog_get_next_id = 11
+    attr = (ctypes.c_uint32 * 32)()
+    ids: set[int] = set()
+    start = 0
+    while True:
+        attr[0] = start
+        if libc.syscall(sys_bpf, bpf_prog_get_next_id, ctypes.byref(attr), ctypes.sizeof(attr)) != 0:
+            return ids
+        start = attr[1]
+        ids.add(start)
+
+
+def uprobe_events() -> str:
+    p = Path("/sys/kernel/tracing/uprobe_events")
+    return p.read_text() if p.exists() else ""
+
+
+def which(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} not installed"
+    return path

@@ -1,0 +1,191 @@
+"""Root tests on a real llama-cpp-python engine process: attach by PID while it runs, generate,
+and compare every recorded token with the engine's own ground truth from the same run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from conftest import ENGINES, Engine, Recorder, bpf_prog_ids, uprobe_events
+
+import sparseety_prof
+
+pytestmark = [pytest.mark.root, pytest.mark.engine]
+
+PROMPTS = [
+    "hello the expert router",
+    "the sparse decode sample",
+    "one two three",
+    "token expert router decode",
+    "what is the time",
+]
+LOGPROB_TOL = 1e-3
+
+
+def _by_request(tokens: pl.DataFrame) -> list[pl.DataFrame]:
+    order = tokens.group_by("request_id", maintain_order=True).agg(pl.col("t_end_ns").min()).sort("t_end_ns")
+    return [tokens.filter(pl.col("request_id") == r).sort("t_end_ns") for r in order["request_id"]]
+
+
+def test_tokens_match_engine_ground_truth(llama_engine: Engine, tmp_path: Path) -> None:
+    rec = Recorder(llama_engine.pid, tmp_path / "rec")
+    truth = llama_engine.generate(PROMPTS, max_tokens=220)
+    rc, err = rec.stop(signal.SIGINT)
+    assert rc == 0, err
+    r = sparseety_prof.open(tmp_path / "rec")
+    tokens = r.tokens()
+    assert r.complete
+    assert sum(len(t["ids"]) for t in truth) >= 1000
+    assert tokens.height == sum(len(t["ids"]) for t in truth)
+
+    requests = _by_request(tokens)
+    assert len(requests) == len(PROMPTS)
+    for got, want in zip(requests, truth, strict=True):
+        n_prompt = len(want["prompt_tokens"])
+        assert got["token_id"].to_list() == want["ids"]
+        assert got["decode_order"].to_list() == list(range(len(want["ids"])))
+        assert got["logits_pos"].to_list() == list(range(n_prompt - 1, n_prompt - 1 + len(want["ids"])))
+        assert got["pos"].to_list() == [p + 1 for p in got["logits_pos"].to_list()]
+        assert set(got["seq_id"].to_list()) == {0}
+        assert got["phase"].to_list() == ["prefill"] + ["decode"] * (len(want["ids"]) - 1)
+        assert not got["partial"].any()
+        assert got["token_source"].unique().to_list() == ["sampler"]
+        diff = np.abs(got["log_prob"].to_numpy() - np.array(want["log_probs"]))
+        assert diff.max() < LOGPROB_TOL, diff.max()
+        # the chosen greedy token is the top-1 alternative
+        assert [t[0] for t in got["top_ids"].to_list()] == want["ids"]
+
+    losses = r.meta["losses"]
+    assert losses["kernel_drops"] == 0 and losses["seq_gaps"] == 0
+    assert losses["logits_incomplete"] == 0 and losses["samples_unresolved"] == 0
+    assert r.meta["verification"]["verified_decodes"] > 0
+    # each token row points at its step, with the step's timing
+    steps = r.steps()
+    joined = tokens.join(steps, on="step_id", suffix="_step")
+    assert joined.height == tokens.height
+    assert (joined["t_start_ns"] == joined["t_start_ns_step"]).all()
+    assert (joined["batch_size"] == joined["n_tokens"]).all()
+    assert (tokens["t_end_ns"] >= tokens["t_start_ns"]).all()
+    # token text comes from the model's vocabulary
+    assert tokens["token_text"].null_count() == 0
+    meta = r.meta
+    assert meta["engine"]["name"] == "llama-cpp-python" and meta["model"]["sha256"]
+    assert meta["target"]["pid"] == llama_engine.pid
+
+
+def test_output_identical_with_and_without_profiler(models: dict[str, Path], tmp_path: Path) -> None:
+    prompts = PROMPTS[:3]
+    plain = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
+    try:
+        want = plain.generate(prompts, max_tokens=48, temp=0.8, seed=7)
+    finally:
+        plain.close()
+    traced = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
+    try:
+        rec = Recorder(traced.pid, tmp_path / "rec")
+        got = traced.generate(prompts, max_tokens=48, temp=0.8, seed=7)
+        rc, err = rec.stop()
+        assert rc == 0, err
+    finally:
+        traced.close()
+    assert [g["ids"] for g in got] == [w["ids"] for w in want]
+    assert [g["log_probs"] for g in got] == [w["log_probs"] for w in want]
+    # sampled (not greedy) tokens are still exactly what the engine chose
+    recorded = _by_request(sparseety_prof.open(tmp_path / "rec").tokens())
+    assert [r["token_id"].to_list() for r in recorded] == [g["ids"] for g in got]
+
+
+def test_attach_mid_request_marks_rows_partial(models: dict[str, Path], tmp_path: Path) -> None:
+    e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
+    try:
+        e.send({"prompts": ["hello the expert router"], "max_tokens": 400, "temp": 0.0, "token_delay": 0.01})
+        time.sleep(0.3)  # the request is running now (about 4 s in all)
+        rec = Recorder(e.pid, tmp_path / "rec")
+        first = e.read(timeout=300)["results"]
+        nxt = e.generate(["one two three"], max_tokens=20)
+        rc, err = rec.stop()
+        assert rc == 0, err
+    finally:
+        e.close()
+    reqs = _by_request(sparseety_prof.open(tmp_path / "rec").tokens())
+    assert len(reqs) == 2
+    running, fresh = reqs
+    assert running["partial"].all() and running["decode_order"].null_count() == running.height
+    # the partial rows are the tail of what the engine generated, token for token
+    assert running["token_id"].to_list() == first[0]["ids"][-running.height :]
+    assert not fresh["partial"].any()
+    assert fresh["decode_order"].to_list() == list(range(20))
+    assert fresh["token_id"].to_list() == nxt[0]["ids"]
+
+
+def _assert_nothing_left(before: set[int]) -> None:
+    # programs of other tools may come and go; ours must all be gone
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and bpf_prog_ids() - before:
+        time.sleep(0.2)
+    assert not (bpf_prog_ids() - before), "BPF programs left loaded"
+    assert "sparseety" not in uprobe_events() and "p__" not in uprobe_events()
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL", "target-exit"])
+def test_detach_leaves_nothing_behind(models: dict[str, Path], tmp_path: Path, how: str) -> None:
+    before = bpf_prog_ids()
+    e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
+    try:
+        base = e.generate(["hello the expert router"], max_tokens=16)
+        rec = Recorder(e.pid, tmp_path / "rec")
+        assert bpf_prog_ids() - before, "the recorder should have loaded programs"
+        during = e.generate(["hello the expert router"], max_tokens=16)
+        if how == "target-exit":
+            e.close()
+            rc, err = _wait(rec)
+            assert rc == 0, err
+            assert "target exited" in err
+        else:
+            rc, err = rec.stop(getattr(signal, how))
+            if how == "SIGKILL":
+                assert rc == -signal.SIGKILL
+            else:
+                assert rc == 0, err
+                assert how in err
+            after = e.generate(["hello the expert router"], max_tokens=16)
+            _assert_same_output(after, base)  # the engine is undisturbed
+        _assert_same_output(during, base)
+    finally:
+        e.close()
+    _assert_nothing_left(before)
+    if how != "SIGKILL":
+        r = sparseety_prof.open(tmp_path / "rec")
+        assert r.complete and r.tokens().height == 16
+
+
+def _assert_same_output(got: list[dict], want: list[dict]) -> None:
+    # A repeated prompt hits llama-cpp-python's prefix cache, so the prompt is evaluated in another
+    # batch shape: ids are equal, log-probs agree to float rounding.
+    assert [g["ids"] for g in got] == [w["ids"] for w in want]
+    for g, w in zip(got, want, strict=True):
+        assert np.allclose(g["log_probs"], w["log_probs"], atol=1e-4)
+
+
+def _wait(rec: Recorder) -> tuple[int, str]:
+    _, err = rec.proc.communicate(timeout=30)
+    return rec.proc.returncode, err
+
+
+def test_recording_files_private(llama_engine: Engine, tmp_path: Path) -> None:
+    rec = Recorder(llama_engine.pid, tmp_path / "rec", "--redact-text")
+    llama_engine.generate(["hello"], max_tokens=8)
+    rc, err = rec.stop()
+    assert rc == 0, err
+    for p in [tmp_path / "rec", *(tmp_path / "rec").rglob("*")]:
+        mode = p.stat().st_mode & 0o777
+        assert mode == (0o700 if p.is_dir() else 0o600), (p, oct(mode))
+    r = sparseety_prof.open(tmp_path / "rec")
+    t = r.tokens()
+    assert t.height == 8 and t["token_text"].null_count() == 8 and t["token_id"].null_count() == 0
+    assert os.stat(tmp_path / "rec").st_uid == os.geteuid()
