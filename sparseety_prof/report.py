@@ -1,0 +1,59 @@
+"""`report DIR`: summary tables of a recording in the terminal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+from rich.console import Console
+from rich.table import Table
+
+from .recording import open as open_recording
+
+
+def print_report(path: Path, *, console: Console | None = None) -> None:
+    con = console or Console()
+    r = open_recording(path)
+    meta = r.meta
+    tokens, steps = r.tokens(), r.steps()
+
+    head = Table(title=f"recording {path}", show_header=False)
+    engine = meta.get("engine", {})
+    model = meta.get("model", {})
+    head.add_row("engine", f"{engine.get('name', '?')} {engine.get('version', '?')}")
+    head.add_row("model", f"{model.get('path', '?')} ({model.get('architecture', '?')}, sha256 "
+                          f"{str(model.get('sha256', ''))[:12]}…)")
+    head.add_row("target", f"PID {meta.get('target', {}).get('pid', '?')}")
+    head.add_row("complete", str(r.complete) + ("" if r.complete else " (interrupted: the last segment may be lost)"))
+    losses = meta.get("losses", {})
+    head.add_row("losses", ", ".join(f"{k}={v}" for k, v in losses.items()) or "unknown")
+    head.add_row("tokens / steps", f"{tokens.height} / {steps.height}")
+    con.print(head)
+
+    if tokens.height:
+        per_req = (
+            tokens.group_by("request_id", maintain_order=True)
+            .agg(
+                pl.len().alias("tokens"),
+                pl.col("partial").any().alias("partial"),
+                pl.col("log_prob").mean().alias("mean_log_prob"),
+                pl.col("log_prob").min().alias("min_log_prob"),
+                ((pl.col("t_end_ns").max() - pl.col("t_end_ns").min()) / 1e6).alias("span_ms"),
+            )
+        )
+        t = Table(title="requests")
+        for c in per_req.columns:
+            t.add_column(c)
+        for row in per_req.iter_rows():
+            t.add_row(*[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row])
+        con.print(t)
+    if steps.height:
+        dur = ((steps["t_end_ns"] - steps["t_start_ns"]) / 1e6).drop_nulls()
+        lat = Table(title="steps (ms)")
+        for c in ("phase", "steps", "p50", "p99"):
+            lat.add_column(c)
+        for phase in ("prefill", "decode"):
+            d = dur.filter(steps["phase"] == phase)
+            if len(d):
+                lat.add_row(phase, str(len(d)), f"{d.quantile(0.5):.3f}", f"{d.quantile(0.99):.3f}")
+        con.print(lat)

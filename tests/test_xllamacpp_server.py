@@ -1,0 +1,102 @@
+"""Root tests on a real llama-server engine (xllamacpp) over HTTP: attach by PID while it serves,
+send completions, and compare with the token ids and pre-sampling log-probs the server returns."""
+
+from __future__ import annotations
+
+import json
+import signal
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pytest
+from conftest import ENGINES, Engine, Recorder, free_port
+
+import sparseety_prof
+
+pytestmark = [pytest.mark.root, pytest.mark.engine]
+
+PROMPTS = ["hello the expert router", "the sparse decode sample", "one two three four", "what is the time"]
+LOGPROB_TOL = 1e-3
+
+
+@pytest.fixture
+def server(models: dict[str, Path]) -> Iterator[Engine]:
+    e = Engine([str(ENGINES / "server_engine.py"), str(models["moe"]), "--port", str(free_port())])
+    yield e
+    e.close()
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return dict(json.loads(r.read()))
+
+
+def test_server_tokens_match_its_own_response(server: Engine, tmp_path: Path) -> None:
+    url = server.ready["url"]
+    rec = Recorder(server.pid, tmp_path / "rec")
+    answers = []
+    for p in PROMPTS:
+        answers.append(post(url, "/completion", {
+            "prompt": p, "n_predict": 260, "n_probs": 1, "temperature": 0, "ignore_eos": True, "return_tokens": True,
+        }))
+    rc, err = rec.stop(signal.SIGTERM)
+    assert rc == 0, err
+    r = sparseety_prof.open(tmp_path / "rec")
+    tokens = r.tokens()
+    assert tokens.height == sum(len(a["tokens"]) for a in answers) >= 1000
+    order = tokens.group_by("request_id", maintain_order=True).agg(pl.col("t_end_ns").min()).sort("t_end_ns")
+    assert order.height == len(PROMPTS)
+    for rid, p, a in zip(order["request_id"], PROMPTS, answers, strict=True):
+        got = tokens.filter(pl.col("request_id") == rid).sort("t_end_ns")
+        ids = a["tokens"]
+        assert got["token_id"].to_list() == ids
+        # The server folds a token that ends inside a UTF-8 character into the next one's
+        # probability entry; align its entries with the tokens by id.
+        matched = _align(ids, a["completion_probabilities"])
+        assert len(matched) >= 0.9 * len(ids)
+        texts, lps = got["token_text"].to_list(), got["log_prob"].to_list()
+        for i, c in matched:
+            assert abs(lps[i] - c["logprob"]) < LOGPROB_TOL, (i, lps[i], c["logprob"])
+            if "\ufffd" not in c["token"]:
+                assert texts[i] == c["token"]
+        probs = ids
+        n_prompt = len(post(url, "/tokenize", {"content": p, "add_special": True})["tokens"])
+        assert got["logits_pos"].to_list() == list(range(n_prompt - 1, n_prompt - 1 + len(probs)))
+        assert got["decode_order"].to_list() == list(range(len(probs)))
+        assert got["seq_id"].unique().to_list() == [a["id_slot"]]
+        assert not got["partial"].any()
+    losses = r.meta["losses"]
+    assert losses["kernel_drops"] == 0 and losses["seq_gaps"] == 0 and losses["logits_incomplete"] == 0
+    assert r.meta["engine"]["name"] == "xllamacpp"
+
+
+def _align(ids: list[int], probs: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    out, j = [], 0
+    for i, t in enumerate(ids):
+        if j < len(probs) and probs[j]["id"] == t:
+            out.append((i, probs[j]))
+            j += 1
+    assert j == len(probs), "server probabilities out of step with its tokens"
+    return out
+
+
+def test_repeated_prompt_is_a_new_request(server: Engine, tmp_path: Path) -> None:
+    """The server's prompt cache re-evaluates only the tail: still a new request, decode_order from 0."""
+    url = server.ready["url"]
+    rec = Recorder(server.pid, tmp_path / "rec")
+    body = {"prompt": PROMPTS[0], "n_predict": 12, "n_probs": 1, "temperature": 0, "ignore_eos": True,
+            "return_tokens": True, "cache_prompt": True}
+    a1, a2 = post(url, "/completion", body), post(url, "/completion", body)
+    rc, err = rec.stop()
+    assert rc == 0, err
+    tokens = sparseety_prof.open(tmp_path / "rec").tokens()
+    reqs = tokens.partition_by("request_id", maintain_order=True)
+    assert len(reqs) == 2
+    for got, a in zip(reqs, (a1, a2), strict=True):
+        assert got["token_id"].to_list() == a["tokens"]
+        assert got["decode_order"].to_list() == list(range(12))
