@@ -1,0 +1,207 @@
+"""The correlator on synthetic probe records: no BPF, no engine, every rule pinned down."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparseety_prof import events as ev
+from sparseety_prof.correlator import Correlator
+from sparseety_prof.errors import UnsupportedEngineBuild
+from sparseety_prof.events import EventBatch, SeqTracker, decode_records
+
+N_VOCAB = 10
+CTX = 0xAAAA
+MEM = 0xBBBB
+TID = 7
+
+
+class Script:
+    """Builds the records one engine thread would produce, with increasing seq and time."""
+
+    def __init__(self) -> None:
+        self.recs: list[bytes] = []
+        self.seq = 0
+        self.t = 1_000
+
+    def _hdr(self, a: np.ndarray, kind: int, ctx: int = CTX) -> None:
+        a["seq"], a["ts_ns"], a["ctx"], a["tid"], a["kind"] = self.seq, self.t, ctx, TID, kind
+        self.seq += 1
+        self.t += 100
+
+    def small(self, kind: int, a: int = 0, b: int = 0, c: int = 0, ctx: int = CTX) -> None:
+        r = np.zeros(1, ev.SMALL_DTYPE)
+        self._hdr(r, kind, ctx)
+        r["a"], r["b"], r["c"] = a, b, c
+        self.recs.append(r.tobytes())
+
+    def ubatch(self, tokens: list[int], pos: list[int], seqs: list[int] | None = None,
+               outputs: list[int] | None = None) -> None:
+        r = np.zeros(1, ev.UBATCH_DTYPE)
+        self._hdr(r, ev.EV_UBATCH)
+        n = len(tokens)
+        r["n_tokens"] = r["n_copied"] = n
+        r["token"][0, :n] = tokens
+        r["pos"][0, :n] = pos
+        r["seq_id"][0, :n] = seqs or [0] * n
+        r["output"][0, :n] = outputs or [0] * (n - 1) + [1]
+        self.recs.append(r.tobytes())
+        self.small(ev.EV_UBATCH_END)
+
+    def decode(self, tokens: list[int], pos: list[int], **kw: list[int]) -> None:
+        self.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+        self.ubatch(tokens, pos, **kw)
+        self.small(ev.EV_DECODE_END)
+
+    def sample(self, token: int, idx: int = -1, logits: np.ndarray | None = None) -> None:
+        self.small(ev.EV_SAMPLE_BEGIN, idx, ev.SAMPLER_LLAMA)
+        if logits is not None:
+            r = np.zeros(1, ev.LOGITS_DTYPE)
+            self._hdr(r, ev.EV_LOGITS)
+            r["idx"], r["chunk"], r["n_vals"], r["n_vocab"] = idx, 0, len(logits), len(logits)
+            r["vals"][0, : len(logits)] = logits
+            self.recs.append(r.tobytes())
+        self.small(ev.EV_SAMPLE_END, token, ev.SAMPLER_LLAMA, idx)
+
+
+def run(s: Script) -> dict[str, list[object]]:
+    c = Correlator(pid=1, n_vocab=N_VOCAB, wall_offset_ns=0, texts=lambda ids: [f"t{i}" for i in ids])
+    c.feed(decode_records(s.recs))
+    tok, _ = c.take_rows()
+    return tok
+
+
+def test_request_lifecycle_and_fields() -> None:
+    s = Script()
+    logits = np.arange(N_VOCAB, dtype=np.float32)
+    s.decode([1, 5, 6], [0, 1, 2])
+    s.sample(9, logits=logits)
+    s.decode([9], [3])
+    s.sample(4)
+    tok = run(s)
+    assert tok["token_id"] == [9, 4]
+    assert tok["decode_order"] == [0, 1]
+    assert tok["logits_pos"] == [2, 3] and tok["pos"] == [3, 4]
+    assert tok["phase"] == ["prefill", "decode"]
+    assert tok["batch_size"] == [3, 1]
+    assert tok["partial"] == [False, False]
+    assert tok["token_text"] == ["t9", "t4"]
+    expected = logits - np.log(np.exp(logits).sum())
+    assert tok["log_prob"][0] == pytest.approx(float(expected[9]))
+    assert tok["top_ids"][0] == [9, 8, 7, 6, 5]
+    assert tok["log_prob"][1] is None  # no logits row seen: null, never invented
+    assert len(set(tok["request_id"])) == 1
+
+
+def test_new_request_when_input_is_not_the_continuation() -> None:
+    s = Script()
+    s.decode([1, 5], [0, 1])
+    s.sample(3)
+    s.decode([1, 7, 8], [0, 1, 2])  # the engine starts over: a new prompt at position 0
+    s.sample(2)
+    tok = run(s)
+    assert len(set(tok["request_id"])) == 2
+    assert tok["decode_order"] == [0, 0]
+
+
+def test_new_request_after_cache_removal_even_when_input_continues() -> None:
+    s = Script()
+    s.decode([1, 5], [0, 1])
+    s.sample(3)
+    s.small(ev.EV_SEQ_RM, 0, 1, -1, ctx=MEM)  # drops positions >= 1: cached cells removed
+    s.decode([3], [2])
+    s.sample(4)
+    tok = run(s)
+    assert len(set(tok["request_id"])) == 2
+
+
+def test_seq_rm_past_the_end_is_not_a_boundary() -> None:
+    """llama-cpp-python calls seq_rm(-1, n_past, -1) before every eval: it removes nothing."""
+    s = Script()
+    s.decode([1, 5], [0, 1])
+    s.sample(3)
+    s.small(ev.EV_SEQ_RM, -1, 2, -1, ctx=MEM)
+    s.decode([3], [2])
+    s.sample(4)
+    tok = run(s)
+    assert len(set(tok["request_id"])) == 1 and tok["decode_order"] == [0, 1]
+
+
+def test_attach_mid_request_is_partial() -> None:
+    s = Script()
+    s.decode([8], [40])
+    s.sample(3)
+    s.decode([3], [41])
+    s.sample(5)
+    tok = run(s)
+    assert tok["partial"] == [True, True]
+    assert tok["decode_order"] == [None, None]
+    assert tok["phase"] == ["decode", "decode"]
+
+
+def test_two_sequences_in_one_step_and_positive_index() -> None:
+    s = Script()
+    s.decode([1, 4, 1, 6], [0, 1, 0, 1], seqs=[0, 0, 1, 1], outputs=[0, 1, 0, 1])
+    s.sample(7, idx=1)  # batch position 1 -> sequence 0's last row
+    s.sample(8, idx=3)
+    tok = run(s)
+    assert tok["seq_id"] == [0, 1]
+    assert tok["token_id"] == [7, 8]
+    assert tok["logits_pos"] == [1, 1]
+    assert tok["request_id"][0] != tok["request_id"][1]
+
+
+def test_next_input_token_source_without_sampler() -> None:
+    """An engine that samples outside llama.cpp: the token is read from the next forward pass."""
+    s = Script()
+    s.decode([1, 5], [0, 1])
+    s.decode([6], [2])
+    s.decode([2], [3])
+    tok = run(s)
+    assert tok["token_id"] == [6, 2]
+    assert tok["token_source"] == ["next_input", "next_input"]
+    assert tok["logits_pos"] == [1, 2]
+    assert tok["decode_order"] == [0, 1]
+
+
+def test_other_context_never_mixes() -> None:
+    s = Script()
+    s.decode([1, 5], [0, 1])
+    s.small(ev.EV_DECODE_BEGIN, -1, -1, -1, ctx=0xDDDD)  # a draft context decodes in between
+    s.small(ev.EV_DECODE_END, ctx=0xDDDD)
+    s.sample(3)
+    tok = run(s)
+    assert tok["ctx_id"] == [0] and tok["logits_pos"] == [1]
+
+
+def test_layout_verification_rejects_garbage() -> None:
+    s = Script()
+    s.decode([1, 500000], [0, 1])  # token id outside the vocabulary: the layout is wrong
+    with pytest.raises(UnsupportedEngineBuild, match="failed verification"):
+        run(s)
+    s = Script()
+    s.small(ev.EV_DECODE_BEGIN, 2, 9, 0)  # the public batch says token0 = 9
+    s.ubatch([1, 5], [0, 1])
+    with pytest.raises(UnsupportedEngineBuild, match="public llama_batch"):
+        run(s)
+
+
+def test_seq_tracker_counts_gaps_across_drains() -> None:
+    t = SeqTracker()
+    t.update(np.array([0, 1, 2, 5], np.uint64))
+    t.update(np.array([3, 6, 9], np.uint64))
+    t.update(np.empty(0, np.uint64), final=True)
+    assert t.seen == 7 and t.gaps == 3  # 4, 7, 8 missing
+
+
+def test_decode_rejects_unknown_record_size() -> None:
+    with pytest.raises(ValueError, match="unexpected size"):
+        decode_records([b"\0" * 13])
+    assert len(EventBatch()) == 0
+
+
+def test_header_mirror_sizes() -> None:
+    assert ev.HDR_DTYPE.itemsize == 32
+    assert ev.SMALL_DTYPE.itemsize == 56
+    assert ev.UBATCH_DTYPE.itemsize == 32 + 8 + 13 * ev.MAX_UB_TOK
+    assert ev.LOGITS_DTYPE.itemsize == 32 + 16 + 4 * ev.LOGITS_CHUNK
