@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-from .recording import Recording, open  # noqa: E402
+from .recording import Recording, open
 
 __all__ = ["Recording", "__version__", "open"]

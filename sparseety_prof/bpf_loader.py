@@ -7,6 +7,7 @@ own errors so callers never see them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import time
@@ -50,7 +51,8 @@ def import_bcc() -> Any:
     except ImportError:
         raise BpfUnavailable(
             "the bcc Python module is not importable: install Debian's python3-bpfcc and libbpfcc and link "
-            "/usr/lib/python3/dist-packages/bcc into this interpreter's site-packages (scripts/setup.sh does both)"
+            "/usr/lib/python3/dist-packages/bcc into this interpreter's site-packages "
+            "(scripts/setup.sh does both)"
         ) from None
     return bcc
 
@@ -82,10 +84,9 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        try:
+        # detaching the probes of a process that already exited may fail harmlessly
+        with contextlib.suppress(Exception):
             self.bpf.cleanup()
-        except Exception:  # noqa: BLE001 - detaching a dead process's probes may fail harmlessly
-            pass
 
 
 def compile_and_attach(
@@ -107,10 +108,12 @@ def compile_and_attach(
     t0 = time.monotonic()
     try:
         b = bcc.BPF(src_file=str(PROBES_DIR / "token_probes.bpf.c"), cflags=cflags)
-    except Exception as e:  # noqa: BLE001 - BCC raises bare Exception
+    except Exception as e:
         msg = str(e)
         if "Operation not permitted" in msg or "EPERM" in msg:
-            raise MissingPrivileges(f"the kernel refused to load the BPF program ({msg}): run as root") from None
+            raise MissingPrivileges(
+                f"the kernel refused to load the BPF program ({msg}): run as root"
+            ) from None
         raise BpfUnavailable(
             f"could not compile/load the BPF program: {msg}. Run `sparseety-prof doctor` to check "
             f"kernel headers and BCC"
@@ -139,7 +142,7 @@ def compile_and_attach(
 def _attach(fn: Any, lib: Path, vaddr: int, fn_name: str, pid: int) -> None:
     try:
         fn(name=str(lib), addr=vaddr, fn_name=fn_name, pid=pid)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         msg = str(e)
         try:
             tg.check_process(pid)

@@ -20,8 +20,14 @@ EXIT_CODES_HELP = """exit codes:
 def _cmd_record(args: argparse.Namespace) -> int:
     from .record import Options, Recorder, install_signal_handlers, summary_line
 
-    opts = Options(pid=args.pid, out=args.output, duration=args.duration, redact_text=args.redact_text,
-                   model=args.model, skip_probes=frozenset(args.skip_probe or ()))
+    opts = Options(
+        pid=args.pid,
+        out=args.output,
+        duration=args.duration,
+        redact_text=args.redact_text,
+        model=args.model,
+        skip_probes=frozenset(args.skip_probe or ()),
+    )
     rec = Recorder(opts)
     install_signal_handlers(rec)
     meta = rec.run()
@@ -39,17 +45,24 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sparseety-prof",
-        description="Token-level profiler for sparse LLM inference: attaches to a running llama.cpp engine by PID.",
+        description="Token-level profiler for sparse LLM inference: "
+        "attaches to a running llama.cpp engine by PID.",
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"sparseety-prof {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    r = sub.add_parser("record", help="attach to an engine and record every sampled token",
-                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r = sub.add_parser(
+        "record",
+        help="attach to an engine and record every sampled token",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     r.add_argument("--pid", type=int, required=True, help="process id of the running engine")
-    r.add_argument("-o", "--output", type=Path, required=True, help="recording directory (created; must be empty)")
+    r.add_argument(
+        "-o", "--output", type=Path, required=True, help="recording directory (created; must be empty)"
+    )
     r.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     r.add_argument("--redact-text", action="store_true", help="keep token ids but store no token text")
     r.add_argument("--model", type=Path, default=None, help="model file, when the engine has none mapped")

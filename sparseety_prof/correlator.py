@@ -23,7 +23,7 @@ from .errors import UnsupportedEngineBuild
 from .logits import row_stats
 from .schema import PHASE_DECODE, PHASE_PREFILL, SOURCE_NEXT_INPUT, SOURCE_SAMPLER
 
-VERIFY_UBATCHES = 16     # micro-batches sanity-checked against the layout at attach time
+VERIFY_UBATCHES = 16  # micro-batches sanity-checked against the layout at attach time
 MAX_SEQ_ID = 1 << 16
 
 
@@ -66,9 +66,9 @@ class CtxState:
     ctx_id: int
     decode_id: int = -1
     decode_open: bool = False
-    rows: list[tuple[Step, int]] = field(default_factory=list)     # the decode's rows, batch order
+    rows: list[tuple[Step, int]] = field(default_factory=list)  # the decode's rows, batch order
     outputs: list[tuple[Step, int]] = field(default_factory=list)  # rows that produce logits
-    public_batch: tuple[int, int, int] | None = None                # (n_tokens, tok0, pos0) to verify
+    public_batch: tuple[int, int, int] | None = None  # (n_tokens, tok0, pos0) to verify
     sampler_seen: bool = False
     seqs: dict[int, SeqState] = field(default_factory=dict)
     requests: int = 0
@@ -77,10 +77,10 @@ class CtxState:
 
 @dataclass
 class Counters:
-    samples_unresolved: int = 0   # sampler index that matches no row of the last decode
-    logits_incomplete: int = 0    # token rows whose logits row lost a chunk
+    samples_unresolved: int = 0  # sampler index that matches no row of the last decode
+    logits_incomplete: int = 0  # token rows whose logits row lost a chunk
     verified_ubatches: int = 0
-    verified_decodes: int = 0     # micro-batches checked against the public llama_batch
+    verified_decodes: int = 0  # micro-batches checked against the public llama_batch
 
 
 class Correlator:
@@ -162,10 +162,17 @@ class Correlator:
             c.rows, c.outputs = [], []
         m = int(r["n_copied"])
         step = Step(
-            step_id=self.next_step_id, ctx_id=c.ctx_id, decode_id=c.decode_id, tid=tid,
-            t_start=int(r["ts_ns"]), t_end=None,
-            token=np.array(r["token"][:m]), pos=np.array(r["pos"][:m]), seq=np.array(r["seq_id"][:m]),
-            output=np.array(r["output"][:m]), n_tokens=int(r["n_tokens"]),
+            step_id=self.next_step_id,
+            ctx_id=c.ctx_id,
+            decode_id=c.decode_id,
+            tid=tid,
+            t_start=int(r["ts_ns"]),
+            t_end=None,
+            token=np.array(r["token"][:m]),
+            pos=np.array(r["pos"][:m]),
+            seq=np.array(r["seq_id"][:m]),
+            output=np.array(r["output"][:m]),
+            n_tokens=int(r["n_tokens"]),
             truncated=bool(int(r["flags"]) & ev.UB_FLAG_TRUNCATED),
         )
         self.next_step_id += 1
@@ -190,13 +197,23 @@ class Correlator:
         counts = np.unique(step.seq, return_counts=True)[1] if len(step.seq) else np.array([0])
         self._append(
             self._steps,
-            step_id=step.step_id, ctx_id=step.ctx_id, decode_id=step.decode_id,
-            t_start_ns=step.t_start, t_end_ns=step.t_end, ts_unix_ms=self._wall_ms(step.t_start),
-            n_tokens=step.n_tokens, n_outputs=int(np.count_nonzero(step.output)),
+            step_id=step.step_id,
+            ctx_id=step.ctx_id,
+            decode_id=step.decode_id,
+            t_start_ns=step.t_start,
+            t_end_ns=step.t_end,
+            ts_unix_ms=self._wall_ms(step.t_start),
+            n_tokens=step.n_tokens,
+            n_outputs=int(np.count_nonzero(step.output)),
             phase=PHASE_PREFILL if counts.max() > 1 else PHASE_DECODE,
-            seq_ids=seq_ids, token_ids=step.token.tolist(), positions=step.pos.tolist(),
-            row_seq_ids=step.seq.tolist(), output_rows=np.flatnonzero(step.output).tolist(),
-            truncated=step.truncated, pid=self.pid, tid=step.tid,
+            seq_ids=seq_ids,
+            token_ids=step.token.tolist(),
+            positions=step.pos.tolist(),
+            row_seq_ids=step.seq.tolist(),
+            output_rows=np.flatnonzero(step.output).tolist(),
+            truncated=step.truncated,
+            pid=self.pid,
+            tid=step.tid,
         )
 
     def _on_sample_begin(self, r: np.void) -> None:
@@ -257,19 +274,26 @@ class Correlator:
             tok, pos = int(step.token[first]), int(step.pos[first])
             st = c.seqs.get(seq)
             cleared = st is not None and any(cs in (-1, seq) and p0 <= st.max_pos for cs, p0 in clears)
-            if st is not None and not cleared and pos == st.max_pos + 1:
-                if st.expect_token is None or st.expect_token == tok:
-                    self._maybe_next_input(c, st, step, first)
-                    st.expect_token = None
-                    st.max_pos = max(st.max_pos, int(step.pos[rows].max()))
-                    continue
+            continues = (
+                st is not None
+                and not cleared
+                and pos == st.max_pos + 1
+                and (st.expect_token is None or st.expect_token == tok)
+            )
+            if st is not None and continues:
+                self._maybe_next_input(c, st, step, first)
+                st.expect_token = None
+                st.max_pos = max(st.max_pos, int(step.pos[rows].max()))
+                continue
             # A new request. Seen for the first time since attach as a lone token past position 0,
             # it was most likely already running: partial (a prefix-cache hit that leaves a single
             # prompt token to evaluate looks the same; partial errs on the safe side).
             partial = st is None and len(rows) == 1 and pos > 0
             c.requests += 1
             c.seqs[seq] = SeqState(
-                request_id=f"r{c.ctx_id}-{seq}-{c.requests}", partial=partial, max_pos=int(step.pos[rows].max())
+                request_id=f"r{c.ctx_id}-{seq}-{c.requests}",
+                partial=partial,
+                max_pos=int(step.pos[rows].max()),
             )
 
     def _maybe_next_input(self, c: CtxState, st: SeqState, step: Step, row: int) -> None:
@@ -288,23 +312,34 @@ class Correlator:
         st = c.seqs.get(seq)
         if st is None:  # attached between a forward pass and its sampling
             c.requests += 1
-            st = c.seqs[seq] = SeqState(request_id=f"r{c.ctx_id}-{seq}-{c.requests}", partial=True, max_pos=logits_pos)
+            st = c.seqs[seq] = SeqState(
+                request_id=f"r{c.ctx_id}-{seq}-{c.requests}", partial=True, max_pos=logits_pos
+            )
         stats = row_stats(logits, token) if logits is not None else None
         first = st.samples == 0
         self._append(
             self._tokens,
-            request_id=st.request_id, ctx_id=c.ctx_id, seq_id=seq,
+            request_id=st.request_id,
+            ctx_id=c.ctx_id,
+            seq_id=seq,
             decode_order=None if st.partial else st.samples,
-            pos=logits_pos + 1, logits_pos=logits_pos,
+            pos=logits_pos + 1,
+            logits_pos=logits_pos,
             phase=PHASE_PREFILL if first and not st.partial else PHASE_DECODE,
-            token_id=token, token_source=source,
+            token_id=token,
+            token_source=source,
             log_prob=stats.log_prob if stats else None,
             top_ids=stats.top_ids if stats else None,
             top_log_probs=stats.top_log_probs if stats else None,
             entropy=stats.entropy if stats else None,
-            step_id=step.step_id, t_start_ns=step.t_start, t_end_ns=step.t_end,
+            step_id=step.step_id,
+            t_start_ns=step.t_start,
+            t_end_ns=step.t_end,
             ts_unix_ms=self._wall_ms(step.t_end) if step.t_end is not None else None,
-            batch_size=step.n_tokens, partial=st.partial, pid=self.pid, tid=tid,
+            batch_size=step.n_tokens,
+            partial=st.partial,
+            pid=self.pid,
+            tid=tid,
         )
         st.samples += 1
         st.expect_token = token
@@ -335,17 +370,23 @@ class Correlator:
         if c.public_batch is not None and m:
             n, tok0, pos0 = c.public_batch
             c.public_batch = None
-            if step.n_tokens > n or (has_tokens and tok0 != int(step.token[0])) or (pos0 >= 0 and pos0 != int(step.pos[0])):
+            if (
+                step.n_tokens > n
+                or (has_tokens and tok0 != int(step.token[0]))
+                or (pos0 >= 0 and pos0 != int(step.pos[0]))
+            ):
                 problems.append(
-                    f"micro-batch (n={step.n_tokens}, token0={int(step.token[0])}, pos0={int(step.pos[0])}) does not "
-                    f"match the public llama_batch (n={n}, token0={tok0}, pos0={pos0})"
+                    f"micro-batch (n={step.n_tokens}, token0={int(step.token[0])}, "
+                    f"pos0={int(step.pos[0])}) does not match the public llama_batch "
+                    f"(n={n}, token0={tok0}, pos0={pos0})"
                 )
             else:
                 self.counters.verified_decodes += 1
         if problems:
             raise UnsupportedEngineBuild(
                 "unsupported engine build: the llama_ubatch layout failed verification on live data ("
-                + "; ".join(problems) + "). Nothing more was recorded."
+                + "; ".join(problems)
+                + "). Nothing more was recorded."
             )
         self.counters.verified_ubatches += 1
 

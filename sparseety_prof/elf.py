@@ -12,13 +12,15 @@ def load_segments(path: Path) -> list[tuple[int, int, int]]:
         ehdr = f.read(64)
         if ehdr[:4] != b"\x7fELF" or ehdr[4] != 2:
             raise ValueError(f"{path} is not a 64-bit ELF file")
-        e_phoff, = struct.unpack_from("<Q", ehdr, 0x20)
+        (e_phoff,) = struct.unpack_from("<Q", ehdr, 0x20)
         e_phentsize, e_phnum = struct.unpack_from("<HH", ehdr, 0x36)
         f.seek(e_phoff)
         ph = f.read(e_phentsize * e_phnum)
     segs = []
     for i in range(e_phnum):
-        p_type, _flags, p_offset, p_vaddr, _paddr, p_filesz = struct.unpack_from("<IIQQQQ", ph, i * e_phentsize)
+        p_type, _flags, p_offset, p_vaddr, _paddr, p_filesz = struct.unpack_from(
+            "<IIQQQQ", ph, i * e_phentsize
+        )
         if p_type == 1:
             segs.append((p_vaddr, p_offset, p_filesz))
     return segs

@@ -58,7 +58,14 @@ UBATCH_DTYPE = np.dtype(
     ]
 )
 LOGITS_DTYPE = np.dtype(
-    [*HDR, ("idx", "<i4"), ("chunk", "<u4"), ("n_vals", "<u4"), ("n_vocab", "<u4"), ("vals", "<f4", (LOGITS_CHUNK,))]
+    [
+        *HDR,
+        ("idx", "<i4"),
+        ("chunk", "<u4"),
+        ("n_vals", "<u4"),
+        ("n_vocab", "<u4"),
+        ("vals", "<f4", (LOGITS_CHUNK,)),
+    ]
 )
 
 _SIZE_TO_DTYPE = {
@@ -97,7 +104,9 @@ def decode_records(records: list[bytes]) -> EventBatch:
     for size, recs in groups.items():
         dt = _SIZE_TO_DTYPE.get(size)
         if dt is None:
-            raise ValueError(f"ring buffer record of unexpected size {size} (events.h and events.py disagree)")
+            raise ValueError(
+                f"ring buffer record of unexpected size {size} (events.h and events.py disagree)"
+            )
         arr = np.frombuffer(b"".join(recs), dtype=dt)
         if dt is SMALL_DTYPE:
             out.small = arr

@@ -38,8 +38,8 @@ class UbatchLayout:
 
 @dataclass(frozen=True)
 class EngineBuild:
-    engine: str            # "llama-cpp-python" | "xllamacpp"
-    version: str           # package version
+    engine: str  # "llama-cpp-python" | "xllamacpp"
+    version: str  # package version
     llama_cpp_commit: str  # the llama.cpp source it bundles, where known
     ubatch: UbatchLayout
 

@@ -112,7 +112,11 @@ class Recorder:
     """The consumer loop. `run()` blocks until stopped; `stop()` may be called from any thread."""
 
     def __init__(
-        self, opts: Options, *, on_progress: Callable[[Progress], None] | None = None, log: Callable[[str], None] | None = None
+        self,
+        opts: Options,
+        *,
+        on_progress: Callable[[Progress], None] | None = None,
+        log: Callable[[str], None] | None = None,
     ) -> None:
         self.opts = opts
         self.on_progress = on_progress
@@ -156,7 +160,7 @@ class Recorder:
                     self.stop("duration reached")
                 if not _alive(opts.pid):
                     self.stop("target exited")
-        except BaseException as e:  # noqa: BLE001 - re-raised after the recording is closed cleanly
+        except BaseException as e:
             error = e
         finally:
             rest = reader.stop()
@@ -165,7 +169,7 @@ class Recorder:
             if error is None:
                 try:
                     self._consume(rest, corr, tracker, writer, a.session, counters=counters, final=True)
-                except BaseException as e:  # noqa: BLE001
+                except BaseException as e:
                     error = e
             else:
                 tracker.update(decode_records(rest).seqs(), final=True)
@@ -268,10 +272,19 @@ def summary_line(meta: dict[str, Any]) -> str:
     losses = meta.get("losses", {})
     return (
         f"sparseety-prof: {meta['counts']['tokens']} tokens, {meta['counts']['steps']} steps; "
-        f"losses: {losses.get('kernel_drops', 0)} dropped in kernel, {losses.get('seq_gaps', 0)} sequence gaps, "
+        f"losses: {losses.get('kernel_drops', 0)} dropped in kernel, "
+        f"{losses.get('seq_gaps', 0)} sequence gaps, "
         f"{losses.get('logits_incomplete', 0)} incomplete logits; profiler CPU {meta['profiler_cpu_s']:.2f}s "
         f"(BPF compile {meta['bpf_compile_s']:.2f}s); stopped: {meta['stop_reason']}"
     )
 
 
-__all__ = ["Options", "Progress", "Recorder", "attach", "install_signal_handlers", "summary_line", "ProfError"]
+__all__ = [
+    "Options",
+    "ProfError",
+    "Progress",
+    "Recorder",
+    "attach",
+    "install_signal_handlers",
+    "summary_line",
+]

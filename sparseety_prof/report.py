@@ -21,25 +21,27 @@ def print_report(path: Path, *, console: Console | None = None) -> None:
     engine = meta.get("engine", {})
     model = meta.get("model", {})
     head.add_row("engine", f"{engine.get('name', '?')} {engine.get('version', '?')}")
-    head.add_row("model", f"{model.get('path', '?')} ({model.get('architecture', '?')}, sha256 "
-                          f"{str(model.get('sha256', ''))[:12]}…)")
+    head.add_row(
+        "model",
+        f"{model.get('path', '?')} ({model.get('architecture', '?')}, sha256 "
+        f"{str(model.get('sha256', ''))[:12]}…)",
+    )
     head.add_row("target", f"PID {meta.get('target', {}).get('pid', '?')}")
-    head.add_row("complete", str(r.complete) + ("" if r.complete else " (interrupted: the last segment may be lost)"))
+    head.add_row(
+        "complete", str(r.complete) + ("" if r.complete else " (interrupted: the last segment may be lost)")
+    )
     losses = meta.get("losses", {})
     head.add_row("losses", ", ".join(f"{k}={v}" for k, v in losses.items()) or "unknown")
     head.add_row("tokens / steps", f"{tokens.height} / {steps.height}")
     con.print(head)
 
     if tokens.height:
-        per_req = (
-            tokens.group_by("request_id", maintain_order=True)
-            .agg(
-                pl.len().alias("tokens"),
-                pl.col("partial").any().alias("partial"),
-                pl.col("log_prob").mean().alias("mean_log_prob"),
-                pl.col("log_prob").min().alias("min_log_prob"),
-                ((pl.col("t_end_ns").max() - pl.col("t_end_ns").min()) / 1e6).alias("span_ms"),
-            )
+        per_req = tokens.group_by("request_id", maintain_order=True).agg(
+            pl.len().alias("tokens"),
+            pl.col("partial").any().alias("partial"),
+            pl.col("log_prob").mean().alias("mean_log_prob"),
+            pl.col("log_prob").min().alias("min_log_prob"),
+            ((pl.col("t_end_ns").max() - pl.col("t_end_ns").min()) / 1e6).alias("span_ms"),
         )
         t = Table(title="requests")
         for c in per_req.columns:

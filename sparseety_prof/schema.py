@@ -13,47 +13,47 @@ SCHEMA_VERSION = 1
 
 #: One row per token the sampler returned (EOS included).
 TOKENS: dict[str, pl.DataType] = {
-    "request_id": pl.String(),      # segmented request ("r<ctx>-<seq>-<n>") or, later, the HTTP id
-    "ctx_id": pl.Int32(),           # engine context ordinal within the process (draft/embedding ctxs differ)
-    "seq_id": pl.Int32(),           # llama.cpp sequence id of the logits row
-    "decode_order": pl.Int32(),     # 0 = first generated token of the request; null when partial
-    "pos": pl.Int32(),              # position the sampled token will occupy (logits_pos + 1)
-    "logits_pos": pl.Int32(),       # position of the row whose logits produced it
-    "phase": pl.String(),           # "prefill" (sampled from a prompt step) or "decode"
+    "request_id": pl.String(),  # segmented request ("r<ctx>-<seq>-<n>") or, later, the HTTP id
+    "ctx_id": pl.Int32(),  # engine context ordinal within the process (draft/embedding ctxs differ)
+    "seq_id": pl.Int32(),  # llama.cpp sequence id of the logits row
+    "decode_order": pl.Int32(),  # 0 = first generated token of the request; null when partial
+    "pos": pl.Int32(),  # position the sampled token will occupy (logits_pos + 1)
+    "logits_pos": pl.Int32(),  # position of the row whose logits produced it
+    "phase": pl.String(),  # "prefill" (sampled from a prompt step) or "decode"
     "token_id": pl.Int32(),
-    "token_text": pl.String(),      # from the GGUF vocabulary; null with --redact-text
-    "token_source": pl.String(),    # "sampler" (sampler return value) or "next_input"
-    "log_prob": pl.Float64(),       # log-softmax of the raw logits row (before temperature/penalties)
+    "token_text": pl.String(),  # from the GGUF vocabulary; null with --redact-text
+    "token_source": pl.String(),  # "sampler" (sampler return value) or "next_input"
+    "log_prob": pl.Float64(),  # log-softmax of the raw logits row (before temperature/penalties)
     "top_ids": pl.List(pl.Int32()),
     "top_log_probs": pl.List(pl.Float32()),
-    "entropy": pl.Float32(),        # of softmax(raw logits), nats
-    "step_id": pl.Int64(),          # the micro-batch (steps table) whose logits produced the token
-    "t_start_ns": pl.Int64(),       # CLOCK_MONOTONIC, step start
-    "t_end_ns": pl.Int64(),         # CLOCK_MONOTONIC, step end
-    "ts_unix_ms": pl.Int64(),       # wall clock of t_end_ns
-    "batch_size": pl.Int32(),       # tokens in that micro-batch
-    "partial": pl.Boolean(),        # request already running when the profiler attached
+    "entropy": pl.Float32(),  # of softmax(raw logits), nats
+    "step_id": pl.Int64(),  # the micro-batch (steps table) whose logits produced the token
+    "t_start_ns": pl.Int64(),  # CLOCK_MONOTONIC, step start
+    "t_end_ns": pl.Int64(),  # CLOCK_MONOTONIC, step end
+    "ts_unix_ms": pl.Int64(),  # wall clock of t_end_ns
+    "batch_size": pl.Int32(),  # tokens in that micro-batch
+    "partial": pl.Boolean(),  # request already running when the profiler attached
     "pid": pl.Int32(),
-    "tid": pl.Int32(),              # thread that called the sampler
+    "tid": pl.Int32(),  # thread that called the sampler
 }
 
 #: One row per micro-batch (one forward pass, `llama_context::process_ubatch`).
 STEPS: dict[str, pl.DataType] = {
     "step_id": pl.Int64(),
     "ctx_id": pl.Int32(),
-    "decode_id": pl.Int64(),        # the decode call (llama_decode) this micro-batch belongs to
+    "decode_id": pl.Int64(),  # the decode call (llama_decode) this micro-batch belongs to
     "t_start_ns": pl.Int64(),
     "t_end_ns": pl.Int64(),
-    "ts_unix_ms": pl.Int64(),       # wall clock of t_start_ns
+    "ts_unix_ms": pl.Int64(),  # wall clock of t_start_ns
     "n_tokens": pl.Int32(),
-    "n_outputs": pl.Int32(),        # rows that produce logits
-    "phase": pl.String(),           # "prefill" if it holds more than one token of some sequence
-    "seq_ids": pl.List(pl.Int32()),     # distinct sequences in the step
-    "token_ids": pl.List(pl.Int32()),   # per row
-    "positions": pl.List(pl.Int32()),   # per row
-    "row_seq_ids": pl.List(pl.Int32()), # per row (first seq id of the row)
-    "output_rows": pl.List(pl.Int32()), # row indices that produce logits
-    "truncated": pl.Boolean(),      # more rows than the probe copies (rows beyond are missing)
+    "n_outputs": pl.Int32(),  # rows that produce logits
+    "phase": pl.String(),  # "prefill" if it holds more than one token of some sequence
+    "seq_ids": pl.List(pl.Int32()),  # distinct sequences in the step
+    "token_ids": pl.List(pl.Int32()),  # per row
+    "positions": pl.List(pl.Int32()),  # per row
+    "row_seq_ids": pl.List(pl.Int32()),  # per row (first seq id of the row)
+    "output_rows": pl.List(pl.Int32()),  # row indices that produce logits
+    "truncated": pl.Boolean(),  # more rows than the probe copies (rows beyond are missing)
     "pid": pl.Int32(),
     "tid": pl.Int32(),
 }
@@ -78,6 +78,4 @@ def frame(table: str, columns: dict[str, list[object]]) -> pl.DataFrame:
     if unknown:
         raise KeyError(f"columns not in the {table} schema: {sorted(unknown)}")
     n = len(next(iter(columns.values()))) if columns else 0
-    return pl.DataFrame(
-        {name: columns.get(name, [None] * n) for name in schema}, schema=schema, strict=False
-    )
+    return pl.DataFrame({name: columns.get(name, [None] * n) for name in schema}, schema=schema, strict=False)

@@ -13,7 +13,9 @@ from pathlib import Path
 from .errors import MissingPrivileges, NoSuchProcess, NotAnEngine
 
 # Symbols that make a library a llama.cpp engine library we can probe.
-SYM_UBATCH = "_ZN13llama_context14process_ubatchERK12llama_ubatch14llm_graph_typeP22llama_memory_context_iR11ggml_status"
+SYM_UBATCH = (
+    "_ZN13llama_context14process_ubatchERK12llama_ubatch14llm_graph_typeP22llama_memory_context_iR11ggml_status"
+)
 SYM_DECODE = "_ZN13llama_context6decodeERK11llama_batch"
 SYM_DECODE_EXT = "_ZN13llama_context6decodeERK15llama_batch_ext"
 SYM_LLAMA_SAMPLER = "llama_sampler_sample"
@@ -67,7 +69,9 @@ def check_privileges() -> None:
         if os.geteuid() == 0
         else 'run it as root: sudo env "PATH=$PATH" sparseety-prof ...'
     )
-    raise MissingPrivileges(f"attaching eBPF uprobes needs CAP_BPF and CAP_PERFMON (or CAP_SYS_ADMIN); {hint}")
+    raise MissingPrivileges(
+        f"attaching eBPF uprobes needs CAP_BPF and CAP_PERFMON (or CAP_SYS_ADMIN); {hint}"
+    )
 
 
 def _effective_caps() -> int:
@@ -111,8 +115,9 @@ def inspect(pid: int) -> Target:
         if re.search(r"\.so(\.\d+)*$", path) or path == exe:
             libs.append(MappedLib(Path(path), inode))
     models = _open_models(pid, [p for p, _ in maps])
-    return Target(pid=pid, exe=exe, cmdline=[c.decode(errors="replace") for c in cmdline], libs=libs,
-                  model_paths=models)
+    return Target(
+        pid=pid, exe=exe, cmdline=[c.decode(errors="replace") for c in cmdline], libs=libs, model_paths=models
+    )
 
 
 def _open_models(pid: int, mapped: list[str]) -> list[Path]:
@@ -168,8 +173,17 @@ def build_id(path: Path) -> str | None:
 def find_engine_libs(t: Target) -> dict[str, Path]:
     """Which mapped file holds each probe point. Raises NotAnEngine when none is llama.cpp."""
     where: dict[str, Path] = {}
-    wanted = {SYM_UBATCH, SYM_DECODE, SYM_DECODE_EXT, SYM_LLAMA_SAMPLER, SYM_COMMON_SAMPLER, SYM_LOGITS_ITH,
-              SYM_SEQ_RM, SYM_MEM_CLEAR, SYM_GET_MEMORY}
+    wanted = {
+        SYM_UBATCH,
+        SYM_DECODE,
+        SYM_DECODE_EXT,
+        SYM_LLAMA_SAMPLER,
+        SYM_COMMON_SAMPLER,
+        SYM_LOGITS_ITH,
+        SYM_SEQ_RM,
+        SYM_MEM_CLEAR,
+        SYM_GET_MEMORY,
+    }
     for lib in t.libs:
         name = lib.path.name
         if not ("llama" in name or "ggml" in name or name == Path(t.exe).name or "common" in name):

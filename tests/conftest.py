@@ -78,7 +78,9 @@ class Engine:
         self.proc.stdin.write(json.dumps(obj) + "\n")
         self.proc.stdin.flush()
 
-    def generate(self, prompts: list[str], max_tokens: int, temp: float = 0.0, seed: int = 1) -> list[dict[str, Any]]:
+    def generate(
+        self, prompts: list[str], max_tokens: int, temp: float = 0.0, seed: int = 1
+    ) -> list[dict[str, Any]]:
         self.send({"prompts": prompts, "max_tokens": max_tokens, "temp": temp, "seed": seed})
         return list(self.read(timeout=600)["results"])
 
@@ -113,7 +115,10 @@ class Recorder:
         self.out = out
         self.proc = subprocess.Popen(
             [*CLI, "record", "--pid", str(pid), "-o", str(out), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
         )
         self.banner = self._wait_attached()
 

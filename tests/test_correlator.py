@@ -35,8 +35,13 @@ class Script:
         r["a"], r["b"], r["c"] = a, b, c
         self.recs.append(r.tobytes())
 
-    def ubatch(self, tokens: list[int], pos: list[int], seqs: list[int] | None = None,
-               outputs: list[int] | None = None) -> None:
+    def ubatch(
+        self,
+        tokens: list[int],
+        pos: list[int],
+        seqs: list[int] | None = None,
+        outputs: list[int] | None = None,
+    ) -> None:
         r = np.zeros(1, ev.UBATCH_DTYPE)
         self._hdr(r, ev.EV_UBATCH)
         n = len(tokens)

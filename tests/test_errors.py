@@ -23,8 +23,15 @@ from sparseety_prof.errors import (
 
 
 def test_exit_codes_are_distinct() -> None:
-    classes = [UsageError, NoSuchProcess, NotAnEngine, MissingPrivileges, UnsupportedEngineBuild,
-               CorruptRecording, BpfUnavailable]
+    classes = [
+        UsageError,
+        NoSuchProcess,
+        NotAnEngine,
+        MissingPrivileges,
+        UnsupportedEngineBuild,
+        CorruptRecording,
+        BpfUnavailable,
+    ]
     codes = [c.exit_code for c in classes]
     assert len(set(codes)) == len(codes) and 0 not in codes and 1 not in codes
 
@@ -65,9 +72,24 @@ def test_missing_privileges(models: dict[str, Path], tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
         r = subprocess.run(
-            [setpriv, "--inh-caps=-all", "--bounding-set=-all", sys.executable, "-m", "sparseety_prof.cli",
-             "record", "--pid", str(e.pid), "-o", str(tmp_path / "x")],
-            capture_output=True, text=True, env=env, cwd=ROOT, timeout=60,
+            [
+                setpriv,
+                "--inh-caps=-all",
+                "--bounding-set=-all",
+                sys.executable,
+                "-m",
+                "sparseety_prof.cli",
+                "record",
+                "--pid",
+                str(e.pid),
+                "-o",
+                str(tmp_path / "x"),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=60,
         )
     finally:
         e.close()
@@ -117,7 +139,9 @@ def test_truncated_segment(tmp_path: Path) -> None:
 
     w = RecordingWriter(tmp_path / "rec", {"note": "test"})
     w.append("steps", pl.DataFrame(schema=schema.STEPS))
-    w.append("tokens", schema.frame("tokens", {"token_id": [1, 2, 3], "seq_id": [0, 0, 0], "t_end_ns": [1, 2, 3]}))
+    w.append(
+        "tokens", schema.frame("tokens", {"token_id": [1, 2, 3], "seq_id": [0, 0, 0], "t_end_ns": [1, 2, 3]})
+    )
     w.close()
     seg = next((tmp_path / "rec" / "tokens").glob("*.parquet"))
     seg.write_bytes(seg.read_bytes()[: seg.stat().st_size // 2])

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import polars as pl
 import pytest
 from conftest import ENGINES, Engine, Recorder, free_port
@@ -31,7 +30,9 @@ def server(models: dict[str, Path]) -> Iterator[Engine]:
 
 
 def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=300) as r:
         return dict(json.loads(r.read()))
 
@@ -41,9 +42,20 @@ def test_server_tokens_match_its_own_response(server: Engine, tmp_path: Path) ->
     rec = Recorder(server.pid, tmp_path / "rec")
     answers = []
     for p in PROMPTS:
-        answers.append(post(url, "/completion", {
-            "prompt": p, "n_predict": 260, "n_probs": 1, "temperature": 0, "ignore_eos": True, "return_tokens": True,
-        }))
+        answers.append(
+            post(
+                url,
+                "/completion",
+                {
+                    "prompt": p,
+                    "n_predict": 260,
+                    "n_probs": 1,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "return_tokens": True,
+                },
+            )
+        )
     rc, err = rec.stop(signal.SIGTERM)
     assert rc == 0, err
     r = sparseety_prof.open(tmp_path / "rec")
@@ -89,8 +101,15 @@ def test_repeated_prompt_is_a_new_request(server: Engine, tmp_path: Path) -> Non
     """The server's prompt cache re-evaluates only the tail: still a new request, decode_order from 0."""
     url = server.ready["url"]
     rec = Recorder(server.pid, tmp_path / "rec")
-    body = {"prompt": PROMPTS[0], "n_predict": 12, "n_probs": 1, "temperature": 0, "ignore_eos": True,
-            "return_tokens": True, "cache_prompt": True}
+    body = {
+        "prompt": PROMPTS[0],
+        "n_predict": 12,
+        "n_probs": 1,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_tokens": True,
+        "cache_prompt": True,
+    }
     a1, a2 = post(url, "/completion", body), post(url, "/completion", body)
     rc, err = rec.stop()
     assert rc == 0, err

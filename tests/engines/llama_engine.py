@@ -35,8 +35,16 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, default=1024)
     ap.add_argument("--no-logits-all", action="store_true")
     a = ap.parse_args()
-    llm = Llama(model_path=a.model, n_ctx=a.n_ctx, n_batch=512, n_threads=a.threads, n_threads_batch=a.threads,
-                seed=1, logits_all=not a.no_logits_all, verbose=False)
+    llm = Llama(
+        model_path=a.model,
+        n_ctx=a.n_ctx,
+        n_batch=512,
+        n_threads=a.threads,
+        n_threads_batch=a.threads,
+        seed=1,
+        logits_all=not a.no_logits_all,
+        verbose=False,
+    )
     print(json.dumps({"ready": os.getpid(), "n_vocab": llm.n_vocab()}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
