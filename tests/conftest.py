@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINES = Path(__file__).resolve().parent / "engines"
+ENGINES = ROOT / "scripts" / "engines"
 PY = sys.executable
 CLI = [PY, "-m", "sparseety_prof.cli"]
 

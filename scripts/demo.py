@@ -1,0 +1,102 @@
+"""The main job on the built-in default: generate a model, start a real engine, attach the
+profiler by PID, send prompts, and show what was recorded.
+
+    sudo bash scripts/demo.sh            # runs setup first, then this
+    .venv/bin/python scripts/demo.py [--engine llama-cpp-python|xllamacpp] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from scripts.make_models import make_model  # noqa: E402
+
+PROMPTS = ["hello the expert router", "the sparse decode sample", "one two three"]
+
+
+def log(msg: str) -> None:
+    print(f"[demo] {msg}", flush=True)
+
+
+def start(cmd: list[str]) -> tuple[subprocess.Popen[str], dict[str, object]]:
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert p.stdout is not None
+    for line in p.stdout:
+        if line.startswith("{"):
+            return p, json.loads(line)
+    raise SystemExit(f"engine failed to start: {' '.join(cmd)}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=["llama-cpp-python", "xllamacpp"], default="llama-cpp-python")
+    ap.add_argument("--preset", default="moe", help="model preset of scripts/make_models.py")
+    ap.add_argument("--out", type=Path, default=ROOT / "recordings" / time.strftime("demo-%Y%m%d-%H%M%S"))
+    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt")
+    a = ap.parse_args()
+
+    model = make_model(ROOT / "models" / f"{a.preset}.gguf", a.preset)
+    log(f"model: {model} ({model.stat().st_size / 1e6:.1f} MB)")
+    engines = ROOT / "scripts" / "engines"
+    if a.engine == "llama-cpp-python":
+        eng, ready = start([sys.executable, str(engines / "llama_engine.py"), str(model)])
+    else:
+        eng, ready = start([sys.executable, str(engines / "server_engine.py"), str(model), "--port", "18181"])
+    pid = int(str(ready["ready"]))
+    log(f"engine {a.engine} running as PID {pid}")
+
+    cmd = [sys.executable, "-m", "sparseety_prof.cli", "record", "--pid", str(pid), "-o", str(a.out)]
+    log("attaching: " + " ".join(["sparseety-prof", *cmd[3:]]))
+    rec = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert rec.stderr is not None
+    for line in rec.stderr:
+        sys.stderr.write(line)
+        if "attached to PID" in line:
+            break
+        if rec.poll() is not None:
+            return rec.returncode
+    try:
+        if a.engine == "llama-cpp-python":
+            assert eng.stdin and eng.stdout
+            eng.stdin.write(json.dumps({"prompts": PROMPTS, "max_tokens": a.tokens}) + "\n")
+            eng.stdin.flush()
+            json.loads(eng.stdout.readline())
+        else:
+            for p in PROMPTS:
+                body = json.dumps({"prompt": p, "n_predict": a.tokens, "temperature": 0}).encode()
+                req = urllib.request.Request(f"{ready['url']}/completion", data=body)
+                urllib.request.urlopen(req, timeout=300).read()
+        log(f"sent {len(PROMPTS)} prompts")
+    finally:
+        rec.send_signal(signal.SIGINT)
+        _, err = rec.communicate(timeout=60)
+        sys.stderr.write(err)
+        eng.kill()
+        eng.wait()
+    if rec.returncode != 0:
+        return rec.returncode
+    import polars as pl
+
+    import sparseety_prof
+    from sparseety_prof.report import print_report
+
+    print_report(a.out)
+    t = sparseety_prof.open(a.out).tokens()
+    with pl.Config(tbl_rows=12, tbl_cols=10, tbl_width_chars=140):
+        print(t.select("request_id", "decode_order", "pos", "token_id", "token_text", "log_prob", "phase").head(12))
+    log(f"recording: {a.out}  (open it with sparseety_prof.open(path).tokens())")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
