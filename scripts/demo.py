@@ -29,7 +29,9 @@ def log(msg: str) -> None:
 
 
 def start(cmd: list[str]) -> tuple[subprocess.Popen[str], dict[str, object]]:
-    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    p = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     assert p.stdout is not None
     for line in p.stdout:
         if line.startswith("{"):
@@ -93,7 +95,11 @@ def main() -> int:
     print_report(a.out)
     t = sparseety_prof.open(a.out).tokens()
     with pl.Config(tbl_rows=12, tbl_cols=10, tbl_width_chars=140):
-        print(t.select("request_id", "decode_order", "pos", "token_id", "token_text", "log_prob", "phase").head(12))
+        print(
+            t.select("request_id", "decode_order", "pos", "token_id", "token_text", "log_prob", "phase").head(
+                12
+            )
+        )
     log(f"recording: {a.out}  (open it with sparseety_prof.open(path).tokens())")
     return 0
 

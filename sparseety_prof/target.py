@@ -14,7 +14,8 @@ from .errors import MissingPrivileges, NoSuchProcess, NotAnEngine
 
 # Symbols that make a library a llama.cpp engine library we can probe.
 SYM_UBATCH = (
-    "_ZN13llama_context14process_ubatchERK12llama_ubatch14llm_graph_typeP22llama_memory_context_iR11ggml_status"
+    "_ZN13llama_context14process_ubatchERK12llama_ubatch14llm_graph_type"
+    "P22llama_memory_context_iR11ggml_status"
 )
 SYM_DECODE = "_ZN13llama_context6decodeERK11llama_batch"
 SYM_DECODE_EXT = "_ZN13llama_context6decodeERK15llama_batch_ext"
