@@ -22,7 +22,7 @@ from .bpf_loader import RingReader, Session, compile_and_attach
 from .correlator import Correlator
 from .errors import NotAnEngine, ProfError
 from .events import SeqTracker, decode_records
-from .gguf_info import ModelInfo, Vocab, read_model_info
+from .gguf_info import ModelInfo, Vocab, read_model_info, sha256_file
 from .recording import RecordingWriter, sudo_owner
 
 DRAIN_INTERVAL_S = 0.2
@@ -82,7 +82,8 @@ def attach(opts: Options) -> Attached:
             f"PID {opts.pid} has no .gguf model file mapped or open (was it loaded with use_mmap=False?); "
             f"pass --model PATH"
         )
-    model = read_model_info(model_path)
+    # the sha256 of a multi-GB model takes a while: it is computed after attaching (Recorder.run)
+    model = read_model_info(model_path, with_sha256=False)
     vocab = Vocab.from_gguf(model_path)
     sess = compile_and_attach(opts.pid, where, build.ubatch, len(vocab), skip=opts.skip_probes)
     return Attached(t, build, model, vocab, sess, where)
@@ -144,6 +145,13 @@ class Recorder:
         tracker = SeqTracker()
         reader = RingReader(a.session)
         reader.start()
+        model_hash: dict[str, str] = {}
+        hasher = threading.Thread(
+            target=lambda: model_hash.update(sha256=sha256_file(a.model.path)),
+            name="model-sha256",
+            daemon=True,
+        )
+        hasher.start()
         start_unix_ms = time.time_ns() // 1_000_000
         self.log(
             f"sparseety-prof: attached to PID {opts.pid} ({a.build.engine} {a.build.version}, model "
@@ -195,6 +203,10 @@ class Recorder:
                 "profiler_cpu_s": round(self.progress.cpu_s, 3),
                 "bpf_compile_s": round(a.session.compile_s, 3),
             }
+            if hasher.is_alive():
+                self.log("sparseety-prof: finishing the model file's sha256 ...")
+            hasher.join()
+            final["model"] = {**self.meta["model"], "sha256": model_hash.get("sha256")}
             self.meta.update(final)
             if writer is not None:
                 writer.close(**final)

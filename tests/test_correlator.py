@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -210,3 +214,24 @@ def test_header_mirror_sizes() -> None:
     assert ev.SMALL_DTYPE.itemsize == 56
     assert ev.UBATCH_DTYPE.itemsize == 32 + 8 + 13 * ev.MAX_UB_TOK
     assert ev.LOGITS_DTYPE.itemsize == 32 + 16 + 4 * ev.LOGITS_CHUNK
+
+
+def test_c_struct_sizes_match_the_python_mirror(tmp_path: Path) -> None:
+    """Compile events.h with the C compiler and compare every record size with events.py."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler is part of the build tools BCC needs"
+    src = tmp_path / "sizes.c"
+    src.write_text(
+        '#include <stdio.h>\n#include <linux/types.h>\n#include "events.h"\n'
+        'int main(void){printf("%zu %zu %zu %zu\\n", sizeof(struct ev_hdr), sizeof(struct ev_small),'
+        " sizeof(struct ev_ubatch), sizeof(struct ev_logits)); return 0;}\n"
+    )
+    exe = tmp_path / "sizes"
+    subprocess.run([cc, f"-I{ev.PROBES_DIR}", str(src), "-o", str(exe)], check=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+    assert [int(x) for x in out] == [
+        ev.HDR_DTYPE.itemsize,
+        ev.SMALL_DTYPE.itemsize,
+        ev.UBATCH_DTYPE.itemsize,
+        ev.LOGITS_DTYPE.itemsize,
+    ]

@@ -177,7 +177,12 @@ def _wait(rec: Recorder) -> tuple[int, str]:
     return rec.proc.returncode, err
 
 
-def test_recording_files_private(llama_engine: Engine, tmp_path: Path) -> None:
+def test_recording_files_private(
+    llama_engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # as if run through sudo by user 65534: the recording must belong to that user
+    monkeypatch.setenv("SUDO_UID", "65534")
+    monkeypatch.setenv("SUDO_GID", "65534")
     rec = Recorder(llama_engine.pid, tmp_path / "rec", "--redact-text")
     llama_engine.generate(["hello"], max_tokens=8)
     rc, err = rec.stop()
@@ -188,4 +193,6 @@ def test_recording_files_private(llama_engine: Engine, tmp_path: Path) -> None:
     r = sparseety_prof.open(tmp_path / "rec")
     t = r.tokens()
     assert t.height == 8 and t["token_text"].null_count() == 8 and t["token_id"].null_count() == 0
-    assert os.stat(tmp_path / "rec").st_uid == os.geteuid()
+    for p in [tmp_path / "rec", *(tmp_path / "rec").rglob("*")]:
+        st = os.stat(p)
+        assert (st.st_uid, st.st_gid) == (65534, 65534), p
