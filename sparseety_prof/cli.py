@@ -35,6 +35,57 @@ def _cmd_record(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_attach(args: argparse.Namespace) -> int:
+    import time
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from .live import LiveState, render
+    from .record import Options, Progress, Recorder, install_signal_handlers, summary_line
+
+    opts = Options(
+        pid=args.pid, out=args.output, duration=args.duration, redact_text=args.redact_text, model=args.model
+    )
+    console = Console(stderr=True)
+    live = Live(console=console, refresh_per_second=4, auto_refresh=False, transient=False)
+    state: list[LiveState] = []
+    t0 = time.monotonic()
+
+    def on_update(tok: dict, steps: dict, p: Progress) -> None:
+        if not state:
+            eng, model = rec.meta.get("engine", {}), rec.meta.get("model", {})
+            state.append(
+                LiveState(
+                    pid=args.pid,
+                    engine=f"{eng.get('name', '?')} {eng.get('version', '')}".strip(),
+                    model=str(model.get("path", "?")).rsplit("/", 1)[-1],
+                    recording=str(args.output) if args.output else None,
+                )
+            )
+        state[0].update(tok, steps, p.counters())
+        live.update(render(state[0].snapshot(time.monotonic_ns(), time.monotonic() - t0)), refresh=True)
+
+    rec = Recorder(opts, on_update=on_update, log=lambda s: console.print(s, markup=False, highlight=False))
+    install_signal_handlers(rec)
+    with live:
+        meta = rec.run()
+    console.print(summary_line(meta), markup=False, highlight=False)
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import print_checks, run_checks
+
+    checks = run_checks(args.pid)
+    print_checks(checks)
+    failed = [c.name for c in checks if not c.ok]
+    if failed:
+        print(f"sparseety-prof doctor: {len(failed)} check(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from .report import print_report
 
@@ -68,6 +119,23 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model", type=Path, default=None, help="model file, when the engine has none mapped")
     r.add_argument("--skip-probe", action="append", help=argparse.SUPPRESS)
     r.set_defaults(func=_cmd_record)
+
+    at = sub.add_parser(
+        "attach",
+        help="attach to an engine and show its tokens live (optionally recording)",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    at.add_argument("--pid", type=int, required=True, help="process id of the running engine")
+    at.add_argument("-o", "--output", type=Path, default=None, help="also record to this directory")
+    at.add_argument("--duration", type=float, default=None, help="detach after this many seconds")
+    at.add_argument("--redact-text", action="store_true", help="keep token ids but store no token text")
+    at.add_argument("--model", type=Path, default=None, help="model file, when the engine has none mapped")
+    at.set_defaults(func=_cmd_attach)
+
+    dr = sub.add_parser("doctor", help="check privileges, BPF, headers, tracefs and (with --pid) the engine")
+    dr.add_argument("--pid", type=int, default=None, help="also check this engine process")
+    dr.set_defaults(func=_cmd_doctor)
 
     rp = sub.add_parser("report", help="summary tables of a recording")
     rp.add_argument("recording", type=Path)

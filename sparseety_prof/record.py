@@ -49,12 +49,17 @@ class Progress:
     seq_gaps: int = 0
     cpu_s: float = 0.0
     lag_ms: float = 0.0
+    logits_incomplete: int = 0
     started_ns: int = field(default_factory=time.monotonic_ns)
-    recent_tokens: list[dict[str, Any]] = field(default_factory=list)
 
-    @property
-    def losses(self) -> int:
-        return max(self.kernel_drops, self.seq_gaps)
+    def counters(self) -> dict[str, float]:
+        return {
+            "cpu_s": self.cpu_s,
+            "lag_ms": self.lag_ms,
+            "kernel_drops": self.kernel_drops,
+            "seq_gaps": self.seq_gaps,
+            "logits_incomplete": self.logits_incomplete,
+        }
 
 
 @dataclass
@@ -116,16 +121,17 @@ class Recorder:
         self,
         opts: Options,
         *,
-        on_progress: Callable[[Progress], None] | None = None,
+        on_update: Callable[[dict[str, list[Any]], dict[str, list[Any]], Progress], None] | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
         self.opts = opts
-        self.on_progress = on_progress
+        self.on_update = on_update
         self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
         self.progress = Progress()
         self._stop = threading.Event()
         self.stop_reason = ""
         self.meta: dict[str, Any] = {}
+        self._cpu0 = 0.0
 
     def stop(self, reason: str) -> None:
         if not self._stop.is_set():
@@ -134,7 +140,7 @@ class Recorder:
 
     def run(self) -> dict[str, Any]:
         opts = self.opts
-        cpu0 = _cpu_s()
+        cpu0 = self._cpu0 = _cpu_s()
         a = attach(opts)
         wall_offset = time.time_ns() - time.monotonic_ns()
         self.meta = run_metadata(a, opts)
@@ -242,14 +248,13 @@ class Recorder:
         p.steps += len(steps.get("step_id", []))
         n_tok = len(tok.get("token_id", []))
         p.tokens += n_tok
-        if n_tok:
-            keys = ("request_id", "decode_order", "token_id", "token_text", "log_prob", "t_end_ns")
-            rows = [dict(zip(keys, vals, strict=True)) for vals in zip(*(tok[k] for k in keys), strict=True)]
-            p.recent_tokens = (p.recent_tokens + rows)[-400:]
-            p.lag_ms = (time.monotonic_ns() - int(tok["t_end_ns"][-1] or 0)) / 1e6  # type: ignore[call-overload]
-        p.cpu_s = _cpu_s()
-        if self.on_progress is not None:
-            self.on_progress(p)
+        p.logits_incomplete = corr.counters.logits_incomplete
+        if n_tok and tok["t_end_ns"][-1] is not None:
+            # how far behind the engine the consumer is: both clocks are CLOCK_MONOTONIC
+            p.lag_ms = (time.monotonic_ns() - int(str(tok["t_end_ns"][-1]))) / 1e6
+        p.cpu_s = _cpu_s() - self._cpu0
+        if self.on_update is not None:
+            self.on_update(tok, steps, p)
 
 
 def _cpu_s() -> float:

@@ -1,0 +1,129 @@
+"""Each doctor check, passing on this machine and failing when the thing it checks is broken."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ENGINES, ROOT, Engine, run_cli
+
+from sparseety_prof import doctor
+
+
+@pytest.mark.root
+def test_all_checks_pass_here() -> None:
+    r = run_cli("doctor")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in ("privileges", "bcc", "kernel headers", "tracefs", "BPF load"):
+        assert name in r.stdout
+
+
+@pytest.mark.root
+def test_privileges_and_bpf_load_fail_without_capabilities() -> None:
+    setpriv = shutil.which("setpriv")
+    assert setpriv
+    r = subprocess.run(
+        [
+            setpriv,
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            sys.executable,
+            "-m",
+            "sparseety_prof.cli",
+            "doctor",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert r.returncode == 1
+    lines = {line.split("│")[1].strip(): line for line in r.stdout.splitlines() if line.count("│") >= 4}
+    assert "FAIL" in lines["privileges"] and "FAIL" in lines["BPF load"]
+    assert "privileges" in r.stderr
+
+
+def test_bcc_check_fails_when_bcc_is_not_importable(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['bcc'] = None\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    code = "from sparseety_prof import doctor; c = doctor.check_bcc(); print(c.ok, c.fix)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert r.stdout.startswith("False") and "python3-bpfcc" in r.stdout
+
+
+def test_kernel_headers_check(tmp_path: Path) -> None:
+    c = doctor.check_kernel_headers(tmp_path, "9.9.9-test")
+    assert not c.ok and "linux-headers" in c.fix and "9.9.9-test" in c.fix
+    good = tmp_path / "9.9.9-test" / "build" / "include" / "generated"
+    good.mkdir(parents=True)
+    (good / "autoconf.h").write_text("")
+    assert doctor.check_kernel_headers(tmp_path, "9.9.9-test").ok
+
+
+def test_tracefs_check(tmp_path: Path) -> None:
+    c = doctor.check_tracefs(tmp_path)
+    assert not c.ok and "mount -t tracefs" in c.fix
+    (tmp_path / "uprobe_events").write_text("")
+    assert doctor.check_tracefs(tmp_path).ok
+
+
+def test_process_check_with_a_wrong_pid() -> None:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    checks = doctor.check_engine(p.pid)
+    assert [c.name for c in checks] == ["process"] and not checks[0].ok
+
+
+@pytest.mark.root
+def test_engine_checks_fail_on_a_process_that_is_not_an_engine() -> None:
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        checks = {c.name: c for c in doctor.check_engine(p.pid)}
+    finally:
+        p.kill()
+        p.wait()
+    assert checks["process"].ok and not checks["engine library"].ok
+
+
+@pytest.mark.root
+@pytest.mark.engine
+def test_engine_checks_pass_on_an_engine_and_fail_on_an_unknown_build(
+    models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
+    try:
+        good = {c.name: c for c in doctor.check_engine(e.pid)}
+    finally:
+        e.close()
+    assert all(c.ok for c in good.values()), good
+    import llama_cpp
+
+    libdir = tmp_path / "lib"
+    shutil.copytree(Path(llama_cpp.__file__).parent / "lib", libdir)
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(libdir))
+    e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
+    try:
+        bad = {c.name: c for c in doctor.check_engine(e.pid)}
+    finally:
+        e.close()
+    assert bad["engine library"].ok and not bad["engine build"].ok
+    assert "unsupported engine build" in bad["engine build"].detail
+
+
+@pytest.mark.root
+@pytest.mark.engine
+def test_model_check_fails_when_no_model_file_is_open(models: dict[str, Path], tmp_path: Path) -> None:
+    copy = tmp_path / "gone.gguf"
+    shutil.copy(models["moe"], copy)
+    e = Engine([str(ENGINES / "llama_engine.py"), str(copy)])
+    copy.unlink()  # still mapped by the engine, but no longer a file anyone can open
+    try:
+        checks = {c.name: c for c in doctor.check_engine(e.pid)}
+    finally:
+        e.close()
+    assert not checks["model file"].ok and "--model" in checks["model file"].fix
