@@ -38,17 +38,47 @@ def read_at_vaddr(path: Path, vaddr: int, n: int) -> bytes:
 ENDBR64 = b"\xf3\x0f\x1e\xfa"
 
 
+def _emulated(code: bytes) -> bool:
+    """Instructions the x86 uprobe code emulates instead of single-stepping: push reg, nop,
+    short/near jcc, jmp and call rel32."""
+    if not code:
+        return False
+    b = code[0]
+    if 0x50 <= b <= 0x57 or b in (0x90, 0xE8, 0xE9, 0xEB) or 0x70 <= b <= 0x7F:
+        return True
+    if len(code) >= 2 and b == 0x41 and 0x50 <= code[1] <= 0x57:  # push r8..r15
+        return True
+    return len(code) >= 2 and b == 0x0F and 0x80 <= code[1] <= 0x8F  # jcc rel32
+
+
+def _harmless_len(code: bytes) -> int:
+    """Length of a leading instruction that changes no argument register, no stack pointer and
+    no memory, so probing after it sees the arguments as at entry; 0 if it is not one of those."""
+    if code.startswith(ENDBR64):
+        return 4
+    # test r64, r64 (REX.W 85 /r, register form) and test r32, r32 (85 /r)
+    if len(code) >= 3 and code[0] in (0x48, 0x49, 0x4C, 0x4D) and code[1] == 0x85 and code[2] >= 0xC0:
+        return 3
+    if len(code) >= 2 and code[0] == 0x85 and code[1] >= 0xC0:
+        return 2
+    return 0
+
+
 def cheap_probe_offset(code: bytes) -> int:
     """Offset inside a function where a uprobe is cheap and arguments are still intact.
 
-    The kernel emulates `push reg` (0.5-0.7 us per hit) but single-steps `endbr64` (9-14 us).
-    When a function starts `endbr64; push reg`, probing at +4 skips the single-step while every
-    argument register and the return address at [rsp] are still as they were at entry.
+    The kernel emulates `push reg` or a branch (0.5-0.7 us per hit) but single-steps anything
+    else, e.g. `endbr64` or `test %rdi,%rdi` (9-14 us). When a function starts with such a
+    harmless instruction followed by an emulated one, probing at the second skips the
+    single-step while every argument register and the return address at [rsp] are still as
+    they were at entry.
     """
-    if code.startswith(ENDBR64):
-        rest = code[4:]
-        if rest[:1] and 0x50 <= rest[0] <= 0x57:
-            return 4
-        if len(rest) >= 2 and rest[0] == 0x41 and 0x50 <= rest[1] <= 0x57:
-            return 4
+    off = 0
+    for _ in range(2):
+        if _emulated(code[off:]):
+            return off
+        n = _harmless_len(code[off:])
+        if n == 0:
+            break
+        off += n
     return 0

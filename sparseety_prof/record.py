@@ -84,7 +84,7 @@ def attach(opts: Options) -> Attached:
     model_path = opts.model or (t.model_paths[0] if t.model_paths else None)
     if model_path is None:
         raise NotAnEngine(
-            f"PID {opts.pid} has no .gguf model file mapped or open (was it loaded with use_mmap=False?); "
+            f"PID {opts.pid} has no .gguf model file mapped or open (deleted since, or read without mmap); "
             f"pass --model PATH"
         )
     # the sha256 of a multi-GB model takes a while: it is computed after attaching (Recorder.run)

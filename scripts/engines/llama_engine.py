@@ -56,8 +56,10 @@ def main() -> None:
             toks = llm.tokenize(prompt.encode())
             ids: list[int] = []
             lps: list[float] = []
+            times: list[int] = []  # when each token reached the caller (for the overhead benchmark)
             temp = float(cmd.get("temp", 0.0))
             for t in llm.generate(toks, top_k=1 if temp == 0 else 40, temp=temp, reset=True):
+                times.append(time.perf_counter_ns())
                 ids.append(int(t))
                 if not a.no_logits_all:
                     row = llm.scores[llm.n_tokens - 1]
@@ -66,7 +68,7 @@ def main() -> None:
                     break
                 if cmd.get("token_delay"):  # a slow client, so a test can attach mid-request
                     time.sleep(float(cmd["token_delay"]))
-            results.append({"prompt_tokens": toks, "ids": ids, "log_probs": lps})
+            results.append({"prompt_tokens": toks, "ids": ids, "log_probs": lps, "times_ns": times})
         print(json.dumps({"results": results}), flush=True)
 
 

@@ -1,0 +1,218 @@
+"""Overhead of the profiler on a real engine: tokens/s and inter-token latency with and without
+`sparseety-prof record` attached, in interleaved A/B pairs (A = plain, B = profiled; the order
+alternates AB, BA, ... so drift hits both sides alike).
+
+    sudo .venv/bin/python scripts/bench_overhead.py [--pairs 20] [--threads 1 2] [--tokens 128]
+
+The engine is llama-cpp-python on the `bench` model of scripts/make_models.py (>= 3 ms/token
+here, 32,000-entry vocabulary, so per-token costs that scale with the vocabulary are real),
+logits_all off as in normal serving. Tokens/s is measured in the engine process over the decode
+phase (first to last generated token); the profiler records the whole time B runs. Each B waits
+after attaching until the recorder's one-time start-up work (BPF compile, model sha256) is over
+(at most `--settle` seconds): the figures are the steady-state cost of staying attached. Prints a table, and JSON
+with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from scripts.make_models import make_model  # noqa: E402
+
+PROMPT = "hello the expert router decode sample"
+
+
+class EngineProc:
+    def __init__(self, model: Path, threads: int) -> None:
+        self.p = subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "scripts/engines/llama_engine.py"),
+                str(model),
+                "--threads",
+                str(threads),
+                "--no-logits-all",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self.pid = int(self._read()["ready"])
+
+    def _read(self) -> dict[str, Any]:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            if line.startswith("{"):
+                return dict(json.loads(line))
+        raise RuntimeError("engine exited")
+
+    def run(self, tokens: int) -> list[int]:
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps({"prompts": [PROMPT], "max_tokens": tokens}) + "\n")
+        self.p.stdin.flush()
+        return list(self._read()["results"][0]["times_ns"])
+
+    def close(self) -> None:
+        self.p.kill()
+        self.p.wait()
+
+
+def profiled(engine: EngineProc, tokens: int, out: Path, settle: float) -> tuple[list[int], dict[str, Any]]:
+    rec = subprocess.Popen(
+        [sys.executable, "-m", "sparseety_prof.cli", "record", "--pid", str(engine.pid), "-o", str(out)],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert rec.stderr is not None
+    for line in rec.stderr:
+        if "attached to PID" in line:
+            break
+    else:
+        raise RuntimeError(f"recorder failed: {rec.wait()}")
+    _wait_quiet(rec.pid, settle)
+    times = engine.run(tokens)
+    rec.send_signal(signal.SIGINT)
+    _, err = rec.communicate(timeout=120)
+    if rec.returncode != 0:
+        raise RuntimeError(err)
+    meta = json.loads((out / "meta.json").read_text())
+    return times, meta
+
+
+def _cpu_s(pid: int) -> float:
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / 100  # utime + stime, clock ticks of 10 ms
+
+
+def _wait_quiet(pid: int, limit: float) -> None:
+    """Wait until the recorder's start-up work (model sha256, first drains) is over: its CPU time
+    grows by less than 10 ms in 300 ms, or `limit` seconds pass."""
+    deadline = time.monotonic() + limit
+    prev = _cpu_s(pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        cur = _cpu_s(pid)
+        if cur - prev <= 0.01:
+            return
+        prev = cur
+
+
+def tps(times: list[int]) -> float:
+    return (len(times) - 1) / ((times[-1] - times[0]) / 1e9)
+
+
+def itl_ms(times: list[int]) -> np.ndarray:
+    return np.diff(np.array(times, dtype=np.int64)) / 1e6
+
+
+def bootstrap_median_ci(x: np.ndarray, n: int = 4000, seed: int = 0) -> tuple[float, float]:
+    rng = np.random.default_rng(seed)
+    meds = np.median(rng.choice(x, size=(n, len(x)), replace=True), axis=1)
+    lo, hi = np.percentile(meds, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def bench(model: Path, threads: int, pairs: int, tokens: int, settle: float, tmp: Path) -> dict[str, Any]:
+    eng = EngineProc(model, threads)
+    try:
+        for _ in range(3):  # warm up: page in the weights, settle the allocator
+            eng.run(tokens)
+        ratios, itl_a, itl_b = [], [], []
+        events = drops = gaps = rec_tokens = 0
+        for i in range(pairs):
+            out = tmp / f"t{threads}-{i}"
+            if i % 2 == 0:
+                a = eng.run(tokens)
+                b, meta = profiled(eng, tokens, out, settle)
+            else:
+                b, meta = profiled(eng, tokens, out, settle)
+                a = eng.run(tokens)
+            ratios.append(tps(b) / tps(a))
+            itl_a.append(itl_ms(a))
+            itl_b.append(itl_ms(b))
+            losses = meta["losses"]
+            events += losses["records_produced"]
+            drops += losses["kernel_drops"]
+            gaps += losses["seq_gaps"]
+            rec_tokens += meta["counts"]["tokens"]
+            print(
+                f"  threads={threads} pair {i + 1}/{pairs}: tokens/s ratio {ratios[-1]:.4f}", file=sys.stderr
+            )
+    finally:
+        eng.close()
+    r = np.array(ratios)
+    lo, hi = bootstrap_median_ci(r)
+    pa, pb = np.percentile(np.concatenate(itl_a), 99), np.percentile(np.concatenate(itl_b), 99)
+    return {
+        "threads": threads,
+        "pairs": pairs,
+        "tokens_per_run": tokens,
+        "tps_ratio_median": float(np.median(r)),
+        "tps_ratio_ci95": [lo, hi],
+        "slowdown_median_pct": float((1 - np.median(r)) * 100),
+        "itl_p99_ms_plain": float(pa),
+        "itl_p99_ms_profiled": float(pb),
+        "itl_p99_ratio": float(pb / pa),
+        "itl_median_ms_plain": float(np.median(np.concatenate(itl_a))),
+        "events": events,
+        "events_per_token": events / max(rec_tokens, 1),
+        "recorded_tokens": rec_tokens,
+        "kernel_drops": drops,
+        "seq_gaps": gaps,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", type=int, default=20)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--tokens", type=int, default=128, help="tokens generated per run")
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=5.0,
+        help="at most this many seconds for the recorder's start-up work before generating",
+    )
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    a = ap.parse_args()
+    model = make_model(ROOT / "models" / "bench.gguf", "bench")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="sparseety-bench-") as tmp:
+        for t in a.threads:
+            print(f"[bench] {t} engine thread(s), {a.pairs} A/B pairs of {a.tokens} tokens", file=sys.stderr)
+            results.append(bench(model, t, a.pairs, a.tokens, a.settle, Path(tmp)))
+    print(
+        "| engine threads | tokens/s ratio (median) | 95% CI | slowdown | p99 ITL plain → profiled | "
+        "events/token | losses |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        lo, hi = r["tps_ratio_ci95"]
+        print(
+            f"| {r['threads']} | {r['tps_ratio_median']:.4f} | [{lo:.4f}, {hi:.4f}] | "
+            f"{r['slowdown_median_pct']:.2f}% | {r['itl_p99_ms_plain']:.2f} → {r['itl_p99_ms_profiled']:.2f} ms "
+            f"(×{r['itl_p99_ratio']:.3f}) | {r['events_per_token']:.1f} | "
+            f"{r['kernel_drops']} drops, {r['seq_gaps']} gaps |"
+        )
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
