@@ -9,8 +9,8 @@ here, 32,000-entry vocabulary, so per-token costs that scale with the vocabulary
 logits_all off as in normal serving. Tokens/s is measured in the engine process over the decode
 phase (first to last generated token); the profiler records the whole time B runs. Each B waits
 after attaching until the recorder's one-time start-up work (BPF compile, model sha256) is over
-(at most `--settle` seconds): the figures are the steady-state cost of staying attached. Prints a table, and JSON
-with --json.
+(at most `--settle` seconds): the figures are the steady-state cost of staying attached.
+Prints a table, and JSON with --json.
 """
 
 from __future__ import annotations
@@ -205,7 +205,8 @@ def main() -> int:
         lo, hi = r["tps_ratio_ci95"]
         print(
             f"| {r['threads']} | {r['tps_ratio_median']:.4f} | [{lo:.4f}, {hi:.4f}] | "
-            f"{r['slowdown_median_pct']:.2f}% | {r['itl_p99_ms_plain']:.2f} → {r['itl_p99_ms_profiled']:.2f} ms "
+            f"{r['slowdown_median_pct']:.2f}% | "
+            f"{r['itl_p99_ms_plain']:.2f} → {r['itl_p99_ms_profiled']:.2f} ms "
             f"(×{r['itl_p99_ratio']:.3f}) | {r['events_per_token']:.1f} | "
             f"{r['kernel_drops']} drops, {r['seq_gaps']} gaps |"
         )

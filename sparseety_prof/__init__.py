@@ -1,7 +1,15 @@
 """sparseety-prof: token-level profiler for sparse LLM inference engines."""
 
+import os
+
+# The profiler shares the engine's cores: numerical libraries must not start thread pools, whose
+# workers spin between calls (an OpenBLAS pool cost a core's worth of CPU per token). This has to
+# happen before numpy is first imported; a value the user set is kept.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
 __version__ = "0.1.0"
 
-from .recording import Recording, open
+from .recording import Recording, open  # noqa: E402
 
 __all__ = ["Recording", "__version__", "open"]

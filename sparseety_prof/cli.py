@@ -4,13 +4,7 @@ ProfError subclasses become a message and their exit code here, in one place."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-
-# The profiler shares the engine's cores: numerical libraries must not start thread pools
-# (OpenBLAS workers spin between calls). Set before numpy is first imported.
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
 from pathlib import Path
 
 from . import __version__
