@@ -11,10 +11,11 @@
 #ifndef MAX_UB_TOK
 #define MAX_UB_TOK 1024          /* rows of a micro-batch copied per step event */
 #endif
-#define LOGITS_CHUNK 4096        /* floats per logits record (16 KiB) */
-#ifndef MAX_LOGITS_CHUNKS
-#define MAX_LOGITS_CHUNKS 64     /* up to 262,144-entry vocabularies */
+#ifndef LOGITS_CHUNK
+#define LOGITS_CHUNK 16384       /* floats per logits record (64 KiB); the loader sizes it to the
+                                    vocabulary (fewer, larger records cost the consumer less) */
 #endif
+#define MAX_LOGITS_CHUNKS 64     /* LOGITS_CHUNK * 64 floats: vocabularies up to 1M entries */
 
 enum ev_kind {
     EV_DECODE_BEGIN = 1,  /* llama_context::decode entry            ctx = llama_context*          */

@@ -18,7 +18,7 @@ from typing import Any
 from . import target as tg
 from .elf import cheap_probe_offset, read_at_vaddr
 from .errors import BpfUnavailable, MissingPrivileges, NoSuchProcess
-from .events import PROBES_DIR
+from .events import PROBES_DIR, logits_chunk_for
 from .layouts import UbatchLayout
 
 RING_BUFFER_PAGES = 8192  # 32 MiB: a 1 MiB ring lost 35-70% of a burst here, 16 MiB lost none
@@ -74,6 +74,7 @@ class Session:
     pid: int
     attached: list[AttachedProbe] = field(default_factory=list)
     compile_s: float = 0.0
+    logits_chunk: int = 1024
     _closed: bool = False
 
     def counters(self) -> dict[str, int]:
@@ -103,6 +104,7 @@ def compile_and_attach(
         f"-I{PROBES_DIR}",
         *layout.cflags(),
         f"-DN_VOCAB={n_vocab}",
+        f"-DLOGITS_CHUNK={logits_chunk_for(n_vocab)}",
         f"-DRB_PAGES={RING_BUFFER_PAGES}",
         "-Wno-macro-redefined",
     ]
@@ -119,7 +121,7 @@ def compile_and_attach(
             f"could not compile/load the BPF program: {msg}. Run `sparseety-prof doctor` to check "
             f"kernel headers and BCC"
         ) from None
-    sess = Session(bpf=b, pid=pid, compile_s=time.monotonic() - t0)
+    sess = Session(bpf=b, pid=pid, compile_s=time.monotonic() - t0, logits_chunk=logits_chunk_for(n_vocab))
     try:
         for spec in PROBES:
             lib = where.get(spec.symbol)

@@ -117,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     r.add_argument("--redact-text", action="store_true", help="keep token ids but store no token text")
     r.add_argument("--model", type=Path, default=None, help="model file, when the engine has none mapped")
+    r.add_argument(
+        "--nice",
+        type=int,
+        default=10,
+        help="niceness the consumer takes once attached, so the engine wins CPU contention (default 10)",
+    )
     r.add_argument("--skip-probe", action="append", help=argparse.SUPPRESS)
     r.set_defaults(func=_cmd_record)
 
@@ -131,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--duration", type=float, default=None, help="detach after this many seconds")
     at.add_argument("--redact-text", action="store_true", help="keep token ids but store no token text")
     at.add_argument("--model", type=Path, default=None, help="model file, when the engine has none mapped")
+    at.add_argument(
+        "--nice", type=int, default=10, help="niceness of the consumer once attached (default 10)"
+    )
     at.set_defaults(func=_cmd_attach)
 
     dr = sub.add_parser("doctor", help="check privileges, BPF, headers, tracefs and (with --pid) the engine")

@@ -59,6 +59,7 @@ class SampleState:
     tid: int
     chunks: dict[int, np.ndarray] = field(default_factory=dict)
     n_vocab: int = 0
+    chunk_len: int = 1
 
 
 @dataclass
@@ -102,6 +103,7 @@ class Correlator:
         self.next_step_id = 0
         self.counters = Counters()
         self._tokens: dict[str, list[object]] = {}
+        self._pending_rows: list[tuple[int, np.ndarray]] = []  # (token row, logits row)
         self._steps: dict[str, list[object]] = {}
 
     # ------------------------------------------------------------------ public
@@ -124,9 +126,31 @@ class Correlator:
         """Token and step columns produced since the last call."""
         tok, st = self._tokens, self._steps
         self._tokens, self._steps = {}, {}
+        self._fill_stats(tok)
         if tok and self.texts is not None:
             tok["token_text"] = list(self.texts([int(t) for t in tok["token_id"]]))  # type: ignore[call-overload]
         return tok, st
+
+    def _fill_stats(self, tok: dict[str, list[object]]) -> None:
+        """Statistics of every captured logits row of this drain, in one vectorised pass."""
+        pending, self._pending_rows = self._pending_rows, []
+        n = len(tok.get("token_id", []))
+        for k in ("log_prob", "top_ids", "top_log_probs", "entropy"):
+            if n:
+                tok[k] = [None] * n
+        by_len: dict[int, list[tuple[int, np.ndarray]]] = {}
+        for i, row in pending:
+            by_len.setdefault(len(row), []).append((i, row))
+        for group in by_len.values():
+            idx = [i for i, _ in group]
+            rows = np.stack([r for _, r in group])
+            toks = np.array([tok["token_id"][i] for i in idx], dtype=np.int64)
+            st = row_stats(rows, toks)
+            for j, i in enumerate(idx):
+                tok["log_prob"][i] = float(st.log_prob[j])
+                tok["top_ids"][i] = st.top_ids[j].tolist()
+                tok["top_log_probs"][i] = st.top_log_probs[j].tolist()
+                tok["entropy"][i] = float(st.entropy[j])
 
     # ------------------------------------------------------------------ helpers
     def _ctx(self, ptr: int) -> CtxState:
@@ -227,8 +251,9 @@ class Correlator:
         if s is None:
             return
         n = int(r["n_vals"])
-        s.chunks[int(r["chunk"])] = np.array(r["vals"][:n])
+        s.chunks[int(r["chunk"])] = r["vals"][:n]  # a view into the drained batch
         s.n_vocab = int(r["n_vocab"])
+        s.chunk_len = len(r["vals"])
 
     def _on_sample_end(self, r: np.void) -> None:
         c = self._ctx(int(r["ctx"]))
@@ -241,7 +266,7 @@ class Correlator:
         step, i = where
         logits = None
         if s is not None and s.chunks:
-            n_chunks = -(-s.n_vocab // ev.LOGITS_CHUNK)
+            n_chunks = -(-s.n_vocab // s.chunk_len)
             if len(s.chunks) == n_chunks:
                 logits = np.concatenate([s.chunks[k] for k in range(n_chunks)])
             else:
@@ -315,7 +340,8 @@ class Correlator:
             st = c.seqs[seq] = SeqState(
                 request_id=f"r{c.ctx_id}-{seq}-{c.requests}", partial=True, max_pos=logits_pos
             )
-        stats = row_stats(logits, token) if logits is not None else None
+        if logits is not None:  # statistics are computed for the whole drain in take_rows
+            self._pending_rows.append((len(self._tokens.get("token_id", [])), logits))
         first = st.samples == 0
         self._append(
             self._tokens,
@@ -328,10 +354,6 @@ class Correlator:
             phase=PHASE_PREFILL if first and not st.partial else PHASE_DECODE,
             token_id=token,
             token_source=source,
-            log_prob=stats.log_prob if stats else None,
-            top_ids=stats.top_ids if stats else None,
-            top_log_probs=stats.top_log_probs if stats else None,
-            entropy=stats.entropy if stats else None,
             step_id=step.step_id,
             t_start_ns=step.t_start,
             t_end_ns=step.t_end,

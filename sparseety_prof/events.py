@@ -40,8 +40,15 @@ def _header_define(name: str) -> int:
 
 
 MAX_UB_TOK = _header_define("MAX_UB_TOK")
-LOGITS_CHUNK = _header_define("LOGITS_CHUNK")
+LOGITS_CHUNK_MAX = _header_define("LOGITS_CHUNK")
 MAX_LOGITS_CHUNKS = _header_define("MAX_LOGITS_CHUNKS")
+
+
+def logits_chunk_for(n_vocab: int) -> int:
+    """Floats per logits record: the vocabulary rounded up to a power of two (at least 1,024),
+    at most LOGITS_CHUNK_MAX. One record per row for small vocabularies, few for large ones."""
+    return min(LOGITS_CHUNK_MAX, max(1024, 1 << (max(n_vocab, 1) - 1).bit_length()))
+
 
 HDR = [("seq", "<u8"), ("ts_ns", "<u8"), ("ctx", "<u8"), ("tid", "<u4"), ("kind", "<u2"), ("flags", "<u2")]
 HDR_DTYPE = np.dtype(HDR)
@@ -57,26 +64,19 @@ UBATCH_DTYPE = np.dtype(
         ("output", "i1", (MAX_UB_TOK,)),
     ]
 )
-LOGITS_DTYPE = np.dtype(
-    [
-        *HDR,
-        ("idx", "<i4"),
-        ("chunk", "<u4"),
-        ("n_vals", "<u4"),
-        ("n_vocab", "<u4"),
-        ("vals", "<f4", (LOGITS_CHUNK,)),
-    ]
-)
 
-_SIZE_TO_DTYPE = {
-    SMALL_DTYPE.itemsize: SMALL_DTYPE,
-    UBATCH_DTYPE.itemsize: UBATCH_DTYPE,
-    LOGITS_DTYPE.itemsize: LOGITS_DTYPE,
-}
-_KIND_DTYPE = {
-    EV_UBATCH: UBATCH_DTYPE,
-    EV_LOGITS: LOGITS_DTYPE,
-}
+
+def logits_dtype(chunk: int) -> np.dtype:
+    return np.dtype(
+        [
+            *HDR,
+            ("idx", "<i4"),
+            ("chunk", "<u4"),
+            ("n_vals", "<u4"),
+            ("n_vocab", "<u4"),
+            ("vals", "<f4", (chunk,)),
+        ]
+    )
 
 
 @dataclass
@@ -85,7 +85,7 @@ class EventBatch:
 
     small: np.ndarray = field(default_factory=lambda: np.empty(0, SMALL_DTYPE))
     ubatch: np.ndarray = field(default_factory=lambda: np.empty(0, UBATCH_DTYPE))
-    logits: np.ndarray = field(default_factory=lambda: np.empty(0, LOGITS_DTYPE))
+    logits: np.ndarray = field(default_factory=lambda: np.empty(0, logits_dtype(1024)))
 
     def __len__(self) -> int:
         return len(self.small) + len(self.ubatch) + len(self.logits)
@@ -94,15 +94,17 @@ class EventBatch:
         return np.concatenate([self.small["seq"], self.ubatch["seq"], self.logits["seq"]])
 
 
-def decode_records(records: list[bytes]) -> EventBatch:
+def decode_records(records: list[bytes], logits_chunk: int) -> EventBatch:
     """Split raw records (as copied out of the ring buffer) by layout and view each group as
     a numpy structured array. Records of unknown size are a programming error."""
+    ldt = logits_dtype(logits_chunk)
+    sizes = {SMALL_DTYPE.itemsize: SMALL_DTYPE, UBATCH_DTYPE.itemsize: UBATCH_DTYPE, ldt.itemsize: ldt}
     groups: dict[int, list[bytes]] = {}
     for r in records:
         groups.setdefault(len(r), []).append(r)
     out = EventBatch()
     for size, recs in groups.items():
-        dt = _SIZE_TO_DTYPE.get(size)
+        dt = sizes.get(size)
         if dt is None:
             raise ValueError(
                 f"ring buffer record of unexpected size {size} (events.h and events.py disagree)"

@@ -65,7 +65,7 @@ class Script:
     def sample(self, token: int, idx: int = -1, logits: np.ndarray | None = None) -> None:
         self.small(ev.EV_SAMPLE_BEGIN, idx, ev.SAMPLER_LLAMA)
         if logits is not None:
-            r = np.zeros(1, ev.LOGITS_DTYPE)
+            r = np.zeros(1, ev.logits_dtype(1024))
             self._hdr(r, ev.EV_LOGITS)
             r["idx"], r["chunk"], r["n_vals"], r["n_vocab"] = idx, 0, len(logits), len(logits)
             r["vals"][0, : len(logits)] = logits
@@ -75,7 +75,7 @@ class Script:
 
 def run(s: Script) -> dict[str, list[object]]:
     c = Correlator(pid=1, n_vocab=N_VOCAB, wall_offset_ns=0, texts=lambda ids: [f"t{i}" for i in ids])
-    c.feed(decode_records(s.recs))
+    c.feed(decode_records(s.recs, 1024))
     tok, _ = c.take_rows()
     return tok
 
@@ -205,7 +205,7 @@ def test_seq_tracker_counts_gaps_across_drains() -> None:
 
 def test_decode_rejects_unknown_record_size() -> None:
     with pytest.raises(ValueError, match="unexpected size"):
-        decode_records([b"\0" * 13])
+        decode_records([b"\0" * 13], 1024)
     assert len(EventBatch()) == 0
 
 
@@ -213,7 +213,8 @@ def test_header_mirror_sizes() -> None:
     assert ev.HDR_DTYPE.itemsize == 32
     assert ev.SMALL_DTYPE.itemsize == 56
     assert ev.UBATCH_DTYPE.itemsize == 32 + 8 + 13 * ev.MAX_UB_TOK
-    assert ev.LOGITS_DTYPE.itemsize == 32 + 16 + 4 * ev.LOGITS_CHUNK
+    assert ev.logits_dtype(4096).itemsize == 32 + 16 + 4 * 4096
+    assert ev.logits_chunk_for(1200) == 2048 and ev.logits_chunk_for(32000) == ev.LOGITS_CHUNK_MAX
 
 
 def test_c_struct_sizes_match_the_python_mirror(tmp_path: Path) -> None:
@@ -227,11 +228,11 @@ def test_c_struct_sizes_match_the_python_mirror(tmp_path: Path) -> None:
         " sizeof(struct ev_ubatch), sizeof(struct ev_logits)); return 0;}\n"
     )
     exe = tmp_path / "sizes"
-    subprocess.run([cc, f"-I{ev.PROBES_DIR}", str(src), "-o", str(exe)], check=True)
+    subprocess.run([cc, f"-I{ev.PROBES_DIR}", "-DLOGITS_CHUNK=2048", str(src), "-o", str(exe)], check=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
     assert [int(x) for x in out] == [
         ev.HDR_DTYPE.itemsize,
         ev.SMALL_DTYPE.itemsize,
         ev.UBATCH_DTYPE.itemsize,
-        ev.LOGITS_DTYPE.itemsize,
+        ev.logits_dtype(2048).itemsize,
     ]
