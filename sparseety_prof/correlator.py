@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from .schema import PHASE_DECODE, PHASE_PREFILL, SOURCE_NEXT_INPUT, SOURCE_SAMPL
 
 VERIFY_UBATCHES = 16  # micro-batches sanity-checked against the layout at attach time
 MAX_SEQ_ID = 1 << 16
+STATS_BLOCK = 16  # logits rows per vectorised statistics call
 
 
 @dataclass
@@ -103,22 +105,26 @@ class Correlator:
         self.next_step_id = 0
         self.counters = Counters()
         self._tokens: dict[str, list[object]] = {}
-        self._pending_rows: list[tuple[int, np.ndarray]] = []  # (token row, logits row)
+        self._pending_rows: list[tuple[int, list[np.ndarray]]] = []  # (token row, logits row chunks)
         self._steps: dict[str, list[object]] = {}
 
     # ------------------------------------------------------------------ public
     def feed(self, batch: ev.EventBatch) -> None:
-        """Consume one drained batch. Records are processed in sequence-number order."""
-        groups = [(batch.small, 0), (batch.ubatch, 1), (batch.logits, 2)]
-        seqs = np.concatenate([g["seq"] for g, _ in groups])
-        which = np.concatenate([np.full(len(g), k, np.int8) for g, k in groups])
-        index = np.concatenate([np.arange(len(g)) for g, _ in groups])
-        order = np.argsort(seqs, kind="stable")
-        arrays = [g for g, _ in groups]
-        for o in order:
-            rec = arrays[which[o]][index[o]]
-            kind = int(rec["kind"])
-            handler = _HANDLERS.get(kind)
+        """Consume one drained batch. Records are processed in sequence-number order.
+
+        Records become plain dicts first (one tolist() per group for the small ones): reading
+        fields of numpy structured scalars one by one costs several times more per event."""
+        recs: list[tuple[int, dict[str, Any]]] = []
+        if len(batch.small):
+            names = batch.small.dtype.names or ()
+            recs += [(t[0], dict(zip(names, t, strict=True))) for t in batch.small.tolist()]
+        for arr in (batch.ubatch, batch.logits):
+            if len(arr):
+                cols = {k: arr[k] for k in arr.dtype.names or ()}
+                recs += [(int(arr["seq"][i]), {k: v[i] for k, v in cols.items()}) for i in range(len(arr))]
+        recs.sort(key=lambda x: x[0])
+        for _, rec in recs:
+            handler = _HANDLERS.get(int(rec["kind"]))
             if handler is not None:
                 handler(self, rec)
 
@@ -138,19 +144,27 @@ class Correlator:
         for k in ("log_prob", "top_ids", "top_log_probs", "entropy"):
             if n:
                 tok[k] = [None] * n
-        by_len: dict[int, list[tuple[int, np.ndarray]]] = {}
-        for i, row in pending:
-            by_len.setdefault(len(row), []).append((i, row))
-        for group in by_len.values():
-            idx = [i for i, _ in group]
-            rows = np.stack([r for _, r in group])
-            toks = np.array([tok["token_id"][i] for i in idx], dtype=np.int64)
-            st = row_stats(rows, toks)
-            for j, i in enumerate(idx):
-                tok["log_prob"][i] = float(st.log_prob[j])
-                tok["top_ids"][i] = st.top_ids[j].tolist()
-                tok["top_log_probs"][i] = st.top_log_probs[j].tolist()
-                tok["entropy"][i] = float(st.entropy[j])
+        by_len: dict[int, list[tuple[int, list[np.ndarray]]]] = {}
+        for i, chunks in pending:
+            by_len.setdefault(sum(len(ch) for ch in chunks), []).append((i, chunks))
+        for width, group in by_len.items():
+            # blocks of STATS_BLOCK rows: temporaries stay small enough to be reused by the
+            # allocator instead of being page-faulted in afresh for every drain
+            for b0 in range(0, len(group), STATS_BLOCK):
+                block = group[b0 : b0 + STATS_BLOCK]
+                rows = np.empty((len(block), width), dtype=np.float32)  # the one copy of each row
+                for j, (_, chunks) in enumerate(block):
+                    off = 0
+                    for ch in chunks:
+                        rows[j, off : off + len(ch)] = ch
+                        off += len(ch)
+                toks = np.array([tok["token_id"][i] for i, _ in block], dtype=np.int64)
+                st = row_stats(rows, toks)
+                for j, (i, _) in enumerate(block):
+                    tok["log_prob"][i] = float(st.log_prob[j])
+                    tok["top_ids"][i] = st.top_ids[j].tolist()
+                    tok["top_log_probs"][i] = st.top_log_probs[j].tolist()
+                    tok["entropy"][i] = float(st.entropy[j])
 
     # ------------------------------------------------------------------ helpers
     def _ctx(self, ptr: int) -> CtxState:
@@ -168,17 +182,17 @@ class Correlator:
             cols.setdefault(k, []).append(v)
 
     # ------------------------------------------------------------------ handlers
-    def _on_decode_begin(self, r: np.void) -> None:
+    def _on_decode_begin(self, r: dict[str, Any]) -> None:
         c = self._ctx(int(r["ctx"]))
         c.decode_id += 1
         c.decode_open = True
         c.rows, c.outputs = [], []
         c.public_batch = (int(r["a"]), int(r["b"]), int(r["c"])) if int(r["a"]) >= 0 else None
 
-    def _on_decode_end(self, r: np.void) -> None:
+    def _on_decode_end(self, r: dict[str, Any]) -> None:
         self._ctx(int(r["ctx"])).decode_open = False
 
-    def _on_ubatch(self, r: np.void) -> None:
+    def _on_ubatch(self, r: dict[str, Any]) -> None:
         c = self._ctx(int(r["ctx"]))
         tid = int(r["tid"])
         if not c.decode_open:  # engine without a probed decode entry: one micro-batch per decode
@@ -212,7 +226,7 @@ class Correlator:
                 if st is not None:
                     st.next_input_pending = (step, int(i))
 
-    def _on_ubatch_end(self, r: np.void) -> None:
+    def _on_ubatch_end(self, r: dict[str, Any]) -> None:
         step = self.open_steps.pop(int(r["tid"]), None)
         if step is None:
             return
@@ -240,12 +254,12 @@ class Correlator:
             tid=step.tid,
         )
 
-    def _on_sample_begin(self, r: np.void) -> None:
+    def _on_sample_begin(self, r: dict[str, Any]) -> None:
         c = self._ctx(int(r["ctx"]))
         c.sampler_seen = True
         c.sampling[int(r["tid"])] = SampleState(idx=int(r["a"]), tid=int(r["tid"]))
 
-    def _on_logits(self, r: np.void) -> None:
+    def _on_logits(self, r: dict[str, Any]) -> None:
         c = self._ctx(int(r["ctx"]))
         s = c.sampling.get(int(r["tid"]))
         if s is None:
@@ -255,7 +269,7 @@ class Correlator:
         s.n_vocab = int(r["n_vocab"])
         s.chunk_len = len(r["vals"])
 
-    def _on_sample_end(self, r: np.void) -> None:
+    def _on_sample_end(self, r: dict[str, Any]) -> None:
         c = self._ctx(int(r["ctx"]))
         s = c.sampling.pop(int(r["tid"]), None)
         idx = s.idx if s is not None else int(r["c"])
@@ -268,15 +282,15 @@ class Correlator:
         if s is not None and s.chunks:
             n_chunks = -(-s.n_vocab // s.chunk_len)
             if len(s.chunks) == n_chunks:
-                logits = np.concatenate([s.chunks[k] for k in range(n_chunks)])
+                logits = [s.chunks[k] for k in range(n_chunks)]
             else:
                 self.counters.logits_incomplete += 1
         self._emit_token(c, step, i, int(r["a"]), int(r["tid"]), SOURCE_SAMPLER, logits)
 
-    def _on_seq_rm(self, r: np.void) -> None:
+    def _on_seq_rm(self, r: dict[str, Any]) -> None:
         self.pending_clears.setdefault(int(r["tid"]), []).append((int(r["a"]), int(r["b"])))
 
-    def _on_mem_clear(self, r: np.void) -> None:
+    def _on_mem_clear(self, r: dict[str, Any]) -> None:
         self.pending_clears.setdefault(int(r["tid"]), []).append((-1, 0))
 
     # ------------------------------------------------------------------ logic
@@ -330,7 +344,14 @@ class Correlator:
         self._emit_token(c, prev_step, prev_row, int(step.token[row]), step.tid, SOURCE_NEXT_INPUT, None)
 
     def _emit_token(
-        self, c: CtxState, step: Step, i: int, token: int, tid: int, source: str, logits: np.ndarray | None
+        self,
+        c: CtxState,
+        step: Step,
+        i: int,
+        token: int,
+        tid: int,
+        source: str,
+        logits: list[np.ndarray] | None,
     ) -> None:
         seq = int(step.seq[i])
         logits_pos = int(step.pos[i])
@@ -413,7 +434,7 @@ class Correlator:
         self.counters.verified_ubatches += 1
 
 
-_HANDLERS: dict[int, Callable[[Correlator, np.void], None]] = {
+_HANDLERS: dict[int, Callable[[Correlator, dict[str, Any]], None]] = {
     ev.EV_DECODE_BEGIN: Correlator._on_decode_begin,
     ev.EV_DECODE_END: Correlator._on_decode_end,
     ev.EV_UBATCH: Correlator._on_ubatch,
