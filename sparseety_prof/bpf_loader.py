@@ -22,7 +22,7 @@ from .events import PROBES_DIR, logits_chunk_for
 from .layouts import UbatchLayout
 
 RING_BUFFER_PAGES = 8192  # 32 MiB: a 1 MiB ring lost 35-70% of a burst here, 16 MiB lost none
-DRAIN_PERIOD_S = 0.02  # the reader empties the ring this often (records never wake it)
+DRAIN_PERIOD_S = 0.1  # the reader empties the ring this often (records never wake it)
 
 
 @dataclass(frozen=True)
