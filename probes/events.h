@@ -19,7 +19,6 @@
 
 enum ev_kind {
     EV_DECODE_BEGIN = 1,  /* llama_context::decode entry            ctx = llama_context*          */
-    EV_DECODE_END = 2,    /* llama_context::decode return           a = return code               */
     EV_UBATCH = 3,        /* llama_context::process_ubatch entry    struct ev_ubatch              */
     EV_UBATCH_END = 4,    /* process_ubatch return                                                */
     EV_SAMPLE_BEGIN = 5,  /* sampler entry                          a = idx, b = sampler kind     */

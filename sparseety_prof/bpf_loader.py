@@ -35,8 +35,8 @@ class ProbeSpec:
 
 PROBES = [
     ProbeSpec(tg.SYM_UBATCH, "ubatch_enter", "ubatch_return", True),
-    ProbeSpec(tg.SYM_DECODE, "decode_public_enter", "decode_return", False),
-    ProbeSpec(tg.SYM_DECODE_EXT, "decode_ext_enter", "decode_return", False),
+    ProbeSpec(tg.SYM_DECODE, "decode_public_enter", None, False),
+    ProbeSpec(tg.SYM_DECODE_EXT, "decode_ext_enter", None, False),
     ProbeSpec(tg.SYM_LLAMA_SAMPLER, "llama_sampler_enter", "any_sampler_return", False),
     ProbeSpec(tg.SYM_COMMON_SAMPLER, "common_sampler_enter", "any_sampler_return", False),
     ProbeSpec(tg.SYM_LOGITS_ITH, "logits_enter", "logits_return", True),

@@ -68,7 +68,7 @@ class SampleState:
 class CtxState:
     ctx_id: int
     decode_id: int = -1
-    decode_open: bool = False
+    decode_seen: bool = False
     rows: list[tuple[Step, int]] = field(default_factory=list)  # the decode's rows, batch order
     outputs: list[tuple[Step, int]] = field(default_factory=list)  # rows that produce logits
     public_batch: tuple[int, int, int] | None = None  # (n_tokens, tok0, pos0) to verify
@@ -185,17 +185,14 @@ class Correlator:
     def _on_decode_begin(self, r: dict[str, Any]) -> None:
         c = self._ctx(int(r["ctx"]))
         c.decode_id += 1
-        c.decode_open = True
+        c.decode_seen = True
         c.rows, c.outputs = [], []
         c.public_batch = (int(r["a"]), int(r["b"]), int(r["c"])) if int(r["a"]) >= 0 else None
-
-    def _on_decode_end(self, r: dict[str, Any]) -> None:
-        self._ctx(int(r["ctx"])).decode_open = False
 
     def _on_ubatch(self, r: dict[str, Any]) -> None:
         c = self._ctx(int(r["ctx"]))
         tid = int(r["tid"])
-        if not c.decode_open:  # engine without a probed decode entry: one micro-batch per decode
+        if not c.decode_seen:  # no decode entry seen on this context: one micro-batch per decode
             c.decode_id += 1
             c.rows, c.outputs = [], []
         m = int(r["n_copied"])
@@ -436,7 +433,6 @@ class Correlator:
 
 _HANDLERS: dict[int, Callable[[Correlator, dict[str, Any]], None]] = {
     ev.EV_DECODE_BEGIN: Correlator._on_decode_begin,
-    ev.EV_DECODE_END: Correlator._on_decode_end,
     ev.EV_UBATCH: Correlator._on_ubatch,
     ev.EV_UBATCH_END: Correlator._on_ubatch_end,
     ev.EV_SAMPLE_BEGIN: Correlator._on_sample_begin,

@@ -15,7 +15,6 @@ import numpy as np
 PROBES_DIR = Path(__file__).resolve().parent.parent / "probes"
 
 EV_DECODE_BEGIN = 1
-EV_DECODE_END = 2
 EV_UBATCH = 3
 EV_UBATCH_END = 4
 EV_SAMPLE_BEGIN = 5

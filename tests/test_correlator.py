@@ -60,7 +60,6 @@ class Script:
     def decode(self, tokens: list[int], pos: list[int], **kw: list[int]) -> None:
         self.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
         self.ubatch(tokens, pos, **kw)
-        self.small(ev.EV_DECODE_END)
 
     def sample(self, token: int, idx: int = -1, logits: np.ndarray | None = None) -> None:
         self.small(ev.EV_SAMPLE_BEGIN, idx, ev.SAMPLER_LLAMA)
@@ -177,7 +176,6 @@ def test_other_context_never_mixes() -> None:
     s = Script()
     s.decode([1, 5], [0, 1])
     s.small(ev.EV_DECODE_BEGIN, -1, -1, -1, ctx=0xDDDD)  # a draft context decodes in between
-    s.small(ev.EV_DECODE_END, ctx=0xDDDD)
     s.sample(3)
     tok = run(s)
     assert tok["ctx_id"] == [0] and tok["logits_pos"] == [1]
