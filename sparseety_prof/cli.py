@@ -93,6 +93,21 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_required: bool) -> None:
+    """The flags `record` and `attach` share, defined once."""
+    p.add_argument("--pid", type=int, required=True, help="process id of the running engine")
+    p.add_argument("-o", "--output", type=Path, required=output_required, default=None, help=output_help)
+    p.add_argument("--duration", type=float, default=None, help="detach after this many seconds")
+    p.add_argument("--redact-text", action="store_true", help="keep token ids but store no token text")
+    p.add_argument("--model", type=Path, default=None, help="model file, when the engine has none mapped")
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=10,
+        help="niceness the consumer takes once attached, so the engine wins CPU contention (default 10)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sparseety-prof",
@@ -110,19 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    r.add_argument("--pid", type=int, required=True, help="process id of the running engine")
-    r.add_argument(
-        "-o", "--output", type=Path, required=True, help="recording directory (created; must be empty)"
-    )
-    r.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
-    r.add_argument("--redact-text", action="store_true", help="keep token ids but store no token text")
-    r.add_argument("--model", type=Path, default=None, help="model file, when the engine has none mapped")
-    r.add_argument(
-        "--nice",
-        type=int,
-        default=10,
-        help="niceness the consumer takes once attached, so the engine wins CPU contention (default 10)",
-    )
+    _attach_flags(r, output_help="recording directory (created; must be empty)", output_required=True)
     r.add_argument("--skip-probe", action="append", help=argparse.SUPPRESS)
     r.set_defaults(func=_cmd_record)
 
@@ -132,13 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    at.add_argument("--pid", type=int, required=True, help="process id of the running engine")
-    at.add_argument("-o", "--output", type=Path, default=None, help="also record to this directory")
-    at.add_argument("--duration", type=float, default=None, help="detach after this many seconds")
-    at.add_argument("--redact-text", action="store_true", help="keep token ids but store no token text")
-    at.add_argument("--model", type=Path, default=None, help="model file, when the engine has none mapped")
-    at.add_argument(
-        "--nice", type=int, default=10, help="niceness of the consumer once attached (default 10)"
+    _attach_flags(
+        at, output_help="also record to this directory (created; must be empty)", output_required=False
     )
     at.set_defaults(func=_cmd_attach)
 
