@@ -26,7 +26,6 @@ enum ev_kind {
     EV_SAMPLE_END = 7,    /* sampler return                         a = token id, b = sampler kind */
     EV_SEQ_RM = 8,        /* llama_memory_seq_rm entry              ctx = memory*, a = seq, b = p0, c = p1 */
     EV_MEM_CLEAR = 9,     /* llama_memory_clear entry               ctx = memory*                 */
-    EV_GET_MEMORY = 10,   /* llama_get_memory return                ctx = llama_context*, ptr = memory* */
 };
 
 enum sampler_kind { SAMPLER_LLAMA = 1, SAMPLER_COMMON = 2 };
@@ -40,7 +39,7 @@ struct ev_hdr {
     __u16 flags;
 };
 
-/* Small records: decode begin/end, sample begin/end, seq_rm, clear, get_memory. */
+/* Small records: decode begin, ubatch end, sample begin/end, seq_rm, clear. */
 struct ev_small {
     struct ev_hdr h;
     __s32 a;

@@ -33,7 +33,6 @@ struct logits_args {
 };
 BPF_HASH(logits_args, u32, struct logits_args, 4096);
 BPF_HASH(ubatch_ctx, u32, u64, 4096);
-BPF_HASH(memory_ctx, u32, u64, 4096);
 
 static __always_inline u64 next_seq(void) {
     int k = 0;
@@ -273,22 +272,5 @@ int seq_rm_enter(struct pt_regs *ctx) {
 
 int mem_clear_enter(struct pt_regs *ctx) {
     emit_small(EV_MEM_CLEAR, PT_REGS_PARM1(ctx), 0, 0, 0, 0);
-    return 0;
-}
-
-int get_memory_enter(struct pt_regs *ctx) {
-    u32 tid = (u32)bpf_get_current_pid_tgid();
-    u64 lctx = PT_REGS_PARM1(ctx);
-    memory_ctx.update(&tid, &lctx);
-    return 0;
-}
-
-int get_memory_return(struct pt_regs *ctx) {
-    u32 tid = (u32)bpf_get_current_pid_tgid();
-    u64 *lctx = memory_ctx.lookup(&tid);
-    if (!lctx)
-        return 0;
-    emit_small(EV_GET_MEMORY, *lctx, 0, 0, 0, PT_REGS_RC(ctx));
-    memory_ctx.delete(&tid);
     return 0;
 }

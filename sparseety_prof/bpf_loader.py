@@ -42,7 +42,6 @@ PROBES = [
     ProbeSpec(tg.SYM_LOGITS_ITH, "logits_enter", "logits_return", True),
     ProbeSpec(tg.SYM_SEQ_RM, "seq_rm_enter", None, False),
     ProbeSpec(tg.SYM_MEM_CLEAR, "mem_clear_enter", None, False),
-    ProbeSpec(tg.SYM_GET_MEMORY, "get_memory_enter", "get_memory_return", False),
 ]
 
 

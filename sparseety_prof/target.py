@@ -24,7 +24,6 @@ SYM_COMMON_SAMPLER = "_Z21common_sampler_sampleP14common_samplerP13llama_context
 SYM_LOGITS_ITH = "llama_get_logits_ith"
 SYM_SEQ_RM = "llama_memory_seq_rm"
 SYM_MEM_CLEAR = "llama_memory_clear"
-SYM_GET_MEMORY = "llama_get_memory"
 
 
 @dataclass(frozen=True)
@@ -183,7 +182,6 @@ def find_engine_libs(t: Target) -> dict[str, Path]:
         SYM_LOGITS_ITH,
         SYM_SEQ_RM,
         SYM_MEM_CLEAR,
-        SYM_GET_MEMORY,
     }
     for lib in t.libs:
         name = lib.path.name
