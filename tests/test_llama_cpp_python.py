@@ -196,3 +196,27 @@ def test_recording_files_private(
     for p in [tmp_path / "rec", *(tmp_path / "rec").rglob("*")]:
         st = os.stat(p)
         assert (st.st_uid, st.st_gid) == (65534, 65534), p
+
+
+def test_large_vocabulary_rows_split_over_several_records(tmp_path: Path) -> None:
+    """A 40,000-entry vocabulary: each logits row crosses the ring buffer as three records (two
+    full, one partial); reassembled, the statistics are still exact."""
+    from conftest import make_model
+
+    model = make_model(tmp_path / "bigvocab.gguf", "moe", n_vocab_min=40_000)
+    e = Engine([str(ENGINES / "llama_engine.py"), str(model)])
+    try:
+        assert e.ready["n_vocab"] >= 40_000
+        rec = Recorder(e.pid, tmp_path / "rec")
+        truth = e.generate(PROMPTS[:2], max_tokens=40)
+        rc, err = rec.stop()
+        assert rc == 0, err
+    finally:
+        e.close()
+    r = sparseety_prof.open(tmp_path / "rec")
+    reqs = _by_request(r.tokens())
+    assert [g["token_id"].to_list() for g in reqs] == [t["ids"] for t in truth]
+    for got, want in zip(reqs, truth, strict=True):
+        diff = np.abs(got["log_prob"].to_numpy() - np.array(want["log_probs"]))
+        assert diff.max() < LOGPROB_TOL
+    assert r.meta["losses"]["logits_incomplete"] == 0
