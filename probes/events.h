@@ -55,6 +55,8 @@ struct ev_ubatch {
     struct ev_hdr h;
     __u32 n_tokens;             /* rows in the micro-batch */
     __u32 n_copied;             /* rows copied below (min(n_tokens, MAX_UB_TOK)) */
+    __u32 row_offset;           /* index of the first copied row: n_tokens - n_copied */
+    __u32 pad;                  /* explicit: sizeof must equal the numpy mirror's itemsize */
     __s32 token[MAX_UB_TOK];
     __s32 pos[MAX_UB_TOK];
     __s32 seq[MAX_UB_TOK];      /* first seq id of each row */

@@ -126,11 +126,16 @@ int ubatch_enter(struct pt_regs *ctx) {
     u32 n = 0;
     bpf_probe_read_user(&n, sizeof(n), (void *)(ub + UB_N_TOKENS));
     u32 m = n < MAX_UB_TOK ? n : MAX_UB_TOK;
+    /* A micro-batch larger than MAX_UB_TOK (a long prompt with n_ubatch > 1024): copy its LAST
+     * rows, where the rows that produce logits are. */
+    u32 off = n - m;
     e->n_tokens = n;
     e->n_copied = m;
-    if (n > MAX_UB_TOK) {
+    e->row_offset = off;
+    e->pad = 0;
+    if (off) {
         e->h.flags |= UB_FLAG_TRUNCATED;
-        count(2, n - MAX_UB_TOK);
+        count(2, off);
     }
     u64 tok = 0, pos = 0, sid = 0, out = 0;
     bpf_probe_read_user(&tok, sizeof(tok), (void *)(ub + UB_TOKEN));
@@ -141,22 +146,22 @@ int ubatch_enter(struct pt_regs *ctx) {
     if (sz > MAX_UB_TOK * 4)
         sz = MAX_UB_TOK * 4;
     if (tok)
-        bpf_probe_read_user(e->token, sz, (void *)tok);
+        bpf_probe_read_user(e->token, sz, (void *)(tok + (u64)off * 4));
     else
         e->h.flags |= 2; /* embeddings input: no token ids */
     if (pos)
-        bpf_probe_read_user(e->pos, sz, (void *)pos);
+        bpf_probe_read_user(e->pos, sz, (void *)(pos + (u64)off * 4));
     u32 osz = m;
     if (osz > MAX_UB_TOK)
         osz = MAX_UB_TOK;
     if (out)
-        bpf_probe_read_user(e->output, osz, (void *)out);
+        bpf_probe_read_user(e->output, osz, (void *)(out + off));
     for (u32 i = 0; i < MAX_UB_TOK; i++) {
         if (i >= m || !sid)
             break;
         u64 p = 0;
         s32 s = -1;
-        bpf_probe_read_user(&p, sizeof(p), (void *)(sid + i * 8));
+        bpf_probe_read_user(&p, sizeof(p), (void *)(sid + ((u64)off + i) * 8));
         if (p)
             bpf_probe_read_user(&s, sizeof(s), (void *)p);
         e->seq[i] = s;

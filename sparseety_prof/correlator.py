@@ -43,6 +43,7 @@ class Step:
     output: np.ndarray
     n_tokens: int
     truncated: bool
+    row_offset: int = 0  # rows [0, row_offset) of a truncated micro-batch were not copied
 
 
 @dataclass
@@ -69,7 +70,7 @@ class CtxState:
     ctx_id: int
     decode_id: int = -1
     decode_seen: bool = False
-    rows: list[tuple[Step, int]] = field(default_factory=list)  # the decode's rows, batch order
+    rows: list[tuple[Step, int] | None] = field(default_factory=list)  # the decode's rows, batch order
     outputs: list[tuple[Step, int]] = field(default_factory=list)  # rows that produce logits
     public_batch: tuple[int, int, int] | None = None  # (n_tokens, tok0, pos0) to verify
     sampler_seen: bool = False
@@ -209,12 +210,14 @@ class Correlator:
             output=np.array(r["output"][:m]),
             n_tokens=int(r["n_tokens"]),
             truncated=bool(int(r["flags"]) & ev.UB_FLAG_TRUNCATED),
+            row_offset=int(r["row_offset"]),
         )
         self.next_step_id += 1
         self._verify(c, step, has_tokens=not (int(r["flags"]) & 2))
         self.open_steps[tid] = step
         clears = self.pending_clears.pop(tid, [])
         self._segment(c, step, clears)
+        c.rows.extend([None] * step.row_offset)  # batch positions whose rows were not copied
         c.rows.extend((step, i) for i in range(m))
         c.outputs.extend((step, i) for i in range(m) if step.output[i])
         if not c.sampler_seen:  # remember each sequence's last output row for a next_input token
@@ -245,7 +248,7 @@ class Correlator:
             token_ids=step.token.tolist(),
             positions=step.pos.tolist(),
             row_seq_ids=step.seq.tolist(),
-            output_rows=np.flatnonzero(step.output).tolist(),
+            output_rows=(np.flatnonzero(step.output) + step.row_offset).tolist(),
             truncated=step.truncated,
             pid=self.pid,
             tid=step.tid,
@@ -297,10 +300,11 @@ class Correlator:
         if idx < 0:
             j = len(c.outputs) + idx
             return c.outputs[j] if 0 <= j < len(c.outputs) else None
-        if idx < len(c.rows):
-            step, i = c.rows[idx]
-            return (step, i) if step.output[i] else None
-        return None
+        row = c.rows[idx] if idx < len(c.rows) else None
+        if row is None:
+            return None
+        step, i = row
+        return (step, i) if step.output[i] else None
 
     def _segment(self, c: CtxState, step: Step, clears: list[tuple[int, int]]) -> None:
         for s in np.unique(step.seq):
@@ -310,11 +314,14 @@ class Correlator:
             tok, pos = int(step.token[first]), int(step.pos[first])
             st = c.seqs.get(seq)
             cleared = st is not None and any(cs in (-1, seq) and p0 <= st.max_pos for cs, p0 in clears)
+            # In a truncated micro-batch the sequence's first rows may be among those not copied:
+            # then any position past the last one cached continues it.
+            hidden_head = step.row_offset > 0 and first == 0
             continues = (
                 st is not None
                 and not cleared
-                and pos == st.max_pos + 1
-                and (st.expect_token is None or st.expect_token == tok)
+                and (pos == st.max_pos + 1 or (hidden_head and pos > st.max_pos))
+                and (st.expect_token is None or st.expect_token == tok or hidden_head)
             )
             if st is not None and continues:
                 self._maybe_next_input(c, st, step, first)
@@ -410,14 +417,17 @@ class Correlator:
         if c.public_batch is not None and m:
             n, tok0, pos0 = c.public_batch
             c.public_batch = None
+            # a truncated micro-batch starts row_offset rows into the batch (positions are
+            # consecutive within a prompt); its first token is not among the copied rows
+            off = step.row_offset
             if (
                 step.n_tokens > n
-                or (has_tokens and tok0 != int(step.token[0]))
-                or (pos0 >= 0 and pos0 != int(step.pos[0]))
+                or (has_tokens and off == 0 and tok0 != int(step.token[0]))
+                or (pos0 >= 0 and pos0 + off != int(step.pos[0]))
             ):
                 problems.append(
-                    f"micro-batch (n={step.n_tokens}, token0={int(step.token[0])}, "
-                    f"pos0={int(step.pos[0])}) does not match the public llama_batch "
+                    f"micro-batch (n={step.n_tokens}, row {off}: token={int(step.token[0])}, "
+                    f"pos={int(step.pos[0])}) does not match the public llama_batch "
                     f"(n={n}, token0={tok0}, pos0={pos0})"
                 )
             else:

@@ -56,6 +56,8 @@ UBATCH_DTYPE = np.dtype(
         *HDR,
         ("n_tokens", "<u4"),
         ("n_copied", "<u4"),
+        ("row_offset", "<u4"),
+        ("pad", "<u4"),
         ("token", "<i4", (MAX_UB_TOK,)),
         ("pos", "<i4", (MAX_UB_TOK,)),
         ("seq_id", "<i4", (MAX_UB_TOK,)),

@@ -53,7 +53,7 @@ STEPS: dict[str, pl.DataType] = {
     "positions": pl.List(pl.Int32()),  # per row
     "row_seq_ids": pl.List(pl.Int32()),  # per row (first seq id of the row)
     "output_rows": pl.List(pl.Int32()),  # row indices that produce logits
-    "truncated": pl.Boolean(),  # more rows than the probe copies (rows beyond are missing)
+    "truncated": pl.Boolean(),  # more rows than the probe copies: only the last ones are listed
     "pid": pl.Int32(),
     "tid": pl.Int32(),
 }

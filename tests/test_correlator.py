@@ -210,7 +210,7 @@ def test_decode_rejects_unknown_record_size() -> None:
 def test_header_mirror_sizes() -> None:
     assert ev.HDR_DTYPE.itemsize == 32
     assert ev.SMALL_DTYPE.itemsize == 56
-    assert ev.UBATCH_DTYPE.itemsize == 32 + 8 + 13 * ev.MAX_UB_TOK
+    assert ev.UBATCH_DTYPE.itemsize == 32 + 16 + 13 * ev.MAX_UB_TOK
     assert ev.logits_dtype(4096).itemsize == 32 + 16 + 4 * 4096
     assert ev.logits_chunk_for(1200) == 2048 and ev.logits_chunk_for(32000) == ev.LOGITS_CHUNK_MAX
 

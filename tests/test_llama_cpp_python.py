@@ -220,3 +220,29 @@ def test_large_vocabulary_rows_split_over_several_records(tmp_path: Path) -> Non
         diff = np.abs(got["log_prob"].to_numpy() - np.array(want["log_probs"]))
         assert diff.max() < LOGPROB_TOL
     assert r.meta["losses"]["logits_incomplete"] == 0
+
+
+def test_micro_batch_larger_than_the_probe_copies(models: dict[str, Path], tmp_path: Path) -> None:
+    """A 1,600-token prompt in one 2,048-row micro-batch: the probe copies the last 1,024 rows,
+    where the logits row is, so the first token is still exact and nothing is lost silently."""
+    e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"]), "--n-batch", "2048", "--n-ctx", "2048"])
+    try:
+        rec = Recorder(e.pid, tmp_path / "rec")
+        truth = e.generate(["hello the expert router " * 400], max_tokens=16)
+        rc, err = rec.stop()
+        assert rc == 0, err
+    finally:
+        e.close()
+    n_prompt = len(truth[0]["prompt_tokens"])
+    assert n_prompt > 1024
+    r = sparseety_prof.open(tmp_path / "rec")
+    tok = r.tokens()
+    assert tok["token_id"].to_list() == truth[0]["ids"]
+    assert tok["decode_order"].to_list() == list(range(16))
+    assert tok["logits_pos"][0] == n_prompt - 1
+    assert np.abs(tok["log_prob"].to_numpy() - np.array(truth[0]["log_probs"])).max() < LOGPROB_TOL
+    first = r.steps().row(0, named=True)
+    assert first["truncated"] and first["n_tokens"] == n_prompt and len(first["positions"]) == 1024
+    assert first["positions"][-1] == n_prompt - 1 and first["output_rows"][-1] == n_prompt - 1
+    assert r.meta["losses"]["ubatch_rows_not_copied"] == n_prompt - 1024
+    assert r.meta["losses"]["samples_unresolved"] == 0

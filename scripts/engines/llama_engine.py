@@ -34,11 +34,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n-ctx", type=int, default=1024)
     ap.add_argument("--no-logits-all", action="store_true")
+    ap.add_argument("--n-batch", type=int, default=512, help="n_batch and n_ubatch")
     a = ap.parse_args()
     llm = Llama(
         model_path=a.model,
         n_ctx=a.n_ctx,
-        n_batch=512,
+        n_batch=a.n_batch,
+        n_ubatch=a.n_batch,
         n_threads=a.threads,
         n_threads_batch=a.threads,
         seed=1,
