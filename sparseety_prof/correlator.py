@@ -324,7 +324,7 @@ class Correlator:
                 and (st.expect_token is None or st.expect_token == tok or hidden_head)
             )
             if st is not None and continues:
-                self._maybe_next_input(c, st, step, first)
+                self._maybe_next_input(c, st, step, first, len(rows))
                 st.expect_token = None
                 st.max_pos = max(st.max_pos, int(step.pos[rows].max()))
                 continue
@@ -339,12 +339,15 @@ class Correlator:
                 max_pos=int(step.pos[rows].max()),
             )
 
-    def _maybe_next_input(self, c: CtxState, st: SeqState, step: Step, row: int) -> None:
-        """Engines that sample without a probed sampler call: the token is the next input."""
-        if c.sampler_seen or st.next_input_pending is None:
+    def _maybe_next_input(self, c: CtxState, st: SeqState, step: Step, row: int, n_rows: int) -> None:
+        """Engines that sample without a probed sampler call: the token is the next input.
+
+        Only a continuation of exactly one row is a sampled token fed back; more rows are the
+        next chunk of a prompt evaluated over several decode calls."""
+        pending, st.next_input_pending = st.next_input_pending, None
+        if c.sampler_seen or pending is None or n_rows != 1:
             return
-        prev_step, prev_row = st.next_input_pending
-        st.next_input_pending = None
+        prev_step, prev_row = pending
         self._emit_token(c, prev_step, prev_row, int(step.token[row]), step.tid, SOURCE_NEXT_INPUT, None)
 
     def _emit_token(

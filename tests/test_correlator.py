@@ -234,3 +234,15 @@ def test_c_struct_sizes_match_the_python_mirror(tmp_path: Path) -> None:
         ev.UBATCH_DTYPE.itemsize,
         ev.logits_dtype(2048).itemsize,
     ]
+
+
+def test_prompt_chunks_are_not_next_input_tokens() -> None:
+    """A prompt evaluated over several decode calls (every row an output, as with logits_all)
+    before any sampler call: the chunks are one request's prompt, not sampled tokens."""
+    s = Script()
+    s.decode([1, 5, 6], [0, 1, 2], outputs=[1, 1, 1])
+    s.decode([7, 8, 9], [3, 4, 5], outputs=[1, 1, 1])
+    s.sample(4)
+    tok = run(s)
+    assert tok["token_id"] == [4] and tok["token_source"] == ["sampler"] and tok["decode_order"] == [0]
+    assert tok["logits_pos"] == [5]

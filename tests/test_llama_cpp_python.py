@@ -246,3 +246,26 @@ def test_micro_batch_larger_than_the_probe_copies(models: dict[str, Path], tmp_p
     assert first["positions"][-1] == n_prompt - 1 and first["output_rows"][-1] == n_prompt - 1
     assert r.meta["losses"]["ubatch_rows_not_copied"] == n_prompt - 1024
     assert r.meta["losses"]["samples_unresolved"] == 0
+
+
+def test_long_prompt_over_several_decode_calls(models: dict[str, Path], tmp_path: Path) -> None:
+    """llama-cpp-python evaluates a 1,600-token prompt as four decode calls of <= 512 tokens: one
+    request, and the first token comes from the last row of the last one."""
+    e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"]), "--n-ctx", "2048"])
+    try:
+        rec = Recorder(e.pid, tmp_path / "rec")
+        truth = e.generate(["hello the expert router " * 400], max_tokens=16)
+        rc, err = rec.stop()
+        assert rc == 0, err
+    finally:
+        e.close()
+    n_prompt = len(truth[0]["prompt_tokens"])
+    r = sparseety_prof.open(tmp_path / "rec")
+    tok, steps = r.tokens(), r.steps()
+    assert tok["request_id"].n_unique() == 1
+    assert tok["token_id"].to_list() == truth[0]["ids"]
+    assert tok["logits_pos"][0] == n_prompt - 1 and tok["decode_order"].to_list() == list(range(16))
+    prompt_steps = steps.filter(pl.col("phase") == "prefill")
+    assert prompt_steps["n_tokens"].sum() == n_prompt and prompt_steps.height == -(-n_prompt // 512)
+    assert prompt_steps["decode_id"].n_unique() == prompt_steps.height
+    assert not steps["truncated"].any()
