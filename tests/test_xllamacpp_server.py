@@ -119,3 +119,37 @@ def test_repeated_prompt_is_a_new_request(server: Engine, tmp_path: Path) -> Non
     for got, a in zip(reqs, (a1, a2), strict=True):
         assert got["token_id"].to_list() == a["tokens"]
         assert got["decode_order"].to_list() == list(range(12))
+
+
+def test_two_slots_sequential_requests_reuse_a_slot(models: dict[str, Path], tmp_path: Path) -> None:
+    e = Engine(
+        [str(ENGINES / "server_engine.py"), str(models["moe"]), "--port", str(free_port()), "--parallel", "2"]
+    )
+    try:
+        rec = Recorder(e.pid, tmp_path / "rec")
+        answers = [
+            post(
+                e.ready["url"],
+                "/completion",
+                {
+                    "prompt": p,
+                    "n_predict": 20,
+                    "n_probs": 1,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "return_tokens": True,
+                },
+            )
+            for p in (PROMPTS[0], PROMPTS[2], PROMPTS[0])
+        ]
+        rc, err = rec.stop()
+        assert rc == 0, err
+    finally:
+        e.close()
+    tokens = sparseety_prof.open(tmp_path / "rec").tokens()
+    reqs = tokens.partition_by("request_id", maintain_order=True)
+    assert len(reqs) == 3
+    for got, a in zip(reqs, answers, strict=True):
+        assert got["token_id"].to_list() == a["tokens"]
+        assert got["seq_id"].unique().to_list() == [a["id_slot"]]
+        assert got["decode_order"].to_list() == list(range(20))
