@@ -153,3 +153,47 @@ def test_two_slots_sequential_requests_reuse_a_slot(models: dict[str, Path], tmp
         assert got["token_id"].to_list() == a["tokens"]
         assert got["seq_id"].unique().to_list() == [a["id_slot"]]
         assert got["decode_order"].to_list() == list(range(20))
+
+
+def test_two_concurrent_requests_share_steps_and_stay_apart(models: dict[str, Path], tmp_path: Path) -> None:
+    import threading
+
+    e = Engine(
+        [str(ENGINES / "server_engine.py"), str(models["moe"]), "--port", str(free_port()), "--parallel", "2"]
+    )
+    answers: dict[str, dict[str, Any]] = {}
+
+    def client(p: str) -> None:
+        answers[p] = post(
+            e.ready["url"],
+            "/completion",
+            {
+                "prompt": p,
+                "n_predict": 48,
+                "n_probs": 1,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_tokens": True,
+            },
+        )
+
+    try:
+        rec = Recorder(e.pid, tmp_path / "rec")
+        threads = [threading.Thread(target=client, args=(p,)) for p in (PROMPTS[0], PROMPTS[2])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        rc, err = rec.stop()
+        assert rc == 0, err
+    finally:
+        e.close()
+    r = sparseety_prof.open(tmp_path / "rec")
+    tokens = r.tokens()
+    for a in answers.values():
+        got = tokens.filter(pl.col("seq_id") == a["id_slot"]).sort("t_end_ns")
+        assert got["token_id"].to_list() == a["tokens"]
+        assert got["request_id"].n_unique() == 1
+    shared = r.steps().filter(pl.col("seq_ids").list.len() == 2)
+    assert shared.height > 0, "the two requests never shared a forward pass"
+    assert (tokens.join(shared, on="step_id")["batch_size"] == 2).all()
