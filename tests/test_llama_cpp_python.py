@@ -222,10 +222,9 @@ def test_large_vocabulary_rows_split_over_several_records(tmp_path: Path) -> Non
     assert r.meta["losses"]["logits_incomplete"] == 0
 
 
-def test_micro_batch_larger_than_the_probe_copies(models: dict[str, Path], tmp_path: Path) -> None:
-    """A 1,600-token prompt in one 2,048-row micro-batch: the probe copies the last 1,024 rows,
-    where the logits row is, so the first token is still exact and nothing is lost silently."""
-    e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"]), "--n-batch", "2048", "--n-ctx", "2048"])
+def _record_long_prompt(model: Path, tmp_path: Path, *engine_args: str) -> list[dict]:
+    """Record a 1,600-token prompt and 16 generated tokens into tmp_path/rec; the engine's truth."""
+    e = Engine([str(ENGINES / "llama_engine.py"), str(model), "--n-ctx", "2048", *engine_args])
     try:
         rec = Recorder(e.pid, tmp_path / "rec")
         truth = e.generate(["hello the expert router " * 400], max_tokens=16)
@@ -233,6 +232,13 @@ def test_micro_batch_larger_than_the_probe_copies(models: dict[str, Path], tmp_p
         assert rc == 0, err
     finally:
         e.close()
+    return truth
+
+
+def test_micro_batch_larger_than_the_probe_copies(models: dict[str, Path], tmp_path: Path) -> None:
+    """A 1,600-token prompt in one 2,048-row micro-batch: the probe copies the last 1,024 rows,
+    where the logits row is, so the first token is still exact and nothing is lost silently."""
+    truth = _record_long_prompt(models["moe"], tmp_path, "--n-batch", "2048")
     n_prompt = len(truth[0]["prompt_tokens"])
     assert n_prompt > 1024
     r = sparseety_prof.open(tmp_path / "rec")
@@ -251,14 +257,7 @@ def test_micro_batch_larger_than_the_probe_copies(models: dict[str, Path], tmp_p
 def test_long_prompt_over_several_decode_calls(models: dict[str, Path], tmp_path: Path) -> None:
     """llama-cpp-python evaluates a 1,600-token prompt as four decode calls of <= 512 tokens: one
     request, and the first token comes from the last row of the last one."""
-    e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"]), "--n-ctx", "2048"])
-    try:
-        rec = Recorder(e.pid, tmp_path / "rec")
-        truth = e.generate(["hello the expert router " * 400], max_tokens=16)
-        rc, err = rec.stop()
-        assert rc == 0, err
-    finally:
-        e.close()
+    truth = _record_long_prompt(models["moe"], tmp_path)
     n_prompt = len(truth[0]["prompt_tokens"])
     r = sparseety_prof.open(tmp_path / "rec")
     tok, steps = r.tokens(), r.steps()
