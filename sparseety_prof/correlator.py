@@ -296,10 +296,16 @@ class Correlator:
     # ------------------------------------------------------------------ logic
     def _resolve(self, c: CtxState, idx: int) -> tuple[Step, int] | None:
         """Map llama_get_logits_ith's index to a micro-batch row: negative = from the end of the
-        decode's outputs, otherwise a position in the decode's batch (micro-batches in order)."""
+        decode's outputs, otherwise a position in the decode's batch (micro-batches in order).
+
+        A decode split into several micro-batches with outputs of several sequences may have
+        been split by sequence (split_equal), which reorders rows: batch positions are then not
+        known, and the sample is counted as unresolved rather than given to the wrong sequence."""
         if idx < 0:
             j = len(c.outputs) + idx
             return c.outputs[j] if 0 <= j < len(c.outputs) else None
+        if len({id(s) for s, _ in c.outputs}) > 1 and len({int(s.seq[i]) for s, i in c.outputs}) > 1:
+            return None
         row = c.rows[idx] if idx < len(c.rows) else None
         if row is None:
             return None

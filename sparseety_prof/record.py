@@ -296,7 +296,9 @@ def summary_line(meta: dict[str, Any]) -> str:
         f"sparseety-prof: {meta['counts']['tokens']} tokens, {meta['counts']['steps']} steps; "
         f"losses: {losses.get('kernel_drops', 0)} dropped in kernel, "
         f"{losses.get('seq_gaps', 0)} sequence gaps, "
-        f"{losses.get('logits_incomplete', 0)} incomplete logits; profiler CPU {meta['profiler_cpu_s']:.2f}s "
+        f"{losses.get('logits_incomplete', 0)} incomplete logits, "
+        f"{losses.get('samples_unresolved', 0)} unresolved samples; "
+        f"profiler CPU {meta['profiler_cpu_s']:.2f}s "
         f"(BPF compile {meta['bpf_compile_s']:.2f}s); stopped: {meta['stop_reason']}"
     )
 

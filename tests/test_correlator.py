@@ -246,3 +246,19 @@ def test_prompt_chunks_are_not_next_input_tokens() -> None:
     tok = run(s)
     assert tok["token_id"] == [4] and tok["token_source"] == ["sampler"] and tok["decode_order"] == [0]
     assert tok["logits_pos"] == [5]
+
+
+def test_reordered_split_is_unresolved_not_misattributed() -> None:
+    """One decode split into two micro-batches holding outputs of two sequences (llama.cpp's
+    split_equal): batch positions are unknown, so the samples are counted, never guessed."""
+    s = Script()
+    s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+    s.ubatch([1, 5, 6, 1, 7], [0, 1, 2, 0, 1], seqs=[0, 0, 0, 1, 1], outputs=[0, 0, 0, 0, 1])
+    s.ubatch([8, 9], [3, 4], seqs=[0, 0], outputs=[0, 1])
+    s.sample(3, idx=4)
+    s.sample(4, idx=6)
+    c = Correlator(pid=1, n_vocab=N_VOCAB, wall_offset_ns=0)
+    c.feed(decode_records(s.recs, 1024))
+    tok, _ = c.take_rows()
+    assert tok.get("token_id", []) == []
+    assert c.counters.samples_unresolved == 2
