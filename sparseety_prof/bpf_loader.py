@@ -164,7 +164,6 @@ class RingReader:
         self._stop = threading.Event()
         self._halt_poll = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sparseety-ring-reader", daemon=True)
-        self.polls = 0
         string_at = ctypes.string_at
         records = self._records
         halt = self._halt_poll
@@ -186,7 +185,6 @@ class RingReader:
         b = self._sess.bpf
         while not self._stop.wait(DRAIN_PERIOD_S):
             b.ring_buffer_consume()
-            self.polls += 1
 
     def take(self) -> list[bytes]:
         """Everything drained so far. list.append/swap are atomic under the GIL."""

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,6 @@ class Progress:
     cpu_s: float = 0.0
     lag_ms: float = 0.0
     logits_incomplete: int = 0
-    started_ns: int = field(default_factory=time.monotonic_ns)
 
     def counters(self) -> dict[str, float]:
         return {
