@@ -6,9 +6,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import __version__
 from .errors import ProfError
+
+if TYPE_CHECKING:
+    from .record import Options
 
 EXIT_CODES_HELP = """exit codes:
   0  success              3  no such process        6  unsupported engine build
@@ -17,18 +21,25 @@ EXIT_CODES_HELP = """exit codes:
 """
 
 
-def _cmd_record(args: argparse.Namespace) -> int:
-    from .record import Options, Recorder, install_signal_handlers, summary_line
+def _options(args: argparse.Namespace) -> Options:
+    """Options of `record` and `attach`, from the flags they share (see _attach_flags)."""
+    from .record import Options
 
-    opts = Options(
+    return Options(
         pid=args.pid,
         out=args.output,
         duration=args.duration,
         redact_text=args.redact_text,
         model=args.model,
-        skip_probes=frozenset(args.skip_probe or ()),
+        nice=args.nice,
+        skip_probes=frozenset(getattr(args, "skip_probe", None) or ()),
     )
-    rec = Recorder(opts)
+
+
+def _cmd_record(args: argparse.Namespace) -> int:
+    from .record import Recorder, install_signal_handlers, summary_line
+
+    rec = Recorder(_options(args))
     install_signal_handlers(rec)
     meta = rec.run()
     print(summary_line(meta), file=sys.stderr)
@@ -42,11 +53,9 @@ def _cmd_attach(args: argparse.Namespace) -> int:
     from rich.live import Live
 
     from .live import LiveState, render
-    from .record import Options, Progress, Recorder, install_signal_handlers, summary_line
+    from .record import Progress, Recorder, install_signal_handlers, summary_line
 
-    opts = Options(
-        pid=args.pid, out=args.output, duration=args.duration, redact_text=args.redact_text, model=args.model
-    )
+    opts = _options(args)
     console = Console(stderr=True)
     live = Live(console=console, refresh_per_second=4, auto_refresh=False, transient=False)
     state: list[LiveState] = []

@@ -148,6 +148,21 @@ def run_cli(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, cwd=ROOT, timeout=120, **kw)
 
 
+def run_cli_without_capabilities(*args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI as root with every capability dropped, as in a locked-down container."""
+    setpriv = shutil.which("setpriv")
+    assert setpriv, "setpriv (util-linux) is part of the base system"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    return subprocess.run(
+        [setpriv, "--inh-caps=-all", "--bounding-set=-all", *CLI, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env=env,
+    )
+
+
 def bpf_prog_ids() -> set[int]:
     """IDs of every BPF program loaded in the kernel (BPF_PROG_GET_NEXT_ID)."""
     import ctypes

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ENGINES, ROOT, Engine, run_cli
+from conftest import ENGINES, ROOT, Engine, run_cli, run_cli_without_capabilities
 
 from sparseety_prof import doctor
 
@@ -24,24 +24,7 @@ def test_all_checks_pass_here() -> None:
 
 @pytest.mark.root
 def test_privileges_and_bpf_load_fail_without_capabilities() -> None:
-    setpriv = shutil.which("setpriv")
-    assert setpriv
-    r = subprocess.run(
-        [
-            setpriv,
-            "--inh-caps=-all",
-            "--bounding-set=-all",
-            sys.executable,
-            "-m",
-            "sparseety_prof.cli",
-            "doctor",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-        env={**os.environ, "COLUMNS": "200"},
-    )
+    r = run_cli_without_capabilities("doctor")
     assert r.returncode == 1
     lines = {line.split("│")[1].strip(): line for line in r.stdout.splitlines() if line.count("│") >= 4}
     assert "FAIL" in lines["privileges"] and "FAIL" in lines["BPF load"]

@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import ENGINES, ROOT, Engine, run_cli
+from conftest import ENGINES, Engine, run_cli, run_cli_without_capabilities
 
 from sparseety_prof.errors import (
     BpfUnavailable,
@@ -66,31 +65,9 @@ def test_process_that_is_not_an_engine(tmp_path: Path) -> None:
 @pytest.mark.root
 def test_missing_privileges(models: dict[str, Path], tmp_path: Path) -> None:
     """Root with every capability dropped (as in a locked-down container) may not load BPF."""
-    setpriv = shutil.which("setpriv")
-    assert setpriv
     e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
-        r = subprocess.run(
-            [
-                setpriv,
-                "--inh-caps=-all",
-                "--bounding-set=-all",
-                sys.executable,
-                "-m",
-                "sparseety_prof.cli",
-                "record",
-                "--pid",
-                str(e.pid),
-                "-o",
-                str(tmp_path / "x"),
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=ROOT,
-            timeout=60,
-        )
+        r = run_cli_without_capabilities("record", "--pid", str(e.pid), "-o", str(tmp_path / "x"))
     finally:
         e.close()
     assert r.returncode == MissingPrivileges.exit_code, r.stderr

@@ -1,0 +1,16 @@
+"""`record` and `attach` share their flags and turn them into the same Options."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sparseety_prof.cli import _options, build_parser
+
+
+def test_shared_flags_reach_the_options() -> None:
+    p = build_parser()
+    for argv in (["record", "--pid", "7", "-o", "rec"], ["attach", "--pid", "7", "-o", "rec"]):
+        o = _options(p.parse_args([*argv, "--duration", "2.5", "--redact-text", "--nice", "3"]))
+        assert (o.pid, o.out, o.duration, o.redact_text, o.nice) == (7, Path("rec"), 2.5, True, 3)
+    assert _options(p.parse_args(["attach", "--pid", "7"])).out is None
+    assert _options(p.parse_args(["record", "--pid", "7", "-o", "r"])).nice == 10
