@@ -4,6 +4,7 @@ really maps, which model file it has open. Pure /proc reading; no BPF here."""
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import re
 import subprocess
@@ -143,7 +144,14 @@ def _open_models(pid: int, mapped: list[str]) -> list[Path]:
 
 def elf_symbols(path: Path) -> dict[str, tuple[int, int]]:
     """Defined function symbols of an ELF file -> (address, size), from .dynsym and .symtab.
-    Uses binutils' nm, present wherever BCC's toolchain is."""
+    Uses binutils' nm, present wherever BCC's toolchain is. Read once per file version: finding
+    the engine and attaching each probe both ask, and nm on a 100 MB library takes a while."""
+    st = path.stat()
+    return dict(_elf_symbols(path, st.st_ino, st.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=32)
+def _elf_symbols(path: Path, _inode: int, _mtime_ns: int) -> dict[str, tuple[int, int]]:
     syms: dict[str, tuple[int, int]] = {}
     for extra in (["-D"], []):
         r = subprocess.run(["nm", *extra, "--defined-only", "-S", str(path)], capture_output=True, text=True)
