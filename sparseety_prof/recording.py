@@ -51,7 +51,12 @@ _RESERVED_META = frozenset({"format", "schema_version", "complete", "redacted", 
 # Column roles. Names come from the schema; these only say which schema column plays which role.
 # (Candidates for schema.py itself, e.g. schema.TEXT_COLUMNS / schema.SORT_KEYS.)
 _TEXT_COLUMNS: dict[str, tuple[str, ...]] = {"tokens": ("token_text",)}
-_SORT_KEYS: dict[str, tuple[str, ...]] = {"tokens": ("t_end_ns", "seq_id"), "steps": ("step_id",)}
+_SORT_KEYS: dict[str, tuple[str, ...]] = {
+    "tokens": ("t_end_ns", "seq_id"),
+    "steps": ("step_id",),
+    "routes": ("step_id", "row", "layer"),
+    "masks": ("step_id", "row", "layer"),
+}
 for _table, _cols in (*_TEXT_COLUMNS.items(), *_SORT_KEYS.items()):
     _missing = [c for c in _cols if c not in schema.TABLES[_table]]
     if _missing:  # pragma: no cover - guards against a schema rename
@@ -388,6 +393,14 @@ class Recording:
     def steps(self) -> pl.DataFrame:
         """One row per micro-batch (schema.STEPS), by step id."""
         return self.table("steps")
+
+    def routes(self) -> pl.DataFrame:
+        """One row per (micro-batch row, FFN layer) computed (schema.ROUTES), by step, row, layer."""
+        return self.table("routes")
+
+    def masks(self) -> pl.DataFrame:
+        """Bit-packed activation masks (schema.MASKS); empty unless recorded with --capture-masks."""
+        return self.table("masks")
 
     def segments(self, table: str) -> list[Path]:
         """The segment files of `table`, in write order."""

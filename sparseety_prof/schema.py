@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import polars as pl
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: One row per token the sampler returned (EOS included).
 TOKENS: dict[str, pl.DataType] = {
@@ -35,6 +35,16 @@ TOKENS: dict[str, pl.DataType] = {
     "partial": pl.Boolean(),  # request already running when the profiler attached
     "pid": pl.Int32(),
     "tid": pl.Int32(),  # thread that called the sampler
+    # ---- sparse decisions of the step, for the token's logits_pos row (null when not captured).
+    # Lists are layer-major; meta.json's "layers" says which model layers each list covers.
+    "expert_ids": pl.List(pl.List(pl.Int32())),  # per MoE layer: the engine's selected experts, its order
+    "expert_weights": pl.List(pl.List(pl.Float32())),  # per MoE layer: gate weights as applied
+    "router_probs": pl.List(pl.List(pl.Float32())),  # per MoE layer, all experts (--capture-router-probs)
+    "act_zero_ratio": pl.List(pl.Float32()),  # per FFN layer: exact zeros / activation values
+    "act_below_ratio": pl.List(pl.Float32()),  # per FFN layer: |x| < meta act_threshold / values
+    "attn_attended": pl.List(pl.Int32()),  # per attention layer: unmasked cells in the mask row
+    "attn_total": pl.Int32(),  # positions of the sequence so far (logits_pos + 1)
+    "kv_cells_used": pl.Int32(),  # cells of the sequence visible to full attention (max attended)
 }
 
 #: One row per micro-batch (one forward pass, `llama_context::process_ubatch`).
@@ -58,7 +68,37 @@ STEPS: dict[str, pl.DataType] = {
     "tid": pl.Int32(),
 }
 
-TABLES: dict[str, dict[str, pl.DataType]] = {"tokens": TOKENS, "steps": STEPS}
+#: One row per (micro-batch row, FFN layer) the engine computed, prompt rows included: the long form
+#: of the token rows' sparse-decision lists. Join to tokens on (step_id, seq_id, pos = logits_pos).
+ROUTES: dict[str, pl.DataType] = {
+    "step_id": pl.Int64(),
+    "ctx_id": pl.Int32(),
+    "seq_id": pl.Int32(),
+    "pos": pl.Int32(),  # position of the row (a token row's logits_pos)
+    "row": pl.Int32(),  # row index within the micro-batch
+    "layer": pl.Int32(),  # model layer (block) index
+    "expert_ids": pl.List(pl.Int32()),  # null for a dense FFN layer
+    "expert_weights": pl.List(pl.Float32()),
+    "router_probs": pl.List(pl.Float32()),  # with --capture-router-probs
+    "act_zero_ratio": pl.Float32(),  # over the experts actually run, for MoE layers
+    "act_below_ratio": pl.Float32(),
+    "act_values": pl.Int32(),  # activation values the ratios are over
+}
+
+#: With --capture-masks: the activation zero mask itself, bit-packed (numpy.packbits order, bit set =
+#: value non-zero), one row per (micro-batch row, FFN layer), keyed like routes.
+MASKS: dict[str, pl.DataType] = {
+    "step_id": pl.Int64(),
+    "ctx_id": pl.Int32(),
+    "seq_id": pl.Int32(),
+    "pos": pl.Int32(),
+    "row": pl.Int32(),
+    "layer": pl.Int32(),
+    "n_values": pl.Int32(),  # bits that are meaningful (the mask is padded to whole bytes)
+    "nonzero_bits": pl.Binary(),
+}
+
+TABLES: dict[str, dict[str, pl.DataType]] = {"tokens": TOKENS, "steps": STEPS, "routes": ROUTES, "masks": MASKS}
 
 PHASE_PREFILL = "prefill"
 PHASE_DECODE = "decode"

@@ -45,6 +45,14 @@ def tokens_frame(n: int, *, start: int = 0, seq_ids: tuple[int, ...] = (0, 1)) -
         rows["partial"].append(k % 7 == 3)
         rows["pid"].append(4242)
         rows["tid"].append(4243)
+        rows["expert_ids"].append(None if k % 4 == 1 else [[k % 8, (k + 3) % 8], [1, 2]])
+        rows["expert_weights"].append(None if k % 4 == 1 else [[0.75, 0.25], [0.5, 0.5]])
+        rows["router_probs"].append(None)
+        rows["act_zero_ratio"].append([0.5, 0.25 * (k % 3)])
+        rows["act_below_ratio"].append([0.75, 0.5])
+        rows["attn_attended"].append([9 + step, min(9 + step, 4)])
+        rows["attn_total"].append(10 + step)
+        rows["kv_cells_used"].append(10 + step)
     return schema.frame("tokens", rows)
 
 
@@ -97,7 +105,12 @@ def test_roundtrip_preserves_rows_dtypes_lists_and_nulls(tmp_path: Path) -> None
     assert rec.meta["lost_events"] == 0
     assert rec.meta["schema_version"] == schema.SCHEMA_VERSION
     assert rec.meta["format"] == recording.FORMAT
-    assert rec.meta["tables"] == {"tokens": {"rows": 40, "segments": 1}, "steps": {"rows": 20, "segments": 1}}
+    assert rec.meta["tables"] == {
+        "tokens": {"rows": 40, "segments": 1},
+        "steps": {"rows": 20, "segments": 1},
+        "routes": {"rows": 0, "segments": 0},
+        "masks": {"rows": 0, "segments": 0},
+    }
     assert dict(rec.tokens().schema) == schema.TOKENS
     assert dict(rec.steps().schema) == schema.STEPS
     assert_frame_equal(rec.tokens(), tokens)
