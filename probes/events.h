@@ -26,6 +26,10 @@ enum ev_kind {
     EV_SAMPLE_END = 7,    /* sampler return                         a = token id, b = sampler kind */
     EV_SEQ_RM = 8,        /* llama_memory_seq_rm entry              ctx = memory*, a = seq, b = p0, c = p1 */
     EV_MEM_CLEAR = 9,     /* llama_memory_clear entry               ctx = memory*                 */
+    EV_TENSOR = 10,       /* a routing tensor copied at a graph node: struct ev_tensor_{s,l}      */
+    EV_ACT = 11,          /* activation counts of one thread's rows of a GLU node: struct ev_act */
+    EV_ATTN = 12,         /* attention mask of one layer, counted per output row: struct ev_attn */
+    EV_ACT_MASK = 13,     /* struct ev_act plus the zero mask bits (--capture-masks)             */
 };
 
 enum sampler_kind { SAMPLER_LLAMA = 1, SAMPLER_COMMON = 2 };
@@ -70,6 +74,85 @@ struct ev_logits {
     __u32 n_vals;               /* valid floats in vals */
     __u32 n_vocab;
     __u32 vals[LOGITS_CHUNK];   /* raw IEEE-754 bits (BPF has no floating point) */
+};
+
+/* ---- sparse decisions (sparse_probes.bpf.c) ------------------------------------------------ */
+#define NAME_LEN 32              /* tensor name bytes copied ("ffn_moe_weighted-47" fits) */
+#define TENSOR_BYTES_S 1024      /* data of a small tensor record (a decode step) */
+#define TENSOR_BYTES_L 16384     /* data of a large tensor record (prompt rows) */
+#define MAX_TENSOR_CHUNKS 16     /* large records per tensor: rows beyond are counted as lost */
+#define BLOCK_WORDS 64           /* 8-byte words (512 B) read and tested per block */
+#define ACT_BLOCKS 32           /* blocks per thread per GLU node (16,384 floats): verifier budget */
+#define ACT_MAX_ROWS 32          /* rows per activation record */
+#define ATT_MAX_ROWS 8           /* output rows whose mask row is counted per micro-batch */
+#define ATT_BLOCKS 8             /* blocks per mask (e.g. 2 rows of 512 F32 cells): verifier budget */
+#define ATT_ROW_SCAN 64          /* output flags scanned (from the end) to find output rows */
+
+enum tensor_tag { TAG_EXPERT_IDS = 1, TAG_EXPERT_WEIGHTS = 2, TAG_ROUTER_PROBS = 3 };
+
+#define ACT_FLAG_ODD_WIDTH 1     /* rows of odd width are not counted (pairs are read) */
+#define ACT_FLAG_BUDGET 2        /* some of this thread's rows were beyond ACT_BLOCKS / ACT_MAX_ROWS */
+#define ACT_FLAG_FAULT 4         /* a block could not be read: the rows from there on are uncounted */
+#define ATT_FLAG_CACHED 1        /* same mask as an earlier layer of this micro-batch: no counts */
+#define ATT_FLAG_BUDGET 2        /* output rows or row length beyond the counting budget */
+#define ATT_FLAG_NO_UBATCH 4     /* not on a thread inside process_ubatch: rows unknown */
+#define ATT_FLAG_F16 8           /* mask is F16 (flash attention); else F32 */
+
+struct ev_tensor_hdr {
+    struct ev_hdr h;
+    char name[NAME_LEN];
+    __u16 tag;                  /* enum tensor_tag */
+    __u16 type;                 /* ggml_type of the values (0 = F32, 26 = I32) */
+    __u32 row0;                 /* first row in data */
+    __u32 n_rows;               /* rows in data */
+    __u32 rows_total;           /* rows of the tensor (micro-batch rows or its output rows) */
+    __u32 ne0;                  /* values per row */
+    __u32 row_stride;           /* bytes between rows in data */
+    __u32 n_bytes;              /* valid bytes in data */
+    __u32 pad;
+};
+
+struct ev_tensor_s {
+    struct ev_tensor_hdr t;
+    __u8 data[TENSOR_BYTES_S];
+};
+
+struct ev_tensor_l {
+    struct ev_tensor_hdr t;
+    __u8 data[TENSOR_BYTES_L];
+};
+
+struct ev_act {
+    struct ev_hdr h;
+    char name[NAME_LEN];
+    __u32 ne0;                  /* values per row */
+    __u32 ne1;                  /* k for MoE activations ([n_ff, k, n_tokens]); tokens for dense */
+    __u32 ir0;                  /* first row of this thread */
+    __u32 n_rows;               /* rows counted (from ir0) */
+    __u32 nr_total;             /* rows of the whole node */
+    __u32 ith;
+    __u32 flags;
+    __u32 pad;
+    __u32 zeros[ACT_MAX_ROWS];  /* values == 0 per row */
+    __u32 below[ACT_MAX_ROWS];  /* |value| < threshold per row */
+};
+
+struct ev_act_mask {
+    struct ev_act a;
+    __u64 bits[ACT_BLOCKS * 2];  /* 128 bits per block (row-major blocks, each row starts a block):
+                                    bit set = value non-zero */
+};
+
+struct ev_attn {
+    struct ev_hdr h;
+    char name[NAME_LEN];
+    __u64 mask;                 /* mask data pointer: layers sharing a mask share its counts */
+    __u32 n_kv;                 /* mask row length (cells) */
+    __u32 n_rows;               /* mask rows (micro-batch rows, padded) */
+    __u32 n_counted;            /* rows counted below */
+    __u32 flags;
+    __u32 row[ATT_MAX_ROWS];    /* micro-batch row */
+    __u32 attended[ATT_MAX_ROWS];  /* cells not masked (not -inf) in that row */
 };
 
 #endif

@@ -5,6 +5,9 @@
  *   N_VOCAB                                                      floats per logits row
  *   RB_PAGES                                                     ring buffer size in pages
  *
+ * sparse_probes.bpf.c is appended to this text by the loader (BCC rewrites map accesses and
+ * exports programs only in the main source text, so it cannot be #included).
+ *
  * Cost discipline: everything here copies raw bits; no floating point, no per-token maps
  * beyond the per-thread argument stash needed to pair entry and return probes. Records are
  * submitted without waking the reader (BPF_RB_NO_WAKEUP): a wakeup per record costs the engine
@@ -16,8 +19,10 @@
 BPF_RINGBUF_OUTPUT(events, RB_PAGES);
 
 /* counters[0] = next record sequence number, [1] = records dropped (reserve failed),
- * [2] = ubatch rows not copied (micro-batch larger than MAX_UB_TOK) */
-BPF_ARRAY(counters, u64, 4);
+ * [2] = ubatch rows not copied (micro-batch larger than MAX_UB_TOK),
+ * [3] = sparse-decision rows not captured (beyond a record or counting budget),
+ * [4] = attention output rows not counted (beyond ATT_MAX_ROWS / ATT_BLOCKS) */
+BPF_ARRAY(counters, u64, 8);
 
 struct sampler_state {
     u64 ctx;
@@ -32,7 +37,13 @@ struct logits_args {
     s32 idx;
 };
 BPF_HASH(logits_args, u32, struct logits_args, 4096);
-BPF_HASH(ubatch_ctx, u32, u64, 4096);
+/* the micro-batch a thread is running (process_ubatch entry to return) */
+struct ubatch_info {
+    u64 lctx;
+    u64 ub;
+    u64 serial; /* sequence number of its EV_UBATCH record */
+};
+BPF_HASH(ubatch_info, u32, struct ubatch_info, 4096);
 
 static __always_inline u64 next_seq(void) {
     int k = 0;
@@ -167,17 +178,21 @@ int ubatch_enter(struct pt_regs *ctx) {
         e->seq[i] = s;
     }
     events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
-    ubatch_ctx.update(&tid, &lctx);
+    struct ubatch_info ui = {};
+    ui.lctx = lctx;
+    ui.ub = ub;
+    ui.serial = seq;
+    ubatch_info.update(&tid, &ui);
     return 0;
 }
 
 int ubatch_return(struct pt_regs *ctx) {
     u32 tid = (u32)bpf_get_current_pid_tgid();
-    u64 *lctx = ubatch_ctx.lookup(&tid);
-    if (!lctx)
+    struct ubatch_info *ui = ubatch_info.lookup(&tid);
+    if (!ui)
         return 0;
-    emit_small(EV_UBATCH_END, *lctx, 0, 0, 0, PT_REGS_RC(ctx));
-    ubatch_ctx.delete(&tid);
+    emit_small(EV_UBATCH_END, ui->lctx, 0, 0, 0, PT_REGS_RC(ctx));
+    ubatch_info.delete(&tid);
     return 0;
 }
 

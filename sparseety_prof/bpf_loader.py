@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from . import target as tg
-from .elf import cheap_probe_offset, read_at_vaddr
+from .capture import Capture
+from .elf import cheap_entry_probe_offset, cheap_probe_offset, read_at_vaddr
 from .errors import BpfUnavailable, MissingPrivileges, NoSuchProcess
 from .events import PROBES_DIR, logits_chunk_for
-from .layouts import UbatchLayout
+from .layouts import EngineBuild
 
 RING_BUFFER_PAGES = 8192  # 32 MiB: a 1 MiB ring lost 35-70% of a burst here, 16 MiB lost none
 DRAIN_PERIOD_S = 0.1  # the reader empties the ring this often (records never wake it)
@@ -31,6 +32,7 @@ class ProbeSpec:
     fn_entry: str | None
     fn_return: str | None
     required: bool
+    feature: str | None = None  # a Capture flag that must be on (None: always attached)
 
 
 PROBES = [
@@ -42,7 +44,29 @@ PROBES = [
     ProbeSpec(tg.SYM_LOGITS_ITH, "logits_enter", "logits_return", True),
     ProbeSpec(tg.SYM_SEQ_RM, "seq_rm_enter", None, False),
     ProbeSpec(tg.SYM_MEM_CLEAR, "mem_clear_enter", None, False),
+    ProbeSpec(tg.SYM_GET_ROWS, "moe_get_rows_enter", None, False, "routes_or_probs"),
+    ProbeSpec(tg.SYM_MUL, "moe_mul_enter", None, False, "routes"),
+    ProbeSpec(tg.SYM_GLU, "glu_enter", "glu_return", False, "activations"),
+    ProbeSpec(tg.SYM_SOFT_MAX, "softmax_enter", None, False, "attention"),
+    ProbeSpec(tg.SYM_FLASH_ATTN, "fattn_enter", None, False, "attention"),
 ]
+
+
+def _wanted(spec: ProbeSpec, capture: Capture) -> bool:
+    if spec.feature is None:
+        return True
+    if spec.feature == "routes_or_probs":
+        return capture.routes or capture.router_probs
+    return bool(getattr(capture, spec.feature))
+
+
+PROBE_SOURCES = ("token_probes.bpf.c", "sparse_probes.bpf.c")
+
+
+def probe_source() -> str:
+    """The BPF program text: BCC only rewrites and exports what is in its main text, so the probe
+    files are concatenated rather than #included."""
+    return "\n".join((PROBES_DIR / f).read_text() for f in PROBE_SOURCES)
 
 
 def import_bcc() -> Any:
@@ -78,8 +102,14 @@ class Session:
 
     def counters(self) -> dict[str, int]:
         c = self.bpf["counters"]
-        vals = [int(c[ctypes.c_int(i)].value) for i in range(3)]
-        return {"records_produced": vals[0], "kernel_drops": vals[1], "ubatch_rows_not_copied": vals[2]}
+        vals = [int(c[ctypes.c_int(i)].value) for i in range(5)]
+        return {
+            "records_produced": vals[0],
+            "kernel_drops": vals[1],
+            "ubatch_rows_not_copied": vals[2],
+            "sparse_rows_not_captured": vals[3],
+            "attention_rows_not_counted": vals[4],
+        }
 
     def close(self) -> None:
         if self._closed:
@@ -93,15 +123,19 @@ class Session:
 def compile_and_attach(
     pid: int,
     where: dict[str, Path],
-    layout: UbatchLayout,
+    build: EngineBuild,
     n_vocab: int,
     *,
+    capture: Capture | None = None,
     skip: frozenset[str] = frozenset(),
 ) -> Session:
     bcc = import_bcc()
+    capture = capture or Capture()
     cflags = [
         f"-I{PROBES_DIR}",
-        *layout.cflags(),
+        *build.ubatch.cflags(),
+        *build.tensor.cflags(),
+        *capture.cflags(),
         f"-DN_VOCAB={n_vocab}",
         f"-DLOGITS_CHUNK={logits_chunk_for(n_vocab)}",
         f"-DRB_PAGES={RING_BUFFER_PAGES}",
@@ -109,7 +143,7 @@ def compile_and_attach(
     ]
     t0 = time.monotonic()
     try:
-        b = bcc.BPF(src_file=str(PROBES_DIR / "token_probes.bpf.c"), cflags=cflags)
+        b = bcc.BPF(text=probe_source(), cflags=cflags)
     except Exception as e:
         msg = str(e)
         if "Operation not permitted" in msg or "EPERM" in msg:
@@ -124,11 +158,14 @@ def compile_and_attach(
     try:
         for spec in PROBES:
             lib = where.get(spec.symbol)
-            if lib is None or spec.symbol in skip:
+            if lib is None or spec.symbol in skip or not _wanted(spec, capture):
                 continue
             syms = tg.elf_symbols(lib)
             vaddr = syms[spec.symbol][0]
-            off = cheap_probe_offset(read_at_vaddr(lib, vaddr, 8))
+            code = read_at_vaddr(lib, vaddr, 32)
+            # a return probe needs the return address at [rsp]: only entry-only probes may skip
+            # a stack-realigning prologue
+            off = cheap_probe_offset(code) if spec.fn_return else cheap_entry_probe_offset(code)
             if spec.fn_entry:
                 _attach(b.attach_uprobe, lib, vaddr + off, spec.fn_entry, pid)
                 sess.attached.append(AttachedProbe(spec.symbol, str(lib), off, "entry"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,8 +24,23 @@ EXIT_CODES_HELP = """exit codes:
 
 def _options(args: argparse.Namespace) -> Options:
     """Options of `record` and `attach`, from the flags they share (see _attach_flags)."""
+    from .capture import TOKENS_ONLY, Capture
+    from .errors import UsageError
     from .record import Options
 
+    if args.mode == "tokens":
+        if args.capture_router_probs or args.capture_masks:
+            raise UsageError("--capture-router-probs and --capture-masks need --mode full")
+        capture = TOKENS_ONLY
+    else:
+        try:
+            capture = Capture(
+                router_probs=args.capture_router_probs,
+                masks=args.capture_masks,
+                act_threshold=args.act_threshold,
+            )
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     return Options(
         pid=args.pid,
         out=args.output,
@@ -33,6 +49,7 @@ def _options(args: argparse.Namespace) -> Options:
         model=args.model,
         nice=args.nice,
         skip_probes=frozenset(getattr(args, "skip_probe", None) or ()),
+        capture=capture,
     )
 
 
@@ -102,6 +119,58 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from .diff import Tolerances, run
+
+    return run(
+        args.a,
+        args.b,
+        tolerances=Tolerances(logprob=args.logprob_tol, weight=args.weight_tol, ratio=args.ratio_tol),
+        all_positions=args.all,
+        context=args.context,
+        as_json=args.json,
+    )
+
+
+def _non_negative(kind: type[int] | type[float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value >= 0:  # also rejects NaN
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        return value
+
+    return parse
+
+
+DIFF_DESCRIPTION = """\
+Compare two recordings of the same prompts (dense vs sparse configuration, two engine builds,
+with and without a change), request by request and token by token, and say where the runs first
+diverge and how.
+
+Requests are paired by order of their first token within each recording (request ids differ
+between runs); requests already running when a recording began (partial) are left out of both,
+and different request counts are reported. Within a pair tokens are aligned by decode order.
+The divergence point is the first token whose id differs: later tokens condition on different
+histories, so by default nothing after it is compared (--all compares every aligned position).
+Per pair: tokens compared, the divergence with the surrounding tokens of both runs, the largest
+|Δ log-prob| (same token only), MoE routing agreement (identical expert lists, and as sets) with
+the first token and layer whose expert set differs, gate weights, |Δ act_zero_ratio| per FFN
+layer, and attended cells per attention layer. Columns one recording did not capture (e.g.
+expert ids of a dense model) are "not comparable", never differences.
+"""
+
+DIFF_EPILOG = """\
+exit status:
+  0  the runs are equal within the tolerances
+  1  the runs differ (tokens, log-probs, routing, sparsity, attention, or request counts)
+  2  usage error (e.g. a path that does not exist)
+  7  not a recording, or a corrupt one
+"""
+
+
 def _attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_required: bool) -> None:
     """The flags `record` and `attach` share, defined once."""
     p.add_argument("--pid", type=int, required=True, help="process id of the running engine")
@@ -114,6 +183,29 @@ def _attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_requir
         type=int,
         default=10,
         help="niceness the consumer takes once attached, so the engine wins CPU contention (default 10)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("full", "tokens"),
+        default="full",
+        help="full (default): tokens plus MoE routing, activation sparsity and attention coverage; "
+        "tokens: token boundaries, ids and log-probs only (fewer probes)",
+    )
+    p.add_argument(
+        "--act-threshold",
+        type=float,
+        default=1e-2,
+        help="activations with |x| below this count in act_below_ratio (default 0.01; recorded in metadata)",
+    )
+    p.add_argument(
+        "--capture-router-probs",
+        action="store_true",
+        help="also record the router probability of every expert per MoE layer",
+    )
+    p.add_argument(
+        "--capture-masks",
+        action="store_true",
+        help="also record the activation zero masks, bit-packed, in the masks table",
     )
 
 
@@ -156,6 +248,51 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="summary tables of a recording")
     rp.add_argument("recording", type=Path)
     rp.set_defaults(func=_cmd_report)
+
+    df = sub.add_parser(
+        "diff",
+        help="compare two recordings of the same prompts token by token; exit 1 when they differ",
+        description=DIFF_DESCRIPTION,
+        epilog=DIFF_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    df.add_argument("a", type=Path, metavar="A", help="first recording (e.g. the dense run)")
+    df.add_argument("b", type=Path, metavar="B", help="second recording (e.g. the sparse run)")
+    df.add_argument(
+        "--all",
+        action="store_true",
+        help="keep comparing aligned positions after the token ids diverge",
+    )
+    df.add_argument(
+        "--logprob-tol",
+        type=_non_negative(float),
+        default=1e-3,
+        metavar="X",
+        help="|Δ log-prob| allowed for the same token (default 1e-3)",
+    )
+    df.add_argument(
+        "--weight-tol",
+        type=_non_negative(float),
+        default=1e-5,
+        metavar="X",
+        help="|Δ gate weight| allowed for an expert both runs selected (default 1e-5)",
+    )
+    df.add_argument(
+        "--ratio-tol",
+        type=_non_negative(float),
+        default=0.0,
+        metavar="X",
+        help="|Δ act_zero_ratio| allowed per layer (default 0: any change is a difference)",
+    )
+    df.add_argument(
+        "--context",
+        type=_non_negative(int),
+        default=3,
+        metavar="N",
+        help="tokens shown before and after the divergence (default 3)",
+    )
+    df.add_argument("--json", action="store_true", help="print the result as JSON instead of the report")
+    df.set_defaults(func=_cmd_diff)
     return p
 
 

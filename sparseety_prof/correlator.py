@@ -23,7 +23,17 @@ from . import events as ev
 from .errors import UnsupportedEngineBuild
 from .logits import row_stats
 from .schema import PHASE_DECODE, PHASE_PREFILL, SOURCE_NEXT_INPUT, SOURCE_SAMPLER
+from .sparse import LayerSet, Problems, StepSparse
 
+_SPARSE_TOKEN_COLUMNS = (
+    "expert_ids",
+    "expert_weights",
+    "router_probs",
+    "act_zero_ratio",
+    "act_below_ratio",
+    "attn_attended",
+    "kv_cells_used",
+)
 VERIFY_UBATCHES = 16  # micro-batches sanity-checked against the layout at attach time
 MAX_SEQ_ID = 1 << 16
 STATS_BLOCK = 16  # logits rows per vectorised statistics call
@@ -44,6 +54,16 @@ class Step:
     n_tokens: int
     truncated: bool
     row_offset: int = 0  # rows [0, row_offset) of a truncated micro-batch were not copied
+    sparse: StepSparse | None = None  # routing, activation and attention records of this pass
+    _output_index: dict[int, int] | None = None
+
+    def output_index(self) -> dict[int, int]:
+        """Batch row -> ordinal among the rows that produce logits (the rows a tensor has when
+        the engine computed a layer for output rows only)."""
+        if self._output_index is None:
+            rows = np.flatnonzero(self.output) + self.row_offset
+            self._output_index = {int(r): k for k, r in enumerate(rows)}
+        return self._output_index
 
 
 @dataclass
@@ -85,6 +105,9 @@ class Counters:
     logits_incomplete: int = 0  # token rows whose logits row lost a chunk
     verified_ubatches: int = 0
     verified_decodes: int = 0  # micro-batches checked against the public llama_batch
+    sparse_unattributed: int = 0  # graph-op records while no (or more than one) micro-batch ran
+    sparse_unmapped_rows: int = 0  # tensor rows that match neither the batch nor its outputs
+    verified_sparse: int = 0  # routing records checked against the model's expert counts
 
 
 class Correlator:
@@ -95,6 +118,10 @@ class Correlator:
         n_vocab: int,
         wall_offset_ns: int,
         texts: Callable[[list[int]], list[str | None]] | None = None,
+        layers: LayerSet | None = None,
+        n_expert: int = 0,
+        n_expert_used: int = 0,
+        with_masks: bool = False,
     ) -> None:
         self.pid = pid
         self.n_vocab = n_vocab
@@ -108,6 +135,14 @@ class Correlator:
         self._tokens: dict[str, list[object]] = {}
         self._pending_rows: list[tuple[int, list[np.ndarray]]] = []  # (token row, logits row chunks)
         self._steps: dict[str, list[object]] = {}
+        self.layers = layers or LayerSet()
+        self.n_expert = n_expert
+        self.n_expert_used = n_expert_used
+        self.with_masks = with_masks
+        self.problems = Problems()
+        self.layers_seen: dict[str, set[int]] = {"moe": set(), "ffn": set(), "attn": set()}
+        self._routes: dict[str, list[object]] = {}
+        self._masks: dict[str, list[object]] = {}
 
     # ------------------------------------------------------------------ public
     def feed(self, batch: ev.EventBatch) -> None:
@@ -119,7 +154,15 @@ class Correlator:
         if len(batch.small):
             names = batch.small.dtype.names or ()
             recs += [(t[0], dict(zip(names, t, strict=True))) for t in batch.small.tolist()]
-        for arr in (batch.ubatch, batch.logits):
+        for arr in (
+            batch.ubatch,
+            batch.logits,
+            batch.tensor_s,
+            batch.tensor_l,
+            batch.act,
+            batch.act_mask,
+            batch.attn,
+        ):
             if len(arr):
                 cols = {k: arr[k] for k in arr.dtype.names or ()}
                 recs += [(int(arr["seq"][i]), {k: v[i] for k, v in cols.items()}) for i in range(len(arr))]
@@ -137,6 +180,13 @@ class Correlator:
         if tok and self.texts is not None:
             tok["token_text"] = list(self.texts([int(t) for t in tok["token_id"]]))  # type: ignore[call-overload]
         return tok, st
+
+    def take_sparse_rows(self) -> tuple[dict[str, list[object]], dict[str, list[object]]]:
+        """Routes and masks columns produced since the last call."""
+        routes, masks = self._routes, self._masks
+        self._routes, self._masks = {}, {}
+        self.counters.sparse_unmapped_rows = self.problems.unmapped_rows
+        return routes, masks
 
     def _fill_stats(self, tok: dict[str, list[object]]) -> None:
         """Statistics of every captured logits row of this drain, in one vectorised pass."""
@@ -253,6 +303,101 @@ class Correlator:
             pid=self.pid,
             tid=step.tid,
         )
+        if step.sparse is not None:
+            self._emit_routes(step)
+
+    def _emit_routes(self, step: Step) -> None:
+        """The long form: one row per (batch row, FFN layer) the engine computed."""
+        sp = step.sparse
+        assert sp is not None
+        layers = self.layers
+        moe_pos = {layer: k for k, layer in enumerate(layers.moe)}
+        ffn_pos = {layer: k for k, layer in enumerate(layers.ffn)}
+        all_layers = sorted(set(layers.moe) | set(layers.ffn))
+        out_index = step.output_index()
+        for i in range(len(step.token)):
+            b = step.row_offset + i
+            v = sp.row_values(b, out_index, step.n_tokens, layers, self.problems)
+            for layer in all_layers:
+                km, kf = moe_pos.get(layer), ffn_pos.get(layer)
+                ids = v["expert_ids"][km] if km is not None else None
+                zr = v["act_zero_ratio"][kf] if kf is not None else None
+                if ids is None and zr is None:
+                    continue  # not computed for this row (or not captured): no row is invented
+                _, _, n_vals = sp.act_ratios(layer, b, out_index, step.n_tokens, self.problems)
+                self._append(
+                    self._routes,
+                    step_id=step.step_id,
+                    ctx_id=step.ctx_id,
+                    seq_id=int(step.seq[i]),
+                    pos=int(step.pos[i]),
+                    row=b,
+                    layer=layer,
+                    expert_ids=ids,
+                    expert_weights=v["expert_weights"][km] if km is not None else None,
+                    router_probs=v["router_probs"][km] if km is not None else None,
+                    act_zero_ratio=zr,
+                    act_below_ratio=v["act_below_ratio"][kf] if kf is not None else None,
+                    act_values=n_vals or None,
+                )
+                if self.with_masks:
+                    bits = sp.act_mask_bits(layer, b, out_index, step.n_tokens)
+                    if bits is not None:
+                        self._append(
+                            self._masks,
+                            step_id=step.step_id,
+                            ctx_id=step.ctx_id,
+                            seq_id=int(step.seq[i]),
+                            pos=int(step.pos[i]),
+                            row=b,
+                            layer=layer,
+                            n_values=len(bits),
+                            nonzero_bits=np.packbits(bits).tobytes(),
+                        )
+
+    def _on_sparse(self, r: dict[str, Any]) -> None:
+        """A graph-op record belongs to the micro-batch running when it was produced. Worker
+        threads carry no context, so this needs exactly one micro-batch in flight."""
+        if len(self.open_steps) != 1:
+            self.counters.sparse_unattributed += 1
+            return
+        step = next(iter(self.open_steps.values()))
+        if step.sparse is None:
+            step.sparse = StepSparse()
+        kind = int(r["kind"])
+        if kind == ev.EV_TENSOR:
+            got = step.sparse.add_tensor(r)
+            if got is not None and int(r["tag"]) == ev.TAG_EXPERT_IDS:
+                self._verify_routing(r, step.sparse, got[1])
+            section = "moe"
+        elif kind in (ev.EV_ACT, ev.EV_ACT_MASK):
+            got = step.sparse.add_act(r, with_bits=kind == ev.EV_ACT_MASK)
+            section = "ffn"
+        else:
+            got = step.sparse.add_attn(r)
+            section = "attn"
+        if got is not None:
+            self.layers_seen[section].add(got[1])
+
+    def _verify_routing(self, r: dict[str, Any], sp: StepSparse, layer: int) -> None:
+        """The first routing records are checked against the model: k values per row, expert ids
+        in range. A tensor layout read wrongly fails here instead of recording garbage."""
+        if self.counters.verified_sparse >= VERIFY_UBATCHES or not self.n_expert:
+            return
+        ids = sp.ids[layer].values
+        problems = []
+        if self.n_expert_used and int(r["ne0"]) != self.n_expert_used:
+            problems.append(f"{int(r['ne0'])} experts per row, the model selects {self.n_expert_used}")
+        filled = ids[sp.ids[layer].filled]
+        if filled.size and (filled.min() < 0 or filled.max() >= self.n_expert):
+            problems.append(f"expert ids outside [0, {self.n_expert})")
+        if problems:
+            raise UnsupportedEngineBuild(
+                "unsupported engine build: the routing tensors failed verification on live data ("
+                + "; ".join(problems)
+                + "). Nothing more was recorded."
+            )
+        self.counters.verified_sparse += 1
 
     def _on_sample_begin(self, r: dict[str, Any]) -> None:
         c = self._ctx(int(r["ctx"]))
@@ -377,6 +522,21 @@ class Correlator:
         if logits is not None:  # statistics are computed for the whole drain in take_rows
             self._pending_rows.append((len(self._tokens.get("token_id", [])), logits))
         first = st.samples == 0
+        sparse_cols: dict[str, object] = dict.fromkeys(_SPARSE_TOKEN_COLUMNS)
+        if step.sparse is not None:
+            v = step.sparse.row_values(
+                step.row_offset + i, step.output_index(), step.n_tokens, self.layers, self.problems
+            )
+            att = [a for a in v["attn_attended"] if a is not None]
+            sparse_cols = {
+                "expert_ids": v["expert_ids"] if self.layers.moe else [],
+                "expert_weights": v["expert_weights"] if self.layers.moe else [],
+                "router_probs": v["router_probs"] if any(p is not None for p in v["router_probs"]) else None,
+                "act_zero_ratio": v["act_zero_ratio"],
+                "act_below_ratio": v["act_below_ratio"],
+                "attn_attended": v["attn_attended"],
+                "kv_cells_used": max(att) if att else None,
+            }
         self._append(
             self._tokens,
             request_id=st.request_id,
@@ -396,6 +556,8 @@ class Correlator:
             partial=st.partial,
             pid=self.pid,
             tid=tid,
+            attn_total=logits_pos + 1,
+            **sparse_cols,
         )
         st.samples += 1
         st.expect_token = token
@@ -459,4 +621,8 @@ _HANDLERS: dict[int, Callable[[Correlator, dict[str, Any]], None]] = {
     ev.EV_SAMPLE_END: Correlator._on_sample_end,
     ev.EV_SEQ_RM: Correlator._on_seq_rm,
     ev.EV_MEM_CLEAR: Correlator._on_mem_clear,
+    ev.EV_TENSOR: Correlator._on_sparse,
+    ev.EV_ACT: Correlator._on_sparse,
+    ev.EV_ACT_MASK: Correlator._on_sparse,
+    ev.EV_ATTN: Correlator._on_sparse,
 }

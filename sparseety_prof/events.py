@@ -22,6 +22,20 @@ EV_LOGITS = 6
 EV_SAMPLE_END = 7
 EV_SEQ_RM = 8
 EV_MEM_CLEAR = 9
+EV_TENSOR = 10
+EV_ACT = 11
+EV_ATTN = 12
+EV_ACT_MASK = 13
+
+TAG_EXPERT_IDS = 1
+TAG_EXPERT_WEIGHTS = 2
+TAG_ROUTER_PROBS = 3
+ACT_FLAG_ODD_WIDTH = 1
+ACT_FLAG_BUDGET = 2
+ATT_FLAG_CACHED = 1
+ATT_FLAG_BUDGET = 2
+ATT_FLAG_NO_UBATCH = 4
+ATT_FLAG_F16 = 8
 
 SAMPLER_LLAMA = 1
 SAMPLER_COMMON = 2
@@ -40,6 +54,13 @@ def _header_define(name: str) -> int:
 MAX_UB_TOK = _header_define("MAX_UB_TOK")
 LOGITS_CHUNK_MAX = _header_define("LOGITS_CHUNK")
 MAX_LOGITS_CHUNKS = _header_define("MAX_LOGITS_CHUNKS")
+NAME_LEN = _header_define("NAME_LEN")
+TENSOR_BYTES_S = _header_define("TENSOR_BYTES_S")
+TENSOR_BYTES_L = _header_define("TENSOR_BYTES_L")
+BLOCK_WORDS = _header_define("BLOCK_WORDS")
+ACT_BLOCKS = _header_define("ACT_BLOCKS")
+ACT_MAX_ROWS = _header_define("ACT_MAX_ROWS")
+ATT_MAX_ROWS = _header_define("ATT_MAX_ROWS")
 
 
 def logits_chunk_for(n_vocab: int) -> int:
@@ -66,6 +87,52 @@ UBATCH_DTYPE = np.dtype(
 )
 
 
+TENSOR_HDR = [
+    *HDR,
+    ("name", f"S{NAME_LEN}"),
+    ("tag", "<u2"),
+    ("type", "<u2"),
+    ("row0", "<u4"),
+    ("n_rows", "<u4"),
+    ("rows_total", "<u4"),
+    ("ne0", "<u4"),
+    ("row_stride", "<u4"),
+    ("n_bytes", "<u4"),
+    ("tpad", "<u4"),
+]
+TENSOR_S_DTYPE = np.dtype([*TENSOR_HDR, ("data", "u1", (TENSOR_BYTES_S,))])
+TENSOR_L_DTYPE = np.dtype([*TENSOR_HDR, ("data", "u1", (TENSOR_BYTES_L,))])
+ACT_FIELDS = [
+    *HDR,
+    ("name", f"S{NAME_LEN}"),
+    ("ne0", "<u4"),
+    ("ne1", "<u4"),
+    ("ir0", "<u4"),
+    ("n_rows", "<u4"),
+    ("nr_total", "<u4"),
+    ("ith", "<u4"),
+    ("aflags", "<u4"),
+    ("apad", "<u4"),
+    ("zeros", "<u4", (ACT_MAX_ROWS,)),
+    ("below", "<u4", (ACT_MAX_ROWS,)),
+]
+ACT_DTYPE = np.dtype(ACT_FIELDS)
+ACT_MASK_DTYPE = np.dtype([*ACT_FIELDS, ("bits", "<u8", (ACT_BLOCKS * 2,))])
+ATTN_DTYPE = np.dtype(
+    [
+        *HDR,
+        ("name", f"S{NAME_LEN}"),
+        ("mask", "<u8"),
+        ("n_kv", "<u4"),
+        ("n_rows", "<u4"),
+        ("n_counted", "<u4"),
+        ("aflags", "<u4"),
+        ("row", "<u4", (ATT_MAX_ROWS,)),
+        ("attended", "<u4", (ATT_MAX_ROWS,)),
+    ]
+)
+
+
 def logits_dtype(chunk: int) -> np.dtype:
     return np.dtype(
         [
@@ -86,36 +153,60 @@ class EventBatch:
     small: np.ndarray = field(default_factory=lambda: np.empty(0, SMALL_DTYPE))
     ubatch: np.ndarray = field(default_factory=lambda: np.empty(0, UBATCH_DTYPE))
     logits: np.ndarray = field(default_factory=lambda: np.empty(0, logits_dtype(1024)))
+    tensor_s: np.ndarray = field(default_factory=lambda: np.empty(0, TENSOR_S_DTYPE))
+    tensor_l: np.ndarray = field(default_factory=lambda: np.empty(0, TENSOR_L_DTYPE))
+    act: np.ndarray = field(default_factory=lambda: np.empty(0, ACT_DTYPE))
+    act_mask: np.ndarray = field(default_factory=lambda: np.empty(0, ACT_MASK_DTYPE))
+    attn: np.ndarray = field(default_factory=lambda: np.empty(0, ATTN_DTYPE))
+
+    def groups(self) -> list[np.ndarray]:
+        return [
+            self.small,
+            self.ubatch,
+            self.logits,
+            self.tensor_s,
+            self.tensor_l,
+            self.act,
+            self.act_mask,
+            self.attn,
+        ]
 
     def __len__(self) -> int:
-        return len(self.small) + len(self.ubatch) + len(self.logits)
+        return sum(len(g) for g in self.groups())
 
     def seqs(self) -> np.ndarray:
-        return np.concatenate([self.small["seq"], self.ubatch["seq"], self.logits["seq"]])
+        return np.concatenate([g["seq"] for g in self.groups()])
 
 
 def decode_records(records: list[bytes], logits_chunk: int) -> EventBatch:
     """Split raw records (as copied out of the ring buffer) by layout and view each group as
     a numpy structured array. Records of unknown size are a programming error."""
     ldt = logits_dtype(logits_chunk)
-    sizes = {SMALL_DTYPE.itemsize: SMALL_DTYPE, UBATCH_DTYPE.itemsize: UBATCH_DTYPE, ldt.itemsize: ldt}
+    # every record layout has a distinct size (checked here), so the size alone routes a record
+    by_size = {
+        SMALL_DTYPE.itemsize: ("small", SMALL_DTYPE),
+        UBATCH_DTYPE.itemsize: ("ubatch", UBATCH_DTYPE),
+        ldt.itemsize: ("logits", ldt),
+        TENSOR_S_DTYPE.itemsize: ("tensor_s", TENSOR_S_DTYPE),
+        TENSOR_L_DTYPE.itemsize: ("tensor_l", TENSOR_L_DTYPE),
+        ACT_DTYPE.itemsize: ("act", ACT_DTYPE),
+        ACT_MASK_DTYPE.itemsize: ("act_mask", ACT_MASK_DTYPE),
+        ATTN_DTYPE.itemsize: ("attn", ATTN_DTYPE),
+    }
+    if len(by_size) != 8:  # pragma: no cover - a layout change made two sizes collide
+        raise RuntimeError("two record layouts have the same size; give one of them padding")
     groups: dict[int, list[bytes]] = {}
     for r in records:
         groups.setdefault(len(r), []).append(r)
     out = EventBatch()
     for size, recs in groups.items():
-        dt = sizes.get(size)
-        if dt is None:
+        entry = by_size.get(size)
+        if entry is None:
             raise ValueError(
                 f"ring buffer record of unexpected size {size} (events.h and events.py disagree)"
             )
-        arr = np.frombuffer(b"".join(recs), dtype=dt)
-        if dt is SMALL_DTYPE:
-            out.small = arr
-        elif dt is UBATCH_DTYPE:
-            out.ubatch = arr
-        else:
-            out.logits = arr
+        name, dt = entry
+        setattr(out, name, np.frombuffer(b"".join(recs), dtype=dt))
     return out
 
 

@@ -28,7 +28,7 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -40,10 +40,19 @@ import numpy.typing as npt
 
 from .errors import ProfError
 
-__all__ = ["ModelInfo", "Vocab", "read_model_info", "sha256_file"]
+__all__ = [
+    "GGML_TYPES",
+    "ModelInfo",
+    "TensorInfo",
+    "Vocab",
+    "read_model_info",
+    "read_tensor_infos",
+    "sha256_file",
+]
 
 SHA256_CHUNK = 8 * 1024 * 1024
 SPM_SPACE = "\u2581"
+GGUF_DEFAULT_ALIGNMENT = 32  # when general.alignment is absent (gguf.md)
 
 _KEY_ARCH = gguf.Keys.General.ARCHITECTURE
 _KEY_NAME = gguf.Keys.General.NAME
@@ -98,8 +107,12 @@ class ModelInfo:
         }
 
 
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 8 MB chunks; cached per (path, inode, size, mtime)."""
+def sha256_file(path: Path, *, progress: Callable[[int, int], object] | None = None) -> str:
+    """Hex sha256 of a file, read in 8 MB chunks; cached per (path, inode, size, mtime).
+
+    `progress(done_bytes, total_bytes)` is called after each chunk when the file is actually
+    read (not on a cache hit): hashing a multi-GB model takes seconds.
+    """
     st = os.stat(path)
     key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     hit = _sha256_cache.get(key)
@@ -108,9 +121,13 @@ def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     buf = bytearray(SHA256_CHUNK)
     view = memoryview(buf)
+    done = 0
     with Path(path).open("rb", buffering=0) as f:
         while n := f.readinto(buf):
             h.update(view[:n])
+            done += n
+            if progress is not None:
+                progress(done, st.st_size)
     digest = h.hexdigest()
     _sha256_cache[key] = digest
     return digest
@@ -123,6 +140,51 @@ _SCALAR_FORMATS: dict[int, str] = {
 }  # fmt: skip
 
 Scalar = int | float | str | bool
+
+# ggml_type id -> (name, elements per block, bytes per block), as in ggml.h / ggml.c's type_traits
+# (and gguf-py's GGML_QUANT_SIZES, which tests/test_weight_sparsity.py checks this against). Kept
+# here rather than read from gguf-py so that sizing tensors does not depend on the installed
+# gguf-py knowing every type of the file's ggml version. Ids 4, 5 (Q4_2/Q4_3) and 31-33 (Q4_0_4_4
+# and friends) were removed from ggml; a file using them gets a TensorInfo with nbytes None.
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292), 16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74),
+    18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
+    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2),
+    34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36),
+    41: ("Q1_0", 128, 18),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of a GGUF file's tensor directory.
+
+    `shape` is ggml's ne[] order: ne[0] (the innermost, contiguous dimension: one row) first, the
+    same order as gguf.GGUFReader's ``tensor.shape``. `offset` is absolute in the file (the data
+    section start, aligned to ``general.alignment``, plus the tensor's own offset). `nbytes` is None
+    for a ggml type this module does not know (or a row length that is not a whole number of
+    blocks), since then its size cannot be computed. `byte_order` is the file's: "<" or ">".
+    """
+
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int | None
+    byte_order: str = "<"
+
+    @property
+    def type_name(self) -> str:
+        t = GGML_TYPES.get(self.ggml_type)
+        return t[0] if t is not None else f"TYPE_{self.ggml_type}"
+
+    @property
+    def n_values(self) -> int:
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -154,6 +216,8 @@ class _Header:
             raise ProfError(f"{path} is not a readable GGUF model file ({e})") from e
         self.fields: dict[str, Scalar | npt.NDArray[Any] | _StringArray | list[Any]] = {}
         self.tensors: list[tuple[str, tuple[int, ...]]] = []
+        self.tensor_types: list[tuple[int, int]] = []  # (ggml type, offset in the data section)
+        self.directory_end = 0  # file offset just past the tensor directory
         try:
             self._parse()
         except ProfError:
@@ -193,10 +257,29 @@ class _Header:
             name, off = self._string(off)
             (n_dims,) = struct.unpack_from(self._e + "I", mm, off)
             dims = struct.unpack_from(f"{self._e}{n_dims}Q", mm, off + 4)
-            off += 4 + 8 * n_dims + 4 + 8  # dims, ggml type, data offset
+            off += 4 + 8 * n_dims
+            ggml_type, rel = struct.unpack_from(self._e + "IQ", mm, off)
+            off += 4 + 8
             self.tensors.append((name, tuple(dims)))
+            self.tensor_types.append((ggml_type, rel))
         if off > len(mm):
             raise ValueError("header runs past the end of the file")
+        self.directory_end = off
+
+    def tensor_infos(self) -> list[TensorInfo]:
+        """The tensor directory with absolute data offsets. Checked here rather than in _parse
+        so that a bad general.alignment only fails callers that need tensor data."""
+        align = self.fields.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+        if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
+            raise ProfError(
+                f"{self.path} is not a readable GGUF model file (general.alignment is {align!r}, "
+                "not a positive power of two)"
+            )
+        data_offset = (self.directory_end + align - 1) // align * align  # gguf.md: data section start
+        return [
+            TensorInfo(name, ggml_type, dims, data_offset + rel, _nbytes(ggml_type, dims), self._e)
+            for (name, dims), (ggml_type, rel) in zip(self.tensors, self.tensor_types, strict=True)
+        ]
 
     def _string(self, off: int) -> tuple[str, int]:
         (n,) = struct.unpack_from(self._e + "Q", self._mm, off)
@@ -274,6 +357,36 @@ class _Header:
     def ints(self, key: str) -> npt.NDArray[np.int64] | None:
         v = self.fields.get(key)
         return v.astype(np.int64) if isinstance(v, np.ndarray) and v.dtype.kind in "iu" else None
+
+
+def _nbytes(ggml_type: int, shape: tuple[int, ...]) -> int | None:
+    t = GGML_TYPES.get(ggml_type)
+    if t is None:
+        return None
+    _, block, size = t
+    ne0 = shape[0] if shape else 1
+    if ne0 % block:
+        return None  # ggml requires whole blocks per row; anything else is not a tensor we can size
+    return math.prod(shape) // block * size
+
+
+def read_tensor_infos(path: Path) -> list[TensorInfo]:
+    """The tensor directory of a GGUF (v2 or v3) file, in file order; no tensor data is read.
+
+    Raises ProfError when the file cannot be read, is not GGUF, or when a tensor of known size
+    lies (partly) beyond the end of the file (a truncated download or copy).
+    """
+    path = Path(path)
+    with _Header(path) as h:
+        infos = h.tensor_infos()
+        size = len(h._mm)
+    for t in infos:
+        if t.nbytes is not None and t.offset + t.nbytes > size:
+            raise ProfError(
+                f"{path} is not a readable GGUF model file (truncated or damaged: tensor {t.name!r} "
+                f"ends at byte {t.offset + t.nbytes} of a {size}-byte file)"
+            )
+    return infos
 
 
 def read_model_info(path: Path, *, with_sha256: bool = True) -> ModelInfo:

@@ -37,11 +37,46 @@ class UbatchLayout:
 
 
 @dataclass(frozen=True)
+class TensorLayout:
+    """Byte offsets in ggml's `struct ggml_tensor` and `struct ggml_compute_params` (x86-64) that
+    the sparse-decision probes read. ggml.h's public struct; checked on live data at attach time
+    (tensor names must parse, shapes must match the model's hyper-parameters)."""
+
+    type: int = 0
+    ne: int = 16
+    nb: int = 48
+    src: int = 152
+    data: int = 248
+    name: int = 256
+    params_ith: int = 0
+    params_nth: int = 4
+
+    def cflags(self) -> list[str]:
+        return [
+            f"-DT_TYPE={self.type}",
+            f"-DT_NE={self.ne}",
+            f"-DT_NB={self.nb}",
+            f"-DT_SRC={self.src}",
+            f"-DT_DATA={self.data}",
+            f"-DT_NAME={self.name}",
+            f"-DP_ITH={self.params_ith}",
+            f"-DP_NTH={self.params_nth}",
+        ]
+
+
+# ggml_tensor (336 bytes): type@0 buffer@8 ne[4]@16 nb[4]@48 op@80 op_params@84 flags@148 src[10]@152
+# view_src@232 view_offs@240 data@248 name[64]@256 extra@320 (offsetof() on the vendored ggml.h of
+# llama-cpp-python 0.3.36; the same in xllamacpp 2026.10.11549, verified on live graphs)
+_TENSOR_GGML_2026 = TensorLayout()
+
+
+@dataclass(frozen=True)
 class EngineBuild:
     engine: str  # "llama-cpp-python" | "xllamacpp"
     version: str  # package version
     llama_cpp_commit: str  # the llama.cpp source it bundles, where known
     ubatch: UbatchLayout
+    tensor: TensorLayout = _TENSOR_GGML_2026
 
 
 # b_equal_seqs@0 n_tokens@4 n_seq_tokens@8 n_seqs@12 n_seqs_unq@16 n_pos@20 token@24 embd@32 pos@40

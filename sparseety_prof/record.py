@@ -12,18 +12,21 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import __version__, layouts, schema
 from . import target as tg
 from .bpf_loader import RingReader, Session, compile_and_attach
+from .capture import Capture
 from .correlator import Correlator
 from .errors import NotAnEngine, ProfError
 from .events import SeqTracker, decode_records
-from .gguf_info import ModelInfo, Vocab, read_model_info, sha256_file
+from .gguf_info import ModelInfo, Vocab, read_model_info, read_tensor_infos, sha256_file
 from .recording import RecordingWriter, sudo_owner
+from .sparse import LayerSet, layer_set
+from .weight_sparsity import analyze as analyze_weights
 
 DRAIN_INTERVAL_S = 0.5  # consumer batches: fewer, larger frames cost less CPU per token
 
@@ -37,6 +40,7 @@ class Options:
     model: Path | None = None  # override when the process has no GGUF file mapped or open
     skip_probes: frozenset[str] = frozenset()  # for tests: disable a probe point on purpose
     nice: int = 10  # consumer priority once attached: the engine's threads win any contention
+    capture: Capture = field(default_factory=Capture)  # sparse decisions to capture
 
 
 @dataclass
@@ -70,6 +74,7 @@ class Attached:
     vocab: Vocab
     session: Session
     where: dict[str, Path]
+    layers: LayerSet
 
 
 def attach(opts: Options) -> Attached:
@@ -90,8 +95,10 @@ def attach(opts: Options) -> Attached:
     # the sha256 of a multi-GB model takes a while: it is computed after attaching (Recorder.run)
     model = read_model_info(model_path, with_sha256=False)
     vocab = Vocab.from_gguf(model_path)
-    sess = compile_and_attach(opts.pid, where, build.ubatch, len(vocab), skip=opts.skip_probes)
-    return Attached(t, build, model, vocab, sess, where)
+    n_layer = int(model.hyperparameters.get("block_count", 0) or 0)
+    layers = layer_set([ti.name for ti in read_tensor_infos(model_path)], n_layer)
+    sess = compile_and_attach(opts.pid, where, build, len(vocab), capture=opts.capture, skip=opts.skip_probes)
+    return Attached(t, build, model, vocab, sess, where, layers)
 
 
 def run_metadata(a: Attached, opts: Options) -> dict[str, Any]:
@@ -111,6 +118,9 @@ def run_metadata(a: Attached, opts: Options) -> dict[str, Any]:
         "host": {"hostname": platform.node(), "kernel": platform.release(), "machine": platform.machine()},
         "clock": "CLOCK_MONOTONIC ns (t_*_ns); ts_unix_ms is wall clock derived from it at attach",
         "redact_text": opts.redact_text,
+        "capture": opts.capture.to_meta(),
+        "act_threshold": opts.capture.act_threshold,
+        "layers": a.layers.to_meta(),
     }
 
 
@@ -151,16 +161,31 @@ class Recorder:
         writer = None
         if opts.out is not None:
             writer = RecordingWriter(opts.out, self.meta, owner=sudo_owner(), redact_text=opts.redact_text)
-        corr = Correlator(pid=opts.pid, n_vocab=len(a.vocab), wall_offset_ns=wall_offset, texts=a.vocab.texts)
+        hp = a.model.hyperparameters
+        corr = Correlator(
+            pid=opts.pid,
+            n_vocab=len(a.vocab),
+            wall_offset_ns=wall_offset,
+            texts=a.vocab.texts,
+            layers=a.layers,
+            n_expert=int(hp.get("expert_count", 0) or 0),
+            n_expert_used=int(hp.get("expert_used_count", 0) or 0),
+            with_masks=opts.capture.masks,
+        )
         tracker = SeqTracker()
         reader = RingReader(a.session)
         reader.start()
-        model_hash: dict[str, str] = {}
-        hasher = threading.Thread(
-            target=lambda: model_hash.update(sha256=sha256_file(a.model.path)),
-            name="model-sha256",
-            daemon=True,
-        )
+        model_hash: dict[str, Any] = {}
+
+        def hash_and_scan() -> None:
+            # the model's sha256, then its static weight sparsity (cached per sha256)
+            model_hash["sha256"] = sha256_file(a.model.path)
+            try:
+                model_hash["weights"] = analyze_weights(a.model.path, sha256=model_hash["sha256"])
+            except Exception as e:  # a cache problem must not lose the recording
+                model_hash["weights"] = {"error": str(e)}
+
+        hasher = threading.Thread(target=hash_and_scan, name="model-sha256", daemon=True)
         hasher.start()
         start_unix_ms = time.time_ns() // 1_000_000
         self.log(
@@ -204,11 +229,17 @@ class Recorder:
                     "ubatch_rows_not_copied": counters["ubatch_rows_not_copied"],
                     "logits_incomplete": corr.counters.logits_incomplete,
                     "samples_unresolved": corr.counters.samples_unresolved,
+                    "sparse_rows_not_captured": counters["sparse_rows_not_captured"],
+                    "attention_rows_not_counted": counters["attention_rows_not_counted"],
+                    "sparse_unattributed": corr.counters.sparse_unattributed,
+                    "sparse_unmapped_rows": corr.problems.unmapped_rows,
                 },
                 "verification": {
                     "verified_ubatches": corr.counters.verified_ubatches,
                     "verified_decodes": corr.counters.verified_decodes,
+                    "verified_routing": corr.counters.verified_sparse,
                 },
+                "layer_coverage": _coverage(a.layers, corr.layers_seen, opts.capture),
                 "counts": {"tokens": self.progress.tokens, "steps": self.progress.steps},
                 "profiler_cpu_s": round(self.progress.cpu_s, 3),
                 "bpf_compile_s": round(a.session.compile_s, 3),
@@ -217,6 +248,7 @@ class Recorder:
                 self.log("sparseety-prof: finishing the model file's sha256 ...")
             hasher.join()
             final["model"] = {**self.meta["model"], "sha256": model_hash.get("sha256")}
+            final["weight_sparsity"] = _weight_summary(model_hash.get("weights"))
             self.meta.update(final)
             if writer is not None:
                 writer.close(**final)
@@ -240,11 +272,16 @@ class Recorder:
         if len(batch):
             corr.feed(batch)
         tok, steps = corr.take_rows()
+        routes, masks = corr.take_sparse_rows()
         if writer is not None:
             if steps:
                 writer.append("steps", schema.frame("steps", steps))
             if tok:
                 writer.append("tokens", schema.frame("tokens", tok))
+            if routes:
+                writer.append("routes", schema.frame("routes", routes))
+            if masks:
+                writer.append("masks", schema.frame("masks", masks))
         p = self.progress
         p.records = tracker.seen
         p.seq_gaps = tracker.gaps
@@ -259,6 +296,39 @@ class Recorder:
         p.cpu_s = _cpu_s() - self._cpu0
         if self.on_update is not None:
             self.on_update(tok, steps, p)
+
+
+def _coverage(layers: LayerSet, seen: dict[str, set[int]], capture: Capture) -> dict[str, Any]:
+    """Per kind of decision: the model's layers, those observed, and those missing. A layer that
+    ran elsewhere (offloaded) or a probe that never fired shows up as missing, never as absent."""
+    wanted = {"moe": capture.routes, "ffn": capture.activations, "attn": capture.attention}
+    out: dict[str, Any] = {}
+    for kind, expected in (("moe", layers.moe), ("ffn", layers.ffn), ("attn", layers.attn)):
+        if not wanted[kind]:
+            out[kind] = {"captured": False}
+            continue
+        got = seen.get(kind, set())
+        out[kind] = {
+            "captured": True,
+            "layers": list(expected),
+            "observed": sorted(got & set(expected)),
+            "missing": sorted(set(expected) - got),
+        }
+    return out
+
+
+def _weight_summary(w: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Static weight sparsity for meta.json: per-tensor figures only for tensors with zeros."""
+    if not w or "tensors" not in w:
+        return w
+    return {
+        "summary": w["summary"],
+        "tensors": [
+            {k: t[k] for k in ("name", "type", "zero_fraction", "nm_pattern")}
+            for t in w["tensors"]
+            if t.get("zero_fraction") or t.get("nm_pattern")
+        ],
+    }
 
 
 def _cpu_s() -> float:

@@ -98,7 +98,12 @@ MASKS: dict[str, pl.DataType] = {
     "nonzero_bits": pl.Binary(),
 }
 
-TABLES: dict[str, dict[str, pl.DataType]] = {"tokens": TOKENS, "steps": STEPS, "routes": ROUTES, "masks": MASKS}
+TABLES: dict[str, dict[str, pl.DataType]] = {
+    "tokens": TOKENS,
+    "steps": STEPS,
+    "routes": ROUTES,
+    "masks": MASKS,
+}
 
 PHASE_PREFILL = "prefill"
 PHASE_DECODE = "decode"

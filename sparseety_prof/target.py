@@ -25,6 +25,13 @@ SYM_COMMON_SAMPLER = "_Z21common_sampler_sampleP14common_samplerP13llama_context
 SYM_LOGITS_ITH = "llama_get_logits_ith"
 SYM_SEQ_RM = "llama_memory_seq_rm"
 SYM_MEM_CLEAR = "llama_memory_clear"
+# ggml CPU graph ops the sparse-decision probes read (libggml-cpu, or linked into the engine)
+SYM_GET_ROWS = "ggml_compute_forward_get_rows"
+SYM_MUL = "ggml_compute_forward_mul"
+SYM_GLU = "ggml_compute_forward_glu"
+SYM_SOFT_MAX = "ggml_compute_forward_soft_max"
+SYM_FLASH_ATTN = "ggml_compute_forward_flash_attn_ext"
+SPARSE_SYMBOLS = (SYM_GET_ROWS, SYM_MUL, SYM_GLU, SYM_SOFT_MAX, SYM_FLASH_ATTN)
 
 
 @dataclass(frozen=True)
@@ -190,6 +197,7 @@ def find_engine_libs(t: Target) -> dict[str, Path]:
         SYM_LOGITS_ITH,
         SYM_SEQ_RM,
         SYM_MEM_CLEAR,
+        *SPARSE_SYMBOLS,
     }
     for lib in t.libs:
         name = lib.path.name

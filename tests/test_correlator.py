@@ -222,8 +222,11 @@ def test_c_struct_sizes_match_the_python_mirror(tmp_path: Path) -> None:
     src = tmp_path / "sizes.c"
     src.write_text(
         '#include <stdio.h>\n#include <linux/types.h>\n#include "events.h"\n'
-        'int main(void){printf("%zu %zu %zu %zu\\n", sizeof(struct ev_hdr), sizeof(struct ev_small),'
-        " sizeof(struct ev_ubatch), sizeof(struct ev_logits)); return 0;}\n"
+        'int main(void){printf("%zu %zu %zu %zu %zu %zu %zu %zu %zu\\n",'
+        " sizeof(struct ev_hdr), sizeof(struct ev_small),"
+        " sizeof(struct ev_ubatch), sizeof(struct ev_logits), sizeof(struct ev_tensor_s),"
+        " sizeof(struct ev_tensor_l), sizeof(struct ev_act), sizeof(struct ev_act_mask),"
+        " sizeof(struct ev_attn)); return 0;}\n"
     )
     exe = tmp_path / "sizes"
     subprocess.run([cc, f"-I{ev.PROBES_DIR}", "-DLOGITS_CHUNK=2048", str(src), "-o", str(exe)], check=True)
@@ -233,6 +236,11 @@ def test_c_struct_sizes_match_the_python_mirror(tmp_path: Path) -> None:
         ev.SMALL_DTYPE.itemsize,
         ev.UBATCH_DTYPE.itemsize,
         ev.logits_dtype(2048).itemsize,
+        ev.TENSOR_S_DTYPE.itemsize,
+        ev.TENSOR_L_DTYPE.itemsize,
+        ev.ACT_DTYPE.itemsize,
+        ev.ACT_MASK_DTYPE.itemsize,
+        ev.ATTN_DTYPE.itemsize,
     ]
 
 

@@ -1,0 +1,547 @@
+/* Sparse-decision probes on ggml's CPU graph ops (appended to token_probes.bpf.c by the loader).
+ *
+ * Build-time constants (sparseety_prof/bpf_loader.py, per engine build):
+ *   T_TYPE T_NE T_NB T_SRC T_DATA T_NAME   offsets in struct ggml_tensor
+ *   P_ITH P_NTH                            offsets in struct ggml_compute_params
+ *   ACT_BELOW_BITS                         IEEE-754 bits of the activation threshold (> 0)
+ *   CAPTURE_ROUTES CAPTURE_PROBS CAPTURE_ACT CAPTURE_MASKS CAPTURE_ATTN   features compiled in
+ *
+ * Where (cheapest places that see the engine's own values, read when they are fresh):
+ *   ggml_compute_forward_get_rows entry, node "ffn_moe_weights-L": src[1] = the selected expert ids
+ *     (the engine's top-k, in its order), src[0] = router probabilities of all experts;
+ *   ggml_compute_forward_mul entry, node "ffn_moe_weighted-L": src[1] = the gate weights as applied
+ *     (after normalisation and scaling, whatever the model does);
+ *   ggml_compute_forward_glu return, nodes "ffn_*": the FFN activation, counted by each thread over
+ *     the rows it computed (integer-only: zero and below-threshold tests on the float bits);
+ *   ggml_compute_forward_soft_max / flash_attn_ext entry, nodes "kq_soft_max-L" / "__fattn__-L":
+ *     the KQ mask the layer applies, counted for the micro-batch's output rows.
+ * Entry probes read inputs of the node (complete: every thread passed the previous barrier) on
+ * thread 0 only. Names are matched on 8-byte words: no string helpers, no loops.
+ */
+
+#if defined(CAPTURE_ROUTES) || defined(CAPTURE_PROBS) || defined(CAPTURE_ACT) || defined(CAPTURE_ATTN)
+
+/* Per-CPU scratch for the blocks being tested (and the output flags of a micro-batch). 2 KiB
+ * plus one block: any read size masked with 2047 stays inside it. */
+#define SCRATCH_WORDS 320
+BPF_PERCPU_ARRAY(scratch, struct { u64 v[SCRATCH_WORDS]; }, 1);
+
+/* A read size the verifier can bound. The AND is written in asm: clang drops a C `&` it can
+ * prove redundant and may then pass the unclamped register, which the verifier rejects. */
+static __always_inline u64 read_size(u64 n) {
+    asm volatile("%[n] &= 2047" : [n] "+r"(n));
+    return n;
+}
+/* Array indices the verifier can bound: an AND in asm survives clang's range reasoning (it
+ * drops `& 31` when it knows the value is small, but the verifier does not know that). */
+static __always_inline u64 idx_act_row(u64 i) {
+    asm volatile("%[i] &= 31" : [i] "+r"(i));
+    return i;
+}
+static __always_inline u64 idx_att_slot(u64 i) {
+    asm volatile("%[i] &= 15" : [i] "+r"(i));
+    return i;
+}
+static __always_inline u64 idx_att_row(u64 i) {
+    asm volatile("%[i] &= 7" : [i] "+r"(i));
+    return i;
+}
+_Static_assert(ACT_MAX_ROWS == 32 && ATT_MAX_ROWS == 8, "idx_*() mask with literals");
+
+_Static_assert(SCRATCH_WORDS * 8 >= 2048 && BLOCK_WORDS * 8 <= 2048 && ATT_ROW_SCAN <= 2048,
+               "reads masked with 2047 must fit the scratch buffer");
+
+/* u64 arithmetic on values below 2^32: (a - 1) >> 63 is 1 iff a == 0; (a - b) >> 63 is 1 iff a < b.
+ * Branch-free tests keep the verifier on one path per loop iteration. The shift is written in
+ * asm: clang recognises the idiom and turns it back into a compare-and-branch, and each branch
+ * then doubles the paths the verifier walks. */
+static __always_inline u64 sign_bit(u64 d) {
+    asm volatile("%[d] >>= 63" : [d] "+r"(d));
+    return d;
+}
+#define IS_ZERO(a) sign_bit((u64)(a) - 1)
+#define IS_LESS(a, b) sign_bit((u64)(a) - (u64)(b))
+/* a mask cell relative to the block's start is counted when not seen before and inside the row */
+#define CELL_OK(c) (IS_LESS(c, cend) & (IS_LESS(c, cfirst) ^ 1))
+
+static __always_inline u64 rd64(u64 addr) {
+    u64 v = 0;
+    bpf_probe_read_user(&v, sizeof(v), (void *)addr);
+    return v;
+}
+
+static __always_inline s32 rd32(u64 addr) {
+    s32 v = 0;
+    bpf_probe_read_user(&v, sizeof(v), (void *)addr);
+    return v;
+}
+
+/* thread index of a compute call: the probes that read inputs run on thread 0 only */
+static __always_inline s32 compute_ith(u64 params) { return rd32(params + P_ITH); }
+
+#if defined(CAPTURE_ROUTES) || defined(CAPTURE_PROBS)
+/* Copy `rows` rows of `row_stride` bytes from `data` into tensor records (small when it fits). */
+static __always_inline void emit_tensor(u16 tag, u64 node, u64 data, u32 rows, u32 ne0, u32 row_stride,
+                                        u16 type) {
+    if (!data || !row_stride || !rows)
+        return;
+    u64 total = (u64)rows * row_stride;
+    if (total <= TENSOR_BYTES_S) {
+        u64 seq = next_seq();
+        struct ev_tensor_s *e = events.ringbuf_reserve(sizeof(struct ev_tensor_s));
+        if (!e) {
+            count(1, 1);
+            return;
+        }
+        fill_hdr(&e->t.h, EV_TENSOR, 0, seq);
+        bpf_probe_read_user(e->t.name, NAME_LEN, (void *)(node + T_NAME));
+        e->t.tag = tag;
+        e->t.type = type;
+        e->t.row0 = 0;
+        e->t.n_rows = rows;
+        e->t.rows_total = rows;
+        e->t.ne0 = ne0;
+        e->t.row_stride = row_stride;
+        e->t.n_bytes = (u32)total;
+        e->t.pad = 0;
+        u32 n = (u32)total & (TENSOR_BYTES_S * 2 - 1);
+        if (n > TENSOR_BYTES_S)
+            n = TENSOR_BYTES_S;
+        bpf_probe_read_user(e->data, n, (void *)data);
+        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+        return;
+    }
+    u32 per = TENSOR_BYTES_L / row_stride; /* whole rows per large record */
+    if (per == 0) {
+        count(3, rows);
+        return;
+    }
+    u32 row0 = 0;
+    for (int c = 0; c < MAX_TENSOR_CHUNKS; c++) {
+        if (row0 >= rows)
+            break;
+        u32 nr = rows - row0;
+        if (nr > per)
+            nr = per;
+        u64 seq = next_seq();
+        struct ev_tensor_l *e = events.ringbuf_reserve(sizeof(struct ev_tensor_l));
+        if (!e) {
+            count(1, 1);
+            row0 += nr;
+            continue;
+        }
+        fill_hdr(&e->t.h, EV_TENSOR, 0, seq);
+        bpf_probe_read_user(e->t.name, NAME_LEN, (void *)(node + T_NAME));
+        e->t.tag = tag;
+        e->t.type = type;
+        e->t.row0 = row0;
+        e->t.n_rows = nr;
+        e->t.rows_total = rows;
+        e->t.ne0 = ne0;
+        e->t.row_stride = row_stride;
+        u32 n = nr * row_stride;
+        e->t.n_bytes = n;
+        e->t.pad = 0;
+        n &= (TENSOR_BYTES_L * 2 - 1);
+        if (n > TENSOR_BYTES_L)
+            n = TENSOR_BYTES_L;
+        bpf_probe_read_user(e->data, n, (void *)(data + (u64)row0 * row_stride));
+        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+        row0 += nr;
+    }
+    if (row0 < rows)
+        count(3, rows - row0);
+}
+
+/* get_rows node "ffn_moe_weights-L" = get_rows(probs [1, n_expert, n_tokens], selected [k, n_tokens]) */
+int moe_get_rows_enter(struct pt_regs *ctx) {
+    u64 params = PT_REGS_PARM1(ctx), node = PT_REGS_PARM2(ctx);
+    if (compute_ith(params) != 0)
+        return 0;
+    u64 name[2] = {};
+    bpf_probe_read_user(name, sizeof(name), (void *)(node + T_NAME));
+    if (name[0] != 0x5f656f6d5f6e6666ULL /* "ffn_moe_" */ || name[1] != 0x2d73746867696577ULL /* "weights-" */)
+        return 0;
+#ifdef CAPTURE_ROUTES
+    u64 ids = rd64(node + T_SRC + 8);
+    if (ids) {
+        /* a view of the argsort (or top_k) result: k values per row, rows nb[1] apart */
+        u32 k = (u32)rd64(ids + T_NE), rows = (u32)rd64(ids + T_NE + 8), nb1 = (u32)rd64(ids + T_NB + 8);
+        emit_tensor(TAG_EXPERT_IDS, node, rd64(ids + T_DATA), rows, k, nb1, (u16)rd32(ids + T_TYPE));
+    }
+#endif
+#ifdef CAPTURE_PROBS
+    u64 probs = rd64(node + T_SRC);
+    if (probs) {
+        u32 n_exp = (u32)rd64(probs + T_NE + 8), rows = (u32)rd64(probs + T_NE + 16);
+        u32 nb2 = (u32)rd64(probs + T_NB + 16);
+        emit_tensor(TAG_ROUTER_PROBS, node, rd64(probs + T_DATA), rows, n_exp, nb2, (u16)rd32(probs + T_TYPE));
+    }
+#endif
+    return 0;
+}
+
+#ifdef CAPTURE_ROUTES
+/* mul node "ffn_moe_weighted-L" = mul(experts [n_embd, k, n_tokens], weights [1, k, n_tokens]) */
+int moe_mul_enter(struct pt_regs *ctx) {
+    u64 params = PT_REGS_PARM1(ctx), node = PT_REGS_PARM2(ctx);
+    if (compute_ith(params) != 0)
+        return 0;
+    u64 name[3] = {};
+    bpf_probe_read_user(name, sizeof(name), (void *)(node + T_NAME));
+    if (name[0] != 0x5f656f6d5f6e6666ULL /* "ffn_moe_" */ || name[1] != 0x6465746867696577ULL /* "weighted" */ ||
+        (name[2] & 0xff) != '-')
+        return 0;
+    u64 w = rd64(node + T_SRC + 8);
+    if (!w)
+        return 0;
+    u32 k = (u32)rd64(w + T_NE + 8), rows = (u32)rd64(w + T_NE + 16);
+    u32 nb1 = (u32)rd64(w + T_NB + 8), nb2 = (u32)rd64(w + T_NB + 16);
+    if (nb1 != 4) { /* weights not contiguous within a row: not a layout this probe reads */
+        count(3, rows);
+        return 0;
+    }
+    emit_tensor(TAG_EXPERT_WEIGHTS, node, rd64(w + T_DATA), rows, k, nb2, (u16)rd32(w + T_TYPE));
+    return 0;
+}
+#endif
+#endif /* CAPTURE_ROUTES || CAPTURE_PROBS */
+
+#ifdef CAPTURE_ACT
+struct act_args {
+    u64 node;
+    s32 ith;
+    s32 nth;
+};
+BPF_HASH(act_args, u32, struct act_args, 4096);
+
+int glu_enter(struct pt_regs *ctx) {
+    u64 params = PT_REGS_PARM1(ctx), node = PT_REGS_PARM2(ctx);
+    u32 w = 0;
+    bpf_probe_read_user(&w, sizeof(w), (void *)(node + T_NAME));
+    if (w != 0x5f6e6666 /* "ffn_" */)
+        return 0;
+    struct act_args a = {};
+    a.node = node;
+    a.ith = rd32(params + P_ITH);
+    a.nth = rd32(params + P_NTH);
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    act_args.update(&tid, &a);
+    return 0;
+}
+
+#ifdef CAPTURE_MASKS
+#define ACT_LOOP_BLOCKS (ACT_BLOCKS / 2) /* building the mask doubles the verifier's work per block */
+#define ACT_EV struct ev_act_mask
+#define ACT_KIND EV_ACT_MASK
+#define ACT_A(e) (&(e)->a)
+#else
+#define ACT_LOOP_BLOCKS ACT_BLOCKS
+#define ACT_EV struct ev_act
+#define ACT_KIND EV_ACT
+#define ACT_A(e) (e)
+#endif
+
+/* At the return of the GLU op each thread counts the rows it computed: rows [ir0, ir1) with
+ * dr = ceil(nr / nth), ir0 = dr * ith (ggml-cpu's row split for unary/GLU ops). Blocks of
+ * BLOCK_WORDS float pairs are read into a per-CPU scratch buffer and tested on their bits:
+ * zero  <=> (bits & 0x7fffffff) == 0;  below <=> (bits & 0x7fffffff) < ACT_BELOW_BITS. */
+int glu_return(struct pt_regs *ctx) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct act_args *ap = act_args.lookup(&tid);
+    if (!ap)
+        return 0;
+    struct act_args a = *ap;
+    act_args.delete(&tid);
+    u64 node = a.node;
+    u32 ne0 = (u32)rd64(node + T_NE), ne1 = (u32)rd64(node + T_NE + 8);
+    u32 nr = (u32)(rd64(node + T_NE + 8) * rd64(node + T_NE + 16) * rd64(node + T_NE + 24));
+    u64 nb1 = rd64(node + T_NB + 8);
+    u64 data = rd64(node + T_DATA);
+    if (a.nth <= 0 || a.ith < 0 || !data || ne0 == 0)
+        return 0;
+    u32 dr = (nr + a.nth - 1) / a.nth;
+    u32 ir0 = dr * a.ith;
+    u32 ir1 = ir0 + dr < nr ? ir0 + dr : nr;
+    if (ir0 >= ir1)
+        return 0;
+    u64 seq = next_seq();
+    ACT_EV *e = events.ringbuf_reserve(sizeof(ACT_EV));
+    if (!e) {
+        count(1, 1);
+        return 0;
+    }
+    struct ev_act *r = ACT_A(e);
+    fill_hdr(&r->h, ACT_KIND, 0, seq);
+    bpf_probe_read_user(r->name, NAME_LEN, (void *)(node + T_NAME));
+    r->ne0 = ne0;
+    r->ne1 = ne1;
+    r->ir0 = ir0;
+    r->nr_total = nr;
+    r->ith = (u32)a.ith;
+    r->flags = 0;
+    r->pad = 0;
+    r->n_rows = 0;
+    if (ne0 & 1) {
+        r->flags |= ACT_FLAG_ODD_WIDTH;
+        count(3, ir1 - ir0);
+        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+        return 0;
+    }
+    u32 zero = 0;
+    void *sc = scratch.lookup(&zero);
+    if (!sc) {
+        events.ringbuf_discard(e, BPF_RB_NO_WAKEUP);
+        return 0;
+    }
+    u64 *v = (u64 *)sc;
+    /* flat loop over blocks of BLOCK_WORDS float pairs: row rr = b / bpr, its block cb = b % bpr */
+    u32 pairs_per_row = ne0 / 2;
+    u32 bpr = (pairs_per_row + BLOCK_WORDS - 1) / BLOCK_WORDS;
+    u32 rows_here = ir1 - ir0;
+    if (rows_here > ACT_MAX_ROWS)
+        rows_here = ACT_MAX_ROWS;
+    u32 n_blocks = rows_here * bpr;
+    u32 done_rows = 0;
+    /* Counts accumulate in the record, not in registers: clang turns the bit tests into
+     * branches, and register accumulators with different ranges on each side would give the
+     * verifier a new state per iteration (quadratic work); values in ring-buffer memory are not
+     * tracked, so both sides of every test prune to one path. */
+    for (u32 b = 0; b < ACT_LOOP_BLOCKS; b++) {
+        if (b >= n_blocks)
+            break;
+        u32 rr = b / bpr, cb = b - rr * bpr;
+        u64 ri = idx_act_row(rr);
+        if (cb == 0) {
+            r->zeros[ri] = 0;
+            r->below[ri] = 0;
+        }
+        /* Reads have a constant size: a size the verifier must track precisely makes every
+         * value it derives from precise too, and the paths then never merge. The last block of a
+         * row is read ending at the row's end (pairs counted by an earlier block are skipped). */
+        u64 p0 = (u64)cb * BLOCK_WORDS, start, vlo, vhi;
+        if (p0 + BLOCK_WORDS <= pairs_per_row) {
+            start = p0;
+            vlo = 0;
+            vhi = BLOCK_WORDS;
+        } else if (pairs_per_row >= BLOCK_WORDS) {
+            start = pairs_per_row - BLOCK_WORDS;
+            vlo = p0 - start;
+            vhi = BLOCK_WORDS;
+        } else { /* a row shorter than a block: read past its end, count only its pairs */
+            start = 0;
+            vlo = 0;
+            vhi = pairs_per_row;
+        }
+        if (bpf_probe_read_user(v, BLOCK_WORDS * 8, (void *)(data + (u64)(ir0 + rr) * nb1 + start * 8))) {
+            r->flags |= ACT_FLAG_FAULT; /* unreadable (end of a mapping): rows stay uncounted */
+            break;
+        }
+#ifdef CAPTURE_MASKS
+        u32 wb = (b * 2) & (ACT_BLOCKS * 2 - 1);
+        e->bits[wb] = 0;
+        e->bits[wb + 1] = 0;
+#endif
+        for (u32 p = 0; p < BLOCK_WORDS; p++) {
+            u64 x = v[p];
+            u64 ok = IS_LESS(p, vhi) & (IS_LESS(p, vlo) ^ 1);
+            u64 lo = x & 0x7fffffff, hi = (x >> 32) & 0x7fffffff;
+            r->zeros[ri] += (u32)(ok & (IS_ZERO(lo) + IS_ZERO(hi)));
+            r->below[ri] += (u32)(ok & (IS_LESS(lo, ACT_BELOW_BITS) + IS_LESS(hi, ACT_BELOW_BITS)));
+#ifdef CAPTURE_MASKS
+            e->bits[wb + (p >> 5)] |= (ok * ((IS_ZERO(lo) ^ 1) | ((IS_ZERO(hi) ^ 1) << 1))) << ((p & 31) * 2);
+#endif
+        }
+        if (cb + 1 == bpr) /* row complete */
+            done_rows = rr + 1;
+    }
+    r->n_rows = done_rows;
+    if (ir0 + done_rows < ir1) {
+        r->flags |= ACT_FLAG_BUDGET;
+        count(3, ir1 - ir0 - done_rows);
+    }
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    return 0;
+}
+#endif /* CAPTURE_ACT */
+
+#ifdef CAPTURE_ATTN
+/* ubatch_info (token_probes.bpf.c) gives the micro-batch of the thread that runs graph thread 0.
+ * att_seen remembers the masks already counted in that micro-batch: layers of one kind (full or
+ * sliding-window) share one mask tensor, so it is counted once per micro-batch, not per layer. */
+struct att_seen {
+    u64 serial;
+    u64 mask[2];
+};
+BPF_HASH(att_seen, u32, struct att_seen, 4096);
+
+/* want_type: 0 = F32 mask (soft_max), 1 = F16 mask (flash attention). A constant per caller, so
+ * each program holds one counting loop (the verifier's budget covers one, not both). */
+static __always_inline int attn_common(struct pt_regs *ctx, u64 node, u64 mask_t, const s32 want_type) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    u64 seq = next_seq();
+    struct ev_attn *e = events.ringbuf_reserve(sizeof(struct ev_attn));
+    if (!e) {
+        count(1, 1);
+        return 0;
+    }
+    fill_hdr(&e->h, EV_ATTN, 0, seq);
+    bpf_probe_read_user(e->name, NAME_LEN, (void *)(node + T_NAME));
+    u64 mdata = mask_t ? rd64(mask_t + T_DATA) : 0;
+    s32 mtype = mask_t ? rd32(mask_t + T_TYPE) : -1;
+    e->mask = mdata;
+    e->n_kv = mask_t ? (u32)rd64(mask_t + T_NE) : 0;
+    e->n_rows = mask_t ? (u32)(rd64(mask_t + T_NE + 8) * rd64(mask_t + T_NE + 16) * rd64(mask_t + T_NE + 24)) : 0;
+    e->n_counted = 0;
+    e->flags = mtype == 1 ? ATT_FLAG_F16 : 0;
+    u64 nb1 = mask_t ? rd64(mask_t + T_NB + 8) : 0;
+    struct ubatch_info *ui = ubatch_info.lookup(&tid);
+    if (!ui) {
+        e->flags |= ATT_FLAG_NO_UBATCH;
+        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+        return 0;
+    }
+    struct att_seen *sn = att_seen.lookup(&tid);
+    if (sn && sn->serial == ui->serial && (sn->mask[0] == mdata || sn->mask[1] == mdata)) {
+        e->flags |= ATT_FLAG_CACHED;
+        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+        return 0;
+    }
+    struct att_seen ns = {};
+    ns.serial = ui->serial;
+    ns.mask[0] = mdata;
+    if (sn && sn->serial == ui->serial)
+        ns.mask[1] = sn->mask[0];
+    att_seen.update(&tid, &ns);
+    if (!mdata || mtype != want_type) {
+        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+        return 0;
+    }
+    u32 zero = 0;
+    void *sc = scratch.lookup(&zero);
+    if (!sc) {
+        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+        return 0;
+    }
+    u64 *v = (u64 *)sc;
+    /* output rows, last first: read the micro-batch's output flags (its last ATT_ROW_SCAN rows) */
+    u32 n_tok = 0;
+    u64 outp = 0;
+    bpf_probe_read_user(&n_tok, sizeof(n_tok), (void *)(ui->ub + UB_N_TOKENS));
+    bpf_probe_read_user(&outp, sizeof(outp), (void *)(ui->ub + UB_OUTPUT));
+    u32 scan = n_tok < ATT_ROW_SCAN ? n_tok : ATT_ROW_SCAN;
+    u32 base = n_tok - scan;
+    if (!outp || scan == 0) {
+        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+        return 0;
+    }
+    /* constant-size read (see glu_return); flags beyond n_tokens are never looked at */
+    if (bpf_probe_read_user(v, ATT_ROW_SCAN, (void *)(outp + base))) {
+        e->flags |= ATT_FLAG_BUDGET;
+        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+        return 0;
+    }
+    u8 *flags = (u8 *)v;
+    /* the last ATT_MAX_ROWS output rows among the last ATT_ROW_SCAN rows, latest first;
+     * branch-free (a flag test per row would double the verifier's paths per row) */
+    u32 rows[ATT_MAX_ROWS * 2] = {};
+    u64 n_out = 0, total_out = 0;
+    for (u32 i = 0; i < ATT_ROW_SCAN; i++) {
+        u64 in = IS_LESS(i, scan);
+        u32 r = (scan - 1 - i) & (ATT_ROW_SCAN - 1);
+        u64 f = in & IS_ZERO(flags[r]) ^ in;
+        rows[idx_att_slot(n_out)] = base + r;
+        u64 take = f & IS_LESS(n_out, ATT_MAX_ROWS);
+        n_out += take;
+        total_out += f;
+    }
+    if (total_out > n_out)
+        e->flags |= ATT_FLAG_BUDGET;
+    /* count: flat loop over blocks of BLOCK_WORDS words of the output rows' mask rows */
+    const u32 esz = want_type == 1 ? 2 : 4;
+    u32 per_word = 8 / esz;
+    u32 wpr = (e->n_kv + per_word - 1) / per_word; /* words per mask row */
+    u32 bpr = (wpr + BLOCK_WORDS - 1) / BLOCK_WORDS;
+    if (bpr == 0) {
+        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+        return 0;
+    }
+    u32 n_blocks = n_out * bpr;
+    u32 done = 0;
+    /* counts accumulate in the record (see glu_return for why) */
+    for (u32 b = 0; b < ATT_BLOCKS; b++) {
+        if (b >= n_blocks)
+            break;
+        u32 ri = b / bpr, cb = b - ri * bpr;
+        u64 rix = idx_att_row(ri);
+        u32 row = rows[rix];
+        if (cb == 0) {
+            e->row[rix] = row;
+            e->attended[rix] = 0;
+        }
+        /* constant-size reads, the last block ending at the row's end (see glu_return) */
+        u64 w0 = (u64)cb * BLOCK_WORDS, start = w0;
+        if (w0 + BLOCK_WORDS > wpr)
+            start = wpr >= BLOCK_WORDS ? wpr - BLOCK_WORDS : 0;
+        u64 cfirst = w0 * per_word - start * per_word; /* first cell, relative to start, not yet counted */
+        u64 cend = (u64)e->n_kv - start * per_word;     /* cells of the row, relative to start */
+        if (bpf_probe_read_user(v, BLOCK_WORDS * 8, (void *)(mdata + (u64)row * nb1 + start * 8))) {
+            e->flags |= ATT_FLAG_BUDGET;
+            break;
+        }
+        if (esz == 4) {
+            for (u32 p = 0; p < BLOCK_WORDS; p++) {
+                u64 x = v[p];
+                u64 c0 = (u64)p * 2;
+                /* attended <=> the value is not -inf (0xff800000) */
+                e->attended[rix] += (u32)((CELL_OK(c0) & (IS_ZERO((x & 0xffffffff) ^ 0xff800000) ^ 1)) +
+                                          (CELL_OK(c0 + 1) & (IS_ZERO((x >> 32) ^ 0xff800000) ^ 1)));
+            }
+        } else {
+            for (u32 p = 0; p < BLOCK_WORDS; p++) {
+                u64 x = v[p];
+                u64 c0 = (u64)p * 4;
+                e->attended[rix] += (u32)((CELL_OK(c0) & (IS_ZERO((x & 0xffff) ^ 0xfc00) ^ 1)) +
+                                          (CELL_OK(c0 + 1) & (IS_ZERO(((x >> 16) & 0xffff) ^ 0xfc00) ^ 1)) +
+                                          (CELL_OK(c0 + 2) & (IS_ZERO(((x >> 32) & 0xffff) ^ 0xfc00) ^ 1)) +
+                                          (CELL_OK(c0 + 3) & (IS_ZERO((x >> 48) ^ 0xfc00) ^ 1)));
+            }
+        }
+        if (cb + 1 == bpr)
+            done = ri + 1;
+    }
+    e->n_counted = done;
+    if (done < n_out) {
+        e->flags |= ATT_FLAG_BUDGET;
+        count(4, n_out - done);
+    }
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    return 0;
+}
+
+/* soft_max node "kq_soft_max-L": src[1] = KQ mask (F32 or F16) */
+int softmax_enter(struct pt_regs *ctx) {
+    u64 params = PT_REGS_PARM1(ctx), node = PT_REGS_PARM2(ctx);
+    if (compute_ith(params) != 0)
+        return 0;
+    u64 name[2] = {};
+    bpf_probe_read_user(name, sizeof(name), (void *)(node + T_NAME));
+    if (name[0] != 0x5f74666f735f716bULL /* "kq_soft_" */ || (name[1] & 0xffffffff) != 0x2d78616d /* "max-" */)
+        return 0;
+    return attn_common(ctx, node, rd64(node + T_SRC + 8), 0);
+}
+
+/* flash_attn_ext node "__fattn__-L": src[3] = KQ mask (F16) */
+int fattn_enter(struct pt_regs *ctx) {
+    u64 params = PT_REGS_PARM1(ctx), node = PT_REGS_PARM2(ctx);
+    if (compute_ith(params) != 0)
+        return 0;
+    u64 name[2] = {};
+    bpf_probe_read_user(name, sizeof(name), (void *)(node + T_NAME));
+    if (name[0] != 0x5f6e747461665f5fULL /* "__fattn_" */ || (name[1] & 0xffff) != 0x2d5f /* "_-" */)
+        return 0;
+    return attn_common(ctx, node, rd64(node + T_SRC + 24), 1);
+}
+#endif /* CAPTURE_ATTN */
+
+#endif /* any sparse capture */

@@ -1,0 +1,62 @@
+"""What the probes capture beyond token boundaries: the sparse decisions of each forward pass.
+
+One frozen settings object, shared by the CLI, the loader (which turns it into compile-time
+flags, so disabled features cost nothing on the engine's hot path) and the recording metadata.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import asdict, dataclass
+from typing import Any
+
+DEFAULT_ACT_THRESHOLD = 1e-2
+
+
+@dataclass(frozen=True)
+class Capture:
+    routes: bool = True  # MoE expert ids and gate weights per (row, layer)
+    router_probs: bool = False  # router probabilities of every expert (--capture-router-probs)
+    activations: bool = True  # FFN activation zero / below-threshold counts per (row, layer)
+    masks: bool = False  # the activation zero masks themselves (--capture-masks)
+    attention: bool = True  # attended cells per output row and attention layer
+    act_threshold: float = DEFAULT_ACT_THRESHOLD  # |x| below this counts in act_below_ratio
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.act_threshold) and self.act_threshold > 0):
+            raise ValueError(
+                f"activation threshold must be a positive finite number, not {self.act_threshold}"
+            )
+        if self.masks and not self.activations:
+            raise ValueError("activation masks need activation capture")
+
+    @property
+    def any(self) -> bool:
+        return self.routes or self.router_probs or self.activations or self.attention
+
+    @property
+    def threshold_bits(self) -> int:
+        """IEEE-754 single-precision bits of the threshold: for finite non-negative floats the
+        bit patterns order like the values, so BPF compares |x| < t on integers."""
+        (bits,) = struct.unpack("<I", struct.pack("<f", self.act_threshold))
+        return int(bits)
+
+    def cflags(self) -> list[str]:
+        flags = [f"-DACT_BELOW_BITS={self.threshold_bits}ULL"]
+        for on, name in (
+            (self.routes, "CAPTURE_ROUTES"),
+            (self.router_probs, "CAPTURE_PROBS"),
+            (self.activations, "CAPTURE_ACT"),
+            (self.masks, "CAPTURE_MASKS"),
+            (self.attention, "CAPTURE_ATTN"),
+        ):
+            if on:
+                flags.append(f"-D{name}")
+        return flags
+
+    def to_meta(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+TOKENS_ONLY = Capture(routes=False, router_probs=False, activations=False, masks=False, attention=False)

@@ -1,0 +1,325 @@
+"""Sparse decisions of one forward pass, assembled from the graph-op probe records.
+
+The probes (probes/sparse_probes.bpf.c) send, per micro-batch:
+  * routing tensors per MoE layer: the selected expert ids, the gate weights as applied and
+    (optionally) the router probabilities, each as raw rows of the engine's own tensor;
+  * activation counts per FFN layer: exact zeros and |x| < threshold per GLU output row (per
+    expert slot for MoE layers), counted in BPF by the thread that computed the row;
+  * attention mask counts per layer: unmasked cells of the micro-batch's output rows.
+This module turns them into per-(batch row, layer) values. A tensor's rows are the micro-batch's
+rows, or only its output rows when the engine skipped the others (the last layer with
+logits_all=False): anything else is counted as unmapped, never guessed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import events as ev
+
+_NAME_RE = re.compile(rb"^(ffn_moe_weights|ffn_moe_weighted|ffn_[a-z0-9_]+|kq_soft_max|__fattn__)-(\d+)$")
+GGML_TYPE_F32 = 0
+GGML_TYPE_I32 = 26
+BLOCK_PAIRS = ev.BLOCK_WORDS
+
+
+@dataclass(frozen=True)
+class LayerSet:
+    """Which model layers have which sparse decision, from the model file's tensor names; the
+    token rows' per-layer lists follow these orders."""
+
+    moe: tuple[int, ...] = ()
+    ffn: tuple[int, ...] = ()
+    attn: tuple[int, ...] = ()
+
+    def to_meta(self) -> dict[str, list[int]]:
+        return {"moe": list(self.moe), "ffn": list(self.ffn), "attn": list(self.attn)}
+
+
+def layer_set(tensor_names: list[str], n_layer: int) -> LayerSet:
+    """MoE layers have a router (blk.L.ffn_gate_inp), FFN layers a down projection (dense or
+    experts), attention layers an output projection (blk.L.attn_output)."""
+    names = set(tensor_names)
+    moe = tuple(i for i in range(n_layer) if f"blk.{i}.ffn_gate_inp.weight" in names)
+    ffn = tuple(
+        i
+        for i in range(n_layer)
+        if f"blk.{i}.ffn_down.weight" in names or f"blk.{i}.ffn_down_exps.weight" in names
+    )
+    attn = tuple(i for i in range(n_layer) if f"blk.{i}.attn_output.weight" in names)
+    return LayerSet(moe=moe, ffn=ffn, attn=attn)
+
+
+def parse_name(raw: bytes) -> tuple[str, int] | None:
+    """(node kind, layer) of a probed tensor name, e.g. b"ffn_moe_weights-3" -> ("ffn_moe_weights", 3)."""
+    m = _NAME_RE.match(raw.split(b"\0", 1)[0])
+    return (m.group(1).decode(), int(m.group(2))) if m else None
+
+
+@dataclass
+class _Rows:
+    """A per-layer array being filled from record chunks: rows_total x width."""
+
+    values: np.ndarray
+    filled: np.ndarray
+
+    @classmethod
+    def new(cls, rows: int, width: int, dtype: Any, fill: Any) -> _Rows:
+        return cls(np.full((rows, width), fill, dtype=dtype), np.zeros(rows, dtype=bool))
+
+
+@dataclass
+class Problems:
+    """Inconsistencies between records and the micro-batch (counted, never guessed around)."""
+
+    unmapped_rows: int = 0  # a tensor whose row count is neither the batch's nor its outputs'
+    bad_values: list[str] = field(default_factory=list)  # first few, for the layout check
+
+
+@dataclass
+class StepSparse:
+    """Sparse records of one micro-batch, by layer."""
+
+    ids: dict[int, _Rows] = field(default_factory=dict)
+    weights: dict[int, _Rows] = field(default_factory=dict)
+    probs: dict[int, _Rows] = field(default_factory=dict)
+    # activation: node rows (token x slot) -> zeros, below; -1 = not counted
+    act_zeros: dict[int, np.ndarray] = field(default_factory=dict)
+    act_below: dict[int, np.ndarray] = field(default_factory=dict)
+    act_width: dict[int, int] = field(default_factory=dict)  # values per node row
+    act_slots: dict[int, int] = field(default_factory=dict)  # node rows per token (k for MoE)
+    act_bits: dict[int, np.ndarray] = field(default_factory=dict)  # node rows x width, uint8 0/1
+    # attention: layer -> mask pointer; mask pointer -> {batch row: attended}
+    attn_mask: dict[int, int] = field(default_factory=dict)
+    attn_counts: dict[int, dict[int, int]] = field(default_factory=dict)
+    attn_n_kv: dict[int, int] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ records
+    def add_tensor(self, r: dict[str, Any]) -> tuple[str, int] | None:
+        parsed = parse_name(bytes(r["name"]))
+        if parsed is None:
+            return None
+        tag = int(r["tag"])
+        target = {
+            ev.TAG_EXPERT_IDS: self.ids,
+            ev.TAG_EXPERT_WEIGHTS: self.weights,
+            ev.TAG_ROUTER_PROBS: self.probs,
+        }
+        store = target.get(tag)
+        if store is None:
+            return None
+        layer = parsed[1]
+        ne0, stride, n_rows = int(r["ne0"]), int(r["row_stride"]), int(r["n_rows"])
+        rows_total, row0 = int(r["rows_total"]), int(r["row0"])
+        is_int = int(r["type"]) == GGML_TYPE_I32
+        if (
+            stride % 4
+            or ne0 * 4 > stride
+            or n_rows * stride > int(r["n_bytes"])
+            or row0 + n_rows > rows_total
+        ):
+            return None
+        raw = np.asarray(r["data"])[: n_rows * stride].view("<i4" if is_int else "<f4")
+        block = raw.reshape(n_rows, stride // 4)[:, :ne0]
+        cur = store.get(layer)
+        if cur is None or cur.values.shape != (rows_total, ne0):
+            cur = store[layer] = _Rows.new(
+                rows_total, ne0, np.int32 if is_int else np.float32, -1 if is_int else np.nan
+            )
+        cur.values[row0 : row0 + n_rows] = block
+        cur.filled[row0 : row0 + n_rows] = True
+        return parsed
+
+    def add_act(self, r: dict[str, Any], *, with_bits: bool) -> tuple[str, int] | None:
+        parsed = parse_name(bytes(r["name"]))
+        if parsed is None:
+            return None
+        kind, layer = parsed
+        ne0, ne1, nr = int(r["ne0"]), int(r["ne1"]), int(r["nr_total"])
+        slots = ne1 if kind.startswith("ffn_moe_") else 1
+        if slots <= 0 or nr % slots:
+            return None
+        z = self.act_zeros.get(layer)
+        if z is None or len(z) != nr:
+            z = self.act_zeros[layer] = np.full(nr, -1, dtype=np.int64)
+            self.act_below[layer] = np.full(nr, -1, dtype=np.int64)
+            self.act_width[layer] = ne0
+            self.act_slots[layer] = slots
+            if with_bits:
+                self.act_bits[layer] = np.zeros((nr, ne0), dtype=np.uint8)
+        ir0, n = int(r["ir0"]), int(r["n_rows"])
+        n = min(n, nr - ir0, ev.ACT_MAX_ROWS)
+        if n > 0:
+            z[ir0 : ir0 + n] = r["zeros"][:n]
+            self.act_below[layer][ir0 : ir0 + n] = r["below"][:n]
+            if with_bits and "bits" in r:
+                self._unpack_bits(layer, r["bits"], ir0, n, ne0)
+        return parsed
+
+    def _unpack_bits(self, layer: int, words: np.ndarray, ir0: int, n: int, ne0: int) -> None:
+        """Undo the probe's block layout: row rr, block cb covers pairs [start+vlo, start+vhi)
+        with start/vlo/vhi chosen exactly as glu_return chooses them."""
+        ppr = ne0 // 2
+        bpr = -(-ppr // BLOCK_PAIRS)
+        bits = np.unpackbits(np.asarray(words, dtype="<u8").view(np.uint8), bitorder="little")
+        out = self.act_bits[layer]
+        for rr in range(n):
+            row = np.zeros(ne0, dtype=np.uint8)
+            for cb in range(bpr):
+                b = rr * bpr + cb
+                if b >= len(bits) // (2 * BLOCK_PAIRS):
+                    break
+                p0 = cb * BLOCK_PAIRS
+                if p0 + BLOCK_PAIRS <= ppr:
+                    start, vlo, vhi = p0, 0, BLOCK_PAIRS
+                elif ppr >= BLOCK_PAIRS:
+                    start, vlo, vhi = ppr - BLOCK_PAIRS, p0 - (ppr - BLOCK_PAIRS), BLOCK_PAIRS
+                else:
+                    start, vlo, vhi = 0, 0, ppr
+                blk = bits[b * 2 * BLOCK_PAIRS : (b + 1) * 2 * BLOCK_PAIRS]
+                row[2 * (start + vlo) : 2 * (start + vhi)] = blk[2 * vlo : 2 * vhi]
+            out[ir0 + rr] = row
+
+    def add_attn(self, r: dict[str, Any]) -> tuple[str, int] | None:
+        parsed = parse_name(bytes(r["name"]))
+        if parsed is None:
+            return None
+        layer = parsed[1]
+        mask = int(r["mask"])
+        self.attn_mask[layer] = mask
+        self.attn_n_kv[layer] = int(r["n_kv"])
+        n = int(r["n_counted"])
+        if n:
+            counts = self.attn_counts.setdefault(mask, {})
+            for row, att in zip(r["row"][:n].tolist(), r["attended"][:n].tolist(), strict=True):
+                counts[int(row)] = int(att)
+        return parsed
+
+    # ------------------------------------------------------------------ per batch row
+    def _tensor_row(
+        self, rows: _Rows, batch_row: int, output_index: dict[int, int], n_tokens: int
+    ) -> int | None:
+        """Index into a tensor's rows for a micro-batch row: the same row when the tensor has a
+        row per batch row, the output ordinal when it has only the output rows."""
+        total = rows.values.shape[0]
+        if total == n_tokens:
+            i: int | None = batch_row
+        else:
+            i = output_index.get(batch_row) if total == len(output_index) else None
+        if i is None or not rows.filled[i]:
+            return None
+        return i
+
+    def row_values(
+        self,
+        batch_row: int,
+        output_index: dict[int, int],
+        n_tokens: int,
+        layers: LayerSet,
+        problems: Problems,
+    ) -> dict[str, Any]:
+        """Per-layer values of one micro-batch row, as lists following `layers` (None where the
+        engine did not compute that layer for this row, or the record was not captured)."""
+        ids: list[list[int] | None] = []
+        wts: list[list[float] | None] = []
+        prb: list[list[float] | None] = []
+        for layer in layers.moe:
+            ids.append(self._moe_list(self.ids, layer, batch_row, output_index, n_tokens, problems, True))
+            wts.append(
+                self._moe_list(self.weights, layer, batch_row, output_index, n_tokens, problems, False)
+            )
+            prb.append(self._moe_list(self.probs, layer, batch_row, output_index, n_tokens, problems, False))
+        zero: list[float | None] = []
+        below: list[float | None] = []
+        for layer in layers.ffn:
+            zr, br, _ = self.act_ratios(layer, batch_row, output_index, n_tokens, problems)
+            zero.append(zr)
+            below.append(br)
+        att: list[int | None] = []
+        for layer in layers.attn:
+            mask = self.attn_mask.get(layer)
+            att.append(None if mask is None else self.attn_counts.get(mask, {}).get(batch_row))
+        return {
+            "expert_ids": ids,
+            "expert_weights": wts,
+            "router_probs": prb,
+            "act_zero_ratio": zero,
+            "act_below_ratio": below,
+            "attn_attended": att,
+        }
+
+    def _moe_list(
+        self,
+        store: dict[int, _Rows],
+        layer: int,
+        batch_row: int,
+        output_index: dict[int, int],
+        n_tokens: int,
+        problems: Problems,
+        as_int: bool,
+    ) -> Any:
+        rows = store.get(layer)
+        if rows is None:
+            return None
+        total = rows.values.shape[0]
+        if total != n_tokens and total != len(output_index):
+            problems.unmapped_rows += 1
+            return None
+        i = self._tensor_row(rows, batch_row, output_index, n_tokens)
+        if i is None:
+            return None
+        vals = rows.values[i]
+        return [int(v) for v in vals] if as_int else [float(v) for v in vals]
+
+    def act_ratios(
+        self, layer: int, batch_row: int, output_index: dict[int, int], n_tokens: int, problems: Problems
+    ) -> tuple[float | None, float | None, int]:
+        z = self.act_zeros.get(layer)
+        if z is None:
+            return None, None, 0
+        slots, width = self.act_slots[layer], self.act_width[layer]
+        tokens = len(z) // slots
+        if tokens == n_tokens:
+            t: int | None = batch_row
+        elif tokens == len(output_index):
+            t = output_index.get(batch_row)
+        else:
+            problems.unmapped_rows += 1
+            return None, None, 0
+        if t is None:
+            return None, None, 0
+        zs = z[t * slots : (t + 1) * slots]
+        bs = self.act_below[layer][t * slots : (t + 1) * slots]
+        if (zs < 0).any() or (bs < 0).any():
+            return None, None, 0
+        n = slots * width
+        return float(zs.sum()) / n, float(bs.sum()) / n, n
+
+    def act_mask_bits(
+        self, layer: int, batch_row: int, output_index: dict[int, int], n_tokens: int
+    ) -> np.ndarray | None:
+        bits = self.act_bits.get(layer)
+        z = self.act_zeros.get(layer)
+        if bits is None or z is None:
+            return None
+        slots = self.act_slots[layer]
+        tokens = len(z) // slots
+        t = (
+            batch_row
+            if tokens == n_tokens
+            else (output_index.get(batch_row) if tokens == len(output_index) else None)
+        )
+        if t is None or (z[t * slots : (t + 1) * slots] < 0).any():
+            return None
+        return bits[t * slots : (t + 1) * slots].reshape(-1)
+
+    def layers_seen(self) -> dict[str, set[int]]:
+        return {
+            "moe": set(self.ids),
+            "ffn": set(self.act_zeros),
+            "attn": set(self.attn_mask),
+        }
