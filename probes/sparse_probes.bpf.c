@@ -242,43 +242,44 @@ int glu_enter(struct pt_regs *ctx) {
 #define ACT_A(e) (e)
 #endif
 
-/* At the return of the GLU op each thread counts the rows it computed: rows [ir0, ir1) with
- * dr = ceil(nr / nth), ir0 = dr * ith (ggml-cpu's row split for unary/GLU ops). Blocks of
- * BLOCK_WORDS float pairs are read into a per-CPU scratch buffer and tested on their bits:
- * zero  <=> (bits & 0x7fffffff) == 0;  below <=> (bits & 0x7fffffff) < ACT_BELOW_BITS. */
-int glu_return(struct pt_regs *ctx) {
-    u32 tid = (u32)bpf_get_current_pid_tgid();
-    struct act_args *ap = act_args.lookup(&tid);
-    if (!ap)
-        return 0;
-    struct act_args a = *ap;
-    act_args.delete(&tid);
-    u64 node = a.node;
-    u32 ne0 = (u32)rd64(node + T_NE), ne1 = (u32)rd64(node + T_NE + 8);
-    u32 nr = (u32)(rd64(node + T_NE + 8) * rd64(node + T_NE + 16) * rd64(node + T_NE + 24));
-    u64 nb1 = rd64(node + T_NB + 8);
-    u64 data = rd64(node + T_DATA);
-    if (a.nth <= 0 || a.ith < 0 || !data || ne0 == 0)
-        return 0;
-    u32 dr = (nr + a.nth - 1) / a.nth;
-    u32 ir0 = dr * a.ith;
-    u32 ir1 = ir0 + dr < nr ? ir0 + dr : nr;
+/* State of one thread's GLU rows across tail calls: each program run counts what its verifier
+ * budget allows (ACT_LOOP_BLOCKS blocks, ACT_MAX_ROWS rows), emits a record and tail-calls the
+ * next run (up to the kernel's 33 tail calls). Tail calls stay on this CPU, so per-CPU state is
+ * safe. */
+struct act_state {
+    u64 node;
+    u64 data;
+    u64 nb1;
+    u32 ne0;
+    u32 ne1;
+    u32 nr;
+    u32 ir;  /* next row to count */
+    u32 ir1; /* end of this thread's rows */
+    u32 ith;
+};
+BPF_PERCPU_ARRAY(act_state, struct act_state, 1);
+BPF_PROG_ARRAY(act_tail, 1);
+
+static __always_inline int act_chunk(struct pt_regs *ctx, struct act_state *st) {
+    u64 node = st->node, data = st->data, nb1 = st->nb1;
+    u32 ne0 = st->ne0, ir0 = st->ir, ir1 = st->ir1;
     if (ir0 >= ir1)
         return 0;
     u64 seq = next_seq();
     ACT_EV *e = events.ringbuf_reserve(sizeof(ACT_EV));
     if (!e) {
         count(1, 1);
+        count(3, ir1 - ir0);
         return 0;
     }
     struct ev_act *r = ACT_A(e);
     fill_hdr(&r->h, ACT_KIND, 0, seq);
     bpf_probe_read_user(r->name, NAME_LEN, (void *)(node + T_NAME));
     r->ne0 = ne0;
-    r->ne1 = ne1;
+    r->ne1 = st->ne1;
     r->ir0 = ir0;
-    r->nr_total = nr;
-    r->ith = (u32)a.ith;
+    r->nr_total = st->nr;
+    r->ith = st->ith;
     r->flags = 0;
     r->pad = 0;
     r->n_rows = 0;
@@ -298,7 +299,7 @@ int glu_return(struct pt_regs *ctx) {
     /* flat loop over blocks of BLOCK_WORDS float pairs: row rr = b / bpr, its block cb = b % bpr */
     u32 pairs_per_row = ne0 / 2;
     u32 bpr = (pairs_per_row + BLOCK_WORDS - 1) / BLOCK_WORDS;
-    u32 rows_here = ir1 - ir0;
+    u32 rows_here = ir1 - ir0; /* this record's rows: from st->ir */
     if (rows_here > ACT_MAX_ROWS)
         rows_here = ACT_MAX_ROWS;
     u32 n_blocks = rows_here * bpr;
@@ -346,8 +347,9 @@ int glu_return(struct pt_regs *ctx) {
             u64 x = v[p];
             u64 ok = IS_LESS(p, vhi) & (IS_LESS(p, vlo) ^ 1);
             u64 lo = x & 0x7fffffff, hi = (x >> 32) & 0x7fffffff;
-            r->zeros[ri] += (u32)(ok & (IS_ZERO(lo) + IS_ZERO(hi)));
-            r->below[ri] += (u32)(ok & (IS_LESS(lo, ACT_BELOW_BITS) + IS_LESS(hi, ACT_BELOW_BITS)));
+            /* ok * (sum of two bits), not ok & sum: a sum of 2 has bit 0 clear */
+            r->zeros[ri] += (u32)(ok * (IS_ZERO(lo) + IS_ZERO(hi)));
+            r->below[ri] += (u32)(ok * (IS_LESS(lo, ACT_BELOW_BITS) + IS_LESS(hi, ACT_BELOW_BITS)));
 #ifdef CAPTURE_MASKS
             e->bits[wb + (p >> 5)] |= (ok * ((IS_ZERO(lo) ^ 1) | ((IS_ZERO(hi) ^ 1) << 1))) << ((p & 31) * 2);
 #endif
@@ -356,12 +358,63 @@ int glu_return(struct pt_regs *ctx) {
             done_rows = rr + 1;
     }
     r->n_rows = done_rows;
-    if (ir0 + done_rows < ir1) {
-        r->flags |= ACT_FLAG_BUDGET;
+    st->ir = ir0 + done_rows;
+    if (done_rows == 0 || (r->flags & ACT_FLAG_FAULT)) {
+        r->flags |= ACT_FLAG_BUDGET; /* a row longer than the block budget, or unreadable */
         count(3, ir1 - ir0 - done_rows);
+        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+        return 0;
     }
     events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    if (st->ir < ir1) {
+        act_tail.call(ctx, 0);
+        count(3, ir1 - st->ir); /* only reached when the tail call failed (chain limit) */
+    }
     return 0;
+}
+
+/* At the return of the GLU op each thread counts the rows it computed: rows [ir0, ir1) with
+ * dr = ceil(nr / nth), ir0 = dr * ith (ggml-cpu's row split for unary/GLU ops). Blocks of
+ * BLOCK_WORDS float pairs are read into a per-CPU scratch buffer and tested on their bits:
+ * zero  <=> (bits & 0x7fffffff) == 0;  below <=> (bits & 0x7fffffff) < ACT_BELOW_BITS. */
+int glu_return(struct pt_regs *ctx) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct act_args *ap = act_args.lookup(&tid);
+    if (!ap)
+        return 0;
+    struct act_args a = *ap;
+    act_args.delete(&tid);
+    u64 node = a.node;
+    u32 zero = 0;
+    struct act_state *st = act_state.lookup(&zero);
+    if (!st)
+        return 0;
+    u32 ne0 = (u32)rd64(node + T_NE);
+    u32 nr = (u32)(rd64(node + T_NE + 8) * rd64(node + T_NE + 16) * rd64(node + T_NE + 24));
+    u64 data = rd64(node + T_DATA);
+    if (a.nth <= 0 || a.ith < 0 || !data || ne0 == 0)
+        return 0;
+    u32 dr = (nr + a.nth - 1) / a.nth;
+    u32 ir0 = dr * a.ith;
+    st->node = node;
+    st->data = data;
+    st->nb1 = rd64(node + T_NB + 8);
+    st->ne0 = ne0;
+    st->ne1 = (u32)rd64(node + T_NE + 8);
+    st->nr = nr;
+    st->ir = ir0;
+    st->ir1 = ir0 + dr < nr ? ir0 + dr : nr;
+    st->ith = (u32)a.ith;
+    return act_chunk(ctx, st);
+}
+
+/* The next run of a thread's rows (tail call target). */
+int glu_continue(struct pt_regs *ctx) {
+    u32 zero = 0;
+    struct act_state *st = act_state.lookup(&zero);
+    if (!st)
+        return 0;
+    return act_chunk(ctx, st);
 }
 #endif /* CAPTURE_ACT */
 
@@ -531,15 +584,13 @@ int softmax_enter(struct pt_regs *ctx) {
     return attn_common(ctx, node, rd64(node + T_SRC + 8), 0);
 }
 
-/* flash_attn_ext node "__fattn__-L": src[3] = KQ mask (F16) */
+/* flash_attn_ext node ("__fattn__-L" or unnamed): src[3] = KQ mask (F16) */
 int fattn_enter(struct pt_regs *ctx) {
     u64 params = PT_REGS_PARM1(ctx), node = PT_REGS_PARM2(ctx);
     if (compute_ith(params) != 0)
         return 0;
-    u64 name[2] = {};
-    bpf_probe_read_user(name, sizeof(name), (void *)(node + T_NAME));
-    if (name[0] != 0x5f6e747461665f5fULL /* "__fattn_" */ || (name[1] & 0xffff) != 0x2d5f /* "_-" */)
-        return 0;
+    /* Every flash-attention node is an attention layer; builds that leave it unnamed (xllamacpp
+     * 2026.10) are matched by order in the consumer, named ones ("__fattn__-L") by name. */
     return attn_common(ctx, node, rd64(node + T_SRC + 24), 1);
 }
 #endif /* CAPTURE_ATTN */

@@ -156,6 +156,13 @@ def compile_and_attach(
         ) from None
     sess = Session(bpf=b, pid=pid, compile_s=time.monotonic() - t0, logits_chunk=logits_chunk_for(n_vocab))
     try:
+        if capture.activations:
+            # the activation counter continues a thread's rows through tail calls to glu_continue
+            try:
+                cont = b.load_func("glu_continue", bcc.BPF.KPROBE)
+                b["act_tail"][ctypes.c_int(0)] = ctypes.c_int(cont.fd)
+            except Exception as e:
+                raise BpfUnavailable(f"could not load the activation counter's continuation: {e}") from None
         for spec in PROBES:
             lib = where.get(spec.symbol)
             if lib is None or spec.symbol in skip or not _wanted(spec, capture):

@@ -374,7 +374,7 @@ class Correlator:
             got = step.sparse.add_act(r, with_bits=kind == ev.EV_ACT_MASK)
             section = "ffn"
         else:
-            got = step.sparse.add_attn(r)
+            got = step.sparse.add_attn(r, self.layers.attn)
             section = "attn"
         if got is not None:
             self.layers_seen[section].add(got[1])

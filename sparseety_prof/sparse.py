@@ -97,6 +97,7 @@ class StepSparse:
     attn_mask: dict[int, int] = field(default_factory=dict)
     attn_counts: dict[int, dict[int, int]] = field(default_factory=dict)
     attn_n_kv: dict[int, int] = field(default_factory=dict)
+    _attn_unnamed: int = 0  # unnamed attention nodes seen so far in this pass
 
     # ------------------------------------------------------------------ records
     def add_tensor(self, r: dict[str, Any]) -> tuple[str, int] | None:
@@ -184,10 +185,15 @@ class StepSparse:
                 row[2 * (start + vlo) : 2 * (start + vhi)] = blk[2 * vlo : 2 * vhi]
             out[ir0 + rr] = row
 
-    def add_attn(self, r: dict[str, Any]) -> tuple[str, int] | None:
+    def add_attn(self, r: dict[str, Any], attn_layers: tuple[int, ...] = ()) -> tuple[str, int] | None:
         parsed = parse_name(bytes(r["name"]))
         if parsed is None:
-            return None
+            # An unnamed flash-attention node (some builds name none): attention layers run in
+            # order within a forward pass, so the k-th one is the model's k-th attention layer.
+            if self._attn_unnamed >= len(attn_layers):
+                return None
+            parsed = ("__fattn__", attn_layers[self._attn_unnamed])
+            self._attn_unnamed += 1
         layer = parsed[1]
         mask = int(r["mask"])
         self.attn_mask[layer] = mask

@@ -1,0 +1,271 @@
+"""Acceptance test of the sparse decisions on a real llama-server engine (xllamacpp): attached by PID
+while it serves HTTP completions, the recording's tokens and log-probs equal the server's own
+responses, and its MoE routing agrees with the llama-cpp-python graph-trace oracle
+(scripts/engines/llama_engine.py --graph-trace) fed the same token sequence, teacher-forced: each
+request's prompt ids, then the ids the server generated, one at a time."""
+
+from __future__ import annotations
+
+import bisect
+import json
+import signal
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pytest
+from conftest import ENGINES, Engine, Recorder, free_port
+
+import sparseety_prof
+
+pytestmark = [pytest.mark.root, pytest.mark.engine]
+
+# Distinct first words, so the server's prompt cache reuses only the <s> row of the previous prompt.
+PROMPTS = ["hello the expert router", "the sparse decode sample", "one two three four", "what is the time"]
+N_PREDICT = 50
+LOGPROB_TOL = 1e-3  # recorded vs the server's own n_probs answer (same logits row)
+# Oracle vs server. llama-server's flash_attn_type is "auto", which is on for this CPU build; the oracle
+# runs with --flash-attn too. Measured (4 prompts x 50 tokens, 845 (position, layer) pairs): gate weights
+# within 3.2e-4 and router probabilities within 3.0e-4 (without --flash-attn in the oracle: 1.8e-3 and
+# 1.5e-3; the server's KV cache and attention kernel differ in rounding, not in what they compute).
+WEIGHT_TOL = 1e-3
+PROB_TOL = 1e-3
+# Two experts whose recorded router probabilities are this close may swap ranks between the kernels.
+TIE_TOL = 1e-3
+# Measured: 844 of 845 pairs equal; the one difference, request 2 position 23 layer 3, is a near tie
+# (recorded [3, 5], oracle [3, 0]; probabilities of the 2nd and 3rd expert 5.6e-5 apart).
+MIN_AGREEMENT = 0.98
+
+
+@pytest.fixture
+def server(models: dict[str, Path]) -> Iterator[Engine]:
+    e = Engine(
+        [str(ENGINES / "server_engine.py"), str(models["moe"]), "--port", str(free_port()), "--threads", "2"]
+    )
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def oracle(models: dict[str, Path], tmp_path: Path) -> Iterator[Engine]:
+    trace = tmp_path / "trace.jsonl"
+    e = Engine(
+        [
+            str(ENGINES / "llama_engine.py"),
+            str(models["moe"]),
+            "--graph-trace",
+            str(trace),
+            "--threads",
+            "2",
+            "--flash-attn",
+        ]
+    )
+    yield e
+    e.close()
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return dict(json.loads(r.read()))
+
+
+def _align(ids: list[int], probs: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """The server folds a token that ends inside a UTF-8 character into the next one's probability
+    entry (as in test_xllamacpp_server.py): pair its entries with the tokens by id."""
+    out, j = [], 0
+    for i, t in enumerate(ids):
+        if j < len(probs) and probs[j]["id"] == t:
+            out.append((i, probs[j]))
+            j += 1
+    assert j == len(probs), "server probabilities out of step with its tokens"
+    return out
+
+
+Key = tuple[int, int]  # (position, layer)
+
+
+def oracle_routes(lines: list[dict[str, Any]], n_items: int) -> list[dict[Key, dict[str, Any]]]:
+    """Per teacher-forced item, (position, layer) -> ids/weights/probs from the trace's moe lines."""
+    evals = {r["eval"]: r for r in lines if r["kind"] == "eval"}
+    out: list[dict[Key, dict[str, Any]]] = [{} for _ in range(n_items)]
+    for r in lines:
+        if r["kind"] != "moe":
+            continue
+        assert r["positions"] is not None, r
+        item = evals[r["eval"]]["item"]
+        for i, pos in enumerate(r["positions"]):
+            key = (pos, r["layer"])
+            assert key not in out[item], (item, key)
+            out[item][key] = {"ids": r["ids"][i], "weights": r["weights"][i], "probs": r["probs"][i]}
+    return out
+
+
+def test_server_routing_agrees_with_teacher_forced_oracle(
+    server: Engine, oracle: Engine, tmp_path: Path
+) -> None:
+    url = server.ready["url"]
+    rec = Recorder(server.pid, tmp_path / "rec", "--capture-router-probs")
+    answers, prompt_ids = [], []
+    for p in PROMPTS:
+        answers.append(
+            post(
+                url,
+                "/completion",
+                {
+                    "prompt": p,
+                    "n_predict": N_PREDICT,
+                    "n_probs": 1,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "return_tokens": True,
+                },
+            )
+        )
+        prompt_ids.append(post(url, "/tokenize", {"content": p, "add_special": True})["tokens"])
+    rc, err = rec.stop(signal.SIGTERM)
+    assert rc == 0, err
+    server.close()
+
+    r = sparseety_prof.open(tmp_path / "rec")
+    meta = r.meta
+    assert meta["engine"]["name"] == "xllamacpp"
+    losses = meta["losses"]
+    for name in ("kernel_drops", "seq_gaps", "sparse_unattributed", "sparse_unmapped_rows"):
+        assert losses[name] == 0, (name, losses)
+    assert meta["layer_coverage"]["moe"]["missing"] == []
+    # attention from the flash-attention mask (this build leaves the node unnamed: matched by order)
+    assert meta["layer_coverage"]["attn"]["missing"] == []
+    moe_layers = meta["layers"]["moe"]
+    assert moe_layers
+    last_layer = max(meta["layers"]["ffn"])
+
+    # ---- tokens and log-probs: the server's own answers, request by request
+    tokens = r.tokens()
+    # one slot, one sequence in the cache, causal, no sliding window: every earlier cell is attended
+    for t in tokens.iter_rows(named=True):
+        assert t["attn_attended"] == [t["logits_pos"] + 1] * len(meta["layers"]["attn"]), t["logits_pos"]
+        assert t["kv_cells_used"] == t["logits_pos"] + 1
+    order = (
+        tokens.group_by("request_id", maintain_order=True)
+        .agg(pl.col("t_end_ns").min(), pl.col("step_id").max().alias("last_step"))
+        .sort("t_end_ns")
+    )
+    assert order.height == len(PROMPTS)
+    for rid, a in zip(order["request_id"], answers, strict=True):
+        got = tokens.filter(pl.col("request_id") == rid).sort("t_end_ns")
+        assert got["token_id"].to_list() == a["tokens"]
+        assert len(a["tokens"]) == N_PREDICT
+        lps = got["log_prob"].to_list()
+        matched = _align(a["tokens"], a["completion_probabilities"])
+        assert len(matched) >= 0.9 * N_PREDICT
+        for i, c in matched:
+            assert abs(lps[i] - c["logprob"]) < LOGPROB_TOL, (rid, i, lps[i], c["logprob"])
+
+    # ---- routes per request. One slot and sequential requests: every micro-batch of request k runs
+    # after request k-1's last sampled token and up to request k's own last one, and step ids follow
+    # execution order, so request k owns the steps in (last_step[k-1], last_step[k]]. (seq_id is the
+    # slot, 0 for all; positions restart at 1, not 0, when the cache keeps the previous <s>.) Rows are
+    # joined to the oracle by position, never by row index: the server's micro-batches need not match.
+    routes = r.routes().filter(pl.col("layer").is_in(moe_layers))
+    assert routes.height > 0
+    for col in ("expert_ids", "expert_weights", "router_probs"):
+        assert routes[col].null_count() == 0, col
+    bounds = order["last_step"].to_list()
+    assert routes["step_id"].max() <= bounds[-1]
+    recorded: list[dict[Key, dict[str, Any]]] = [{} for _ in PROMPTS]
+    for row in routes.iter_rows(named=True):
+        k, key = bisect.bisect_left(bounds, row["step_id"]), (row["pos"], row["layer"])
+        assert key not in recorded[k], ("row recorded twice", k, key)
+        recorded[k][key] = row
+
+    # exactly the rows the server computed: the prompt from where its cache stopped (timings.prompt_n
+    # rows evaluated), every generated token but the last (sampled, never evaluated); the last layer's
+    # FFN runs only on rows that produce logits, i.e. the prompt's last row and the decode rows
+    for k, (a, ids) in enumerate(zip(answers, prompt_ids, strict=True)):
+        n_prompt = len(ids)
+        first = n_prompt - a["timings"]["prompt_n"]
+        assert first <= 1  # distinct prompts: at most the shared <s> was reused
+        expected = {
+            (pos, layer)
+            for pos in range(first, n_prompt + N_PREDICT - 1)
+            for layer in moe_layers
+            if layer != last_layer or pos >= n_prompt - 1
+        }
+        assert set(recorded[k]) == expected, (k, sorted(set(recorded[k]) ^ expected))
+
+    # ---- the tokens' per-layer lists are the routes rows of their logits row
+    for tok in tokens.iter_rows(named=True):
+        rows = routes.filter(
+            (pl.col("step_id") == tok["step_id"])
+            & (pl.col("seq_id") == tok["seq_id"])
+            & (pl.col("pos") == tok["logits_pos"])
+        ).sort("layer")
+        assert rows["layer"].to_list() == moe_layers, tok["request_id"]
+        assert tok["expert_ids"] == rows["expert_ids"].to_list()
+        assert tok["expert_weights"] == rows["expert_weights"].to_list()
+        assert tok["router_probs"] == rows["router_probs"].to_list()
+
+    # ---- the oracle: same prompt ids, the server's generated ids forced one at a time
+    items = [{"prompt_ids": p, "ids": a["tokens"]} for p, a in zip(prompt_ids, answers, strict=True)]
+    oracle.send({"teacher_force": items})
+    forced = oracle.read(timeout=120)["results"]
+    assert [f["ids"] for f in forced] == [a["tokens"] for a in answers]
+    lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert lines[0]["kind"] == "meta" and lines[0]["flash_attn"] and lines[0]["logits_all"]
+    assert not [x for x in lines if x["kind"] == "error"]
+    truth = oracle_routes(lines, len(PROMPTS))
+    k_used = lines[0]["n_expert_used"]
+
+    # ---- compare every (position, layer) both have. A routing difference flips the hidden state of
+    # that position from its layer on, so pairs (pos' >= pos, layer' > layer) after a difference are
+    # not comparable in the strict sense: they count for the agreement rate but need not be ties.
+    # (Layers <= layer of later positions see the same keys and values and stay comparable.)
+    n = agree = downstream = 0
+    ties: list[tuple[int, int, int, list[int], list[int], float]] = []
+    for k in range(len(PROMPTS)):
+        flip_layer = None  # lowest layer of a difference so far in this request
+        common = sorted(set(recorded[k]) & set(truth[k]))
+        assert len(common) == len(recorded[k])  # the oracle computes every row (logits_all)
+        for pos, layer in common:
+            row, want = recorded[k][(pos, layer)], truth[k][(pos, layer)]
+            ids, probs = list(row["expert_ids"]), np.array(row["router_probs"], dtype=np.float64)
+            assert len(ids) == k_used and probs.shape == (lines[0]["n_expert"],)
+            # the recorded ids are the top-k of the recorded probabilities of the same row
+            assert np.sort(probs)[::-1][:k_used].tolist() == probs[ids].tolist(), row
+            n += 1
+            after_flip = flip_layer is not None and layer > flip_layer
+            downstream += after_flip
+            if ids == want["ids"]:
+                agree += 1
+                if not after_flip:
+                    np.testing.assert_allclose(row["expert_weights"], want["weights"], atol=WEIGHT_TOL)
+                    np.testing.assert_allclose(probs, want["probs"], atol=PROB_TOL)
+                continue
+            if not after_flip:
+                # allowed only where the experts that swapped ranks are a near tie in the recording
+                # (for the usual swap of the k-th and (k+1)-th expert: sorted probs[k-1] - probs[k])
+                gap = max(
+                    abs(float(probs[a]) - float(probs[b]))
+                    for a, b in zip(ids, want["ids"], strict=True)
+                    if a != b
+                )
+                assert gap <= TIE_TOL, (
+                    f"request {k} position {pos} layer {layer}: recorded experts {ids} "
+                    f"(weights {row['expert_weights']}), oracle {want['ids']} (weights {want['weights']}); "
+                    f"recorded router probabilities {probs.round(6).tolist()} differ by {gap:.3g} > {TIE_TOL}"
+                )
+                ties.append((k, pos, layer, ids, want["ids"], gap))
+            flip_layer = layer if flip_layer is None else min(flip_layer, layer)
+    rate = agree / n
+    print(
+        f"routing agreement {rate:.4f} over {n} (position, layer) pairs; "
+        f"near-tie differences {ties}; {downstream} pairs after a difference"
+    )
+    assert n >= len(PROMPTS) * N_PREDICT * len(moe_layers) * 0.9
+    assert rate >= MIN_AGREEMENT, f"routing agreement {rate:.4f} over {n} pairs, ties {ties}"
