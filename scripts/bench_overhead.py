@@ -71,9 +71,12 @@ class EngineProc:
         self.p.wait()
 
 
-def profiled(engine: EngineProc, tokens: int, out: Path, settle: float) -> tuple[list[int], dict[str, Any]]:
+def profiled(
+    engine: EngineProc, tokens: int, out: Path, settle: float, mode: str
+) -> tuple[list[int], dict[str, Any]]:
+    cmd = [sys.executable, "-m", "sparseety_prof.cli", "record", "--pid", str(engine.pid), "-o", str(out)]
     rec = subprocess.Popen(
-        [sys.executable, "-m", "sparseety_prof.cli", "record", "--pid", str(engine.pid), "-o", str(out)],
+        [*cmd, "--mode", mode],
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
@@ -127,20 +130,25 @@ def bootstrap_median_ci(x: np.ndarray, n: int = 4000, seed: int = 0) -> tuple[fl
     return float(lo), float(hi)
 
 
-def bench(model: Path, threads: int, pairs: int, tokens: int, settle: float, tmp: Path) -> dict[str, Any]:
+SPARSE_LOSSES = ("sparse_rows_not_captured", "attention_rows_not_counted", "sparse_unattributed")
+
+
+def bench(
+    model: Path, threads: int, pairs: int, tokens: int, settle: float, tmp: Path, mode: str
+) -> dict[str, Any]:
     eng = EngineProc(model, threads)
     try:
         for _ in range(3):  # warm up: page in the weights, settle the allocator
             eng.run(tokens)
         ratios, itl_a, itl_b = [], [], []
-        events = drops = gaps = rec_tokens = 0
+        events = drops = gaps = rec_tokens = sparse_lost = 0
         for i in range(pairs):
-            out = tmp / f"t{threads}-{i}"
+            out = tmp / f"{mode}-t{threads}-{i}"
             if i % 2 == 0:
                 a = eng.run(tokens)
-                b, meta = profiled(eng, tokens, out, settle)
+                b, meta = profiled(eng, tokens, out, settle, mode)
             else:
-                b, meta = profiled(eng, tokens, out, settle)
+                b, meta = profiled(eng, tokens, out, settle, mode)
                 a = eng.run(tokens)
             ratios.append(tps(b) / tps(a))
             itl_a.append(itl_ms(a))
@@ -149,9 +157,11 @@ def bench(model: Path, threads: int, pairs: int, tokens: int, settle: float, tmp
             events += losses["records_produced"]
             drops += losses["kernel_drops"]
             gaps += losses["seq_gaps"]
+            sparse_lost += sum(int(losses.get(k, 0)) for k in SPARSE_LOSSES)
             rec_tokens += meta["counts"]["tokens"]
             print(
-                f"  threads={threads} pair {i + 1}/{pairs}: tokens/s ratio {ratios[-1]:.4f}", file=sys.stderr
+                f"  mode={mode} threads={threads} pair {i + 1}/{pairs}: tokens/s ratio {ratios[-1]:.4f}",
+                file=sys.stderr,
             )
     finally:
         eng.close()
@@ -159,6 +169,7 @@ def bench(model: Path, threads: int, pairs: int, tokens: int, settle: float, tmp
     lo, hi = bootstrap_median_ci(r)
     pa, pb = np.percentile(np.concatenate(itl_a), 99), np.percentile(np.concatenate(itl_b), 99)
     return {
+        "mode": mode,
         "threads": threads,
         "pairs": pairs,
         "tokens_per_run": tokens,
@@ -174,6 +185,7 @@ def bench(model: Path, threads: int, pairs: int, tokens: int, settle: float, tmp
         "recorded_tokens": rec_tokens,
         "kernel_drops": drops,
         "seq_gaps": gaps,
+        "sparse_losses": sparse_lost,
     }
 
 
@@ -188,27 +200,38 @@ def main() -> int:
         default=5.0,
         help="at most this many seconds for the recorder's start-up work before generating",
     )
+    ap.add_argument(
+        "--mode",
+        nargs="+",
+        default=["full", "tokens"],
+        choices=["full", "tokens"],
+        help="recorder modes to measure (full: routing, sparsity, attention too; tokens: tokens only)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args()
     model = make_model(ROOT / "models" / "bench.gguf", "bench")
     results = []
     with tempfile.TemporaryDirectory(prefix="sparseety-bench-") as tmp:
-        for t in a.threads:
-            print(f"[bench] {t} engine thread(s), {a.pairs} A/B pairs of {a.tokens} tokens", file=sys.stderr)
-            results.append(bench(model, t, a.pairs, a.tokens, a.settle, Path(tmp)))
+        for mode in a.mode:
+            for t in a.threads:
+                print(
+                    f"[bench] mode {mode}, {t} engine thread(s), {a.pairs} A/B pairs of {a.tokens} tokens",
+                    file=sys.stderr,
+                )
+                results.append(bench(model, t, a.pairs, a.tokens, a.settle, Path(tmp), mode))
     print(
-        "| engine threads | tokens/s ratio (median) | 95% CI | slowdown | p99 ITL plain → profiled | "
+        "| mode | engine threads | tokens/s ratio (median) | 95% CI | slowdown | p99 ITL plain → profiled | "
         "events/token | losses |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         lo, hi = r["tps_ratio_ci95"]
         print(
-            f"| {r['threads']} | {r['tps_ratio_median']:.4f} | [{lo:.4f}, {hi:.4f}] | "
+            f"| {r['mode']} | {r['threads']} | {r['tps_ratio_median']:.4f} | [{lo:.4f}, {hi:.4f}] | "
             f"{r['slowdown_median_pct']:.2f}% | "
             f"{r['itl_p99_ms_plain']:.2f} → {r['itl_p99_ms_profiled']:.2f} ms "
             f"(×{r['itl_p99_ratio']:.3f}) | {r['events_per_token']:.1f} | "
-            f"{r['kernel_drops']} drops, {r['seq_gaps']} gaps |"
+            f"{r['kernel_drops']} drops, {r['seq_gaps']} gaps, {r['sparse_losses']} sparse |"
         )
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
