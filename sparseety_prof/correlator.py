@@ -151,18 +151,11 @@ class Correlator:
         Records become plain dicts first (one tolist() per group for the small ones): reading
         fields of numpy structured scalars one by one costs several times more per event."""
         recs: list[tuple[int, dict[str, Any]]] = []
-        if len(batch.small):
-            names = batch.small.dtype.names or ()
-            recs += [(t[0], dict(zip(names, t, strict=True))) for t in batch.small.tolist()]
-        for arr in (
-            batch.ubatch,
-            batch.logits,
-            batch.tensor_s,
-            batch.tensor_l,
-            batch.act,
-            batch.act_mask,
-            batch.attn,
-        ):
+        for arr in (batch.small, batch.tensor_s, batch.tensor_l, batch.act, batch.act_mask, batch.attn):
+            if len(arr):
+                names = arr.dtype.names or ()
+                recs += [(t[0], dict(zip(names, t, strict=True))) for t in arr.tolist()]
+        for arr in (batch.ubatch, batch.logits):  # big arrays: fields stay numpy views
             if len(arr):
                 cols = {k: arr[k] for k in arr.dtype.names or ()}
                 recs += [(int(arr["seq"][i]), {k: v[i] for k, v in cols.items()}) for i in range(len(arr))]
@@ -307,49 +300,42 @@ class Correlator:
             self._emit_routes(step)
 
     def _emit_routes(self, step: Step) -> None:
-        """The long form: one row per (batch row, FFN layer) the engine computed."""
+        """The long form: one row per (batch row, FFN layer) the engine computed, built a layer
+        at a time (a prompt step has hundreds of rows)."""
         sp = step.sparse
         assert sp is not None
-        layers = self.layers
-        moe_pos = {layer: k for k, layer in enumerate(layers.moe)}
-        ffn_pos = {layer: k for k, layer in enumerate(layers.ffn)}
-        all_layers = sorted(set(layers.moe) | set(layers.ffn))
+        n = len(step.token)
+        batch_rows = list(range(step.row_offset, step.row_offset + n))
+        seqs, poss = step.seq.tolist(), step.pos.tolist()
         out_index = step.output_index()
-        for i in range(len(step.token)):
-            b = step.row_offset + i
-            v = sp.row_values(b, out_index, step.n_tokens, layers, self.problems)
-            for layer in all_layers:
-                km, kf = moe_pos.get(layer), ffn_pos.get(layer)
-                ids = v["expert_ids"][km] if km is not None else None
-                zr = v["act_zero_ratio"][kf] if kf is not None else None
-                if ids is None and zr is None:
-                    continue  # not computed for this row (or not captured): no row is invented
-                _, _, n_vals = sp.act_ratios(layer, b, out_index, step.n_tokens, self.problems)
-                self._append(
-                    self._routes,
-                    step_id=step.step_id,
-                    ctx_id=step.ctx_id,
-                    seq_id=int(step.seq[i]),
-                    pos=int(step.pos[i]),
-                    row=b,
-                    layer=layer,
-                    expert_ids=ids,
-                    expert_weights=v["expert_weights"][km] if km is not None else None,
-                    router_probs=v["router_probs"][km] if km is not None else None,
-                    act_zero_ratio=zr,
-                    act_below_ratio=v["act_below_ratio"][kf] if kf is not None else None,
-                    act_values=n_vals or None,
-                )
-                if self.with_masks:
-                    bits = sp.act_mask_bits(layer, b, out_index, step.n_tokens)
+        cols = self._routes
+        for layer in sorted(set(self.layers.moe) | set(self.layers.ffn)):
+            lc = sp.layer_columns(layer, batch_rows, out_index, step.n_tokens, self.problems)
+            ids, zr = lc["expert_ids"], lc["act_zero_ratio"]
+            keep = [j for j in range(n) if ids[j] is not None or zr[j] is not None]
+            if not keep:
+                continue  # not computed for these rows (or not captured): no row is invented
+            for name, values in (
+                ("step_id", [step.step_id] * len(keep)),
+                ("ctx_id", [step.ctx_id] * len(keep)),
+                ("seq_id", [seqs[j] for j in keep]),
+                ("pos", [poss[j] for j in keep]),
+                ("row", [batch_rows[j] for j in keep]),
+                ("layer", [layer] * len(keep)),
+                *((k, [v[j] for j in keep]) for k, v in lc.items()),
+            ):
+                cols.setdefault(name, []).extend(values)
+            if self.with_masks:
+                for j in keep:
+                    bits = sp.act_mask_bits(layer, batch_rows[j], out_index, step.n_tokens)
                     if bits is not None:
                         self._append(
                             self._masks,
                             step_id=step.step_id,
                             ctx_id=step.ctx_id,
-                            seq_id=int(step.seq[i]),
-                            pos=int(step.pos[i]),
-                            row=b,
+                            seq_id=seqs[j],
+                            pos=poss[j],
+                            row=batch_rows[j],
                             layer=layer,
                             n_values=len(bits),
                             nonzero_bits=np.packbits(bits).tobytes(),
@@ -410,7 +396,9 @@ class Correlator:
         if s is None:
             return
         n = int(r["n_vals"])
-        s.chunks[int(r["chunk"])] = r["vals"][:n]  # a view into the drained batch
+        # a copy: the drained batch's memory is reused two drains later, and a sampler call
+        # may end in a later drain than its logits arrived in
+        s.chunks[int(r["chunk"])] = np.array(r["vals"][:n])
         s.n_vocab = int(r["n_vocab"])
         s.chunk_len = len(r["vals"])
 

@@ -100,8 +100,10 @@ TENSOR_HDR = [
     ("n_bytes", "<u4"),
     ("tpad", "<u4"),
 ]
-TENSOR_S_DTYPE = np.dtype([*TENSOR_HDR, ("data", "u1", (TENSOR_BYTES_S,))])
-TENSOR_L_DTYPE = np.dtype([*TENSOR_HDR, ("data", "u1", (TENSOR_BYTES_L,))])
+# Raw payloads are void fields: tolist() turns a whole group into tuples at C speed, with each
+# payload as one bytes object (a uint8 subarray would become a list of ints).
+TENSOR_S_DTYPE = np.dtype([*TENSOR_HDR, ("data", f"V{TENSOR_BYTES_S}")])
+TENSOR_L_DTYPE = np.dtype([*TENSOR_HDR, ("data", f"V{TENSOR_BYTES_L}")])
 ACT_FIELDS = [
     *HDR,
     ("name", f"S{NAME_LEN}"),
@@ -117,7 +119,7 @@ ACT_FIELDS = [
     ("below", "<u4", (ACT_MAX_ROWS,)),
 ]
 ACT_DTYPE = np.dtype(ACT_FIELDS)
-ACT_MASK_DTYPE = np.dtype([*ACT_FIELDS, ("bits", "<u8", (ACT_BLOCKS * 2,))])
+ACT_MASK_DTYPE = np.dtype([*ACT_FIELDS, ("bits", f"V{ACT_BLOCKS * 2 * 8}")])
 ATTN_DTYPE = np.dtype(
     [
         *HDR,
@@ -178,11 +180,10 @@ class EventBatch:
         return np.concatenate([g["seq"] for g in self.groups()])
 
 
-def decode_records(records: list[bytes], logits_chunk: int) -> EventBatch:
-    """Split raw records (as copied out of the ring buffer) by layout and view each group as
-    a numpy structured array. Records of unknown size are a programming error."""
+def _layouts(logits_chunk: int) -> dict[int, tuple[str, np.dtype]]:
+    """Record size -> (EventBatch field, dtype). Every layout has a distinct size (checked here),
+    so the size alone routes a record."""
     ldt = logits_dtype(logits_chunk)
-    # every record layout has a distinct size (checked here), so the size alone routes a record
     by_size = {
         SMALL_DTYPE.itemsize: ("small", SMALL_DTYPE),
         UBATCH_DTYPE.itemsize: ("ubatch", UBATCH_DTYPE),
@@ -195,18 +196,35 @@ def decode_records(records: list[bytes], logits_chunk: int) -> EventBatch:
     }
     if len(by_size) != 8:  # pragma: no cover - a layout change made two sizes collide
         raise RuntimeError("two record layouts have the same size; give one of them padding")
+    return by_size
+
+
+def _unexpected(size: int) -> ValueError:
+    return ValueError(f"ring buffer record of unexpected size {size} (events.h and events.py disagree)")
+
+
+def decode_records(records: list[bytes], logits_chunk: int) -> EventBatch:
+    """Split raw records (as copied out of the ring buffer) by layout and view each group as
+    a numpy structured array. Records of unknown size are a programming error."""
     groups: dict[int, list[bytes]] = {}
     for r in records:
         groups.setdefault(len(r), []).append(r)
+    return decode_groups(
+        {size: np.frombuffer(b"".join(recs), np.uint8) for size, recs in groups.items()}, logits_chunk
+    )
+
+
+def decode_groups(groups: dict[int, np.ndarray], logits_chunk: int) -> EventBatch:
+    """Like decode_records, for records already packed by size: {record size: bytes of the
+    records back to back} (what RingReader.take() returns). Views, no copies."""
+    by_size = _layouts(logits_chunk)
     out = EventBatch()
-    for size, recs in groups.items():
+    for size, buf in groups.items():
         entry = by_size.get(size)
         if entry is None:
-            raise ValueError(
-                f"ring buffer record of unexpected size {size} (events.h and events.py disagree)"
-            )
+            raise _unexpected(size)
         name, dt = entry
-        setattr(out, name, np.frombuffer(b"".join(recs), dtype=dt))
+        setattr(out, name, buf.view(dt))
     return out
 
 

@@ -16,13 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from . import __version__, layouts, schema
 from . import target as tg
 from .bpf_loader import RingReader, Session, compile_and_attach
 from .capture import Capture
 from .correlator import Correlator
 from .errors import NotAnEngine, ProfError
-from .events import SeqTracker, decode_records
+from .events import SeqTracker, decode_groups
 from .gguf_info import ModelInfo, Vocab, read_model_info, read_tensor_infos, sha256_file
 from .recording import RecordingWriter, sudo_owner
 from .sparse import LayerSet, layer_set
@@ -174,7 +176,6 @@ class Recorder:
         )
         tracker = SeqTracker()
         reader = RingReader(a.session)
-        reader.start()
         model_hash: dict[str, Any] = {}
 
         def hash_and_scan() -> None:
@@ -215,7 +216,7 @@ class Recorder:
                 except BaseException as e:
                     error = e
             else:
-                tracker.update(decode_records(rest, a.session.logits_chunk).seqs(), final=True)
+                tracker.update(decode_groups(rest, a.session.logits_chunk).seqs(), final=True)
             self.progress.cpu_s = _cpu_s() - cpu0
             final = {
                 "start_unix_ms": start_unix_ms,
@@ -258,7 +259,7 @@ class Recorder:
 
     def _consume(
         self,
-        records: list[bytes],
+        records: dict[int, np.ndarray],
         corr: Correlator,
         tracker: SeqTracker,
         writer: RecordingWriter | None,
@@ -267,7 +268,7 @@ class Recorder:
         counters: dict[str, int] | None = None,
         final: bool = False,
     ) -> None:
-        batch = decode_records(records, sess.logits_chunk)
+        batch = decode_groups(records, sess.logits_chunk)
         tracker.update(batch.seqs(), final=final)
         if len(batch):
             corr.feed(batch)

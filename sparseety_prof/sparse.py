@@ -54,10 +54,20 @@ def layer_set(tensor_names: list[str], n_layer: int) -> LayerSet:
     return LayerSet(moe=moe, ffn=ffn, attn=attn)
 
 
+_PARSED: dict[bytes, tuple[str, int] | None] = {}
+
+
 def parse_name(raw: bytes) -> tuple[str, int] | None:
-    """(node kind, layer) of a probed tensor name, e.g. b"ffn_moe_weights-3" -> ("ffn_moe_weights", 3)."""
+    """(node kind, layer) of a probed tensor name, e.g. b"ffn_moe_weights-3" -> ("ffn_moe_weights", 3).
+    Cached: a model has a few names per layer, seen on every forward pass."""
+    got = _PARSED.get(raw, False)
+    if got is not False:
+        return got  # type: ignore[return-value]
     m = _NAME_RE.match(raw.split(b"\0", 1)[0])
-    return (m.group(1).decode(), int(m.group(2))) if m else None
+    parsed = (m.group(1).decode(), int(m.group(2))) if m else None
+    if len(_PARSED) < 65536:
+        _PARSED[raw] = parsed
+    return parsed
 
 
 @dataclass
@@ -124,7 +134,7 @@ class StepSparse:
             or row0 + n_rows > rows_total
         ):
             return None
-        raw = np.asarray(r["data"])[: n_rows * stride].view("<i4" if is_int else "<f4")
+        raw = np.frombuffer(r["data"], dtype="<i4" if is_int else "<f4", count=n_rows * stride // 4)
         block = raw.reshape(n_rows, stride // 4)[:, :ne0]
         cur = store.get(layer)
         if cur is None or cur.values.shape != (rows_total, ne0):
@@ -155,18 +165,18 @@ class StepSparse:
         ir0, n = int(r["ir0"]), int(r["n_rows"])
         n = min(n, nr - ir0, ev.ACT_MAX_ROWS)
         if n > 0:
-            z[ir0 : ir0 + n] = r["zeros"][:n]
-            self.act_below[layer][ir0 : ir0 + n] = r["below"][:n]
+            z[ir0 : ir0 + n] = list(r["zeros"])[:n]
+            self.act_below[layer][ir0 : ir0 + n] = list(r["below"])[:n]
             if with_bits and "bits" in r:
                 self._unpack_bits(layer, r["bits"], ir0, n, ne0)
         return parsed
 
-    def _unpack_bits(self, layer: int, words: np.ndarray, ir0: int, n: int, ne0: int) -> None:
+    def _unpack_bits(self, layer: int, words: bytes, ir0: int, n: int, ne0: int) -> None:
         """Undo the probe's block layout: row rr, block cb covers pairs [start+vlo, start+vhi)
         with start/vlo/vhi chosen exactly as glu_return chooses them."""
         ppr = ne0 // 2
         bpr = -(-ppr // BLOCK_PAIRS)
-        bits = np.unpackbits(np.asarray(words, dtype="<u8").view(np.uint8), bitorder="little")
+        bits = np.unpackbits(np.frombuffer(words, dtype=np.uint8), bitorder="little")
         out = self.act_bits[layer]
         for rr in range(n):
             row = np.zeros(ne0, dtype=np.uint8)
@@ -201,7 +211,7 @@ class StepSparse:
         n = int(r["n_counted"])
         if n:
             counts = self.attn_counts.setdefault(mask, {})
-            for row, att in zip(r["row"][:n].tolist(), r["attended"][:n].tolist(), strict=True):
+            for row, att in zip(list(r["row"])[:n], list(r["attended"])[:n], strict=True):
                 counts[int(row)] = int(att)
         return parsed
 
@@ -322,6 +332,80 @@ class StepSparse:
         if t is None or (z[t * slots : (t + 1) * slots] < 0).any():
             return None
         return bits[t * slots : (t + 1) * slots].reshape(-1)
+
+    # ------------------------------------------------------------------ per layer, all rows
+    def _index(
+        self, total: int, batch_rows: list[int], output_index: dict[int, int], n_tokens: int
+    ) -> list[int] | None:
+        """Tensor row of each batch row (-1: not computed), or None when the tensor matches
+        neither the batch nor its output rows."""
+        if total == n_tokens:
+            return batch_rows
+        if total == len(output_index):
+            return [output_index.get(b, -1) for b in batch_rows]
+        return None
+
+    def _rows_list(
+        self,
+        store: dict[int, _Rows],
+        layer: int,
+        batch_rows: list[int],
+        output_index: dict[int, int],
+        n_tokens: int,
+        problems: Problems,
+    ) -> list[Any]:
+        n = len(batch_rows)
+        rows = store.get(layer)
+        if rows is None:
+            return [None] * n
+        idx = self._index(rows.values.shape[0], batch_rows, output_index, n_tokens)
+        if idx is None:
+            problems.unmapped_rows += n
+            return [None] * n
+        vals = rows.values.tolist()
+        filled = rows.filled.tolist()
+        return [vals[i] if i >= 0 and filled[i] else None for i in idx]
+
+    def layer_columns(
+        self,
+        layer: int,
+        batch_rows: list[int],
+        output_index: dict[int, int],
+        n_tokens: int,
+        problems: Problems,
+    ) -> dict[str, list[Any]]:
+        """One layer's values for many batch rows at once (the routes table of a step)."""
+        n = len(batch_rows)
+        cols: dict[str, list[Any]] = {
+            "expert_ids": self._rows_list(self.ids, layer, batch_rows, output_index, n_tokens, problems),
+            "expert_weights": self._rows_list(
+                self.weights, layer, batch_rows, output_index, n_tokens, problems
+            ),
+            "router_probs": self._rows_list(self.probs, layer, batch_rows, output_index, n_tokens, problems),
+            "act_zero_ratio": [None] * n,
+            "act_below_ratio": [None] * n,
+            "act_values": [None] * n,
+        }
+        z = self.act_zeros.get(layer)
+        if z is not None:
+            slots, width = self.act_slots[layer], self.act_width[layer]
+            idx = self._index(len(z) // slots, batch_rows, output_index, n_tokens)
+            if idx is None:
+                problems.unmapped_rows += n
+            else:
+                zs = z.reshape(-1, slots)
+                bs = self.act_below[layer].reshape(-1, slots)
+                ok: np.ndarray = np.all((zs >= 0) & (bs >= 0), axis=1)
+                nv = slots * width
+                zr = (zs.sum(axis=1) / nv).tolist()
+                br = (bs.sum(axis=1) / nv).tolist()
+                okl = [bool(x) for x in ok]
+                for j, i in enumerate(idx):
+                    if i >= 0 and okl[i]:
+                        cols["act_zero_ratio"][j] = zr[i]
+                        cols["act_below_ratio"][j] = br[i]
+                        cols["act_values"][j] = nv
+        return cols
 
     def layers_seen(self) -> dict[str, set[int]]:
         return {

@@ -103,8 +103,9 @@ def test_output_identical_with_and_without_profiler(models: dict[str, Path], tmp
 def test_attach_mid_request_marks_rows_partial(models: dict[str, Path], tmp_path: Path) -> None:
     e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
     try:
-        e.send({"prompts": ["hello the expert router"], "max_tokens": 400, "temp": 0.0, "token_delay": 0.01})
-        time.sleep(0.3)  # the request is running now (about 4 s in all)
+        # about 10 s in all: longer than attaching takes (BPF compile of every probe, 3-5 s here)
+        e.send({"prompts": ["hello the expert router"], "max_tokens": 1000, "temp": 0.0, "token_delay": 0.01})
+        time.sleep(0.3)  # the request is running now
         rec = Recorder(e.pid, tmp_path / "rec")
         first = e.read(timeout=300)["results"]
         nxt = e.generate(["one two three"], max_tokens=20)
