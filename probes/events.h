@@ -30,6 +30,7 @@ enum ev_kind {
     EV_ACT = 11,          /* activation counts of one thread's rows of a GLU node: struct ev_act */
     EV_ATTN = 12,         /* attention mask of one layer, counted per output row: struct ev_attn */
     EV_ACT_MASK = 13,     /* struct ev_act plus the zero mask bits (--capture-masks)             */
+    EV_STEP_AGG = 14,     /* routing and activation totals of a one-row micro-batch: ev_step_agg */
 };
 
 enum sampler_kind { SAMPLER_LLAMA = 1, SAMPLER_COMMON = 2 };
@@ -82,7 +83,7 @@ struct ev_logits {
 #define TENSOR_BYTES_L 16384     /* data of a large tensor record (prompt rows) */
 #define MAX_TENSOR_CHUNKS 16     /* large records per tensor: rows beyond are counted as lost */
 #define BLOCK_WORDS 64           /* 8-byte words (512 B) read and tested per block */
-#define ACT_BLOCKS 32           /* blocks per thread per GLU node (16,384 floats): verifier budget */
+#define ACT_BLOCKS 16           /* blocks per thread per program run (2,048 floats): verifier budget */
 #define ACT_MAX_ROWS 32          /* rows per activation record */
 #define ATT_MAX_ROWS 8           /* output rows whose mask row is counted per micro-batch */
 #define ATT_BLOCKS 8             /* blocks per mask (e.g. 2 rows of 512 F32 cells): verifier budget */
@@ -153,6 +154,30 @@ struct ev_attn {
     __u32 flags;
     __u32 row[ATT_MAX_ROWS];    /* micro-batch row */
     __u32 attended[ATT_MAX_ROWS];  /* cells not masked (not -inf) in that row */
+};
+
+/* A one-row micro-batch (a decode step: the bulk of all steps) gathers its routing and
+ * activation figures in one map value, filled by the graph-op probes on every thread (atomic
+ * adds), and sends it as ONE record at the micro-batch's return, instead of ~4 records per
+ * layer: the consumer's cost per record is what limits the profiler's overhead. */
+#define AGG_MAX_LAYERS 128
+#define AGG_MAX_K 8
+
+struct ev_step_agg {
+    struct ev_hdr h;
+    __u64 serial;                          /* sequence number of the micro-batch's EV_UBATCH */
+    __u32 active;
+    __u32 overlap;                         /* another micro-batch ran meanwhile: not attributable */
+    __u32 k_ids[AGG_MAX_LAYERS];           /* expert ids present for the layer (0: not seen) */
+    __u32 k_wts[AGG_MAX_LAYERS];
+    __s32 ids[AGG_MAX_LAYERS][AGG_MAX_K];
+    __u32 wts[AGG_MAX_LAYERS][AGG_MAX_K];  /* float bits */
+    __u32 act_zero[AGG_MAX_LAYERS];        /* summed over the node's rows (expert slots) */
+    __u32 act_below[AGG_MAX_LAYERS];
+    __u32 act_rows[AGG_MAX_LAYERS];        /* rows counted, all threads */
+    __u32 act_nr[AGG_MAX_LAYERS];          /* rows of the node */
+    __u32 act_ne0[AGG_MAX_LAYERS];         /* values per row */
+    __u32 act_slots[AGG_MAX_LAYERS];       /* rows per token: k for MoE activations, else 1 */
 };
 
 #endif

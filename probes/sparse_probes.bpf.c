@@ -76,6 +76,66 @@ static __always_inline s32 rd32(u64 addr) {
     return v;
 }
 
+#ifdef AGG_STEPS
+/* The one-row micro-batch being gathered, or NULL (then the probes send records). */
+static __always_inline struct ev_step_agg *agg_active(void) {
+    int k = 0;
+    struct ev_step_agg *a = step_agg.lookup(&k);
+    return a && a->active ? a : 0;
+}
+
+static __always_inline u64 idx_agg_layer(u64 i) {
+    asm volatile("%[i] &= 127" : [i] "+r"(i));
+    return i;
+}
+_Static_assert(AGG_MAX_LAYERS == 128 && NAME_LEN == 32, "idx_agg_layer(), name_layer() mask with literals");
+
+/* The layer number after the last '-' of a node name ("ffn_moe_swiglu-12" -> 12); -1 if none. */
+static __always_inline s32 name_layer(const char *name) {
+    s32 dash = -1;
+    for (int i = 0; i < NAME_LEN; i++) {
+        if (name[i] == 0)
+            break;
+        if (name[i] == '-')
+            dash = i;
+    }
+    if (dash < 0)
+        return -1;
+    s32 v = -1;
+    for (int j = 1; j <= 3; j++) {
+        u64 i = (u64)(dash + j);
+        asm volatile("%[i] &= 31" : [i] "+r"(i)); /* NAME_LEN - 1, kept from clang (see read_size) */
+        char c = name[i];
+        if (c < '0' || c > '9')
+            break;
+        v = (v < 0 ? 0 : v * 10) + (c - '0');
+    }
+    return v < AGG_MAX_LAYERS ? v : -1;
+}
+
+/* Expert ids or weights of a one-row micro-batch's layer into the aggregate: a constant-size read
+ * of AGG_MAX_K values (a size the verifier must track would split its paths); k > AGG_MAX_K or an
+ * unreadable row falls back to a record. Returns 1 when stored. */
+static __always_inline int agg_store_row(struct ev_step_agg *a, u64 node, u64 data, u32 k, int is_ids) {
+    char name[NAME_LEN] = {};
+    bpf_probe_read_user(name, NAME_LEN, (void *)(node + T_NAME));
+    s32 layer = name_layer(name);
+    if (layer < 0 || k == 0 || k > AGG_MAX_K)
+        return 0;
+    u64 l = idx_agg_layer((u64)layer);
+    if (is_ids) {
+        if (bpf_probe_read_user(&a->ids[l][0], AGG_MAX_K * 4, (void *)data))
+            return 0;
+        a->k_ids[l] = k;
+    } else {
+        if (bpf_probe_read_user(&a->wts[l][0], AGG_MAX_K * 4, (void *)data))
+            return 0;
+        a->k_wts[l] = k;
+    }
+    return 1;
+}
+#endif
+
 /* thread index of a compute call: the probes that read inputs run on thread 0 only */
 static __always_inline s32 compute_ith(u64 params) { return rd32(params + P_ITH); }
 
@@ -167,6 +227,11 @@ int moe_get_rows_enter(struct pt_regs *ctx) {
     if (ids) {
         /* a view of the argsort (or top_k) result: k values per row, rows nb[1] apart */
         u32 k = (u32)rd64(ids + T_NE), rows = (u32)rd64(ids + T_NE + 8), nb1 = (u32)rd64(ids + T_NB + 8);
+#ifdef AGG_STEPS
+        struct ev_step_agg *a = agg_active();
+        if (a && rows == 1 && agg_store_row(a, node, rd64(ids + T_DATA), k, 1))
+            return 0;
+#endif
         emit_tensor(TAG_EXPERT_IDS, node, rd64(ids + T_DATA), rows, k, nb1, (u16)rd32(ids + T_TYPE));
     }
 #endif
@@ -201,6 +266,11 @@ int moe_mul_enter(struct pt_regs *ctx) {
         count(3, rows);
         return 0;
     }
+#ifdef AGG_STEPS
+    struct ev_step_agg *a = agg_active();
+    if (a && rows == 1 && agg_store_row(a, node, rd64(w + T_DATA), k, 0))
+        return 0;
+#endif
     emit_tensor(TAG_EXPERT_WEIGHTS, node, rd64(w + T_DATA), rows, k, nb2, (u16)rd32(w + T_TYPE));
     return 0;
 }
@@ -265,7 +335,8 @@ static __always_inline int act_chunk(struct pt_regs *ctx, struct act_state *st) 
     u32 ne0 = st->ne0, ir0 = st->ir, ir1 = st->ir1;
     if (ir0 >= ir1)
         return 0;
-    u64 seq = next_seq();
+    /* the sequence number is taken at submit: a record used only as scratch for the aggregate
+     * is discarded, and must not leave a gap the consumer would count as a loss */
     ACT_EV *e = events.ringbuf_reserve(sizeof(ACT_EV));
     if (!e) {
         count(1, 1);
@@ -273,7 +344,7 @@ static __always_inline int act_chunk(struct pt_regs *ctx, struct act_state *st) 
         return 0;
     }
     struct ev_act *r = ACT_A(e);
-    fill_hdr(&r->h, ACT_KIND, 0, seq);
+    fill_hdr(&r->h, ACT_KIND, 0, 0);
     bpf_probe_read_user(r->name, NAME_LEN, (void *)(node + T_NAME));
     r->ne0 = ne0;
     r->ne1 = st->ne1;
@@ -286,6 +357,7 @@ static __always_inline int act_chunk(struct pt_regs *ctx, struct act_state *st) 
     if (ne0 & 1) {
         r->flags |= ACT_FLAG_ODD_WIDTH;
         count(3, ir1 - ir0);
+        r->h.seq = next_seq();
         events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
         return 0;
     }
@@ -359,12 +431,44 @@ static __always_inline int act_chunk(struct pt_regs *ctx, struct act_state *st) 
     }
     r->n_rows = done_rows;
     st->ir = ir0 + done_rows;
+#ifdef AGG_STEPS
+    /* a one-row micro-batch: add this run's totals to the aggregate; the record was scratch */
+    struct ev_step_agg *ag = agg_active();
+    char nm[NAME_LEN];
+    __builtin_memcpy(nm, r->name, NAME_LEN);
+    s32 layer = ag ? name_layer(nm) : -1;
+    if (ag && layer >= 0 && done_rows > 0 && !(r->flags & ACT_FLAG_FAULT)) {
+        u32 tz = 0, tb = 0;
+        for (u32 i = 0; i < ACT_MAX_ROWS; i++) {
+            if (i >= done_rows)
+                break;
+            u64 ii = idx_act_row(i);
+            tz += r->zeros[ii];
+            tb += r->below[ii];
+        }
+        u64 l = idx_agg_layer((u64)layer);
+        __sync_fetch_and_add(&ag->act_zero[l], tz);
+        __sync_fetch_and_add(&ag->act_below[l], tb);
+        __sync_fetch_and_add(&ag->act_rows[l], done_rows);
+        ag->act_nr[l] = st->nr;
+        ag->act_ne0[l] = ne0;
+        ag->act_slots[l] = (r->name[4] == 'm' && r->name[5] == 'o' && r->name[6] == 'e') ? st->ne1 : 1;
+        events.ringbuf_discard(e, BPF_RB_NO_WAKEUP);
+        if (st->ir < ir1) {
+            act_tail.call(ctx, 0);
+            count(3, ir1 - st->ir);
+        }
+        return 0;
+    }
+#endif
     if (done_rows == 0 || (r->flags & ACT_FLAG_FAULT)) {
         r->flags |= ACT_FLAG_BUDGET; /* a row longer than the block budget, or unreadable */
         count(3, ir1 - ir0 - done_rows);
+        r->h.seq = next_seq();
         events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
         return 0;
     }
+    r->h.seq = next_seq();
     events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
     if (st->ir < ir1) {
         act_tail.call(ctx, 0);

@@ -45,6 +45,8 @@ struct ubatch_info {
 };
 BPF_HASH(ubatch_info, u32, struct ubatch_info, 4096);
 
+
+
 static __always_inline u64 next_seq(void) {
     int k = 0;
     u64 *v = counters.lookup(&k);
@@ -81,6 +83,47 @@ static __always_inline void emit_small(u16 kind, u64 ctx, s32 a, s32 b, s32 c, u
     e->ptr = ptr;
     events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
 }
+
+#ifdef AGG_STEPS
+/* The one-row micro-batch being gathered (see struct ev_step_agg). */
+BPF_ARRAY(step_agg, struct ev_step_agg, 1);
+
+static __always_inline void agg_begin(u32 n_tokens, u64 serial) {
+    int k = 0;
+    struct ev_step_agg *a = step_agg.lookup(&k);
+    if (!a)
+        return;
+    if (a->active) { /* another micro-batch is running: neither can be attributed */
+        a->overlap = 1;
+        return;
+    }
+    if (n_tokens != 1)
+        return;
+    for (int i = 0; i < AGG_MAX_LAYERS; i++) {
+        a->k_ids[i] = 0;
+        a->k_wts[i] = 0;
+        a->act_zero[i] = 0;
+        a->act_below[i] = 0;
+        a->act_rows[i] = 0;
+        a->act_nr[i] = 0;
+        asm volatile("" ::: "memory"); /* keeps clang from turning the loop into memset() */
+    }
+    a->serial = serial;
+    a->overlap = 0;
+    a->active = 1;
+}
+
+static __always_inline void agg_end(u64 serial, u64 lctx) {
+    int k = 0;
+    struct ev_step_agg *a = step_agg.lookup(&k);
+    if (!a || !a->active || a->serial != serial)
+        return;
+    fill_hdr(&a->h, EV_STEP_AGG, lctx, next_seq());
+    if (events.ringbuf_output(a, sizeof(*a), BPF_RB_NO_WAKEUP))
+        count(1, 1);
+    a->active = 0;
+}
+#endif
 
 /* ---- decode call boundaries: llama_context::decode(const llama_batch &) and, in builds that
  * have it, decode(const llama_batch_ext &), which the first may call. Entry probes only: a
@@ -183,6 +226,9 @@ int ubatch_enter(struct pt_regs *ctx) {
     ui.ub = ub;
     ui.serial = seq;
     ubatch_info.update(&tid, &ui);
+#ifdef AGG_STEPS
+    agg_begin(n, seq);
+#endif
     return 0;
 }
 
@@ -191,6 +237,9 @@ int ubatch_return(struct pt_regs *ctx) {
     struct ubatch_info *ui = ubatch_info.lookup(&tid);
     if (!ui)
         return 0;
+#ifdef AGG_STEPS
+    agg_end(ui->serial, ui->lctx); /* before the end record: the consumer needs it first */
+#endif
     emit_small(EV_UBATCH_END, ui->lctx, 0, 0, 0, PT_REGS_RC(ctx));
     ubatch_info.delete(&tid);
     return 0;

@@ -53,6 +53,10 @@ class Capture:
         ):
             if on:
                 flags.append(f"-D{name}")
+        if (self.routes or self.activations) and not (self.router_probs or self.masks):
+            # one aggregate record per one-row micro-batch (router probabilities and masks are
+            # too large for it: with those, every layer sends its own records)
+            flags.append("-DAGG_STEPS")
         return flags
 
     def to_meta(self) -> dict[str, Any]:

@@ -155,7 +155,7 @@ class Correlator:
             if len(arr):
                 names = arr.dtype.names or ()
                 recs += [(t[0], dict(zip(names, t, strict=True))) for t in arr.tolist()]
-        for arr in (batch.ubatch, batch.logits):  # big arrays: fields stay numpy views
+        for arr in (batch.ubatch, batch.logits, batch.step_agg):  # big arrays: fields stay numpy views
             if len(arr):
                 cols = {k: arr[k] for k in arr.dtype.names or ()}
                 recs += [(int(arr["seq"][i]), {k: v[i] for k, v in cols.items()}) for i in range(len(arr))]
@@ -309,6 +309,9 @@ class Correlator:
         seqs, poss = step.seq.tolist(), step.pos.tolist()
         out_index = step.output_index()
         cols = self._routes
+        if n == 1 and not self.with_masks:
+            self._emit_route_row(step, sp, batch_rows[0], seqs[0], poss[0], out_index)
+            return
         for layer in sorted(set(self.layers.moe) | set(self.layers.ffn)):
             lc = sp.layer_columns(layer, batch_rows, out_index, step.n_tokens, self.problems)
             ids, zr = lc["expert_ids"], lc["act_zero_ratio"]
@@ -340,6 +343,77 @@ class Correlator:
                             n_values=len(bits),
                             nonzero_bits=np.packbits(bits).tobytes(),
                         )
+
+    def _emit_route_row(
+        self, step: Step, sp: StepSparse, b: int, seq: int, pos: int, out_index: dict[int, int]
+    ) -> None:
+        """A one-row step (a decode step): the token row's own per-layer values, computed once."""
+        layers = self.layers
+        v = sp.row_values(b, out_index, step.n_tokens, layers, self.problems)
+        moe_pos = {layer: k for k, layer in enumerate(layers.moe)}
+        ffn_pos = {layer: k for k, layer in enumerate(layers.ffn)}
+        cols = self._routes
+        for layer in sorted(set(layers.moe) | set(layers.ffn)):
+            km, kf = moe_pos.get(layer), ffn_pos.get(layer)
+            ids = v["expert_ids"][km] if km is not None else None
+            zr = v["act_zero_ratio"][kf] if kf is not None else None
+            if ids is None and zr is None:
+                continue
+            width = sp.act_width.get(layer, 0) * sp.act_slots.get(layer, 0)
+            for name, value in (
+                ("step_id", step.step_id),
+                ("ctx_id", step.ctx_id),
+                ("seq_id", seq),
+                ("pos", pos),
+                ("row", b),
+                ("layer", layer),
+                ("expert_ids", ids),
+                ("expert_weights", v["expert_weights"][km] if km is not None else None),
+                ("router_probs", v["router_probs"][km] if km is not None else None),
+                ("act_zero_ratio", zr),
+                ("act_below_ratio", v["act_below_ratio"][kf] if kf is not None else None),
+                ("act_values", width if zr is not None else None),
+            ):
+                cols.setdefault(name, []).append(value)
+
+    def _on_step_agg(self, r: dict[str, Any]) -> None:
+        """The aggregate of a one-row micro-batch, sent by its own thread before its end record.
+        Records of layers that did not fit it (e.g. attention) may have come before: merge."""
+        step = self.open_steps.get(int(r["tid"]))
+        if step is None or int(r["overlap"]):
+            self.counters.sparse_unattributed += 1
+            return
+        agg = StepSparse.from_agg(r)
+        if step.sparse is None:
+            step.sparse = agg
+        else:
+            step.sparse.ids.update(agg.ids)
+            step.sparse.weights.update(agg.weights)
+            for layer in agg.act_zeros:
+                step.sparse.act_zeros[layer] = agg.act_zeros[layer]
+                step.sparse.act_below[layer] = agg.act_below[layer]
+                step.sparse.act_width[layer] = agg.act_width[layer]
+                step.sparse.act_slots[layer] = agg.act_slots[layer]
+        self.layers_seen["moe"].update(agg.ids)
+        self.layers_seen["ffn"].update(agg.act_zeros)
+        if agg.ids and self.counters.verified_sparse < VERIFY_UBATCHES:
+            self._verify_agg(agg)
+
+    def _verify_agg(self, sp: StepSparse) -> None:
+        problems = []
+        for layer, rows in sp.ids.items():
+            k = rows.values.shape[1]
+            if self.n_expert_used and k != self.n_expert_used:
+                problems.append(f"layer {layer}: {k} experts per row, the model selects {self.n_expert_used}")
+            if self.n_expert and (rows.values.min() < 0 or rows.values.max() >= self.n_expert):
+                problems.append(f"layer {layer}: expert ids outside [0, {self.n_expert})")
+        if problems:
+            raise UnsupportedEngineBuild(
+                "unsupported engine build: the routing tensors failed verification on live data ("
+                + "; ".join(problems[:3])
+                + "). Nothing more was recorded."
+            )
+        self.counters.verified_sparse += 1
 
     def _on_sparse(self, r: dict[str, Any]) -> None:
         """A graph-op record belongs to the micro-batch running when it was produced. Worker
@@ -613,4 +687,5 @@ _HANDLERS: dict[int, Callable[[Correlator, dict[str, Any]], None]] = {
     ev.EV_ACT: Correlator._on_sparse,
     ev.EV_ACT_MASK: Correlator._on_sparse,
     ev.EV_ATTN: Correlator._on_sparse,
+    ev.EV_STEP_AGG: Correlator._on_step_agg,
 }

@@ -26,6 +26,7 @@ EV_TENSOR = 10
 EV_ACT = 11
 EV_ATTN = 12
 EV_ACT_MASK = 13
+EV_STEP_AGG = 14
 
 TAG_EXPERT_IDS = 1
 TAG_EXPERT_WEIGHTS = 2
@@ -61,6 +62,8 @@ BLOCK_WORDS = _header_define("BLOCK_WORDS")
 ACT_BLOCKS = _header_define("ACT_BLOCKS")
 ACT_MAX_ROWS = _header_define("ACT_MAX_ROWS")
 ATT_MAX_ROWS = _header_define("ATT_MAX_ROWS")
+AGG_MAX_LAYERS = _header_define("AGG_MAX_LAYERS")
+AGG_MAX_K = _header_define("AGG_MAX_K")
 
 
 def logits_chunk_for(n_vocab: int) -> int:
@@ -135,6 +138,27 @@ ATTN_DTYPE = np.dtype(
 )
 
 
+_L = AGG_MAX_LAYERS
+STEP_AGG_DTYPE = np.dtype(
+    [
+        *HDR,
+        ("serial", "<u8"),
+        ("active", "<u4"),
+        ("overlap", "<u4"),
+        ("k_ids", "<u4", (_L,)),
+        ("k_wts", "<u4", (_L,)),
+        ("ids", "<i4", (_L, AGG_MAX_K)),
+        ("wts", "<f4", (_L, AGG_MAX_K)),
+        ("act_zero", "<u4", (_L,)),
+        ("act_below", "<u4", (_L,)),
+        ("act_rows", "<u4", (_L,)),
+        ("act_nr", "<u4", (_L,)),
+        ("act_ne0", "<u4", (_L,)),
+        ("act_slots", "<u4", (_L,)),
+    ]
+)
+
+
 def logits_dtype(chunk: int) -> np.dtype:
     return np.dtype(
         [
@@ -160,6 +184,7 @@ class EventBatch:
     act: np.ndarray = field(default_factory=lambda: np.empty(0, ACT_DTYPE))
     act_mask: np.ndarray = field(default_factory=lambda: np.empty(0, ACT_MASK_DTYPE))
     attn: np.ndarray = field(default_factory=lambda: np.empty(0, ATTN_DTYPE))
+    step_agg: np.ndarray = field(default_factory=lambda: np.empty(0, STEP_AGG_DTYPE))
 
     def groups(self) -> list[np.ndarray]:
         return [
@@ -171,6 +196,7 @@ class EventBatch:
             self.act,
             self.act_mask,
             self.attn,
+            self.step_agg,
         ]
 
     def __len__(self) -> int:
@@ -193,8 +219,9 @@ def _layouts(logits_chunk: int) -> dict[int, tuple[str, np.dtype]]:
         ACT_DTYPE.itemsize: ("act", ACT_DTYPE),
         ACT_MASK_DTYPE.itemsize: ("act_mask", ACT_MASK_DTYPE),
         ATTN_DTYPE.itemsize: ("attn", ATTN_DTYPE),
+        STEP_AGG_DTYPE.itemsize: ("step_agg", STEP_AGG_DTYPE),
     }
-    if len(by_size) != 8:  # pragma: no cover - a layout change made two sizes collide
+    if len(by_size) != 9:  # pragma: no cover - a layout change made two sizes collide
         raise RuntimeError("two record layouts have the same size; give one of them padding")
     return by_size
 

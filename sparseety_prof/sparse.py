@@ -108,8 +108,33 @@ class StepSparse:
     attn_counts: dict[int, dict[int, int]] = field(default_factory=dict)
     attn_n_kv: dict[int, int] = field(default_factory=dict)
     _attn_unnamed: int = 0  # unnamed attention nodes seen so far in this pass
+    _row_cache: dict[int, dict[str, Any]] = field(default_factory=dict)  # asked once the pass ended
 
     # ------------------------------------------------------------------ records
+    @classmethod
+    def from_agg(cls, r: dict[str, Any]) -> StepSparse:
+        """A one-row micro-batch's aggregate record (struct ev_step_agg)."""
+        sp = cls()
+        k_ids, k_wts = np.asarray(r["k_ids"]), np.asarray(r["k_wts"])
+        ids, wts = np.asarray(r["ids"]), np.asarray(r["wts"])
+        for layer in np.flatnonzero(k_ids).tolist():
+            k = int(k_ids[layer])
+            sp.ids[layer] = _Rows(ids[layer : layer + 1, :k].astype(np.int32), np.ones(1, dtype=bool))
+        for layer in np.flatnonzero(k_wts).tolist():
+            k = int(k_wts[layer])
+            sp.weights[layer] = _Rows(wts[layer : layer + 1, :k].astype(np.float32), np.ones(1, dtype=bool))
+        nr, rows = np.asarray(r["act_nr"]), np.asarray(r["act_rows"])
+        for layer in np.flatnonzero(nr).tolist():
+            slots = max(int(r["act_slots"][layer]), 1)
+            if int(rows[layer]) != int(nr[layer]) or int(nr[layer]) != slots:
+                continue  # not every row counted, or not one token's rows: not captured
+            z = np.zeros(slots, dtype=np.int64)
+            b = np.zeros(slots, dtype=np.int64)
+            z[0], b[0] = int(r["act_zero"][layer]), int(r["act_below"][layer])  # totals over slots
+            sp.act_zeros[layer], sp.act_below[layer] = z, b
+            sp.act_width[layer], sp.act_slots[layer] = int(r["act_ne0"][layer]), slots
+        return sp
+
     def add_tensor(self, r: dict[str, Any]) -> tuple[str, int] | None:
         parsed = parse_name(bytes(r["name"]))
         if parsed is None:
@@ -238,6 +263,23 @@ class StepSparse:
         layers: LayerSet,
         problems: Problems,
     ) -> dict[str, Any]:
+        """Per-layer values of one micro-batch row (see _row_values), computed once: the routes
+        table and the token row both ask for them after the pass ended."""
+        cached = self._row_cache.get(batch_row)
+        if cached is None:
+            cached = self._row_cache[batch_row] = self._row_values(
+                batch_row, output_index, n_tokens, layers, problems
+            )
+        return cached
+
+    def _row_values(
+        self,
+        batch_row: int,
+        output_index: dict[int, int],
+        n_tokens: int,
+        layers: LayerSet,
+        problems: Problems,
+    ) -> dict[str, Any]:
         """Per-layer values of one micro-batch row, as lists following `layers` (None where the
         engine did not compute that layer for this row, or the record was not captured)."""
         ids: list[list[int] | None] = []
@@ -308,12 +350,13 @@ class StepSparse:
             return None, None, 0
         if t is None:
             return None, None, 0
-        zs = z[t * slots : (t + 1) * slots]
-        bs = self.act_below[layer][t * slots : (t + 1) * slots]
-        if (zs < 0).any() or (bs < 0).any():
+        # plain Python on a handful of values: numpy's per-call cost is ~10x here
+        zs = z[t * slots : (t + 1) * slots].tolist()
+        bs = self.act_below[layer][t * slots : (t + 1) * slots].tolist()
+        if min(zs) < 0 or min(bs) < 0:
             return None, None, 0
         n = slots * width
-        return float(zs.sum()) / n, float(bs.sum()) / n, n
+        return sum(zs) / n, sum(bs) / n, n
 
     def act_mask_bits(
         self, layer: int, batch_row: int, output_index: dict[int, int], n_tokens: int

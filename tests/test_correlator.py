@@ -222,11 +222,11 @@ def test_c_struct_sizes_match_the_python_mirror(tmp_path: Path) -> None:
     src = tmp_path / "sizes.c"
     src.write_text(
         '#include <stdio.h>\n#include <linux/types.h>\n#include "events.h"\n'
-        'int main(void){printf("%zu %zu %zu %zu %zu %zu %zu %zu %zu\\n",'
+        'int main(void){printf("%zu %zu %zu %zu %zu %zu %zu %zu %zu %zu\\n",'
         " sizeof(struct ev_hdr), sizeof(struct ev_small),"
         " sizeof(struct ev_ubatch), sizeof(struct ev_logits), sizeof(struct ev_tensor_s),"
         " sizeof(struct ev_tensor_l), sizeof(struct ev_act), sizeof(struct ev_act_mask),"
-        " sizeof(struct ev_attn)); return 0;}\n"
+        " sizeof(struct ev_attn), sizeof(struct ev_step_agg)); return 0;}\n"
     )
     exe = tmp_path / "sizes"
     subprocess.run([cc, f"-I{ev.PROBES_DIR}", "-DLOGITS_CHUNK=2048", str(src), "-o", str(exe)], check=True)
@@ -241,6 +241,7 @@ def test_c_struct_sizes_match_the_python_mirror(tmp_path: Path) -> None:
         ev.ACT_DTYPE.itemsize,
         ev.ACT_MASK_DTYPE.itemsize,
         ev.ATTN_DTYPE.itemsize,
+        ev.STEP_AGG_DTYPE.itemsize,
     ]
 
 
