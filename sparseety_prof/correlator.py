@@ -164,6 +164,9 @@ class Correlator:
             handler = _HANDLERS.get(int(rec["kind"]))
             if handler is not None:
                 handler(self, rec)
+        for c in self.ctxs.values():
+            for smp in c.sampling.values():
+                smp.chunks = {k: np.array(v) for k, v in smp.chunks.items()}
 
     def take_rows(self) -> tuple[dict[str, list[object]], dict[str, list[object]]]:
         """Token and step columns produced since the last call."""
@@ -203,7 +206,7 @@ class Correlator:
                         rows[j, off : off + len(ch)] = ch
                         off += len(ch)
                 toks = np.array([tok["token_id"][i] for i, _ in block], dtype=np.int64)
-                st = row_stats(rows, toks)
+                st = row_stats(rows, toks, overwrite=True)
                 for j, (i, _) in enumerate(block):
                     tok["log_prob"][i] = float(st.log_prob[j])
                     tok["top_ids"][i] = st.top_ids[j].tolist()
@@ -470,9 +473,9 @@ class Correlator:
         if s is None:
             return
         n = int(r["n_vals"])
-        # a copy: the drained batch's memory is reused two drains later, and a sampler call
-        # may end in a later drain than its logits arrived in
-        s.chunks[int(r["chunk"])] = np.array(r["vals"][:n])
+        # a view into the drained batch, valid until the next drain; feed() copies the chunks of
+        # sampler calls still open when it returns (take_rows uses the others before then)
+        s.chunks[int(r["chunk"])] = r["vals"][:n]
         s.n_vocab = int(r["n_vocab"])
         s.chunk_len = len(r["vals"])
 

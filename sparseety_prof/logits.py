@@ -26,30 +26,44 @@ def top_k(rows: np.ndarray, k: int, *, inplace: bool = False) -> np.ndarray:
     """Indices of the k largest values of each row, largest first.
 
     k argmax passes (over a copy unless `inplace`): about 15 us for a 32,000-entry row here,
-    where np.argpartition takes 400 us."""
-    work = rows if inplace else rows.copy()
+    where np.argpartition takes 400 us. In place, the row is left as it was."""
+    return _top_k(rows if inplace else rows.copy(), k)[0]
+
+
+def _top_k(work: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, values) of the k largest of each row; `work` is restored afterwards."""
     n = len(work)
-    k = min(k, rows.shape[1])
-    out = np.empty((n, k), dtype=np.int64)
+    k = min(k, work.shape[1])
+    idx = np.empty((n, k), dtype=np.int64)
+    vals = np.empty((n, k), dtype=work.dtype)
     ar = np.arange(n)
     for j in range(k):
         i = np.argmax(work, axis=1)
-        out[:, j] = i
+        idx[:, j] = i
+        vals[:, j] = work[ar, i]
         work[ar, i] = -np.inf
-    return out
+    work[ar[:, None], idx] = vals
+    return idx, vals
 
 
-def row_stats(rows: np.ndarray, tokens: np.ndarray) -> RowStats:
+def row_stats(rows: np.ndarray, tokens: np.ndarray, *, overwrite: bool = False) -> RowStats:
     """log-softmax of each raw row (before temperature and penalties, as llama-server's n_probs
-    defines it), the top-k alternatives and the entropy."""
+    defines it), the top-k alternatives and the entropy.
+
+    With `overwrite`, a float32 `rows` array is used as scratch (the consumer's own block copy):
+    each pass over a 32,000-entry row costs microseconds, and this is the consumer's largest
+    cost per token, so passes and temporaries are kept to a minimum."""
     rows = np.atleast_2d(np.asarray(rows, dtype=np.float32))
+    if not overwrite:
+        rows = rows.copy()
     tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-    m = rows.max(axis=1, keepdims=True)
-    z = rows - m
     ar = np.arange(len(rows))
     valid = (tokens >= 0) & (tokens < rows.shape[1])
+    m = rows.max(axis=1, keepdims=True)
+    z = np.subtract(rows, m, out=rows)  # x - max, in place
     lp_z = z[ar, np.clip(tokens, 0, rows.shape[1] - 1)].astype(np.float64)
-    zc = np.maximum(z, _EXP_FLOOR)
+    top, top_z = _top_k(z, TOP_K)
+    zc = np.maximum(z, _EXP_FLOOR, out=z)  # z is not needed after this
     e = np.exp(zc)
     # float32 sums: numpy sums a row pairwise, so the relative error stays ~1e-7 (log-probs
     # ~1e-6 off), at a third of the cost of float64 sums
@@ -60,6 +74,5 @@ def row_stats(rows: np.ndarray, tokens: np.ndarray) -> RowStats:
     # (e * zc).sum, not a BLAS dot: see __init__.py
     e *= zc
     entropy = lse - e.sum(axis=1).astype(np.float64) / s
-    top = top_k(z, TOP_K, inplace=True)  # z is not needed after this
-    top_lp = (rows[ar[:, None], top] - m).astype(np.float64) - lse[:, None]
+    top_lp = top_z.astype(np.float64) - lse[:, None]
     return RowStats(lp, top, top_lp, entropy)

@@ -70,6 +70,10 @@ def parse_name(raw: bytes) -> tuple[str, int] | None:
     return parsed
 
 
+_ONE_FILLED = np.ones(1, dtype=bool)
+_ONE_FILLED.flags.writeable = False
+
+
 @dataclass
 class _Rows:
     """A per-layer array being filled from record chunks: rows_total x width."""
@@ -116,13 +120,13 @@ class StepSparse:
         """A one-row micro-batch's aggregate record (struct ev_step_agg)."""
         sp = cls()
         k_ids, k_wts = np.asarray(r["k_ids"]), np.asarray(r["k_wts"])
-        ids, wts = np.asarray(r["ids"]), np.asarray(r["wts"])
+        # copies: a step may end drains after its record arrived, and drained memory is reused
+        ids, wts = np.array(r["ids"]), np.array(r["wts"])
+        # views into those copies, and one shared "filled" flag
         for layer in np.flatnonzero(k_ids).tolist():
-            k = int(k_ids[layer])
-            sp.ids[layer] = _Rows(ids[layer : layer + 1, :k].astype(np.int32), np.ones(1, dtype=bool))
+            sp.ids[layer] = _Rows(ids[layer : layer + 1, : int(k_ids[layer])], _ONE_FILLED)
         for layer in np.flatnonzero(k_wts).tolist():
-            k = int(k_wts[layer])
-            sp.weights[layer] = _Rows(wts[layer : layer + 1, :k].astype(np.float32), np.ones(1, dtype=bool))
+            sp.weights[layer] = _Rows(wts[layer : layer + 1, : int(k_wts[layer])], _ONE_FILLED)
         nr, rows = np.asarray(r["act_nr"]), np.asarray(r["act_rows"])
         for layer in np.flatnonzero(nr).tolist():
             slots = max(int(r["act_slots"][layer]), 1)
@@ -330,8 +334,7 @@ class StepSparse:
         i = self._tensor_row(rows, batch_row, output_index, n_tokens)
         if i is None:
             return None
-        vals = rows.values[i]
-        return [int(v) for v in vals] if as_int else [float(v) for v in vals]
+        return rows.values[i].tolist()
 
     def act_ratios(
         self, layer: int, batch_row: int, output_index: dict[int, int], n_tokens: int, problems: Problems
