@@ -13,6 +13,7 @@ from sparseety_prof import events as ev
 from sparseety_prof.correlator import Correlator
 from sparseety_prof.errors import UnsupportedEngineBuild
 from sparseety_prof.events import EventBatch, SeqTracker, decode_records
+from sparseety_prof.sparse import LayerSet
 
 N_VOCAB = 10
 CTX = 0xAAAA
@@ -271,3 +272,48 @@ def test_reordered_split_is_unresolved_not_misattributed() -> None:
     tok, _ = c.take_rows()
     assert tok.get("token_id", []) == []
     assert c.counters.samples_unresolved == 2
+
+
+def _step_with_aggregate(s: Script, ids: list[int], token: int) -> None:
+    """A one-row decode step whose routing came as an aggregate record (layer 0, k = 2)."""
+    s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+    r = np.zeros(1, ev.UBATCH_DTYPE)
+    s._hdr(r, ev.EV_UBATCH)
+    r["n_tokens"] = r["n_copied"] = 1
+    r["token"][0, 0], r["pos"][0, 0], r["output"][0, 0] = 5, 3, 1
+    s.recs.append(r.tobytes())
+    a = np.zeros(1, ev.STEP_AGG_DTYPE)
+    s._hdr(a, ev.EV_STEP_AGG)
+    a["k_ids"][0, 0] = a["k_wts"][0, 0] = 2
+    a["ids"][0, 0, :2] = ids
+    a["wts"][0, 0, :2] = [0.75, 0.25]
+    s.recs.append(a.tobytes())
+    s.small(ev.EV_UBATCH_END)
+    s.sample(token)
+
+
+def _sparse_correlator() -> Correlator:
+    return Correlator(
+        pid=1, n_vocab=N_VOCAB, wall_offset_ns=0, layers=LayerSet(moe=(0,)), n_expert=8, n_expert_used=2
+    )
+
+
+def test_aggregate_routing_lands_in_the_token_row_and_routes() -> None:
+    s = Script()
+    _step_with_aggregate(s, [6, 2], token=9)
+    c = _sparse_correlator()
+    c.feed(decode_records(s.recs, 1024))
+    tok, _ = c.take_rows()
+    routes, _ = c.take_sparse_rows()
+    assert tok["expert_ids"] == [[[6, 2]]]
+    assert tok["expert_weights"] == [[[0.75, 0.25]]]
+    assert routes["expert_ids"] == [[6, 2]] and routes["pos"] == [3] and routes["layer"] == [0]
+    assert c.counters.verified_sparse == 1
+
+
+def test_routing_outside_the_models_experts_is_an_unsupported_build() -> None:
+    """A tensor layout read wrongly shows up as expert ids the model cannot have."""
+    s = Script()
+    _step_with_aggregate(s, [6, 4711], token=9)
+    with pytest.raises(UnsupportedEngineBuild, match="routing tensors failed verification"):
+        _sparse_correlator().feed(decode_records(s.recs, 1024))

@@ -39,10 +39,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("sparse_models")
 
 
-def _model(model_dir: Path, preset: str, dtype: str | None) -> Path:
-    path = model_dir / f"{preset}-{dtype or 'default'}.gguf"
+def _model(model_dir: Path, preset: str, dtype: str | None, prune: str | None = None) -> Path:
+    path = model_dir / f"{preset}-{dtype or 'default'}-{(prune or 'dense').replace(':', 'of')}.gguf"
     if not path.exists():
-        make_model(path, preset, dtype=dtype)
+        make_model(path, preset, dtype=dtype, prune=prune)
     return path
 
 
@@ -174,6 +174,7 @@ CASES = [
     ("moe", None, 1, True),
     ("moe", None, 2, True),
     ("moe", None, 2, False),
+    ("qwen3moe", None, 1, True),
     ("qwen3moe", None, 2, True),
     ("smallthinker", None, 1, True),
     ("smallthinker", None, 2, True),
@@ -261,3 +262,21 @@ def test_router_probs_and_masks_on_request(model_dir: Path, tmp_path: Path) -> N
         bits = np.unpackbits(np.frombuffer(m["nonzero_bits"], dtype=np.uint8))[: m["n_values"]]
         assert m["n_values"] == m["act_values"]
         assert m["n_values"] - int(bits.sum()) == round(m["act_zero_ratio"] * m["act_values"])
+
+
+def test_pruned_quantized_model_routing_and_weight_sparsity(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 2:4-pruned, q4_0 MoE: routing still exact (another code path in the engine), and the
+    metadata names the pruned tensors and their N:M pattern (computed once, cached by sha256)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    run = Run(tmp_path, _model(model_dir, "moe", "q4_0", "2:4"), ["--threads", "2"], [])
+    check_run(run, expect_moe=True)
+    ws = run.rec.meta["weight_sparsity"]
+    pruned = {t["name"]: t for t in ws["tensors"]}
+    ffn = [n for n in pruned if "ffn_" in n and "gate_inp" not in n]
+    assert ffn and all(pruned[n]["nm_pattern"] == "2:4" for n in ffn)
+    # half pruned, plus the small kept values q4_0 rounds to 0
+    assert all(0.5 <= pruned[n]["zero_fraction"] < 0.6 for n in ffn)
+    # only the FFN weights were pruned (q4_0 rounds some small attention weights to 0: no pattern)
+    assert all(pruned[n]["nm_pattern"] is None for n in pruned if "attn" in n)

@@ -1,0 +1,166 @@
+"""sparse.py: how probe records become per-(row, layer) values, on synthetic records."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sparseety_prof import events as ev
+from sparseety_prof.sparse import LayerSet, Problems, StepSparse, layer_set, parse_name
+
+LAYERS = LayerSet(moe=(0, 1), ffn=(0, 1), attn=(0, 1))
+
+
+def _tensor(
+    name: bytes,
+    tag: int,
+    rows: np.ndarray,
+    *,
+    stride_vals: int | None = None,
+    row0: int = 0,
+    total: int | None = None,
+) -> dict[str, object]:
+    n, k = rows.shape
+    stride_vals = stride_vals or k
+    buf = np.zeros((n, stride_vals), dtype=rows.dtype)
+    buf[:, :k] = rows
+    return {
+        "name": name,
+        "tag": tag,
+        "type": 26 if rows.dtype == np.int32 else 0,
+        "row0": row0,
+        "n_rows": n,
+        "rows_total": total if total is not None else n,
+        "ne0": k,
+        "row_stride": stride_vals * 4,
+        "n_bytes": buf.nbytes,
+        "data": buf.tobytes() + b"\0" * 64,
+    }
+
+
+def test_parse_name_and_layer_set() -> None:
+    assert parse_name(b"ffn_moe_weights-12\0\0") == ("ffn_moe_weights", 12)
+    assert parse_name(b"ffn_moe_swiglu-3") == ("ffn_moe_swiglu", 3)
+    assert parse_name(b"kq_soft_max-0") == ("kq_soft_max", 0)
+    assert parse_name(b"attn_norm-1") is None
+    names = [
+        "blk.0.ffn_gate_inp.weight",
+        "blk.0.ffn_down_exps.weight",
+        "blk.0.attn_output.weight",
+        "blk.1.ffn_down.weight",
+        "blk.1.attn_output.weight",
+    ]
+    assert layer_set(names, 2) == LayerSet(moe=(0,), ffn=(0, 1), attn=(0, 1))
+
+
+def test_ids_view_rows_weights_and_output_only_rows() -> None:
+    sp = StepSparse()
+    # layer 0: all 3 batch rows; ids are a view of the argsort (stride n_expert = 8, k = 2)
+    sp.add_tensor(
+        _tensor(
+            b"ffn_moe_weights-0",
+            ev.TAG_EXPERT_IDS,
+            np.array([[5, 1], [2, 7], [0, 3]], np.int32),
+            stride_vals=8,
+        )
+    )
+    sp.add_tensor(
+        _tensor(
+            b"ffn_moe_weighted-0",
+            ev.TAG_EXPERT_WEIGHTS,
+            np.array([[0.75, 0.25], [0.5, 0.5], [0.9, 0.1]], np.float32),
+        )
+    )
+    # layer 1 (the last): computed for the output row only
+    sp.add_tensor(
+        _tensor(b"ffn_moe_weights-1", ev.TAG_EXPERT_IDS, np.array([[4, 6]], np.int32), stride_vals=8)
+    )
+    out_index = {2: 0}  # only batch row 2 produces logits
+    p = Problems()
+    v2 = sp.row_values(2, out_index, 3, LAYERS, p)
+    assert v2["expert_ids"] == [[0, 3], [4, 6]]
+    assert v2["expert_weights"][0] == [np.float32(0.9), np.float32(0.1)]
+    v0 = sp.row_values(0, out_index, 3, LAYERS, p)
+    assert v0["expert_ids"] == [[5, 1], None]  # layer 1 was not computed for row 0: nothing invented
+    assert p.unmapped_rows == 0
+
+
+def test_tensor_matching_neither_batch_nor_outputs_is_counted_not_guessed() -> None:
+    sp = StepSparse()
+    sp.add_tensor(_tensor(b"ffn_moe_weights-0", ev.TAG_EXPERT_IDS, np.array([[1, 2], [3, 4]], np.int32)))
+    p = Problems()
+    v = sp.row_values(0, {4: 0}, 5, LAYERS, p)
+    assert v["expert_ids"][0] is None
+    assert p.unmapped_rows == 1
+
+
+def test_activation_counts_sum_over_expert_slots_and_threads() -> None:
+    sp = StepSparse()
+    base = {"name": b"ffn_moe_reglu-1", "ne0": 100, "ne1": 2, "nr_total": 4}  # 2 tokens x 2 slots
+    z = [0] * ev.ACT_MAX_ROWS
+    b = [0] * ev.ACT_MAX_ROWS
+    sp.add_act(
+        {**base, "ir0": 0, "n_rows": 2, "zeros": [40, 60, *z[2:]], "below": [50, 70, *b[2:]]}, with_bits=False
+    )
+    sp.add_act(
+        {**base, "ir0": 2, "n_rows": 2, "zeros": [10, 0, *z[2:]], "below": [20, 5, *b[2:]]}, with_bits=False
+    )
+    p = Problems()
+    assert sp.act_ratios(1, 0, {}, 2, p) == (0.5, 0.6, 200)
+    assert sp.act_ratios(1, 1, {}, 2, p) == (0.05, 0.125, 200)
+    cols = sp.layer_columns(1, [0, 1], {}, 2, p)
+    assert cols["act_zero_ratio"] == [0.5, 0.05] and cols["act_values"] == [200, 200]
+
+
+def test_uncounted_rows_give_null_not_zero() -> None:
+    sp = StepSparse()
+    rows = [7] * ev.ACT_MAX_ROWS
+    sp.add_act(
+        {
+            "name": b"ffn_swiglu-0",
+            "ne0": 64,
+            "ne1": 3,
+            "nr_total": 3,
+            "ir0": 0,
+            "n_rows": 2,
+            "zeros": rows,
+            "below": rows,
+        },
+        with_bits=False,
+    )
+    p = Problems()
+    assert sp.act_ratios(0, 1, {}, 3, p)[0] == 7 / 64
+    assert sp.act_ratios(0, 2, {}, 3, p) == (None, None, 0)  # row 2 never counted
+
+
+def test_aggregate_record_of_a_one_row_step() -> None:
+    rec = np.zeros(1, dtype=ev.STEP_AGG_DTYPE)[0]
+    rec["k_ids"][0] = 2
+    rec["ids"][0, :2] = [6, 1]
+    rec["k_wts"][0] = 2
+    rec["wts"][0, :2] = [0.625, 0.375]
+    rec["act_nr"][1], rec["act_rows"][1], rec["act_slots"][1], rec["act_ne0"][1] = 2, 2, 2, 50
+    rec["act_zero"][1], rec["act_below"][1] = 30, 40
+    rec["act_nr"][0], rec["act_rows"][0], rec["act_slots"][0], rec["act_ne0"][0] = 2, 1, 2, 50  # half counted
+    r = {name: rec[name] for name in ev.STEP_AGG_DTYPE.names or ()}
+    sp = StepSparse.from_agg(r)
+    rec["ids"][0, :2] = [0, 0]  # the record's memory is reused later: values were copied
+    v = sp.row_values(0, {0: 0}, 1, LayerSet(moe=(0,), ffn=(0, 1)), Problems())
+    assert v["expert_ids"] == [[6, 1]]
+    assert v["expert_weights"] == [[0.625, 0.375]]
+    assert v["act_zero_ratio"] == [None, 0.3]  # layer 0 not fully counted: null
+    assert v["act_below_ratio"] == [None, 0.4]
+
+
+def test_attention_counts_shared_by_layers_with_one_mask_and_unnamed_nodes_in_order() -> None:
+    sp = StepSparse()
+    rows = [0] * ev.ATT_MAX_ROWS
+    counted = {"row": [3, *rows[1:]], "attended": [4, *rows[1:]]}
+    sp.add_attn({"name": b"kq_soft_max-0", "mask": 0xAA, "n_kv": 256, "n_counted": 1, **counted})
+    sp.add_attn(
+        {"name": b"kq_soft_max-1", "mask": 0xAA, "n_kv": 256, "n_counted": 0, "row": rows, "attended": rows}
+    )  # same mask: counted once
+    assert sp.row_values(3, {3: 0}, 4, LAYERS, Problems())["attn_attended"] == [4, 4]
+    sp2 = StepSparse()
+    for _ in range(2):  # unnamed flash-attention nodes: the k-th is the k-th attention layer
+        sp2.add_attn({"name": b"", "mask": 0xBB, "n_kv": 256, "n_counted": 1, **counted}, (0, 1))
+    assert set(sp2.attn_mask) == {0, 1}
