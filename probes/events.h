@@ -83,7 +83,7 @@ struct ev_logits {
 #define TENSOR_BYTES_L 16384     /* data of a large tensor record (prompt rows) */
 #define MAX_TENSOR_CHUNKS 16     /* large records per tensor: rows beyond are counted as lost */
 #define BLOCK_WORDS 64           /* 8-byte words (512 B) read and tested per block */
-#define ACT_BLOCKS 16           /* blocks per thread per program run (2,048 floats): verifier budget */
+#define ACT_BLOCKS 32           /* blocks per thread per program run (4,096 floats): verifier budget */
 #define ACT_MAX_ROWS 32          /* rows per activation record */
 #define ATT_MAX_ROWS 8           /* output rows whose mask row is counted per micro-batch */
 #define ATT_BLOCKS 8             /* blocks per mask (e.g. 2 rows of 512 F32 cells): verifier budget */

@@ -415,15 +415,21 @@ static __always_inline int act_chunk(struct pt_regs *ctx, struct act_state *st) 
         e->bits[wb] = 0;
         e->bits[wb + 1] = 0;
 #endif
+        u64 span = vhi - vlo;
         for (u32 p = 0; p < BLOCK_WORDS; p++) {
-            u64 x = v[p];
-            u64 ok = IS_LESS(p, vhi) & (IS_LESS(p, vlo) ^ 1);
-            u64 lo = x & 0x7fffffff, hi = (x >> 32) & 0x7fffffff;
-            /* ok * (sum of two bits), not ok & sum: a sum of 2 has bit 0 clear */
-            r->zeros[ri] += (u32)(ok * (IS_ZERO(lo) + IS_ZERO(hi)));
-            r->below[ri] += (u32)(ok * (IS_LESS(lo, ACT_BELOW_BITS) + IS_LESS(hi, ACT_BELOW_BITS)));
+            /* Both floats of the word at once (SWAR): with each lane's magnitude OR 2^31, a
+             * lane-wise subtraction cannot borrow across lanes, and a lane's top bit stays set
+             * iff |x| >= the subtrahend. Threshold 1 tests "non-zero", ACT_BELOW_BITS "not
+             * below". About half the instructions of testing each float on its own. */
+            u64 ax = (v[p] & 0x7fffffff7fffffffULL) | 0x8000000080000000ULL;
+            u64 nz = ax - 0x0000000100000001ULL;
+            u64 nb = ax - ((ACT_BELOW_BITS << 32) | ACT_BELOW_BITS);
+            u64 ok = IS_LESS((u64)p - vlo, span); /* vlo <= p < vhi, one unsigned compare */
+            /* ok * (count of lanes), not ok & count: a count of 2 has bit 0 clear */
+            r->zeros[ri] += (u32)(ok * (2 - (((nz >> 31) & 1) + (nz >> 63))));
+            r->below[ri] += (u32)(ok * (2 - (((nb >> 31) & 1) + (nb >> 63))));
 #ifdef CAPTURE_MASKS
-            e->bits[wb + (p >> 5)] |= (ok * ((IS_ZERO(lo) ^ 1) | ((IS_ZERO(hi) ^ 1) << 1))) << ((p & 31) * 2);
+            e->bits[wb + (p >> 5)] |= (ok * (((nz >> 31) & 1) | ((nz >> 63) << 1))) << ((p & 31) * 2);
 #endif
         }
         if (cb + 1 == bpr) /* row complete */
