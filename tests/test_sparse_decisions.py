@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pytest
-from conftest import ENGINES, Engine, Recorder
+from conftest import ENGINES, Engine, Recorder, run_cli
 
 import sparseety_prof
 from scripts.make_models import make_model, swa_layers
@@ -280,3 +280,34 @@ def test_pruned_quantized_model_routing_and_weight_sparsity(
     assert all(0.5 <= pruned[n]["zero_fraction"] < 0.6 for n in ffn)
     # only the FFN weights were pruned (q4_0 rounds some small attention weights to 0: no pattern)
     assert all(pruned[n]["nm_pattern"] is None for n in pruned if "attn" in n)
+
+
+def test_diff_of_a_dense_and_a_pruned_run_finds_where_they_diverge(model_dir: Path, tmp_path: Path) -> None:
+    """The brief's dense-vs-sparse workflow end to end: the same prompts on the MoE model and on
+    its 2:4-pruned twin, each recorded from a real engine; `diff` reports the first divergence
+    with its routing context, and a run against itself is equal."""
+    recs = {}
+    for name, prune in (("dense", None), ("pruned", "2:4")):
+        e = Engine(
+            [str(ENGINES / "llama_engine.py"), str(_model(model_dir, "moe", None, prune)), "--threads", "2"]
+        )
+        try:
+            rec = Recorder(e.pid, tmp_path / name)
+            e.generate(PROMPTS, max_tokens=MAX_TOKENS)
+            rc, err = rec.stop(signal.SIGINT)
+            assert rc == 0, err
+        finally:
+            e.close()
+        recs[name] = tmp_path / name
+    same = run_cli("diff", str(recs["dense"]), str(recs["dense"]), "--json")
+    assert same.returncode == 0, same.stderr
+    assert json.loads(same.stdout)["equal"] is True
+    res = run_cli("diff", str(recs["dense"]), str(recs["pruned"]), "--json")
+    assert res.returncode == 1, res.stderr
+    out = json.loads(res.stdout)
+    assert out["equal"] is False and len(out["pairs"]) == len(PROMPTS)
+    # pruning half of every expert's weights changes routing right away
+    assert out["routing"]["agreement"] < 1.0
+    assert out["routing"]["first_difference"] is not None
+    human = run_cli("diff", str(recs["dense"]), str(recs["pruned"]))
+    assert human.returncode == 1 and "diverge" in (human.stdout + human.stderr).lower()
