@@ -86,7 +86,7 @@ struct ev_logits {
 #define ACT_BLOCKS 32           /* blocks per thread per program run (4,096 floats): verifier budget */
 #define ACT_MAX_ROWS 32          /* rows per activation record */
 #define ATT_MAX_ROWS 8           /* output rows whose mask row is counted per micro-batch */
-#define ATT_BLOCKS 8             /* blocks per mask (e.g. 2 rows of 512 F32 cells): verifier budget */
+#define ATT_BLOCKS 16            /* blocks per mask (e.g. one row of 2,048 F32 cells): verifier budget */
 #define ATT_ROW_SCAN 64          /* output flags scanned (from the end) to find output rows */
 
 enum tensor_tag { TAG_EXPERT_IDS = 1, TAG_EXPERT_WEIGHTS = 2, TAG_ROUTER_PROBS = 3 };

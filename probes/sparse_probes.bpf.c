@@ -61,8 +61,6 @@ static __always_inline u64 sign_bit(u64 d) {
 }
 #define IS_ZERO(a) sign_bit((u64)(a) - 1)
 #define IS_LESS(a, b) sign_bit((u64)(a) - (u64)(b))
-/* a mask cell relative to the block's start is counted when not seen before and inside the row */
-#define CELL_OK(c) (IS_LESS(c, cend) & (IS_LESS(c, cfirst) ^ 1))
 
 static __always_inline u64 rd64(u64 addr) {
     u64 v = 0;
@@ -623,7 +621,13 @@ static __always_inline int attn_common(struct pt_regs *ctx, u64 node, u64 mask_t
     /* count: flat loop over blocks of BLOCK_WORDS words of the output rows' mask rows */
     const u32 esz = want_type == 1 ? 2 : 4;
     u32 per_word = 8 / esz;
-    u32 wpr = (e->n_kv + per_word - 1) / per_word; /* words per mask row */
+    u32 wpr = e->n_kv / per_word; /* words per mask row */
+    if (e->n_kv % per_word) { /* never seen (KV sizes are padded): not counted rather than guessed */
+        e->flags |= ATT_FLAG_BUDGET;
+        count(4, n_out);
+        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+        return 0;
+    }
     u32 bpr = (wpr + BLOCK_WORDS - 1) / BLOCK_WORDS;
     if (bpr == 0) {
         events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
@@ -642,32 +646,34 @@ static __always_inline int attn_common(struct pt_regs *ctx, u64 node, u64 mask_t
             e->row[rix] = row;
             e->attended[rix] = 0;
         }
-        /* constant-size reads, the last block ending at the row's end (see glu_return) */
+        /* constant-size reads, the last block ending at the row's end (see glu_return); words
+         * [vlo, vhi) of the block are this block's (whole words: n_kv % cells-per-word == 0) */
         u64 w0 = (u64)cb * BLOCK_WORDS, start = w0;
         if (w0 + BLOCK_WORDS > wpr)
             start = wpr >= BLOCK_WORDS ? wpr - BLOCK_WORDS : 0;
-        u64 cfirst = w0 * per_word - start * per_word; /* first cell, relative to start, not yet counted */
-        u64 cend = (u64)e->n_kv - start * per_word;     /* cells of the row, relative to start */
+        u64 vlo = w0 - start, vhi = wpr - start < BLOCK_WORDS ? wpr - start : BLOCK_WORDS;
+        u64 span = vhi - vlo;
         if (bpf_probe_read_user(v, BLOCK_WORDS * 8, (void *)(mdata + (u64)row * nb1 + start * 8))) {
             e->flags |= ATT_FLAG_BUDGET;
             break;
         }
+        /* attended <=> the cell is not -inf. SWAR over the word's lanes: y = x XOR -inf is 0 in a
+         * masked lane; a lane is non-zero iff its top bit or (its other bits OR top) - 1 has the
+         * top bit set, which no borrow can carry across lanes. */
         if (esz == 4) {
             for (u32 p = 0; p < BLOCK_WORDS; p++) {
-                u64 x = v[p];
-                u64 c0 = (u64)p * 2;
-                /* attended <=> the value is not -inf (0xff800000) */
-                e->attended[rix] += (u32)((CELL_OK(c0) & (IS_ZERO((x & 0xffffffff) ^ 0xff800000) ^ 1)) +
-                                          (CELL_OK(c0 + 1) & (IS_ZERO((x >> 32) ^ 0xff800000) ^ 1)));
+                u64 y = v[p] ^ 0xff800000ff800000ULL;
+                u64 t = ((y & 0x7fffffff7fffffffULL) | 0x8000000080000000ULL) - 0x0000000100000001ULL;
+                u64 m = (t | y) & 0x8000000080000000ULL;
+                e->attended[rix] += (u32)(IS_LESS((u64)p - vlo, span) * (((m >> 31) & 1) + (m >> 63)));
             }
         } else {
             for (u32 p = 0; p < BLOCK_WORDS; p++) {
-                u64 x = v[p];
-                u64 c0 = (u64)p * 4;
-                e->attended[rix] += (u32)((CELL_OK(c0) & (IS_ZERO((x & 0xffff) ^ 0xfc00) ^ 1)) +
-                                          (CELL_OK(c0 + 1) & (IS_ZERO(((x >> 16) & 0xffff) ^ 0xfc00) ^ 1)) +
-                                          (CELL_OK(c0 + 2) & (IS_ZERO(((x >> 32) & 0xffff) ^ 0xfc00) ^ 1)) +
-                                          (CELL_OK(c0 + 3) & (IS_ZERO((x >> 48) ^ 0xfc00) ^ 1)));
+                u64 y = v[p] ^ 0xfc00fc00fc00fc00ULL;
+                u64 t = ((y & 0x7fff7fff7fff7fffULL) | 0x8000800080008000ULL) - 0x0001000100010001ULL;
+                u64 m = (t | y) & 0x8000800080008000ULL;
+                e->attended[rix] += (u32)(IS_LESS((u64)p - vlo, span) *
+                                          (((m >> 15) & 1) + ((m >> 31) & 1) + ((m >> 47) & 1) + (m >> 63)));
             }
         }
         if (cb + 1 == bpr)

@@ -311,3 +311,32 @@ def test_diff_of_a_dense_and_a_pruned_run_finds_where_they_diverge(model_dir: Pa
     assert out["routing"]["first_difference"] is not None
     human = run_cli("diff", str(recs["dense"]), str(recs["pruned"]))
     assert human.returncode == 1 and "diverge" in (human.stdout + human.stderr).lower()
+
+
+def test_attention_is_counted_for_a_long_cache(model_dir: Path, tmp_path: Path) -> None:
+    """Past 1,100 positions a mask row (F32, the KV cache padded to 256 cells) needs 10 of the
+    counting budget's 16 blocks of 64 words: every token row still carries its counts."""
+    e = Engine(
+        [
+            str(ENGINES / "llama_engine.py"),
+            str(_model(model_dir, "moe", None)),
+            "--threads",
+            "2",
+            "--n-ctx",
+            "2048",
+        ]
+    )
+    try:
+        rec = Recorder(e.pid, tmp_path / "rec")
+        out = e.generate([PROMPTS[0]], max_tokens=1200)
+        rc, err = rec.stop(signal.SIGINT)
+        assert rc == 0, err
+    finally:
+        e.close()
+    r = sparseety_prof.open(tmp_path / "rec")
+    tokens = r.tokens()
+    assert tokens.height == len(out[0]["ids"]) and tokens["logits_pos"].max() > 1100  # type: ignore[operator]
+    n_attn = len(r.meta["layers"]["attn"])
+    for t in tokens.iter_rows(named=True):
+        assert t["attn_attended"] == [t["logits_pos"] + 1] * n_attn, t["logits_pos"]
+    assert r.meta["losses"]["attention_rows_not_counted"] == 0
