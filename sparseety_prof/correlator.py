@@ -411,11 +411,7 @@ class Correlator:
             if self.n_expert and (rows.values.min() < 0 or rows.values.max() >= self.n_expert):
                 problems.append(f"layer {layer}: expert ids outside [0, {self.n_expert})")
         if problems:
-            raise UnsupportedEngineBuild(
-                "unsupported engine build: the routing tensors failed verification on live data ("
-                + "; ".join(problems[:3])
-                + "). Nothing more was recorded."
-            )
+            raise _failed_verification("routing tensors", problems[:3])
         self.counters.verified_sparse += 1
 
     def _on_sparse(self, r: dict[str, Any]) -> None:
@@ -455,11 +451,7 @@ class Correlator:
         if filled.size and (filled.min() < 0 or filled.max() >= self.n_expert):
             problems.append(f"expert ids outside [0, {self.n_expert})")
         if problems:
-            raise UnsupportedEngineBuild(
-                "unsupported engine build: the routing tensors failed verification on live data ("
-                + "; ".join(problems)
-                + "). Nothing more was recorded."
-            )
+            raise _failed_verification("routing tensors", problems)
         self.counters.verified_sparse += 1
 
     def _on_sample_begin(self, r: dict[str, Any]) -> None:
@@ -669,12 +661,16 @@ class Correlator:
             else:
                 self.counters.verified_decodes += 1
         if problems:
-            raise UnsupportedEngineBuild(
-                "unsupported engine build: the llama_ubatch layout failed verification on live data ("
-                + "; ".join(problems)
-                + "). Nothing more was recorded."
-            )
+            raise _failed_verification("llama_ubatch layout", problems)
         self.counters.verified_ubatches += 1
+
+
+def _failed_verification(what: str, problems: list[str]) -> UnsupportedEngineBuild:
+    return UnsupportedEngineBuild(
+        f"unsupported engine build: the {what} failed verification on live data ("
+        + "; ".join(problems)
+        + "). Nothing more was recorded."
+    )
 
 
 _HANDLERS: dict[int, Callable[[Correlator, dict[str, Any]], None]] = {

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,27 @@ def llama_engine(models: dict[str, Path]) -> Iterator[Engine]:
     e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
     yield e
     e.close()
+
+
+def http_post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """POST a JSON body to an engine's HTTP endpoint and return its JSON answer."""
+    req = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return dict(json.loads(r.read()))
+
+
+def align_server_probs(ids: list[int], probs: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """llama-server folds a token that ends inside a UTF-8 character into the next one's
+    probability entry: pair its entries with the generated tokens by id -> (token index, entry)."""
+    out, j = [], 0
+    for i, t in enumerate(ids):
+        if j < len(probs) and probs[j]["id"] == t:
+            out.append((i, probs[j]))
+            j += 1
+    assert j == len(probs), "server probabilities out of step with its tokens"
+    return out
 
 
 def free_port() -> int:

@@ -3,16 +3,13 @@ send completions, and compare with the token ids and pre-sampling log-probs the 
 
 from __future__ import annotations
 
-import json
 import signal
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import polars as pl
 import pytest
-from conftest import ENGINES, Engine, Recorder, free_port
+from conftest import ENGINES, Engine, Recorder, align_server_probs, free_port, http_post
 
 import sparseety_prof
 
@@ -29,21 +26,13 @@ def server(models: dict[str, Path]) -> Iterator[Engine]:
     e.close()
 
 
-def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(
-        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return dict(json.loads(r.read()))
-
-
 def test_server_tokens_match_its_own_response(server: Engine, tmp_path: Path) -> None:
     url = server.ready["url"]
     rec = Recorder(server.pid, tmp_path / "rec")
     answers = []
     for p in PROMPTS:
         answers.append(
-            post(
+            http_post(
                 url,
                 "/completion",
                 {
@@ -69,7 +58,7 @@ def test_server_tokens_match_its_own_response(server: Engine, tmp_path: Path) ->
         assert got["token_id"].to_list() == ids
         # The server folds a token that ends inside a UTF-8 character into the next one's
         # probability entry; align its entries with the tokens by id.
-        matched = _align(ids, a["completion_probabilities"])
+        matched = align_server_probs(ids, a["completion_probabilities"])
         assert len(matched) >= 0.9 * len(ids)
         texts, lps = got["token_text"].to_list(), got["log_prob"].to_list()
         for i, c in matched:
@@ -77,7 +66,7 @@ def test_server_tokens_match_its_own_response(server: Engine, tmp_path: Path) ->
             if "\ufffd" not in c["token"]:
                 assert texts[i] == c["token"]
         probs = ids
-        n_prompt = len(post(url, "/tokenize", {"content": p, "add_special": True})["tokens"])
+        n_prompt = len(http_post(url, "/tokenize", {"content": p, "add_special": True})["tokens"])
         assert got["logits_pos"].to_list() == list(range(n_prompt - 1, n_prompt - 1 + len(probs)))
         assert got["decode_order"].to_list() == list(range(len(probs)))
         assert got["seq_id"].unique().to_list() == [a["id_slot"]]
@@ -85,16 +74,6 @@ def test_server_tokens_match_its_own_response(server: Engine, tmp_path: Path) ->
     losses = r.meta["losses"]
     assert losses["kernel_drops"] == 0 and losses["seq_gaps"] == 0 and losses["logits_incomplete"] == 0
     assert r.meta["engine"]["name"] == "xllamacpp"
-
-
-def _align(ids: list[int], probs: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
-    out, j = [], 0
-    for i, t in enumerate(ids):
-        if j < len(probs) and probs[j]["id"] == t:
-            out.append((i, probs[j]))
-            j += 1
-    assert j == len(probs), "server probabilities out of step with its tokens"
-    return out
 
 
 def test_repeated_prompt_is_a_new_request(server: Engine, tmp_path: Path) -> None:
@@ -110,7 +89,7 @@ def test_repeated_prompt_is_a_new_request(server: Engine, tmp_path: Path) -> Non
         "return_tokens": True,
         "cache_prompt": True,
     }
-    a1, a2 = post(url, "/completion", body), post(url, "/completion", body)
+    a1, a2 = http_post(url, "/completion", body), http_post(url, "/completion", body)
     rc, err = rec.stop()
     assert rc == 0, err
     tokens = sparseety_prof.open(tmp_path / "rec").tokens()
@@ -128,7 +107,7 @@ def test_two_slots_sequential_requests_reuse_a_slot(models: dict[str, Path], tmp
     try:
         rec = Recorder(e.pid, tmp_path / "rec")
         answers = [
-            post(
+            http_post(
                 e.ready["url"],
                 "/completion",
                 {

@@ -9,7 +9,6 @@ from __future__ import annotations
 import bisect
 import json
 import signal
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pytest
-from conftest import ENGINES, Engine, Recorder, free_port
+from conftest import ENGINES, Engine, Recorder, align_server_probs, free_port, http_post
 
 import sparseety_prof
 
@@ -67,26 +66,6 @@ def oracle(models: dict[str, Path], tmp_path: Path) -> Iterator[Engine]:
     e.close()
 
 
-def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(
-        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return dict(json.loads(r.read()))
-
-
-def _align(ids: list[int], probs: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
-    """The server folds a token that ends inside a UTF-8 character into the next one's probability
-    entry (as in test_xllamacpp_server.py): pair its entries with the tokens by id."""
-    out, j = [], 0
-    for i, t in enumerate(ids):
-        if j < len(probs) and probs[j]["id"] == t:
-            out.append((i, probs[j]))
-            j += 1
-    assert j == len(probs), "server probabilities out of step with its tokens"
-    return out
-
-
 Key = tuple[int, int]  # (position, layer)
 
 
@@ -114,7 +93,7 @@ def test_server_routing_agrees_with_teacher_forced_oracle(
     answers, prompt_ids = [], []
     for p in PROMPTS:
         answers.append(
-            post(
+            http_post(
                 url,
                 "/completion",
                 {
@@ -127,7 +106,7 @@ def test_server_routing_agrees_with_teacher_forced_oracle(
                 },
             )
         )
-        prompt_ids.append(post(url, "/tokenize", {"content": p, "add_special": True})["tokens"])
+        prompt_ids.append(http_post(url, "/tokenize", {"content": p, "add_special": True})["tokens"])
     rc, err = rec.stop(signal.SIGTERM)
     assert rc == 0, err
     server.close()
@@ -162,7 +141,7 @@ def test_server_routing_agrees_with_teacher_forced_oracle(
         assert got["token_id"].to_list() == a["tokens"]
         assert len(a["tokens"]) == N_PREDICT
         lps = got["log_prob"].to_list()
-        matched = _align(a["tokens"], a["completion_probabilities"])
+        matched = align_server_probs(a["tokens"], a["completion_probabilities"])
         assert len(matched) >= 0.9 * N_PREDICT
         for i, c in matched:
             assert abs(lps[i] - c["logprob"]) < LOGPROB_TOL, (rid, i, lps[i], c["logprob"])
