@@ -303,81 +303,54 @@ class Correlator:
             self._emit_routes(step)
 
     def _emit_routes(self, step: Step) -> None:
-        """The long form: one row per (batch row, FFN layer) the engine computed, built a layer
-        at a time (a prompt step has hundreds of rows)."""
+        """The long form: one row per (batch row, FFN layer) the engine computed, from the same
+        per-row values the token rows use (computed once per row)."""
         sp = step.sparse
         assert sp is not None
-        n = len(step.token)
-        batch_rows = list(range(step.row_offset, step.row_offset + n))
-        seqs, poss = step.seq.tolist(), step.pos.tolist()
         out_index = step.output_index()
-        cols = self._routes
-        if n == 1 and not self.with_masks:
-            self._emit_route_row(step, sp, batch_rows[0], seqs[0], poss[0], out_index)
-            return
-        for layer in sorted(set(self.layers.moe) | set(self.layers.ffn)):
-            lc = sp.layer_columns(layer, batch_rows, out_index, step.n_tokens, self.problems)
-            ids, zr = lc["expert_ids"], lc["act_zero_ratio"]
-            keep = [j for j in range(n) if ids[j] is not None or zr[j] is not None]
-            if not keep:
-                continue  # not computed for these rows (or not captured): no row is invented
-            for name, values in (
-                ("step_id", [step.step_id] * len(keep)),
-                ("ctx_id", [step.ctx_id] * len(keep)),
-                ("seq_id", [seqs[j] for j in keep]),
-                ("pos", [poss[j] for j in keep]),
-                ("row", [batch_rows[j] for j in keep]),
-                ("layer", [layer] * len(keep)),
-                *((k, [v[j] for j in keep]) for k, v in lc.items()),
-            ):
-                cols.setdefault(name, []).extend(values)
-            if self.with_masks:
-                for j in keep:
-                    bits = sp.act_mask_bits(layer, batch_rows[j], out_index, step.n_tokens)
-                    if bits is not None:
-                        self._append(
-                            self._masks,
-                            step_id=step.step_id,
-                            ctx_id=step.ctx_id,
-                            seq_id=seqs[j],
-                            pos=poss[j],
-                            row=batch_rows[j],
-                            layer=layer,
-                            n_values=len(bits),
-                            nonzero_bits=np.packbits(bits).tobytes(),
-                        )
-
-    def _emit_route_row(
-        self, step: Step, sp: StepSparse, b: int, seq: int, pos: int, out_index: dict[int, int]
-    ) -> None:
-        """A one-row step (a decode step): the token row's own per-layer values, computed once."""
         layers = self.layers
-        v = sp.row_values(b, out_index, step.n_tokens, layers, self.problems)
         moe_pos = {layer: k for k, layer in enumerate(layers.moe)}
         ffn_pos = {layer: k for k, layer in enumerate(layers.ffn)}
+        all_layers = sorted(set(layers.moe) | set(layers.ffn))
         cols = self._routes
-        for layer in sorted(set(layers.moe) | set(layers.ffn)):
-            km, kf = moe_pos.get(layer), ffn_pos.get(layer)
-            ids = v["expert_ids"][km] if km is not None else None
-            zr = v["act_zero_ratio"][kf] if kf is not None else None
-            if ids is None and zr is None:
-                continue
-            width = sp.act_width.get(layer, 0) * sp.act_slots.get(layer, 0)
-            for name, value in (
-                ("step_id", step.step_id),
-                ("ctx_id", step.ctx_id),
-                ("seq_id", seq),
-                ("pos", pos),
-                ("row", b),
-                ("layer", layer),
-                ("expert_ids", ids),
-                ("expert_weights", v["expert_weights"][km] if km is not None else None),
-                ("router_probs", v["router_probs"][km] if km is not None else None),
-                ("act_zero_ratio", zr),
-                ("act_below_ratio", v["act_below_ratio"][kf] if kf is not None else None),
-                ("act_values", width if zr is not None else None),
-            ):
-                cols.setdefault(name, []).append(value)
+        for i, (seq, pos) in enumerate(zip(step.seq.tolist(), step.pos.tolist(), strict=True)):
+            b = step.row_offset + i
+            v = sp.row_values(b, out_index, step.n_tokens, layers, self.problems)
+            for layer in all_layers:
+                km, kf = moe_pos.get(layer), ffn_pos.get(layer)
+                ids = v["expert_ids"][km] if km is not None else None
+                zr = v["act_zero_ratio"][kf] if kf is not None else None
+                if ids is None and zr is None:
+                    continue  # not computed for this row (or not captured): no row is invented
+                width = sp.act_width.get(layer, 0) * sp.act_slots.get(layer, 0)
+                for name, value in (
+                    ("step_id", step.step_id),
+                    ("ctx_id", step.ctx_id),
+                    ("seq_id", seq),
+                    ("pos", pos),
+                    ("row", b),
+                    ("layer", layer),
+                    ("expert_ids", ids),
+                    ("expert_weights", v["expert_weights"][km] if km is not None else None),
+                    ("router_probs", v["router_probs"][km] if km is not None else None),
+                    ("act_zero_ratio", zr),
+                    ("act_below_ratio", v["act_below_ratio"][kf] if kf is not None else None),
+                    ("act_values", width if zr is not None else None),
+                ):
+                    cols.setdefault(name, []).append(value)
+                bits = sp.act_mask_bits(layer, b, out_index, step.n_tokens) if self.with_masks else None
+                if bits is not None:
+                    self._append(
+                        self._masks,
+                        step_id=step.step_id,
+                        ctx_id=step.ctx_id,
+                        seq_id=seq,
+                        pos=pos,
+                        row=b,
+                        layer=layer,
+                        n_values=len(bits),
+                        nonzero_bits=np.packbits(bits).tobytes(),
+                    )
 
     def _on_step_agg(self, r: dict[str, Any]) -> None:
         """The aggregate of a one-row micro-batch, sent by its own thread before its end record.
@@ -390,29 +363,11 @@ class Correlator:
         if step.sparse is None:
             step.sparse = agg
         else:
-            step.sparse.ids.update(agg.ids)
-            step.sparse.weights.update(agg.weights)
-            for layer in agg.act_zeros:
-                step.sparse.act_zeros[layer] = agg.act_zeros[layer]
-                step.sparse.act_below[layer] = agg.act_below[layer]
-                step.sparse.act_width[layer] = agg.act_width[layer]
-                step.sparse.act_slots[layer] = agg.act_slots[layer]
+            step.sparse.merge(agg)
         self.layers_seen["moe"].update(agg.ids)
         self.layers_seen["ffn"].update(agg.act_zeros)
-        if agg.ids and self.counters.verified_sparse < VERIFY_UBATCHES:
-            self._verify_agg(agg)
-
-    def _verify_agg(self, sp: StepSparse) -> None:
-        problems = []
-        for layer, rows in sp.ids.items():
-            k = rows.values.shape[1]
-            if self.n_expert_used and k != self.n_expert_used:
-                problems.append(f"layer {layer}: {k} experts per row, the model selects {self.n_expert_used}")
-            if self.n_expert and (rows.values.min() < 0 or rows.values.max() >= self.n_expert):
-                problems.append(f"layer {layer}: expert ids outside [0, {self.n_expert})")
-        if problems:
-            raise _failed_verification("routing tensors", problems[:3])
-        self.counters.verified_sparse += 1
+        if agg.ids:
+            self._verify_routing(agg)
 
     def _on_sparse(self, r: dict[str, Any]) -> None:
         """A graph-op record belongs to the micro-batch running when it was produced. Worker
@@ -427,7 +382,7 @@ class Correlator:
         if kind == ev.EV_TENSOR:
             got = step.sparse.add_tensor(r)
             if got is not None and int(r["tag"]) == ev.TAG_EXPERT_IDS:
-                self._verify_routing(r, step.sparse, got[1])
+                self._verify_routing(step.sparse)
             section = "moe"
         elif kind in (ev.EV_ACT, ev.EV_ACT_MASK):
             got = step.sparse.add_act(r, with_bits=kind == ev.EV_ACT_MASK)
@@ -438,20 +393,21 @@ class Correlator:
         if got is not None:
             self.layers_seen[section].add(got[1])
 
-    def _verify_routing(self, r: dict[str, Any], sp: StepSparse, layer: int) -> None:
-        """The first routing records are checked against the model: k values per row, expert ids
+    def _verify_routing(self, sp: StepSparse) -> None:
+        """The first routing tensors are checked against the model: k values per row, expert ids
         in range. A tensor layout read wrongly fails here instead of recording garbage."""
         if self.counters.verified_sparse >= VERIFY_UBATCHES or not self.n_expert:
             return
-        ids = sp.ids[layer].values
         problems = []
-        if self.n_expert_used and int(r["ne0"]) != self.n_expert_used:
-            problems.append(f"{int(r['ne0'])} experts per row, the model selects {self.n_expert_used}")
-        filled = ids[sp.ids[layer].filled]
-        if filled.size and (filled.min() < 0 or filled.max() >= self.n_expert):
-            problems.append(f"expert ids outside [0, {self.n_expert})")
+        for layer, rows in sp.ids.items():
+            k = rows.values.shape[1]
+            if self.n_expert_used and k != self.n_expert_used:
+                problems.append(f"layer {layer}: {k} experts per row, the model selects {self.n_expert_used}")
+            filled = rows.values[rows.filled]
+            if filled.size and (filled.min() < 0 or filled.max() >= self.n_expert):
+                problems.append(f"layer {layer}: expert ids outside [0, {self.n_expert})")
         if problems:
-            raise _failed_verification("routing tensors", problems)
+            raise _failed_verification("routing tensors", problems[:3])
         self.counters.verified_sparse += 1
 
     def _on_sample_begin(self, r: dict[str, Any]) -> None:

@@ -91,7 +91,6 @@ class Problems:
     """Inconsistencies between records and the micro-batch (counted, never guessed around)."""
 
     unmapped_rows: int = 0  # a tensor whose row count is neither the batch's nor its outputs'
-    bad_values: list[str] = field(default_factory=list)  # first few, for the layout check
 
 
 @dataclass
@@ -110,7 +109,6 @@ class StepSparse:
     # attention: layer -> mask pointer; mask pointer -> {batch row: attended}
     attn_mask: dict[int, int] = field(default_factory=dict)
     attn_counts: dict[int, dict[int, int]] = field(default_factory=dict)
-    attn_n_kv: dict[int, int] = field(default_factory=dict)
     _attn_unnamed: int = 0  # unnamed attention nodes seen so far in this pass
     _row_cache: dict[int, dict[str, Any]] = field(default_factory=dict)  # asked once the pass ended
 
@@ -138,6 +136,15 @@ class StepSparse:
             sp.act_zeros[layer], sp.act_below[layer] = z, b
             sp.act_width[layer], sp.act_slots[layer] = int(r["act_ne0"][layer]), slots
         return sp
+
+    def merge(self, other: StepSparse) -> None:
+        """Take `other`'s routing and activation values (an aggregate record of the same pass)."""
+        self.ids.update(other.ids)
+        self.weights.update(other.weights)
+        self.act_zeros.update(other.act_zeros)
+        self.act_below.update(other.act_below)
+        self.act_width.update(other.act_width)
+        self.act_slots.update(other.act_slots)
 
     def add_tensor(self, r: dict[str, Any]) -> tuple[str, int] | None:
         parsed = parse_name(bytes(r["name"]))
@@ -236,7 +243,6 @@ class StepSparse:
         layer = parsed[1]
         mask = int(r["mask"])
         self.attn_mask[layer] = mask
-        self.attn_n_kv[layer] = int(r["n_kv"])
         n = int(r["n_counted"])
         if n:
             counts = self.attn_counts.setdefault(mask, {})
@@ -378,84 +384,3 @@ class StepSparse:
         if t is None or (z[t * slots : (t + 1) * slots] < 0).any():
             return None
         return bits[t * slots : (t + 1) * slots].reshape(-1)
-
-    # ------------------------------------------------------------------ per layer, all rows
-    def _index(
-        self, total: int, batch_rows: list[int], output_index: dict[int, int], n_tokens: int
-    ) -> list[int] | None:
-        """Tensor row of each batch row (-1: not computed), or None when the tensor matches
-        neither the batch nor its output rows."""
-        if total == n_tokens:
-            return batch_rows
-        if total == len(output_index):
-            return [output_index.get(b, -1) for b in batch_rows]
-        return None
-
-    def _rows_list(
-        self,
-        store: dict[int, _Rows],
-        layer: int,
-        batch_rows: list[int],
-        output_index: dict[int, int],
-        n_tokens: int,
-        problems: Problems,
-    ) -> list[Any]:
-        n = len(batch_rows)
-        rows = store.get(layer)
-        if rows is None:
-            return [None] * n
-        idx = self._index(rows.values.shape[0], batch_rows, output_index, n_tokens)
-        if idx is None:
-            problems.unmapped_rows += n
-            return [None] * n
-        vals = rows.values.tolist()
-        filled = rows.filled.tolist()
-        return [vals[i] if i >= 0 and filled[i] else None for i in idx]
-
-    def layer_columns(
-        self,
-        layer: int,
-        batch_rows: list[int],
-        output_index: dict[int, int],
-        n_tokens: int,
-        problems: Problems,
-    ) -> dict[str, list[Any]]:
-        """One layer's values for many batch rows at once (the routes table of a step)."""
-        n = len(batch_rows)
-        cols: dict[str, list[Any]] = {
-            "expert_ids": self._rows_list(self.ids, layer, batch_rows, output_index, n_tokens, problems),
-            "expert_weights": self._rows_list(
-                self.weights, layer, batch_rows, output_index, n_tokens, problems
-            ),
-            "router_probs": self._rows_list(self.probs, layer, batch_rows, output_index, n_tokens, problems),
-            "act_zero_ratio": [None] * n,
-            "act_below_ratio": [None] * n,
-            "act_values": [None] * n,
-        }
-        z = self.act_zeros.get(layer)
-        if z is not None:
-            slots, width = self.act_slots[layer], self.act_width[layer]
-            idx = self._index(len(z) // slots, batch_rows, output_index, n_tokens)
-            if idx is None:
-                problems.unmapped_rows += n
-            else:
-                zs = z.reshape(-1, slots)
-                bs = self.act_below[layer].reshape(-1, slots)
-                ok: np.ndarray = np.all((zs >= 0) & (bs >= 0), axis=1)
-                nv = slots * width
-                zr = (zs.sum(axis=1) / nv).tolist()
-                br = (bs.sum(axis=1) / nv).tolist()
-                okl = [bool(x) for x in ok]
-                for j, i in enumerate(idx):
-                    if i >= 0 and okl[i]:
-                        cols["act_zero_ratio"][j] = zr[i]
-                        cols["act_below_ratio"][j] = br[i]
-                        cols["act_values"][j] = nv
-        return cols
-
-    def layers_seen(self) -> dict[str, set[int]]:
-        return {
-            "moe": set(self.ids),
-            "ffn": set(self.act_zeros),
-            "attn": set(self.attn_mask),
-        }

@@ -107,8 +107,8 @@ def test_activation_counts_sum_over_expert_slots_and_threads() -> None:
     p = Problems()
     assert sp.act_ratios(1, 0, {}, 2, p) == (0.5, 0.6, 200)
     assert sp.act_ratios(1, 1, {}, 2, p) == (0.05, 0.125, 200)
-    cols = sp.layer_columns(1, [0, 1], {}, 2, p)
-    assert cols["act_zero_ratio"] == [0.5, 0.05] and cols["act_values"] == [200, 200]
+    rows = [sp.row_values(b, {}, 2, LayerSet(ffn=(1,)), p) for b in (0, 1)]
+    assert [v["act_zero_ratio"] for v in rows] == [[0.5], [0.05]]
 
 
 def test_uncounted_rows_give_null_not_zero() -> None:
