@@ -56,6 +56,8 @@ _SORT_KEYS: dict[str, tuple[str, ...]] = {
     "steps": ("step_id",),
     "routes": ("step_id", "row", "layer"),
     "masks": ("step_id", "row", "layer"),
+    "requests": ("t_started_ns", "seq_id"),
+    "kernels": ("launch_ns", "correlation_id"),
 }
 for _table, _cols in (*_TEXT_COLUMNS.items(), *_SORT_KEYS.items()):
     _missing = [c for c in _cols if c not in schema.TABLES[_table]]
@@ -401,6 +403,14 @@ class Recording:
     def masks(self) -> pl.DataFrame:
         """Bit-packed activation masks (schema.MASKS); empty unless recorded with --capture-masks."""
         return self.table("masks")
+
+    def requests(self) -> pl.DataFrame:
+        """One row per request (schema.REQUESTS): identity, slot/sequence, timing, lengths."""
+        return self.table("requests")
+
+    def kernels(self) -> pl.DataFrame:
+        """GPU kernel executions joined to their steps (schema.KERNELS); empty without the GPU path."""
+        return self.table("kernels")
 
     def segments(self, table: str) -> list[Path]:
         """The segment files of `table`, in write order."""

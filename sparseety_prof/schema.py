@@ -101,11 +101,61 @@ MASKS: dict[str, pl.DataType] = {
     "nonzero_bits": pl.Binary(),
 }
 
+#: One row per request the profiler saw (HTTP engines: one per client request; other front ends:
+#: one per segmented sequence run). Built from the tokens and the request-identity probes.
+REQUESTS: dict[str, pl.DataType] = {
+    "request_id": pl.String(),  # the client's header value, or a generated "gen-..." id
+    "id_source": pl.String(),  # "header", "generated" (HTTP request without the header), "segmented"
+    "ctx_id": pl.Int32(),
+    "seq_id": pl.Int32(),  # engine sequence the request ran in (llama-server: slot id)
+    "slot_id": pl.Int32(),  # server slot (null for non-server front ends)
+    "task_id": pl.Int64(),  # server task id (null for non-server front ends)
+    "parent_seq_id": pl.Int32(),  # sequence it was forked from (llama_memory_seq_cp), else null
+    "t_received_ns": pl.Int64(),  # CLOCK_MONOTONIC: request bytes read from the socket
+    "t_started_ns": pl.Int64(),  # slot launch (server) or first step of the sequence
+    "t_first_token_ns": pl.Int64(),
+    "t_last_token_ns": pl.Int64(),
+    "ttft_ms": pl.Float64(),  # first token - received (or - started without a socket read)
+    "itl_p50_ms": pl.Float64(),  # inter-token latency over the decode tokens
+    "itl_p99_ms": pl.Float64(),
+    "prompt_tokens": pl.Int32(),  # prompt rows the engine computed for it (cached prefix excluded)
+    "output_tokens": pl.Int32(),
+    "end_reason": pl.String(),  # "eos", "released" (slot released), "detached", or null
+    "partial": pl.Boolean(),  # already running when the profiler attached
+    "pid": pl.Int32(),
+}
+
+#: GPU path: one row per kernel execution (CUPTI concurrent-kernel activity), joined to its step.
+KERNELS: dict[str, pl.DataType] = {
+    "step_id": pl.Int64(),  # token step the launch belongs to; null when unjoined
+    "join": pl.String(),  # "thread" (exact), "window" (time fallback), "gpu_step", or null
+    "join_error_ns": pl.Int64(),  # window join: distance outside the step window (0 inside)
+    "pid": pl.Int32(),
+    "tid": pl.Int32(),  # launching thread (from the launch API record)
+    "device": pl.Int32(),
+    "context_id": pl.Int32(),
+    "stream_id": pl.Int64(),
+    "correlation_id": pl.Int64(),
+    "name": pl.String(),  # kernel name as CUPTI reports it (mangled)
+    "api": pl.String(),  # launch API: cuLaunchKernel, cudaLaunchKernel, cuGraphLaunch, ...
+    "launch_ns": pl.Int64(),  # CLOCK_MONOTONIC: launch API entry on the host
+    "start_ns": pl.Int64(),  # CLOCK_MONOTONIC: kernel start on the device (null when CUPTI gave 0)
+    "end_ns": pl.Int64(),
+    "grid": pl.List(pl.Int32()),  # x, y, z
+    "block": pl.List(pl.Int32()),
+    "shared_mem_bytes": pl.Int32(),
+    "graph_id": pl.Int64(),  # non-null: the kernel ran as a node of a CUDA graph replay
+    "graph_node_id": pl.Int64(),
+    "buffer_captured": pl.Boolean(),  # a watched argument buffer was copied for this launch
+}
+
 TABLES: dict[str, dict[str, pl.DataType]] = {
     "tokens": TOKENS,
     "steps": STEPS,
     "routes": ROUTES,
     "masks": MASKS,
+    "requests": REQUESTS,
+    "kernels": KERNELS,
 }
 
 PHASE_PREFILL = "prefill"
