@@ -31,6 +31,13 @@ enum ev_kind {
     EV_ATTN = 12,         /* attention mask of one layer, counted per output row: struct ev_attn */
     EV_ACT_MASK = 13,     /* struct ev_act plus the zero mask bits (--capture-masks)             */
     EV_STEP_AGG = 14,     /* routing and activation totals of a one-row micro-batch: ev_step_agg */
+    /* ---- serving context (server_probes.bpf.c): llama-server's request -> task -> slot chain */
+    EV_HTTP_READ = 15,    /* bytes a server thread received on a socket: struct ev_http          */
+    EV_TASK_POST = 16,    /* server_queue::post entry      a = first task id, b = 1 single / 0 vector, ptr = vector bytes */
+    EV_SLOT_LAUNCH = 17,  /* launch_slot_with_task entry   a = slot id, b = task id               */
+    EV_SLOT_CHILD = 18,   /* launch_slots_with_parent_task a = child slot id, b = task id, c = parent slot id */
+    EV_SLOT_RELEASE = 19, /* server_slot::release entry    a = slot id                            */
+    EV_SLOT_TOKEN = 20,   /* process_token entry           a = slot id, b = sampled token id      */
 };
 
 enum sampler_kind { SAMPLER_LLAMA = 1, SAMPLER_COMMON = 2 };
@@ -178,6 +185,20 @@ struct ev_step_agg {
     __u32 act_nr[AGG_MAX_LAYERS];          /* rows of the node */
     __u32 act_ne0[AGG_MAX_LAYERS];         /* values per row */
     __u32 act_slots[AGG_MAX_LAYERS];       /* rows per token: k for MoE activations, else 1 */
+};
+
+/* ---- serving context ------------------------------------------------------------------- */
+#define HTTP_BYTES 4096          /* bytes of one socket read copied (request line and headers);
+                                    cpp-httplib reads at most 4 KiB at a time */
+#define MAX_CHILD_SLOTS 8        /* child slots reported per parent task (n > 1) */
+
+struct ev_http {
+    struct ev_hdr h;
+    __s32 fd;
+    __u32 len;                  /* bytes the read returned */
+    __u32 n_copied;             /* bytes in data: min(len, HTTP_BYTES) */
+    __u32 pad;
+    __u8 data[HTTP_BYTES];
 };
 
 #endif

@@ -50,7 +50,18 @@ PROBES = [
     ProbeSpec(tg.SYM_GLU, "glu_enter", "glu_return", False, "activations"),
     ProbeSpec(tg.SYM_SOFT_MAX, "softmax_enter", None, False, "attention"),
     ProbeSpec(tg.SYM_FLASH_ATTN, "fattn_enter", None, False, "attention"),
+    # serving context (llama-server): which request each sequence serves
+    ProbeSpec(tg.SYM_TASK_POST_ONE, "task_post_one", None, False),
+    ProbeSpec(tg.SYM_TASK_POST_VEC, "task_post_vec", None, False),
+    ProbeSpec(tg.SYM_SLOT_LAUNCH, "slot_launch", None, False),
+    ProbeSpec(tg.SYM_SLOT_LAUNCH_OLD, "slot_launch", None, False),
+    ProbeSpec(tg.SYM_SLOT_LAUNCH_PARENT, "slot_launch_parent", None, False),
+    ProbeSpec(tg.SYM_SLOT_RELEASE, "slot_release", None, False),
+    ProbeSpec(tg.SYM_PROCESS_TOKEN, "slot_token", None, False),
+    ProbeSpec(tg.SYM_PROCESS_TOKEN_OLD, "slot_token", None, False),
 ]
+#: the socket-read tracepoints (not a uprobe): on when the process is a server, name for `skip`
+HTTP_READS = "http_reads"
 
 
 def _wanted(spec: ProbeSpec, capture: Capture) -> bool:
@@ -61,7 +72,7 @@ def _wanted(spec: ProbeSpec, capture: Capture) -> bool:
     return bool(getattr(capture, spec.feature))
 
 
-PROBE_SOURCES = ("token_probes.bpf.c", "sparse_probes.bpf.c")
+PROBE_SOURCES = ("token_probes.bpf.c", "sparse_probes.bpf.c", "server_probes.bpf.c")
 
 
 def probe_source() -> str:
@@ -132,10 +143,13 @@ def compile_and_attach(
 ) -> Session:
     bcc = import_bcc()
     capture = capture or Capture()
+    http_reads = is_server(where) and HTTP_READS not in skip
     cflags = [
         f"-I{PROBES_DIR}",
         *build.ubatch.cflags(),
         *build.tensor.cflags(),
+        *build.server.cflags(),
+        *(["-DHTTP_READS", f"-DTARGET_TGID={pid}"] if http_reads else []),
         *capture.cflags(),
         f"-DN_VOCAB={n_vocab}",
         f"-DLOGITS_CHUNK={logits_chunk_for(n_vocab)}",
@@ -156,6 +170,9 @@ def compile_and_attach(
             f"kernel headers and BCC"
         ) from None
     sess = Session(bpf=b, pid=pid, compile_s=time.monotonic() - t0, logits_chunk=logits_chunk_for(n_vocab))
+    if http_reads:  # TRACEPOINT_PROBEs attach when the program loads
+        tp = "syscalls:sys_{enter,exit}_{recvfrom,read}"
+        sess.attached.append(AttachedProbe(tp, "kernel", 0, "tracepoint"))
     try:
         if capture.activations:
             # the activation counter continues a thread's rows through tail calls to glu_continue
@@ -184,6 +201,13 @@ def compile_and_attach(
         sess.close()
         raise
     return sess
+
+
+def is_server(where: dict[str, Path]) -> bool:
+    """The process runs llama-server's task/slot machinery (a built binary or xllamacpp)."""
+    return (tg.SYM_SLOT_LAUNCH in where or tg.SYM_SLOT_LAUNCH_OLD in where) and (
+        tg.SYM_TASK_POST_ONE in where or tg.SYM_TASK_POST_VEC in where
+    )
 
 
 def _attach(fn: Any, lib: Path, vaddr: int, fn_name: str, pid: int) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from . import __version__
 from .errors import ProfError
+from .serving import DEFAULT_HEADER
 
 if TYPE_CHECKING:
     from .record import Options
@@ -49,6 +50,7 @@ def _options(args: argparse.Namespace) -> Options:
         model=args.model,
         nice=args.nice,
         skip_probes=frozenset(getattr(args, "skip_probe", None) or ()),
+        request_header=args.request_header,
         capture=capture,
     )
 
@@ -206,6 +208,13 @@ def _attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_requir
         "--capture-masks",
         action="store_true",
         help="also record the activation zero masks, bit-packed, in the masks table",
+    )
+    p.add_argument(
+        "--request-header",
+        default=DEFAULT_HEADER,
+        metavar="NAME",
+        help=f"HTTP servers: header whose value becomes request_id (default {DEFAULT_HEADER}); "
+        "requests without it get generated ids",
     )
 
 

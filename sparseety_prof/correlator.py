@@ -4,7 +4,10 @@ Pure consumer-side logic, fed in sequence-number order: no BPF here, so it is un
 synthetic records. State is kept per engine context (a draft or embedding context in the same
 process never mixes with another) and per sequence within it.
 
-Request segmentation (before HTTP request ids exist): a sequence starts a new request when
+Requests. On llama-server (a built binary or xllamacpp), a sequence serves the request whose
+task was last launched on its slot (serving.py: HTTP read -> task post -> slot launch), and the
+server's own process_token call says which slot each sampled token went to. Other front ends
+have no request objects: a sequence starts a new (segmented) request when
   * the engine removed cells of it from its cache (llama_memory_seq_rm with p0 at or before the
     last cached position, or llama_memory_clear), or
   * a forward pass's input for it is not the continuation: not at the next position, or not the
@@ -23,6 +26,7 @@ from . import events as ev
 from .errors import UnsupportedEngineBuild
 from .logits import row_stats
 from .schema import PHASE_DECODE, PHASE_PREFILL, SOURCE_NEXT_INPUT, SOURCE_SAMPLER
+from .serving import ID_SEGMENTED, Launch, RequestAgg, ServingTracker
 from .sparse import LayerSet, Problems, StepSparse
 
 _SPARSE_TOKEN_COLUMNS = (
@@ -71,6 +75,8 @@ class SeqState:
     request_id: str
     partial: bool
     max_pos: int
+    agg: RequestAgg | None = None  # the request's row-to-be (None once it was emitted)
+    launch_serial: int = 0  # server: the slot launch this request came from
     samples: int = 0
     expect_token: int | None = None  # token sampled last, not yet fed back
     next_input_pending: tuple[Step, int] | None = None  # output row awaiting a next_input token
@@ -108,6 +114,7 @@ class Counters:
     sparse_unattributed: int = 0  # graph-op records while no (or more than one) micro-batch ran
     sparse_unmapped_rows: int = 0  # tensor rows that match neither the batch nor its outputs
     verified_sparse: int = 0  # routing records checked against the model's expert counts
+    slot_tokens_unresolved: int = 0  # server samples whose slot has no output row in the decode
 
 
 class Correlator:
@@ -122,6 +129,8 @@ class Correlator:
         n_expert: int = 0,
         n_expert_used: int = 0,
         with_masks: bool = False,
+        serving: ServingTracker | None = None,
+        slot_tokens: bool = False,
     ) -> None:
         self.pid = pid
         self.n_vocab = n_vocab
@@ -143,6 +152,11 @@ class Correlator:
         self.layers_seen: dict[str, set[int]] = {"moe": set(), "ffn": set(), "attn": set()}
         self._routes: dict[str, list[object]] = {}
         self._masks: dict[str, list[object]] = {}
+        self.serving = serving
+        # server: a sample waits for the process_token call that names its slot (by thread)
+        self.slot_tokens = slot_tokens
+        self._deferred: dict[int, tuple[CtxState, int, int, list[np.ndarray] | None]] = {}
+        self._requests: dict[str, list[object]] = {}  # finished request rows
 
     # ------------------------------------------------------------------ public
     def feed(self, batch: ev.EventBatch) -> None:
@@ -151,6 +165,14 @@ class Correlator:
         Records become plain dicts first (one tolist() per group for the small ones): reading
         fields of numpy structured scalars one by one costs several times more per event."""
         recs: list[tuple[int, dict[str, Any]]] = []
+        for h in batch.http:
+            data = bytes(h["data"])[: int(h["n_copied"])]
+            recs.append(
+                (
+                    int(h["seq"]),
+                    {"kind": int(h["kind"]), "tid": int(h["tid"]), "ts_ns": int(h["ts_ns"]), "data": data},
+                )
+            )
         for arr in (batch.small, batch.tensor_s, batch.tensor_l, batch.act, batch.act_mask, batch.attn):
             if len(arr):
                 names = arr.dtype.names or ()
@@ -167,6 +189,19 @@ class Correlator:
         for c in self.ctxs.values():
             for smp in c.sampling.values():
                 smp.chunks = {k: np.array(v) for k, v in smp.chunks.items()}
+        for tid, (c, idx, token, logits) in self._deferred.items():
+            if logits is not None:  # views into this drain's batch
+                self._deferred[tid] = (c, idx, token, [np.array(x) for x in logits])
+
+    def take_request_rows(self, *, final: bool = False) -> dict[str, list[object]]:
+        """Rows of the requests that ended since the last call; with `final`, every request
+        still open too (end_reason "detached" unless one is known)."""
+        if final:
+            for c in self.ctxs.values():
+                for st in c.seqs.values():
+                    self._finish_request(st, "detached")
+        rows, self._requests = self._requests, {}
+        return rows
 
     def take_rows(self) -> tuple[dict[str, list[object]], dict[str, list[object]]]:
         """Token and step columns produced since the last call."""
@@ -429,13 +464,9 @@ class Correlator:
 
     def _on_sample_end(self, r: dict[str, Any]) -> None:
         c = self._ctx(int(r["ctx"]))
-        s = c.sampling.pop(int(r["tid"]), None)
+        tid = int(r["tid"])
+        s = c.sampling.pop(tid, None)
         idx = s.idx if s is not None else int(r["c"])
-        where = self._resolve(c, idx)
-        if where is None:
-            self.counters.samples_unresolved += 1
-            return
-        step, i = where
         logits = None
         if s is not None and s.chunks:
             n_chunks = -(-s.n_vocab // s.chunk_len)
@@ -443,7 +474,81 @@ class Correlator:
                 logits = [s.chunks[k] for k in range(n_chunks)]
             else:
                 self.counters.logits_incomplete += 1
-        self._emit_token(c, step, i, int(r["a"]), int(r["tid"]), SOURCE_SAMPLER, logits)
+        if self.slot_tokens:
+            # the server's process_token call for this sample names its slot: wait for it (a
+            # sample it never hands to a slot is emitted by batch index when the next comes)
+            self._flush_deferred(tid)
+            self._deferred[tid] = (c, idx, int(r["a"]), logits)
+            return
+        self._emit_sample(c, idx, int(r["a"]), tid, logits)
+
+    def _emit_sample(
+        self,
+        c: CtxState,
+        idx: int,
+        token: int,
+        tid: int,
+        logits: list[np.ndarray] | None,
+        slot: int | None = None,
+    ) -> None:
+        where = self._resolve(c, idx)
+        if slot is not None and (where is None or int(where[0].seq[where[1]]) != slot):
+            # the batch index does not lead to the slot's row (the micro-batch was split and
+            # reordered by sequence): the slot's only output row of this decode is the one
+            mine = [(st, i) for st, i in c.outputs if int(st.seq[i]) == slot]
+            where = mine[0] if len(mine) == 1 else None
+            if where is None:
+                self.counters.slot_tokens_unresolved += 1
+                return
+        if where is None:
+            self.counters.samples_unresolved += 1
+            return
+        step, i = where
+        self._emit_token(c, step, i, token, tid, SOURCE_SAMPLER, logits)
+
+    def _flush_deferred(self, tid: int) -> None:
+        d = self._deferred.pop(tid, None)
+        if d is not None:
+            c, idx, token, logits = d
+            self._emit_sample(c, idx, token, tid, logits)
+
+    # ---- serving context (llama-server)
+    def _on_http(self, r: dict[str, Any]) -> None:
+        if self.serving is not None:
+            self.serving.on_http(int(r["tid"]), int(r["ts_ns"]), r["data"])
+
+    def _on_task_post(self, r: dict[str, Any]) -> None:
+        if self.serving is not None:
+            self.serving.on_task_post(int(r["tid"]), int(r["a"]), int(r["b"]) == 1, int(r["ptr"]))
+
+    def _on_slot_launch(self, r: dict[str, Any]) -> None:
+        if self.serving is not None:
+            self.serving.on_slot_launch(int(r["ts_ns"]), int(r["a"]), int(r["b"]))
+
+    def _on_slot_child(self, r: dict[str, Any]) -> None:
+        if self.serving is not None:
+            self.serving.on_slot_child(int(r["a"]), int(r["c"]), int(r["b"]))
+
+    def _on_slot_release(self, r: dict[str, Any]) -> None:
+        """The slot finished its request: emit the request's row now."""
+        self._flush_deferred(int(r["tid"]))
+        launch = self.serving.slots.get(int(r["a"])) if self.serving is not None else None
+        if launch is None:
+            return
+        for c in self.ctxs.values():
+            st = c.seqs.get(launch.slot)
+            if st is not None and st.launch_serial == launch.serial:
+                self._finish_request(st, "released")
+
+    def _on_slot_token(self, r: dict[str, Any]) -> None:
+        tid = int(r["tid"])
+        d = self._deferred.pop(tid, None)
+        if d is None:
+            return
+        c, idx, token, logits = d
+        if token != int(r["b"]) and self.serving is not None:
+            self.serving.counters.slot_token_mismatch += 1
+        self._emit_sample(c, idx, token, tid, logits, slot=int(r["a"]))
 
     def _on_seq_rm(self, r: dict[str, Any]) -> None:
         self.pending_clears.setdefault(int(r["tid"]), []).append((int(r["a"]), int(r["b"])))
@@ -477,6 +582,12 @@ class Correlator:
             first = int(rows[0])
             tok, pos = int(step.token[first]), int(step.pos[first])
             st = c.seqs.get(seq)
+            launch = self.serving.slots.get(seq) if self.serving is not None else None
+            if launch is not None and (st is None or launch.serial > st.launch_serial):
+                # the server launched a task on this slot since: a new request, whatever the
+                # positions say (a cached prompt prefix makes a new request look continued)
+                self._new_request(c, seq, step, rows, launch=launch)
+                continue
             cleared = st is not None and any(cs in (-1, seq) and p0 <= st.max_pos for cs, p0 in clears)
             # In a truncated micro-batch the sequence's first rows may be among those not copied:
             # then any position past the last one cached continues it.
@@ -496,12 +607,46 @@ class Correlator:
             # it was most likely already running: partial (a prefix-cache hit that leaves a single
             # prompt token to evaluate looks the same; partial errs on the safe side).
             partial = st is None and len(rows) == 1 and pos > 0
-            c.requests += 1
-            c.seqs[seq] = SeqState(
-                request_id=f"r{c.ctx_id}-{seq}-{c.requests}",
-                partial=partial,
-                max_pos=int(step.pos[rows].max()),
+            self._new_request(c, seq, step, rows, partial=partial)
+
+    def _new_request(
+        self,
+        c: CtxState,
+        seq: int,
+        step: Step,
+        rows: np.ndarray,
+        *,
+        partial: bool = False,
+        launch: Launch | None = None,
+    ) -> None:
+        old = c.seqs.get(seq)
+        if old is not None:
+            self._finish_request(old, None)
+        c.requests += 1
+        if launch is not None:
+            rid, src, serial = launch.request_id, launch.id_source, launch.serial
+        else:
+            rid, src, serial = (
+                f"r{c.ctx_id}-{seq}-{c.requests}",
+                ID_SEGMENTED,
+                old.launch_serial if old else 0,
             )
+        agg = RequestAgg(rid, src, c.ctx_id, seq, self.pid, partial, step.t_start)
+        if launch is not None:
+            agg.slot_id, agg.task_id, agg.parent_seq_id = launch.slot, launch.task_id, launch.parent_seq_id
+            agg.t_received_ns, agg.t_started_ns = launch.t_received_ns, launch.t_ns
+        c.seqs[seq] = SeqState(
+            request_id=rid, partial=partial, max_pos=int(step.pos[rows].max()), agg=agg, launch_serial=serial
+        )
+
+    def _finish_request(self, st: SeqState, reason: str | None) -> None:
+        if st.agg is None:
+            return
+        if st.agg.end_reason is None:
+            st.agg.end_reason = reason
+        for k, v in st.agg.row().items():
+            self._requests.setdefault(k, []).append(v)
+        st.agg = None
 
     def _maybe_next_input(self, c: CtxState, st: SeqState, step: Step, row: int, n_rows: int) -> None:
         """Engines that sample without a probed sampler call: the token is the next input.
@@ -528,10 +673,8 @@ class Correlator:
         logits_pos = int(step.pos[i])
         st = c.seqs.get(seq)
         if st is None:  # attached between a forward pass and its sampling
-            c.requests += 1
-            st = c.seqs[seq] = SeqState(
-                request_id=f"r{c.ctx_id}-{seq}-{c.requests}", partial=True, max_pos=logits_pos
-            )
+            self._new_request(c, seq, step, np.array([i]), partial=True)
+            st = c.seqs[seq]
         if logits is not None:  # statistics are computed for the whole drain in take_rows
             self._pending_rows.append((len(self._tokens.get("token_id", [])), logits))
         first = st.samples == 0
@@ -574,6 +717,8 @@ class Correlator:
         )
         st.samples += 1
         st.expect_token = token
+        if st.agg is not None:
+            st.agg.add_token(logits_pos, step.t_end, token)
 
     def _verify(self, c: CtxState, step: Step, *, has_tokens: bool) -> None:
         """Sanity-check the first micro-batches read with this build's layout; compare with the
@@ -643,4 +788,10 @@ _HANDLERS: dict[int, Callable[[Correlator, dict[str, Any]], None]] = {
     ev.EV_ACT_MASK: Correlator._on_sparse,
     ev.EV_ATTN: Correlator._on_sparse,
     ev.EV_STEP_AGG: Correlator._on_step_agg,
+    ev.EV_HTTP_READ: Correlator._on_http,
+    ev.EV_TASK_POST: Correlator._on_task_post,
+    ev.EV_SLOT_LAUNCH: Correlator._on_slot_launch,
+    ev.EV_SLOT_CHILD: Correlator._on_slot_child,
+    ev.EV_SLOT_RELEASE: Correlator._on_slot_release,
+    ev.EV_SLOT_TOKEN: Correlator._on_slot_token,
 }

@@ -27,6 +27,12 @@ EV_ACT = 11
 EV_ATTN = 12
 EV_ACT_MASK = 13
 EV_STEP_AGG = 14
+EV_HTTP_READ = 15
+EV_TASK_POST = 16
+EV_SLOT_LAUNCH = 17
+EV_SLOT_CHILD = 18
+EV_SLOT_RELEASE = 19
+EV_SLOT_TOKEN = 20
 
 TAG_EXPERT_IDS = 1
 TAG_EXPERT_WEIGHTS = 2
@@ -64,6 +70,7 @@ ACT_MAX_ROWS = _header_define("ACT_MAX_ROWS")
 ATT_MAX_ROWS = _header_define("ATT_MAX_ROWS")
 AGG_MAX_LAYERS = _header_define("AGG_MAX_LAYERS")
 AGG_MAX_K = _header_define("AGG_MAX_K")
+HTTP_BYTES = _header_define("HTTP_BYTES")
 
 
 def logits_chunk_for(n_vocab: int) -> int:
@@ -159,6 +166,11 @@ STEP_AGG_DTYPE = np.dtype(
 )
 
 
+HTTP_DTYPE = np.dtype(
+    [*HDR, ("fd", "<i4"), ("len", "<u4"), ("n_copied", "<u4"), ("hpad", "<u4"), ("data", f"V{HTTP_BYTES}")]
+)
+
+
 def logits_dtype(chunk: int) -> np.dtype:
     return np.dtype(
         [
@@ -185,6 +197,7 @@ class EventBatch:
     act_mask: np.ndarray = field(default_factory=lambda: np.empty(0, ACT_MASK_DTYPE))
     attn: np.ndarray = field(default_factory=lambda: np.empty(0, ATTN_DTYPE))
     step_agg: np.ndarray = field(default_factory=lambda: np.empty(0, STEP_AGG_DTYPE))
+    http: np.ndarray = field(default_factory=lambda: np.empty(0, HTTP_DTYPE))
 
     def groups(self) -> list[np.ndarray]:
         return [
@@ -197,6 +210,7 @@ class EventBatch:
             self.act_mask,
             self.attn,
             self.step_agg,
+            self.http,
         ]
 
     def __len__(self) -> int:
@@ -220,8 +234,9 @@ def _layouts(logits_chunk: int) -> dict[int, tuple[str, np.dtype]]:
         ACT_MASK_DTYPE.itemsize: ("act_mask", ACT_MASK_DTYPE),
         ATTN_DTYPE.itemsize: ("attn", ATTN_DTYPE),
         STEP_AGG_DTYPE.itemsize: ("step_agg", STEP_AGG_DTYPE),
+        HTTP_DTYPE.itemsize: ("http", HTTP_DTYPE),
     }
-    if len(by_size) != 9:  # pragma: no cover - a layout change made two sizes collide
+    if len(by_size) != 10:  # pragma: no cover - a layout change made two sizes collide
         raise RuntimeError("two record layouts have the same size; give one of them padding")
     return by_size
 

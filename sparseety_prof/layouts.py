@@ -71,12 +71,32 @@ _TENSOR_GGML_2026 = TensorLayout()
 
 
 @dataclass(frozen=True)
+class ServerLayout:
+    """Byte offsets in llama-server's private structs that the serving-context probes read. Each
+    id is the struct's first member in llama-server's sources (server_task::id, server_slot::id,
+    completion_token_output::tok); checked on live data (slot ids must be the sequence ids of
+    the slot's micro-batch rows, task ids must grow)."""
+
+    task_id: int = 0
+    slot_id: int = 0
+    token_out_tok: int = 0
+
+    def cflags(self) -> list[str]:
+        return [
+            f"-DSRV_TASK_ID={self.task_id}",
+            f"-DSRV_SLOT_ID={self.slot_id}",
+            f"-DSRV_TOKOUT_TOK={self.token_out_tok}",
+        ]
+
+
+@dataclass(frozen=True)
 class EngineBuild:
     engine: str  # "llama-cpp-python" | "xllamacpp"
     version: str  # package version
     llama_cpp_commit: str  # the llama.cpp source it bundles, where known
     ubatch: UbatchLayout
     tensor: TensorLayout = _TENSOR_GGML_2026
+    server: ServerLayout = ServerLayout()  # measured on xllamacpp 2026.10.11549's live slots and tasks
 
 
 # b_equal_seqs@0 n_tokens@4 n_seq_tokens@8 n_seqs@12 n_seqs_unq@16 n_pos@20 token@24 embd@32 pos@40

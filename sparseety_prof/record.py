@@ -20,13 +20,14 @@ import numpy as np
 
 from . import __version__, layouts, schema
 from . import target as tg
-from .bpf_loader import RingReader, Session, compile_and_attach
+from .bpf_loader import RingReader, Session, compile_and_attach, is_server
 from .capture import Capture
 from .correlator import Correlator
 from .errors import NotAnEngine, ProfError
 from .events import SeqTracker, decode_groups
 from .gguf_info import ModelInfo, Vocab, read_model_info, read_tensor_infos, sha256_file
 from .recording import RecordingWriter, sudo_owner
+from .serving import DEFAULT_HEADER, ServingTracker
 from .sparse import LayerSet, layer_set
 from .weight_sparsity import analyze as analyze_weights
 
@@ -42,6 +43,7 @@ class Options:
     model: Path | None = None  # override when the process has no GGUF file mapped or open
     skip_probes: frozenset[str] = frozenset()  # for tests: disable a probe point on purpose
     nice: int = 10  # consumer priority once attached: the engine's threads win any contention
+    request_header: str = DEFAULT_HEADER  # HTTP header carrying the client's request id
     capture: Capture = field(default_factory=Capture)  # sparse decisions to capture
 
 
@@ -173,6 +175,10 @@ class Recorder:
             n_expert=int(hp.get("expert_count", 0) or 0),
             n_expert_used=int(hp.get("expert_used_count", 0) or 0),
             with_masks=opts.capture.masks,
+            serving=ServingTracker(opts.pid, opts.request_header) if is_server(a.where) else None,
+            slot_tokens=any(
+                p.symbol in (tg.SYM_PROCESS_TOKEN, tg.SYM_PROCESS_TOKEN_OLD) for p in a.session.attached
+            ),
         )
         tracker = SeqTracker()
         reader = RingReader(a.session)
@@ -234,7 +240,9 @@ class Recorder:
                     "attention_rows_not_counted": counters["attention_rows_not_counted"],
                     "sparse_unattributed": corr.counters.sparse_unattributed,
                     "sparse_unmapped_rows": corr.problems.unmapped_rows,
+                    "slot_tokens_unresolved": corr.counters.slot_tokens_unresolved,
                 },
+                "serving": _serving_meta(corr, a, opts),
                 "verification": {
                     "verified_ubatches": corr.counters.verified_ubatches,
                     "verified_decodes": corr.counters.verified_decodes,
@@ -274,6 +282,7 @@ class Recorder:
             corr.feed(batch)
         tok, steps = corr.take_rows()
         routes, masks = corr.take_sparse_rows()
+        requests = corr.take_request_rows(final=final)
         if writer is not None:
             if steps:
                 writer.append("steps", schema.frame("steps", steps))
@@ -283,6 +292,8 @@ class Recorder:
                 writer.append("routes", schema.frame("routes", routes))
             if masks:
                 writer.append("masks", schema.frame("masks", masks))
+            if requests:
+                writer.append("requests", schema.frame("requests", requests))
         p = self.progress
         p.records = tracker.seen
         p.seq_gaps = tracker.gaps
@@ -297,6 +308,18 @@ class Recorder:
         p.cpu_s = _cpu_s() - self._cpu0
         if self.on_update is not None:
             self.on_update(tok, steps, p)
+
+
+def _serving_meta(corr: Correlator, a: Attached, opts: Options) -> dict[str, Any] | None:
+    """How request ids were obtained, with the chain's own counts (None: not a server)."""
+    sv = corr.serving
+    if sv is None:
+        return None
+    return {
+        "request_id_header": opts.request_header,
+        "http_reads_probed": any(p.kind == "tracepoint" for p in a.session.attached),
+        **sv.counters.__dict__,
+    }
 
 
 def _coverage(layers: LayerSet, seen: dict[str, set[int]], capture: Capture) -> dict[str, Any]:

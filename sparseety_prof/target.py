@@ -32,6 +32,29 @@ SYM_GLU = "ggml_compute_forward_glu"
 SYM_SOFT_MAX = "ggml_compute_forward_soft_max"
 SYM_FLASH_ATTN = "ggml_compute_forward_flash_attn_ext"
 SPARSE_SYMBOLS = (SYM_GET_ROWS, SYM_MUL, SYM_GLU, SYM_SOFT_MAX, SYM_FLASH_ATTN)
+# llama-server (built binary, or inside xllamacpp): the request -> task -> slot chain. The server
+# context class was renamed server_context -> server_context_impl in 2025; both are probed.
+SYM_TASK_POST_ONE = "_ZN12server_queue4postEO11server_taskb"
+SYM_TASK_POST_VEC = "_ZN12server_queue4postEOSt6vectorI11server_taskSaIS1_EEb"
+SYM_SLOT_RELEASE = "_ZN11server_slot7releaseEv"
+SYM_SLOT_LAUNCH = "_ZN19server_context_impl21launch_slot_with_taskER11server_slotO11server_task"
+SYM_SLOT_LAUNCH_OLD = "_ZN14server_context21launch_slot_with_taskER11server_slotO11server_task"
+SYM_SLOT_LAUNCH_PARENT = (
+    "_ZN19server_context_impl29launch_slots_with_parent_task"
+    "ER11server_slotRSt6vectorIPS0_SaIS3_EEO11server_task"
+)
+SYM_PROCESS_TOKEN = "_ZN19server_context_impl13process_tokenER23completion_token_outputR11server_slot"
+SYM_PROCESS_TOKEN_OLD = "_ZN14server_context13process_tokenER23completion_token_outputR11server_slot"
+SERVER_SYMBOLS = (
+    SYM_TASK_POST_ONE,
+    SYM_TASK_POST_VEC,
+    SYM_SLOT_RELEASE,
+    SYM_SLOT_LAUNCH,
+    SYM_SLOT_LAUNCH_OLD,
+    SYM_SLOT_LAUNCH_PARENT,
+    SYM_PROCESS_TOKEN,
+    SYM_PROCESS_TOKEN_OLD,
+)
 
 
 @dataclass(frozen=True)
@@ -198,6 +221,7 @@ def find_engine_libs(t: Target) -> dict[str, Path]:
         SYM_SEQ_RM,
         SYM_MEM_CLEAR,
         *SPARSE_SYMBOLS,
+        *SERVER_SYMBOLS,
     }
     for lib in t.libs:
         name = lib.path.name

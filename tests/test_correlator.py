@@ -223,8 +223,8 @@ def test_c_struct_sizes_match_the_python_mirror(tmp_path: Path) -> None:
     src = tmp_path / "sizes.c"
     src.write_text(
         '#include <stdio.h>\n#include <linux/types.h>\n#include "events.h"\n'
-        'int main(void){printf("%zu %zu %zu %zu %zu %zu %zu %zu %zu %zu\\n",'
-        " sizeof(struct ev_hdr), sizeof(struct ev_small),"
+        'int main(void){printf("%zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu\\n",'
+        " sizeof(struct ev_hdr), sizeof(struct ev_small), sizeof(struct ev_http),"
         " sizeof(struct ev_ubatch), sizeof(struct ev_logits), sizeof(struct ev_tensor_s),"
         " sizeof(struct ev_tensor_l), sizeof(struct ev_act), sizeof(struct ev_act_mask),"
         " sizeof(struct ev_attn), sizeof(struct ev_step_agg)); return 0;}\n"
@@ -235,6 +235,7 @@ def test_c_struct_sizes_match_the_python_mirror(tmp_path: Path) -> None:
     assert [int(x) for x in out] == [
         ev.HDR_DTYPE.itemsize,
         ev.SMALL_DTYPE.itemsize,
+        ev.HTTP_DTYPE.itemsize,
         ev.UBATCH_DTYPE.itemsize,
         ev.logits_dtype(2048).itemsize,
         ev.TENSOR_S_DTYPE.itemsize,
