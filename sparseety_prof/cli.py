@@ -20,7 +20,11 @@ EXIT_CODES_HELP = """exit codes:
   0  success              3  no such process        6  unsupported engine build
   1  other failure        4  not a supported engine 7  corrupt recording
   2  usage error          5  missing privileges     8  BPF unavailable (BCC, headers, kernel)
+  9  check: a capture layer lost the request id
 """
+
+
+CHECK_FAILED = 9
 
 
 def _options(args: argparse.Namespace) -> Options:
@@ -111,6 +115,36 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if failed:
         print(f"sparseety-prof doctor: {len(failed)} check(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .check import first_missing, run_check
+
+    console = Console()
+    rid, results = run_check(
+        args.pid,
+        url=args.url,
+        header=args.request_header,
+        timeout=args.timeout,
+        skip_probes=frozenset(args.skip_probe or ()),
+        log=lambda s: print(s, file=sys.stderr, flush=True),
+    )
+    table = Table(title=f"request {rid} through the capture layers")
+    table.add_column("layer")
+    table.add_column("result")
+    table.add_column("detail")
+    for r in results:
+        table.add_row(r.layer, "[green]ok[/]" if r.ok else "[red]LOST[/]", r.detail)
+    console.print(table)
+    missing = first_missing(results)
+    if missing is not None:
+        print(f"sparseety-prof check: the request id was lost at the {missing.layer} layer", file=sys.stderr)
+        return CHECK_FAILED
+    print("sparseety-prof check: the request id reached every layer", file=sys.stderr)
     return 0
 
 
@@ -249,6 +283,19 @@ def build_parser() -> argparse.ArgumentParser:
         at, output_help="also record to this directory (created; must be empty)", output_required=False
     )
     at.set_defaults(func=_cmd_attach)
+
+    ck = sub.add_parser(
+        "check",
+        help="send one tagged request to an HTTP engine and verify its id reaches every capture layer",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ck.add_argument("--pid", type=int, required=True, help="process id of the running HTTP engine")
+    ck.add_argument("--url", default=None, help="engine endpoint (default: the port the process listens on)")
+    ck.add_argument("--request-header", default=DEFAULT_HEADER, metavar="NAME", help="request id header name")
+    ck.add_argument("--timeout", type=float, default=120.0, help="seconds for attaching and for the request")
+    ck.add_argument("--skip-probe", action="append", help=argparse.SUPPRESS)
+    ck.set_defaults(func=_cmd_check)
 
     dr = sub.add_parser("doctor", help="check privileges, BPF, headers, tracefs and (with --pid) the engine")
     dr.add_argument("--pid", type=int, default=None, help="also check this engine process")

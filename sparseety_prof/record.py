@@ -145,6 +145,7 @@ class Recorder:
         self._stop = threading.Event()
         self.stop_reason = ""
         self.meta: dict[str, Any] = {}
+        self.correlator: Correlator | None = None  # once attached (check.py reads its serving trace)
         self._cpu0 = 0.0
 
     def stop(self, reason: str) -> None:
@@ -166,7 +167,7 @@ class Recorder:
         if opts.out is not None:
             writer = RecordingWriter(opts.out, self.meta, owner=sudo_owner(), redact_text=opts.redact_text)
         hp = a.model.hyperparameters
-        corr = Correlator(
+        corr = self.correlator = Correlator(
             pid=opts.pid,
             n_vocab=len(a.vocab),
             wall_offset_ns=wall_offset,

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 DEFAULT_HEADER = "X-Request-Id"
 MAX_ID_LEN = 256  # longer header values are cut (a request id, not a payload)
 MAX_PENDING_TASKS = 1 << 16  # task ids awaiting their slot launch; the oldest beyond are dropped
+MAX_TRACED = 1024  # client ids whose hops are remembered for `sparseety-prof check`
 
 ID_HEADER = "header"
 ID_GENERATED = "generated"
@@ -99,6 +100,8 @@ class ServingTracker:
         self._serial = itertools.count(1)
         self.slots: dict[int, Launch] = {}  # slot (sequence) -> its current launch
         self._child_parent: dict[int, tuple[int, int]] = {}  # child slot -> (parent slot, parent task)
+        # client-given ids -> the hops they were seen at (entry_ns, task ids, (slot, launch ns))
+        self.trace: dict[str, dict[str, list[int]]] = {}
         self.seen_http = False
 
     # ---- hop 1
@@ -117,6 +120,7 @@ class ServingTracker:
             if value is not None:
                 self.counters.http_with_header += 1
                 req = HttpRequest(value, ID_HEADER, t_ns, method, path)
+                self._traced(value)["entry_ns"].append(t_ns)
             else:
                 req = HttpRequest(f"gen-{self.pid}-{next(self._generated)}", ID_GENERATED, t_ns, method, path)
             # a new request line on a keep-alive connection replaces one that posted no task
@@ -128,17 +132,17 @@ class ServingTracker:
 
     # ---- hop 2
     def on_task_post(self, tid: int, first_task: int, single: bool, span_bytes: int) -> None:
+        if not single and span_bytes > 0 and (self._task_size == 0 or span_bytes < self._task_size):
+            self._task_size = span_bytes  # most posts hold one task: the smallest span is one
         q = self._pending_http.get(tid)
         if not q or first_task < 0:
             return  # the main loop's own tasks, or a request read before attach
         req = q.pop(0)
-        n = 1
-        if not single and span_bytes > 0:
-            if self._task_size == 0 or span_bytes < self._task_size:
-                self._task_size = span_bytes
-            n = max(1, span_bytes // self._task_size)
+        n = max(1, span_bytes // self._task_size) if not single and span_bytes > 0 else 1
         for t in range(first_task, first_task + n):
             self._task_request[t] = req
+        if req.id_source == ID_HEADER:
+            self._traced(req.request_id)["tasks"].extend(range(first_task, first_task + n))
         while len(self._task_request) > MAX_PENDING_TASKS:
             del self._task_request[next(iter(self._task_request))]
             self.counters.task_bindings_dropped += 1
@@ -157,8 +161,18 @@ class ServingTracker:
         else:
             rid, src, t_recv = req.request_id, req.id_source, req.t_received_ns
         launch = Launch(next(self._serial), rid, src, slot, task, t_ns, t_recv, parent[0] if parent else None)
+        if src == ID_HEADER:
+            self._traced(rid)["slots"] += [slot, t_ns]
         self.slots[slot] = launch
         return launch
+
+    def _traced(self, rid: str) -> dict[str, list[int]]:
+        t = self.trace.get(rid)
+        if t is None:
+            if len(self.trace) >= MAX_TRACED:
+                del self.trace[next(iter(self.trace))]
+            t = self.trace[rid] = {"entry_ns": [], "tasks": [], "slots": []}
+        return t
 
     def on_slot_child(self, child: int, parent: int, task: int) -> None:
         """A child slot of a parent task (n > 1 completions): its sequence is a fork of the

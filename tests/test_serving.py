@@ -48,7 +48,7 @@ def post(
     if request_id is not None:
         headers[header] = request_id
     req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(), headers=headers)
-    with urllib.request.urlopen(req, timeout=300) as r:
+    with urllib.request.urlopen(req) as r:
         return dict(json.loads(r.read()))
 
 
@@ -170,3 +170,27 @@ def test_slot_reuse_across_sequential_requests(server: Engine, tmp_path: Path) -
     assert reqs["request_id"].to_list() == ["seq-0", "seq-1", "seq-2"]
     assert reqs["slot_id"].n_unique() == 1  # llama-server picks the slot holding the prompt
     assert all(not math.isnan(x) for x in reqs["ttft_ms"].to_list())
+
+
+def test_check_command_passes_and_names_the_layer_that_lost_the_id(server: Engine) -> None:
+    """`check` on a healthy server: every layer sees the id. With a probe disabled on purpose,
+    it names that layer and exits 9."""
+    from conftest import run_cli
+
+    from sparseety_prof import target as tg
+
+    ok = run_cli("check", "--pid", str(server.pid))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    for layer in ("entry", "task", "slot", "steps", "tokens", "routing"):
+        assert layer in ok.stdout
+    assert "LOST" not in ok.stdout and "reached every layer" in ok.stderr
+    cases = [
+        (["http_reads"], "entry"),
+        ([tg.SYM_TASK_POST_ONE, tg.SYM_TASK_POST_VEC], "task"),
+        ([tg.SYM_SLOT_LAUNCH, tg.SYM_SLOT_LAUNCH_OLD], "slot"),
+    ]
+    for skip, layer in cases:
+        flags = [a for s in skip for a in ("--skip-probe", s)]
+        bad = run_cli("check", "--pid", str(server.pid), *flags)
+        assert bad.returncode == 9, bad.stdout + bad.stderr
+        assert f"lost at the {layer} layer" in bad.stderr
