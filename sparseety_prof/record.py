@@ -5,7 +5,6 @@ decoding, correlation, statistics and Parquet writing all happen here, in the co
 from __future__ import annotations
 
 import os
-import platform
 import resource
 import signal
 import sys
@@ -28,6 +27,7 @@ from .events import SeqTracker, decode_groups
 from .gguf_info import ModelInfo, Vocab, read_model_info, read_tensor_infos, sha256_file
 from .recording import RecordingWriter, sudo_owner
 from .serving import DEFAULT_HEADER, ServingTracker
+from .snapshot import engine_environment, host_info, process_info, server_props
 from .sparse import LayerSet, layer_set
 from .weight_sparsity import analyze as analyze_weights
 
@@ -119,7 +119,8 @@ def run_metadata(a: Attached, opts: Options) -> dict[str, Any]:
         "probes": [p.__dict__ for p in a.session.attached],
         "model": a.model.to_meta(),
         "target": {"pid": a.target.pid, "exe": a.target.exe, "cmdline": a.target.cmdline},
-        "host": {"hostname": platform.node(), "kernel": platform.release(), "machine": platform.machine()},
+        "host": host_info(),
+        "config": _config_snapshot(a),
         "clock": "CLOCK_MONOTONIC ns (t_*_ns); ts_unix_ms is wall clock derived from it at attach",
         "redact_text": opts.redact_text,
         "capture": opts.capture.to_meta(),
@@ -309,6 +310,19 @@ class Recorder:
         p.cpu_s = _cpu_s() - self._cpu0
         if self.on_update is not None:
             self.on_update(tok, steps, p)
+
+
+def _config_snapshot(a: Attached) -> dict[str, Any]:
+    """What it takes to reproduce the run, beyond the engine build and model (recorded apart)."""
+    pid = a.target.pid
+    cfg: dict[str, Any] = {"environment": engine_environment(pid), "process": process_info(pid)}
+    if is_server(a.where):
+        try:
+            urls = tg.listening_urls(pid)
+        except ProfError:
+            urls = []
+        cfg["server"] = {"urls": urls, "props": server_props(urls[0]) if urls else None}
+    return cfg
 
 
 def _serving_meta(corr: Correlator, a: Attached, opts: Options) -> dict[str, Any] | None:

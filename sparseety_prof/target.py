@@ -236,3 +236,47 @@ def find_engine_libs(t: Target) -> dict[str, Path]:
             f"(llama_context::process_ubatch); supported engines: llama-cpp-python, xllamacpp (llama-server)"
         )
     return where
+
+
+def listening_urls(pid: int) -> list[str]:
+    """http://host:port of the TCP sockets the process listens on (from /proc, no tools)."""
+    inodes: set[str] = set()
+    fd_dir = Path(f"/proc/{pid}/fd")
+    try:
+        for fd in fd_dir.iterdir():
+            try:
+                link = fd.readlink().as_posix()
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    except OSError as e:
+        raise MissingPrivileges(f"cannot list the sockets of PID {pid}: {e.strerror}; run as root") from None
+    urls = []
+    for table, v6 in (("tcp", False), ("tcp6", True)):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) < 10 or f[3] != "0A" or f[9] not in inodes:  # 0A = LISTEN
+                continue
+            addr, port = f[1].split(":")
+            host = _host(addr, v6)
+            urls.append(f"http://{host}:{int(port, 16)}")
+    return urls
+
+
+def _host(hex_addr: str, v6: bool) -> str:
+    if not v6:
+        b = bytes.fromhex(hex_addr)[::-1]
+        ip = ".".join(str(x) for x in b)
+        return "127.0.0.1" if ip == "0.0.0.0" else ip
+    words = [bytes.fromhex(hex_addr[i : i + 8])[::-1] for i in range(0, 32, 8)]
+    raw = b"".join(words)
+    if raw == bytes(16):
+        return "[::1]"
+    if raw[:12] == bytes(10) + b"\xff\xff":
+        return ".".join(str(x) for x in raw[12:])
+    return "[" + ":".join(raw[i : i + 2].hex() for i in range(0, 16, 2)) + "]"

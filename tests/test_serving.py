@@ -170,6 +170,12 @@ def test_slot_reuse_across_sequential_requests(server: Engine, tmp_path: Path) -
     assert reqs["request_id"].to_list() == ["seq-0", "seq-1", "seq-2"]
     assert reqs["slot_id"].n_unique() == 1  # llama-server picks the slot holding the prompt
     assert all(not math.isnan(x) for x in reqs["ttft_ms"].to_list())
+    # the configuration snapshot: the server's own settings, its process, the host
+    cfg = r.meta["config"]
+    props = cfg["server"]["props"]
+    assert props["total_slots"] == 4 and cfg["server"]["urls"] == [server.ready["url"]]
+    assert props["default_generation_settings"]["n_ctx"] > 0
+    assert int(cfg["process"]["threads"]) >= 2 and r.meta["host"]["cpus"] >= 1
 
 
 def test_check_command_passes_and_names_the_layer_that_lost_the_id(server: Engine) -> None:

@@ -103,3 +103,21 @@ def test_evaluate_names_the_first_missing_layer() -> None:
     assert first_missing(evaluate("r", answer, trace, steps, plain, meta)).layer == "routing"  # type: ignore[union-attr]
     dense = evaluate("r", answer, trace, steps, plain, {"layers": {"moe": []}})
     assert first_missing(dense) is None and dense[-1].detail.startswith("n/a")
+
+
+def test_environment_snapshot_keeps_engine_settings_and_hides_secrets() -> None:
+    import subprocess
+    import sys
+
+    from sparseety_prof.snapshot import engine_environment
+
+    env = {"PATH": "/usr/bin", "OMP_NUM_THREADS": "3", "LLAMA_API_KEY": "s3cret", "HOME": "/root"}
+    code = "import time; print('up', flush=True); time.sleep(30)"
+    p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "up\n"  # exec'd: its own environ
+        got = engine_environment(p.pid)
+    finally:
+        p.kill()
+        p.wait()
+    assert got == {"LLAMA_API_KEY": "<redacted>", "OMP_NUM_THREADS": "3"}
