@@ -198,6 +198,7 @@ struct ev_http {
     __u32 len;                  /* bytes the read returned */
     __u32 n_copied;             /* bytes in data: min(len, HTTP_BYTES) */
     __u32 pad;
+    __u64 buf;                  /* user buffer address (also keeps the size apart from a logits record's) */
     __u8 data[HTTP_BYTES];
 };
 

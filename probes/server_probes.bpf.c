@@ -136,6 +136,7 @@ static __always_inline int http_exit(void *ctx, long ret) {
     u32 n = ret > HTTP_BYTES ? HTTP_BYTES : (u32)ret;
     e->n_copied = n;
     e->pad = 0;
+    e->buf = buf;
     /* a size in [1, HTTP_BYTES] the verifier can bound: the AND in asm survives clang */
     u64 m = (u64)n - 1;
     asm volatile("%[m] &= 4095" : [m] "+r"(m)); /* HTTP_BYTES - 1 */

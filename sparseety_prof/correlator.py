@@ -678,6 +678,15 @@ class Correlator:
         if logits is not None:  # statistics are computed for the whole drain in take_rows
             self._pending_rows.append((len(self._tokens.get("token_id", [])), logits))
         first = st.samples == 0
+        if first and st.agg is not None and st.agg.parent_seq_id is not None and not st.partial:
+            # a fork (n > 1 completions): the child continues the parent's sequence after its
+            # prompt, and the parent's first token(s) are the child's too
+            parent = c.seqs.get(st.agg.parent_seq_id)
+            base = parent.agg.prompt_tokens if parent is not None and parent.agg is not None else None
+            if base is not None and logits_pos + 1 >= base:
+                st.samples = logits_pos + 1 - base
+                st.agg.prompt_tokens = base
+                st.agg.inherited = st.samples
         sparse_cols: dict[str, object] = dict.fromkeys(_SPARSE_TOKEN_COLUMNS)
         if step.sparse is not None:
             v = step.sparse.row_values(
@@ -701,7 +710,7 @@ class Correlator:
             decode_order=None if st.partial else st.samples,
             pos=logits_pos + 1,
             logits_pos=logits_pos,
-            phase=PHASE_PREFILL if first and not st.partial else PHASE_DECODE,
+            phase=PHASE_PREFILL if st.samples == 0 and not st.partial else PHASE_DECODE,
             token_id=token,
             token_source=source,
             step_id=step.step_id,

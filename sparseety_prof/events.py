@@ -167,7 +167,15 @@ STEP_AGG_DTYPE = np.dtype(
 
 
 HTTP_DTYPE = np.dtype(
-    [*HDR, ("fd", "<i4"), ("len", "<u4"), ("n_copied", "<u4"), ("hpad", "<u4"), ("data", f"V{HTTP_BYTES}")]
+    [
+        *HDR,
+        ("fd", "<i4"),
+        ("len", "<u4"),
+        ("n_copied", "<u4"),
+        ("hpad", "<u4"),
+        ("buf", "<u8"),
+        ("data", f"V{HTTP_BYTES}"),
+    ]
 )
 
 
