@@ -58,6 +58,7 @@ class Step:
     n_tokens: int
     truncated: bool
     row_offset: int = 0  # rows [0, row_offset) of a truncated micro-batch were not copied
+    decode_rows: int = 0  # rows that feed back a token sampled for their sequence (the rest: prompt)
     sparse: StepSparse | None = None  # routing, activation and attention records of this pass
     _output_index: dict[int, int] | None = None
 
@@ -325,6 +326,8 @@ class Correlator:
             n_tokens=step.n_tokens,
             n_outputs=int(np.count_nonzero(step.output)),
             phase=PHASE_PREFILL if counts.max() > 1 else PHASE_DECODE,
+            prompt_rows=step.n_tokens - step.decode_rows,
+            decode_rows=step.decode_rows,
             seq_ids=seq_ids,
             token_ids=step.token.tolist(),
             positions=step.pos.tolist(),
@@ -599,6 +602,8 @@ class Correlator:
                 and (st.expect_token is None or st.expect_token == tok or hidden_head)
             )
             if st is not None and continues:
+                if len(rows) == 1 and st.samples > 0:
+                    step.decode_rows += 1  # a sampled token fed back
                 self._maybe_next_input(c, st, step, first, len(rows))
                 st.expect_token = None
                 st.max_pos = max(st.max_pos, int(step.pos[rows].max()))

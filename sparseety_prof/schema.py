@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 #: One row per token the sampler returned (EOS included).
 TOKENS: dict[str, pl.DataType] = {
@@ -61,7 +61,9 @@ STEPS: dict[str, pl.DataType] = {
     "n_tokens": pl.Int32(),
     "n_outputs": pl.Int32(),  # rows that produce logits
     "phase": pl.String(),  # "prefill" if it holds more than one token of some sequence
-    "seq_ids": pl.List(pl.Int32()),  # distinct sequences in the step
+    "prompt_rows": pl.Int32(),  # rows of prompts (or of a request the profiler saw start mid-way)
+    "decode_rows": pl.Int32(),  # rows feeding back a token sampled for their sequence
+    "seq_ids": pl.List(pl.Int32()),  # distinct sequences in the step (the batch context)
     "token_ids": pl.List(pl.Int32()),  # per row
     "positions": pl.List(pl.Int32()),  # per row
     "row_seq_ids": pl.List(pl.Int32()),  # per row (first seq id of the row)

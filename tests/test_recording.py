@@ -69,6 +69,8 @@ def steps_frame(n: int, *, start: int = 0) -> pl.DataFrame:
         rows["n_tokens"].append(ntok)
         rows["n_outputs"].append(2)
         rows["phase"].append(schema.PHASE_PREFILL if s == 0 else schema.PHASE_DECODE)
+        rows["prompt_rows"].append(ntok if s == 0 else 0)
+        rows["decode_rows"].append(0 if s == 0 else ntok)
         rows["seq_ids"].append([0, 1])
         rows["token_ids"].append(list(range(ntok)))
         rows["positions"].append(list(range(ntok)))
@@ -110,6 +112,8 @@ def test_roundtrip_preserves_rows_dtypes_lists_and_nulls(tmp_path: Path) -> None
         "steps": {"rows": 20, "segments": 1},
         "routes": {"rows": 0, "segments": 0},
         "masks": {"rows": 0, "segments": 0},
+        "requests": {"rows": 0, "segments": 0},
+        "kernels": {"rows": 0, "segments": 0},
     }
     assert dict(rec.tokens().schema) == schema.TOKENS
     assert dict(rec.steps().schema) == schema.STEPS
