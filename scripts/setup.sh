@@ -87,6 +87,19 @@ else
   step "5/6 bcc linked into the venv"
 fi
 
+# 5b. the CUPTI injection library (cupti_ext/, GPU path): a few seconds with gcc. Without any CUDA 13
+#     headers, try the pinned header wheels once; if there are still none, go on without it.
+cupti_rc=0; VENV="$VENV" bash cupti_ext/build.sh >/dev/null || cupti_rc=$?
+if [ "$cupti_rc" = 3 ] && "$PY" -m pip install -q 'nvidia-cuda-cupti==13.0.*' 'nvidia-cuda-runtime==13.0.*' \
+     'nvidia-cuda-crt==13.0.*' >/dev/null 2>&1; then
+  cupti_rc=0; VENV="$VENV" bash cupti_ext/build.sh >/dev/null || cupti_rc=$?
+fi
+case "$cupti_rc" in
+  0) step "5b/6 built cupti_ext/build/libsparseety_cupti.so" ;;
+  3) step "5b/6 no CUDA 13 headers: the GPU library (cupti_ext) is not built; its tests will fail" ;;
+  *) echo "[setup] cupti_ext/build.sh failed (exit $cupti_rc): the C compiler rejected cupti_ext/src" >&2; exit 1 ;;
+esac
+
 # 6. smoke test: compile, load and hit a uprobe
 "$PY" - <<'PYEOF'
 import ctypes, os

@@ -1,0 +1,221 @@
+/* Test driver: plays the CUDA driver and an engine against libsparseety_cupti.so and the stubs.
+ * Loads the library from CUDA_INJECTION64_PATH and calls InitializeInjection as the driver does,
+ * then runs one scenario (argv[1]). tests/test_cupti_ext.py reads the ring and checks it; the
+ * data written here follow formulas the test repeats:
+ *   driver-API watched launch i (i = 0, 10, 20, ...): int32 topk[4][2], value (i*31 + j*7) % 64
+ *   runtime-API watched launch i: int64 ids[grid.x*2 = 6], value i*13 + j */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cuda.h>
+#include <cupti.h>
+
+#include "stub_api.h"
+
+#define N_PER_THREAD 300
+#define DRV CUPTI_CB_DOMAIN_DRIVER_API
+#define RT CUPTI_CB_DOMAIN_RUNTIME_API
+
+static struct stub_func gemm = {"gemm_kernel_bf16", 3, {8, 8, 4}};
+static struct stub_func topk = {"topk_hist_kernel", 3, {8, 4, 4}};
+static struct stub_func bad = {"bad_kernel", 3, {8, 4, 4}};
+static char rt_elementwise, rt_moe; /* host stub addresses of the runtime kernels */
+static pthread_barrier_t start_line;
+
+static uint64_t mono(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int drv_launch(struct stub_func *f, void **params, uint32_t corr, int retval) {
+    cuLaunchKernel_params p = {(CUfunction)(void *)f, 2, 1, 1, 128, 1, 1, 0, NULL, params, NULL};
+    return stub_cupti_call(DRV, CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel, &p, NULL, corr, (void *)0x1, retval);
+}
+
+static void watched_drv(int i, uint32_t corr, int retval) {
+    static int32_t data[N_PER_THREAD + 1][8]; /* stays valid: the stub copies at enqueue */
+    int32_t *ids = data[i];
+    for (int j = 0; j < 8; j++) ids[j] = (i * 31 + j * 7) % 64;
+    CUdeviceptr dptr = (CUdeviceptr)(uintptr_t)ids;
+    int32_t ntok = 4, k = 2;
+    void *params[3] = {&dptr, &ntok, &k};
+    drv_launch(&topk, params, corr, retval);
+}
+
+static void *driver_thread(void *arg) {
+    (void)arg;
+    pthread_barrier_wait(&start_line);
+    for (int i = 0; i < N_PER_THREAD; i++) {
+        uint32_t corr = 100000u + (uint32_t)i;
+        if (i % 10 == 0) {
+            watched_drv(i, corr, 0);
+        } else {
+            CUdeviceptr a = 0;
+            int32_t n = i;
+            void *params[3] = {&a, &a, &n};
+            drv_launch(&gemm, params, corr, 0);
+        }
+    }
+    return NULL;
+}
+
+static void *runtime_thread(void *arg) {
+    (void)arg;
+    static int64_t data[N_PER_THREAD][6];
+    pthread_barrier_wait(&start_line);
+    for (int i = 0; i < N_PER_THREAD; i++) {
+        uint32_t corr = 200000u + (uint32_t)i;
+        int watched = i % 10 == 0;
+        for (int j = 0; j < 6; j++) data[i][j] = (int64_t)i * 13 + j;
+        CUdeviceptr dptr = (CUdeviceptr)(uintptr_t)data[i];
+        void *args[1] = {&dptr};
+        cudaLaunchKernel_v7000_params p = {watched ? (void *)&rt_moe : (void *)&rt_elementwise,
+                                           {3, 1, 1}, {64, 1, 1}, args, 0, NULL};
+        const char *sym = watched ? "_ZN4vllm28moe_align_block_size_kernelIlEEvPKT_" : "elementwise_add";
+        stub_cupti_call(RT, CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_v7000, &p, sym, corr, (void *)0x1, 0);
+    }
+    return NULL;
+}
+
+static CUpti_ActivityKernel10 kernel(uint32_t corr, const char *name, uint64_t start, uint64_t end) {
+    CUpti_ActivityKernel10 k;
+    memset(&k, 0, sizeof k);
+    k.kind = CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL;
+    k.correlationId = corr;
+    k.name = name;
+    k.start = start;
+    k.end = end;
+    k.deviceId = 0;
+    k.contextId = 1;
+    k.streamId = 7;
+    k.gridX = 2, k.gridY = 1, k.gridZ = 1;
+    k.blockX = 128, k.blockY = 1, k.blockZ = 1;
+    k.staticSharedMemory = 1024;
+    k.dynamicSharedMemory = 512;
+    return k;
+}
+
+static void deliver_activity(void) {
+    uint8_t buf[4096];
+    size_t o = 0;
+    uint64_t t = mono();
+    CUpti_ActivityKernel10 ks[4] = {
+        kernel(100001, "gemm_kernel_bf16", t + 2000, t + 3000),
+        kernel(100000, "topk_hist_kernel", t + 1000, t + 1500), /* out of order */
+        kernel(100002, "gemm_kernel_bf16", 0, 0),               /* not timed */
+        kernel(300000, "graph_node_kernel", t + 5000, t + 6000),
+    };
+    ks[3].graphId = 77;
+    ks[3].graphNodeId = 5;
+    for (int i = 0; i < 4; i++) {
+        memcpy(buf + o, &ks[i], sizeof ks[i]);
+        o += (sizeof ks[i] + 7) & ~(size_t)7;
+    }
+    CUpti_ActivityMemcpy6 m;
+    memset(&m, 0, sizeof m);
+    m.kind = CUPTI_ACTIVITY_KIND_MEMCPY;
+    m.copyKind = CUPTI_ACTIVITY_MEMCPY_KIND_DTOH;
+    m.bytes = 64;
+    m.start = t + 4000;
+    m.end = t + 4100;
+    m.streamId = 7;
+    m.correlationId = 300001;
+    memcpy(buf + o, &m, sizeof m);
+    o += (sizeof m + 7) & ~(size_t)7;
+    stub_cupti_deliver(buf, o, 3);
+    printf("activity_base %llu\n", (unsigned long long)t);
+}
+
+static int scenario_main(void) {
+    uint64_t before = mono();
+    uint64_t ts = stub_cupti_timestamp();
+    uint64_t after = mono();
+    printf("timestamp %llu %llu %llu\n", (unsigned long long)before, (unsigned long long)ts,
+           (unsigned long long)after);
+    pthread_t a, b;
+    pthread_barrier_init(&start_line, NULL, 2);
+    pthread_create(&a, NULL, driver_thread, NULL);
+    pthread_create(&b, NULL, runtime_thread, NULL);
+    pthread_join(a, NULL);
+    pthread_join(b, NULL);
+
+    cuGraphLaunch_params g = {(CUgraphExec)(uintptr_t)77, NULL};
+    stub_cupti_call(DRV, CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch, &g, NULL, 300000, (void *)0x1, 0);
+    cuMemcpyDtoHAsync_v2_params c = {NULL, 0, 64, NULL};
+    stub_cupti_call(DRV, CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoHAsync_v2, &c, NULL, 300001, (void *)0x1, 0);
+    cudaMemcpyAsync_v3020_params h2d = {NULL, NULL, 64, cudaMemcpyHostToDevice, NULL};
+    stub_cupti_call(RT, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyAsync_v3020, &h2d, NULL, 300002, (void *)0x1, 0);
+    cudaMemcpyAsync_v3020_params d2h = {NULL, NULL, 64, cudaMemcpyDeviceToHost, NULL};
+    stub_cupti_call(RT, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpyAsync_v3020, &d2h, NULL, 300003, (void *)0x1, 0);
+    watched_drv(N_PER_THREAD, 300004, 1); /* a launch that failed: recorded, nothing copied */
+    deliver_activity();
+    usleep(50000); /* let the reader thread poll; exit publishes the rest */
+    printf("copies %d host_allocs %d\n", stub_cuda_copies(), stub_cuda_host_allocs());
+    return 0;
+}
+
+static int scenario_limits(void) {
+    for (int i = 0; i < 10; i++) watched_drv(i, 100000u + (uint32_t)i, 0);
+    CUdeviceptr dptr = 0;
+    int32_t n = 1;
+    void *params[3] = {&dptr, &n, &n};
+    drv_launch(&bad, params, 100100, 0);
+    usleep(20000);
+    return 0;
+}
+
+static int scenario_ringfull(void) {
+    CUdeviceptr a = 0;
+    int32_t n = 0;
+    void *params[3] = {&a, &a, &n};
+    for (int i = 0; i < 200; i++) drv_launch(&gemm, params, 1000u + (uint32_t)i, 0);
+    printf("filled\n");
+    fflush(stdout);
+    char line[16];
+    if (fgets(line, sizeof line, stdin) == NULL) return 1;
+    for (int i = 0; i < 20; i++) drv_launch(&gemm, params, 5000u + (uint32_t)i, 0);
+    return 0;
+}
+
+static int scenario_fail(void) {
+    /* cuptiSubscribe refused or the timestamp callback failed: launches must pass unharmed. */
+    CUdeviceptr a = 0;
+    int32_t n = 0;
+    void *params[3] = {&a, &a, &n};
+    printf("fired %d\n", drv_launch(&gemm, params, 1, 0));
+    uint64_t t = 1700000000000000000ull; /* a CLOCK_REALTIME-like stamp */
+    CUpti_ActivityKernel10 k = kernel(1, "gemm_kernel_bf16", t, t + 1000);
+    if (strstr(stub_cupti_log(), "register")) stub_cupti_deliver(&k, sizeof k, 0);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: driver main|limits|ringfull|fail\n");
+        return 2;
+    }
+    const char *path = getenv("CUDA_INJECTION64_PATH");
+    void *lib = path ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : NULL;
+    int (*init)(void) = lib ? (int (*)(void))dlsym(lib, "InitializeInjection") : NULL;
+    if (init == NULL) {
+        fprintf(stderr, "cannot load InitializeInjection from %s: %s\n", path ? path : "(unset)", dlerror());
+        return 3;
+    }
+    printf("init %d\n", init());
+    printf("log %s\n", stub_cupti_log());
+    fflush(stdout);
+    int rc = 2;
+    if (strcmp(argv[1], "main") == 0) rc = scenario_main();
+    else if (strcmp(argv[1], "limits") == 0) rc = scenario_limits();
+    else if (strcmp(argv[1], "ringfull") == 0) rc = scenario_ringfull();
+    else if (strcmp(argv[1], "fail") == 0) rc = scenario_fail();
+    fflush(stdout);
+    return rc;
+}

@@ -1,0 +1,272 @@
+"""The one device check of the CUPTI injection library (run by scripts/gpu_check.sh on a GPU machine).
+
+Needs only what such a machine has preinstalled: Python with torch, triton and nvidia-cuda-cupti.
+The library comes prebuilt in cupti_ext/build/ (built on a machine without a GPU). No polars, no
+BCC: `records.py`, `shm_ring.py` and `launch.py` are loaded by file path.
+
+A small MoE decode loop (hidden 1024, 16 experts, top-2, 4 layers, 8 sequences, greedy next token
+from a 4096-entry vocab head, 200 steps) runs three times in child processes: library off, library
+on (kernels only), library on with the top-k ids watched (argument 0 of the Triton kernel
+`topk_hist_kernel`, copied after every launch). The ring is drained directly while each child runs.
+Prints one JSON object; exit 0 when every check passed, 1 when one failed, 2 when the machine
+cannot run the check at all (no GPU, no torch, library not built).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+try:  # only the child needs triton; the parent must still start (and fail clearly) without it
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU = ROOT / "sparseety_prof" / "gpu"
+LIB = ROOT / "cupti_ext" / "build" / "libsparseety_cupti.so"
+KERNEL = "topk_hist_kernel"
+WATCH = f"{KERNEL}:0:int32:arg2"  # topk_ids pointer is arg 0, its element count the int32 arg 2
+HIDDEN, EXPERTS, TOPK, LAYERS, BATCH, VOCAB, FFN = 1024, 16, 2, 4, 8, 4096, 512
+WARMUP = 10
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def topk_hist_kernel(topk_ids_ptr, hist_ptr, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        ids = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
+        tl.atomic_add(hist_ptr + ids, 1, mask=mask)
+
+
+def fail(msg: str, code: int = 2) -> None:
+    print(f"gpu_check: {msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+def load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---------------------------------------------------------------- child: the decode loop
+
+
+def child(steps: int, out: Path) -> None:
+    import torch
+
+    t_begin = time.monotonic_ns()
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    bf = torch.bfloat16
+
+    def rnd(*shape: int) -> Any:
+        return (torch.randn(*shape, generator=g, device=dev) * 0.05).to(bf)
+
+    emb, head = rnd(VOCAB, HIDDEN), rnd(HIDDEN, VOCAB)
+    layers = [
+        (rnd(HIDDEN, EXPERTS), rnd(EXPERTS, HIDDEN, FFN), rnd(EXPERTS, FFN, HIDDEN)) for _ in range(LAYERS)
+    ]
+    hist = torch.zeros(EXPERTS, dtype=torch.int32, device=dev)
+    tokens = torch.arange(BATCH, device=dev) % VOCAB
+    kept: list[Any] = []
+
+    def step(tokens: Any, keep: bool) -> Any:
+        x = emb[tokens]
+        for router, w1, w2 in layers:
+            probs = torch.softmax((x @ router).float(), dim=-1)
+            weights, ids = torch.topk(probs, TOPK, dim=-1)
+            topk_ids = ids.to(torch.int32).contiguous()
+            n = topk_ids.numel()
+            topk_hist_kernel[(triton.cdiv(n, 128),)](topk_ids, hist, n, BLOCK=128)
+            if keep:
+                kept.append(topk_ids.clone())
+            h = torch.einsum("bh,bkhf->bkf", x, w1[ids.flatten()].view(BATCH, TOPK, HIDDEN, FFN))
+            h = torch.nn.functional.silu(h)
+            y = torch.einsum("bkf,bkfh->bkh", h, w2[ids.flatten()].view(BATCH, TOPK, FFN, HIDDEN))
+            x = x + (y * weights.to(bf).unsqueeze(-1)).sum(1)
+        nxt = torch.argmax((x @ head).float(), dim=-1)
+        nxt.tolist()  # the device-to-host copy of the sampled ids that closes a step in Python engines
+        return nxt
+
+    for _ in range(WARMUP):
+        tokens = step(tokens, keep=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tokens = step(tokens, keep=True)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    with open(out / "topk.bin", "wb") as f:
+        for t in kept:
+            f.write(t.cpu().numpy().tobytes())
+    info = {
+        "pid": os.getpid(),
+        "tokens_per_s": BATCH * steps / dt,
+        "t_begin": t_begin,
+        "t_end": time.monotonic_ns(),
+    }
+    (out / "child.json").write_text(json.dumps(info))
+
+
+# ---------------------------------------------------------------- parent
+
+
+def run_mode(mode: str, steps: int, tmp: Path, shm_ring: Any, launch: Any) -> dict[str, Any]:
+    out = tmp / mode
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARSEETY_", "CUDA_INJECTION64"))}
+    if mode != "off":
+        env = launch.build_env(env, LIB, watch=WATCH if mode == "buffers" else None, flush_ms=50)
+        env["SPARSEETY_SHM_NAME"] = "sparseety-gpucheck.{pid}"
+    p0 = time.monotonic_ns()
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--child", "--steps", str(steps), "--out", str(out)], env=env
+    )
+    ring_path = Path("/dev/shm") / f"sparseety-gpucheck.{proc.pid}"
+    ring, records = None, []
+    while True:
+        done = proc.poll() is not None
+        if mode != "off" and ring is None and ring_path.exists():
+            try:
+                ring = shm_ring.ShmRing(ring_path)
+            except shm_ring.RingError:
+                ring = None  # not initialised yet
+        if ring is not None:
+            records += ring.drain()
+        if done:
+            break
+        time.sleep(0.05)
+    p1 = time.monotonic_ns()
+    result: dict[str, Any] = {"exit_code": proc.returncode}
+    if proc.returncode != 0:
+        return result
+    info = json.loads((out / "child.json").read_text())
+    result["tokens_per_s"] = round(info["tokens_per_s"], 1)
+    if mode == "off":
+        return result
+    if ring is None:
+        result["injection_fired"] = False
+        return result
+    records += ring.drain()
+    result |= analyse(records, ring, shm_ring, p0, p1, out if mode == "buffers" else None)
+    ring.close()
+    ring_path.unlink(missing_ok=True)
+    return result
+
+
+def analyse(
+    records: list[Any], ring: Any, shm_ring: Any, p0: int, p1: int, out: Path | None
+) -> dict[str, Any]:
+    rec = sys.modules["records"]
+    kernels = [r for r in records if isinstance(r, rec.KernelActivity)]
+    launches = [r for r in records if isinstance(r, rec.LaunchApi)]
+    watched = [r for r in records if isinstance(r, rec.WatchedBuffer)]
+    c = ring.counters()
+    stamps = [t for k in kernels for t in (k.start_ns, k.end_ns) if t] + [
+        t for r in launches for t in (r.enter_ns, r.exit_ns)
+    ]
+    launched = {r.correlation_id for r in launches}
+    uncovered: dict[str, int] = {}
+    for k in kernels:
+        if k.correlation_id not in launched:
+            uncovered[k.name[:80]] = uncovered.get(k.name[:80], 0) + 1
+    res: dict[str, Any] = {
+        "injection_fired": True,
+        "finished": ring.finished,
+        "clock_domain": "monotonic" if ring.clock_domain == shm_ring.CLOCK_MONOTONIC else "cupti_default",
+        "timestamps_in_window": bool(stamps) and all(p0 <= t <= p1 for t in stamps),
+        "kernels": len(kernels),
+        "untimed_kernels": sum(1 for k in kernels if k.start_ns == 0),
+        "launch_records": len(launches),
+        "launch_apis": sorted({r.api for r in launches}),
+        "launch_coverage": round(
+            sum(1 for k in kernels if k.correlation_id in launched) / max(len(kernels), 1), 4
+        ),
+        "uncovered_kernels": dict(sorted(uncovered.items(), key=lambda kv: -kv[1])[:5]),
+        "memcpy_dtoh": sum(1 for r in records if isinstance(r, rec.MemcpyActivity) and r.kind == "DtoH"),
+        "counters": {k: v for k, v in vars(c).items() if k != "errors"},
+        "errors": c.errors,
+    }
+    if out is not None:
+        expected = (out / "topk.bin").read_bytes()
+        got = b"".join(w.data for w in sorted(watched, key=lambda w: w.correlation_id) if w.kernel == KERNEL)
+        res["watched_buffers"] = len(watched)
+        res["topk_bytes_expected"] = len(expected)
+        res["topk_equal"] = got == expected
+        res["topk_shapes"] = sorted({w.shape for w in watched})
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.steps, args.out)
+        return 0
+
+    if not (Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia").exists()):
+        fail("no GPU on this machine (no /dev/nvidiactl, no NVIDIA driver): run this on the GPU machine")
+    try:
+        import torch
+    except ImportError:
+        fail(f"torch is not importable by {sys.executable}: run with the machine's Python stack (PYTHON=...)")
+    if not HAVE_TRITON:
+        fail(f"triton is not importable by {sys.executable}")
+    if not torch.cuda.is_available():
+        fail("torch sees no GPU (torch.cuda.is_available() is False)")
+    if not LIB.is_file():
+        fail(f"{LIB} is missing: build it with `bash cupti_ext/build.sh` and carry cupti_ext/build/")
+    load("records", GPU / "records.py")
+    shm_ring = load("shm_ring", GPU / "shm_ring.py")
+    launch = load("sparseety_launch", GPU / "launch.py")
+    libcupti = launch.find_libcupti()
+
+    import tempfile
+
+    report: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "libcupti": str(libcupti) if libcupti else None,
+    }
+    with tempfile.TemporaryDirectory(prefix="sparseety-gpucheck-") as tmp:
+        for mode in ("off", "kernels", "buffers"):
+            report[mode] = run_mode(mode, args.steps, Path(tmp), shm_ring, launch)
+    k, b = report["kernels"], report["buffers"]
+    checks = {
+        "children_ok": all(report[m].get("exit_code") == 0 for m in ("off", "kernels", "buffers")),
+        "injection_fired": bool(k.get("injection_fired")) and bool(b.get("injection_fired")),
+        "clock_monotonic": k.get("clock_domain") == "monotonic" and bool(k.get("timestamps_in_window")),
+        "launch_coverage": k.get("launch_coverage", 0) >= 0.99,
+        "topk_equal": bool(b.get("topk_equal")),
+        "no_losses": all(
+            m.get("counters", {}).get(f, 1) == 0 for m in (k, b) for f in ("ring_dropped", "activity_dropped")
+        ),
+    }
+    report["checks"] = checks
+    report["ok"] = all(checks.values())
+    print(json.dumps(report, indent=1, default=str))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

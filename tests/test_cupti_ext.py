@@ -1,0 +1,396 @@
+"""The CUPTI injection library (cupti_ext) without a GPU: built against the CUDA 13 headers, driven
+by cupti_ext/tests/driver.c through stub libcupti / libcuda, its shared-memory ring read back with
+sparseety_prof/gpu/shm_ring.py and checked field by field. Also the reader on damaged rings,
+`launch`, and that scripts/gpu_check.sh fails fast and clearly where there is no GPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import struct
+import subprocess
+import sys
+import time
+import uuid
+from array import array
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from sparseety_prof.gpu import launch as launch_mod
+from sparseety_prof.gpu.records import KernelActivity, LaunchApi, MemcpyActivity, WatchedBuffer
+from sparseety_prof.gpu.shm_ring import (
+    CLOCK_CUPTI_DEFAULT,
+    CLOCK_MONOTONIC,
+    HEADER_SIZE,
+    MAGIC,
+    RingError,
+    ShmRing,
+    descendants,
+    find_rings,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+WATCH = "topk_hist_kernel:0:int32:arg1,arg2;moe_align_block_size_kernel:0:int64:grid.x*2"
+RT_MOE = "_ZN4vllm28moe_align_block_size_kernelIlEEvPKT_"
+
+
+@pytest.fixture(scope="session")
+def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cupti_build")
+    r = subprocess.run(
+        ["bash", str(ROOT / "cupti_ext" / "build.sh"), str(out)], capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        pytest.fail(f"cupti_ext/build.sh failed (exit {r.returncode}):\n{r.stderr}")
+    return out
+
+
+class Run:
+    def __init__(self, proc: subprocess.Popen[str], name: str) -> None:
+        self.proc = proc
+        self.path = Path("/dev/shm") / name
+
+
+@pytest.fixture
+def shm_name() -> Iterator[str]:
+    name = f"sparseety-test-{uuid.uuid4().hex[:12]}"
+    yield name
+    Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def env_for(build: Path, shm_name: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARSEETY_", "STUB_"))}
+    env |= {
+        "CUDA_INJECTION64_PATH": str(build / "libsparseety_cupti.so"),
+        "SPARSEETY_CUPTI_PATH": str(build / "libcupti_stub.so"),
+        "SPARSEETY_CUDA_PATH": str(build / "libcuda_stub.so"),
+        "SPARSEETY_SHM_NAME": shm_name,
+        "SPARSEETY_FLUSH_MS": "10",
+    }
+    return env | extra
+
+
+def run_driver(build: Path, scenario: str, env: dict[str, str]) -> tuple[dict[str, list[str]], int]:
+    r = subprocess.run([str(build / "driver"), scenario], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"driver {scenario} exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
+    out = {
+        line.split(" ", 1)[0]: line.split(" ", 1)[1].split() for line in r.stdout.splitlines() if " " in line
+    }
+    return out, r.returncode
+
+
+T = TypeVar("T")
+
+
+def by_type(records: Sequence[object], cls: type[T]) -> list[T]:
+    return [r for r in records if isinstance(r, cls)]
+
+
+# ---------------------------------------------------------------- the library, end to end
+
+
+def test_main_scenario_records_everything_field_by_field(build: Path, shm_name: str) -> None:
+    t_start = time.monotonic_ns()
+    out, _ = run_driver(build, "main", env_for(build, shm_name, SPARSEETY_WATCH=WATCH))
+    t_end = time.monotonic_ns()
+    assert out["init"] == ["1"]
+
+    # The timestamp callback was registered before any activity kind was enabled, and returns
+    # CLOCK_MONOTONIC.
+    calls = out["log"][0].split(";")
+    assert calls[:3] == ["subscribe", "timestamp", "register"]
+    assert calls.index("timestamp") < min(i for i, c in enumerate(calls) if c.startswith("enable:"))
+    assert {"enable:10", "enable:1"} <= set(calls)  # CONCURRENT_KERNEL, MEMCPY
+    needed = ["1:307", "1:442", "1:652", "1:653", "1:514", "1:515", "1:279"]  # driver launch/graph/memcpy
+    needed += ["2:211", "2:214", "2:430", "2:431", "2:505", "2:311", "2:41"]  # runtime
+    assert {f"cb:{cb}" for cb in needed} <= set(calls)
+    before, ts, after = map(int, out["timestamp"])
+    assert before <= ts <= after
+
+    ring = ShmRing(Path("/dev/shm") / shm_name)
+    assert stat.S_IMODE(os.stat(ring.path).st_mode) == 0o600
+    assert ring.finished
+    assert ring.clock_domain == CLOCK_MONOTONIC
+    assert t_start <= ring.header.start_mono_ns <= t_end
+    assert abs(ring.header.calib_mono_ns - ring.header.start_mono_ns) < 10**9
+    records = ring.drain()
+    c = ring.counters()
+    raw = ring.raw_counters()
+    assert c.errors == []
+    assert ring.drain() == []  # consumed
+
+    launches = by_type(records, LaunchApi)
+    apis: dict[str, list[LaunchApi]] = {}
+    for rec in launches:
+        apis.setdefault(rec.api, []).append(rec)
+    drv = apis["cuLaunchKernel"]
+    rt = apis["cudaLaunchKernel"]
+    assert sorted(r.correlation_id for r in drv) == [*range(100000, 100300), 300004]
+    assert sorted(r.correlation_id for r in rt) == list(range(200000, 200300))
+    # Two threads launched at once: each keeps its own tid, in order, with sane times.
+    assert len({r.tid for r in drv if r.correlation_id < 300000}) == 1
+    assert len({r.tid for r in rt}) == 1
+    assert drv[0].tid != rt[0].tid
+    assert [r.correlation_id for r in rt] == sorted(r.correlation_id for r in rt)
+    for r in launches:
+        assert t_start <= r.enter_ns <= r.exit_ns <= t_end
+        assert r.pid == ring.header.pid
+    assert [(r.correlation_id, r.graph_id) for r in apis["cuGraphLaunch"]] == [(300000, 77)]
+    assert [r.correlation_id for r in apis["cuMemcpyDtoHAsync_v2"]] == [300001]
+    # the host-to-device copy 300002 is not recorded
+    assert [r.correlation_id for r in apis["cudaMemcpyAsync"]] == [300003]
+
+    # Watched buffers: exactly the arrays the "engine" held, shaped by the rules.
+    watched = {w.correlation_id: w for w in by_type(records, WatchedBuffer)}
+    assert len(watched) == 60 == raw["buffers_copied"]
+    tid_of = {r.correlation_id: r.tid for r in launches}
+    for i in range(0, 300, 10):
+        w = watched[100000 + i]
+        assert (w.kernel, w.arg_index, w.dtype, w.shape) == ("topk_hist_kernel", 0, "int32", (4, 2))
+        assert w.data == array("i", [(i * 31 + j * 7) % 64 for j in range(8)]).tobytes()
+        assert w.tid == tid_of[100000 + i]
+        w = watched[200000 + i]
+        assert (w.kernel, w.arg_index, w.dtype, w.shape) == (RT_MOE, 0, "int64", (6,))
+        assert w.data == array("q", [i * 13 + j for j in range(6)]).tobytes()
+        assert t_start <= w.launch_ns <= t_end
+    assert 300004 not in watched  # the failed launch is recorded but not copied
+    # The library's own copies re-enter the callback: recorded under their own name, not recursed on.
+    assert len(apis["sparseety_staging_copy"]) == 60
+    assert out["copies"] == ["60", "host_allocs", "1"]
+
+    # Activity: order as delivered (out of order kept), untimed records kept with 0.
+    base = int(out["activity_base"][0])
+    kernels = by_type(records, KernelActivity)
+    assert [(k.correlation_id, k.start_ns, k.end_ns) for k in kernels] == [
+        (100001, base + 2000, base + 3000),
+        (100000, base + 1000, base + 1500),
+        (100002, 0, 0),
+        (300000, base + 5000, base + 6000),
+    ]
+    k = kernels[0]
+    assert (k.name, k.device, k.context_id, k.stream_id) == ("gemm_kernel_bf16", 0, 1, 7)
+    assert (k.grid, k.block, k.shared_mem_bytes, k.graph_id) == ((2, 1, 1), (128, 1, 1), 1536, 0)
+    assert (kernels[3].name, kernels[3].graph_id, kernels[3].graph_node_id) == ("graph_node_kernel", 77, 5)
+    assert by_type(records, MemcpyActivity) == [
+        MemcpyActivity(300001, "DtoH", 64, base + 4000, base + 4100, device=0, stream_id=7, graph_id=0)
+    ]
+    assert (c.activity_dropped, c.ring_dropped, c.buffers_failed) == (3, 0, 0)
+    assert (c.buffers_skipped_sampling, c.buffers_skipped_budget) == (0, 0)
+    assert c.launches_seen == 601 and c.graph_launches == 1
+    assert c.callback_ns > 0
+    assert raw["records_written"] == len(records)
+    ring.close()
+
+
+def test_sampling_budget_and_bad_rule_are_counted(build: Path, shm_name: str) -> None:
+    env = env_for(
+        build,
+        shm_name,
+        SPARSEETY_WATCH="topk_hist_kernel:0:int32:arg1,arg2",
+        SPARSEETY_WATCH_FILE=str(ROOT / "cupti_ext" / "tests" / "watch_bad.txt"),
+        SPARSEETY_SAMPLE_EVERY="2",
+        SPARSEETY_BUFFER_BYTES_PER_S="100",
+    )
+    run_driver(build, "limits", env)
+    with ShmRing(Path("/dev/shm") / shm_name) as ring:
+        records = ring.drain()
+        c = ring.counters()
+    # 10 launches, every 2nd sampled (0, 2, 4, 6, 8); 32 bytes each under a 100 B/s budget: 3 fit.
+    assert sorted(w.correlation_id for w in by_type(records, WatchedBuffer)) == [100000, 100002, 100004]
+    assert (c.buffers_skipped_sampling, c.buffers_skipped_budget) == (5, 2)
+    # bad_kernel's rule reads argument 5 of a 3-argument kernel: refused, counted, reported once.
+    assert c.buffers_failed == 1
+    assert len(c.errors) == 1 and "bad_kernel" in c.errors[0] and "argument 5 does not exist" in c.errors[0]
+
+
+def test_full_ring_drops_and_counts_then_recovers(build: Path, shm_name: str) -> None:
+    env = env_for(build, shm_name, SPARSEETY_RING_BYTES="4096")
+    proc = subprocess.Popen(
+        [str(build / "driver"), "ringfull"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    lines = [proc.stdout.readline() for _ in range(3)]
+    assert lines[0] == "init 1\n" and lines[2] == "filled\n", lines
+    ring = ShmRing(Path("/dev/shm") / shm_name)
+    assert ring.header.capacity == 4096
+    first = ring.drain()
+    dropped = ring.counters().ring_dropped
+    # 72-byte launch records: the first 56 fit, the rest were dropped, nothing was torn.
+    assert [r.correlation_id for r in by_type(first, LaunchApi)] == list(range(1000, 1056))
+    assert len(first) + dropped == 200
+    proc.stdin.write("go\n")
+    proc.stdin.close()
+    assert proc.wait(timeout=30) == 0
+    second = ring.drain()  # these wrapped around the end of the data area
+    assert [(r.api, r.correlation_id) for r in by_type(second, LaunchApi)] == [
+        ("cuLaunchKernel", 5000 + i) for i in range(20)
+    ]
+    assert ring.counters().ring_dropped == dropped
+    assert ring.finished
+    ring.close()
+
+
+def test_subscribe_refused_keeps_engine_running_and_says_why(build: Path, shm_name: str) -> None:
+    out, _ = run_driver(build, "fail", env_for(build, shm_name, STUB_CUPTI_SUBSCRIBE_RESULT="39"))
+    assert out["init"] == ["1"]
+    assert out["log"] == ["subscribe"]  # nothing enabled, no buffer callbacks taken from the other tool
+    assert out["fired"] == ["0"]
+    with ShmRing(Path("/dev/shm") / shm_name) as ring:
+        assert ring.drain() == []
+        errors = ring.counters().errors
+        assert ring.clock_domain == CLOCK_CUPTI_DEFAULT
+    assert len(errors) == 1
+    assert "MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED" in errors[0] and "(code 39)" in errors[0]
+
+
+def test_timestamp_callback_refused_reader_converts_clock(build: Path, shm_name: str) -> None:
+    env = env_for(build, shm_name, STUB_CUPTI_TIMESTAMP_RESULT="1", SPARSEETY_WATCH="not a watch entry")
+    out, _ = run_driver(build, "fail", env)
+    assert out["init"] == ["1"] and out["fired"] == ["1"]
+    with ShmRing(Path("/dev/shm") / shm_name) as ring:
+        records = ring.drain()
+        errors = ring.counters().errors
+        h = ring.header
+        assert ring.clock_domain == CLOCK_CUPTI_DEFAULT
+    assert any("SPARSEETY_WATCH" in e and "pattern:arg:dtype:rule" in e for e in errors)
+    assert any("cuptiActivityRegisterTimestampCallback" in e for e in errors)
+    (k,) = by_type(records, KernelActivity)
+    t = 1700000000000000000
+    assert (k.start_ns, k.end_ns) == (
+        t - h.calib_realtime_ns + h.calib_mono_ns,
+        t + 1000 - h.calib_realtime_ns + h.calib_mono_ns,
+    )
+
+
+# ---------------------------------------------------------------- the reader on damaged rings
+
+
+def write_ring(
+    path: Path,
+    *,
+    magic: int = MAGIC,
+    version: int = 1,
+    capacity: int = 4096,
+    size: int | None = None,
+    data: bytes = b"",
+    head: int | None = None,
+) -> None:
+    buf = bytearray(HEADER_SIZE + capacity)
+    struct.pack_into("<QIIQII", buf, 0, magic, version, HEADER_SIZE, capacity, 1, CLOCK_MONOTONIC)
+    buf[HEADER_SIZE : HEADER_SIZE + len(data)] = data
+    struct.pack_into("<Q", buf, 64, len(data) if head is None else head)
+    path.write_bytes(bytes(buf[: size if size is not None else len(buf)]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"magic": 0}, "bad magic"),
+        ({"version": 7}, "format version 7"),
+        ({"size": 100}, "truncated"),
+        ({"size": HEADER_SIZE + 1024}, "truncated"),
+        ({"capacity": 5000}, "corrupt header"),
+        ({"data": struct.pack("<IHH", 12, 2, 0) + bytes(8)}, "corrupt record"),
+        ({"data": struct.pack("<IHH", 16, 2, 0) + bytes(8)}, "too short"),
+        ({"data": struct.pack("<IHH", 16, 2, 0) + bytes(8), "head": 8}, "corrupt record"),
+    ],
+)
+def test_reader_rejects_damaged_rings_clearly(tmp_path: Path, kwargs: dict[str, int], message: str) -> None:
+    path = tmp_path / "ring"
+    write_ring(path, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(RingError, match=message):
+        ShmRing(path).drain()
+
+
+def test_reader_skips_pad_and_unknown_records(tmp_path: Path) -> None:
+    err = b"boom"
+    data = struct.pack("<IHH", 8, 0x50, 0) + struct.pack("<IHH", 16, 99, 0) + bytes(8)
+    data += struct.pack("<IHH", 24, 5, 0) + struct.pack("<iI", -1, 4) + err + bytes(4)
+    write_ring(tmp_path / "ring", data=data)
+    with ShmRing(tmp_path / "ring") as ring:
+        assert ring.drain() == []
+        assert ring.counters().errors == ["boom (code -1)"]
+        assert ring._tail.value == len(data)
+        assert ring._mm[HEADER_SIZE : HEADER_SIZE + len(data)] == bytes(len(data))  # zeroed for the producers
+
+
+def test_find_rings_covers_descendant_processes(tmp_path: Path) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in descendants(os.getpid())
+        (tmp_path / f"sparseety-prof-cupti.{child.pid}").write_bytes(b"")
+        (tmp_path / "sparseety-prof-cupti.1").write_bytes(b"")  # init: not ours
+        assert find_rings(os.getpid(), shm_dir=tmp_path) == [tmp_path / f"sparseety-prof-cupti.{child.pid}"]
+    finally:
+        child.kill()
+        child.wait()
+
+
+# ---------------------------------------------------------------- launch
+
+
+def test_launch_sets_injection_env_and_returns_exit_code(
+    build: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    dump = tmp_path / "env.json"
+    code = f"import json, os, sys; json.dump(dict(os.environ), open({str(dump)!r}, 'w')); sys.exit(3)"
+    parser = argparse.ArgumentParser()
+    launch_mod.add_arguments(parser)
+    args = parser.parse_args(["--watch", WATCH, "--sample-every", "4", "--", sys.executable, "-c", code])
+    lib = build / "libsparseety_cupti.so"
+    rc = launch_mod.launch(args.command[1:], watch=args.watch, sample_every=args.sample_every, library=lib)
+    assert rc == 3
+    env = json.loads(dump.read_text())
+    assert (
+        env["CUDA_INJECTION64_PATH"] == str(lib.resolve())
+        and Path(env["CUDA_INJECTION64_PATH"]).is_absolute()
+    )
+    assert (env["SPARSEETY_WATCH"], env["SPARSEETY_SAMPLE_EVERY"]) == (WATCH, "4")
+    assert "SPARSEETY_RING_BYTES" not in env
+    assert "sudo sparseety-prof attach --pid" in capfd.readouterr().err
+
+
+def test_launch_refuses_without_built_library(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    rc = launch_mod.launch(["true"], library=tmp_path / "missing.so")
+    assert rc == 1
+    assert "not built: run `bash cupti_ext/build.sh`" in capfd.readouterr().err
+    assert launch_mod.launch([], library=tmp_path / "missing.so") == 2
+
+
+# ---------------------------------------------------------------- the GPU check script
+
+
+def test_gpu_check_fails_fast_and_clearly_without_gpu() -> None:
+    has_gpu = Path("/dev/nvidia0").exists() or Path("/proc/driver/nvidia").exists()
+    if has_gpu:
+        pytest.skip("this machine has a GPU: run scripts/gpu_check.sh itself")
+    t = time.monotonic()
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode != 0
+    assert "gpu_check:" in r.stderr and ("no GPU" in r.stderr or "torch" in r.stderr), r.stderr
+    assert time.monotonic() - t < 60
+
+
+def test_reader_loads_by_file_path_without_the_package(tmp_path: Path) -> None:
+    # As scripts/gpu_check.py does on a machine without polars: records.py, then shm_ring.py by path.
+    write_ring(tmp_path / "ring")
+    code = f"""
+import importlib.util, sys
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec); sys.modules[name] = mod; spec.loader.exec_module(mod)
+    return mod
+load("records", {str(ROOT / "sparseety_prof/gpu/records.py")!r})
+ring = load("shm_ring", {str(ROOT / "sparseety_prof/gpu/shm_ring.py")!r}).ShmRing({str(tmp_path / "ring")!r})
+assert ring.drain() == [] and "sparseety_prof" not in sys.modules and "polars" not in sys.modules
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert r.stdout == "ok\n", r.stderr
