@@ -148,6 +148,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from .gpu.launch import run
+
+    return run(args)
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from .report import print_report
 
@@ -283,6 +289,18 @@ def build_parser() -> argparse.ArgumentParser:
         at, output_help="also record to this directory (created; must be empty)", output_required=False
     )
     at.set_defaults(func=_cmd_attach)
+
+    la = sub.add_parser(
+        "launch",
+        help="start a CUDA engine with the CUPTI injection library (GPU path), to attach to later",
+        description="Start `COMMAND` with CUDA_INJECTION64_PATH set to cupti_ext's library: CUPTI cannot "
+        "attach to a running process, so GPU kernels are only visible for engines started this way. "
+        "Then: sudo sparseety-prof record --pid N -o DIR (the kernels table).",
+    )
+    from .gpu.launch import add_arguments as add_launch_arguments
+
+    add_launch_arguments(la)
+    la.set_defaults(func=_cmd_launch)
 
     ck = sub.add_parser(
         "check",

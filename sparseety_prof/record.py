@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 
 from . import __version__, layouts, schema
 from . import target as tg
@@ -25,6 +26,8 @@ from .correlator import Correlator
 from .errors import NotAnEngine, ProfError
 from .events import SeqTracker, decode_groups
 from .gguf_info import ModelInfo, Vocab, read_model_info, read_tensor_infos, sha256_file
+from .gpu.capture import GpuCapture
+from .gpu.shm_ring import RingError
 from .recording import RecordingWriter, sudo_owner
 from .serving import DEFAULT_HEADER, ServingTracker
 from .snapshot import engine_environment, host_info, process_info, server_props
@@ -157,7 +160,20 @@ class Recorder:
     def run(self) -> dict[str, Any]:
         opts = self.opts
         cpu0 = self._cpu0 = _cpu_s()
-        a = attach(opts)
+        try:
+            a = attach(opts)
+        except NotAnEngine:
+            # a CUDA engine with a Python decode loop (vLLM, SGLang, PyTorch): no llama.cpp to
+            # probe, but started under `sparseety-prof launch`: record its GPU side alone
+            gpu_only = _open_gpu(opts.pid)
+            if gpu_only is None:
+                raise
+            return self._run_gpu_only(gpu_only)
+        try:
+            gpu = _open_gpu(opts.pid)
+        except ProfError as e:
+            self.log(f"sparseety-prof: GPU ring not read: {e}")
+            gpu = None
         # From here on the consumer only drains, correlates and writes: it yields the CPU to the
         # engine whenever both want it (the ring buffer absorbs the delay; losses are counted).
         if opts.nice:
@@ -207,7 +223,7 @@ class Recorder:
         try:
             while not self._stop.is_set():
                 self._stop.wait(DRAIN_INTERVAL_S)
-                self._consume(reader.take(), corr, tracker, writer, a.session)
+                self._consume(reader.take(), corr, tracker, writer, a.session, gpu=gpu)
                 if deadline is not None and time.monotonic() >= deadline:
                     self.stop("duration reached")
                 if not _alive(opts.pid):
@@ -220,7 +236,9 @@ class Recorder:
             a.session.close()
             if error is None:
                 try:
-                    self._consume(rest, corr, tracker, writer, a.session, counters=counters, final=True)
+                    self._consume(
+                        rest, corr, tracker, writer, a.session, counters=counters, final=True, gpu=gpu
+                    )
                 except BaseException as e:
                     error = e
             else:
@@ -260,9 +278,78 @@ class Recorder:
             hasher.join()
             final["model"] = {**self.meta["model"], "sha256": model_hash.get("sha256")}
             final["weight_sparsity"] = _weight_summary(model_hash.get("weights"))
+            if gpu is not None:
+                final["gpu"] = gpu.meta()
+                gpu.close()
             self.meta.update(final)
             if writer is not None:
                 writer.close(**final)
+        if error is not None:
+            raise error
+        return self.meta
+
+    def _poll_gpu(
+        self, gpu: GpuCapture | None, steps: dict[str, list[Any]], *, final: bool
+    ) -> dict[str, pl.DataFrame]:
+        if gpu is None:
+            return {}
+        gpu.add_steps(steps)
+        return gpu.poll(final=final)
+
+    def _run_gpu_only(self, gpu: GpuCapture) -> dict[str, Any]:
+        """Record the kernels, GPU-side steps and watched buffers of an engine with no host
+        probes (steps close at the device-to-host copy of the sampled ids)."""
+        opts = self.opts
+        if opts.nice:
+            os.nice(opts.nice)
+        self.meta = {
+            "profiler": {"name": "sparseety-prof", "version": __version__},
+            "engine": {"name": "cuda (gpu only)", "version": ""},
+            "target": _target_meta(opts.pid),
+            "host": host_info(),
+            "config": {"environment": engine_environment(opts.pid), "process": process_info(opts.pid)},
+            "clock": "CLOCK_MONOTONIC ns (t_*_ns, start_ns, end_ns)",
+        }
+        writer = None
+        if opts.out is not None:
+            writer = RecordingWriter(opts.out, self.meta, owner=sudo_owner(), redact_text=opts.redact_text)
+        self.log(f"sparseety-prof: attached to PID {opts.pid} (GPU only: {len(gpu.rings)} CUPTI ring(s))")
+        start_unix_ms = time.time_ns() // 1_000_000
+        deadline = time.monotonic() + opts.duration if opts.duration else None
+        error: BaseException | None = None
+        try:
+            while True:
+                stop = self._stop.wait(DRAIN_INTERVAL_S)
+                if deadline is not None and time.monotonic() >= deadline:
+                    self.stop("duration reached")
+                if not _alive(opts.pid):
+                    self.stop("target exited")
+                final = stop or self._stop.is_set()
+                for table, df in gpu.poll(final=final).items():
+                    if writer is not None and df.height:
+                        writer.append(table, df)
+                    if table == "steps":
+                        self.progress.steps += df.height
+                self.progress.cpu_s = _cpu_s() - self._cpu0
+                if final:
+                    break
+        except BaseException as e:
+            error = e
+        finally:
+            final_meta = {
+                "start_unix_ms": start_unix_ms,
+                "end_unix_ms": time.time_ns() // 1_000_000,
+                "stop_reason": self.stop_reason or (type(error).__name__ if error else ""),
+                "gpu": gpu.meta(),
+                "counts": {"tokens": 0, "steps": self.progress.steps},
+                "losses": {},
+                "profiler_cpu_s": round(_cpu_s() - self._cpu0, 3),
+                "bpf_compile_s": 0.0,
+            }
+            gpu.close()
+            self.meta.update(final_meta)
+            if writer is not None:
+                writer.close(**final_meta)
         if error is not None:
             raise error
         return self.meta
@@ -277,6 +364,7 @@ class Recorder:
         *,
         counters: dict[str, int] | None = None,
         final: bool = False,
+        gpu: GpuCapture | None = None,
     ) -> None:
         batch = decode_groups(records, sess.logits_chunk)
         tracker.update(batch.seqs(), final=final)
@@ -285,6 +373,7 @@ class Recorder:
         tok, steps = corr.take_rows()
         routes, masks = corr.take_sparse_rows()
         requests = corr.take_request_rows(final=final)
+        gpu_frames = self._poll_gpu(gpu, steps, final=final)
         if writer is not None:
             if steps:
                 writer.append("steps", schema.frame("steps", steps))
@@ -296,6 +385,9 @@ class Recorder:
                 writer.append("masks", schema.frame("masks", masks))
             if requests:
                 writer.append("requests", schema.frame("requests", requests))
+            for table, df in gpu_frames.items():
+                if df.height:
+                    writer.append(table, df)
         p = self.progress
         p.records = tracker.seen
         p.seq_gaps = tracker.gaps
@@ -310,6 +402,18 @@ class Recorder:
         p.cpu_s = _cpu_s() - self._cpu0
         if self.on_update is not None:
             self.on_update(tok, steps, p)
+
+
+def _target_meta(pid: int) -> dict[str, Any]:
+    t = tg.inspect(pid)
+    return {"pid": pid, "exe": t.exe, "cmdline": t.cmdline}
+
+
+def _open_gpu(pid: int) -> GpuCapture | None:
+    try:
+        return GpuCapture.open(pid)
+    except RingError as e:
+        raise ProfError(f"the CUPTI ring of PID {pid} cannot be read: {e}") from None
 
 
 def _config_snapshot(a: Attached) -> dict[str, Any]:
