@@ -36,7 +36,7 @@ PROMPT = "hello the expert router decode sample"
 
 
 class EngineProc:
-    def __init__(self, model: Path, threads: int) -> None:
+    def __init__(self, model: Path, threads: int, n_ctx: int = 512) -> None:
         self.p = subprocess.Popen(
             [
                 sys.executable,
@@ -45,6 +45,8 @@ class EngineProc:
                 "--threads",
                 str(threads),
                 "--no-logits-all",
+                "--n-ctx",
+                str(n_ctx),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -72,11 +74,11 @@ class EngineProc:
 
 
 def profiled(
-    engine: EngineProc, tokens: int, out: Path, settle: float, mode: str
+    engine: EngineProc, tokens: int, out: Path, settle: float, mode: str, sched: str
 ) -> tuple[list[int], dict[str, Any]]:
     cmd = [sys.executable, "-m", "sparseety_prof.cli", "record", "--pid", str(engine.pid), "-o", str(out)]
     rec = subprocess.Popen(
-        [*cmd, "--mode", mode],
+        [*cmd, "--mode", mode, "--sched", sched],
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
@@ -134,21 +136,22 @@ SPARSE_LOSSES = ("sparse_rows_not_captured", "attention_rows_not_counted", "spar
 
 
 def bench(
-    model: Path, threads: int, pairs: int, tokens: int, settle: float, tmp: Path, mode: str
+    model: Path, threads: int, pairs: int, tokens: int, settle: float, tmp: Path, mode: str, sched: str
 ) -> dict[str, Any]:
-    eng = EngineProc(model, threads)
+    eng = EngineProc(model, threads, n_ctx=max(512, 1 << (tokens + 64).bit_length()))
     try:
         for _ in range(3):  # warm up: page in the weights, settle the allocator
             eng.run(tokens)
         ratios, itl_a, itl_b = [], [], []
-        events = drops = gaps = rec_tokens = sparse_lost = 0
+        events = drops = gaps = rec_tokens = sparse_lost = escalations = 0
+        drain_gaps, fills = [], []
         for i in range(pairs):
             out = tmp / f"{mode}-t{threads}-{i}"
             if i % 2 == 0:
                 a = eng.run(tokens)
-                b, meta = profiled(eng, tokens, out, settle, mode)
+                b, meta = profiled(eng, tokens, out, settle, mode, sched)
             else:
-                b, meta = profiled(eng, tokens, out, settle, mode)
+                b, meta = profiled(eng, tokens, out, settle, mode, sched)
                 a = eng.run(tokens)
             ratios.append(tps(b) / tps(a))
             itl_a.append(itl_ms(a))
@@ -159,6 +162,10 @@ def bench(
             gaps += losses["seq_gaps"]
             sparse_lost += sum(int(losses.get(k, 0)) for k in SPARSE_LOSSES)
             rec_tokens += meta["counts"]["tokens"]
+            consumer = meta.get("consumer", {})
+            drain_gaps.append(float(consumer.get("drain_gap_max_ms", 0)))
+            fills.append(float(consumer.get("ring_fill_peak", 0)))
+            escalations += int(consumer.get("escalations", 0))
             print(
                 f"  mode={mode} threads={threads} pair {i + 1}/{pairs}: tokens/s ratio {ratios[-1]:.4f}",
                 file=sys.stderr,
@@ -186,6 +193,12 @@ def bench(
         "kernel_drops": drops,
         "seq_gaps": gaps,
         "sparse_losses": sparse_lost,
+        "sched": sched,
+        # how long the consumer waited for CPU (longest gap between two drains, nominal 500 ms),
+        # how full one drain found the ring at worst, and how often it left SCHED_IDLE
+        "drain_gap_max_ms_median": float(np.median(drain_gaps)),
+        "ring_fill_peak_max": float(max(fills)),
+        "escalations": escalations,
     }
 
 
@@ -207,6 +220,12 @@ def main() -> int:
         choices=["full", "tokens"],
         help="recorder modes to measure (full: routing, sparsity, attention too; tokens: tokens only)",
     )
+    ap.add_argument(
+        "--sched",
+        default="nice",
+        choices=["idle", "nice"],
+        help="the recorder's consumer CPU policy (see `sparseety-prof record --help`)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args()
     model = make_model(ROOT / "models" / "bench.gguf", "bench")
@@ -218,12 +237,12 @@ def main() -> int:
                     f"[bench] mode {mode}, {t} engine thread(s), {a.pairs} A/B pairs of {a.tokens} tokens",
                     file=sys.stderr,
                 )
-                results.append(bench(model, t, a.pairs, a.tokens, a.settle, Path(tmp), mode))
+                results.append(bench(model, t, a.pairs, a.tokens, a.settle, Path(tmp), mode, a.sched))
     print(
         "| mode | engine threads | tokens/s ratio (median) | 95% CI | slowdown | p99 ITL plain → profiled | "
-        "events/token | losses |"
+        "events/token | losses | consumer: max drain gap (median), ring peak, escalations |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         lo, hi = r["tps_ratio_ci95"]
         print(
@@ -231,7 +250,9 @@ def main() -> int:
             f"{r['slowdown_median_pct']:.2f}% | "
             f"{r['itl_p99_ms_plain']:.2f} → {r['itl_p99_ms_profiled']:.2f} ms "
             f"(×{r['itl_p99_ratio']:.3f}) | {r['events_per_token']:.1f} | "
-            f"{r['kernel_drops']} drops, {r['seq_gaps']} gaps, {r['sparse_losses']} sparse |"
+            f"{r['kernel_drops']} drops, {r['seq_gaps']} gaps, {r['sparse_losses']} sparse | "
+            f"{r['drain_gap_max_ms_median']:.0f} ms, {100 * r['ring_fill_peak_max']:.1f}%, "
+            f"{r['escalations']} |"
         )
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))

@@ -55,6 +55,7 @@ def _options(args: argparse.Namespace) -> Options:
         nice=args.nice,
         skip_probes=frozenset(getattr(args, "skip_probe", None) or ()),
         request_header=args.request_header,
+        sched=args.sched,
         capture=capture,
     )
 
@@ -248,6 +249,13 @@ def _attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_requir
         "--capture-masks",
         action="store_true",
         help="also record the activation zero masks, bit-packed, in the masks table",
+    )
+    p.add_argument(
+        "--sched",
+        choices=["idle", "nice"],
+        default="nice",
+        help="consumer CPU policy once attached: nice (default) = compete for CPU at --nice; idle = "
+        "SCHED_IDLE, only CPU the engine leaves idle, escalating to --nice when the ring fills",
     )
     p.add_argument(
         "--request-header",
