@@ -41,6 +41,7 @@ _SPARSE_TOKEN_COLUMNS = (
 VERIFY_UBATCHES = 16  # micro-batches sanity-checked against the layout at attach time
 MAX_SEQ_ID = 1 << 16
 STATS_BLOCK = 16  # logits rows per vectorised statistics call
+_ROW0 = np.zeros(1, dtype=np.int64)
 
 
 @dataclass
@@ -61,6 +62,17 @@ class Step:
     decode_rows: int = 0  # rows that feed back a token sampled for their sequence (the rest: prompt)
     sparse: StepSparse | None = None  # routing, activation and attention records of this pass
     _output_index: dict[int, int] | None = None
+    _seq_rows: dict[int, np.ndarray] | None = None
+
+    def seq_rows(self) -> dict[int, np.ndarray]:
+        """Sequence id -> its row indices (in batch order). One-row steps, the bulk of a decode,
+        skip numpy's unique/flatnonzero (microseconds each, per token)."""
+        if self._seq_rows is None:
+            if len(self.seq) == 1:
+                self._seq_rows = {int(self.seq[0]): _ROW0}
+            else:
+                self._seq_rows = {int(v): np.flatnonzero(self.seq == v) for v in np.unique(self.seq)}
+        return self._seq_rows
 
     def output_index(self) -> dict[int, int]:
         """Batch row -> ordinal among the rows that produce logits (the rows a tensor has when
@@ -313,8 +325,9 @@ class Correlator:
         if step is None:
             return
         step.t_end = int(r["ts_ns"])
-        seq_ids = sorted({int(s) for s in step.seq})
-        counts = np.unique(step.seq, return_counts=True)[1] if len(step.seq) else np.array([0])
+        groups = step.seq_rows()
+        seq_ids = sorted(groups)
+        most_rows = max((len(r) for r in groups.values()), default=0)
         self._append(
             self._steps,
             step_id=step.step_id,
@@ -325,7 +338,7 @@ class Correlator:
             ts_unix_ms=self._wall_ms(step.t_start),
             n_tokens=step.n_tokens,
             n_outputs=int(np.count_nonzero(step.output)),
-            phase=PHASE_PREFILL if counts.max() > 1 else PHASE_DECODE,
+            phase=PHASE_PREFILL if most_rows > 1 else PHASE_DECODE,
             prompt_rows=step.n_tokens - step.decode_rows,
             decode_rows=step.decode_rows,
             seq_ids=seq_ids,
@@ -579,9 +592,7 @@ class Correlator:
         return (step, i) if step.output[i] else None
 
     def _segment(self, c: CtxState, step: Step, clears: list[tuple[int, int]]) -> None:
-        for s in np.unique(step.seq):
-            seq = int(s)
-            rows = np.flatnonzero(step.seq == s)
+        for seq, rows in sorted(step.seq_rows().items()):
             first = int(rows[0])
             tok, pos = int(step.token[first]), int(step.pos[first])
             st = c.seqs.get(seq)

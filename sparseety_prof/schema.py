@@ -171,19 +171,53 @@ def empty(table: str) -> pl.DataFrame:
     return pl.DataFrame(schema=TABLES[table])
 
 
-def frame(table: str, columns: dict[str, list[object]]) -> pl.DataFrame:
+def frame(table: str, columns: dict[str, list[object]], *, split: bool = True) -> pl.DataFrame:
     """Build a table from column lists, in schema order with schema dtypes (missing columns: null)."""
     schema = TABLES[table]
     unknown = set(columns) - set(schema)
     if unknown:
         raise KeyError(f"columns not in the {table} schema: {sorted(unknown)}")
     n = len(next(iter(columns.values()))) if columns else 0
+    fast: dict[str, pl.Series | None] = {}
+    for name, dtype in schema.items():
+        if isinstance(dtype, pl.List) and name in columns:
+            fast[name] = _regular_list_series(name, columns[name], dtype)
+    ragged = [k for k, v in fast.items() if v is None and any(x is not None for x in columns[k])]
+    if split and ragged and n > _RAGGED_MIN_ROWS:
+        by_shape = _frame_by_shape(table, columns, ragged, n)
+        if by_shape is not None:
+            return by_shape
     series = []
     for name, dtype in schema.items():
-        values = columns.get(name, [None] * n)
-        fast = _regular_list_series(name, values, dtype) if isinstance(dtype, pl.List) else None
-        series.append(fast if fast is not None else pl.Series(name, values, dtype=dtype, strict=False))
+        got = fast.get(name)
+        if got is None:
+            got = pl.Series(name, columns.get(name, [None] * n), dtype=dtype, strict=False)
+        series.append(got)
     return pl.DataFrame(series)
+
+
+_RAGGED_MIN_ROWS = 16
+
+
+def _frame_by_shape(
+    table: str, columns: dict[str, list[object]], ragged: list[str], n: int
+) -> pl.DataFrame | None:
+    """Rows whose list columns have different lengths (a prompt step among one-row decode steps)
+    defeat the numpy fast path, and polars' element-by-element construction costs ~6 us per
+    row and column. Rows are grouped by the lengths of their list values, each group takes the
+    fast path, and the groups are put back in the original row order. Few groups (prompt
+    chunks) is the common case; with many, this gives up (None) and the caller's frame stands."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i in range(n):
+        key = tuple(-1 if (v := columns[name][i]) is None else len(v) for name in ragged)  # type: ignore[arg-type]
+        groups.setdefault(key, []).append(i)
+    if len(groups) > max(4, n // 16):
+        return None
+    parts = []
+    for idx in groups.values():
+        sub = {k: [v[i] for i in idx] for k, v in columns.items()}
+        parts.append(frame(table, sub, split=False).with_columns(pl.Series("__row", idx, dtype=pl.Int64())))
+    return pl.concat(parts).sort("__row").drop("__row")
 
 
 _NUMPY_OF = {pl.Int32(): np.int32, pl.Int64(): np.int64, pl.Float32(): np.float32, pl.Float64(): np.float64}

@@ -46,3 +46,21 @@ def test_frame_uses_schema_order_and_dtypes() -> None:
     assert df["router_probs"].null_count() == 2
     with pytest.raises(KeyError, match="not in the routes schema"):
         schema.frame("routes", {"nope": [1]})
+
+
+def test_frame_with_ragged_lists_keeps_rows_in_order() -> None:
+    """A prompt step (many rows) among one-row decode steps: grouped by shape for the fast path,
+    then back in the original order, equal to polars' own construction."""
+    n = 40
+    cols: dict[str, list[object]] = {
+        "step_id": list(range(n)),
+        "token_ids": [[1, 2, 3] if i % 13 == 0 else [i] for i in range(n)],
+        "positions": [[0, 1, 2] if i % 13 == 0 else [i + 3] for i in range(n)],
+        "seq_ids": [None if i == 5 else [0] for i in range(n)],
+    }
+    got = schema.frame("steps", cols)
+    want = pl.DataFrame(
+        [pl.Series(k, cols.get(k, [None] * n), dtype=t, strict=False) for k, t in schema.STEPS.items()]
+    )
+    assert got.schema == want.schema
+    assert got.equals(want)
