@@ -110,7 +110,7 @@ def _cmd_attach(args: argparse.Namespace) -> int:
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from .doctor import print_checks, run_checks
 
-    checks = run_checks(args.pid)
+    checks = run_checks(args.pid, gpu=args.gpu)
     print_checks(checks)
     failed = [c.name for c in checks if not c.ok]
     if failed:
@@ -325,6 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     dr = sub.add_parser("doctor", help="check privileges, BPF, headers, tracefs and (with --pid) the engine")
     dr.add_argument("--pid", type=int, default=None, help="also check this engine process")
+    dr.add_argument(
+        "--gpu",
+        action="store_true",
+        help="also check the GPU path: injection library, libcupti, cupti-python, CUDA driver "
+        "(and with --pid the engine's CUPTI ring)",
+    )
     dr.set_defaults(func=_cmd_doctor)
 
     rp = sub.add_parser("report", help="summary tables of a recording")

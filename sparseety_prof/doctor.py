@@ -144,10 +144,14 @@ SYSTEM_CHECKS: list[Callable[[], Check]] = [
 ]
 
 
-def run_checks(pid: int | None) -> list[Check]:
+def run_checks(pid: int | None, *, gpu: bool = False) -> list[Check]:
     checks = [c() for c in SYSTEM_CHECKS]
     if pid is not None:
         checks += check_engine(pid)
+    if gpu:
+        from .gpu.diagnose import gpu_checks
+
+        checks += gpu_checks(pid)
     return checks
 
 

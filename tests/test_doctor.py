@@ -110,3 +110,70 @@ def test_model_check_fails_when_no_model_file_is_open(models: dict[str, Path], t
     finally:
         e.close()
     assert not checks["model file"].ok and "--model" in checks["model file"].fix
+
+
+# ---------------------------------------------------------------- doctor --gpu
+
+
+def test_gpu_injection_library_check(tmp_path: Path) -> None:
+    from sparseety_prof.gpu import diagnose
+    from sparseety_prof.gpu.launch import library_path
+
+    assert diagnose.check_injection_library().ok, "scripts/setup.sh builds cupti_ext"
+    assert diagnose.check_injection_library(library_path()).ok
+    missing = diagnose.check_injection_library(tmp_path / "nope.so")
+    assert not missing.ok and "cupti_ext/build.sh" in missing.fix
+    garbage = tmp_path / "garbage.so"
+    garbage.write_bytes(b"not an ELF file at all")
+    assert not diagnose.check_injection_library(garbage).ok
+    other = diagnose.check_injection_library(Path(shutil.which("true") or "/bin/true"))
+    assert not other.ok and "InitializeInjection" in other.detail
+
+
+def test_gpu_libcupti_check(tmp_path: Path) -> None:
+    from sparseety_prof.gpu import diagnose
+
+    assert not diagnose.check_libcupti(None, search=False).ok
+    assert diagnose.check_libcupti(tmp_path / "libcupti.so.13").ok
+
+
+def test_gpu_cupti_python_and_driver_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sparseety_prof.gpu import diagnose
+
+    absent = diagnose.check_cupti_python("sparseety_no_such_module")
+    assert not absent.ok and "pip install cupti-python" in absent.fix
+    pkg = tmp_path / "fakecupti"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "__version__ = '13.4.0'\nimport os\n"
+        "class cupti:\n    @staticmethod\n    def get_timestamp():\n"
+        "        if os.environ.get('FAKE_NO_DRIVER'):\n            raise RuntimeError('CUDA driver is not found')\n"
+        "        return 1\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert diagnose.check_cupti_python("fakecupti").detail == "cupti-python 13.4.0"
+    assert diagnose.check_cuda_driver("fakecupti").ok
+    monkeypatch.setenv("FAKE_NO_DRIVER", "1")
+    no_driver = diagnose.check_cuda_driver("fakecupti")
+    assert not no_driver.ok and "driver is not found" in no_driver.detail
+    # without cupti-python: the kernel driver's /proc entry decides
+    assert not diagnose.check_cuda_driver("sparseety_no_such_module", tmp_path / "no-driver").ok
+    assert diagnose.check_cuda_driver("sparseety_no_such_module", tmp_path).ok
+
+
+def test_gpu_ring_check(tmp_path: Path) -> None:
+    from sparseety_prof.gpu import diagnose
+    from sparseety_prof.gpu.shm_ring import SHM_PREFIX
+
+    p = subprocess.Popen(["sleep", "30"])
+    ring = Path("/dev/shm") / f"{SHM_PREFIX}{p.pid}"
+    try:
+        none = diagnose.check_rings(p.pid)
+        assert not none.ok and "sparseety-prof launch" in none.fix
+        ring.write_bytes(b"\0" * 8192)  # a ring that was never initialised
+        bad = diagnose.check_rings(p.pid)
+        assert not bad.ok and "magic" in bad.detail
+    finally:
+        p.kill()
+        p.wait()
+        ring.unlink(missing_ok=True)

@@ -87,6 +87,9 @@ def test_record_gpu_only_process(build: Path, shm_name: str, tmp_path: Path) -> 
     ring = Path("/dev/shm") / f"{SHM_PREFIX}{engine.pid}"
     try:
         shutil.copyfile(Path("/dev/shm") / shm_name, ring)
+        from sparseety_prof.gpu.diagnose import check_rings
+
+        assert check_rings(engine.pid).ok  # doctor --gpu --pid sees it
         r = run_cli("record", "--pid", str(engine.pid), "-o", str(tmp_path / "rec"), "--duration", "1.5")
         assert r.returncode == 0, r.stderr
         assert "GPU only" in r.stderr
