@@ -147,7 +147,8 @@ def test_gpu_cupti_python_and_driver_checks(tmp_path: Path, monkeypatch: pytest.
     (pkg / "__init__.py").write_text(
         "__version__ = '13.4.0'\nimport os\n"
         "class cupti:\n    @staticmethod\n    def get_timestamp():\n"
-        "        if os.environ.get('FAKE_NO_DRIVER'):\n            raise RuntimeError('CUDA driver is not found')\n"
+        "        if os.environ.get('FAKE_NO_DRIVER'):\n"
+        "            raise RuntimeError('CUDA driver is not found')\n"
         "        return 1\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
