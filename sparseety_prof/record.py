@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from . import __version__, layouts, schema
+from . import __version__, layouts, logits, schema
 from . import target as tg
 from .bpf_loader import RING_BUFFER_PAGES, RingReader, Session, compile_and_attach, is_server
 from .capture import Capture
@@ -133,6 +133,7 @@ def run_metadata(a: Attached, opts: Options) -> dict[str, Any]:
         "redact_text": opts.redact_text,
         "capture": opts.capture.to_meta(),
         "act_threshold": opts.capture.act_threshold,
+        "logits_stats": {"backend": logits.BACKEND, "x86_level": logits.native_level()},
         "layers": a.layers.to_meta(),
     }
 
