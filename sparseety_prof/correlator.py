@@ -42,6 +42,20 @@ VERIFY_UBATCHES = 16  # micro-batches sanity-checked against the layout at attac
 MAX_SEQ_ID = 1 << 16
 STATS_BLOCK = 16  # logits rows per vectorised statistics call
 _ROW0 = np.zeros(1, dtype=np.int64)
+_ROUTE_COLUMNS = (
+    "step_id",
+    "ctx_id",
+    "seq_id",
+    "pos",
+    "row",
+    "layer",
+    "expert_ids",
+    "expert_weights",
+    "router_probs",
+    "act_zero_ratio",
+    "act_below_ratio",
+    "act_values",
+)
 
 
 @dataclass
@@ -164,6 +178,7 @@ class Correlator:
         self.problems = Problems()
         self.layers_seen: dict[str, set[int]] = {"moe": set(), "ffn": set(), "attn": set()}
         self._routes: dict[str, list[object]] = {}
+        self._routes_layout: tuple[list[int], list[int | None], list[int | None]] | None = None
         self._masks: dict[str, list[object]] = {}
         self.serving = serving
         # server: a sample waits for the process_token call that names its slot (by thread)
@@ -353,55 +368,84 @@ class Correlator:
         if step.sparse is not None:
             self._emit_routes(step)
 
+    def _route_layout(self) -> tuple[list[int], list[int | None], list[int | None]]:
+        """The routes table's layers (MoE or FFN, in model order) and, per layer, its index in the
+        per-row MoE and FFN value lists: fixed for a recording, computed once."""
+        if self._routes_layout is None:
+            layers = self.layers
+            moe_pos = {layer: k for k, layer in enumerate(layers.moe)}
+            ffn_pos = {layer: k for k, layer in enumerate(layers.ffn)}
+            all_layers = sorted(set(layers.moe) | set(layers.ffn))
+            self._routes_layout = (
+                all_layers,
+                [moe_pos.get(layer) for layer in all_layers],
+                [ffn_pos.get(layer) for layer in all_layers],
+            )
+        return self._routes_layout
+
     def _emit_routes(self, step: Step) -> None:
         """The long form: one row per (batch row, FFN layer) the engine computed, from the same
-        per-row values the token rows use (computed once per row)."""
+        per-row values the token rows use (computed once per row). Whole columns are extended at
+        once per row: per-value appends were the largest consumer cost of full mode."""
         sp = step.sparse
         assert sp is not None
         out_index = step.output_index()
-        layers = self.layers
-        moe_pos = {layer: k for k, layer in enumerate(layers.moe)}
-        ffn_pos = {layer: k for k, layer in enumerate(layers.ffn)}
-        all_layers = sorted(set(layers.moe) | set(layers.ffn))
+        all_layers, km_of, kf_of = self._route_layout()
+        n_layers = len(all_layers)
+        widths = [sp.act_width.get(layer, 0) * sp.act_slots.get(layer, 0) for layer in all_layers]
         cols = self._routes
+        if not cols:
+            for name in _ROUTE_COLUMNS:
+                cols[name] = []
         for i, (seq, pos) in enumerate(zip(step.seq.tolist(), step.pos.tolist(), strict=True)):
             b = step.row_offset + i
-            v = sp.row_values(b, out_index, step.n_tokens, layers, self.problems)
-            for layer in all_layers:
-                km, kf = moe_pos.get(layer), ffn_pos.get(layer)
-                ids = v["expert_ids"][km] if km is not None else None
-                zr = v["act_zero_ratio"][kf] if kf is not None else None
-                if ids is None and zr is None:
-                    continue  # not computed for this row (or not captured): no row is invented
-                width = sp.act_width.get(layer, 0) * sp.act_slots.get(layer, 0)
-                for name, value in (
-                    ("step_id", step.step_id),
-                    ("ctx_id", step.ctx_id),
-                    ("seq_id", seq),
-                    ("pos", pos),
-                    ("row", b),
-                    ("layer", layer),
-                    ("expert_ids", ids),
-                    ("expert_weights", v["expert_weights"][km] if km is not None else None),
-                    ("router_probs", v["router_probs"][km] if km is not None else None),
-                    ("act_zero_ratio", zr),
-                    ("act_below_ratio", v["act_below_ratio"][kf] if kf is not None else None),
-                    ("act_values", width if zr is not None else None),
-                ):
-                    cols.setdefault(name, []).append(value)
-                bits = sp.act_mask_bits(layer, b, out_index, step.n_tokens) if self.with_masks else None
-                if bits is not None:
-                    self._append(
-                        self._masks,
-                        step_id=step.step_id,
-                        ctx_id=step.ctx_id,
-                        seq_id=seq,
-                        pos=pos,
-                        row=b,
-                        layer=layer,
-                        n_values=len(bits),
-                        nonzero_bits=np.packbits(bits).tobytes(),
-                    )
+            v = sp.row_values(b, out_index, step.n_tokens, self.layers, self.problems)
+            ids_v, w_v, p_v = v["expert_ids"], v["expert_weights"], v["router_probs"]
+            zr_v, br_v = v["act_zero_ratio"], v["act_below_ratio"]
+            ids = [ids_v[k] if k is not None else None for k in km_of]
+            zr = [zr_v[k] if k is not None else None for k in kf_of]
+            # a layer not computed for this row (or not captured) gets no row: none is invented
+            keep = [j for j in range(n_layers) if ids[j] is not None or zr[j] is not None]
+            if not keep:
+                continue
+            values: dict[str, list[object]] = {
+                "layer": list(all_layers),
+                "expert_ids": ids,
+                "expert_weights": [w_v[k] if k is not None else None for k in km_of],
+                "router_probs": [p_v[k] if k is not None else None for k in km_of],
+                "act_zero_ratio": zr,
+                "act_below_ratio": [br_v[k] if k is not None else None for k in kf_of],
+                "act_values": [w if z is not None else None for w, z in zip(widths, zr, strict=True)],
+            }
+            if len(keep) < n_layers:
+                values = {k: [vals[j] for j in keep] for k, vals in values.items()}
+            n = len(keep)
+            for name, value in (
+                ("step_id", step.step_id),
+                ("ctx_id", step.ctx_id),
+                ("seq_id", seq),
+                ("pos", pos),
+                ("row", b),
+            ):
+                cols[name].extend([value] * n)
+            for name, vals in values.items():
+                cols[name].extend(vals)
+            if self.with_masks:
+                for j in keep:
+                    layer = all_layers[j]
+                    bits = sp.act_mask_bits(layer, b, out_index, step.n_tokens)
+                    if bits is not None:
+                        self._append(
+                            self._masks,
+                            step_id=step.step_id,
+                            ctx_id=step.ctx_id,
+                            seq_id=seq,
+                            pos=pos,
+                            row=b,
+                            layer=layer,
+                            n_values=len(bits),
+                            nonzero_bits=np.packbits(bits).tobytes(),
+                        )
 
     def _on_step_agg(self, r: dict[str, Any]) -> None:
         """The aggregate of a one-row micro-batch, sent by its own thread before its end record.
