@@ -31,6 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scripts.make_models import make_model  # noqa: E402
+from sparseety_prof.record import Options  # noqa: E402
+
+DEFAULT_NICE = Options(pid=0, out=None).nice
 
 PROMPT = "hello the expert router decode sample"
 
@@ -74,11 +77,11 @@ class EngineProc:
 
 
 def profiled(
-    engine: EngineProc, tokens: int, out: Path, settle: float, mode: str, sched: str
+    engine: EngineProc, tokens: int, out: Path, settle: float, mode: str, sched: str, nice: int
 ) -> tuple[list[int], dict[str, Any]]:
     cmd = [sys.executable, "-m", "sparseety_prof.cli", "record", "--pid", str(engine.pid), "-o", str(out)]
     rec = subprocess.Popen(
-        [*cmd, "--mode", mode, "--sched", sched],
+        [*cmd, "--mode", mode, "--sched", sched, "--nice", str(nice)],
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
@@ -136,7 +139,15 @@ SPARSE_LOSSES = ("sparse_rows_not_captured", "attention_rows_not_counted", "spar
 
 
 def bench(
-    model: Path, threads: int, pairs: int, tokens: int, settle: float, tmp: Path, mode: str, sched: str
+    model: Path,
+    threads: int,
+    pairs: int,
+    tokens: int,
+    settle: float,
+    tmp: Path,
+    mode: str,
+    sched: str,
+    nice: int,
 ) -> dict[str, Any]:
     eng = EngineProc(model, threads, n_ctx=max(512, 1 << (tokens + 64).bit_length()))
     try:
@@ -149,9 +160,9 @@ def bench(
             out = tmp / f"{mode}-t{threads}-{i}"
             if i % 2 == 0:
                 a = eng.run(tokens)
-                b, meta = profiled(eng, tokens, out, settle, mode, sched)
+                b, meta = profiled(eng, tokens, out, settle, mode, sched, nice)
             else:
-                b, meta = profiled(eng, tokens, out, settle, mode, sched)
+                b, meta = profiled(eng, tokens, out, settle, mode, sched, nice)
                 a = eng.run(tokens)
             ratios.append(tps(b) / tps(a))
             itl_a.append(itl_ms(a))
@@ -194,6 +205,7 @@ def bench(
         "seq_gaps": gaps,
         "sparse_losses": sparse_lost,
         "sched": sched,
+        "nice": nice,
         # how long the consumer waited for CPU (longest gap between two drains, nominal 500 ms),
         # how full one drain found the ring at worst, and how often it left SCHED_IDLE
         "drain_gap_max_ms_median": float(np.median(drain_gaps)),
@@ -226,6 +238,7 @@ def main() -> int:
         choices=["idle", "nice"],
         help="the recorder's consumer CPU policy (see `sparseety-prof record --help`)",
     )
+    ap.add_argument("--nice", type=int, default=None, help="the recorder's --nice (default: its own)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args()
     model = make_model(ROOT / "models" / "bench.gguf", "bench")
@@ -237,7 +250,8 @@ def main() -> int:
                     f"[bench] mode {mode}, {t} engine thread(s), {a.pairs} A/B pairs of {a.tokens} tokens",
                     file=sys.stderr,
                 )
-                results.append(bench(model, t, a.pairs, a.tokens, a.settle, Path(tmp), mode, a.sched))
+                nice = a.nice if a.nice is not None else DEFAULT_NICE
+                results.append(bench(model, t, a.pairs, a.tokens, a.settle, Path(tmp), mode, a.sched, nice))
     print(
         "| mode | engine threads | tokens/s ratio (median) | 95% CI | slowdown | p99 ITL plain → profiled | "
         "events/token | losses | consumer: max drain gap (median), ring peak, escalations |"
