@@ -121,20 +121,29 @@ class StepSparse:
         # copies: a step may end drains after its record arrived, and drained memory is reused
         ids, wts = np.array(r["ids"]), np.array(r["wts"])
         # views into those copies, and one shared "filled" flag
-        for layer in np.flatnonzero(k_ids).tolist():
-            sp.ids[layer] = _Rows(ids[layer : layer + 1, : int(k_ids[layer])], _ONE_FILLED)
-        for layer in np.flatnonzero(k_wts).tolist():
-            sp.weights[layer] = _Rows(wts[layer : layer + 1, : int(k_wts[layer])], _ONE_FILLED)
-        nr, rows = np.asarray(r["act_nr"]), np.asarray(r["act_rows"])
-        for layer in np.flatnonzero(nr).tolist():
-            slots = max(int(r["act_slots"][layer]), 1)
-            if int(rows[layer]) != int(nr[layer]) or int(nr[layer]) != slots:
-                continue  # not every row counted, or not one token's rows: not captured
-            z = np.zeros(slots, dtype=np.int64)
-            b = np.zeros(slots, dtype=np.int64)
-            z[0], b[0] = int(r["act_zero"][layer]), int(r["act_below"][layer])  # totals over slots
-            sp.act_zeros[layer], sp.act_below[layer] = z, b
-            sp.act_width[layer], sp.act_slots[layer] = int(r["act_ne0"][layer]), slots
+        for layer, k in zip(np.flatnonzero(k_ids).tolist(), k_ids[k_ids != 0].tolist(), strict=True):
+            sp.ids[layer] = _Rows(ids[layer : layer + 1, :k], _ONE_FILLED)
+        for layer, k in zip(np.flatnonzero(k_wts).tolist(), k_wts[k_wts != 0].tolist(), strict=True):
+            sp.weights[layer] = _Rows(wts[layer : layer + 1, :k], _ONE_FILLED)
+        nr = np.asarray(r["act_nr"])
+        present = np.flatnonzero(nr)
+        if len(present):
+            # plain ints for the layers present: numpy scalar access per field costs more here
+            rows_l = np.asarray(r["act_rows"])[present].tolist()
+            nr_l = nr[present].tolist()
+            slots_l = np.asarray(r["act_slots"])[present].tolist()
+            zero_l = np.asarray(r["act_zero"])[present].tolist()
+            below_l = np.asarray(r["act_below"])[present].tolist()
+            ne0_l = np.asarray(r["act_ne0"])[present].tolist()
+            for j, layer in enumerate(present.tolist()):
+                slots = max(slots_l[j], 1)
+                if rows_l[j] != nr_l[j] or nr_l[j] != slots:
+                    continue  # not every row counted, or not one token's rows: not captured
+                z = np.zeros(slots, dtype=np.int64)
+                b = np.zeros(slots, dtype=np.int64)
+                z[0], b[0] = zero_l[j], below_l[j]  # totals over slots
+                sp.act_zeros[layer], sp.act_below[layer] = z, b
+                sp.act_width[layer], sp.act_slots[layer] = ne0_l[j], slots
         return sp
 
     def merge(self, other: StepSparse) -> None:
