@@ -43,12 +43,40 @@ def print_report(path: Path, *, console: Console | None = None) -> None:
             pl.col("log_prob").min().alias("min_log_prob"),
             ((pl.col("t_end_ns").max() - pl.col("t_end_ns").min()) / 1e6).alias("span_ms"),
         )
+        reqs = r.requests()
+        if reqs.height:  # the requests table: id source, time to first token, inter-token latency
+            per_req = per_req.join(
+                reqs.group_by("request_id", maintain_order=True).agg(
+                    pl.col("id_source").first().alias("id"),
+                    pl.col("ttft_ms").max().alias("ttft_ms"),
+                    pl.col("itl_p50_ms").median().alias("itl_p50_ms"),
+                    pl.col("end_reason").first().alias("end"),
+                ),
+                on="request_id",
+                how="left",
+            )
         t = Table(title="requests")
         for c in per_req.columns:
             t.add_column(c)
         for row in per_req.iter_rows():
             t.add_row(*[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row])
         con.print(t)
+    kernels = r.kernels()
+    if kernels.height:
+        k_us = (pl.col("end_ns") - pl.col("start_ns")) / 1e3
+        top = (
+            kernels.group_by("name")
+            .agg(pl.len().alias("launches"), k_us.sum().alias("total_us"), k_us.median().alias("median_us"))
+            .sort("total_us", descending=True, nulls_last=True)
+            .head(10)
+        )
+        joined = kernels.filter(pl.col("step_id").is_not_null()).height
+        kt = Table(title=f"GPU kernels ({kernels.height}, {joined} joined to a step)")
+        for c in top.columns:
+            kt.add_column(c)
+        for row in top.iter_rows():
+            kt.add_row(*[f"{v:.1f}" if isinstance(v, float) else str(v) for v in row])
+        con.print(kt)
     if steps.height:
         dur = ((steps["t_end_ns"] - steps["t_start_ns"]) / 1e6).drop_nulls()
         lat = Table(title="steps (ms)")

@@ -44,6 +44,31 @@ def _recording(path: Path) -> None:
             },
         ),
     )
+    w.append(
+        "requests",
+        schema.frame(
+            "requests",
+            {
+                "request_id": ["r0-0-1", "r0-0-2"],
+                "id_source": ["header", "generated"],
+                "ttft_ms": [12.5, None],
+                "itl_p50_ms": [6.25, None],
+                "end_reason": ["released", "detached"],
+            },
+        ),
+    )
+    w.append(
+        "kernels",
+        schema.frame(
+            "kernels",
+            {
+                "name": ["moe_topk_kernel", "gemm_bf16", "gemm_bf16"],
+                "start_ns": [0, 100_000, 300_000],
+                "end_ns": [50_000, 250_000, 450_000],
+                "step_id": [1, 1, None],
+            },
+        ),
+    )
     w.close(losses={"kernel_drops": 0, "seq_gaps": 1})
 
 
@@ -64,5 +89,12 @@ def test_report_shows_requests_latency_losses_and_metadata(tmp_path: Path) -> No
         "decode",
         "-1.000",
         "True",
+        "header",
+        "12.500",
+        "6.250",
+        "released",
+        "GPU kernels (3, 2 joined to a step)",
+        "gemm_bf16",
+        "300.0",
     ):
         assert text in out, text
