@@ -232,3 +232,12 @@ def test_parallel_completions_fork_the_parent_sequence(server: Engine, tmp_path:
         assert got["token_id"].to_list() == a["tokens"][n - got.height :]
         assert got["decode_order"].to_list() == list(range(n - got.height, n))
     assert {parent["output_tokens"], child["output_tokens"]} == {len(answers[0]["tokens"])}
+
+
+def test_check_refuses_an_engine_without_http_server(llama_engine: Engine) -> None:
+    """llama-cpp-python has no request objects: `check` says so (exit 4), attaches nothing."""
+    from conftest import run_cli
+
+    r = run_cli("check", "--pid", str(llama_engine.pid))
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert "not an HTTP server engine" in r.stderr
