@@ -4,6 +4,7 @@ decoding, correlation, statistics and Parquet writing all happen here, in the co
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -231,6 +232,7 @@ class Recorder:
             t_prev = time.monotonic()
             while not self._stop.is_set():
                 self._stop.wait(DRAIN_INTERVAL_S)
+                sched.before_drain(reader.backlog())  # escalate before the copying, if filling
                 records = reader.take()
                 now = time.monotonic()
                 sched.after_drain(sum(len(b) for b in records.values()) / RING_BYTES, (now - t_prev) * 1e3)
@@ -418,12 +420,14 @@ class Recorder:
 
 
 class _ConsumerSched:
-    """Where the consumer's CPU comes from. In "idle" mode it runs as SCHED_IDLE: only on CPU the
-    engine leaves idle, preempted the moment an engine thread wakes, so it never takes a core
-    from a decode step (with niceness alone, a 2-thread engine on 2 cores lost 7-10% to it).
-    The ring absorbs the wait; when one drain finds it filling (ESCALATE_FILL), the consumer
-    would soon lose records, so it returns to SCHED_OTHER at its niceness until it has caught up
-    (RELAX_FILL). Escalations are counted in meta.json ("consumer")."""
+    """Where the consumer's CPU comes from. It runs at a low priority (`--nice`, default 10), or
+    with `--sched idle` as SCHED_IDLE (only CPU the engine leaves idle), so that the engine's
+    threads win contention. A low priority can starve it while the engine keeps every core busy
+    (measured: 2-3 s without a drain during a 2-thread generation on 2 cores), and the ring holds
+    about 1.5 s of tokens: when one drain finds the ring filling (ESCALATE_FILL), the consumer
+    takes the engine's own priority (nice 0, SCHED_OTHER) until it has caught up (RELAX_FILL):
+    losing records is worse than taking a few percent of the engine's time. Escalations are
+    counted in meta.json ("consumer")."""
 
     ESCALATE_FILL = 0.25
     RELAX_FILL = 0.05
@@ -431,34 +435,48 @@ class _ConsumerSched:
     def __init__(self, opts: Options, progress: Progress) -> None:
         self.progress = progress
         self.mode = opts.sched
-        self.idle = False
+        self.nice = opts.nice
+        self.tid = threading.get_native_id()
+        self.escalated = False
         if self.mode == "idle":
-            self._set(idle=True)
+            self._policy(os.SCHED_IDLE)
 
-    def _set(self, *, idle: bool) -> None:
-        policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
-        try:
+    def _policy(self, policy: int) -> None:
+        with contextlib.suppress(OSError):
             os.sched_setscheduler(0, policy, os.sched_param(0))  # this thread: the consumer
-        except OSError:
-            return
-        self.idle = idle
+
+    def _niceness(self, value: int) -> None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, self.tid, value)  # Linux: a TID sets one thread
+
+    def before_drain(self, backlog: float) -> None:
+        if not self.escalated and backlog > self.ESCALATE_FILL:
+            self._escalate()
+
+    def _escalate(self) -> None:
+        self.escalated = True
+        self.progress.escalations += 1
+        if self.mode == "idle":
+            self._policy(os.SCHED_OTHER)
+        self._niceness(0)
 
     def after_drain(self, fill: float, gap_ms: float) -> None:
         p = self.progress
         p.ring_fill_peak = max(p.ring_fill_peak, fill)
         p.drain_gap_max_ms = max(p.drain_gap_max_ms, gap_ms)
-        if self.mode != "idle":
-            return
-        if self.idle and fill > self.ESCALATE_FILL:
-            self._set(idle=False)
-            p.escalations += 1
-        elif not self.idle and fill < self.RELAX_FILL:
-            self._set(idle=True)
+        if not self.escalated and fill > self.ESCALATE_FILL:
+            self._escalate()
+        elif self.escalated and fill < self.RELAX_FILL:
+            self.escalated = False
+            self._niceness(self.nice)
+            if self.mode == "idle":
+                self._policy(os.SCHED_IDLE)
 
     def meta(self) -> dict[str, Any]:
         p = self.progress
         return {
             "sched": self.mode,
+            "nice": self.nice,
             "ring_fill_peak": round(p.ring_fill_peak, 4),
             "drain_gap_max_ms": round(p.drain_gap_max_ms, 1),
             "escalations": p.escalations,
