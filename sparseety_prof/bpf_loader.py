@@ -12,6 +12,7 @@ import ctypes
 import mmap
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,6 +263,7 @@ class RingReader:
     DISCARD = 1 << 30  # BPF_RINGBUF_DISCARD_BIT
     HDR = 8  # BPF_RINGBUF_HDR_SZ
     MAX_PASSES = 8
+    CHECK_EVERY = 256
 
     def __init__(self, sess: Session) -> None:
         self._sess = sess
@@ -285,14 +287,17 @@ class RingReader:
         prod = struct.unpack_from("<Q", self._prod_mm, 0)[0]
         return (prod - self._cons.value) / self._size
 
-    def take(self) -> dict[int, np.ndarray]:
+    def take(self, on_backlog: Callable[[float], None] | None = None) -> dict[int, np.ndarray]:
         """Drain the ring up to where the producer was when called: {record size: the records
-        back to back}. The arrays are valid until the next take()."""
+        back to back}. The arrays are valid until the next take(). `on_backlog` is told the share
+        of the ring still pending every CHECK_EVERY records (the consumer raises its priority
+        from there when a long drain under load lets the ring fill)."""
         unpack, prod_mm, page = struct.unpack_from, self._prod_mm, self._page
         cons = self._cons.value
         mask = self._size - 1
         fill, base = self._fill, self._data_addr
         busy, discard, hdr = self.BUSY, self.DISCARD, self.HDR
+        n = 0
         # passes until caught up (what was produced while the previous pass ran, too), at most
         # MAX_PASSES so that a producer faster than us cannot keep us here forever
         for _ in range(self.MAX_PASSES):
@@ -311,6 +316,9 @@ class RingReader:
                         arena = fill[size] = _Arena(size)
                     arena.append(base + off + hdr)
                 cons += (size + hdr + 7) & ~7
+                n += 1
+                if on_backlog is not None and n % self.CHECK_EVERY == 0:
+                    on_backlog((unpack("<Q", prod_mm, 0)[0] - cons) / self._size)
             self._cons.value = cons  # hands the space back to the producers
             if length & busy:
                 break

@@ -233,7 +233,7 @@ class Recorder:
             while not self._stop.is_set():
                 self._stop.wait(DRAIN_INTERVAL_S)
                 sched.before_drain(reader.backlog())  # escalate before the copying, if filling
-                records = reader.take()
+                records = reader.take(sched.before_drain)
                 now = time.monotonic()
                 sched.after_drain(sum(len(b) for b in records.values()) / RING_BYTES, (now - t_prev) * 1e3)
                 t_prev = now
@@ -429,8 +429,8 @@ class _ConsumerSched:
     losing records is worse than taking a few percent of the engine's time. Escalations are
     counted in meta.json ("consumer")."""
 
-    ESCALATE_FILL = 0.25
-    RELAX_FILL = 0.05
+    ESCALATE_FILL = 0.5
+    RELAX_FILL = 0.1
 
     def __init__(self, opts: Options, progress: Progress) -> None:
         self.progress = progress
