@@ -254,8 +254,8 @@ def _attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_requir
         "--sched",
         choices=["idle", "nice"],
         default="nice",
-        help="consumer CPU policy once attached: nice (default) = compete for CPU at --nice; idle = "
-        "SCHED_IDLE, only CPU the engine leaves idle, escalating to --nice when the ring fills",
+        help="consumer CPU policy once attached: nice (default) = run at --nice; idle = SCHED_IDLE (only CPU "
+        "the engine leaves idle). Either way it takes nice 0 while more than half the ring is pending",
     )
     p.add_argument(
         "--request-header",
