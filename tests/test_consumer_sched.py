@@ -1,0 +1,67 @@
+"""The consumer's CPU policy: low priority while it keeps up, the engine's priority (nice 0) while
+more than half the ring is pending, back once caught up; SCHED_IDLE with --sched idle."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from sparseety_prof.record import Options, Progress, _ConsumerSched
+
+
+def run_in_thread(fn: object) -> None:
+    err: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()  # type: ignore[operator]
+        except BaseException as e:
+            err.append(e)
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
+
+
+@pytest.mark.root  # lowering a thread's niceness back to 0 needs CAP_SYS_NICE
+def test_escalates_to_nice_0_while_the_ring_fills_and_relaxes_after() -> None:
+    def body() -> None:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, 10)
+        p = Progress()
+        s = _ConsumerSched(Options(pid=1, out=None, nice=10), p)
+        s.before_drain(0.2)
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 10 and p.escalations == 0
+        s.before_drain(0.6)  # half the ring pending: take the engine's priority
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 0 and p.escalations == 1
+        s.after_drain(0.3, 900.0)  # not caught up yet
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 0
+        s.after_drain(0.02, 500.0)  # caught up: back to --nice
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 10
+        assert p.ring_fill_peak == 0.3 and p.drain_gap_max_ms == 900.0
+        assert s.meta() == {
+            "sched": "nice",
+            "nice": 10,
+            "ring_fill_peak": 0.3,
+            "drain_gap_max_ms": 900.0,
+            "escalations": 1,
+        }
+
+    run_in_thread(body)
+
+
+@pytest.mark.root
+def test_idle_policy_leaves_sched_idle_while_escalated() -> None:
+    def body() -> None:
+        s = _ConsumerSched(Options(pid=1, out=None, nice=10, sched="idle"), Progress())
+        assert os.sched_getscheduler(0) == os.SCHED_IDLE
+        s.before_drain(0.9)
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+        s.after_drain(0.0, 500.0)
+        assert os.sched_getscheduler(0) == os.SCHED_IDLE
+
+    run_in_thread(body)
