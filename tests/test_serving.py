@@ -9,6 +9,7 @@ import json
 import math
 import signal
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,11 +162,21 @@ def test_concurrent_clients_each_get_their_own_tokens(server: Engine, tmp_path: 
 def test_slot_reuse_across_sequential_requests(server: Engine, tmp_path: Path) -> None:
     """The same slot serves one request after another (same prompt: the cached prefix makes the
     second look like a continuation to position-based segmentation): each keeps its own id."""
+    from conftest import bpf_prog_ids, uprobe_events
+
     url = server.ready["url"]
+    progs_before = bpf_prog_ids()
     rec = Recorder(server.pid, tmp_path / "rec", "--request-header", "X-Trace")
     answers = [post(url, body("one two three four", 12), f"seq-{k}", header="X-Trace") for k in range(3)]
+    assert bpf_prog_ids() - progs_before  # uprobes and the socket-read tracepoints
     rc, err = rec.stop(signal.SIGTERM)
     assert rc == 0, err
+    # detaching leaves nothing behind: no BPF program, no uprobe event (freed asynchronously)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and bpf_prog_ids() - progs_before:
+        time.sleep(0.2)
+    assert not (bpf_prog_ids() - progs_before), "BPF programs left loaded"
+    assert "xllamacpp" not in uprobe_events()
     r = sparseety_prof.open(tmp_path / "rec")
     tokens = r.tokens()
     for k, a in enumerate(answers):
