@@ -282,16 +282,11 @@ class RingReader:
         self._data_addr = self._data.ctypes.data
         self._page = page
 
-    def backlog(self) -> float:
-        """Share of the ring holding records not taken yet (two loads, no copying)."""
-        prod = struct.unpack_from("<Q", self._prod_mm, 0)[0]
-        return (prod - self._cons.value) / self._size
-
     def take(self, on_backlog: Callable[[float], None] | None = None) -> dict[int, np.ndarray]:
         """Drain the ring up to where the producer was when called: {record size: the records
         back to back}. The arrays are valid until the next take(). `on_backlog` is told the share
-        of the ring still pending every CHECK_EVERY records (the consumer raises its priority
-        from there when a long drain under load lets the ring fill)."""
+        of the ring still pending at the start of each pass and every CHECK_EVERY records (the
+        consumer raises its priority from there when the ring fills under load)."""
         unpack, prod_mm, page = struct.unpack_from, self._prod_mm, self._page
         cons = self._cons.value
         mask = self._size - 1
@@ -304,6 +299,8 @@ class RingReader:
             prod = unpack("<Q", prod_mm, 0)[0]
             if cons >= prod:
                 break
+            if on_backlog is not None:  # before copying, so that a full ring escalates first
+                on_backlog((prod - cons) / self._size)
             while cons < prod:
                 off = cons & mask
                 length = unpack("<I", prod_mm, page + off)[0]

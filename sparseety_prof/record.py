@@ -232,8 +232,7 @@ class Recorder:
             t_prev = time.monotonic()
             while not self._stop.is_set():
                 self._stop.wait(DRAIN_INTERVAL_S)
-                sched.before_drain(reader.backlog())  # escalate before the copying, if filling
-                records = reader.take(sched.before_drain)
+                records = reader.take(sched.on_backlog)
                 now = time.monotonic()
                 sched.after_drain(sum(len(b) for b in records.values()) / RING_BYTES, (now - t_prev) * 1e3)
                 t_prev = now
@@ -449,7 +448,7 @@ class _ConsumerSched:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, self.tid, value)  # Linux: a TID sets one thread
 
-    def before_drain(self, backlog: float) -> None:
+    def on_backlog(self, backlog: float) -> None:
         if not self.escalated and backlog > self.ESCALATE_FILL:
             self._escalate()
 

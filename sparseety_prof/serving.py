@@ -102,11 +102,9 @@ class ServingTracker:
         self._child_parent: dict[int, tuple[int, int]] = {}  # child slot -> (parent slot, parent task)
         # client-given ids -> the hops they were seen at (entry_ns, task ids, (slot, launch ns))
         self.trace: dict[str, dict[str, list[int]]] = {}
-        self.seen_http = False
 
     # ---- hop 1
     def on_http(self, tid: int, t_ns: int, data: bytes) -> None:
-        self.seen_http = True
         # pipelined requests: several request heads in one read
         heads = [data]
         if data.count(b"HTTP/1.") > 1:

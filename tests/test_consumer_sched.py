@@ -34,9 +34,9 @@ def test_escalates_to_nice_0_while_the_ring_fills_and_relaxes_after() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, 10)
         p = Progress()
         s = _ConsumerSched(Options(pid=1, out=None, nice=10), p)
-        s.before_drain(0.2)
+        s.on_backlog(0.2)
         assert os.getpriority(os.PRIO_PROCESS, tid) == 10 and p.escalations == 0
-        s.before_drain(0.6)  # half the ring pending: take the engine's priority
+        s.on_backlog(0.6)  # half the ring pending: take the engine's priority
         assert os.getpriority(os.PRIO_PROCESS, tid) == 0 and p.escalations == 1
         s.after_drain(0.3, 900.0)  # not caught up yet
         assert os.getpriority(os.PRIO_PROCESS, tid) == 0
@@ -59,7 +59,7 @@ def test_idle_policy_leaves_sched_idle_while_escalated() -> None:
     def body() -> None:
         s = _ConsumerSched(Options(pid=1, out=None, nice=10, sched="idle"), Progress())
         assert os.sched_getscheduler(0) == os.SCHED_IDLE
-        s.before_drain(0.9)
+        s.on_backlog(0.9)
         assert os.sched_getscheduler(0) == os.SCHED_OTHER
         s.after_drain(0.0, 500.0)
         assert os.sched_getscheduler(0) == os.SCHED_IDLE

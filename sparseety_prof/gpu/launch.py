@@ -15,6 +15,7 @@ import sys
 import sysconfig
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 __all__ = ["add_arguments", "build_env", "find_libcupti", "launch", "library_path", "run"]
 
@@ -72,20 +73,21 @@ def build_env(
     return env
 
 
-def launch(
-    argv: list[str],
-    *,
-    watch: str | None = None,
-    watch_file: str | None = None,
-    sample_every: int | None = None,
-    buffer_bytes_per_s: int | None = None,
-    ring_bytes: int | None = None,
-    staging_bytes: int | None = None,
-    flush_ms: int | None = None,
-    library: Path | None = None,
-) -> int:
+#: build_env's settings, as `run` reads them from the parsed options
+SETTINGS = (
+    "watch",
+    "watch_file",
+    "sample_every",
+    "buffer_bytes_per_s",
+    "ring_bytes",
+    "staging_bytes",
+    "flush_ms",
+)
+
+
+def launch(argv: list[str], *, library: Path | None = None, **settings: Any) -> int:
     """Run `argv` with the injection library and return its exit code (128 + N when killed by
-    signal N). SIGINT and SIGTERM are forwarded to it."""
+    signal N). SIGINT and SIGTERM are forwarded to it. `settings`: build_env's keywords."""
     if not argv:
         print(
             "sparseety-prof launch: no command given (usage: launch [options] -- <command>)", file=sys.stderr
@@ -99,20 +101,11 @@ def launch(
             file=sys.stderr,
         )
         return EXIT_FAILURE
+    watch_file = settings.get("watch_file")
     if watch_file is not None and not Path(watch_file).is_file():
         print(f"sparseety-prof launch: watch file {watch_file} does not exist", file=sys.stderr)
         return EXIT_USAGE
-    env = build_env(
-        dict(os.environ),
-        lib,
-        watch=watch,
-        watch_file=watch_file,
-        sample_every=sample_every,
-        buffer_bytes_per_s=buffer_bytes_per_s,
-        ring_bytes=ring_bytes,
-        staging_bytes=staging_bytes,
-        flush_ms=flush_ms,
-    )
+    env = build_env(dict(os.environ), lib, **settings)
     try:
         proc = subprocess.Popen(argv, env=env)
     except OSError as e:
@@ -166,13 +159,4 @@ def run(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
-    return launch(
-        command,
-        watch=args.watch,
-        watch_file=args.watch_file,
-        sample_every=args.sample_every,
-        buffer_bytes_per_s=args.buffer_bytes_per_s,
-        ring_bytes=args.ring_bytes,
-        staging_bytes=args.staging_bytes,
-        flush_ms=args.flush_ms,
-    )
+    return launch(command, **{name: getattr(args, name) for name in SETTINGS})
