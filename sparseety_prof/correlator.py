@@ -24,7 +24,7 @@ import numpy as np
 
 from . import events as ev
 from .errors import UnsupportedEngineBuild
-from .logits import row_stats
+from .logits import BACKEND, RowStats, row_stats, row_stats_at
 from .schema import PHASE_DECODE, PHASE_PREFILL, SOURCE_NEXT_INPUT, SOURCE_SAMPLER
 from .serving import ID_SEGMENTED, Launch, RequestAgg, ServingTracker
 from .sparse import LayerSet, Problems, StepSparse
@@ -206,10 +206,9 @@ class Correlator:
             if len(arr):
                 names = arr.dtype.names or ()
                 recs += [(t[0], dict(zip(names, t, strict=True))) for t in arr.tolist()]
-        for arr in (batch.ubatch, batch.logits, batch.step_agg):  # big arrays: fields stay numpy views
+        for arr in (batch.ubatch, batch.logits, batch.step_agg):  # big records: array fields stay views
             if len(arr):
-                cols = {k: arr[k] for k in arr.dtype.names or ()}
-                recs += [(int(arr["seq"][i]), {k: v[i] for k, v in cols.items()}) for i in range(len(arr))]
+                recs += _big_records(arr)
         recs.sort(key=lambda x: x[0])
         for _, rec in recs:
             handler = _HANDLERS.get(int(rec["kind"]))
@@ -259,21 +258,10 @@ class Correlator:
         for i, chunks in pending:
             by_len.setdefault(sum(len(ch) for ch in chunks), []).append((i, chunks))
         for width, group in by_len.items():
-            # one scratch block per row width, kept between drains: a fresh multi-MB array per
-            # block costs page faults on every write
-            scratch = self._stats_scratch.get(width)
-            if scratch is None:
-                scratch = self._stats_scratch[width] = np.empty((STATS_BLOCK, width), dtype=np.float32)
             for b0 in range(0, len(group), STATS_BLOCK):
                 block = group[b0 : b0 + STATS_BLOCK]
-                rows = scratch[: len(block)]
-                for j, (_, chunks) in enumerate(block):
-                    off = 0
-                    for ch in chunks:
-                        rows[j, off : off + len(ch)] = ch
-                        off += len(ch)
                 toks = np.array([tok["token_id"][i] for i, _ in block], dtype=np.int64)
-                st = row_stats(rows, toks, overwrite=True)
+                st = self._block_stats(width, [chunks for _, chunks in block], toks)
                 lps, tops = st.log_prob.tolist(), st.top_ids.tolist()
                 top_lps, ents = st.top_log_probs.tolist(), st.entropy.tolist()
                 for j, (i, _) in enumerate(block):
@@ -281,6 +269,35 @@ class Correlator:
                     tok["top_ids"][i] = tops[j]
                     tok["top_log_probs"][i] = top_lps[j]
                     tok["entropy"][i] = ents[j]
+
+    def _block_stats(self, width: int, rows: list[list[np.ndarray]], toks: np.ndarray) -> RowStats:
+        """Statistics of up to STATS_BLOCK rows of `width` floats, each given as its chunks.
+        With the C backend a row of one chunk is read where it lies (in the drained records):
+        only rows split over several records are put together first."""
+        scratch = self._stats_scratch.get(width)
+        if scratch is None:
+            # one scratch block per row width, kept between drains: a fresh multi-MB array per
+            # block costs page faults on every write
+            scratch = self._stats_scratch[width] = np.empty((STATS_BLOCK, width), dtype=np.float32)
+        if BACKEND == "c":
+            addresses = np.empty(len(rows), dtype=np.int64)
+            for j, chunks in enumerate(rows):
+                if len(chunks) == 1:
+                    addresses[j] = chunks[0].ctypes.data
+                else:  # vocabularies above LOGITS_CHUNK_MAX: put the row together
+                    off = 0
+                    for ch in chunks:
+                        scratch[j, off : off + len(ch)] = ch
+                        off += len(ch)
+                    addresses[j] = scratch[j].ctypes.data
+            return row_stats_at(addresses, width, toks)
+        block = scratch[: len(rows)]
+        for j, chunks in enumerate(rows):
+            off = 0
+            for ch in chunks:
+                block[j, off : off + len(ch)] = ch
+                off += len(ch)
+        return row_stats(block, toks, overwrite=True)
 
     # ------------------------------------------------------------------ helpers
     def _ctx(self, ptr: int) -> CtxState:
@@ -398,7 +415,6 @@ class Correlator:
         out_index = step.output_index()
         all_layers, km_of, kf_of = self._route_layout()
         n_layers = len(all_layers)
-        widths = [sp.act_width.get(layer, 0) * sp.act_slots.get(layer, 0) for layer in all_layers]
         cols = self._routes
         if not cols:
             for name in _ROUTE_COLUMNS:
@@ -407,7 +423,7 @@ class Correlator:
             b = step.row_offset + i
             v = sp.row_values(b, out_index, step.n_tokens, self.layers, self.problems)
             ids_v, w_v, p_v = v["expert_ids"], v["expert_weights"], v["router_probs"]
-            zr_v, br_v = v["act_zero_ratio"], v["act_below_ratio"]
+            zr_v, br_v, nv_v = v["act_zero_ratio"], v["act_below_ratio"], v["act_values"]
             ids = [ids_v[k] if k is not None else None for k in km_of]
             zr = [zr_v[k] if k is not None else None for k in kf_of]
             # a layer not computed for this row (or not captured) gets no row: none is invented
@@ -421,7 +437,7 @@ class Correlator:
                 "router_probs": [p_v[k] if k is not None else None for k in km_of],
                 "act_zero_ratio": zr,
                 "act_below_ratio": [br_v[k] if k is not None else None for k in kf_of],
-                "act_values": [w if z is not None else None for w, z in zip(widths, zr, strict=True)],
+                "act_values": [nv_v[k] if zr[j] is not None else None for j, k in enumerate(kf_of)],
             }
             if len(keep) < n_layers:
                 values = {k: [vals[j] for j in keep] for k, vals in values.items()}
@@ -459,6 +475,13 @@ class Correlator:
         step = self.open_steps.get(int(r["tid"]))
         if step is None or int(r["overlap"]):
             self.counters.sparse_unattributed += 1
+            return
+        verifying = self.counters.verified_sparse < VERIFY_UBATCHES and self.n_expert
+        if step.sparse is None and not verifying:
+            # the common case: nothing but (maybe) attention records came before
+            step.sparse, moe_seen, ffn_seen = StepSparse.from_agg_row(r, self.layers)
+            self.layers_seen["moe"].update(moe_seen)
+            self.layers_seen["ffn"].update(ffn_seen)
             return
         agg = StepSparse.from_agg(r)
         if step.sparse is None:
@@ -839,6 +862,24 @@ class Correlator:
         if problems:
             raise _failed_verification("llama_ubatch layout", problems)
         self.counters.verified_ubatches += 1
+
+
+def _big_records(arr: np.ndarray) -> list[tuple[int, dict[str, Any]]]:
+    """(seq, record dict) of records with array fields: scalar fields become Python values one
+    field (column) at a time, array fields numpy views into the drained records. Indexing each
+    field of each record separately cost ~20 numpy calls per token."""
+    dt = arr.dtype
+    names = dt.names or ()
+    scalar = [n for n in names if not dt[n].shape]
+    arrays = [(n, arr[n]) for n in names if dt[n].shape]
+    rows = zip(*(arr[n].tolist() for n in scalar), strict=True)
+    out = []
+    for i, values in enumerate(rows):
+        d: dict[str, Any] = dict(zip(scalar, values, strict=True))
+        for n, col in arrays:
+            d[n] = col[i]
+        out.append((d["seq"], d))
+    return out
 
 
 def _failed_verification(what: str, problems: list[str]) -> UnsupportedEngineBuild:

@@ -249,6 +249,11 @@ def _layouts(logits_chunk: int) -> dict[int, tuple[str, np.dtype]]:
     return by_size
 
 
+def record_sizes(logits_chunk: int) -> list[int]:
+    """Sizes of every record layout, the logits record's included."""
+    return sorted(_layouts(logits_chunk))
+
+
 def _unexpected(size: int) -> ValueError:
     return ValueError(f"ring buffer record of unexpected size {size} (events.h and events.py disagree)")
 

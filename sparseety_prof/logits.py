@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -23,7 +23,7 @@ _EXP_FLOOR = np.float32(-87.0)
 # Built next to this module by sparseety_prof/native/build.sh (scripts/setup.sh runs it). Never
 # compiled at import: without it, row_stats quietly uses numpy.
 LIB_PATH = Path(__file__).resolve().parent / "native" / "build" / "librowstats.so"
-_ABI_VERSION = 1  # must match RS_ABI_VERSION in rowstats.c
+_ABI_VERSION = 2  # must match RS_ABI_VERSION in rowstats.c
 _MAX_K = 16  # RS_MAX_K in rowstats.c
 
 
@@ -45,6 +45,7 @@ def _load_library(path: Path) -> ctypes.CDLL | None:
         if lib.sparseety_rowstats_abi() != _ABI_VERSION:
             return None
         fn = lib.sparseety_rowstats
+        fn_ptrs = lib.sparseety_rowstats_ptrs
         level = lib.sparseety_rowstats_level
     except (OSError, AttributeError):
         return None
@@ -52,8 +53,9 @@ def _load_library(path: Path) -> ctypes.CDLL | None:
     # makes the arrays itself
     p = ctypes.c_void_p
     i64 = ctypes.c_int64
-    fn.argtypes = [p, i64, i64, p, i64, p, p, p, p, ctypes.c_int]
-    fn.restype = ctypes.c_int
+    for f in (fn, fn_ptrs):
+        f.argtypes = [p, i64, i64, p, i64, p, p, p, p, ctypes.c_int]
+        f.restype = ctypes.c_int
     level.argtypes = []
     level.restype = ctypes.c_int
     return lib
@@ -121,6 +123,19 @@ def row_stats(rows: np.ndarray, tokens: np.ndarray, *, overwrite: bool = False) 
     return _row_stats_numpy(rows, tokens, overwrite=overwrite)
 
 
+def row_stats_at(addresses: np.ndarray, width: int, tokens: np.ndarray, *, level: int = 0) -> RowStats:
+    """row_stats of rows that lie anywhere in memory: `addresses` (int64) holds the address of
+    each row's `width` float32 values, which must stay alive and unchanged during the call. C
+    backend only (check BACKEND): it spares the consumer a copy of every logits row."""
+    if _lib is None:
+        raise RuntimeError("row_stats_at needs the C backend (sparseety_prof/native/build.sh)")
+    addresses = np.ascontiguousarray(addresses, dtype=np.int64).reshape(-1)
+    tokens = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64).reshape(-1))
+    if width <= 0 or len(tokens) != len(addresses):
+        raise ValueError(f"row_stats_at: {len(addresses)} rows, {len(tokens)} tokens, width {width}")
+    return _call_c(_lib.sparseety_rowstats_ptrs, addresses, len(addresses), width, tokens, level)
+
+
 def _row_stats_c(lib: ctypes.CDLL, rows: np.ndarray, tokens: np.ndarray, *, level: int = 0) -> RowStats:
     """row_stats through rowstats.c: one call for the whole block, as the call itself costs a few
     microseconds. The rows are only read. `level` forces an instruction-set level (tests); 0 picks
@@ -131,13 +146,17 @@ def _row_stats_c(lib: ctypes.CDLL, rows: np.ndarray, tokens: np.ndarray, *, leve
         # shapes the C side does not take: numpy raises (or copes) as it always has
         return _row_stats_numpy(rows, tokens)
     n, width = rows.shape
+    return _call_c(lib.sparseety_rowstats, rows, n, width, tokens, level)
+
+
+def _call_c(fn: Any, rows: np.ndarray, n: int, width: int, tokens: np.ndarray, level: int) -> RowStats:
     k = min(TOP_K, width, _MAX_K)
     lp = np.empty(n, np.float64)
     top = np.empty((n, k), np.int64)
     top_lp = np.empty((n, k), np.float64)
     entropy = np.empty(n, np.float64)
     if n:
-        rc = lib.sparseety_rowstats(
+        rc = fn(
             _addr(rows),
             n,
             width,
@@ -149,7 +168,7 @@ def _row_stats_c(lib: ctypes.CDLL, rows: np.ndarray, tokens: np.ndarray, *, leve
             _addr(entropy),
             level,
         )
-        if rc != 0:  # -1: arguments (checked above), -2: a forced level this CPU lacks
+        if rc != 0:  # -1: arguments (checked by the callers), -2: a forced level this CPU lacks
             raise ValueError(f"sparseety_rowstats returned {rc} (n={n} width={width} k={k} level={level})")
     return RowStats(lp, top, top_lp, entropy)
 

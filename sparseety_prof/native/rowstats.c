@@ -35,7 +35,7 @@
 #endif
 
 #define RS_EXPORT __attribute__((visibility("default")))
-#define RS_ABI_VERSION 1
+#define RS_ABI_VERSION 2
 #define RS_MAX_K 16
 #define RS_INLINE static inline __attribute__((always_inline))
 #define RS_CAT_(a, b) a##_##b
@@ -94,7 +94,7 @@ RS_INLINE void row_finish(const float *x, int64_t w, int64_t t, int k, const flo
     *entropy = lse_z - s1 / s;
 }
 
-typedef void (*rs_block_fn)(const float *rows, int64_t n, int64_t w, const int64_t *tokens, int k,
+typedef void (*rs_block_fn)(const float *const *rows, int64_t n, int64_t w, const int64_t *tokens, int k,
                             double *log_prob, int64_t *top_ids, double *top_lp, double *entropy);
 
 /* ------------------------------------------------------------------ one instance per level */
@@ -157,6 +157,25 @@ static rs_block_fn pick(int level) {
 RS_EXPORT int sparseety_rowstats(const float *rows, int64_t n, int64_t w, const int64_t *tokens, int64_t k,
                                  double *log_prob, int64_t *top_ids, double *top_lp, double *entropy,
                                  int level) {
+    if (n < 0 || w <= 0 || k < 1 || k > w || k > RS_MAX_K) return -1;
+    rs_block_fn fn = pick(level);
+    if (fn == NULL) return -2;
+    enum { PTRS = 64 };
+    const float *ptrs[PTRS];
+    for (int64_t r0 = 0; r0 < n; r0 += PTRS) {
+        int64_t m = n - r0 < PTRS ? n - r0 : PTRS;
+        for (int64_t j = 0; j < m; j++) ptrs[j] = rows + (r0 + j) * w;
+        fn(ptrs, m, w, tokens + r0, (int)k, log_prob + r0, top_ids + r0 * k, top_lp + r0 * k, entropy + r0);
+    }
+    return 0;
+}
+
+/* The same for rows anywhere in memory: rows[r] points at row r's w floats (only read). The
+ * consumer passes the logits records where they lie (no copy into a block first: each copy of a
+ * 128 KiB row is a pass over memory the engine is contending for). */
+RS_EXPORT int sparseety_rowstats_ptrs(const float *const *rows, int64_t n, int64_t w, const int64_t *tokens,
+                                      int64_t k, double *log_prob, int64_t *top_ids, double *top_lp,
+                                      double *entropy, int level) {
     if (n < 0 || w <= 0 || k < 1 || k > w || k > RS_MAX_K) return -1;
     rs_block_fn fn = pick(level);
     if (fn == NULL) return -2;
@@ -324,11 +343,11 @@ RS_INLINE void exp_sums(const float *x, int64_t w, float m, double *s_out, doubl
     *s1_out = s1 + hsum_d(b);
 }
 
-__attribute__((noinline)) static void F(rowstats_block)(const float *rows, int64_t n, int64_t w,
+__attribute__((noinline)) static void F(rowstats_block)(const float *const *rows, int64_t n, int64_t w,
                                                          const int64_t *tokens, int k, double *log_prob,
                                                          int64_t *top_ids, double *top_lp, double *entropy) {
     for (int64_t r = 0; r < n; r++) {
-        const float *x = rows + r * w;
+        const float *x = rows[r];
         float tv[RS_MAX_K];
         int64_t ti[RS_MAX_K];
         top_k_row(x, w, k, tv, ti);
