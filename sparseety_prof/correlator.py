@@ -477,9 +477,13 @@ class Correlator:
             self.counters.sparse_unattributed += 1
             return
         verifying = self.counters.verified_sparse < VERIFY_UBATCHES and self.n_expert
-        if step.sparse is None and not verifying:
+        if not verifying and (step.sparse is None or not step.sparse.from_records):
             # the common case: nothing but (maybe) attention records came before
-            step.sparse, moe_seen, ffn_seen = StepSparse.from_agg_row(r, self.layers)
+            fast, moe_seen, ffn_seen = StepSparse.from_agg_row(r, self.layers)
+            if step.sparse is None:
+                step.sparse = fast
+            else:
+                step.sparse.merge(fast)
             self.layers_seen["moe"].update(moe_seen)
             self.layers_seen["ffn"].update(ffn_seen)
             return
