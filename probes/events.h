@@ -105,6 +105,7 @@ enum tensor_tag { TAG_EXPERT_IDS = 1, TAG_EXPERT_WEIGHTS = 2, TAG_ROUTER_PROBS =
 #define ATT_FLAG_BUDGET 2        /* output rows or row length beyond the counting budget */
 #define ATT_FLAG_NO_UBATCH 4     /* not on a thread inside process_ubatch: rows unknown */
 #define ATT_FLAG_F16 8           /* mask is F16 (flash attention); else F32 */
+#define ATT_FLAG_UNCOUNTED 16    /* (aggregate only) no count for the row: n_counted was 0 */
 
 struct ev_tensor_hdr {
     struct ev_hdr h;
@@ -185,6 +186,14 @@ struct ev_step_agg {
     __u32 act_nr[AGG_MAX_LAYERS];          /* rows of the node */
     __u32 act_ne0[AGG_MAX_LAYERS];         /* values per row */
     __u32 act_slots[AGG_MAX_LAYERS];       /* rows per token: k for MoE activations, else 1 */
+    /* attention nodes of the pass, in the order they ran (what an EV_ATTN record would carry for
+     * the one output row): 8 records per token fewer in full mode */
+    __u32 att_n;                           /* nodes stored below */
+    __u32 att_pad;
+    __u64 att_mask[AGG_MAX_LAYERS];        /* mask data pointer (layers sharing it share the count) */
+    __s32 att_layer[AGG_MAX_LAYERS];       /* layer from the node's name, -1 if unnamed */
+    __u32 att_count[AGG_MAX_LAYERS];       /* cells attended by the row (when counted) */
+    __u32 att_flags[AGG_MAX_LAYERS];       /* ATT_FLAG_*, plus ATT_FLAG_UNCOUNTED */
 };
 
 /* ---- serving context ------------------------------------------------------------------- */

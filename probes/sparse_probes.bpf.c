@@ -538,15 +538,42 @@ BPF_HASH(att_seen, u32, struct att_seen, 4096);
 
 /* want_type: 0 = F32 mask (soft_max), 1 = F16 mask (flash attention). A constant per caller, so
  * each program holds one counting loop (the verifier's budget covers one, not both). */
+/* Send the counts of one attention node: into the aggregate of the one-row micro-batch this
+ * thread is running (the record was scratch), else as its own record. The sequence number is
+ * taken here: a discarded scratch record must not leave a gap the consumer counts as a loss. */
+static __always_inline int attn_finish(struct ev_attn *e, u64 serial) {
+#ifdef AGG_STEPS
+    struct ev_step_agg *ag = agg_active();
+    if (ag && ag->serial == serial && !(e->flags & ATT_FLAG_NO_UBATCH)) {
+        u32 n = ag->att_n;
+        if (n < AGG_MAX_LAYERS) {
+            u64 i = idx_agg_layer((u64)n);
+            char nm[NAME_LEN];
+            __builtin_memcpy(nm, e->name, NAME_LEN);
+            ag->att_mask[i] = e->mask;
+            ag->att_layer[i] = nm[0] ? name_layer(nm) : -1;
+            ag->att_count[i] = e->attended[0];
+            ag->att_flags[i] = e->flags | (e->n_counted ? 0 : ATT_FLAG_UNCOUNTED);
+            ag->att_n = n + 1;
+            events.ringbuf_discard(e, BPF_RB_NO_WAKEUP);
+            return 0;
+        }
+    }
+#endif
+    e->h.seq = next_seq();
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    return 0;
+}
+
 static __always_inline int attn_common(struct pt_regs *ctx, u64 node, u64 mask_t, const s32 want_type) {
     u32 tid = (u32)bpf_get_current_pid_tgid();
-    u64 seq = next_seq();
     struct ev_attn *e = events.ringbuf_reserve(sizeof(struct ev_attn));
     if (!e) {
         count(1, 1);
         return 0;
     }
-    fill_hdr(&e->h, EV_ATTN, 0, seq);
+    fill_hdr(&e->h, EV_ATTN, 0, 0);
+    e->attended[0] = 0;
     bpf_probe_read_user(e->name, NAME_LEN, (void *)(node + T_NAME));
     u64 mdata = mask_t ? rd64(mask_t + T_DATA) : 0;
     s32 mtype = mask_t ? rd32(mask_t + T_TYPE) : -1;
@@ -559,14 +586,12 @@ static __always_inline int attn_common(struct pt_regs *ctx, u64 node, u64 mask_t
     struct ubatch_info *ui = ubatch_info.lookup(&tid);
     if (!ui) {
         e->flags |= ATT_FLAG_NO_UBATCH;
-        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
-        return 0;
+        return attn_finish(e, 0);
     }
     struct att_seen *sn = att_seen.lookup(&tid);
     if (sn && sn->serial == ui->serial && (sn->mask[0] == mdata || sn->mask[1] == mdata)) {
         e->flags |= ATT_FLAG_CACHED;
-        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
-        return 0;
+        return attn_finish(e, ui->serial);
     }
     struct att_seen ns = {};
     ns.serial = ui->serial;
@@ -575,14 +600,12 @@ static __always_inline int attn_common(struct pt_regs *ctx, u64 node, u64 mask_t
         ns.mask[1] = sn->mask[0];
     att_seen.update(&tid, &ns);
     if (!mdata || mtype != want_type) {
-        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
-        return 0;
+        return attn_finish(e, ui->serial);
     }
     u32 zero = 0;
     void *sc = scratch.lookup(&zero);
     if (!sc) {
-        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
-        return 0;
+        return attn_finish(e, ui->serial);
     }
     u64 *v = (u64 *)sc;
     /* output rows, last first: read the micro-batch's output flags (its last ATT_ROW_SCAN rows) */
@@ -593,14 +616,12 @@ static __always_inline int attn_common(struct pt_regs *ctx, u64 node, u64 mask_t
     u32 scan = n_tok < ATT_ROW_SCAN ? n_tok : ATT_ROW_SCAN;
     u32 base = n_tok - scan;
     if (!outp || scan == 0) {
-        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
-        return 0;
+        return attn_finish(e, ui->serial);
     }
     /* constant-size read (see glu_return); flags beyond n_tokens are never looked at */
     if (bpf_probe_read_user(v, ATT_ROW_SCAN, (void *)(outp + base))) {
         e->flags |= ATT_FLAG_BUDGET;
-        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
-        return 0;
+        return attn_finish(e, ui->serial);
     }
     u8 *flags = (u8 *)v;
     /* the last ATT_MAX_ROWS output rows among the last ATT_ROW_SCAN rows, latest first;
@@ -625,13 +646,11 @@ static __always_inline int attn_common(struct pt_regs *ctx, u64 node, u64 mask_t
     if (e->n_kv % per_word) { /* never seen (KV sizes are padded): not counted rather than guessed */
         e->flags |= ATT_FLAG_BUDGET;
         count(4, n_out);
-        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
-        return 0;
+        return attn_finish(e, ui->serial);
     }
     u32 bpr = (wpr + BLOCK_WORDS - 1) / BLOCK_WORDS;
     if (bpr == 0) {
-        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
-        return 0;
+        return attn_finish(e, ui->serial);
     }
     u32 n_blocks = n_out * bpr;
     u32 done = 0;
@@ -684,8 +703,7 @@ static __always_inline int attn_common(struct pt_regs *ctx, u64 node, u64 mask_t
         e->flags |= ATT_FLAG_BUDGET;
         count(4, n_out - done);
     }
-    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
-    return 0;
+    return attn_finish(e, ui->serial);
 }
 
 /* soft_max node "kq_soft_max-L": src[1] = KQ mask (F32 or F16) */

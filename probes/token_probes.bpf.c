@@ -110,6 +110,7 @@ static __always_inline void agg_begin(u32 n_tokens, u64 serial) {
     }
     a->serial = serial;
     a->overlap = 0;
+    a->att_n = 0;
     a->active = 1;
 }
 

@@ -486,12 +486,14 @@ class Correlator:
                 step.sparse.merge(fast)
             self.layers_seen["moe"].update(moe_seen)
             self.layers_seen["ffn"].update(ffn_seen)
+            self.layers_seen["attn"].update(step.sparse.add_agg_attn(r, self.layers.attn))
             return
         agg = StepSparse.from_agg(r)
         if step.sparse is None:
             step.sparse = agg
         else:
             step.sparse.merge(agg)
+        self.layers_seen["attn"].update(step.sparse.add_agg_attn(r, self.layers.attn))
         self.layers_seen["moe"].update(agg.ids)
         self.layers_seen["ffn"].update(agg.act_zeros)
         if agg.ids:

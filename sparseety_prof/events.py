@@ -43,6 +43,7 @@ ATT_FLAG_CACHED = 1
 ATT_FLAG_BUDGET = 2
 ATT_FLAG_NO_UBATCH = 4
 ATT_FLAG_F16 = 8
+ATT_FLAG_UNCOUNTED = 16  # aggregate records: no count for the row (the node's mask was counted earlier)
 
 SAMPLER_LLAMA = 1
 SAMPLER_COMMON = 2
@@ -162,6 +163,12 @@ STEP_AGG_DTYPE = np.dtype(
         ("act_nr", "<u4", (_L,)),
         ("act_ne0", "<u4", (_L,)),
         ("act_slots", "<u4", (_L,)),
+        ("att_n", "<u4"),
+        ("att_pad", "<u4"),
+        ("att_mask", "<u8", (_L,)),
+        ("att_layer", "<i4", (_L,)),
+        ("att_count", "<u4", (_L,)),
+        ("att_flags", "<u4", (_L,)),
     ]
 )
 

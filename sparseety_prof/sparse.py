@@ -193,9 +193,35 @@ class StepSparse:
         """Routing or activation values came as per-layer records (not only attention)."""
         return bool(self.ids or self.weights or self.probs or self.act_zeros)
 
+    def add_agg_attn(self, r: dict[str, Any], attn_layers: tuple[int, ...]) -> list[int]:
+        """The attention nodes an aggregate record carries, as add_attn takes their records (the
+        one row is batch row 0). Returns the layers seen."""
+        n = min(int(r["att_n"]), ev.AGG_MAX_LAYERS)
+        seen: list[int] = []
+        if not n:
+            return seen
+        masks = np.asarray(r["att_mask"])[:n].tolist()
+        named = np.asarray(r["att_layer"])[:n].tolist()
+        counts = np.asarray(r["att_count"])[:n].tolist()
+        flags = np.asarray(r["att_flags"])[:n].tolist()
+        for mask, layer, count, flag in zip(masks, named, counts, flags, strict=True):
+            if layer < 0:  # unnamed: the k-th such node is the k-th attention layer (add_attn)
+                if self._attn_unnamed >= len(attn_layers):
+                    continue
+                layer = attn_layers[self._attn_unnamed]
+                self._attn_unnamed += 1
+            self.attn_mask[layer] = mask
+            if not flag & ev.ATT_FLAG_UNCOUNTED:
+                self.attn_counts.setdefault(mask, {})[0] = count
+            seen.append(layer)
+        return seen
+
     def merge(self, other: StepSparse) -> None:
         """Take `other`'s routing and activation values (an aggregate record of the same pass)."""
         self._agg_row = other._agg_row
+        self.attn_mask.update(other.attn_mask)
+        for mask, counts in other.attn_counts.items():
+            self.attn_counts.setdefault(mask, {}).update(counts)
         self.ids.update(other.ids)
         self.weights.update(other.weights)
         self.act_zeros.update(other.act_zeros)

@@ -164,3 +164,66 @@ def test_attention_counts_shared_by_layers_with_one_mask_and_unnamed_nodes_in_or
     for _ in range(2):  # unnamed flash-attention nodes: the k-th is the k-th attention layer
         sp2.add_attn({"name": b"", "mask": 0xBB, "n_kv": 256, "n_counted": 1, **counted}, (0, 1))
     assert set(sp2.attn_mask) == {0, 1}
+
+
+def _agg_record() -> np.ndarray:
+    rec = np.zeros(1, dtype=ev.STEP_AGG_DTYPE)[0]
+    rec["k_ids"][0], rec["k_ids"][2] = 2, 2
+    rec["ids"][0, :2], rec["ids"][2, :2] = [6, 1], [3, 4]
+    rec["k_wts"][0] = 2  # layer 2's weights not captured: null, not zero
+    rec["wts"][0, :2] = [0.625, 0.375]
+    rec["act_nr"][1], rec["act_rows"][1], rec["act_slots"][1], rec["act_ne0"][1] = 2, 2, 2, 50
+    rec["act_zero"][1], rec["act_below"][1] = 30, 40
+    rec["act_nr"][0], rec["act_rows"][0], rec["act_slots"][0], rec["act_ne0"][0] = 2, 1, 2, 50  # half counted
+    # attention: layer 0 counted, layer 1 shares its mask (uncounted), then two unnamed nodes
+    rec["att_n"] = 4
+    rec["att_mask"][:4] = [0xAA, 0xAA, 0xBB, 0xCC]
+    rec["att_layer"][:4] = [0, 1, -1, -1]
+    rec["att_count"][:4] = [17, 0, 9, 5]
+    rec["att_flags"][:4] = [0, ev.ATT_FLAG_CACHED | ev.ATT_FLAG_UNCOUNTED, 0, 0]
+    return rec
+
+
+def test_aggregate_fast_path_equals_the_per_layer_stores() -> None:
+    layers = LayerSet(moe=(0, 2), ffn=(0, 1, 2), attn=(0, 1, 2, 3))
+    rec = _agg_record()
+    r = {name: rec[name] for name in ev.STEP_AGG_DTYPE.names or ()}
+    slow = StepSparse.from_agg(r)
+    fast, moe_seen, ffn_seen = StepSparse.from_agg_row(r, layers)
+    for sp in (slow, fast):
+        assert sp.add_agg_attn(r, (2, 3)) == [0, 1, 2, 3]  # unnamed nodes: the remaining layers in order
+    assert moe_seen == sorted(slow.ids) == [0, 2]
+    assert ffn_seen == sorted(slow.act_zeros) == [1]
+    v_slow = slow.row_values(0, {0: 0}, 1, layers, Problems())
+    v_fast = fast.row_values(0, {0: 0}, 1, layers, Problems())
+    assert v_fast == v_slow
+    assert v_fast["expert_ids"] == [[6, 1], [3, 4]]
+    assert v_fast["expert_weights"] == [[0.625, 0.375], None]
+    assert v_fast["act_zero_ratio"] == [None, 0.3, None]
+    assert v_fast["act_values"] == [0, 100, 0]
+    assert v_fast["attn_attended"] == [17, 17, 9, 5]  # layer 1 shares layer 0's mask and count
+
+
+def test_aggregate_attention_merges_into_records_that_came_first() -> None:
+    rec = _agg_record()
+    r = {name: rec[name] for name in ev.STEP_AGG_DTYPE.names or ()}
+    sp = StepSparse()
+    sp.add_act(
+        {
+            "name": b"ffn_moe_swiglu-2",
+            "ne0": 50,
+            "ne1": 2,
+            "nr_total": 2,
+            "ir0": 0,
+            "n_rows": 2,
+            "zeros": [5, 5],
+            "below": [6, 6],
+        },
+        with_bits=False,
+    )
+    assert sp.from_records
+    sp.merge(StepSparse.from_agg(r))
+    sp.add_agg_attn(r, (2, 3))
+    v = sp.row_values(0, {0: 0}, 1, LayerSet(moe=(0,), ffn=(1, 2), attn=(0, 1, 2, 3)), Problems())
+    assert v["act_zero_ratio"] == [0.3, 0.1]
+    assert v["attn_attended"] == [17, 17, 9, 5]
