@@ -12,10 +12,12 @@
 #define MAX_UB_TOK 1024          /* rows of a micro-batch copied per step event */
 #endif
 #ifndef LOGITS_CHUNK
-#define LOGITS_CHUNK 16384       /* floats per logits record (64 KiB); the loader sizes it to the
-                                    vocabulary (fewer, larger records cost the consumer less) */
+#define LOGITS_CHUNK 65536       /* most floats per logits record (256 KiB); the loader sizes it to
+                                    the vocabulary: one record per row up to 65,536 entries (each
+                                    record costs the consumer a handler call, and a row split over
+                                    records a copy to put it together) */
 #endif
-#define MAX_LOGITS_CHUNKS 64     /* LOGITS_CHUNK * 64 floats: vocabularies up to 1M entries */
+#define MAX_LOGITS_CHUNKS 64     /* LOGITS_CHUNK * 64 floats: vocabularies up to 4M entries */
 
 enum ev_kind {
     EV_DECODE_BEGIN = 1,  /* llama_context::decode entry            ctx = llama_context*          */

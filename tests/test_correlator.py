@@ -213,7 +213,8 @@ def test_header_mirror_sizes() -> None:
     assert ev.SMALL_DTYPE.itemsize == 56
     assert ev.UBATCH_DTYPE.itemsize == 32 + 16 + 13 * ev.MAX_UB_TOK
     assert ev.logits_dtype(4096).itemsize == 32 + 16 + 4 * 4096
-    assert ev.logits_chunk_for(1200) == 2048 and ev.logits_chunk_for(32000) == ev.LOGITS_CHUNK_MAX
+    assert ev.logits_chunk_for(1200) == 2048 and ev.logits_chunk_for(32000) == 32768  # one record per row
+    assert ev.logits_chunk_for(152064) == ev.LOGITS_CHUNK_MAX == 65536
 
 
 def test_c_struct_sizes_match_the_python_mirror(tmp_path: Path) -> None:
