@@ -312,7 +312,10 @@ class Correlator:
     @staticmethod
     def _append(cols: dict[str, list[object]], **row: object) -> None:
         for k, v in row.items():
-            cols.setdefault(k, []).append(v)
+            col = cols.get(k)  # not setdefault: it builds an empty list per call (~25 per row)
+            if col is None:
+                col = cols[k] = []
+            col.append(v)
 
     # ------------------------------------------------------------------ handlers
     def _on_decode_begin(self, r: dict[str, Any]) -> None:
