@@ -100,13 +100,14 @@ case "$cupti_rc" in
   *) echo "[setup] cupti_ext/build.sh failed (exit $cupti_rc): the C compiler rejected cupti_ext/src" >&2; exit 1 ;;
 esac
 
-# 5c. the C backend of the per-token logits statistics (sparseety_prof/native): a second with gcc.
-#     Without it the profiler still works, on numpy at ~5x the CPU per token, so a failure is fatal.
+# 5c. the consumer's C parts (sparseety_prof/native): the per-token logits statistics and the ring
+#     buffer walk, a second with gcc. Without them the profiler still works, on numpy and Python at
+#     several times the CPU per token, so a failure is fatal.
 if ! bash sparseety_prof/native/build.sh >/dev/null; then
-  echo "[setup] sparseety_prof/native/build.sh failed: the C compiler rejected sparseety_prof/native/rowstats.c" >&2
+  echo "[setup] sparseety_prof/native/build.sh failed: the C compiler rejected sparseety_prof/native/*.c" >&2
   exit 1
 fi
-step "5c/6 built sparseety_prof/native/build/librowstats.so"
+step "5c/6 built sparseety_prof/native/build/librowstats.so and libringwalk.so"
 
 # 6. smoke test: compile, load and hit a uprobe
 "$PY" - <<'PYEOF'

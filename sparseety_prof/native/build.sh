@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build librowstats.so, the C backend of sparseety_prof/logits.py's row_stats (about a second).
+# Build librowstats.so, the C backend of sparseety_prof/logits.py's row_stats, and libringwalk.so,
+# the ring-buffer walk of sparseety_prof/bpf_loader.py's RingReader (about a second each).
 #   bash sparseety_prof/native/build.sh [OUTDIR]      (default: sparseety_prof/native/build)
 # Portable: no -march=native; rowstats.c compiles its kernel for x86-64-v4, -v3 and baseline itself
 # (target pragmas) and picks one by CPU at run time. No -ffast-math: -inf logits must stay -inf.
@@ -16,4 +17,9 @@ mkdir -p "$OUT"
 # -Wno-psabi: 64-byte vectors only pass between always_inline helpers, never across an ABI.
 # rename into place: a process that has the old library loaded keeps its copy intact
 mv -f "$OUT/librowstats.so.tmp" "$OUT/librowstats.so"
+"$CC" -std=gnu11 -O2 -g -fPIC -Wall -Wextra -Werror -fvisibility=hidden -shared \
+  -Wl,--no-undefined -Wl,-soname,libringwalk.so \
+  -o "$OUT/libringwalk.so.tmp" "$HERE/ringwalk.c"
+mv -f "$OUT/libringwalk.so.tmp" "$OUT/libringwalk.so"
 echo "$OUT/librowstats.so"
+echo "$OUT/libringwalk.so"

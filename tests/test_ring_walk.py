@@ -1,0 +1,126 @@
+"""The consumer's ring-buffer walk (RingReader): the C walk and the Python walk read the same
+records out of a synthetic BPF ring, with wrap-around, discarded and busy records, arena growth
+and record sizes not known in advance. No BPF needed: the ring's memory layout is built here."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import numpy as np
+import pytest
+
+from sparseety_prof import bpf_loader as bl
+
+PAGE = 4096
+SIZE = 1 << 16  # data bytes of the synthetic ring (a power of two, as the kernel's)
+
+
+class FakeRing:
+    """[producer page][data][data again]: the kernel maps the data pages twice in a row."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.buf = ctypes.create_string_buffer(PAGE + 2 * SIZE)
+        self.prod = start
+        self.cons = start
+
+    def put(self, payload: bytes, *, busy: bool = False, discard: bool = False) -> None:
+        length = (
+            len(payload) | (bl.RingReader.BUSY if busy else 0) | (bl.RingReader.DISCARD if discard else 0)
+        )
+        rec = struct.pack("<II", length, 0) + payload
+        rec += b"\0" * (-len(rec) % 8)
+        off = self.prod & (SIZE - 1)
+        for base in (PAGE + off, PAGE + SIZE + off):  # both mappings
+            end = min(base + len(rec), PAGE + 2 * SIZE)
+            self._write(base, rec[: end - base])
+        if off + len(rec) > SIZE:  # the part past the end is the start of the first mapping
+            self._write(PAGE, rec[SIZE - off :])
+        self.prod += len(rec)
+        struct.pack_into("<Q", self.buf, 0, self.prod)
+
+    def _write(self, at: int, data: bytes) -> None:
+        ctypes.memmove(ctypes.addressof(self.buf) + at, data, len(data))
+
+    def reader(self, *, python: bool, sizes: tuple[int, ...] = ()) -> bl.RingReader:
+        r = bl.RingReader.__new__(bl.RingReader)
+        r._fill = {s: bl._Arena(s) for s in sizes}
+        r._prod_mm = self.buf  # type: ignore[assignment]  # unpack_from reads it like the mmap
+        r._cons = ctypes.c_uint64(self.cons)
+        r._data_addr = ctypes.addressof(self.buf) + PAGE
+        r._size = SIZE
+        r._page = PAGE
+        r.python_walk = python
+        return r
+
+
+def _payload(size: int, i: int) -> bytes:
+    return bytes((i * 7 + j) % 251 for j in range(size))
+
+
+def _fill(ring: FakeRing, n: int) -> list[bytes]:
+    want = []
+    for i in range(n):
+        size = (48, 200, 1000)[i % 3]
+        p = _payload(size, i)
+        ring.put(p, discard=i % 11 == 5)
+        if i % 11 != 5:
+            want.append(p)
+    return want
+
+
+def _records(out: dict[int, np.ndarray]) -> dict[int, list[bytes]]:
+    return {size: [bytes(buf[k : k + size]) for k in range(0, len(buf), size)] for size, buf in out.items()}
+
+
+needs_c = pytest.mark.skipif(
+    bl._ring_walk is None, reason="libringwalk.so not built (sparseety_prof/native/build.sh)"
+)
+
+
+@needs_c
+@pytest.mark.parametrize("start", [0, SIZE - 24, 5 * SIZE - 1000])  # wrap-around inside the first records
+def test_c_and_python_walks_read_the_same_records(start: int) -> None:
+    results = []
+    for python in (True, False):
+        ring = FakeRing(start)
+        want = _fill(ring, 120)
+        r = ring.reader(python=python, sizes=(48,))  # 200 and 1000 are met on the way
+        backlog: list[float] = []
+        r.CHECK_EVERY = 16
+        got = _records(r.take(backlog.append))
+        flat = sorted(p for recs in got.values() for p in recs)
+        assert flat == sorted(want)
+        assert r._cons.value == ring.prod  # everything handed back
+        assert len(backlog) >= 1 + 120 // 16 - 1  # told the backlog every CHECK_EVERY records
+        results.append(got)
+    assert results[0] == results[1]
+
+
+@needs_c
+def test_arena_growth_keeps_earlier_records() -> None:
+    ring = FakeRing()
+    want = [_payload(1000, i) for i in range(60)]  # beyond an arena's first 64 KiB
+    for p in want:
+        ring.put(p)
+    r = ring.reader(python=False, sizes=(1000,))
+    assert _records(r.take())[1000] == want
+
+
+@pytest.mark.parametrize("python", [True, False])
+def test_walk_stops_at_a_busy_record_and_resumes(python: bool) -> None:
+    if not python and bl._ring_walk is None:
+        pytest.skip("libringwalk.so not built")
+    ring = FakeRing()
+    ring.put(_payload(48, 1))
+    busy_at = ring.prod
+    ring.put(_payload(48, 2), busy=True)  # reserved, not submitted yet
+    r = ring.reader(python=python, sizes=(48,))
+    assert _records(r.take()) == {48: [_payload(48, 1)]}
+    assert r._cons.value == busy_at  # not past the busy record
+    # the producer submits it: clear the busy bit in both mappings
+    for base in (PAGE + busy_at, PAGE + SIZE + busy_at):
+        struct.pack_into("<I", ring.buf, base, 48)
+    assert _records(r.take()) == {48: [_payload(48, 2)]}
+    assert r._cons.value == ring.prod
+    assert r.take() == {}
