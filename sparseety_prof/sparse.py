@@ -70,6 +70,20 @@ def parse_name(raw: bytes) -> tuple[str, int] | None:
     return parsed
 
 
+_AGG_LAYOUTS: dict[LayerSet, tuple[list[int], np.ndarray, list[int], np.ndarray]] = {}
+
+
+def _agg_layout(layers: LayerSet) -> tuple[list[int], np.ndarray, list[int], np.ndarray]:
+    """The MoE and FFN layers an aggregate record can hold, as lists and index arrays (made
+    once per layer set: indexing with a Python list converts it on every call)."""
+    got = _AGG_LAYOUTS.get(layers)
+    if got is None:
+        moe = [layer for layer in layers.moe if layer < ev.AGG_MAX_LAYERS]
+        ffn = [layer for layer in layers.ffn if layer < ev.AGG_MAX_LAYERS]
+        got = _AGG_LAYOUTS[layers] = (moe, np.array(moe, dtype=np.intp), ffn, np.array(ffn, dtype=np.intp))
+    return got
+
+
 _ONE_FILLED = np.ones(1, dtype=bool)
 _ONE_FILLED.flags.writeable = False
 
@@ -155,23 +169,21 @@ class StepSparse:
         over layers; from_agg builds per-layer stores, ~4x the cost per token). Returns the
         step's sparse values and the MoE and FFN layers it saw."""
         sp = cls()
-        k_ids, k_wts, nr = np.asarray(r["k_ids"]), np.asarray(r["k_wts"]), np.asarray(r["act_nr"])
-        moe = [layer for layer in layers.moe if layer < ev.AGG_MAX_LAYERS]
-        kid, kwt = k_ids[moe].tolist(), k_wts[moe].tolist()
-        ids_l = np.asarray(r["ids"])[moe].tolist()
-        wts_l = np.asarray(r["wts"])[moe].view(np.float32).tolist()
+        moe, moe_idx, ffn, ffn_idx = _agg_layout(layers)
+        k_ids, nr = np.asarray(r["k_ids"]), np.asarray(r["act_nr"])
+        kid, kwt = k_ids[moe_idx].tolist(), np.asarray(r["k_wts"])[moe_idx].tolist()
+        ids_l = np.asarray(r["ids"])[moe_idx].tolist()
+        wts_l = np.asarray(r["wts"])[moe_idx].view(np.float32).tolist()
         by_moe = {
             layer: (i[:a] if a else None, w[:b] if b else None)
             for layer, a, b, i, w in zip(moe, kid, kwt, ids_l, wts_l, strict=True)
         }
         # a layer counts when every row was counted and they are one token's rows (from_agg)
-        complete = (
-            (nr != 0) & (np.asarray(r["act_rows"]) == nr) & (nr == np.maximum(np.asarray(r["act_slots"]), 1))
-        )
+        rows, slots = np.asarray(r["act_rows"]), np.asarray(r["act_slots"])
+        complete = (nr != 0) & (rows == nr) & (nr == np.maximum(slots, 1))
         ffn_seen = np.flatnonzero(complete).tolist()
-        ffn = [layer for layer in layers.ffn if layer < ev.AGG_MAX_LAYERS]
-        cols = [np.asarray(r[f])[ffn].tolist() for f in ("act_nr", "act_zero", "act_below", "act_ne0")]
-        ok = complete[ffn].tolist()
+        cols = [np.asarray(r[f])[ffn_idx].tolist() for f in ("act_nr", "act_zero", "act_below", "act_ne0")]
+        ok = complete[ffn_idx].tolist()
         by_ffn: dict[int, tuple[float, float, int]] = {}
         for layer, good, n_r, zero, below, ne0 in zip(ffn, ok, *cols, strict=True):
             if good and ne0:
