@@ -262,8 +262,8 @@ def _prefaulted(n: int) -> np.ndarray:
 # sparseety_prof/native/ringwalk.c, built by sparseety_prof/native/build.sh (scripts/setup.sh runs
 # it); without it RingReader walks the ring in Python (~3 us per record instead of ~0.1 + copy).
 _WALK_LIB = Path(__file__).resolve().parent / "native" / "build" / "libringwalk.so"
-_WALK_ABI = 1
-_RW_CAUGHT_UP, _RW_BUSY, _RW_ARENA_FULL, _RW_UNKNOWN_SIZE, _RW_LIMIT = range(5)
+_WALK_ABI = 2
+_RW_BUSY, _RW_ARENA_FULL, _RW_UNKNOWN_SIZE, _RW_LIMIT = range(1, 5)  # 0: caught up
 
 
 def _load_walk(path: Path) -> Any:
@@ -276,13 +276,12 @@ def _load_walk(path: Path) -> Any:
     except (OSError, AttributeError):
         return None
     p, u64 = ctypes.c_void_p, ctypes.c_uint64
-    fn.argtypes = [p, u64, p, u64, p, ctypes.c_int, p, p, p, u64, p, p]
+    fn.argtypes = [p, u64, p, u64, p, ctypes.c_int, p, p, p, u64, p]
     fn.restype = ctypes.c_int
     return fn
 
 
 _ring_walk = _load_walk(_WALK_LIB)
-WALK_BACKEND = "c" if _ring_walk is not None else "python"
 
 
 class _WalkTables:
@@ -351,99 +350,92 @@ class RingReader:
         back to back}. The arrays are valid until the next take(). `on_backlog` is told the share
         of the ring still pending at the start of each pass and every CHECK_EVERY records (the
         consumer raises its priority from there when the ring fills under load)."""
-        if _ring_walk is not None and not self.python_walk:
-            self._take_c(on_backlog)
-        else:
-            self._take_python(on_backlog)
+        walk = self._walk_python if _ring_walk is None or self.python_walk else self._walk_c
+        prod_mm = self._prod_mm
+        cons = self._cons.value
+
+        def backlog(at: int) -> None:
+            if on_backlog is not None:
+                on_backlog((struct.unpack_from("<Q", prod_mm, 0)[0] - at) / self._size)
+
+        # passes until caught up (what was produced while the previous pass ran, too), at most
+        # MAX_PASSES so that a producer faster than us cannot keep us here forever
+        for _ in range(self.MAX_PASSES):
+            prod = struct.unpack_from("<Q", prod_mm, 0)[0]
+            if cons >= prod:
+                break
+            backlog(cons)  # before copying, so that a full ring escalates first
+            cons, busy = walk(cons, prod, backlog)
+            self._cons.value = cons  # hands the space back to the producers
+            if busy:
+                break  # reserved but not submitted yet: the next take() gets it
         fill = self._fill
         out = {size: a.buf[: a.used] for size, a in fill.items() if a.used}
         for a in fill.values():
             a.used = 0  # reused by the next take(): the views above are valid until then
         return out
 
-    def _take_c(self, on_backlog: Callable[[float], None] | None) -> None:
-        """The walk of _take_python, in C (sparseety_prof/native/ringwalk.c), CHECK_EVERY records
-        per call."""
-        unpack, prod_mm, fill = struct.unpack_from, self._prod_mm, self._fill
-        cons = ctypes.c_uint64(self._cons.value)
-        stop, walked = ctypes.c_uint32(0), ctypes.c_uint64(0)
+    def _walk_c(self, cons: int, prod: int, backlog: Callable[[int], None]) -> tuple[int, bool]:
+        """One pass of the walk in C (sparseety_prof/native/ringwalk.c), CHECK_EVERY records per
+        call: (new consumer position, stopped at a busy record)."""
+        fill = self._fill
+        pos, stop = ctypes.c_uint64(cons), ctypes.c_uint32(0)
         sizes = list(fill)
         tables = _WalkTables(fill, sizes)
-        rc = _RW_CAUGHT_UP
-        for _ in range(self.MAX_PASSES):
-            prod = unpack("<Q", prod_mm, 0)[0]
-            if cons.value >= prod:
+        while True:
+            rc = _ring_walk(
+                self._data_addr,
+                self._size - 1,
+                ctypes.addressof(pos),
+                prod,
+                tables.sizes.ctypes.data,
+                len(sizes),
+                tables.dst.ctypes.data,
+                tables.cap.ctypes.data,
+                tables.used.ctypes.data,
+                self.CHECK_EVERY,
+                ctypes.addressof(stop),
+            )
+            if rc == _RW_LIMIT:
+                backlog(pos.value)
+                continue
+            if rc not in (_RW_ARENA_FULL, _RW_UNKNOWN_SIZE):
                 break
-            if on_backlog is not None:  # before copying, so that a full ring escalates first
-                on_backlog((prod - cons.value) / self._size)
-            while True:
-                rc = _ring_walk(
-                    self._data_addr,
-                    self._size - 1,
-                    ctypes.addressof(cons),
-                    prod,
-                    tables.sizes.ctypes.data,
-                    len(sizes),
-                    tables.dst.ctypes.data,
-                    tables.cap.ctypes.data,
-                    tables.used.ctypes.data,
-                    self.CHECK_EVERY,
-                    ctypes.addressof(stop),
-                    ctypes.addressof(walked),
-                )
-                if rc == _RW_LIMIT:
-                    if on_backlog is not None:
-                        on_backlog((unpack("<Q", prod_mm, 0)[0] - cons.value) / self._size)
-                    continue
-                if rc in (_RW_ARENA_FULL, _RW_UNKNOWN_SIZE):
-                    tables.store_used(fill, sizes)
-                    size = int(stop.value)
-                    if rc == _RW_UNKNOWN_SIZE:
-                        fill[size] = _Arena(size)
-                        sizes.append(size)
-                    else:
-                        fill[size].grow(fill[size].used + size)
-                    tables = _WalkTables(fill, sizes)
-                    continue
-                break
-            self._cons.value = cons.value  # hands the space back to the producers
-            if rc == _RW_BUSY:
-                break
+            tables.store_used(fill, sizes)
+            size = int(stop.value)
+            if rc == _RW_UNKNOWN_SIZE:
+                fill[size] = _Arena(size)
+                sizes.append(size)
+            else:
+                fill[size].grow(fill[size].used + size)
+            tables = _WalkTables(fill, sizes)
         tables.store_used(fill, sizes)
+        return pos.value, rc == _RW_BUSY
 
-    def _take_python(self, on_backlog: Callable[[float], None] | None) -> None:
+    def _walk_python(self, cons: int, prod: int, backlog: Callable[[int], None]) -> tuple[int, bool]:
+        """One pass of the walk in Python (the fallback, and the reference the tests compare the C
+        walk with)."""
         unpack, prod_mm, page = struct.unpack_from, self._prod_mm, self._page
-        cons = self._cons.value
         mask = self._size - 1
         fill, base = self._fill, self._data_addr
         busy, discard, hdr = self.BUSY, self.DISCARD, self.HDR
         n = 0
-        # passes until caught up (what was produced while the previous pass ran, too), at most
-        # MAX_PASSES so that a producer faster than us cannot keep us here forever
-        for _ in range(self.MAX_PASSES):
-            prod = unpack("<Q", prod_mm, 0)[0]
-            if cons >= prod:
-                break
-            if on_backlog is not None:  # before copying, so that a full ring escalates first
-                on_backlog((prod - cons) / self._size)
-            while cons < prod:
-                off = cons & mask
-                length = unpack("<I", prod_mm, page + off)[0]
-                if length & busy:
-                    break  # reserved but not submitted yet: the next pass or take() gets it
-                size = length & ~(busy | discard)
-                if not length & discard:
-                    arena = fill.get(size)
-                    if arena is None:
-                        arena = fill[size] = _Arena(size)
-                    arena.append(base + off + hdr)
-                cons += (size + hdr + 7) & ~7
-                n += 1
-                if on_backlog is not None and n % self.CHECK_EVERY == 0:
-                    on_backlog((unpack("<Q", prod_mm, 0)[0] - cons) / self._size)
-            self._cons.value = cons  # hands the space back to the producers
+        while cons < prod:
+            off = cons & mask
+            length = unpack("<I", prod_mm, page + off)[0]
             if length & busy:
-                break
+                return cons, True
+            size = length & ~(busy | discard)
+            if not length & discard:
+                arena = fill.get(size)
+                if arena is None:
+                    arena = fill[size] = _Arena(size)
+                arena.append(base + off + hdr)
+            cons += (size + hdr + 7) & ~7
+            n += 1
+            if n % self.CHECK_EVERY == 0:
+                backlog(cons)
+        return cons, False
 
     def stop(self) -> dict[int, np.ndarray]:
         """The last records (the probes are detached by the session afterwards)."""

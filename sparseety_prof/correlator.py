@@ -274,30 +274,30 @@ class Correlator:
         """Statistics of up to STATS_BLOCK rows of `width` floats, each given as its chunks.
         With the C backend a row of one chunk is read where it lies (in the drained records):
         only rows split over several records are put together first."""
-        scratch = self._stats_scratch.get(width)
-        if scratch is None:
-            # one scratch block per row width, kept between drains: a fresh multi-MB array per
-            # block costs page faults on every write
-            scratch = self._stats_scratch[width] = np.empty((STATS_BLOCK, width), dtype=np.float32)
         if BACKEND == "c":
             addresses = np.empty(len(rows), dtype=np.int64)
             for j, chunks in enumerate(rows):
-                if len(chunks) == 1:
-                    addresses[j] = chunks[0].ctypes.data
-                else:  # vocabularies above LOGITS_CHUNK_MAX: put the row together
-                    off = 0
-                    for ch in chunks:
-                        scratch[j, off : off + len(ch)] = ch
-                        off += len(ch)
-                    addresses[j] = scratch[j].ctypes.data
+                # vocabularies above LOGITS_CHUNK_MAX: the row is put together first
+                row = chunks[0] if len(chunks) == 1 else self._joined(width, j, chunks)
+                addresses[j] = row.ctypes.data
             return row_stats_at(addresses, width, toks)
-        block = scratch[: len(rows)]
         for j, chunks in enumerate(rows):
-            off = 0
-            for ch in chunks:
-                block[j, off : off + len(ch)] = ch
-                off += len(ch)
-        return row_stats(block, toks, overwrite=True)
+            self._joined(width, j, chunks)
+        return row_stats(self._stats_scratch[width][: len(rows)], toks, overwrite=True)
+
+    def _joined(self, width: int, j: int, chunks: list[np.ndarray]) -> np.ndarray:
+        """Row j of the scratch block of `width`-float rows, filled with `chunks`. One block per
+        width, kept between drains: a fresh multi-MB array per block costs page faults on every
+        write."""
+        scratch = self._stats_scratch.get(width)
+        if scratch is None:
+            scratch = self._stats_scratch[width] = np.empty((STATS_BLOCK, width), dtype=np.float32)
+        row = scratch[j]
+        off = 0
+        for ch in chunks:
+            row[off : off + len(ch)] = ch
+            off += len(ch)
+        return row
 
     # ------------------------------------------------------------------ helpers
     def _ctx(self, ptr: int) -> CtxState:
@@ -481,26 +481,21 @@ class Correlator:
             return
         verifying = self.counters.verified_sparse < VERIFY_UBATCHES and self.n_expert
         if not verifying and (step.sparse is None or not step.sparse.from_records):
-            # the common case: nothing but (maybe) attention records came before
-            fast, moe_seen, ffn_seen = StepSparse.from_agg_row(r, self.layers)
-            if step.sparse is None:
-                step.sparse = fast
-            else:
-                step.sparse.merge(fast)
-            self.layers_seen["moe"].update(moe_seen)
-            self.layers_seen["ffn"].update(ffn_seen)
-            self.layers_seen["attn"].update(step.sparse.add_agg_attn(r, self.layers.attn))
-            return
-        agg = StepSparse.from_agg(r)
+            # the common case (nothing but maybe attention records came before): the row's
+            # values straight off the record
+            agg, moe_seen, ffn_seen = StepSparse.from_agg_row(r, self.layers)
+        else:  # per-layer stores: checked against the model, or merged with per-layer records
+            agg = StepSparse.from_agg(r)
+            moe_seen, ffn_seen = list(agg.ids), list(agg.act_zeros)
+            if agg.ids:
+                self._verify_routing(agg)
         if step.sparse is None:
             step.sparse = agg
         else:
             step.sparse.merge(agg)
+        self.layers_seen["moe"].update(moe_seen)
+        self.layers_seen["ffn"].update(ffn_seen)
         self.layers_seen["attn"].update(step.sparse.add_agg_attn(r, self.layers.attn))
-        self.layers_seen["moe"].update(agg.ids)
-        self.layers_seen["ffn"].update(agg.act_zeros)
-        if agg.ids:
-            self._verify_routing(agg)
 
     def _on_sparse(self, r: dict[str, Any]) -> None:
         """A graph-op record belongs to the micro-batch running when it was produced. Worker

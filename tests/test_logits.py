@@ -235,6 +235,33 @@ def test_row_stats_uses_the_c_library_when_loaded(
     _check(py, rows, toks, "row_stats/numpy")
 
 
+def test_rows_read_where_they_lie_equal_the_contiguous_block(
+    fresh_lib: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """row_stats_at (the consumer's path: rows inside drained records, at any addresses) gives
+    exactly what row_stats gives for the same rows in one block."""
+    rng = np.random.default_rng(5)
+    rows = (rng.standard_normal((4, 32000)) * 3).astype(np.float32)
+    toks = rng.integers(0, 32000, 4)
+    monkeypatch.setattr(logits, "_lib", fresh_lib)
+    # the rows as logits records lay them out: a header before each, records back to back
+    records = np.zeros((4, 32768 + 12), dtype=np.float32)
+    records[:, 12 : 12 + 32000] = rows
+    order = [2, 0, 3, 1]  # addresses in any order
+    addresses = np.array([records[i, 12:].ctypes.data for i in order], dtype=np.int64)
+    at = logits.row_stats_at(addresses, 32000, toks[order])
+    block = row_stats(rows[order].copy(), toks[order])
+    for a, b in (
+        (at.log_prob, block.log_prob),
+        (at.top_log_probs, block.top_log_probs),
+        (at.entropy, block.entropy),
+    ):
+        assert np.array_equal(a, b)
+    assert np.array_equal(at.top_ids, block.top_ids)
+    with pytest.raises(ValueError, match="rows"):
+        logits.row_stats_at(addresses, 32000, toks[:2])
+
+
 def test_missing_or_broken_library_is_not_loaded(tmp_path: Path) -> None:
     assert logits._load_library(tmp_path / "librowstats.so") is None
     junk = tmp_path / "junk.so"

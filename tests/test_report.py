@@ -17,58 +17,38 @@ def _recording(path: Path) -> None:
         "target": {"pid": 99},
     }
     w = RecordingWriter(path, meta)
-    w.append(
-        "steps",
-        schema.frame(
-            "steps",
-            {
-                "step_id": [0, 1, 2],
-                "t_start_ns": [0, 10_000_000, 20_000_000],
-                "t_end_ns": [5_000_000, 11_000_000, 21_500_000],
-                "phase": ["prefill", "decode", "decode"],
-                "n_tokens": [5, 1, 1],
-            },
-        ),
-    )
-    w.append(
-        "tokens",
-        schema.frame(
-            "tokens",
-            {
-                "request_id": ["r0-0-1", "r0-0-1", "r0-0-2"],
-                "token_id": [7, 8, 9],
-                "seq_id": [0, 0, 0],
-                "log_prob": [-0.5, -1.5, -3.0],
-                "partial": [False, False, True],
-                "t_end_ns": [5_000_000, 11_000_000, 21_500_000],
-            },
-        ),
-    )
-    w.append(
-        "requests",
-        schema.frame(
-            "requests",
-            {
-                "request_id": ["r0-0-1", "r0-0-2"],
-                "id_source": ["header", "generated"],
-                "ttft_ms": [12.5, None],
-                "itl_p50_ms": [6.25, None],
-                "end_reason": ["released", "detached"],
-            },
-        ),
-    )
-    w.append(
-        "kernels",
-        schema.frame(
-            "kernels",
-            {
-                "name": ["moe_topk_kernel", "gemm_bf16", "gemm_bf16"],
-                "start_ns": [0, 100_000, 300_000],
-                "end_ns": [50_000, 250_000, 450_000],
-                "step_id": [1, 1, None],
-            },
-        ),
-    )
+    tables: dict[str, dict[str, list[object]]] = {
+        "steps": {
+            "step_id": [0, 1, 2],
+            "t_start_ns": [0, 10_000_000, 20_000_000],
+            "t_end_ns": [5_000_000, 11_000_000, 21_500_000],
+            "phase": ["prefill", "decode", "decode"],
+            "n_tokens": [5, 1, 1],
+        },
+        "tokens": {
+            "request_id": ["r0-0-1", "r0-0-1", "r0-0-2"],
+            "token_id": [7, 8, 9],
+            "seq_id": [0, 0, 0],
+            "log_prob": [-0.5, -1.5, -3.0],
+            "partial": [False, False, True],
+            "t_end_ns": [5_000_000, 11_000_000, 21_500_000],
+        },
+        "requests": {
+            "request_id": ["r0-0-1", "r0-0-2"],
+            "id_source": ["header", "generated"],
+            "ttft_ms": [12.5, None],
+            "itl_p50_ms": [6.25, None],
+            "end_reason": ["released", "detached"],
+        },
+        "kernels": {
+            "name": ["moe_topk_kernel", "gemm_bf16", "gemm_bf16"],
+            "start_ns": [0, 100_000, 300_000],
+            "end_ns": [50_000, 250_000, 450_000],
+            "step_id": [1, 1, None],
+        },
+    }
+    for table, cols in tables.items():
+        w.append(table, schema.frame(table, cols))
     w.close(losses={"kernel_drops": 0, "seq_gaps": 1})
 
 

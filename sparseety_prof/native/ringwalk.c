@@ -15,7 +15,7 @@
 #include <string.h>
 
 #define RW_EXPORT __attribute__((visibility("default")))
-#define RW_ABI_VERSION 1
+#define RW_ABI_VERSION 2
 #define RB_BUSY (1u << 31)
 #define RB_DISCARD (1u << 30)
 #define RB_HDR 8
@@ -26,11 +26,11 @@ enum { RW_CAUGHT_UP = 0, RW_BUSY = 1, RW_ARENA_FULL = 2, RW_UNKNOWN_SIZE = 3, RW
  * prod: producer position read by the caller; sizes[n]: record sizes with an arena, dst[i] its
  * buffer, cap[i] its capacity in records, used[i] records in it (updated); max_records: stop
  * after this many records (the caller checks the backlog between calls); *stop_size: the
- * size of the record the walk stopped at (ARENA_FULL, UNKNOWN_SIZE). *walked: records passed
- * (discarded ones included). Returns one of the RW_ codes. */
+ * size of the record the walk stopped at (ARENA_FULL, UNKNOWN_SIZE). Returns one of the RW_
+ * codes. */
 RW_EXPORT int sparseety_ring_walk(const uint8_t *data, uint64_t mask, uint64_t *cons, uint64_t prod,
                                   const uint32_t *sizes, int n, uint8_t *const *dst, const uint64_t *cap,
-                                  uint64_t *used, uint64_t max_records, uint32_t *stop_size, uint64_t *walked) {
+                                  uint64_t *used, uint64_t max_records, uint32_t *stop_size) {
     uint64_t c = *cons, k = 0;
     int rc = RW_CAUGHT_UP;
     int last = 0; /* index of the last size seen: records of one size come in runs */
@@ -71,7 +71,6 @@ RW_EXPORT int sparseety_ring_walk(const uint8_t *data, uint64_t mask, uint64_t *
         k++;
     }
     *cons = c;
-    *walked = k;
     return rc;
 }
 
