@@ -137,6 +137,19 @@ static __always_inline int agg_store_row(struct ev_step_agg *a, u64 node, u64 da
 /* thread index of a compute call: the probes that read inputs run on thread 0 only */
 static __always_inline s32 compute_ith(u64 params) { return rd32(params + P_ITH); }
 
+/* thread index and count of a compute call (one read where they are adjacent) */
+static __always_inline void thread_split(u64 params, s32 *ith, s32 *nth) {
+#if P_NTH == P_ITH + 4
+    s32 th[2] = {};
+    bpf_probe_read_user(th, sizeof(th), (void *)(params + P_ITH));
+    *ith = th[0];
+    *nth = th[1];
+#else
+    *ith = rd32(params + P_ITH);
+    *nth = rd32(params + P_NTH);
+#endif
+}
+
 #if defined(CAPTURE_ROUTES) || defined(CAPTURE_PROBS)
 /* Copy `rows` rows of `row_stride` bytes from `data` into tensor records (small when it fits). */
 static __always_inline void emit_tensor(u16 tag, u64 node, u64 data, u32 rows, u32 ne0, u32 row_stride,
@@ -220,7 +233,7 @@ int moe_get_rows_enter(struct pt_regs *ctx) {
     bpf_probe_read_user(name, sizeof(name), (void *)(node + T_NAME));
     if (name[0] != 0x5f656f6d5f6e6666ULL /* "ffn_moe_" */ || name[1] != 0x2d73746867696577ULL /* "weights-" */)
         return 0;
-#ifdef CAPTURE_ROUTES
+#if defined(CAPTURE_ROUTES) && !defined(IDS_AT_MUL)
     u64 ids = rd64(node + T_SRC + 8);
     if (ids) {
         /* a view of the argsort (or top_k) result: k values per row, rows nb[1] apart */
@@ -244,44 +257,15 @@ int moe_get_rows_enter(struct pt_regs *ctx) {
     return 0;
 }
 
-#ifdef CAPTURE_ROUTES
-/* mul node "ffn_moe_weighted-L" = mul(experts [n_embd, k, n_tokens], weights [1, k, n_tokens]) */
-int moe_mul_enter(struct pt_regs *ctx) {
-    u64 params = PT_REGS_PARM1(ctx), node = PT_REGS_PARM2(ctx);
-    if (compute_ith(params) != 0)
-        return 0;
-    u64 name[3] = {};
-    bpf_probe_read_user(name, sizeof(name), (void *)(node + T_NAME));
-    if (name[0] != 0x5f656f6d5f6e6666ULL /* "ffn_moe_" */ || name[1] != 0x6465746867696577ULL /* "weighted" */ ||
-        (name[2] & 0xff) != '-')
-        return 0;
-    u64 w = rd64(node + T_SRC + 8);
-    if (!w)
-        return 0;
-    u32 k = (u32)rd64(w + T_NE + 8), rows = (u32)rd64(w + T_NE + 16);
-    u32 nb1 = (u32)rd64(w + T_NB + 8), nb2 = (u32)rd64(w + T_NB + 16);
-    if (nb1 != 4) { /* weights not contiguous within a row: not a layout this probe reads */
-        count(3, rows);
-        return 0;
-    }
-#ifdef AGG_STEPS
-    struct ev_step_agg *a = agg_active();
-    if (a && rows == 1 && agg_store_row(a, node, rd64(w + T_DATA), k, 0))
-        return 0;
-#endif
-    emit_tensor(TAG_EXPERT_WEIGHTS, node, rd64(w + T_DATA), rows, k, nb2, (u16)rd32(w + T_TYPE));
-    return 0;
-}
-#endif
 #endif /* CAPTURE_ROUTES || CAPTURE_PROBS */
 
 #ifdef CAPTURE_ACT
 struct act_args {
-    u64 node;
+    u64 node; /* 0: no GLU node in flight on this thread */
     s32 ith;
     s32 nth;
 };
-BPF_HASH(act_args, u32, struct act_args, 4096);
+PER_THREAD(act_args, struct act_args);
 
 int glu_enter(struct pt_regs *ctx) {
     u64 params = PT_REGS_PARM1(ctx), node = PT_REGS_PARM2(ctx);
@@ -289,12 +273,17 @@ int glu_enter(struct pt_regs *ctx) {
     bpf_probe_read_user(&w, sizeof(w), (void *)(node + T_NAME));
     if (w != 0x5f6e6666 /* "ffn_" */)
         return 0;
-    struct act_args a = {};
-    a.node = node;
-    a.ith = rd32(params + P_ITH);
-    a.nth = rd32(params + P_NTH);
+#ifdef HAVE_TASK_STORAGE
+    struct act_args *a = act_args.task_storage_get(CURRENT_TASK, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+#else
+    struct act_args zero = {};
     u32 tid = (u32)bpf_get_current_pid_tgid();
-    act_args.update(&tid, &a);
+    struct act_args *a = act_args.lookup_or_try_init(&tid, &zero);
+#endif
+    if (!a)
+        return 0;
+    thread_split(params, &a->ith, &a->nth);
+    a->node = node;
     return 0;
 }
 
@@ -414,22 +403,32 @@ static __always_inline int act_chunk(struct pt_regs *ctx, struct act_state *st) 
         e->bits[wb + 1] = 0;
 #endif
         u64 span = vhi - vlo;
+        if (span != BLOCK_WORDS) {
+            /* the words of this block that are not its own (counted by the block before, or past
+             * a short row's end) are zeroed: they then count as neither non-zero nor not-below */
+            for (u32 p = 0; p < BLOCK_WORDS; p++)
+                v[p] &= -IS_LESS((u64)p - vlo, span); /* vlo <= p < vhi, one unsigned compare */
+        }
+        /* Both floats of a word at once (SWAR): with each lane's magnitude OR 2^31, a lane-wise
+         * subtraction cannot borrow across lanes, and a lane's top bit stays set iff |x| >= the
+         * subtrahend: 1 tests "non-zero", ACT_BELOW_BITS "not below". The top bits, shifted to
+         * bits 0 and 32, add up per lane in one register (at most BLOCK_WORDS per lane). The sums
+         * stay in registers for the block and are stored once: straight-line arithmetic, no
+         * branch the verifier would have to follow. */
+        u64 cnz = 0, cnb = 0;
         for (u32 p = 0; p < BLOCK_WORDS; p++) {
-            /* Both floats of the word at once (SWAR): with each lane's magnitude OR 2^31, a
-             * lane-wise subtraction cannot borrow across lanes, and a lane's top bit stays set
-             * iff |x| >= the subtrahend. Threshold 1 tests "non-zero", ACT_BELOW_BITS "not
-             * below". About half the instructions of testing each float on its own. */
             u64 ax = (v[p] & 0x7fffffff7fffffffULL) | 0x8000000080000000ULL;
             u64 nz = ax - 0x0000000100000001ULL;
             u64 nb = ax - ((ACT_BELOW_BITS << 32) | ACT_BELOW_BITS);
-            u64 ok = IS_LESS((u64)p - vlo, span); /* vlo <= p < vhi, one unsigned compare */
-            /* ok * (count of lanes), not ok & count: a count of 2 has bit 0 clear */
-            r->zeros[ri] += (u32)(ok * (2 - (((nz >> 31) & 1) + (nz >> 63))));
-            r->below[ri] += (u32)(ok * (2 - (((nb >> 31) & 1) + (nb >> 63))));
+            cnz += (nz >> 31) & 0x0000000100000001ULL;
+            cnb += (nb >> 31) & 0x0000000100000001ULL;
 #ifdef CAPTURE_MASKS
-            e->bits[wb + (p >> 5)] |= (ok * (((nz >> 31) & 1) | ((nz >> 63) << 1))) << ((p & 31) * 2);
+            e->bits[wb + (p >> 5)] |= (((nz >> 31) & 1) | ((nz >> 63) << 1)) << ((p & 31) * 2);
 #endif
         }
+        u32 lanes = (u32)span * 2;
+        r->zeros[ri] += lanes - (u32)((cnz & 0xffffffff) + (cnz >> 32));
+        r->below[ri] += lanes - (u32)((cnb & 0xffffffff) + (cnb >> 32));
         if (cb + 1 == bpr) /* row complete */
             done_rows = rr + 1;
     }
@@ -481,38 +480,56 @@ static __always_inline int act_chunk(struct pt_regs *ctx, struct act_state *st) 
     return 0;
 }
 
+/* A thread's share of a node's rows, split as ggml-cpu splits unary/GLU ops: rows [ir0, ir1)
+ * with dr = ceil(nr / nth), ir0 = dr * ith. */
+static __always_inline void act_rows(struct act_state *st, u64 node, u64 data, u64 nb1, u32 ne0, u32 ne1, u32 nr,
+                                     s32 ith, s32 nth) {
+    u32 dr = (nr + nth - 1) / nth;
+    u32 ir0 = dr * ith;
+    st->node = node;
+    st->data = data;
+    st->nb1 = nb1;
+    st->ne0 = ne0;
+    st->ne1 = ne1;
+    st->nr = nr;
+    st->ir = ir0;
+    st->ir1 = ir0 + dr < nr ? ir0 + dr : nr;
+    st->ith = (u32)ith;
+}
+
 /* At the return of the GLU op each thread counts the rows it computed: rows [ir0, ir1) with
  * dr = ceil(nr / nth), ir0 = dr * ith (ggml-cpu's row split for unary/GLU ops). Blocks of
  * BLOCK_WORDS float pairs are read into a per-CPU scratch buffer and tested on their bits:
  * zero  <=> (bits & 0x7fffffff) == 0;  below <=> (bits & 0x7fffffff) < ACT_BELOW_BITS. */
 int glu_return(struct pt_regs *ctx) {
+#ifdef HAVE_TASK_STORAGE
+    struct act_args *ap = act_args.task_storage_get(CURRENT_TASK, 0, 0);
+#else
     u32 tid = (u32)bpf_get_current_pid_tgid();
     struct act_args *ap = act_args.lookup(&tid);
-    if (!ap)
+#endif
+    if (!ap || !ap->node)
         return 0;
     struct act_args a = *ap;
-    act_args.delete(&tid);
+    ap->node = 0;
     u64 node = a.node;
     u32 zero = 0;
     struct act_state *st = act_state.lookup(&zero);
     if (!st)
         return 0;
-    u32 ne0 = (u32)rd64(node + T_NE);
-    u32 nr = (u32)(rd64(node + T_NE + 8) * rd64(node + T_NE + 16) * rd64(node + T_NE + 24));
-    u64 data = rd64(node + T_DATA);
+    /* the node's shape, strides and data pointer in one read (one read costs about what
+     * several small ones do) */
+    u64 hdr[(T_DATA + 8 - T_NE) / 8] = {};
+    _Static_assert(T_NE < T_NB && T_NB < T_DATA && T_DATA - T_NE <= 256, "ne, nb, data in one read");
+    if (bpf_probe_read_user(hdr, sizeof(hdr), (void *)(node + T_NE)))
+        return 0;
+    u64 *ne = &hdr[0], *nb = &hdr[(T_NB - T_NE) / 8];
+    u32 ne0 = (u32)ne[0];
+    u32 nr = (u32)(ne[1] * ne[2] * ne[3]);
+    u64 data = hdr[(T_DATA - T_NE) / 8];
     if (a.nth <= 0 || a.ith < 0 || !data || ne0 == 0)
         return 0;
-    u32 dr = (nr + a.nth - 1) / a.nth;
-    u32 ir0 = dr * a.ith;
-    st->node = node;
-    st->data = data;
-    st->nb1 = rd64(node + T_NB + 8);
-    st->ne0 = ne0;
-    st->ne1 = (u32)rd64(node + T_NE + 8);
-    st->nr = nr;
-    st->ir = ir0;
-    st->ir1 = ir0 + dr < nr ? ir0 + dr : nr;
-    st->ith = (u32)a.ith;
+    act_rows(st, node, data, nb[1], ne0, (u32)ne[1], nr, a.ith, a.nth);
     return act_chunk(ctx, st);
 }
 
@@ -525,6 +542,149 @@ int glu_continue(struct pt_regs *ctx) {
     return act_chunk(ctx, st);
 }
 #endif /* CAPTURE_ACT */
+
+#if defined(CAPTURE_ROUTES) || defined(ACT_AT_MUL)
+/* The fields of a ggml_tensor the probes use, [T_TYPE, T_NAME + NAME_LEN), in one read: a
+ * bpf_probe_read_user costs about the same for 8 bytes as for 300. Per-CPU slots, one per
+ * tensor a probe looks at. */
+#define TH_LO T_TYPE
+#define TH_WORDS ((T_NAME + NAME_LEN - T_TYPE + 7) / 8)
+#define TH_SLOTS 5
+_Static_assert(T_TYPE < T_NE && T_NE < T_NB && T_NB < T_SRC && T_SRC < T_DATA && T_DATA < T_NAME,
+               "ggml_tensor field order");
+_Static_assert(T_TYPE % 8 == 0 && T_NE % 8 == 0 && T_NB % 8 == 0 && T_SRC % 8 == 0 && T_DATA % 8 == 0 &&
+                   T_NAME % 8 == 0 && TH_WORDS <= 40,
+               "tensor header words");
+struct thdr_buf {
+    u64 w[TH_SLOTS][40];
+};
+BPF_PERCPU_ARRAY(thdr, struct thdr_buf, 1);
+#define TH(h, off) ((h)[((off) - TH_LO) / 8])
+#define TH_NAME_W(h, i) ((h)[(T_NAME - TH_LO) / 8 + (i)])
+
+static __always_inline u64 *tensor_hdr(struct thdr_buf *b, const int slot, u64 t) {
+    u64 *h = b->w[slot];
+    if (!t || bpf_probe_read_user(h, TH_WORDS * 8, (void *)(t + TH_LO)))
+        return 0;
+    return h;
+}
+
+/* does [a, a + na) overlap [b, b + nb)? */
+static __always_inline int overlaps(u64 a, u64 na, u64 b, u64 nb) { return a < b + nb && b < a + na; }
+
+/* The multiply "ffn_moe_weighted-L" = mul(experts [n_embd, k, n_tokens], weights [1, k, n_tokens]).
+ * Its src[1] holds the gate weights as applied (after whatever normalisation and scaling the
+ * model does). Its src[0] is the down projection, mul_mat_id(down_exps, act, ids) (or its bias
+ * add, add_id(down, bias, ids)): with IDS_AT_MUL the expert ids are read from that ids source,
+ * with ACT_AT_MUL each thread counts its share of the activation rows `act` (the GLU output the
+ * experts ran on), instead of probing get_rows and the GLU op. Both are intact at this entry:
+ * the multiply is the down projection's only consumer and comes right after it; a multiply
+ * whose output overlaps them (so another thread could already be writing it) is not read, and
+ * its rows are counted as lost. */
+int moe_mul_enter(struct pt_regs *ctx) {
+    u64 params = PT_REGS_PARM1(ctx), node = PT_REGS_PARM2(ctx);
+    u64 name[3] = {};
+    bpf_probe_read_user(name, sizeof(name), (void *)(node + T_NAME));
+    if (name[0] != 0x5f656f6d5f6e6666ULL /* "ffn_moe_" */ || name[1] != 0x6465746867696577ULL /* "weighted" */ ||
+        (name[2] & 0xff) != '-')
+        return 0;
+    s32 ith = 0, nth = 0;
+    thread_split(params, &ith, &nth);
+#if defined(IDS_AT_MUL) || defined(ACT_AT_MUL)
+    u32 z = 0;
+    struct thdr_buf *hb = thdr.lookup(&z);
+    if (!hb)
+        return 0;
+    u64 *hn = tensor_hdr(hb, 0, node);
+    if (!hn)
+        return 0;
+    u64 out = TH(hn, T_DATA), out_n = TH(hn, T_NB + 24) * TH(hn, T_NE + 24);
+    u32 rows_w = (u32)(TH(hn, T_NE + 16)); /* tokens of the micro-batch */
+    /* the down projection: "ffn_moe_down-L", or "ffn_moe_down_biased-L" whose src[0] it is */
+    u64 *he = tensor_hdr(hb, 1, TH(hn, T_SRC));
+    u64 *hd = 0;
+    if (he && TH_NAME_W(he, 0) == 0x5f656f6d5f6e6666ULL /* "ffn_moe_" */ &&
+        (TH_NAME_W(he, 1) & 0xffffffffULL) == 0x6e776f64 /* "down" */) {
+        if (((TH_NAME_W(he, 1) >> 32) & 0xff) == '_')
+            hd = tensor_hdr(hb, 2, TH(he, T_SRC));
+        else
+            hd = he;
+    }
+    if (!hd) { /* not the layout read here: nothing is invented, the rows are counted as lost */
+        if (ith == 0)
+            count(3, rows_w);
+        return 0;
+    }
+#endif
+#ifdef CAPTURE_ROUTES
+    if (ith == 0) {
+#ifdef AGG_STEPS
+        struct ev_step_agg *ag = agg_active();
+#endif
+        u64 w = rd64(node + T_SRC + 8);
+        if (w) {
+            u32 k = (u32)rd64(w + T_NE + 8), rows = (u32)rd64(w + T_NE + 16);
+            u32 nb1 = (u32)rd64(w + T_NB + 8), nb2 = (u32)rd64(w + T_NB + 16);
+            if (nb1 != 4) { /* weights not contiguous within a row: not a layout this probe reads */
+                count(3, rows);
+            } else {
+                u64 wd = rd64(w + T_DATA);
+#ifdef AGG_STEPS
+                if (!(ag && rows == 1 && agg_store_row(ag, node, wd, k, 0)))
+#endif
+                    emit_tensor(TAG_EXPERT_WEIGHTS, node, wd, rows, k, nb2, (u16)rd32(w + T_TYPE));
+            }
+        }
+#ifdef IDS_AT_MUL
+        /* a view of the argsort (or top_k) result: k values per row, rows nb[1] apart */
+        u64 *hi = tensor_hdr(hb, 3, TH(he, T_SRC + 16));
+        if (hi) {
+            u32 k = (u32)TH(hi, T_NE), rows = (u32)TH(hi, T_NE + 8), nb1 = (u32)TH(hi, T_NB + 8);
+            u64 idd = TH(hi, T_DATA);
+            if (overlaps(idd, (u64)rows * nb1, out, out_n)) {
+                count(3, rows);
+            } else {
+#ifdef AGG_STEPS
+                if (!(ag && rows == 1 && agg_store_row(ag, node, idd, k, 1)))
+#endif
+                    emit_tensor(TAG_EXPERT_IDS, node, idd, rows, k, nb1, (u16)TH(hi, T_TYPE));
+            }
+        } else {
+            count(3, rows_w);
+        }
+#endif
+    }
+#endif /* CAPTURE_ROUTES */
+#ifdef ACT_AT_MUL
+    /* the activations: mul_mat_id's src[1], a GLU node "ffn_moe_<op>-L" */
+    u64 act = TH(hd, T_SRC + 8);
+    u64 *ha = tensor_hdr(hb, 4, act);
+    if (!ha || (u32)TH_NAME_W(ha, 0) != 0x5f6e6666 /* "ffn_" */)
+        return 0;
+    u32 ne0 = (u32)TH(ha, T_NE);
+    u32 nr = (u32)(TH(ha, T_NE + 8) * TH(ha, T_NE + 16) * TH(ha, T_NE + 24));
+    u64 data = TH(ha, T_DATA), nb1 = TH(ha, T_NB + 8);
+    if (nth <= 0 || ith < 0 || !data || ne0 == 0)
+        return 0;
+    if (overlaps(data, nb1 * nr, out, out_n)) {
+        if (ith == 0)
+            count(3, nr);
+        return 0;
+    }
+    struct act_state *st = act_state.lookup(&z);
+    if (!st)
+        return 0;
+    act_rows(st, act, data, nb1, ne0, (u32)TH(ha, T_NE + 8), nr, ith, nth);
+    /* counted by the continuation program: verified on its own, not once per path through the
+     * routing code above */
+    act_tail.call(ctx, 0);
+    count(3, st->ir1 - st->ir); /* only reached when the tail call failed */
+    return 0;
+#else
+    return 0;
+#endif
+}
+#endif /* CAPTURE_ROUTES || ACT_AT_MUL */
 
 #ifdef CAPTURE_ATTN
 /* ubatch_info (token_probes.bpf.c) gives the micro-batch of the thread that runs graph thread 0.

@@ -47,6 +47,17 @@ BPF_HASH(ubatch_info, u32, struct ubatch_info, 4096);
 
 
 
+/* State a thread keeps from a function's entry to its return: task-local storage where the kernel
+ * has it for tracing programs (5.11+; the loader defines HAVE_TASK_STORAGE), a lookup in the task
+ * itself and several times cheaper than a hash map update and delete per call; else a hash map
+ * keyed by thread id. (BCC rewrites map calls only outside macros: users write both forms.) */
+#ifdef HAVE_TASK_STORAGE
+#define PER_THREAD(name, type) BPF_TASK_STORAGE(name, type)
+#define CURRENT_TASK ((struct task_struct *)bpf_get_current_task_btf())
+#else
+#define PER_THREAD(name, type) BPF_HASH(name, u32, type, 4096)
+#endif
+
 static __always_inline u64 next_seq(void) {
     int k = 0;
     u64 *v = counters.lookup(&k);

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import os
+import re
 import struct
 import time
 from collections.abc import Callable
@@ -25,6 +27,7 @@ from .elf import cheap_entry_probe_offset, cheap_probe_offset, read_at_vaddr
 from .errors import BpfUnavailable, MissingPrivileges, NoSuchProcess
 from .events import PROBES_DIR, logits_chunk_for, logits_dtype, record_sizes
 from .layouts import EngineBuild
+from .sparse import MoePlan
 
 RING_BUFFER_PAGES = 16384  # 64 MiB: a 1 MiB ring lost 35-70% of a burst here, 16 MiB lost none;
 # the consumer drains every 0.5 s, and full capture with a 32k vocabulary writes ~40 MB/s
@@ -67,11 +70,15 @@ PROBES = [
 HTTP_READS = "http_reads"
 
 
-def _wanted(spec: ProbeSpec, capture: Capture) -> bool:
+def _wanted(spec: ProbeSpec, capture: Capture, moe: MoePlan) -> bool:
     if spec.feature is None:
         return True
-    if spec.feature == "routes_or_probs":
-        return capture.routes or capture.router_probs
+    if spec.feature == "routes_or_probs":  # get_rows: router probabilities, expert ids
+        return capture.router_probs or (capture.routes and not moe.ids_at_mul)
+    if spec.feature == "routes":  # the weighted multiply: gate weights (ids, activations)
+        return capture.routes or moe.act_at_mul
+    if spec.feature == "activations":  # GLU: activations, unless all are read at the multiply
+        return capture.activations and not moe.act_at_mul
     return bool(getattr(capture, spec.feature))
 
 
@@ -113,6 +120,7 @@ class Session:
     attached: list[AttachedProbe] = field(default_factory=list)
     compile_s: float = 0.0
     logits_chunk: int = 1024
+    moe: MoePlan = field(default_factory=MoePlan)  # where the MoE probes read (as compiled)
     _closed: bool = False
 
     def counters(self) -> dict[str, int]:
@@ -143,9 +151,14 @@ def compile_and_attach(
     *,
     capture: Capture | None = None,
     skip: frozenset[str] = frozenset(),
+    moe: MoePlan = MoePlan(),
 ) -> Session:
     bcc = import_bcc()
     capture = capture or Capture()
+    moe = MoePlan(
+        ids_at_mul=moe.ids_at_mul and capture.routes and not capture.router_probs,
+        act_at_mul=moe.act_at_mul and capture.activations,
+    )
     http_reads = is_server(where) and HTTP_READS not in skip
     cflags = [
         f"-I{PROBES_DIR}",
@@ -154,9 +167,11 @@ def compile_and_attach(
         *build.server.cflags(),
         *(["-DHTTP_READS", f"-DTARGET_TGID={pid}"] if http_reads else []),
         *capture.cflags(),
+        *moe.cflags(),
         f"-DN_VOCAB={n_vocab}",
         f"-DLOGITS_CHUNK={logits_chunk_for(n_vocab)}",
         f"-DRB_PAGES={RING_BUFFER_PAGES}",
+        *(["-DHAVE_TASK_STORAGE"] if task_storage_usable() else []),
         "-Wno-macro-redefined",
     ]
     t0 = time.monotonic()
@@ -172,7 +187,9 @@ def compile_and_attach(
             f"could not compile/load the BPF program: {msg}. Run `sparseety-prof doctor` to check "
             f"kernel headers and BCC"
         ) from None
-    sess = Session(bpf=b, pid=pid, compile_s=time.monotonic() - t0, logits_chunk=logits_chunk_for(n_vocab))
+    sess = Session(
+        bpf=b, pid=pid, compile_s=time.monotonic() - t0, logits_chunk=logits_chunk_for(n_vocab), moe=moe
+    )
     if http_reads:  # TRACEPOINT_PROBEs attach when the program loads
         tp = "syscalls:sys_{enter,exit}_{recvfrom,read}"
         sess.attached.append(AttachedProbe(tp, "kernel", 0, "tracepoint"))
@@ -186,7 +203,7 @@ def compile_and_attach(
                 raise BpfUnavailable(f"could not load the activation counter's continuation: {e}") from None
         for spec in PROBES:
             lib = where.get(spec.symbol)
-            if lib is None or spec.symbol in skip or not _wanted(spec, capture):
+            if lib is None or spec.symbol in skip or not _wanted(spec, capture, moe):
                 continue
             syms = tg.elf_symbols(lib)
             vaddr = syms[spec.symbol][0]
@@ -211,6 +228,13 @@ def is_server(where: dict[str, Path]) -> bool:
     return (tg.SYM_SLOT_LAUNCH in where or tg.SYM_SLOT_LAUNCH_OLD in where) and (
         tg.SYM_TASK_POST_ONE in where or tg.SYM_TASK_POST_VEC in where
     )
+
+
+def task_storage_usable(release: str | None = None) -> bool:
+    """Task-local storage from kprobe/uprobe programs (and bpf_get_current_task_btf): Linux 5.11
+    and later. Older kernels get a hash map keyed by thread id, which costs more per call."""
+    m = re.match(r"(\d+)\.(\d+)", release or os.uname().release)
+    return m is not None and (int(m.group(1)), int(m.group(2))) >= (5, 11)
 
 
 def _attach(fn: Any, lib: Path, vaddr: int, fn_name: str, pid: int) -> None:

@@ -32,7 +32,7 @@ from .gpu.shm_ring import RingError
 from .recording import RecordingWriter, sudo_owner
 from .serving import DEFAULT_HEADER, ServingTracker
 from .snapshot import engine_environment, host_info, process_info, server_props
-from .sparse import LayerSet, layer_set
+from .sparse import LayerSet, layer_set, moe_plan
 from .weight_sparsity import analyze as analyze_weights
 
 DRAIN_INTERVAL_S = 0.5  # consumer batches: fewer, larger frames cost less CPU per token
@@ -109,8 +109,12 @@ def attach(opts: Options) -> Attached:
     model = read_model_info(model_path, with_sha256=False)
     vocab = Vocab.from_gguf(model_path)
     n_layer = int(model.hyperparameters.get("block_count", 0) or 0)
-    layers = layer_set([ti.name for ti in read_tensor_infos(model_path)], n_layer)
-    sess = compile_and_attach(opts.pid, where, build, len(vocab), capture=opts.capture, skip=opts.skip_probes)
+    tensor_names = [ti.name for ti in read_tensor_infos(model_path)]
+    layers = layer_set(tensor_names, n_layer)
+    plan = moe_plan(tensor_names, layers, model.architecture)
+    sess = compile_and_attach(
+        opts.pid, where, build, len(vocab), capture=opts.capture, skip=opts.skip_probes, moe=plan
+    )
     return Attached(t, build, model, vocab, sess, where, layers)
 
 
@@ -126,6 +130,7 @@ def run_metadata(a: Attached, opts: Options) -> dict[str, Any]:
             "ubatch_layout": a.build.ubatch.__dict__,
         },
         "probes": [p.__dict__ for p in a.session.attached],
+        "moe_read_points": a.session.moe.to_meta(),
         "model": a.model.to_meta(),
         "target": {"pid": a.target.pid, "exe": a.target.exe, "cmdline": a.target.cmdline},
         "host": host_info(),
