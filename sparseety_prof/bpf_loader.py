@@ -151,10 +151,11 @@ def compile_and_attach(
     *,
     capture: Capture | None = None,
     skip: frozenset[str] = frozenset(),
-    moe: MoePlan = MoePlan(),
+    moe: MoePlan | None = None,
 ) -> Session:
     bcc = import_bcc()
     capture = capture or Capture()
+    moe = moe or MoePlan()
     moe = MoePlan(
         ids_at_mul=moe.ids_at_mul and capture.routes and not capture.router_probs,
         act_at_mul=moe.act_at_mul and capture.activations,
