@@ -74,6 +74,31 @@ static __always_inline s32 rd32(u64 addr) {
     return v;
 }
 
+/* The fields of a ggml_tensor the probes use, [T_TYPE, T_NAME + NAME_LEN), in one read: a
+ * bpf_probe_read_user costs about the same for 8 bytes as for 300. Per-CPU slots, one per
+ * tensor a probe looks at. */
+#define TH_LO T_TYPE
+#define TH_WORDS ((T_NAME + NAME_LEN - T_TYPE + 7) / 8)
+#define TH_SLOTS 5
+_Static_assert(T_TYPE < T_NE && T_NE < T_NB && T_NB < T_SRC && T_SRC < T_DATA && T_DATA < T_NAME,
+               "ggml_tensor field order");
+_Static_assert(T_TYPE % 8 == 0 && T_NE % 8 == 0 && T_NB % 8 == 0 && T_SRC % 8 == 0 && T_DATA % 8 == 0 &&
+                   T_NAME % 8 == 0 && TH_WORDS <= 40,
+               "tensor header words");
+struct thdr_buf {
+    u64 w[TH_SLOTS][40];
+};
+BPF_PERCPU_ARRAY(thdr, struct thdr_buf, 1);
+#define TH(h, off) ((h)[((off) - TH_LO) / 8])
+#define TH_NAME_W(h, i) ((h)[(T_NAME - TH_LO) / 8 + (i)])
+
+static __always_inline u64 *tensor_hdr(struct thdr_buf *b, const int slot, u64 t) {
+    u64 *h = b->w[slot];
+    if (!t || bpf_probe_read_user(h, TH_WORDS * 8, (void *)(t + TH_LO)))
+        return 0;
+    return h;
+}
+
 #ifdef AGG_STEPS
 /* The one-row micro-batch being gathered, or NULL (then the probes send records). */
 static __always_inline struct ev_step_agg *agg_active(void) {
@@ -114,11 +139,8 @@ static __always_inline s32 name_layer(const char *name) {
 /* Expert ids or weights of a one-row micro-batch's layer into the aggregate: a constant-size read
  * of AGG_MAX_K values (a size the verifier must track would split its paths); k > AGG_MAX_K or an
  * unreadable row falls back to a record. Returns 1 when stored. */
-static __always_inline int agg_store_row(struct ev_step_agg *a, u64 node, u64 data, u32 k, int is_ids) {
-    char name[NAME_LEN] = {};
-    bpf_probe_read_user(name, NAME_LEN, (void *)(node + T_NAME));
-    s32 layer = name_layer(name);
-    if (layer < 0 || k == 0 || k > AGG_MAX_K)
+static __always_inline int agg_store_layer(struct ev_step_agg *a, s32 layer, u64 data, u32 k, int is_ids) {
+    if (layer < 0 || layer >= AGG_MAX_LAYERS || k == 0 || k > AGG_MAX_K)
         return 0;
     u64 l = idx_agg_layer((u64)layer);
     if (is_ids) {
@@ -131,6 +153,13 @@ static __always_inline int agg_store_row(struct ev_step_agg *a, u64 node, u64 da
         a->k_wts[l] = k;
     }
     return 1;
+}
+
+/* the same, the layer taken from the node's name */
+static __always_inline int agg_store_row(struct ev_step_agg *a, u64 node, u64 data, u32 k, int is_ids) {
+    char name[NAME_LEN] = {};
+    bpf_probe_read_user(name, NAME_LEN, (void *)(node + T_NAME));
+    return agg_store_layer(a, name_layer(name), data, k, is_ids);
 }
 #endif
 
@@ -316,20 +345,27 @@ struct act_state {
 };
 BPF_PERCPU_ARRAY(act_state, struct act_state, 1);
 BPF_PROG_ARRAY(act_tail, 1);
+/* The record a run fills: per-CPU, copied into the ring only when it is sent. A one-row
+ * micro-batch only adds its totals to the aggregate, and both engine threads count at the same
+ * moment: a ring reservation each would contend on the ring's lock for nothing. */
+BPF_PERCPU_ARRAY(act_rec, ACT_EV, 1);
+
+/* Send a filled activation record (its sequence number taken now). */
+static __always_inline void act_send(ACT_EV *e, struct ev_act *r) {
+    r->h.seq = next_seq();
+    if (events.ringbuf_output(e, sizeof(ACT_EV), BPF_RB_NO_WAKEUP))
+        count(1, 1);
+}
 
 static __always_inline int act_chunk(struct pt_regs *ctx, struct act_state *st) {
     u64 node = st->node, data = st->data, nb1 = st->nb1;
     u32 ne0 = st->ne0, ir0 = st->ir, ir1 = st->ir1;
     if (ir0 >= ir1)
         return 0;
-    /* the sequence number is taken at submit: a record used only as scratch for the aggregate
-     * is discarded, and must not leave a gap the consumer would count as a loss */
-    ACT_EV *e = events.ringbuf_reserve(sizeof(ACT_EV));
-    if (!e) {
-        count(1, 1);
-        count(3, ir1 - ir0);
+    u32 zero = 0;
+    ACT_EV *e = act_rec.lookup(&zero);
+    if (!e)
         return 0;
-    }
     struct ev_act *r = ACT_A(e);
     fill_hdr(&r->h, ACT_KIND, 0, 0);
     bpf_probe_read_user(r->name, NAME_LEN, (void *)(node + T_NAME));
@@ -344,16 +380,12 @@ static __always_inline int act_chunk(struct pt_regs *ctx, struct act_state *st) 
     if (ne0 & 1) {
         r->flags |= ACT_FLAG_ODD_WIDTH;
         count(3, ir1 - ir0);
-        r->h.seq = next_seq();
-        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+        act_send(e, r);
         return 0;
     }
-    u32 zero = 0;
     void *sc = scratch.lookup(&zero);
-    if (!sc) {
-        events.ringbuf_discard(e, BPF_RB_NO_WAKEUP);
+    if (!sc)
         return 0;
-    }
     u64 *v = (u64 *)sc;
     /* flat loop over blocks of BLOCK_WORDS float pairs: row rr = b / bpr, its block cb = b % bpr */
     u32 pairs_per_row = ne0 / 2;
@@ -456,7 +488,6 @@ static __always_inline int act_chunk(struct pt_regs *ctx, struct act_state *st) 
         ag->act_nr[l] = st->nr;
         ag->act_ne0[l] = ne0;
         ag->act_slots[l] = (r->name[4] == 'm' && r->name[5] == 'o' && r->name[6] == 'e') ? st->ne1 : 1;
-        events.ringbuf_discard(e, BPF_RB_NO_WAKEUP);
         if (st->ir < ir1) {
             act_tail.call(ctx, 0);
             count(3, ir1 - st->ir);
@@ -467,12 +498,10 @@ static __always_inline int act_chunk(struct pt_regs *ctx, struct act_state *st) 
     if (done_rows == 0 || (r->flags & ACT_FLAG_FAULT)) {
         r->flags |= ACT_FLAG_BUDGET; /* a row longer than the block budget, or unreadable */
         count(3, ir1 - ir0 - done_rows);
-        r->h.seq = next_seq();
-        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+        act_send(e, r);
         return 0;
     }
-    r->h.seq = next_seq();
-    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    act_send(e, r);
     if (st->ir < ir1) {
         act_tail.call(ctx, 0);
         count(3, ir1 - st->ir); /* only reached when the tail call failed (chain limit) */
@@ -517,19 +546,17 @@ int glu_return(struct pt_regs *ctx) {
     struct act_state *st = act_state.lookup(&zero);
     if (!st)
         return 0;
-    /* the node's shape, strides and data pointer in one read (one read costs about what
-     * several small ones do) */
-    u64 hdr[(T_DATA + 8 - T_NE) / 8] = {};
-    _Static_assert(T_NE < T_NB && T_NB < T_DATA && T_DATA - T_NE <= 256, "ne, nb, data in one read");
-    if (bpf_probe_read_user(hdr, sizeof(hdr), (void *)(node + T_NE)))
+    /* the node's shape, strides and data pointer in one read */
+    struct thdr_buf *hb = thdr.lookup(&zero);
+    u64 *h = hb ? tensor_hdr(hb, 0, node) : 0;
+    if (!h)
         return 0;
-    u64 *ne = &hdr[0], *nb = &hdr[(T_NB - T_NE) / 8];
-    u32 ne0 = (u32)ne[0];
-    u32 nr = (u32)(ne[1] * ne[2] * ne[3]);
-    u64 data = hdr[(T_DATA - T_NE) / 8];
+    u32 ne0 = (u32)TH(h, T_NE);
+    u32 nr = (u32)(TH(h, T_NE + 8) * TH(h, T_NE + 16) * TH(h, T_NE + 24));
+    u64 data = TH(h, T_DATA);
     if (a.nth <= 0 || a.ith < 0 || !data || ne0 == 0)
         return 0;
-    act_rows(st, node, data, nb[1], ne0, (u32)ne[1], nr, a.ith, a.nth);
+    act_rows(st, node, data, TH(h, T_NB + 8), ne0, (u32)TH(h, T_NE + 8), nr, a.ith, a.nth);
     return act_chunk(ctx, st);
 }
 
@@ -544,31 +571,6 @@ int glu_continue(struct pt_regs *ctx) {
 #endif /* CAPTURE_ACT */
 
 #if defined(CAPTURE_ROUTES) || defined(ACT_AT_MUL)
-/* The fields of a ggml_tensor the probes use, [T_TYPE, T_NAME + NAME_LEN), in one read: a
- * bpf_probe_read_user costs about the same for 8 bytes as for 300. Per-CPU slots, one per
- * tensor a probe looks at. */
-#define TH_LO T_TYPE
-#define TH_WORDS ((T_NAME + NAME_LEN - T_TYPE + 7) / 8)
-#define TH_SLOTS 5
-_Static_assert(T_TYPE < T_NE && T_NE < T_NB && T_NB < T_SRC && T_SRC < T_DATA && T_DATA < T_NAME,
-               "ggml_tensor field order");
-_Static_assert(T_TYPE % 8 == 0 && T_NE % 8 == 0 && T_NB % 8 == 0 && T_SRC % 8 == 0 && T_DATA % 8 == 0 &&
-                   T_NAME % 8 == 0 && TH_WORDS <= 40,
-               "tensor header words");
-struct thdr_buf {
-    u64 w[TH_SLOTS][40];
-};
-BPF_PERCPU_ARRAY(thdr, struct thdr_buf, 1);
-#define TH(h, off) ((h)[((off) - TH_LO) / 8])
-#define TH_NAME_W(h, i) ((h)[(T_NAME - TH_LO) / 8 + (i)])
-
-static __always_inline u64 *tensor_hdr(struct thdr_buf *b, const int slot, u64 t) {
-    u64 *h = b->w[slot];
-    if (!t || bpf_probe_read_user(h, TH_WORDS * 8, (void *)(t + TH_LO)))
-        return 0;
-    return h;
-}
-
 /* does [a, a + na) overlap [b, b + nb)? */
 static __always_inline int overlaps(u64 a, u64 na, u64 b, u64 nb) { return a < b + nb && b < a + na; }
 
@@ -590,6 +592,14 @@ int moe_mul_enter(struct pt_regs *ctx) {
         return 0;
     s32 ith = 0, nth = 0;
     thread_split(params, &ith, &nth);
+    /* the layer: up to three digits after "ffn_moe_weighted-" (bytes 1-3 of the third word) */
+    s32 layer = -1;
+    for (int j = 1; j <= 3; j++) {
+        u8 c = (u8)(name[2] >> (8 * j));
+        if (c < '0' || c > '9')
+            break;
+        layer = (layer < 0 ? 0 : layer * 10) + (c - '0');
+    }
 #if defined(IDS_AT_MUL) || defined(ACT_AT_MUL)
     u32 z = 0;
     struct thdr_buf *hb = thdr.lookup(&z);
@@ -621,23 +631,29 @@ int moe_mul_enter(struct pt_regs *ctx) {
 #ifdef AGG_STEPS
         struct ev_step_agg *ag = agg_active();
 #endif
-        u64 w = rd64(node + T_SRC + 8);
-        if (w) {
-            u32 k = (u32)rd64(w + T_NE + 8), rows = (u32)rd64(w + T_NE + 16);
-            u32 nb1 = (u32)rd64(w + T_NB + 8), nb2 = (u32)rd64(w + T_NB + 16);
+#if defined(IDS_AT_MUL) || defined(ACT_AT_MUL)
+        u64 *hw = tensor_hdr(hb, 3, TH(hn, T_SRC + 8));
+#else
+        u32 z = 0;
+        struct thdr_buf *hb = thdr.lookup(&z);
+        u64 *hw = hb ? tensor_hdr(hb, 3, rd64(node + T_SRC + 8)) : 0;
+#endif
+        if (hw) {
+            u32 k = (u32)TH(hw, T_NE + 8), rows = (u32)TH(hw, T_NE + 16);
+            u32 nb1 = (u32)TH(hw, T_NB + 8), nb2 = (u32)TH(hw, T_NB + 16);
             if (nb1 != 4) { /* weights not contiguous within a row: not a layout this probe reads */
                 count(3, rows);
             } else {
-                u64 wd = rd64(w + T_DATA);
+                u64 wd = TH(hw, T_DATA);
 #ifdef AGG_STEPS
-                if (!(ag && rows == 1 && agg_store_row(ag, node, wd, k, 0)))
+                if (!(ag && rows == 1 && agg_store_layer(ag, layer, wd, k, 0)))
 #endif
-                    emit_tensor(TAG_EXPERT_WEIGHTS, node, wd, rows, k, nb2, (u16)rd32(w + T_TYPE));
+                    emit_tensor(TAG_EXPERT_WEIGHTS, node, wd, rows, k, nb2, (u16)TH(hw, T_TYPE));
             }
         }
 #ifdef IDS_AT_MUL
         /* a view of the argsort (or top_k) result: k values per row, rows nb[1] apart */
-        u64 *hi = tensor_hdr(hb, 3, TH(he, T_SRC + 16));
+        u64 *hi = tensor_hdr(hb, 4, TH(he, T_SRC + 16));
         if (hi) {
             u32 k = (u32)TH(hi, T_NE), rows = (u32)TH(hi, T_NE + 8), nb1 = (u32)TH(hi, T_NB + 8);
             u64 idd = TH(hi, T_DATA);
@@ -645,7 +661,7 @@ int moe_mul_enter(struct pt_regs *ctx) {
                 count(3, rows);
             } else {
 #ifdef AGG_STEPS
-                if (!(ag && rows == 1 && agg_store_row(ag, node, idd, k, 1)))
+                if (!(ag && rows == 1 && agg_store_layer(ag, layer, idd, k, 1)))
 #endif
                     emit_tensor(TAG_EXPERT_IDS, node, idd, rows, k, nb1, (u16)TH(hi, T_TYPE));
             }
@@ -658,7 +674,7 @@ int moe_mul_enter(struct pt_regs *ctx) {
 #ifdef ACT_AT_MUL
     /* the activations: mul_mat_id's src[1], a GLU node "ffn_moe_<op>-L" */
     u64 act = TH(hd, T_SRC + 8);
-    u64 *ha = tensor_hdr(hb, 4, act);
+    u64 *ha = tensor_hdr(hb, 3, act); /* the weights' slot: done with it */
     if (!ha || (u32)TH_NAME_W(ha, 0) != 0x5f6e6666 /* "ffn_" */)
         return 0;
     u32 ne0 = (u32)TH(ha, T_NE);
@@ -727,6 +743,32 @@ static __always_inline int attn_finish(struct ev_attn *e, u64 serial) {
 
 static __always_inline int attn_common(struct pt_regs *ctx, u64 node, u64 mask_t, const s32 want_type) {
     u32 tid = (u32)bpf_get_current_pid_tgid();
+#ifdef AGG_STEPS
+    /* The common case, a layer of a one-row micro-batch whose mask an earlier layer counted:
+     * straight into the aggregate, without a ring record or the mask's other fields. */
+    {
+        u64 md = mask_t ? rd64(mask_t + T_DATA) : 0;
+        struct ubatch_info *u = ubatch_info.lookup(&tid);
+        struct att_seen *seen = att_seen.lookup(&tid);
+        struct ev_step_agg *ag = agg_active();
+        if (u && seen && ag && md && seen->serial == u->serial && ag->serial == u->serial &&
+            (seen->mask[0] == md || seen->mask[1] == md)) {
+            u32 n = ag->att_n;
+            if (n < AGG_MAX_LAYERS) {
+                char nm[NAME_LEN] = {};
+                bpf_probe_read_user(nm, NAME_LEN, (void *)(node + T_NAME));
+                u64 i = idx_agg_layer((u64)n);
+                ag->att_mask[i] = md;
+                ag->att_layer[i] = nm[0] ? name_layer(nm) : -1;
+                ag->att_count[i] = 0;
+                ag->att_flags[i] =
+                    ATT_FLAG_CACHED | ATT_FLAG_UNCOUNTED | (rd32(mask_t + T_TYPE) == 1 ? ATT_FLAG_F16 : 0);
+                ag->att_n = n + 1;
+                return 0;
+            }
+        }
+    }
+#endif
     struct ev_attn *e = events.ringbuf_reserve(sizeof(struct ev_attn));
     if (!e) {
         count(1, 1);

@@ -57,6 +57,7 @@ def _options(args: argparse.Namespace) -> Options:
         request_header=args.request_header,
         sched=args.sched,
         capture=capture,
+        moe_read=getattr(args, "moe_read", "auto"),
     )
 
 
@@ -249,6 +250,14 @@ def _attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_requir
         "--capture-masks",
         action="store_true",
         help="also record the activation zero masks, bit-packed, in the masks table",
+    )
+    p.add_argument(
+        "--moe-read",
+        choices=("auto", "ops"),
+        default="auto",
+        help="where MoE routing and activations are read: auto (default) = at each MoE layer's weighted "
+        "multiply where the graph allows (fewest probe hits); ops = at the router's get_rows and the "
+        "GLU op (more probe hits, for engine builds whose MoE graph differs)",
     )
     p.add_argument(
         "--sched",

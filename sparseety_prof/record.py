@@ -32,7 +32,7 @@ from .gpu.shm_ring import RingError
 from .recording import RecordingWriter, sudo_owner
 from .serving import DEFAULT_HEADER, ServingTracker
 from .snapshot import engine_environment, host_info, process_info, server_props
-from .sparse import LayerSet, layer_set, moe_plan
+from .sparse import LayerSet, MoePlan, layer_set, moe_plan
 from .weight_sparsity import analyze as analyze_weights
 
 DRAIN_INTERVAL_S = 0.5  # consumer batches: fewer, larger frames cost less CPU per token
@@ -51,6 +51,7 @@ class Options:
     sched: str = "nice"  # "nice": compete at `nice`; "idle": SCHED_IDLE, escalating when the ring fills
     request_header: str = DEFAULT_HEADER  # HTTP header carrying the client's request id
     capture: Capture = field(default_factory=Capture)  # sparse decisions to capture
+    moe_read: str = "auto"  # "auto": MoE values at the weighted multiply where possible; "ops": get_rows + GLU
 
 
 @dataclass
@@ -111,7 +112,7 @@ def attach(opts: Options) -> Attached:
     n_layer = int(model.hyperparameters.get("block_count", 0) or 0)
     tensor_names = [ti.name for ti in read_tensor_infos(model_path)]
     layers = layer_set(tensor_names, n_layer)
-    plan = moe_plan(tensor_names, layers, model.architecture)
+    plan = moe_plan(tensor_names, layers, model.architecture) if opts.moe_read == "auto" else MoePlan()
     sess = compile_and_attach(
         opts.pid, where, build, len(vocab), capture=opts.capture, skip=opts.skip_probes, moe=plan
     )

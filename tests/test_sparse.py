@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from sparseety_prof import events as ev
-from sparseety_prof.sparse import LayerSet, Problems, StepSparse, layer_set, parse_name
+from sparseety_prof.bpf_loader import PROBES, _wanted
+from sparseety_prof.capture import Capture
+from sparseety_prof.sparse import LayerSet, MoePlan, Problems, StepSparse, layer_set, moe_plan, parse_name
 
 LAYERS = LayerSet(moe=(0, 1), ffn=(0, 1), attn=(0, 1))
 
@@ -227,3 +229,41 @@ def test_aggregate_attention_merges_into_records_that_came_first() -> None:
     v = sp.row_values(0, {0: 0}, 1, LayerSet(moe=(0,), ffn=(1, 2), attn=(0, 1, 2, 3)), Problems())
     assert v["act_zero_ratio"] == [0.3, 0.1]
     assert v["attn_attended"] == [17, 17, 9, 5]
+
+
+def _tensors(layers: dict[int, list[str]]) -> list[str]:
+    return [f"blk.{i}.{t}.weight" for i, ts in layers.items() for t in ts]
+
+
+EXPERTS = ["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "attn_output"]
+
+
+def test_moe_plan_reads_at_the_multiply_only_where_the_graph_allows() -> None:
+    all_moe = _tensors({0: EXPERTS, 1: EXPERTS})
+    ls = layer_set(all_moe, 2)
+    assert moe_plan(all_moe, ls, "qwen3moe") == MoePlan(ids_at_mul=True, act_at_mul=True)
+    # a dense FFN layer (deepseek's first layers) or shared experts have GLU nodes of their own:
+    # activations stay at the GLU op, ids still come from the multiply
+    dense_first = _tensors({0: ["ffn_down", "ffn_up", "ffn_gate", "attn_output"], 1: EXPERTS})
+    assert moe_plan(dense_first, layer_set(dense_first, 2), "deepseek2") == MoePlan(True, False)
+    shared = _tensors({0: [*EXPERTS, "ffn_down_shexp"], 1: [*EXPERTS, "ffn_down_shexp"]})
+    assert moe_plan(shared, layer_set(shared, 2), "qwen2moe") == MoePlan(True, False)
+    # weights applied before the experts: the multiply does not sit on the down projection
+    assert moe_plan(all_moe, ls, "llama4") == MoePlan()
+    dense = _tensors({0: ["ffn_down", "ffn_up", "attn_output"]})
+    assert moe_plan(dense, layer_set(dense, 1), "llama") == MoePlan()
+    assert MoePlan(True, True).cflags() == ["-DIDS_AT_MUL", "-DACT_AT_MUL"]
+
+
+def test_probes_follow_the_moe_plan() -> None:
+    by_fn = {p.fn_entry: p for p in PROBES}
+    get_rows, mul, glu = by_fn["moe_get_rows_enter"], by_fn["moe_mul_enter"], by_fn["glu_enter"]
+    full, both = Capture(), MoePlan(ids_at_mul=True, act_at_mul=True)
+    assert [_wanted(p, full, both) for p in (get_rows, mul, glu)] == [False, True, False]
+    assert [_wanted(p, full, MoePlan()) for p in (get_rows, mul, glu)] == [True, True, True]
+    # router probabilities come from get_rows whatever the plan
+    assert _wanted(get_rows, Capture(router_probs=True), both)
+    # activations alone still need the multiply when they are read there
+    acts_only = Capture(routes=False, attention=False)
+    assert [_wanted(p, acts_only, both) for p in (get_rows, mul, glu)] == [False, True, False]
+    assert [_wanted(p, acts_only, MoePlan()) for p in (get_rows, mul, glu)] == [False, False, True]

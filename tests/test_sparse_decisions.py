@@ -170,26 +170,39 @@ def check_run(run: Run, *, expect_moe: bool) -> dict[str, int]:
 
 
 CASES = [
-    # preset, dtype, threads, logits_all
-    ("moe", None, 1, True),
-    ("moe", None, 2, True),
-    ("moe", None, 2, False),
-    ("qwen3moe", None, 1, True),
-    ("qwen3moe", None, 2, True),
-    ("smallthinker", None, 1, True),
-    ("smallthinker", None, 2, True),
-    ("moe", "q8_0", 2, True),
-    ("moe", "q4_0", 1, True),
+    # preset, dtype, threads, logits_all, where MoE values are read (--moe-read)
+    ("moe", None, 1, True, "auto"),
+    ("moe", None, 2, True, "auto"),
+    ("moe", None, 2, False, "auto"),
+    ("qwen3moe", None, 1, True, "auto"),
+    ("qwen3moe", None, 2, True, "auto"),
+    ("smallthinker", None, 1, True, "auto"),
+    ("smallthinker", None, 2, True, "auto"),
+    ("moe", "q8_0", 2, True, "auto"),
+    ("moe", "q4_0", 1, True, "auto"),
+    # the router's get_rows and the GLU op instead of the weighted multiply
+    ("moe", None, 2, True, "ops"),
+    ("smallthinker", None, 2, False, "ops"),
 ]
 
+#: the graph-op functions probed for MoE values, per --moe-read, on these all-expert-FFN models
+MOE_PROBES = {
+    "auto": {"ggml_compute_forward_mul"},
+    "ops": {"ggml_compute_forward_mul", "ggml_compute_forward_get_rows", "ggml_compute_forward_glu"},
+}
 
-@pytest.mark.parametrize(("preset", "dtype", "threads", "logits_all"), CASES)
+
+@pytest.mark.parametrize(("preset", "dtype", "threads", "logits_all", "read"), CASES)
 def test_sparse_decisions_match_the_engine(
-    model_dir: Path, tmp_path: Path, preset: str, dtype: str | None, threads: int, logits_all: bool
+    model_dir: Path, tmp_path: Path, preset: str, dtype: str | None, threads: int, logits_all: bool, read: str
 ) -> None:
     model = _model(model_dir, preset, dtype)
     args = ["--threads", str(threads)] + ([] if logits_all else ["--no-logits-all"])
-    run = Run(tmp_path, model, args, [])
+    run = Run(tmp_path, model, args, ["--moe-read", read])
+    probed = {p["symbol"] for p in run.rec.meta["probes"]}
+    moe_ops = {"ggml_compute_forward_mul", "ggml_compute_forward_get_rows", "ggml_compute_forward_glu"}
+    assert probed & moe_ops == MOE_PROBES[read]
+    assert run.rec.meta["moe_read_points"] == {"ids_at_mul": read == "auto", "act_at_mul": read == "auto"}
     counts = check_run(run, expect_moe=True)
     assert counts["moe"] > 0 and counts["act"] > 0 and counts["attn"] > 0
     phases = set(run.rec.tokens()["phase"].to_list())
