@@ -27,7 +27,7 @@ from .errors import UnsupportedEngineBuild
 from .logits import BACKEND, RowStats, row_stats, row_stats_at
 from .schema import PHASE_DECODE, PHASE_PREFILL, SOURCE_NEXT_INPUT, SOURCE_SAMPLER
 from .serving import ID_SEGMENTED, Launch, RequestAgg, ServingTracker
-from .sparse import LayerSet, Problems, StepSparse
+from .sparse import AggRow, LayerSet, Problems, StepSparse, agg_rows_batch
 
 _SPARSE_TOKEN_COLUMNS = (
     "expert_ids",
@@ -176,6 +176,7 @@ class Correlator:
         self.n_expert_used = n_expert_used
         self.with_masks = with_masks
         self.problems = Problems()
+        self._agg_pre: dict[int, AggRow] = {}  # this drain's aggregate records, by sequence number
         self.layers_seen: dict[str, set[int]] = {"moe": set(), "ffn": set(), "attn": set()}
         self._routes: dict[str, list[object]] = {}
         self._routes_layout: tuple[list[int], list[int | None], list[int | None]] | None = None
@@ -209,6 +210,9 @@ class Correlator:
         for arr in (batch.ubatch, batch.logits, batch.step_agg):  # big records: array fields stay views
             if len(arr):
                 recs += _big_records(arr)
+        # the aggregate records' values, all at once (see agg_rows_batch)
+        pre = agg_rows_batch(batch.step_agg, self.layers) if len(batch.step_agg) else None
+        self._agg_pre = dict(zip(batch.step_agg["seq"].tolist(), pre, strict=True)) if pre else {}
         recs.sort(key=lambda x: x[0])
         for _, rec in recs:
             handler = _HANDLERS.get(int(rec["kind"]))
@@ -480,10 +484,14 @@ class Correlator:
             self.counters.sparse_unattributed += 1
             return
         verifying = self.counters.verified_sparse < VERIFY_UBATCHES and self.n_expert
+        pre = self._agg_pre.get(int(r["seq"]))
         if not verifying and (step.sparse is None or not step.sparse.from_records):
             # the common case (nothing but maybe attention records came before): the row's
             # values straight off the record
-            agg, moe_seen, ffn_seen = StepSparse.from_agg_row(r, self.layers)
+            if pre is not None:
+                agg, moe_seen, ffn_seen = StepSparse.from_pre(pre), pre.moe_seen, pre.ffn_seen
+            else:
+                agg, moe_seen, ffn_seen = StepSparse.from_agg_row(r, self.layers)
         else:  # per-layer stores: checked against the model, or merged with per-layer records
             agg = StepSparse.from_agg(r)
             moe_seen, ffn_seen = list(agg.ids), list(agg.act_zeros)
@@ -495,7 +503,10 @@ class Correlator:
             step.sparse.merge(agg)
         self.layers_seen["moe"].update(moe_seen)
         self.layers_seen["ffn"].update(ffn_seen)
-        self.layers_seen["attn"].update(step.sparse.add_agg_attn(r, self.layers.attn))
+        if pre is not None:
+            self.layers_seen["attn"].update(step.sparse.add_agg_attn_lists(pre.attn, self.layers.attn))
+        else:
+            self.layers_seen["attn"].update(step.sparse.add_agg_attn(r, self.layers.attn))
 
     def _on_sparse(self, r: dict[str, Any]) -> None:
         """A graph-op record belongs to the micro-batch running when it was produced. Worker

@@ -51,7 +51,9 @@ class Options:
     sched: str = "nice"  # "nice": compete at `nice`; "idle": SCHED_IDLE, escalating when the ring fills
     request_header: str = DEFAULT_HEADER  # HTTP header carrying the client's request id
     capture: Capture = field(default_factory=Capture)  # sparse decisions to capture
-    moe_read: str = "auto"  # "auto": MoE values at the weighted multiply where possible; "ops": get_rows + GLU
+    moe_read: str = (
+        "auto"  # "auto": MoE values at the weighted multiply where possible; "ops": get_rows + GLU
+    )
 
 
 @dataclass

@@ -241,6 +241,13 @@ class StepSparse:
         }
         return sp, np.flatnonzero(k_ids).tolist(), ffn_seen
 
+    @classmethod
+    def from_pre(cls, pre: AggRow) -> StepSparse:
+        """The step's values from agg_rows_batch (what from_agg_row computes per record)."""
+        sp = cls()
+        sp._agg_row = pre.values
+        return sp
+
     @property
     def from_records(self) -> bool:
         """Routing or activation values came as per-layer records (not only attention)."""
@@ -250,14 +257,22 @@ class StepSparse:
         """The attention nodes an aggregate record carries, as add_attn takes their records (the
         one row is batch row 0). Returns the layers seen."""
         n = min(int(r["att_n"]), ev.AGG_MAX_LAYERS)
-        seen: list[int] = []
         if not n:
-            return seen
-        masks = np.asarray(r["att_mask"])[:n].tolist()
-        named = np.asarray(r["att_layer"])[:n].tolist()
-        counts = np.asarray(r["att_count"])[:n].tolist()
-        flags = np.asarray(r["att_flags"])[:n].tolist()
-        for mask, layer, count, flag in zip(masks, named, counts, flags, strict=True):
+            return []
+        return self.add_agg_attn_lists(
+            (
+                np.asarray(r["att_mask"])[:n].tolist(),
+                np.asarray(r["att_layer"])[:n].tolist(),
+                np.asarray(r["att_count"])[:n].tolist(),
+                np.asarray(r["att_flags"])[:n].tolist(),
+            ),
+            attn_layers,
+        )
+
+    def add_agg_attn_lists(self, attn: AggAttn, attn_layers: tuple[int, ...]) -> list[int]:
+        """add_agg_attn on the record's attention columns as lists (mask, layer, count, flags)."""
+        seen: list[int] = []
+        for mask, layer, count, flag in zip(*attn, strict=True):
             if layer < 0:  # unnamed: the k-th such node is the k-th attention layer (add_attn)
                 if self._attn_unnamed >= len(attn_layers):
                     continue
@@ -531,3 +546,93 @@ class StepSparse:
         if t is None or (z[t * slots : (t + 1) * slots] < 0).any():
             return None
         return bits[t * slots : (t + 1) * slots].reshape(-1)
+
+
+#: an aggregate record's attention columns, as lists over its att_n nodes: mask pointers, layers
+#: (-1: unnamed), counts, flags
+AggAttn = tuple[list[int], list[int], list[int], list[int]]
+
+
+@dataclass(frozen=True)
+class AggRow:
+    """What the consumer needs of one aggregate record: the row's per-layer values (as
+    StepSparse.from_agg_row makes them), the MoE and FFN layers it saw, its attention columns."""
+
+    values: dict[str, list[Any]]
+    moe_seen: list[int]
+    ffn_seen: list[int]
+    attn: AggAttn
+
+
+def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
+    """from_agg_row and the attention columns for every aggregate record of a drain at once:
+    numpy over the [records, layers] arrays and one tolist per column, instead of ~15 numpy
+    calls per record (the largest per-token cost of full mode's consumer). Rows whose layers are
+    not all complete take the per-layer path below; None when the model has layers beyond what
+    the record holds (then from_agg_row does it all)."""
+    moe, moe_idx, ffn, ffn_idx = _agg_layout(layers)
+    if len(moe) != len(layers.moe) or len(ffn) != len(layers.ffn) or not len(arr):
+        return None
+    k_ids = arr["k_ids"]
+    kid = k_ids[:, moe_idx]
+    kwt = arr["k_wts"][:, moe_idx]
+    k = int(kid.max(initial=0))
+    ids_all = arr["ids"][:, moe_idx, :k].tolist()
+    wts_all = arr["wts"][:, moe_idx, :k].view(np.float32).tolist()
+    # the common row: every MoE layer with k ids and k weights
+    moe_full = (((kid == k) & (kwt == k)).all(axis=1) & (k > 0 or not moe)).tolist()
+    moe_seen_all = (k_ids != 0).sum(axis=1) == len(moe)
+    moe_seen_all &= (kid != 0).all(axis=1)
+    nr, rows, slots = arr["act_nr"], arr["act_rows"], arr["act_slots"]
+    complete = (nr != 0) & (rows == nr) & (nr == np.maximum(slots, 1))
+    ne0 = arr["act_ne0"]
+    cf = complete[:, ffn_idx] & (ne0[:, ffn_idx] != 0)
+    ffn_full = (cf.all(axis=1) & (complete.sum(axis=1) == len(ffn))).tolist()
+    n_vals = nr[:, ffn_idx].astype(np.int64) * ne0[:, ffn_idx]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        zr_all = (arr["act_zero"][:, ffn_idx] / n_vals).tolist()
+        br_all = (arr["act_below"][:, ffn_idx] / n_vals).tolist()
+    nv_all = n_vals.tolist()
+    att_n = np.minimum(arr["att_n"], ev.AGG_MAX_LAYERS).tolist()
+    width = max(att_n, default=0)
+    att_cols = [arr[f][:, :width].tolist() for f in ("att_mask", "att_layer", "att_count", "att_flags")]
+    none_moe = [None] * len(layers.moe)
+    out: list[AggRow] = []
+    for i, (full_m, full_f, n_att) in enumerate(zip(moe_full, ffn_full, att_n, strict=True)):
+        if full_m and moe_seen_all[i]:
+            ids_l, wts_l, moe_seen = ids_all[i], wts_all[i], moe
+        else:
+            sp, moe_seen, _ = StepSparse.from_agg_row({f: arr[f][i] for f in _AGG_ROW_FIELDS}, layers)
+            assert sp._agg_row is not None
+            ids_l, wts_l = sp._agg_row["expert_ids"], sp._agg_row["expert_weights"]
+        if full_f:
+            zr, br, nv, ffn_seen = zr_all[i], br_all[i], nv_all[i], ffn
+        else:
+            sp, _, ffn_seen = StepSparse.from_agg_row({f: arr[f][i] for f in _AGG_ROW_FIELDS}, layers)
+            assert sp._agg_row is not None
+            zr, br, nv = (sp._agg_row[c] for c in ("act_zero_ratio", "act_below_ratio", "act_values"))
+        values = {
+            "expert_ids": ids_l,
+            "expert_weights": wts_l,
+            "router_probs": none_moe,
+            "act_zero_ratio": zr,
+            "act_below_ratio": br,
+            "act_values": nv,
+        }
+        attn = tuple(col[i][:n_att] for col in att_cols)
+        out.append(AggRow(values, moe_seen, ffn_seen, attn))
+    return out
+
+
+_AGG_ROW_FIELDS = (
+    "k_ids",
+    "k_wts",
+    "ids",
+    "wts",
+    "act_nr",
+    "act_rows",
+    "act_slots",
+    "act_zero",
+    "act_below",
+    "act_ne0",
+)

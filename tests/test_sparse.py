@@ -7,7 +7,16 @@ import numpy as np
 from sparseety_prof import events as ev
 from sparseety_prof.bpf_loader import PROBES, _wanted
 from sparseety_prof.capture import Capture
-from sparseety_prof.sparse import LayerSet, MoePlan, Problems, StepSparse, layer_set, moe_plan, parse_name
+from sparseety_prof.sparse import (
+    LayerSet,
+    MoePlan,
+    Problems,
+    StepSparse,
+    agg_rows_batch,
+    layer_set,
+    moe_plan,
+    parse_name,
+)
 
 LAYERS = LayerSet(moe=(0, 1), ffn=(0, 1), attn=(0, 1))
 
@@ -204,6 +213,53 @@ def test_aggregate_fast_path_equals_the_per_layer_stores() -> None:
     assert v_fast["act_zero_ratio"] == [None, 0.3, None]
     assert v_fast["act_values"] == [0, 100, 0]
     assert v_fast["attn_attended"] == [17, 17, 9, 5]  # layer 1 shares layer 0's mask and count
+
+
+def _complete_agg_record(i: int) -> np.ndarray:
+    """A decode step's aggregate as the probes fill it: every layer of LAYERS_3 complete."""
+    rec = np.zeros(1, dtype=ev.STEP_AGG_DTYPE)[0]
+    rec["seq"] = 100 + i
+    for layer in (0, 1, 2):
+        rec["k_ids"][layer] = rec["k_wts"][layer] = 2
+        rec["ids"][layer, :2] = [(i + layer) % 8, (i + layer + 3) % 8]
+        rec["wts"][layer, :2] = np.array([0.7 - 0.01 * i, 0.3 + 0.01 * i], dtype=np.float32).view(np.uint32)
+        rec["act_nr"][layer] = rec["act_rows"][layer] = rec["act_slots"][layer] = 2
+        rec["act_ne0"][layer] = 64
+        rec["act_zero"][layer], rec["act_below"][layer] = i + layer, 3 * i + layer
+    rec["att_n"] = 2
+    rec["att_mask"][:2] = [0xAA, 0xAA]
+    rec["att_layer"][:2] = [0, 1]
+    rec["att_count"][:2] = [10 + i, 0]
+    rec["att_flags"][:2] = [0, ev.ATT_FLAG_CACHED | ev.ATT_FLAG_UNCOUNTED]
+    return rec
+
+
+LAYERS_3 = LayerSet(moe=(0, 1, 2), ffn=(0, 1, 2), attn=(0, 1, 2, 3))
+
+
+def test_aggregate_rows_of_a_drain_at_once_equal_the_per_record_path() -> None:
+    """agg_rows_batch gives what from_agg_row and add_agg_attn give record by record, for
+    complete rows (the batch path) and rows with missing layers, short k or half-counted
+    activations among them (the per-layer fallback); for a dense model too."""
+    recs = [_complete_agg_record(i) for i in range(5)]
+    partial = _agg_record()
+    partial["seq"] = 7
+    short_k = _complete_agg_record(9)
+    short_k["k_ids"][1] = short_k["k_wts"][1] = 1
+    arr = np.array([recs[0], partial, recs[1], short_k, *recs[2:]], dtype=ev.STEP_AGG_DTYPE)
+    for layers in (LAYERS_3, LayerSet(moe=(0, 2), ffn=(0, 1, 2), attn=(0, 1, 2, 3)), LayerSet(ffn=(0, 1))):
+        batch = agg_rows_batch(arr, layers)
+        assert batch is not None and len(batch) == len(arr)
+        for rec, pre in zip(arr, batch, strict=True):
+            r = {name: rec[name] for name in ev.STEP_AGG_DTYPE.names or ()}
+            one, moe_seen, ffn_seen = StepSparse.from_agg_row(r, layers)
+            assert pre.values == one._agg_row
+            assert (pre.moe_seen, pre.ffn_seen) == (moe_seen, ffn_seen)
+            a, b = StepSparse.from_pre(pre), StepSparse()
+            assert a.add_agg_attn_lists(pre.attn, (2, 3)) == b.add_agg_attn(r, (2, 3))
+            assert (a.attn_mask, a.attn_counts) == (b.attn_mask, b.attn_counts)
+    # a layer beyond what the record holds: no batch, every record takes from_agg_row
+    assert agg_rows_batch(arr, LayerSet(moe=(0, ev.AGG_MAX_LAYERS))) is None
 
 
 def test_aggregate_attention_merges_into_records_that_came_first() -> None:
