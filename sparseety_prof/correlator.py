@@ -16,7 +16,7 @@ have no request objects: a sequence starts a new (segmented) request when
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,6 +177,7 @@ class Correlator:
         self.with_masks = with_masks
         self.problems = Problems()
         self._agg_pre: dict[int, AggRow] = {}  # this drain's aggregate records, by sequence number
+        self._routes_identity: bool | None = None  # every routes layer is both MoE and FFN
         self.layers_seen: dict[str, set[int]] = {"moe": set(), "ffn": set(), "attn": set()}
         self._routes: dict[str, list[object]] = {}
         self._routes_layout: tuple[list[int], list[int | None], list[int | None]] | None = None
@@ -422,6 +423,9 @@ class Correlator:
         out_index = step.output_index()
         all_layers, km_of, kf_of = self._route_layout()
         n_layers = len(all_layers)
+        if self._routes_identity is None:
+            self._routes_identity = km_of == kf_of == list(range(n_layers))
+        identity = self._routes_identity
         cols = self._routes
         if not cols:
             for name in _ROUTE_COLUMNS:
@@ -431,6 +435,31 @@ class Correlator:
             v = sp.row_values(b, out_index, step.n_tokens, self.layers, self.problems)
             ids_v, w_v, p_v = v["expert_ids"], v["expert_weights"], v["router_probs"]
             zr_v, br_v, nv_v = v["act_zero_ratio"], v["act_below_ratio"], v["act_values"]
+            if identity and None not in ids_v and None not in zr_v:
+                # every layer is MoE and FFN, all computed for this row: the lists as they are
+                n = n_layers
+                same: dict[str, Sequence[object]] = {
+                    "layer": all_layers,
+                    "expert_ids": ids_v,
+                    "expert_weights": w_v,
+                    "router_probs": p_v,
+                    "act_zero_ratio": zr_v,
+                    "act_below_ratio": br_v,
+                    "act_values": nv_v,
+                }
+                for name, value in (
+                    ("step_id", step.step_id),
+                    ("ctx_id", step.ctx_id),
+                    ("seq_id", seq),
+                    ("pos", pos),
+                    ("row", b),
+                ):
+                    cols[name].extend([value] * n)
+                for name, vals in same.items():
+                    cols[name].extend(vals)
+                if self.with_masks:
+                    self._emit_masks(step, sp, seq, pos, b, range(n_layers), out_index)
+                continue
             ids = [ids_v[k] if k is not None else None for k in km_of]
             zr = [zr_v[k] if k is not None else None for k in kf_of]
             # a layer not computed for this row (or not captured) gets no row: none is invented
@@ -460,21 +489,35 @@ class Correlator:
             for name, vals in values.items():
                 cols[name].extend(vals)
             if self.with_masks:
-                for j in keep:
-                    layer = all_layers[j]
-                    bits = sp.act_mask_bits(layer, b, out_index, step.n_tokens)
-                    if bits is not None:
-                        self._append(
-                            self._masks,
-                            step_id=step.step_id,
-                            ctx_id=step.ctx_id,
-                            seq_id=seq,
-                            pos=pos,
-                            row=b,
-                            layer=layer,
-                            n_values=len(bits),
-                            nonzero_bits=np.packbits(bits).tobytes(),
-                        )
+                self._emit_masks(step, sp, seq, pos, b, keep, out_index)
+
+    def _emit_masks(
+        self,
+        step: Step,
+        sp: StepSparse,
+        seq: int,
+        pos: int,
+        b: int,
+        keep: Iterable[int],
+        out_index: dict[int, int],
+    ) -> None:
+        """Rows of the masks table for batch row b, for the routes layers at indices `keep`."""
+        all_layers = self._route_layout()[0]
+        for j in keep:
+            layer = all_layers[j]
+            bits = sp.act_mask_bits(layer, b, out_index, step.n_tokens)
+            if bits is not None:
+                self._append(
+                    self._masks,
+                    step_id=step.step_id,
+                    ctx_id=step.ctx_id,
+                    seq_id=seq,
+                    pos=pos,
+                    row=b,
+                    layer=layer,
+                    n_values=len(bits),
+                    nonzero_bits=np.packbits(bits).tobytes(),
+                )
 
     def _on_step_agg(self, r: dict[str, Any]) -> None:
         """The aggregate of a one-row micro-batch, sent by its own thread before its end record.
