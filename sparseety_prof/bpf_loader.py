@@ -348,13 +348,18 @@ class RingReader:
     #: bytes of the logits rows' arena made at attach time: one drain's worth at 250 tokens/s of
     #: a 32k vocabulary (0.5 s); bigger drains grow it
     PRESIZE_BYTES = 32 << 20
+    #: records every other arena holds from attach time: one drain's worth of per-token records
+    #: (a drain every ~0.5 s at up to ~500 tokens/s). Sized by record count alone, the 13-15 KiB
+    #: micro-batch and aggregate records grew their arenas twice in the first drains of every
+    #: generation (~0.1 s of page faults and copies on the engine's cores).
+    PRESIZE_RECORDS = 256
 
     def __init__(self, sess: Session) -> None:
         self._sess = sess
         # every layout's arena is made now, outside the drains (see _Arena)
         logits_size = logits_dtype(sess.logits_chunk).itemsize
         self._fill: dict[int, _Arena] = {
-            size: _Arena(size, self.PRESIZE_BYTES if size == logits_size else 0)
+            size: _Arena(size, self.PRESIZE_BYTES if size == logits_size else size * self.PRESIZE_RECORDS)
             for size in record_sizes(sess.logits_chunk)
         }
         page = mmap.PAGESIZE

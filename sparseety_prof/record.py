@@ -5,6 +5,7 @@ decoding, correlation, statistics and Parquet writing all happen here, in the co
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import resource
 import signal
@@ -215,6 +216,10 @@ class Recorder:
             ),
         )
         tracker = SeqTracker()
+        # Everything made so far (modules, the vocabulary's strings, the model's metadata) lives
+        # as long as the recording: out of the collector's sight, its full passes over the rows
+        # being gathered cost about half as much.
+        gc.freeze()
         reader = RingReader(a.session)
         model_hash: dict[str, Any] = {}
 
