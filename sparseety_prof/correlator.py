@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.ma
 
 from . import events as ev
 from .errors import UnsupportedEngineBuild
