@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sparseety_prof import events as ev
-from sparseety_prof.correlator import Correlator
+from sparseety_prof.correlator import _NO_SPARSE, _SPARSE_TOKEN_COLUMNS, Correlator, _RowBuffer
 from sparseety_prof.errors import UnsupportedEngineBuild
 from sparseety_prof.events import EventBatch, SeqTracker, decode_records
 from sparseety_prof.sparse import LayerSet
@@ -319,3 +319,18 @@ def test_routing_outside_the_models_experts_is_an_unsupported_build() -> None:
     _step_with_aggregate(s, [6, 4711], token=9)
     with pytest.raises(UnsupportedEngineBuild, match="routing tensors failed verification"):
         _sparse_correlator().feed(decode_records(s.recs, 1024))
+
+
+def test_row_buffer_keeps_rows_as_tuples_and_gives_columns() -> None:
+    buf = _RowBuffer()
+    assert buf.take() == {}
+    buf.add(a=1, b="x")
+    buf.add(a=2, b=None)
+    assert len(buf) == 2
+    assert buf.take() == {"a": [1, 2], "b": ["x", None]}
+    assert len(buf) == 0
+    buf.add(a=3, b="y")
+    with pytest.raises(ValueError, match="columns"):
+        buf.add(a=4)  # a row must have every column
+    # token rows with and without sparse values put their columns in the same order
+    assert tuple(_NO_SPARSE) == _SPARSE_TOKEN_COLUMNS
