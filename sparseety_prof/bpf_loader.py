@@ -233,7 +233,10 @@ def is_server(where: dict[str, Path]) -> bool:
 
 def task_storage_usable(release: str | None = None) -> bool:
     """Task-local storage from kprobe/uprobe programs (and bpf_get_current_task_btf): Linux 5.11
-    and later. Older kernels get a hash map keyed by thread id, which costs more per call."""
+    and later. Older kernels get a hash map keyed by thread id, which costs more per call;
+    SPARSEETY_PROF_TASK_STORAGE=0 forces that fallback (a kernel whose task storage misbehaves)."""
+    if os.environ.get("SPARSEETY_PROF_TASK_STORAGE") == "0":
+        return False
     m = re.match(r"(\d+)\.(\d+)", release or os.uname().release)
     return m is not None and (int(m.group(1)), int(m.group(2))) >= (5, 11)
 

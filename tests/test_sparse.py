@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from sparseety_prof import events as ev
-from sparseety_prof.bpf_loader import PROBES, _wanted
+from sparseety_prof.bpf_loader import PROBES, _wanted, task_storage_usable
 from sparseety_prof.capture import Capture
 from sparseety_prof.sparse import (
     LayerSet,
@@ -323,3 +324,10 @@ def test_probes_follow_the_moe_plan() -> None:
     acts_only = Capture(routes=False, attention=False)
     assert [_wanted(p, acts_only, both) for p in (get_rows, mul, glu)] == [False, True, False]
     assert [_wanted(p, acts_only, MoePlan()) for p in (get_rows, mul, glu)] == [False, False, True]
+
+
+def test_task_storage_by_kernel_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert task_storage_usable("6.18.44-fc") and task_storage_usable("5.11.0")
+    assert not task_storage_usable("5.10.200") and not task_storage_usable("4.19.0-x")
+    monkeypatch.setenv("SPARSEETY_PROF_TASK_STORAGE", "0")
+    assert not task_storage_usable("6.18.44-fc")

@@ -218,6 +218,18 @@ def test_sparse_decisions_match_the_engine(
         assert n_last < n_first
 
 
+def test_glu_thread_state_without_task_storage(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GLU probes' entry-to-return state in a hash map keyed by thread id (kernels before
+    5.11, or SPARSEETY_PROF_TASK_STORAGE=0) gives the same values as task-local storage."""
+    monkeypatch.setenv("SPARSEETY_PROF_TASK_STORAGE", "0")
+    run = Run(tmp_path, _model(model_dir, "qwen3moe", None), ["--threads", "2"], ["--moe-read", "ops"])
+    assert "ggml_compute_forward_glu" in {p["symbol"] for p in run.rec.meta["probes"]}
+    counts = check_run(run, expect_moe=True)
+    assert counts["act"] > 0
+
+
 def test_dense_model_has_empty_routing_and_real_sparsity(model_dir: Path, tmp_path: Path) -> None:
     run = Run(tmp_path, _model(model_dir, "dense", None), ["--threads", "2"], [])
     counts = check_run(run, expect_moe=False)
