@@ -6,13 +6,19 @@
  *   ACT_BELOW_BITS                         IEEE-754 bits of the activation threshold (> 0)
  *   CAPTURE_ROUTES CAPTURE_PROBS CAPTURE_ACT CAPTURE_MASKS CAPTURE_ATTN   features compiled in
  *
+ *   IDS_AT_MUL ACT_AT_MUL HAVE_TASK_STORAGE            read points (sparse.MoePlan), kernel feature
+ *
  * Where (cheapest places that see the engine's own values, read when they are fresh):
- *   ggml_compute_forward_get_rows entry, node "ffn_moe_weights-L": src[1] = the selected expert ids
- *     (the engine's top-k, in its order), src[0] = router probabilities of all experts;
  *   ggml_compute_forward_mul entry, node "ffn_moe_weighted-L": src[1] = the gate weights as applied
- *     (after normalisation and scaling, whatever the model does);
+ *     (after normalisation and scaling, whatever the model does); with IDS_AT_MUL the expert ids
+ *     from its src[0], the down projection (its ids source), and with ACT_AT_MUL the activation
+ *     rows the experts ran on (the down projection's input), counted by every thread;
+ *   ggml_compute_forward_get_rows entry, node "ffn_moe_weights-L": src[0] = router probabilities of
+ *     all experts, src[1] = the selected expert ids (the engine's top-k, in its order) when they
+ *     are not read at the multiply;
  *   ggml_compute_forward_glu return, nodes "ffn_*": the FFN activation, counted by each thread over
- *     the rows it computed (integer-only: zero and below-threshold tests on the float bits);
+ *     the rows it computed (integer-only: zero and below-threshold tests on the float bits), when
+ *     not read at the multiply;
  *   ggml_compute_forward_soft_max / flash_attn_ext entry, nodes "kq_soft_max-L" / "__fattn__-L":
  *     the KQ mask the layer applies, counted for the micro-batch's output rows.
  * Entry probes read inputs of the node (complete: every thread passed the previous barrier) on
