@@ -435,10 +435,11 @@ class Correlator:
             v = sp.row_values(b, out_index, step.n_tokens, self.layers, self.problems)
             ids_v, w_v, p_v = v["expert_ids"], v["expert_weights"], v["router_probs"]
             zr_v, br_v, nv_v = v["act_zero_ratio"], v["act_below_ratio"], v["act_values"]
+            values: dict[str, Sequence[object]]
             if identity and None not in ids_v and None not in zr_v:
                 # every layer is MoE and FFN, all computed for this row: the lists as they are
-                n = n_layers
-                same: dict[str, Sequence[object]] = {
+                keep: Sequence[int] = range(n_layers)
+                values = {
                     "layer": all_layers,
                     "expert_ids": ids_v,
                     "expert_weights": w_v,
@@ -447,36 +448,24 @@ class Correlator:
                     "act_below_ratio": br_v,
                     "act_values": nv_v,
                 }
-                for name, value in (
-                    ("step_id", step.step_id),
-                    ("ctx_id", step.ctx_id),
-                    ("seq_id", seq),
-                    ("pos", pos),
-                    ("row", b),
-                ):
-                    cols[name].extend([value] * n)
-                for name, vals in same.items():
-                    cols[name].extend(vals)
-                if self.with_masks:
-                    self._emit_masks(step, sp, seq, pos, b, range(n_layers), out_index)
-                continue
-            ids = [ids_v[k] if k is not None else None for k in km_of]
-            zr = [zr_v[k] if k is not None else None for k in kf_of]
-            # a layer not computed for this row (or not captured) gets no row: none is invented
-            keep = [j for j in range(n_layers) if ids[j] is not None or zr[j] is not None]
-            if not keep:
-                continue
-            values: dict[str, list[object]] = {
-                "layer": list(all_layers),
-                "expert_ids": ids,
-                "expert_weights": [w_v[k] if k is not None else None for k in km_of],
-                "router_probs": [p_v[k] if k is not None else None for k in km_of],
-                "act_zero_ratio": zr,
-                "act_below_ratio": [br_v[k] if k is not None else None for k in kf_of],
-                "act_values": [nv_v[k] if zr[j] is not None else None for j, k in enumerate(kf_of)],
-            }
-            if len(keep) < n_layers:
-                values = {k: [vals[j] for j in keep] for k, vals in values.items()}
+            else:
+                ids = [ids_v[k] if k is not None else None for k in km_of]
+                zr = [zr_v[k] if k is not None else None for k in kf_of]
+                # a layer not computed for this row (or not captured) gets no row: none is invented
+                keep = [j for j in range(n_layers) if ids[j] is not None or zr[j] is not None]
+                if not keep:
+                    continue
+                values = {
+                    "layer": list(all_layers),
+                    "expert_ids": ids,
+                    "expert_weights": [w_v[k] if k is not None else None for k in km_of],
+                    "router_probs": [p_v[k] if k is not None else None for k in km_of],
+                    "act_zero_ratio": zr,
+                    "act_below_ratio": [br_v[k] if k is not None else None for k in kf_of],
+                    "act_values": [nv_v[k] if zr[j] is not None else None for j, k in enumerate(kf_of)],
+                }
+                if len(keep) < n_layers:
+                    values = {k: [vals[j] for j in keep] for k, vals in values.items()}
             n = len(keep)
             for name, value in (
                 ("step_id", step.step_id),
