@@ -135,7 +135,14 @@ def bootstrap_median_ci(x: np.ndarray, n: int = 4000, seed: int = 0) -> tuple[fl
     return float(lo), float(hi)
 
 
-SPARSE_LOSSES = ("sparse_rows_not_captured", "attention_rows_not_counted", "sparse_unattributed")
+# probe-side losses besides the ring's: rows not counted, records not attributable, and probe hits
+# whose program the kernel skipped (program_misses)
+SPARSE_LOSSES = (
+    "sparse_rows_not_captured",
+    "attention_rows_not_counted",
+    "sparse_unattributed",
+    "program_misses",
+)
 
 
 def bench(

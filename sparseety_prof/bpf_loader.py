@@ -134,6 +134,17 @@ class Session:
             "attention_rows_not_counted": vals[4],
         }
 
+    def program_misses(self) -> int:
+        """Probe hits whose program the kernel did not run: another BPF program was running on
+        that CPU (a preempted one, or one in interrupt context), which the kernel's recursion
+        guard counts per program (`recursion_misses` in the program's fdinfo). The probes keep
+        per-CPU scratch state; this is the count of hits that could have met it in use."""
+        total = 0
+        for fn in list(getattr(self.bpf, "funcs", {}).values()):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                total += fdinfo_recursion_misses(Path(f"/proc/self/fdinfo/{fn.fd}").read_text())
+        return total
+
     def close(self) -> None:
         if self._closed:
             return
@@ -229,6 +240,12 @@ def is_server(where: dict[str, Path]) -> bool:
     return (tg.SYM_SLOT_LAUNCH in where or tg.SYM_SLOT_LAUNCH_OLD in where) and (
         tg.SYM_TASK_POST_ONE in where or tg.SYM_TASK_POST_VEC in where
     )
+
+
+def fdinfo_recursion_misses(fdinfo: str) -> int:
+    """The `recursion_misses` of a BPF program's fdinfo (0 where the kernel does not report it)."""
+    m = re.search(r"^recursion_misses:\s*(\d+)", fdinfo, flags=re.MULTILINE)
+    return int(m.group(1)) if m else 0
 
 
 def task_storage_usable(release: str | None = None) -> bool:

@@ -260,6 +260,7 @@ class Recorder:
         finally:
             rest = reader.stop()
             counters = a.session.counters()
+            counters["program_misses"] = a.session.program_misses()  # before close: read off the fds
             a.session.close()
             if error is None:
                 try:
@@ -288,6 +289,7 @@ class Recorder:
                     "sparse_unattributed": corr.counters.sparse_unattributed,
                     "sparse_unmapped_rows": corr.problems.unmapped_rows,
                     "slot_tokens_unresolved": corr.counters.slot_tokens_unresolved,
+                    "program_misses": counters["program_misses"],
                 },
                 "serving": _serving_meta(corr, a, opts),
                 "verification": {

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sparseety_prof import events as ev
-from sparseety_prof.bpf_loader import PROBES, _wanted, task_storage_usable
+from sparseety_prof.bpf_loader import PROBES, _wanted, fdinfo_recursion_misses, task_storage_usable
 from sparseety_prof.capture import Capture
 from sparseety_prof.sparse import (
     LayerSet,
@@ -331,3 +331,9 @@ def test_task_storage_by_kernel_release(monkeypatch: pytest.MonkeyPatch) -> None
     assert not task_storage_usable("5.10.200") and not task_storage_usable("4.19.0-x")
     monkeypatch.setenv("SPARSEETY_PROF_TASK_STORAGE", "0")
     assert not task_storage_usable("6.18.44-fc")
+
+
+def test_program_misses_from_fdinfo() -> None:
+    info = "prog_type:\t2\nrun_time_ns:\t0\nrun_cnt:\t5\nrecursion_misses:\t3\nverified_insns:\t2\n"
+    assert fdinfo_recursion_misses(info) == 3
+    assert fdinfo_recursion_misses("prog_type:\t2\n") == 0  # a kernel that does not report it

@@ -99,6 +99,7 @@ def check_run(run: Run, *, expect_moe: bool) -> dict[str, int]:
         "sparse_unattributed",
         "sparse_unmapped_rows",
         "sparse_rows_not_captured",
+        "program_misses",
     ):
         assert losses[k] == 0, (k, losses)
     e2s = run.eval_to_step()
