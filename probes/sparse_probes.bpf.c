@@ -532,8 +532,7 @@ static __always_inline void act_rows(struct act_state *st, u64 node, u64 data, u
     st->ith = (u32)ith;
 }
 
-/* At the return of the GLU op each thread counts the rows it computed: rows [ir0, ir1) with
- * dr = ceil(nr / nth), ir0 = dr * ith (ggml-cpu's row split for unary/GLU ops). Blocks of
+/* At the return of the GLU op each thread counts the rows it computed (act_rows). Blocks of
  * BLOCK_WORDS float pairs are read into a per-CPU scratch buffer and tested on their bits:
  * zero  <=> (bits & 0x7fffffff) == 0;  below <=> (bits & 0x7fffffff) < ACT_BELOW_BITS. */
 int glu_return(struct pt_regs *ctx) {
@@ -723,20 +722,30 @@ BPF_HASH(att_seen, u32, struct att_seen, 4096);
 /* Send the counts of one attention node: into the aggregate of the one-row micro-batch this
  * thread is running (the record was scratch), else as its own record. The sequence number is
  * taken here: a discarded scratch record must not leave a gap the consumer counts as a loss. */
+#ifdef AGG_STEPS
+/* One attention node into the aggregate, in the order the nodes ran: its mask, its layer from its
+ * name (-1 when unnamed), its count and flags. Returns 1 when stored. */
+static __always_inline int agg_add_attn(struct ev_step_agg *ag, u64 mask, const char *name, u32 count, u32 flags) {
+    u32 n = ag->att_n;
+    if (n >= AGG_MAX_LAYERS)
+        return 0;
+    u64 i = idx_agg_layer((u64)n);
+    ag->att_mask[i] = mask;
+    ag->att_layer[i] = name[0] ? name_layer(name) : -1;
+    ag->att_count[i] = count;
+    ag->att_flags[i] = flags;
+    ag->att_n = n + 1;
+    return 1;
+}
+#endif
+
 static __always_inline int attn_finish(struct ev_attn *e, u64 serial) {
 #ifdef AGG_STEPS
     struct ev_step_agg *ag = agg_active();
     if (ag && ag->serial == serial && !(e->flags & ATT_FLAG_NO_UBATCH)) {
-        u32 n = ag->att_n;
-        if (n < AGG_MAX_LAYERS) {
-            u64 i = idx_agg_layer((u64)n);
-            char nm[NAME_LEN];
-            __builtin_memcpy(nm, e->name, NAME_LEN);
-            ag->att_mask[i] = e->mask;
-            ag->att_layer[i] = nm[0] ? name_layer(nm) : -1;
-            ag->att_count[i] = e->attended[0];
-            ag->att_flags[i] = e->flags | (e->n_counted ? 0 : ATT_FLAG_UNCOUNTED);
-            ag->att_n = n + 1;
+        char nm[NAME_LEN];
+        __builtin_memcpy(nm, e->name, NAME_LEN);
+        if (agg_add_attn(ag, e->mask, nm, e->attended[0], e->flags | (e->n_counted ? 0 : ATT_FLAG_UNCOUNTED))) {
             events.ringbuf_discard(e, BPF_RB_NO_WAKEUP);
             return 0;
         }
@@ -759,19 +768,11 @@ static __always_inline int attn_common(struct pt_regs *ctx, u64 node, u64 mask_t
         struct ev_step_agg *ag = agg_active();
         if (u && seen && ag && md && seen->serial == u->serial && ag->serial == u->serial &&
             (seen->mask[0] == md || seen->mask[1] == md)) {
-            u32 n = ag->att_n;
-            if (n < AGG_MAX_LAYERS) {
-                char nm[NAME_LEN] = {};
-                bpf_probe_read_user(nm, NAME_LEN, (void *)(node + T_NAME));
-                u64 i = idx_agg_layer((u64)n);
-                ag->att_mask[i] = md;
-                ag->att_layer[i] = nm[0] ? name_layer(nm) : -1;
-                ag->att_count[i] = 0;
-                ag->att_flags[i] =
-                    ATT_FLAG_CACHED | ATT_FLAG_UNCOUNTED | (rd32(mask_t + T_TYPE) == 1 ? ATT_FLAG_F16 : 0);
-                ag->att_n = n + 1;
+            char nm[NAME_LEN] = {};
+            bpf_probe_read_user(nm, NAME_LEN, (void *)(node + T_NAME));
+            u32 f16 = rd32(mask_t + T_TYPE) == 1 ? ATT_FLAG_F16 : 0;
+            if (agg_add_attn(ag, md, nm, 0, ATT_FLAG_CACHED | ATT_FLAG_UNCOUNTED | f16))
                 return 0;
-            }
         }
     }
 #endif

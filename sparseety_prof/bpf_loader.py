@@ -166,10 +166,12 @@ def compile_and_attach(
 ) -> Session:
     bcc = import_bcc()
     capture = capture or Capture()
-    moe = moe or MoePlan()
+    # what the capture needs of the model's plan: router probabilities come with the ids from
+    # get_rows; activations are read at the multiply only when they are captured at all
+    plan = moe or MoePlan()
     moe = MoePlan(
-        ids_at_mul=moe.ids_at_mul and capture.routes and not capture.router_probs,
-        act_at_mul=moe.act_at_mul and capture.activations,
+        ids_at_mul=plan.ids_at_mul and capture.routes and not capture.router_probs,
+        act_at_mul=plan.act_at_mul and capture.activations,
     )
     http_reads = is_server(where) and HTTP_READS not in skip
     cflags = [

@@ -179,10 +179,9 @@ class Correlator:
         self.with_masks = with_masks
         self.problems = Problems()
         self._agg_pre: dict[int, AggRow] = {}  # this drain's aggregate records, by sequence number
-        self._routes_identity: bool | None = None  # every routes layer is both MoE and FFN
         self.layers_seen: dict[str, set[int]] = {"moe": set(), "ffn": set(), "attn": set()}
         self._routes: dict[str, list[object]] = {}
-        self._routes_layout: tuple[list[int], list[int | None], list[int | None]] | None = None
+        self._routes_layout: tuple[list[int], list[int | None], list[int | None], bool] | None = None
         self._masks: dict[str, list[object]] = {}
         self.serving = serving
         # server: a sample waits for the process_token call that names its slot (by thread)
@@ -399,19 +398,19 @@ class Correlator:
         if step.sparse is not None:
             self._emit_routes(step)
 
-    def _route_layout(self) -> tuple[list[int], list[int | None], list[int | None]]:
-        """The routes table's layers (MoE or FFN, in model order) and, per layer, its index in the
-        per-row MoE and FFN value lists: fixed for a recording, computed once."""
+    def _route_layout(self) -> tuple[list[int], list[int | None], list[int | None], bool]:
+        """The routes table's layers (MoE or FFN, in model order), per layer its index in the
+        per-row MoE and FFN value lists, and whether every layer is both (the lists then line
+        up with the table's layers): fixed for a recording, computed once."""
         if self._routes_layout is None:
             layers = self.layers
             moe_pos = {layer: k for k, layer in enumerate(layers.moe)}
             ffn_pos = {layer: k for k, layer in enumerate(layers.ffn)}
             all_layers = sorted(set(layers.moe) | set(layers.ffn))
-            self._routes_layout = (
-                all_layers,
-                [moe_pos.get(layer) for layer in all_layers],
-                [ffn_pos.get(layer) for layer in all_layers],
-            )
+            km_of = [moe_pos.get(layer) for layer in all_layers]
+            kf_of = [ffn_pos.get(layer) for layer in all_layers]
+            identity = km_of == kf_of == list(range(len(all_layers)))
+            self._routes_layout = (all_layers, km_of, kf_of, identity)
         return self._routes_layout
 
     def _emit_routes(self, step: Step) -> None:
@@ -421,11 +420,8 @@ class Correlator:
         sp = step.sparse
         assert sp is not None
         out_index = step.output_index()
-        all_layers, km_of, kf_of = self._route_layout()
+        all_layers, km_of, kf_of, identity = self._route_layout()
         n_layers = len(all_layers)
-        if self._routes_identity is None:
-            self._routes_identity = km_of == kf_of == list(range(n_layers))
-        identity = self._routes_identity
         cols = self._routes
         if not cols:
             for name in _ROUTE_COLUMNS:

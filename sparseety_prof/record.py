@@ -52,9 +52,9 @@ class Options:
     sched: str = "nice"  # "nice": compete at `nice`; "idle": SCHED_IDLE, escalating when the ring fills
     request_header: str = DEFAULT_HEADER  # HTTP header carrying the client's request id
     capture: Capture = field(default_factory=Capture)  # sparse decisions to capture
-    moe_read: str = (
-        "auto"  # "auto": MoE values at the weighted multiply where possible; "ops": get_rows + GLU
-    )
+    # where MoE values are read: "auto" = at the weighted multiply where the graph allows; "ops" =
+    # at get_rows and the GLU op (sparse.MoePlan)
+    moe_read: str = "auto"
 
 
 @dataclass

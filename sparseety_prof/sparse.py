@@ -568,7 +568,7 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
     """from_agg_row and the attention columns for every aggregate record of a drain at once:
     numpy over the [records, layers] arrays and one tolist per column, instead of ~15 numpy
     calls per record (the largest per-token cost of full mode's consumer). Rows whose layers are
-    not all complete take the per-layer path below; None when the model has layers beyond what
+    not all complete take from_agg_row; None when the model has layers beyond what
     the record holds (then from_agg_row does it all)."""
     moe, moe_idx, ffn, ffn_idx = _agg_layout(layers)
     if len(moe) != len(layers.moe) or len(ffn) != len(layers.ffn) or not len(arr):
@@ -579,15 +579,16 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
     k = int(kid.max(initial=0))
     ids_all = arr["ids"][:, moe_idx, :k].tolist()
     wts_all = arr["wts"][:, moe_idx, :k].view(np.float32).tolist()
-    # the common row: every MoE layer with k ids and k weights
-    moe_full = (((kid == k) & (kwt == k)).all(axis=1) & (k > 0 or not moe)).tolist()
-    moe_seen_all = (k_ids != 0).sum(axis=1) == len(moe)
-    moe_seen_all &= (kid != 0).all(axis=1)
+    # the common row: every MoE layer (and no other) with k ids and k weights, every FFN layer
+    # (and no other) with all its rows counted; any other row takes from_agg_row
+    moe_full = ((kid == k) & (kwt == k)).all(axis=1) & (k > 0 or not moe)
+    moe_full &= (k_ids != 0).sum(axis=1) == len(moe)
     nr, rows, slots = arr["act_nr"], arr["act_rows"], arr["act_slots"]
     complete = (nr != 0) & (rows == nr) & (nr == np.maximum(slots, 1))
     ne0 = arr["act_ne0"]
-    cf = complete[:, ffn_idx] & (ne0[:, ffn_idx] != 0)
-    ffn_full = (cf.all(axis=1) & (complete.sum(axis=1) == len(ffn))).tolist()
+    ffn_full = (complete[:, ffn_idx] & (ne0[:, ffn_idx] != 0)).all(axis=1) & (
+        complete.sum(axis=1) == len(ffn)
+    )
     n_vals = nr[:, ffn_idx].astype(np.int64) * ne0[:, ffn_idx]
     with np.errstate(divide="ignore", invalid="ignore"):
         zr_all = (arr["act_zero"][:, ffn_idx] / n_vals).tolist()
@@ -598,27 +599,21 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
     att_cols = [arr[f][:, :width].tolist() for f in ("att_mask", "att_layer", "att_count", "att_flags")]
     none_moe = [None] * len(layers.moe)
     out: list[AggRow] = []
-    for i, (full_m, full_f, n_att) in enumerate(zip(moe_full, ffn_full, att_n, strict=True)):
-        if full_m and moe_seen_all[i]:
-            ids_l, wts_l, moe_seen = ids_all[i], wts_all[i], moe
+    for i, (full, n_att) in enumerate(zip((moe_full & ffn_full).tolist(), att_n, strict=True)):
+        if full:
+            moe_seen, ffn_seen = moe, ffn
+            values = {
+                "expert_ids": ids_all[i],
+                "expert_weights": wts_all[i],
+                "router_probs": none_moe,
+                "act_zero_ratio": zr_all[i],
+                "act_below_ratio": br_all[i],
+                "act_values": nv_all[i],
+            }
         else:
-            sp, moe_seen, _ = StepSparse.from_agg_row({f: arr[f][i] for f in _AGG_ROW_FIELDS}, layers)
+            sp, moe_seen, ffn_seen = StepSparse.from_agg_row({f: arr[f][i] for f in _AGG_ROW_FIELDS}, layers)
             assert sp._agg_row is not None
-            ids_l, wts_l = sp._agg_row["expert_ids"], sp._agg_row["expert_weights"]
-        if full_f:
-            zr, br, nv, ffn_seen = zr_all[i], br_all[i], nv_all[i], ffn
-        else:
-            sp, _, ffn_seen = StepSparse.from_agg_row({f: arr[f][i] for f in _AGG_ROW_FIELDS}, layers)
-            assert sp._agg_row is not None
-            zr, br, nv = (sp._agg_row[c] for c in ("act_zero_ratio", "act_below_ratio", "act_values"))
-        values = {
-            "expert_ids": ids_l,
-            "expert_weights": wts_l,
-            "router_probs": none_moe,
-            "act_zero_ratio": zr,
-            "act_below_ratio": br,
-            "act_values": nv,
-        }
+            values = sp._agg_row
         attn = tuple(col[i][:n_att] for col in att_cols)
         out.append(AggRow(values, moe_seen, ffn_seen, attn))
     return out
