@@ -108,6 +108,7 @@ enum tensor_tag { TAG_EXPERT_IDS = 1, TAG_EXPERT_WEIGHTS = 2, TAG_ROUTER_PROBS =
 #define ATT_FLAG_NO_UBATCH 4     /* not on a thread inside process_ubatch: rows unknown */
 #define ATT_FLAG_F16 8           /* mask is F16 (flash attention); else F32 */
 #define ATT_FLAG_UNCOUNTED 16    /* (aggregate only) no count for the row: n_counted was 0 */
+#define ATT_FLAG_KV_MASK 32      /* counted where the engine writes the mask (kvmask_return), not at a layer */
 
 struct ev_tensor_hdr {
     struct ev_hdr h;

@@ -56,6 +56,7 @@ PROBES = [
     ProbeSpec(tg.SYM_GLU, "glu_enter", "glu_return", False, "activations"),
     ProbeSpec(tg.SYM_SOFT_MAX, "softmax_enter", None, False, "attention"),
     ProbeSpec(tg.SYM_FLASH_ATTN, "fattn_enter", None, False, "attention"),
+    ProbeSpec(tg.SYM_KQ_MASK, "kvmask_enter", "kvmask_return", False, "attention"),
     # serving context (llama-server): which request each sequence serves
     ProbeSpec(tg.SYM_TASK_POST_ONE, "task_post_one", None, False),
     ProbeSpec(tg.SYM_TASK_POST_VEC, "task_post_vec", None, False),
@@ -66,6 +67,9 @@ PROBES = [
     ProbeSpec(tg.SYM_PROCESS_TOKEN, "slot_token", None, False),
     ProbeSpec(tg.SYM_PROCESS_TOKEN_OLD, "slot_token", None, False),
 ]
+#: the graph-op probes that map attention layers to masks: detached once the consumer has
+#: learned which mask each layer applies (Session.detach_attention_ops)
+ATTENTION_OPS = (tg.SYM_SOFT_MAX, tg.SYM_FLASH_ATTN)
 #: the socket-read tracepoints (not a uprobe): on when the process is a server, name for `skip`
 HTTP_READS = "http_reads"
 
@@ -109,6 +113,7 @@ class AttachedProbe:
     library: str
     offset: int
     kind: str  # "entry" | "return"
+    address: int = 0  # where the probe sits in the file (symbol + offset)
 
 
 @dataclass
@@ -145,6 +150,22 @@ class Session:
                 total += fdinfo_recursion_misses(Path(f"/proc/self/fdinfo/{fn.fd}").read_text())
         return total
 
+    @property
+    def kv_mask_probe(self) -> bool:
+        """Attention masks are counted where the engine writes them (set_input_kq_mask)."""
+        return any(p.symbol == tg.SYM_KQ_MASK for p in self.attached)
+
+    def detach_attention_ops(self) -> int:
+        """Detach the soft_max / flash-attention probes (their layer-to-mask map is known and the
+        masks are counted at set_input_kq_mask). Returns how many probes were detached."""
+        n = 0
+        for p in [p for p in self.attached if p.symbol in ATTENTION_OPS]:
+            fn = self.bpf.detach_uretprobe if p.kind == "return" else self.bpf.detach_uprobe
+            fn(name=p.library, addr=p.address, pid=self.pid)
+            self.attached.remove(p)
+            n += 1
+        return n
+
     def close(self) -> None:
         if self._closed:
             return
@@ -174,6 +195,7 @@ def compile_and_attach(
         act_at_mul=plan.act_at_mul and capture.activations,
     )
     http_reads = is_server(where) and HTTP_READS not in skip
+    kv_mask = capture.attention and tg.SYM_KQ_MASK in where and tg.SYM_KQ_MASK not in skip
     cflags = [
         f"-I{PROBES_DIR}",
         *build.ubatch.cflags(),
@@ -181,6 +203,7 @@ def compile_and_attach(
         *build.server.cflags(),
         *(["-DHTTP_READS", f"-DTARGET_TGID={pid}"] if http_reads else []),
         *capture.cflags(),
+        *(["-DCAPTURE_KVMASK"] if kv_mask else []),
         *moe.cflags(),
         f"-DN_VOCAB={n_vocab}",
         f"-DLOGITS_CHUNK={logits_chunk_for(n_vocab)}",
@@ -215,9 +238,17 @@ def compile_and_attach(
                 b["act_tail"][ctypes.c_int(0)] = ctypes.c_int(cont.fd)
             except Exception as e:
                 raise BpfUnavailable(f"could not load the activation counter's continuation: {e}") from None
+        if kv_mask:  # an F16 mask is counted by a program of its own (one counting loop each)
+            try:
+                f16 = b.load_func("kvmask_f16", bcc.BPF.KPROBE)
+                b["kvm_tail"][ctypes.c_int(0)] = ctypes.c_int(f16.fd)
+            except Exception as e:
+                raise BpfUnavailable(f"could not load the F16 mask counter: {e}") from None
         for spec in PROBES:
             lib = where.get(spec.symbol)
             if lib is None or spec.symbol in skip or not _wanted(spec, capture, moe):
+                continue
+            if spec.symbol == tg.SYM_KQ_MASK and not kv_mask:
                 continue
             syms = tg.elf_symbols(lib)
             vaddr = syms[spec.symbol][0]
@@ -227,10 +258,10 @@ def compile_and_attach(
             off = cheap_probe_offset(code) if spec.fn_return else cheap_entry_probe_offset(code)
             if spec.fn_entry:
                 _attach(b.attach_uprobe, lib, vaddr + off, spec.fn_entry, pid)
-                sess.attached.append(AttachedProbe(spec.symbol, str(lib), off, "entry"))
+                sess.attached.append(AttachedProbe(spec.symbol, str(lib), off, "entry", vaddr + off))
             if spec.fn_return:
                 _attach(b.attach_uretprobe, lib, vaddr + off, spec.fn_return, pid)
-                sess.attached.append(AttachedProbe(spec.symbol, str(lib), off, "return"))
+                sess.attached.append(AttachedProbe(spec.symbol, str(lib), off, "return", vaddr + off))
     except BaseException:
         sess.close()
         raise

@@ -24,6 +24,7 @@ import numpy as np
 import numpy.ma
 
 from . import events as ev
+from .attention_map import AttentionMap
 from .errors import UnsupportedEngineBuild
 from .logits import BACKEND, RowStats, row_stats, row_stats_at
 from .schema import PHASE_DECODE, PHASE_PREFILL, SOURCE_NEXT_INPUT, SOURCE_SAMPLER
@@ -180,6 +181,7 @@ class Correlator:
         self.problems = Problems()
         self._agg_pre: dict[int, AggRow] = {}  # this drain's aggregate records, by sequence number
         self.layers_seen: dict[str, set[int]] = {"moe": set(), "ffn": set(), "attn": set()}
+        self.attn_map = AttentionMap(self.layers.attn)
         self._routes: dict[str, list[object]] = {}
         self._routes_layout: tuple[list[int], list[int | None], list[int | None], bool] | None = None
         self._masks: dict[str, list[object]] = {}
@@ -396,6 +398,8 @@ class Correlator:
             tid=step.tid,
         )
         if step.sparse is not None:
+            # layers whose masks were counted where the engine wrote them (graph-op probes gone)
+            self.layers_seen["attn"].update(self.attn_map.observe(step.sparse))
             self._emit_routes(step)
 
     def _route_layout(self) -> tuple[list[int], list[int | None], list[int | None], bool]:

@@ -44,6 +44,7 @@ ATT_FLAG_BUDGET = 2
 ATT_FLAG_NO_UBATCH = 4
 ATT_FLAG_F16 = 8
 ATT_FLAG_UNCOUNTED = 16  # aggregate records: no count for the row (the node's mask was counted earlier)
+ATT_FLAG_KV_MASK = 32  # counted where the engine writes the mask ("kq_mask-<n>", n-th call of a micro-batch)
 
 SAMPLER_LLAMA = 1
 SAMPLER_COMMON = 2

@@ -251,6 +251,7 @@ class Recorder:
                 sched.after_drain(sum(len(b) for b in records.values()) / RING_BYTES, (now - t_prev) * 1e3)
                 t_prev = now
                 self._consume(records, corr, tracker, writer, a.session, gpu=gpu)
+                self._maybe_detach_attention_ops(corr, a.session)
                 if deadline is not None and time.monotonic() >= deadline:
                     self.stop("duration reached")
                 if not _alive(opts.pid):
@@ -298,6 +299,7 @@ class Recorder:
                     "verified_routing": corr.counters.verified_sparse,
                 },
                 "layer_coverage": _coverage(a.layers, corr.layers_seen, opts.capture),
+                "attention_masks": corr.attn_map.meta(),
                 "counts": {"tokens": self.progress.tokens, "steps": self.progress.steps},
                 "profiler_cpu_s": round(self.progress.cpu_s, 3),
                 "consumer": sched.meta(),
@@ -319,6 +321,18 @@ class Recorder:
         if error is not None:
             raise error
         return self.meta
+
+    def _maybe_detach_attention_ops(self, corr: Correlator, sess: Session) -> None:
+        """Once the layer -> mask map is learned (attention_map), the soft_max / flash-attention
+        probes only cost: two uprobe hits per layer and engine thread per token."""
+        amap = corr.attn_map
+        if amap.ready and not amap.ops_detached and sess.kv_mask_probe:
+            n = sess.detach_attention_ops()
+            amap.ops_detached = True
+            self.log(
+                f"sparseety-prof: attention masks now counted where the engine writes them "
+                f"(layer map learned after {amap.learned_after} passes); {n} graph-op probes detached"
+            )
 
     def _poll_gpu(
         self, gpu: GpuCapture | None, steps: dict[str, list[Any]], *, final: bool

@@ -98,6 +98,10 @@ def moe_plan(tensor_names: list[str], layers: LayerSet, arch: str) -> MoePlan:
 _PARSED: dict[bytes, tuple[str, int] | None] = {}
 
 
+#: name of a set_input_kq_mask record: "kq_mask-<n>", the n-th call of the micro-batch
+KV_MASK_PREFIX = b"kq_mask-"
+
+
 def parse_name(raw: bytes) -> tuple[str, int] | None:
     """(node kind, layer) of a probed tensor name, e.g. b"ffn_moe_weights-3" -> ("ffn_moe_weights", 3).
     Cached: a model has a few names per layer, seen on every forward pass."""
@@ -165,6 +169,11 @@ class StepSparse:
     attn_mask: dict[int, int] = field(default_factory=dict)
     attn_counts: dict[int, dict[int, int]] = field(default_factory=dict)
     _attn_unnamed: int = 0  # unnamed attention nodes seen so far in this pass
+    # masks counted where the engine wrote them (set_input_kq_mask), by call order in the
+    # micro-batch: call -> mask pointer; call -> {batch row: attended}. Which layers apply which
+    # call's mask is not in these records: see AttentionMap.
+    kv_masks: dict[int, int] = field(default_factory=dict)
+    kv_counts: dict[int, dict[int, int]] = field(default_factory=dict)
     # row 0's routing and activation values read straight off an aggregate record (one-row
     # micro-batches: see from_agg_row); None when the per-layer stores above hold them
     _agg_row: dict[str, list[Any]] | None = None
@@ -273,6 +282,11 @@ class StepSparse:
         """add_agg_attn on the record's attention columns as lists (mask, layer, count, flags)."""
         seen: list[int] = []
         for mask, layer, count, flag in zip(*attn, strict=True):
+            if flag & ev.ATT_FLAG_KV_MASK:  # a set_input_kq_mask call (layer = its order)
+                self.kv_masks[layer] = mask
+                if not flag & ev.ATT_FLAG_UNCOUNTED:
+                    self.kv_counts.setdefault(layer, {})[0] = count
+                continue
             if layer < 0:  # unnamed: the k-th such node is the k-th attention layer (add_attn)
                 if self._attn_unnamed >= len(attn_layers):
                     continue
@@ -290,6 +304,9 @@ class StepSparse:
         self.attn_mask.update(other.attn_mask)
         for mask, counts in other.attn_counts.items():
             self.attn_counts.setdefault(mask, {}).update(counts)
+        self.kv_masks.update(other.kv_masks)
+        for call, counts in other.kv_counts.items():
+            self.kv_counts.setdefault(call, {}).update(counts)
         self.ids.update(other.ids)
         self.weights.update(other.weights)
         self.act_zeros.update(other.act_zeros)
@@ -383,7 +400,16 @@ class StepSparse:
             out[ir0 + rr] = row
 
     def add_attn(self, r: dict[str, Any], attn_layers: tuple[int, ...] = ()) -> tuple[str, int] | None:
-        parsed = parse_name(bytes(r["name"]))
+        raw = bytes(r["name"])
+        if int(r["aflags"]) & ev.ATT_FLAG_KV_MASK:  # "kq_mask-<n>": the n-th set_input_kq_mask call
+            call = int(raw[len(KV_MASK_PREFIX) : len(KV_MASK_PREFIX) + 1])
+            self.kv_masks[call] = int(r["mask"])
+            n = int(r["n_counted"])
+            counts = self.kv_counts.setdefault(call, {})
+            for row, att in zip(list(r["row"])[:n], list(r["attended"])[:n], strict=True):
+                counts[int(row)] = int(att)
+            return None
+        parsed = parse_name(raw)
         if parsed is None:
             # An unnamed flash-attention node (some builds name none): attention layers run in
             # order within a forward pass, so the k-th one is the model's k-th attention layer.
@@ -474,6 +500,48 @@ class StepSparse:
             "act_values": n_values,
             "attn_attended": self._attended(batch_row, layers),
         }
+
+    def kv_layer_calls(self, attn_layers: tuple[int, ...]) -> dict[int, int] | None:
+        """Which set_input_kq_mask call's mask each attention layer applied in this pass (a
+        layer's graph-op record names its mask pointer, one call's), or None when some layer
+        has no record or its mask is none of the calls'."""
+        call_of = {mask: call for call, mask in self.kv_masks.items()}
+        out: dict[int, int] = {}
+        for layer in attn_layers:
+            mask = self.attn_mask.get(layer)
+            call = call_of.get(mask) if mask is not None else None
+            if call is None:
+                return None
+            out[layer] = call
+        return out
+
+    def kv_counts_agree(self, calls: set[int]) -> bool | None:
+        """Whether the two counts of each call's mask are equal: the graph-op probe's (the first
+        layer applying the mask counts it) and the one where the engine wrote it. None when
+        either is missing."""
+        for call in calls:
+            by_op, at_write = self.attn_counts.get(self.kv_masks[call]), self.kv_counts.get(call)
+            if not by_op or not at_write:
+                return None
+            if by_op != at_write:
+                return False
+        return True
+
+    def fill_from_kv(self, layer_calls: dict[int, int]) -> list[int]:
+        """Layers with no graph-op record in this pass get the mask of the call they apply
+        (layer_calls, learned by AttentionMap); never a layer whose call did not happen.
+        Returns the layers filled."""
+        filled = []
+        for layer, call in layer_calls.items():
+            mask = self.kv_masks.get(call)
+            if mask is None or layer in self.attn_mask:
+                continue
+            self.attn_mask[layer] = mask
+            counts = self.attn_counts.setdefault(mask, {})
+            for row, att in self.kv_counts.get(call, {}).items():
+                counts.setdefault(row, att)
+            filled.append(layer)
+        return filled
 
     def _attended(self, batch_row: int, layers: LayerSet) -> list[int | None]:
         att: list[int | None] = []

@@ -25,6 +25,8 @@ SYM_COMMON_SAMPLER = "_Z21common_sampler_sampleP14common_samplerP13llama_context
 SYM_LOGITS_ITH = "llama_get_logits_ith"
 SYM_SEQ_RM = "llama_memory_seq_rm"
 SYM_MEM_CLEAR = "llama_memory_clear"
+# where the engine writes a micro-batch's KQ mask (once per kind of mask, before the graph runs)
+SYM_KQ_MASK = "_ZNK14llama_kv_cache17set_input_kq_maskEP11ggml_tensorPK12llama_ubatchb"
 # ggml CPU graph ops the sparse-decision probes read (libggml-cpu, or linked into the engine)
 SYM_GET_ROWS = "ggml_compute_forward_get_rows"
 SYM_MUL = "ggml_compute_forward_mul"
@@ -220,6 +222,7 @@ def find_engine_libs(t: Target) -> dict[str, Path]:
         SYM_LOGITS_ITH,
         SYM_SEQ_RM,
         SYM_MEM_CLEAR,
+        SYM_KQ_MASK,
         *SPARSE_SYMBOLS,
         *SERVER_SYMBOLS,
     }

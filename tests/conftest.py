@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -143,6 +144,31 @@ class Recorder:
             cwd=ROOT,
         )
         self.banner = self._wait_attached()
+        # the rest of stderr, read as it comes (wait_for looks at it while the recorder runs)
+        self._lines: list[str] = []
+        self._new_line = threading.Condition()
+        self._reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._reader.start()
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            with self._new_line:
+                self._lines.append(line)
+                self._new_line.notify_all()
+
+    def wait_for(self, text: str, timeout: float = 30) -> str:
+        """The first stderr line containing `text` (TimeoutError when none comes in time)."""
+        deadline = time.monotonic() + timeout
+        with self._new_line:
+            while True:
+                for line in self._lines:
+                    if text in line:
+                        return line
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    raise TimeoutError(f"recorder printed no {text!r}: {''.join(self._lines)}")
+                self._new_line.wait(min(left, 0.5))
 
     def _wait_attached(self, timeout: float = 60) -> str:
         assert self.proc.stderr is not None
@@ -158,12 +184,19 @@ class Recorder:
     def stop(self, sig: int = signal.SIGINT, timeout: float = 60) -> tuple[int, str]:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float = 60) -> tuple[int, str]:
+        """Exit status and stderr (after the banner) of the recorder, once it exits."""
         try:
-            _, err = self.proc.communicate(timeout=timeout)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, err = self.proc.communicate()
-        return self.proc.returncode, err
+            self.proc.wait()
+        self._reader.join(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.read()
+        return self.proc.returncode, "".join(self._lines)
 
 
 def run_cli(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:

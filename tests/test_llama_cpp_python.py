@@ -174,8 +174,7 @@ def _assert_same_output(got: list[dict], want: list[dict]) -> None:
 
 
 def _wait(rec: Recorder) -> tuple[int, str]:
-    _, err = rec.proc.communicate(timeout=30)
-    return rec.proc.returncode, err
+    return rec.wait(timeout=30)
 
 
 def test_recording_files_private(

@@ -32,6 +32,8 @@ PROMPTS = [
     "what is the time of the day when the token expert router decode runs",
 ]
 MAX_TOKENS = 16
+#: what the recorder prints once attention masks are read at set_input_kq_mask alone
+DETACHED = "graph-op probes detached"
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +51,27 @@ def _model(model_dir: Path, preset: str, dtype: str | None, prune: str | None = 
 class Run:
     """One profiled run and one ground-truth run of the same engine and settings."""
 
-    def __init__(self, tmp: Path, model: Path, engine_args: list[str], rec_args: list[str]) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        model: Path,
+        engine_args: list[str],
+        rec_args: list[str],
+        *,
+        after_detach: bool = False,
+    ) -> None:
+        """With `after_detach`, the second prompt runs once the recorder has detached the
+        attention graph-op probes (its masks then come from set_input_kq_mask alone); the truth
+        run makes the same two calls."""
         base = [str(ENGINES / "llama_engine.py"), str(model), *engine_args]
+        batches = [PROMPTS[:1], PROMPTS[1:]] if after_detach else [PROMPTS]
         e = Engine(base)
         try:
             rec = Recorder(e.pid, tmp / "rec", *rec_args)
-            self.results = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
+            self.results = e.generate(batches[0], max_tokens=MAX_TOKENS)
+            for prompts in batches[1:]:
+                rec.wait_for(DETACHED, timeout=30)
+                self.results += e.generate(prompts, max_tokens=MAX_TOKENS)
             rc, err = rec.stop(signal.SIGINT)
             assert rc == 0, err
         finally:
@@ -63,7 +80,9 @@ class Run:
         trace_path = tmp / "trace.jsonl"
         t = Engine([*base, "--graph-trace", str(trace_path)])
         try:
-            self.truth_results = t.generate(PROMPTS, max_tokens=MAX_TOKENS)
+            self.truth_results = [
+                r for prompts in batches for r in t.generate(prompts, max_tokens=MAX_TOKENS)
+            ]
         finally:
             t.close()
         self.trace = [json.loads(x) for x in trace_path.read_text().splitlines()]
@@ -337,6 +356,30 @@ def test_diff_of_a_dense_and_a_pruned_run_finds_where_they_diverge(model_dir: Pa
     assert out["routing"]["first_difference"] is not None
     human = run_cli("diff", str(recs["dense"]), str(recs["pruned"]))
     assert human.returncode == 1 and "diverge" in (human.stdout + human.stderr).lower()
+
+
+@pytest.mark.parametrize(
+    ("preset", "engine_args"),
+    [
+        ("swa", ["--threads", "2"]),  # two masks: full attention and sliding window
+        ("swa", ["--threads", "2", "--flash-attn"]),  # flash attention: an F16 cast of the mask
+        ("moe", ["--threads", "1", "--no-logits-all"]),
+    ],
+)
+def test_attention_after_the_graph_op_probes_are_detached(
+    model_dir: Path, tmp_path: Path, preset: str, engine_args: list[str]
+) -> None:
+    """Once the layer -> mask map is learned the soft_max / flash-attention probes are detached:
+    the second prompt's attention counts come from set_input_kq_mask alone, and every token's
+    still equals the mask the engine applied in that layer."""
+    run = Run(tmp_path, _model(model_dir, preset, None), engine_args, [], after_detach=True)
+    counts = check_run(run, expect_moe=preset == "moe")
+    assert counts["attn"] > 0
+    masks = run.rec.meta["attention_masks"]
+    assert masks["mask_read"] == "set_input_kq_mask" and masks["disagreements"] == 0
+    calls = set(masks["layer_calls"].values())
+    assert calls == ({0, 1} if preset == "swa" else {0})  # one call per kind of mask
+    assert sorted(int(k) for k in masks["layer_calls"]) == run.rec.meta["layers"]["attn"]
 
 
 def test_attention_is_counted_for_a_long_cache(model_dir: Path, tmp_path: Path) -> None:
