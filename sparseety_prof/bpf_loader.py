@@ -161,7 +161,10 @@ class Session:
         n = 0
         for p in [p for p in self.attached if p.symbol in ATTENTION_OPS]:
             fn = self.bpf.detach_uretprobe if p.kind == "return" else self.bpf.detach_uprobe
-            fn(name=p.library, addr=p.address, pid=self.pid)
+            try:
+                fn(name=p.library, addr=p.address, pid=self.pid)
+            except Exception:  # still attached: its records keep coming, and agree with the map
+                continue
             self.attached.remove(p)
             n += 1
         return n
