@@ -167,15 +167,20 @@ def test_attention_counts_shared_by_layers_with_one_mask_and_unnamed_nodes_in_or
     sp = StepSparse()
     rows = [0] * ev.ATT_MAX_ROWS
     counted = {"row": [3, *rows[1:]], "attended": [4, *rows[1:]]}
-    sp.add_attn({"name": b"kq_soft_max-0", "mask": 0xAA, "n_kv": 256, "n_counted": 1, **counted})
+    rec = {"n_kv": 256, "aflags": 0}
+    sp.add_attn({"name": b"kq_soft_max-0", "mask": 0xAA, "n_counted": 1, **rec, **counted})
     sp.add_attn(
-        {"name": b"kq_soft_max-1", "mask": 0xAA, "n_kv": 256, "n_counted": 0, "row": rows, "attended": rows}
+        {"name": b"kq_soft_max-1", "mask": 0xAA, "n_counted": 0, "row": rows, "attended": rows, **rec}
     )  # same mask: counted once
     assert sp.row_values(3, {3: 0}, 4, LAYERS, Problems())["attn_attended"] == [4, 4]
     sp2 = StepSparse()
+    # the mask where the engine wrote it ("kq_mask-<n>", flagged): no layer of its own
+    kv = {"name": b"kq_mask-0", "mask": 0xBB, "n_kv": 256, "n_counted": 1, "aflags": ev.ATT_FLAG_KV_MASK}
+    assert sp2.add_attn({**kv, **counted}, (0, 1)) is None
     for _ in range(2):  # unnamed flash-attention nodes: the k-th is the k-th attention layer
-        sp2.add_attn({"name": b"", "mask": 0xBB, "n_kv": 256, "n_counted": 1, **counted}, (0, 1))
+        sp2.add_attn({"name": b"", "mask": 0xBB, "n_counted": 1, **rec, **counted}, (0, 1))
     assert set(sp2.attn_mask) == {0, 1}
+    assert sp2.kv_masks == {0: 0xBB} and sp2.kv_counts == {0: {3: 4}}
 
 
 def _agg_record() -> np.ndarray:
