@@ -299,7 +299,7 @@ class Recorder:
                     "verified_routing": corr.counters.verified_sparse,
                 },
                 "layer_coverage": _coverage(a.layers, corr.layers_seen, opts.capture),
-                "attention_masks": corr.attn_map.meta(),
+                "attention_masks": corr.attn_map.meta() if opts.capture.attention else None,
                 "counts": {"tokens": self.progress.tokens, "steps": self.progress.steps},
                 "profiler_cpu_s": round(self.progress.cpu_s, 3),
                 "consumer": sched.meta(),
