@@ -29,7 +29,8 @@ class AttentionMap:
     passes_seen: int = 0  # passes with masks counted at set_input_kq_mask
     disagreements: int = 0  # passes where the two counts of a mask differed (learning stops)
     learned_after: int = 0  # passes_seen when the map was learned
-    ops_detached: bool = False  # the recorder detached the graph-op probes
+    detach_tried: bool = False  # the recorder asked the session to detach them
+    ops_detached: bool = False  # ... and none is left attached
     _candidate: dict[int, int] | None = field(default=None, repr=False)
     _agree: int = field(default=0, repr=False)
 

@@ -22,7 +22,7 @@ import polars as pl
 
 from . import __version__, layouts, logits, schema
 from . import target as tg
-from .bpf_loader import RING_BUFFER_PAGES, RingReader, Session, compile_and_attach, is_server
+from .bpf_loader import ATTENTION_OPS, RING_BUFFER_PAGES, RingReader, Session, compile_and_attach, is_server
 from .capture import Capture
 from .correlator import Correlator
 from .errors import NotAnEngine, ProfError
@@ -326,9 +326,10 @@ class Recorder:
         """Once the layer -> mask map is learned (attention_map), the soft_max / flash-attention
         probes only cost: two uprobe hits per layer and engine thread per token."""
         amap = corr.attn_map
-        if amap.ready and not amap.ops_detached and sess.kv_mask_probe:
+        if amap.ready and not amap.detach_tried and sess.kv_mask_probe:
+            amap.detach_tried = True  # once: a probe that would not detach keeps agreeing records
             n = sess.detach_attention_ops()
-            amap.ops_detached = True
+            amap.ops_detached = not any(p.symbol in ATTENTION_OPS for p in sess.attached)
             self.log(
                 f"sparseety-prof: attention masks now counted where the engine writes them "
                 f"(layer map learned after {amap.learned_after} passes); {n} graph-op probes detached"
