@@ -863,6 +863,24 @@ static __always_inline int attn_count(struct ev_attn *e, u64 mdata, u64 nb1, u64
     return attn_finish(e, serial);
 }
 
+/* A ring record for one mask, its fields from the mask tensor's header `h` (NULL: no mask),
+ * counts filed under `key`; the caller names it. */
+static __always_inline struct ev_attn *attn_record(u64 *h, u64 key, u32 flags) {
+    struct ev_attn *e = events.ringbuf_reserve(sizeof(struct ev_attn));
+    if (!e) {
+        count(1, 1);
+        return 0;
+    }
+    fill_hdr(&e->h, EV_ATTN, 0, 0);
+    e->attended[0] = 0;
+    e->mask = key;
+    e->n_kv = h ? (u32)TH(h, T_NE) : 0;
+    e->n_rows = h ? (u32)(TH(h, T_NE + 8) * TH(h, T_NE + 16) * TH(h, T_NE + 24)) : 0;
+    e->n_counted = 0;
+    e->flags = flags | (h && (s32)TH(h, T_TYPE) == 1 ? ATT_FLAG_F16 : 0);
+    return e;
+}
+
 /* An attention node: `mask_t` is the mask tensor it applies, `key` the data pointer its counts
  * are filed under (the mask's own, or the F32 mask a flash-attention cast was made from). */
 static __always_inline int attn_common(struct pt_regs *ctx, u64 node, u64 mask_t, u64 key, const s32 want_type) {
@@ -884,22 +902,16 @@ static __always_inline int attn_common(struct pt_regs *ctx, u64 node, u64 mask_t
         }
     }
 #endif
-    struct ev_attn *e = events.ringbuf_reserve(sizeof(struct ev_attn));
-    if (!e) {
-        count(1, 1);
+    u32 z = 0;
+    struct thdr_buf *hb = thdr.lookup(&z);
+    u64 *h = hb ? tensor_hdr(hb, 0, mask_t) : 0;
+    struct ev_attn *e = attn_record(h, key, 0);
+    if (!e)
         return 0;
-    }
-    fill_hdr(&e->h, EV_ATTN, 0, 0);
-    e->attended[0] = 0;
     bpf_probe_read_user(e->name, NAME_LEN, (void *)(node + T_NAME));
-    u64 mdata = mask_t ? rd64(mask_t + T_DATA) : 0;
-    s32 mtype = mask_t ? rd32(mask_t + T_TYPE) : -1;
-    e->mask = key;
-    e->n_kv = mask_t ? (u32)rd64(mask_t + T_NE) : 0;
-    e->n_rows = mask_t ? (u32)(rd64(mask_t + T_NE + 8) * rd64(mask_t + T_NE + 16) * rd64(mask_t + T_NE + 24)) : 0;
-    e->n_counted = 0;
-    e->flags = mtype == 1 ? ATT_FLAG_F16 : 0;
-    u64 nb1 = mask_t ? rd64(mask_t + T_NB + 8) : 0;
+    u64 mdata = h ? TH(h, T_DATA) : 0;
+    s32 mtype = h ? (s32)TH(h, T_TYPE) : -1;
+    u64 nb1 = h ? TH(h, T_NB + 8) : 0;
     struct ubatch_info *ui = ubatch_info.lookup(&tid);
     if (!ui) {
         e->flags |= ATT_FLAG_NO_UBATCH;
@@ -1013,25 +1025,16 @@ static __always_inline int kvmask_count(const s32 want_type) {
     u64 *h = hb ? tensor_hdr(hb, 0, dst) : 0;
     if (!h || slot > 9)
         return 0;
-    struct ev_attn *e = events.ringbuf_reserve(sizeof(struct ev_attn));
-    if (!e) {
-        count(1, 1);
+    s32 mtype = (s32)TH(h, T_TYPE);
+    u64 mdata = TH(h, T_DATA);
+    struct ev_attn *e = attn_record(h, mdata, ATT_FLAG_KV_MASK);
+    if (!e)
         return 0;
-    }
-    fill_hdr(&e->h, EV_ATTN, 0, 0);
-    e->attended[0] = 0;
     u64 *nm = (u64 *)e->name;
     nm[0] = 0x2d6b73616d5f716bULL; /* "kq_mask-" */
     nm[1] = '0' + slot;
     nm[2] = 0;
     nm[3] = 0;
-    s32 mtype = (s32)TH(h, T_TYPE);
-    u64 mdata = TH(h, T_DATA);
-    e->mask = mdata;
-    e->n_kv = (u32)TH(h, T_NE);
-    e->n_rows = (u32)(TH(h, T_NE + 8) * TH(h, T_NE + 16) * TH(h, T_NE + 24));
-    e->n_counted = 0;
-    e->flags = ATT_FLAG_KV_MASK | (mtype == 1 ? ATT_FLAG_F16 : 0);
     if (!mdata || mtype != want_type)
         return attn_finish(e, ui->serial);
     return attn_count(e, mdata, TH(h, T_NB + 8), ub, ui->serial, want_type);
