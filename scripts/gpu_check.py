@@ -5,9 +5,11 @@ The library comes prebuilt in cupti_ext/build/ (built on a machine without a GPU
 BCC: `records.py`, `shm_ring.py` and `launch.py` are loaded by file path.
 
 A small MoE decode loop (hidden 1024, 16 experts, top-2, 4 layers, 8 sequences, greedy next token
-from a 4096-entry vocab head, 200 steps) runs three times in child processes: library off, library
-on (kernels only), library on with the top-k ids watched (argument 0 of the Triton kernel
-`topk_hist_kernel`, copied after every launch). The ring is drained directly while each child runs.
+from a 4096-entry vocab head, 1000 timed steps) runs in child processes in three modes: library
+off, library on (kernels only), library on with the top-k ids watched (argument 0 of the Triton
+kernel `topk_hist_kernel`, copied after every launch); after one discarded warm-up run, 5 rounds
+with the modes in rotating order, tokens/s reported per run and as medians. The ring is drained
+directly while each child runs.
 Prints one JSON object; exit 0 when every check passed, 1 when one failed, 2 when the machine
 cannot run the check at all (no GPU, no torch, library not built).
 """
@@ -18,6 +20,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -129,15 +132,26 @@ def child(steps: int, out: Path) -> None:
 
 
 def run_mode(mode: str, steps: int, tmp: Path, shm_ring: Any, launch: Any) -> dict[str, Any]:
-    out = tmp / mode
-    out.mkdir()
+    out = tmp
+    out.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARSEETY_", "CUDA_INJECTION64"))}
     if mode != "off":
         env = launch.build_env(env, LIB, watch=WATCH if mode == "buffers" else None, flush_ms=50)
         env["SPARSEETY_SHM_NAME"] = "sparseety-gpucheck.{pid}"
     p0 = time.monotonic_ns()
+    # The children run on a fixed set of cores (not the parent's draining core) where the machine
+    # has them: on a VM the scheduler otherwise moves a launch-bound loop around and tokens/s
+    # varies by a third from run to run.
+    cores = sorted(os.sched_getaffinity(0))
+    child_cores = set(cores[1:5]) if len(cores) >= 5 else set(cores)
+
+    def pin() -> None:
+        os.sched_setaffinity(0, child_cores)
+
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--child", "--steps", str(steps), "--out", str(out)], env=env
+        [sys.executable, __file__, "--child", "--steps", str(steps), "--out", str(out)],
+        env=env,
+        preexec_fn=pin,
     )
     ring_path = Path("/dev/shm") / f"sparseety-gpucheck.{proc.pid}"
     ring, records = None, []
@@ -203,6 +217,8 @@ def analyse(
         "memcpy_dtoh": sum(1 for r in records if isinstance(r, rec.MemcpyActivity) and r.kind == "DtoH"),
         "counters": {k: v for k, v in vars(c).items() if k != "errors"},
         "errors": c.errors,
+        # The library's own time in the engine's launch path, robust where tokens/s is noisy.
+        "callback_us_per_launch": round(c.callback_ns / 1000 / max(c.launches_seen, 1), 3),
     }
     if out is not None:
         expected = (out / "topk.bin").read_bytes()
@@ -217,7 +233,8 @@ def analyse(
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=1000, help="decode steps timed per run (default 1000)")
+    ap.add_argument("--rounds", type=int, default=5, help="runs of each mode, in rotating order (default 5)")
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -248,19 +265,43 @@ def main() -> int:
         "torch": torch.__version__,
         "libcupti": str(libcupti) if libcupti else None,
     }
+    modes = ("off", "kernels", "buffers")
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="sparseety-gpucheck-") as tmp:
-        for mode in ("off", "kernels", "buffers"):
-            report[mode] = run_mode(mode, args.steps, Path(tmp), shm_ring, launch)
-    k, b = report["kernels"], report["buffers"]
+        # One discarded run first: the GPU leaves its idle clocks and the caches fill. Then the
+        # modes rotate round by round, so no mode always runs first or last.
+        report["warmup"] = run_mode("off", args.steps, Path(tmp) / "warmup", shm_ring, launch)
+        for r in range(args.rounds):
+            for mode in modes[r % 3 :] + modes[: r % 3]:
+                print(f"gpu_check: round {r + 1}/{args.rounds}: {mode}", file=sys.stderr, flush=True)
+                runs[mode].append(run_mode(mode, args.steps, Path(tmp) / f"{mode}-{r}", shm_ring, launch))
+    for mode in modes:
+        report[mode] = runs[mode][-1] | {"tokens_per_s_runs": [x.get("tokens_per_s") for x in runs[mode]]}
+    speed = {m: statistics.median(x.get("tokens_per_s", 0.0) for x in runs[m]) for m in modes}
+    report["tokens_per_s_median"] = {m: round(v, 1) for m, v in speed.items()}
+    report["slowdown_vs_off"] = {m: round(1 - speed[m] / speed["off"], 4) for m in modes[1:] if speed["off"]}
+    if "callback_us_per_launch" in runs["buffers"][-1]:
+        # What a watched launch adds over a plain one (the copy and event enqueued on its stream).
+        k, b = runs["kernels"][-1]["counters"], runs["buffers"][-1]["counters"]
+        report["callback_us_per_watched_launch"] = round(
+            (b["callback_ns"] - k["callback_ns"])
+            / 1000
+            / max(runs["buffers"][-1].get("watched_buffers", 0), 1),
+            2,
+        )
+    every = [x for m in modes[1:] for x in runs[m]]
     checks = {
-        "children_ok": all(report[m].get("exit_code") == 0 for m in ("off", "kernels", "buffers")),
-        "injection_fired": bool(k.get("injection_fired")) and bool(b.get("injection_fired")),
-        "clock_monotonic": k.get("clock_domain") == "monotonic" and bool(k.get("timestamps_in_window")),
-        "launch_coverage": k.get("launch_coverage", 0) >= 0.99,
-        "topk_equal": bool(b.get("topk_equal")),
-        "no_losses": all(
-            m.get("counters", {}).get(f, 1) == 0 for m in (k, b) for f in ("ring_dropped", "activity_dropped")
+        "children_ok": all(x.get("exit_code") == 0 for m in modes for x in runs[m]),
+        "injection_fired": all(x.get("injection_fired") for x in every),
+        "clock_monotonic": all(
+            x.get("clock_domain") == "monotonic" and x.get("timestamps_in_window") for x in every
         ),
+        "launch_coverage": all(x.get("launch_coverage", 0) >= 0.99 for x in every),
+        "topk_equal": all(x.get("topk_equal") for x in runs["buffers"]),
+        "no_losses": all(
+            x.get("counters", {}).get(f, 1) == 0 for x in every for f in ("ring_dropped", "activity_dropped")
+        ),
+        "no_errors": all(not x.get("errors") for x in every),
     }
     report["checks"] = checks
     report["ok"] = all(checks.values())

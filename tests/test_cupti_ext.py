@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 import pytest
 
 from sparseety_prof.gpu import launch as launch_mod
@@ -206,6 +207,25 @@ def test_sampling_budget_and_bad_rule_are_counted(build: Path, shm_name: str) ->
     # bad_kernel's rule reads argument 5 of a 3-argument kernel: refused, counted, reported once.
     assert c.buffers_failed == 1
     assert len(c.errors) == 1 and "bad_kernel" in c.errors[0] and "argument 5 does not exist" in c.errors[0]
+
+
+def test_kernel_handles_are_named_by_cupti_symbol_name(build: Path, shm_name: str) -> None:
+    # The CUDA 12+ runtime launches through cuLaunchKernel with CUkernel handles that cuFuncGetName
+    # and cuFuncGetParamInfo refuse (seen on an H200 with torch 2.11): CUPTI's symbolName names them.
+    run_driver(
+        build, "handles", env_for(build, shm_name, SPARSEETY_WATCH="topk_hist_kernel:0:int32:arg1*arg2")
+    )
+    with ShmRing(Path("/dev/shm") / shm_name) as ring:
+        records = ring.drain()
+        c = ring.counters()
+    watched = sorted(by_type(records, WatchedBuffer), key=lambda w: w.correlation_id)
+    assert [w.correlation_id for w in watched] == [400000, 400001, 400002]
+    for i, w in enumerate(watched):
+        assert w.kernel == "topk_hist_kernel" and w.shape == (8,)
+        assert w.data == bytes(np.arange(i * 8, i * 8 + 8, dtype=np.int32).tobytes())
+    # The handle launched without a symbol name cannot be matched: said once, nothing copied.
+    assert c.buffers_failed == 0
+    assert len(c.errors) == 1 and "without a symbol name" in c.errors[0] and "(code 400)" in c.errors[0]
 
 
 def test_full_ring_drops_and_counts_then_recovers(build: Path, shm_name: str) -> None:

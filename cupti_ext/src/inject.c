@@ -191,7 +191,10 @@ static bool budget_take(uint64_t now, uint64_t bytes) {
 }
 
 /* Per-thread cache of CUfunction / host stub -> watch (or none), so the name lookup and the
- * substring search run once per kernel and thread, not per launch. */
+ * substring search run once per kernel and thread, not per launch. The name is CUPTI's
+ * symbolName where it gives one (runtime and driver launches alike); cuFuncGetName is the
+ * fallback only: the CUDA 12+ runtime launches through cuLaunchKernel with CUkernel handles,
+ * which cuFuncGetName refuses (CUDA_ERROR_INVALID_HANDLE, seen on an H200 with torch 2.11). */
 #define WCACHE 64
 static __thread struct { const void *key; struct watch *w; int valid; } tls_wcache[WCACHE];
 
@@ -202,7 +205,8 @@ static struct watch *lookup_watch(const void *key, const char *name_or_null, CUf
     if (name == NULL && f != NULL && cu.FuncGetName != NULL) {
         CUresult r = cu.FuncGetName(&name, f);
         if (r != CUDA_SUCCESS) {
-            report_error(ERRK_WATCH_NAME, (int)r, "cuFuncGetName failed: %s", cu_error_name(r));
+            report_error(ERRK_WATCH_NAME, (int)r, "a launch without a symbol name, and cuFuncGetName failed: %s",
+                         cu_error_name(r));
             name = NULL;
         }
     }
@@ -227,6 +231,7 @@ static void handle_watch(const struct api_info *a, const CUpti_CallbackData *cb,
                                  {p->blockDimX, p->blockDimY, p->blockDimZ}, p->kernelParams, f};
         stream = p->hStream;
         key = f;
+        name = cb->symbolName;
         break;
     }
     case K_DRV_LAUNCH_EX: {
@@ -238,6 +243,7 @@ static void handle_watch(const struct api_info *a, const CUpti_CallbackData *cb,
                                  p->kernelParams, f};
         stream = c->hStream;
         key = f;
+        name = cb->symbolName;
         break;
     }
     case K_RT_LAUNCH: {
@@ -263,8 +269,8 @@ static void handle_watch(const struct api_info *a, const CUpti_CallbackData *cb,
     default: return;
     }
     if (key == NULL) return;
-    /* Runtime launches name the kernel through symbolName; without one there is nothing to match
-     * (and the cache must not remember "no watch" for this key). */
+    /* A runtime launch without symbolName has nothing to match (and the cache must not remember
+     * "no watch" for this key). */
     if (f == NULL && name == NULL) return;
     struct watch *w = lookup_watch(key, name, f);
     if (w == NULL) return;

@@ -155,7 +155,9 @@ HIDDEN struct watch *watch_match(struct watch *ws, int n, const char *kernel_nam
 
 /* Where argument i lives and how big it is: checked against the function's real parameter list
  * when the driver can tell (cuFuncGetParamInfo), so a wrong index fails instead of reading
- * garbage through kernelParams. */
+ * garbage through kernelParams. A CUkernel handle (what the CUDA 12+ runtime passes to
+ * cuLaunchKernel) is refused with CUDA_ERROR_INVALID_HANDLE: the driver cannot tell, so the rule
+ * is trusted as for runtime launches. */
 static int arg_ptr(const struct launch_geom *g, uint64_t idx, size_t want, const void **p, char *err,
                    size_t errlen) {
     if (g->params == NULL) {
@@ -165,12 +167,13 @@ static int arg_ptr(const struct launch_geom *g, uint64_t idx, size_t want, const
     if (g->func != NULL && cu.FuncGetParamInfo != NULL) {
         size_t off = 0, size = 0;
         CUresult r = cu.FuncGetParamInfo(g->func, (size_t)idx, &off, &size);
-        if (r != CUDA_SUCCESS) {
+        if (r == CUDA_ERROR_INVALID_HANDLE) {
+            /* not a CUfunction: nothing to check against */
+        } else if (r != CUDA_SUCCESS) {
             snprintf(err, errlen, "argument %llu does not exist (cuFuncGetParamInfo: %s)", (unsigned long long)idx,
                      cu_error_name(r));
             return -1;
-        }
-        if (size != want) {
+        } else if (size != want) {
             snprintf(err, errlen, "argument %llu is %zu bytes, the rule reads %zu", (unsigned long long)idx, size,
                      want);
             return -1;

@@ -68,14 +68,17 @@ API CUresult cuEventDestroy_v2(CUevent ev) {
     return CUDA_SUCCESS;
 }
 
+/* A stub_func without a name plays a CUkernel handle (what the CUDA 12+ runtime passes to
+ * cuLaunchKernel): the cuFunc* queries refuse it as the real driver does. */
 API CUresult cuFuncGetName(const char **name, CUfunction f) {
-    if (f == NULL) return CUDA_ERROR_INVALID_HANDLE;
+    if (f == NULL || ((const struct stub_func *)(const void *)f)->name == NULL) return CUDA_ERROR_INVALID_HANDLE;
     *name = ((const struct stub_func *)(const void *)f)->name;
     return CUDA_SUCCESS;
 }
 
 API CUresult cuFuncGetParamInfo(CUfunction f, size_t i, size_t *off, size_t *size) {
     const struct stub_func *sf = (const struct stub_func *)(const void *)f;
+    if (sf != NULL && sf->name == NULL) return CUDA_ERROR_INVALID_HANDLE;
     if (sf == NULL || i >= (size_t)sf->nparams) return CUDA_ERROR_INVALID_VALUE;
     size_t o = 0;
     for (size_t k = 0; k < i; k++) o += sf->sizes[k];

@@ -25,6 +25,7 @@
 static struct stub_func gemm = {"gemm_kernel_bf16", 3, {8, 8, 4}};
 static struct stub_func topk = {"topk_hist_kernel", 3, {8, 4, 4}};
 static struct stub_func bad = {"bad_kernel", 3, {8, 4, 4}};
+static struct stub_func kernel_handle = {NULL, 0, {0}}, kernel_handle2 = {NULL, 0, {0}}; /* CUkernel-like */
 static char rt_elementwise, rt_moe; /* host stub addresses of the runtime kernels */
 static pthread_barrier_t start_line;
 
@@ -34,9 +35,13 @@ static uint64_t mono(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static int drv_launch(struct stub_func *f, void **params, uint32_t corr, int retval) {
+static int drv_launch_sym(struct stub_func *f, const char *symbol, void **params, uint32_t corr, int retval) {
     cuLaunchKernel_params p = {(CUfunction)(void *)f, 2, 1, 1, 128, 1, 1, 0, NULL, params, NULL};
-    return stub_cupti_call(DRV, CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel, &p, NULL, corr, (void *)0x1, retval);
+    return stub_cupti_call(DRV, CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel, &p, symbol, corr, (void *)0x1, retval);
+}
+
+static int drv_launch(struct stub_func *f, void **params, uint32_t corr, int retval) {
+    return drv_launch_sym(f, NULL, params, corr, retval);
 }
 
 static void watched_drv(int i, uint32_t corr, int retval) {
@@ -171,6 +176,22 @@ static int scenario_limits(void) {
     return 0;
 }
 
+static int scenario_handles(void) {
+    /* Driver launches of CUkernel handles, which cuFuncGetName refuses: CUPTI's symbolName names
+     * the kernel (watched, copied); a launch without one is reported once and not copied. */
+    static int32_t ids[3][8];
+    for (int i = 0; i < 3; i++) {
+        for (int j = 0; j < 8; j++) ids[i][j] = i * 8 + j;
+        CUdeviceptr dptr = (CUdeviceptr)(uintptr_t)ids[i];
+        int32_t ntok = 4, k = 2;
+        void *params[3] = {&dptr, &ntok, &k};
+        drv_launch_sym(&kernel_handle, "topk_hist_kernel", params, 400000u + (uint32_t)i, 0);
+        drv_launch(&kernel_handle2, params, 400100u + (uint32_t)i, 0);
+    }
+    usleep(20000);
+    return 0;
+}
+
 static int scenario_ringfull(void) {
     CUdeviceptr a = 0;
     int32_t n = 0;
@@ -198,7 +219,7 @@ static int scenario_fail(void) {
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: driver main|limits|ringfull|fail\n");
+        fprintf(stderr, "usage: driver main|limits|handles|ringfull|fail\n");
         return 2;
     }
     const char *path = getenv("CUDA_INJECTION64_PATH");
@@ -214,6 +235,7 @@ int main(int argc, char **argv) {
     int rc = 2;
     if (strcmp(argv[1], "main") == 0) rc = scenario_main();
     else if (strcmp(argv[1], "limits") == 0) rc = scenario_limits();
+    else if (strcmp(argv[1], "handles") == 0) rc = scenario_handles();
     else if (strcmp(argv[1], "ringfull") == 0) rc = scenario_ringfull();
     else if (strcmp(argv[1], "fail") == 0) rc = scenario_fail();
     fflush(stdout);
