@@ -210,8 +210,8 @@ def test_sampling_budget_and_bad_rule_are_counted(build: Path, shm_name: str) ->
 
 
 def test_kernel_handles_are_named_by_cupti_symbol_name(build: Path, shm_name: str) -> None:
-    # The CUDA 12+ runtime launches through cuLaunchKernel with CUkernel handles that cuFuncGetName
-    # and cuFuncGetParamInfo refuse (seen on an H200 with torch 2.11): CUPTI's symbolName names them.
+    # Driver launches of handles that cuFuncGetName and cuFuncGetParamInfo refuse (CUkernel; one
+    # seen on an H200 with torch 2.11): CUPTI's symbolName names them.
     run_driver(
         build, "handles", env_for(build, shm_name, SPARSEETY_WATCH="topk_hist_kernel:0:int32:arg1*arg2")
     )

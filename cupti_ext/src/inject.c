@@ -193,8 +193,9 @@ static bool budget_take(uint64_t now, uint64_t bytes) {
 /* Per-thread cache of CUfunction / host stub -> watch (or none), so the name lookup and the
  * substring search run once per kernel and thread, not per launch. The name is CUPTI's
  * symbolName where it gives one (runtime and driver launches alike); cuFuncGetName is the
- * fallback only: the CUDA 12+ runtime launches through cuLaunchKernel with CUkernel handles,
- * which cuFuncGetName refuses (CUDA_ERROR_INVALID_HANDLE, seen on an H200 with torch 2.11). */
+ * fallback only: on an H200 with torch 2.11 it refused one driver launch's handle
+ * (CUDA_ERROR_INVALID_HANDLE), as it refuses CUkernel handles (CUDA 12+ library loading), which
+ * cuLaunchKernel accepts. */
 #define WCACHE 64
 static __thread struct { const void *key; struct watch *w; int valid; } tls_wcache[WCACHE];
 

@@ -155,8 +155,8 @@ HIDDEN struct watch *watch_match(struct watch *ws, int n, const char *kernel_nam
 
 /* Where argument i lives and how big it is: checked against the function's real parameter list
  * when the driver can tell (cuFuncGetParamInfo), so a wrong index fails instead of reading
- * garbage through kernelParams. A CUkernel handle (what the CUDA 12+ runtime passes to
- * cuLaunchKernel) is refused with CUDA_ERROR_INVALID_HANDLE: the driver cannot tell, so the rule
+ * garbage through kernelParams. A handle it refuses as invalid (a CUkernel, which
+ * cuLaunchKernel accepts too) is refused with CUDA_ERROR_INVALID_HANDLE: the driver cannot tell, so the rule
  * is trusted as for runtime launches. */
 static int arg_ptr(const struct launch_geom *g, uint64_t idx, size_t want, const void **p, char *err,
                    size_t errlen) {

@@ -68,8 +68,8 @@ API CUresult cuEventDestroy_v2(CUevent ev) {
     return CUDA_SUCCESS;
 }
 
-/* A stub_func without a name plays a CUkernel handle (what the CUDA 12+ runtime passes to
- * cuLaunchKernel): the cuFunc* queries refuse it as the real driver does. */
+/* A stub_func without a name plays a CUkernel handle (CUDA 12+ library loading): cuLaunchKernel
+ * takes it, the cuFunc* queries refuse it as the real driver does. */
 API CUresult cuFuncGetName(const char **name, CUfunction f) {
     if (f == NULL || ((const struct stub_func *)(const void *)f)->name == NULL) return CUDA_ERROR_INVALID_HANDLE;
     *name = ((const struct stub_func *)(const void *)f)->name;
