@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ import numpy.ma
 
 from . import events as ev
 from .attention_map import AttentionMap
+from .drain_index import G_LOGITS, G_SMALL, G_STEP_AGG, G_UBATCH, DrainIndex
 from .errors import UnsupportedEngineBuild
 from .logits import BACKEND, RowStats, row_stats, row_stats_at
 from .schema import PHASE_DECODE, PHASE_PREFILL, SOURCE_NEXT_INPUT, SOURCE_SAMPLER
@@ -59,6 +61,7 @@ _ROUTE_COLUMNS = (
     "act_below_ratio",
     "act_values",
 )
+_ROUTE_VALUES = _ROUTE_COLUMNS[6:]  # per-layer values, as row_values gives them
 
 
 @dataclass
@@ -184,6 +187,8 @@ class Correlator:
         self.attn_map = AttentionMap(self.layers.attn)
         self._routes: dict[str, list[object]] = {}
         self._routes_layout: tuple[list[int], list[int | None], list[int | None], bool] | None = None
+        # routes rows of fast one-row steps not yet in _routes: (step_id, ctx_id, seq, pos, values)
+        self._routes_pending: list[tuple[int, int, int, int, dict[str, list[Any]]]] = []
         self._masks: dict[str, list[object]] = {}
         self.serving = serving
         # server: a sample waits for the process_token call that names its slot (by thread)
@@ -194,40 +199,31 @@ class Correlator:
 
     # ------------------------------------------------------------------ public
     def feed(self, batch: ev.EventBatch) -> None:
-        """Consume one drained batch. Records are processed in sequence-number order.
-
-        Records become plain dicts first (one tolist() per group for the small ones): reading
-        fields of numpy structured scalars one by one costs several times more per event."""
-        recs: list[tuple[int, dict[str, Any]]] = []
-        for h in batch.http:
-            data = bytes(h["data"])[: int(h["n_copied"])]
-            recs.append(
-                (
-                    int(h["seq"]),
-                    {"kind": int(h["kind"]), "tid": int(h["tid"]), "ts_ns": int(h["ts_ns"]), "data": data},
-                )
-            )
-        for arr in (batch.small, batch.tensor_s, batch.tensor_l, batch.act, batch.act_mask, batch.attn):
-            if len(arr):
-                names = arr.dtype.names or ()
-                recs += [(t[0], dict(zip(names, t, strict=True))) for t in arr.tolist()]
-        for arr in (batch.ubatch, batch.logits, batch.step_agg):  # big records: array fields stay views
-            if len(arr):
-                recs += _big_records(arr)
+        """Consume one drained batch. Records are processed in sequence-number order: the
+        micro-batches of one-row decode steps by `_fast_step`, every other record by its
+        handler, as a dict (DrainIndex.record)."""
+        idx = DrainIndex(batch)
         # the aggregate records' values, all at once (see agg_rows_batch)
         pre = agg_rows_batch(batch.step_agg, self.layers) if len(batch.step_agg) else None
         self._agg_pre = dict(zip(batch.step_agg["seq"].tolist(), pre, strict=True)) if pre else {}
-        recs.sort(key=lambda x: x[0])
-        for _, rec in recs:
-            handler = _HANDLERS.get(int(rec["kind"]))
+        kinds, n, i = idx.kinds, len(idx), 0
+        while i < n:
+            kind = kinds[i]
+            if kind == ev.EV_UBATCH:
+                nxt = self._fast_step(idx, i)
+                if nxt:
+                    i = nxt
+                    continue
+            handler = _HANDLERS.get(kind)
             if handler is not None:
-                handler(self, rec)
+                handler(self, idx.record(i))
+            i += 1
         for c in self.ctxs.values():
             for smp in c.sampling.values():
                 smp.chunks = {k: np.array(v) for k, v in smp.chunks.items()}
-        for tid, (c, idx, token, logits) in self._deferred.items():
+        for tid, (c, idx_, token, logits) in self._deferred.items():
             if logits is not None:  # views into this drain's batch
-                self._deferred[tid] = (c, idx, token, [np.array(x) for x in logits])
+                self._deferred[tid] = (c, idx_, token, [np.array(x) for x in logits])
 
     def take_request_rows(self, *, final: bool = False) -> dict[str, list[object]]:
         """Rows of the requests that ended since the last call; with `final`, every request
@@ -249,6 +245,7 @@ class Correlator:
 
     def take_sparse_rows(self) -> tuple[dict[str, list[object]], dict[str, list[object]]]:
         """Routes and masks columns produced since the last call."""
+        self._flush_routes()
         routes, masks = self._routes, self._masks
         self._routes, self._masks = {}, {}
         self.counters.sparse_unmapped_rows = self.problems.unmapped_rows
@@ -325,6 +322,162 @@ class Correlator:
             col.append(v)
 
     # ------------------------------------------------------------------ handlers
+    def _fast_step(self, idx: DrainIndex, i: int) -> int:
+        """A one-row decode step, the bulk of any generation, handled from the records' columns:
+        its micro-batch (record i), aggregate, end, and the sampler call that reads its logits,
+        with nothing else between them. The effect is the handlers' (_on_ubatch, _on_step_agg,
+        _on_ubatch_end, _on_sample_begin, _on_logits, _on_sample_end), without making each record
+        a dict or the row's values numpy arrays. Returns the index after the step's records, or
+        0 when anything is unusual (then the handlers take every record as usual)."""
+        kinds, n = idx.kinds, len(idx)
+        j = i + 1
+        agg_at = -1
+        if j < n and kinds[j] == ev.EV_STEP_AGG:
+            agg_at, j = j, j + 1
+        if j + 1 >= n or kinds[j] != ev.EV_UBATCH_END or kinds[j + 1] != ev.EV_SAMPLE_BEGIN:
+            return 0
+        end_at, begin_at = j, j + 1
+        j += 2
+        logits_at = j
+        while j < n and kinds[j] == ev.EV_LOGITS:
+            j += 1
+        if j >= n or kinds[j] != ev.EV_SAMPLE_END:
+            return 0
+        sample_at = j
+        if (
+            self.counters.verified_ubatches < VERIFY_UBATCHES
+            or self.open_steps
+            or self.serving is not None
+            or self.slot_tokens
+        ):
+            return 0
+        u = idx.row[i]
+        if (
+            idx.col(G_UBATCH, "n_copied")[u] != 1
+            or idx.col(G_UBATCH, "n_tokens")[u] != 1
+            or idx.col(G_UBATCH, "row_offset")[u] != 0
+            or idx.col(G_UBATCH, "flags")[u] != 0
+            or idx.first(G_UBATCH, "output")[u] != 1
+        ):
+            return 0
+        tid, ctx = idx.col(G_UBATCH, "tid")[u], idx.col(G_UBATCH, "ctx")[u]
+        s_tid, s_ctx = idx.col(G_SMALL, "tid"), idx.col(G_SMALL, "ctx")
+        end, begin, sample = idx.row[end_at], idx.row[begin_at], idx.row[sample_at]
+        if s_tid[end] != tid or s_tid[begin] != tid or s_tid[sample] != tid:
+            return 0
+        if s_ctx[begin] != ctx or s_ctx[sample] != ctx:
+            return 0
+        c = self.ctxs.get(ctx)
+        if c is None or not c.sampler_seen or (c.decode_seen and c.rows):
+            return 0
+        want = idx.col(G_SMALL, "a")[begin]  # llama_get_logits_ith's index: this row either way
+        if want not in (-1, 0):
+            return 0
+        seq, pos, token = (idx.first(G_UBATCH, f)[u] for f in ("seq_id", "pos", "token"))
+        st = c.seqs.get(seq)
+        if st is None or pos != st.max_pos + 1 or (st.expect_token is not None and st.expect_token != token):
+            return 0
+        clears = self.pending_clears.get(tid)
+        if clears and any(cs in (-1, seq) and p0 <= st.max_pos for cs, p0 in clears):
+            return 0  # the sequence was cut: _segment starts a new request
+        pre: AggRow | None = None
+        if agg_at >= 0:
+            a = idx.row[agg_at]
+            if idx.col(G_STEP_AGG, "tid")[a] != tid or idx.col(G_STEP_AGG, "overlap")[a]:
+                return 0
+            if self.counters.verified_sparse < VERIFY_UBATCHES and self.n_expert:
+                return 0
+            pre = self._agg_pre.get(idx.col(G_STEP_AGG, "seq")[a])
+            if pre is None:
+                return 0
+        logits: list[np.ndarray] | None = None
+        if logits_at < sample_at:
+            rows = idx.row[logits_at:sample_at]
+            l_tid, l_ctx, l_chunk = (idx.col(G_LOGITS, f) for f in ("tid", "ctx", "chunk"))
+            if any(l_tid[r] != tid or l_ctx[r] != ctx for r in rows):
+                return 0
+            vals = idx.arrays[G_LOGITS]["vals"]
+            chunk_len = vals.shape[1]
+            n_vocab = idx.col(G_LOGITS, "n_vocab")[rows[-1]]
+            if [l_chunk[r] for r in rows] != list(range(-(-n_vocab // chunk_len))):
+                return 0  # incomplete or out of order: _on_sample_end counts it
+            n_vals = idx.col(G_LOGITS, "n_vals")
+            logits = [vals[r][: n_vals[r]] for r in rows]
+
+        # _on_ubatch
+        if not c.decode_seen:
+            c.decode_id += 1
+        ub = idx.arrays[G_UBATCH][u]
+        step = Step(
+            step_id=self.next_step_id,
+            ctx_id=c.ctx_id,
+            decode_id=c.decode_id,
+            tid=tid,
+            t_start=idx.col(G_UBATCH, "ts_ns")[u],
+            t_end=idx.col(G_SMALL, "ts_ns")[end],
+            token=ub["token"][:1].copy(),
+            pos=ub["pos"][:1].copy(),
+            seq=ub["seq_id"][:1].copy(),
+            output=ub["output"][:1].copy(),
+            n_tokens=1,
+            truncated=False,
+        )
+        self.next_step_id += 1
+        self.pending_clears.pop(tid, None)
+        # _segment: the sequence continues (with a sampler seen, no next-input token is pending)
+        if st.samples > 0:
+            step.decode_rows = 1
+        st.next_input_pending = None
+        st.expect_token = None
+        st.max_pos = max(st.max_pos, pos)
+        c.rows, c.outputs = [(step, 0)], [(step, 0)]
+        # _on_step_agg
+        if pre is not None:
+            step.sparse = StepSparse.from_pre(pre)
+            self.layers_seen["moe"].update(pre.moe_seen)
+            self.layers_seen["ffn"].update(pre.ffn_seen)
+            self.layers_seen["attn"].update(step.sparse.add_agg_attn_lists(pre.attn, self.layers.attn))
+        # _on_ubatch_end
+        self._steps.add(
+            step_id=step.step_id,
+            ctx_id=step.ctx_id,
+            decode_id=step.decode_id,
+            t_start_ns=step.t_start,
+            t_end_ns=step.t_end,
+            ts_unix_ms=self._wall_ms(step.t_start),
+            n_tokens=1,
+            n_outputs=1,
+            phase=PHASE_DECODE,
+            prompt_rows=1 - step.decode_rows,
+            decode_rows=step.decode_rows,
+            seq_ids=[seq],
+            token_ids=[token],
+            positions=[pos],
+            row_seq_ids=[seq],
+            output_rows=[0],
+            truncated=False,
+            pid=self.pid,
+            tid=tid,
+        )
+        if step.sparse is not None:
+            self.layers_seen["attn"].update(self.attn_map.observe(step.sparse))
+            values = pre.values if pre is not None else None
+            if (
+                values is not None
+                and not self.with_masks
+                and self._route_layout()[3]
+                and None not in values["expert_ids"]
+                and None not in values["act_zero_ratio"]
+            ):
+                # _emit_routes' common case, kept for one extend per column over the drain
+                self._routes_pending.append((step.step_id, step.ctx_id, seq, pos, values))
+            else:
+                self._emit_routes(step)
+        # _on_sample_begin .. _on_sample_end
+        c.sampling.pop(tid, None)
+        self._emit_token(c, step, 0, idx.col(G_SMALL, "a")[sample], tid, SOURCE_SAMPLER, logits)
+        return sample_at + 1
+
     def _on_decode_begin(self, r: dict[str, Any]) -> None:
         c = self._ctx(int(r["ctx"]))
         c.decode_id += 1
@@ -417,19 +570,40 @@ class Correlator:
             self._routes_layout = (all_layers, km_of, kf_of, identity)
         return self._routes_layout
 
+    def _route_columns(self) -> dict[str, list[object]]:
+        cols = self._routes
+        if not cols:
+            for name in _ROUTE_COLUMNS:
+                cols[name] = []
+        return cols
+
+    def _flush_routes(self) -> None:
+        """The routes rows of the fast steps so far (every layer is MoE and FFN, all computed for
+        the one row: _emit_routes' first case), one extend per column for all of them."""
+        pending, self._routes_pending = self._routes_pending, []
+        if not pending:
+            return
+        all_layers = self._route_layout()[0]
+        n_layers = len(all_layers)
+        cols = self._route_columns()
+        for name, k in (("step_id", 0), ("ctx_id", 1), ("seq_id", 2), ("pos", 3)):
+            cols[name].extend(chain.from_iterable(repeat(p[k], n_layers) for p in pending))
+        cols["row"].extend(repeat(0, n_layers * len(pending)))
+        cols["layer"].extend(all_layers * len(pending))
+        for name in _ROUTE_VALUES:
+            cols[name].extend(chain.from_iterable(p[4][name] for p in pending))
+
     def _emit_routes(self, step: Step) -> None:
         """The long form: one row per (batch row, FFN layer) the engine computed, from the same
         per-row values the token rows use (computed once per row). Whole columns are extended at
         once per row: per-value appends were the largest consumer cost of full mode."""
+        self._flush_routes()  # rows keep the order of their steps
         sp = step.sparse
         assert sp is not None
         out_index = step.output_index()
         all_layers, km_of, kf_of, identity = self._route_layout()
         n_layers = len(all_layers)
-        cols = self._routes
-        if not cols:
-            for name in _ROUTE_COLUMNS:
-                cols[name] = []
+        cols = self._route_columns()
         for i, (seq, pos) in enumerate(zip(step.seq.tolist(), step.pos.tolist(), strict=True)):
             b = step.row_offset + i
             v = sp.row_values(b, out_index, step.n_tokens, self.layers, self.problems)
@@ -944,24 +1118,6 @@ class _RowBuffer:
         if not rows:
             return {}
         return {name: list(col) for name, col in zip(self.names, zip(*rows, strict=True), strict=True)}
-
-
-def _big_records(arr: np.ndarray) -> list[tuple[int, dict[str, Any]]]:
-    """(seq, record dict) of records with array fields: scalar fields become Python values one
-    field (column) at a time, array fields numpy views into the drained records. Indexing each
-    field of each record separately cost ~20 numpy calls per token."""
-    dt = arr.dtype
-    names = dt.names or ()
-    scalar = [n for n in names if not dt[n].shape]
-    arrays = [(n, arr[n]) for n in names if dt[n].shape]
-    rows = zip(*(arr[n].tolist() for n in scalar), strict=True)
-    out = []
-    for i, values in enumerate(rows):
-        d: dict[str, Any] = dict(zip(scalar, values, strict=True))
-        for n, col in arrays:
-            d[n] = col[i]
-        out.append((d["seq"], d))
-    return out
 
 
 def _failed_verification(what: str, problems: list[str]) -> UnsupportedEngineBuild:
