@@ -214,6 +214,16 @@ class Correlator:
                 if nxt:
                     i = nxt
                     continue
+            elif (kind == ev.EV_DECODE_BEGIN or kind == ev.EV_SEQ_RM) and idx.group[i] == G_SMALL:
+                # once per token each: from the columns
+                r = idx.row[i]
+                a, b = idx.col(G_SMALL, "a")[r], idx.col(G_SMALL, "b")[r]
+                if kind == ev.EV_DECODE_BEGIN:
+                    self._decode_begin(idx.col(G_SMALL, "ctx")[r], a, b, idx.col(G_SMALL, "c")[r])
+                else:
+                    self.pending_clears.setdefault(idx.col(G_SMALL, "tid")[r], []).append((a, b))
+                i += 1
+                continue
             handler = _HANDLERS.get(kind)
             if handler is not None:
                 handler(self, idx.record(i))
@@ -421,6 +431,7 @@ class Correlator:
             output=ub["output"][:1].copy(),
             n_tokens=1,
             truncated=False,
+            _output_index={0: 0},
         )
         self.next_step_id += 1
         self.pending_clears.pop(tid, None)
@@ -479,11 +490,14 @@ class Correlator:
         return sample_at + 1
 
     def _on_decode_begin(self, r: dict[str, Any]) -> None:
-        c = self._ctx(int(r["ctx"]))
+        self._decode_begin(int(r["ctx"]), int(r["a"]), int(r["b"]), int(r["c"]))
+
+    def _decode_begin(self, ctx: int, n_tokens: int, token0: int, pos0: int) -> None:
+        c = self._ctx(ctx)
         c.decode_id += 1
         c.decode_seen = True
         c.rows, c.outputs = [], []
-        c.public_batch = (int(r["a"]), int(r["b"]), int(r["c"])) if int(r["a"]) >= 0 else None
+        c.public_batch = (n_tokens, token0, pos0) if n_tokens >= 0 else None
 
     def _on_ubatch(self, r: dict[str, Any]) -> None:
         c = self._ctx(int(r["ctx"]))
@@ -1010,7 +1024,7 @@ class Correlator:
                     (
                         v["expert_ids"] if self.layers.moe else [],
                         v["expert_weights"] if self.layers.moe else [],
-                        v["router_probs"] if any(p is not None for p in v["router_probs"]) else None,
+                        v["router_probs"] if v["router_probs"].count(None) < len(v["router_probs"]) else None,
                         v["act_zero_ratio"],
                         v["act_below_ratio"],
                         v["attn_attended"],

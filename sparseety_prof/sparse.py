@@ -532,14 +532,22 @@ class StepSparse:
         (layer_calls, learned by AttentionMap); never a layer whose call did not happen.
         Returns the layers filled."""
         filled = []
+        done: set[int] = set()  # calls whose counts are filed (one per kind of mask, many layers)
         for layer, call in layer_calls.items():
             mask = self.kv_masks.get(call)
             if mask is None or layer in self.attn_mask:
                 continue
             self.attn_mask[layer] = mask
-            counts = self.attn_counts.setdefault(mask, {})
-            for row, att in self.kv_counts.get(call, {}).items():
-                counts.setdefault(row, att)
+            if call not in done:
+                done.add(call)
+                kv = self.kv_counts.get(call)
+                if kv:
+                    counts = self.attn_counts.get(mask)
+                    if counts is None:
+                        self.attn_counts[mask] = dict(kv)
+                    else:
+                        for row, att in kv.items():
+                            counts.setdefault(row, att)
             filled.append(layer)
         return filled
 
