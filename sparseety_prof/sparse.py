@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -629,10 +629,10 @@ class StepSparse:
 AggAttn = tuple[list[int], list[int], list[int], list[int]]
 
 
-@dataclass(frozen=True)
-class AggRow:
+class AggRow(NamedTuple):
     """What the consumer needs of one aggregate record: the row's per-layer values (as
-    StepSparse.from_agg_row makes them), the MoE and FFN layers it saw, its attention columns."""
+    StepSparse.from_agg_row makes them), the MoE and FFN layers it saw, its attention columns.
+    A named tuple: one is made per token, and a frozen dataclass costs several times more to make."""
 
     values: dict[str, list[Any]]
     moe_seen: list[int]
@@ -672,7 +672,9 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
     nv_all = n_vals.tolist()
     att_n = np.minimum(arr["att_n"], ev.AGG_MAX_LAYERS).tolist()
     width = max(att_n, default=0)
-    att_cols = [arr[f][:, :width].tolist() for f in ("att_mask", "att_layer", "att_count", "att_flags")]
+    c_mask, c_layer, c_count, c_flags = (
+        arr[f][:, :width].tolist() for f in ("att_mask", "att_layer", "att_count", "att_flags")
+    )
     none_moe = [None] * len(layers.moe)
     out: list[AggRow] = []
     for i, (full, n_att) in enumerate(zip((moe_full & ffn_full).tolist(), att_n, strict=True)):
@@ -690,7 +692,7 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
             sp, moe_seen, ffn_seen = StepSparse.from_agg_row({f: arr[f][i] for f in _AGG_ROW_FIELDS}, layers)
             assert sp._agg_row is not None
             values = sp._agg_row
-        attn = tuple(col[i][:n_att] for col in att_cols)
+        attn = (c_mask[i][:n_att], c_layer[i][:n_att], c_count[i][:n_att], c_flags[i][:n_att])
         out.append(AggRow(values, moe_seen, ffn_seen, attn))
     return out
 

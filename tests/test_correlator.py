@@ -334,3 +334,126 @@ def test_row_buffer_keeps_rows_as_tuples_and_gives_columns() -> None:
         buf.add(a=4)  # a row must have every column
     # token rows with and without sparse values put their columns in the same order
     assert tuple(_NO_SPARSE) == _SPARSE_TOKEN_COLUMNS
+
+
+# ---------------------------------------------------------------- one-row decode steps, fast path
+
+
+def _agg_step(s: Script, token: int, pos: int, *, seq: int = 0, ctx: int = CTX, layers: int = 2) -> None:
+    """A one-row micro-batch with its aggregate record (every layer MoE and FFN, k = 2; two
+    attention nodes), as the probes send it for a decode step."""
+    r = np.zeros(1, ev.UBATCH_DTYPE)
+    s._hdr(r, ev.EV_UBATCH, ctx)
+    r["n_tokens"] = r["n_copied"] = 1
+    r["token"][0, 0], r["pos"][0, 0], r["seq_id"][0, 0], r["output"][0, 0] = token, pos, seq, 1
+    s.recs.append(r.tobytes())
+    a = np.zeros(1, ev.STEP_AGG_DTYPE)
+    s._hdr(a, ev.EV_STEP_AGG, ctx)
+    for layer in range(layers):
+        a["k_ids"][0, layer] = a["k_wts"][0, layer] = 2
+        a["ids"][0, layer, :2] = [(pos + layer) % 8, (pos + layer + 3) % 8]
+        a["wts"][0, layer, :2] = [0.5 + 0.01 * (pos % 10), 0.5 - 0.01 * (pos % 10)]
+        a["act_nr"][0, layer] = a["act_rows"][0, layer] = a["act_slots"][0, layer] = 2
+        a["act_ne0"][0, layer] = 16
+        a["act_zero"][0, layer] = pos % 7
+        a["act_below"][0, layer] = pos % 11
+    a["att_n"] = 2
+    a["att_mask"][0, :2] = [0x1000, 0x2000]
+    a["att_layer"][0, :2] = [0, 1]
+    a["att_count"][0, :2] = [pos + 1, min(pos + 1, 4)]
+    s.recs.append(a.tobytes())
+    s.small(ev.EV_UBATCH_END, ctx=ctx)
+
+
+def _mixed_script() -> Script:
+    """Many one-row decode steps, and among them everything that must leave the fast path:
+    prompts, cache removals (past the end and cutting), a token that is not the one sampled,
+    incomplete logits, a second sampler call on the same step, another context, steps without
+    an aggregate record, samples by positive index."""
+    s = Script()
+    logits = np.linspace(-2, 2, N_VOCAB, dtype=np.float32)
+    s.decode([1, 2, 3], [0, 1, 2])
+    s.sample(4, logits=logits)
+    pos, tok = 3, 4
+    for i in range(60):
+        s.small(ev.EV_SEQ_RM, 0, pos + 5 if i % 3 else pos, -1, ctx=MEM)  # past the end: no boundary
+        s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+        if i % 17 == 5:
+            s.ubatch([tok], [pos])  # no aggregate record (token mode)
+        else:
+            _agg_step(s, tok, pos)
+        nxt = (tok * 7 + i) % N_VOCAB
+        if i == 23:  # incomplete logits: two chunks expected, one seen
+            s.small(ev.EV_SAMPLE_BEGIN, -1, ev.SAMPLER_LLAMA)
+            r = np.zeros(1, ev.logits_dtype(1024))
+            s._hdr(r, ev.EV_LOGITS)
+            r["idx"], r["chunk"], r["n_vals"], r["n_vocab"] = -1, 0, 1024, 2000
+            s.recs.append(r.tobytes())
+            s.small(ev.EV_SAMPLE_END, nxt, ev.SAMPLER_LLAMA, -1)
+        else:
+            s.sample(nxt, idx=0 if i % 5 == 0 else -1, logits=logits + i)
+        if i == 31:
+            s.sample(nxt)  # a second sampler call on the same output row
+        pos, tok = pos + 1, nxt
+        if i == 40:
+            tok = (tok + 1) % N_VOCAB  # the next input is not the token sampled: a new request
+        if i == 47:
+            s.small(ev.EV_SEQ_RM, 0, 2, -1, ctx=MEM)  # cuts the sequence: a new request
+        if i % 13 == 0:
+            s.small(ev.EV_DECODE_BEGIN, -1, -1, -1, ctx=0xCCCC)  # another context's step
+            _agg_step(s, 3, i, ctx=0xCCCC)
+            s.small(ev.EV_SAMPLE_BEGIN, -1, ev.SAMPLER_LLAMA, ctx=0xCCCC)
+            s.small(ev.EV_SAMPLE_END, 5, ev.SAMPLER_LLAMA, -1, ctx=0xCCCC)
+    return s
+
+
+def _replay(s: Script, drains: int) -> tuple[list[dict[str, list[object]]], Correlator]:
+    c = Correlator(
+        pid=1,
+        n_vocab=N_VOCAB,
+        wall_offset_ns=0,
+        texts=lambda ids: [f"t{i}" for i in ids],
+        layers=LayerSet(moe=(0, 1), ffn=(0, 1), attn=(0, 1)),
+        n_expert=8,
+        n_expert_used=2,
+    )
+    out: list[dict[str, list[object]]] = [{}, {}, {}, {}]
+    per = -(-len(s.recs) // drains)
+    for k in range(0, len(s.recs), per):
+        c.feed(decode_records(s.recs[k : k + per], 1024))
+        tok, steps = c.take_rows()
+        routes, _ = c.take_sparse_rows()
+        for table, cols in zip(out, (tok, steps, routes, c.take_request_rows()), strict=True):
+            for name, values in cols.items():
+                table.setdefault(name, []).extend(values)
+    for name, values in c.take_request_rows(final=True).items():
+        out[3].setdefault(name, []).extend(values)
+    return out, c
+
+
+@pytest.mark.parametrize("drains", [1, 7])
+def test_fast_one_row_steps_equal_the_record_by_record_path(
+    monkeypatch: pytest.MonkeyPatch, drains: int
+) -> None:
+    s = _mixed_script()
+    taken = []
+    fast = Correlator._fast_step
+
+    def counting(self: Correlator, idx: object, i: int) -> int:
+        got = fast(self, idx, i)  # type: ignore[arg-type]
+        taken.append(got > 0)
+        return got
+
+    monkeypatch.setattr(Correlator, "_fast_step", counting)
+    got, c_fast = _replay(s, drains)
+    monkeypatch.setattr(Correlator, "_fast_step", lambda self, idx, i: 0)
+    want, c_slow = _replay(s, drains)
+    for name, g, w in zip(("tokens", "steps", "routes", "requests"), got, want, strict=True):
+        assert g.keys() == w.keys(), name
+        for col in w:
+            assert g[col] == w[col], f"{name}.{col}"
+    assert c_fast.counters == c_slow.counters
+    assert len(want[0]["token_id"]) > 60 and len(set(want[3]["request_id"])) >= 3
+    assert want[0]["log_prob"].count(None) >= 2  # the incomplete row and the second sampler call
+    # most steps took the fast path once verification was done (16 micro-batches)
+    assert sum(taken) > 30 and not all(taken)
