@@ -449,27 +449,7 @@ class Correlator:
             self.layers_seen["ffn"].update(pre.ffn_seen)
             self.layers_seen["attn"].update(step.sparse.add_agg_attn_lists(pre.attn, self.layers.attn))
         # _on_ubatch_end
-        self._steps.add(
-            step_id=step.step_id,
-            ctx_id=step.ctx_id,
-            decode_id=step.decode_id,
-            t_start_ns=step.t_start,
-            t_end_ns=step.t_end,
-            ts_unix_ms=self._wall_ms(step.t_start),
-            n_tokens=1,
-            n_outputs=1,
-            phase=PHASE_DECODE,
-            prompt_rows=1 - step.decode_rows,
-            decode_rows=step.decode_rows,
-            seq_ids=[seq],
-            token_ids=[token],
-            positions=[pos],
-            row_seq_ids=[seq],
-            output_rows=[0],
-            truncated=False,
-            pid=self.pid,
-            tid=tid,
-        )
+        self._add_step_row(step, 1, PHASE_DECODE, [seq], [token], [pos], [seq], [0])
         if step.sparse is not None:
             self.layers_seen["attn"].update(self.attn_map.observe(step.sparse))
             values = pre.values if pre is not None else None
@@ -541,8 +521,35 @@ class Correlator:
             return
         step.t_end = int(r["ts_ns"])
         groups = step.seq_rows()
-        seq_ids = sorted(groups)
         most_rows = max((len(r) for r in groups.values()), default=0)
+        self._add_step_row(
+            step,
+            int(np.count_nonzero(step.output)),
+            PHASE_PREFILL if most_rows > 1 else PHASE_DECODE,
+            sorted(groups),
+            step.token.tolist(),
+            step.pos.tolist(),
+            step.seq.tolist(),
+            (np.flatnonzero(step.output) + step.row_offset).tolist(),
+        )
+        if step.sparse is not None:
+            # layers whose masks were counted where the engine wrote them (graph-op probes gone)
+            self.layers_seen["attn"].update(self.attn_map.observe(step.sparse))
+            self._emit_routes(step)
+
+    def _add_step_row(
+        self,
+        step: Step,
+        n_outputs: int,
+        phase: str,
+        seq_ids: list[int],
+        token_ids: list[int],
+        positions: list[int],
+        row_seq_ids: list[int],
+        output_rows: list[int],
+    ) -> None:
+        """The steps table's row of a finished micro-batch (the row's columns are named here only:
+        _RowBuffer keeps the order of the first row's)."""
         self._steps.add(
             step_id=step.step_id,
             ctx_id=step.ctx_id,
@@ -551,23 +558,19 @@ class Correlator:
             t_end_ns=step.t_end,
             ts_unix_ms=self._wall_ms(step.t_start),
             n_tokens=step.n_tokens,
-            n_outputs=int(np.count_nonzero(step.output)),
-            phase=PHASE_PREFILL if most_rows > 1 else PHASE_DECODE,
+            n_outputs=n_outputs,
+            phase=phase,
             prompt_rows=step.n_tokens - step.decode_rows,
             decode_rows=step.decode_rows,
             seq_ids=seq_ids,
-            token_ids=step.token.tolist(),
-            positions=step.pos.tolist(),
-            row_seq_ids=step.seq.tolist(),
-            output_rows=(np.flatnonzero(step.output) + step.row_offset).tolist(),
+            token_ids=token_ids,
+            positions=positions,
+            row_seq_ids=row_seq_ids,
+            output_rows=output_rows,
             truncated=step.truncated,
             pid=self.pid,
             tid=step.tid,
         )
-        if step.sparse is not None:
-            # layers whose masks were counted where the engine wrote them (graph-op probes gone)
-            self.layers_seen["attn"].update(self.attn_map.observe(step.sparse))
-            self._emit_routes(step)
 
     def _route_layout(self) -> tuple[list[int], list[int | None], list[int | None], bool]:
         """The routes table's layers (MoE or FFN, in model order), per layer its index in the
