@@ -196,7 +196,7 @@ def bench(
                 b, meta = profiled(eng, tokens, out, settle, mode, sched, nice)
                 eng.run(WARMUP_TOKENS)
                 a = eng.run(tokens)
-            mask_reads[meta.get("attention_masks", {}).get("mask_read", "none")] += 1
+            mask_reads[(meta.get("attention_masks") or {}).get("mask_read", "none")] += 1
             ratios.append(tps(b) / tps(a))
             itl_a.append(itl_ms(a))
             itl_b.append(itl_ms(b))
