@@ -26,7 +26,7 @@ import numpy.ma
 
 from . import events as ev
 from .attention_map import AttentionMap
-from .drain_index import G_LOGITS, G_SMALL, G_STEP_AGG, G_UBATCH, DrainIndex
+from .drain_index import G_LOGITS, G_SMALL, G_UBATCH, DrainIndex
 from .errors import UnsupportedEngineBuild
 from .logits import BACKEND, RowStats, row_stats, row_stats_at
 from .schema import PHASE_DECODE, PHASE_PREFILL, SOURCE_NEXT_INPUT, SOURCE_SAMPLER
@@ -43,6 +43,29 @@ _SPARSE_TOKEN_COLUMNS = (
     "kv_cells_used",
 )
 _NO_SPARSE: dict[str, object] = dict.fromkeys(_SPARSE_TOKEN_COLUMNS)
+_NO_SPARSE_VALUES: tuple[object, ...] = tuple(_NO_SPARSE.values())
+# the token table's columns as _emit_token fills them (the statistics and texts come at take_rows)
+_TOKEN_ROW = (
+    "request_id",
+    "ctx_id",
+    "seq_id",
+    "decode_order",
+    "pos",
+    "logits_pos",
+    "phase",
+    "token_id",
+    "token_source",
+    "step_id",
+    "t_start_ns",
+    "t_end_ns",
+    "ts_unix_ms",
+    "batch_size",
+    "partial",
+    "pid",
+    "tid",
+    "attn_total",
+    *_SPARSE_TOKEN_COLUMNS,
+)
 VERIFY_UBATCHES = 16  # micro-batches sanity-checked against the layout at attach time
 MAX_SEQ_ID = 1 << 16
 STATS_BLOCK = 64  # logits rows per statistics call (one C call per block)
@@ -361,17 +384,12 @@ class Correlator:
             or self.slot_tokens
         ):
             return 0
+        f = idx.fast()
         u = idx.row[i]
-        if (
-            idx.col(G_UBATCH, "n_copied")[u] != 1
-            or idx.col(G_UBATCH, "n_tokens")[u] != 1
-            or idx.col(G_UBATCH, "row_offset")[u] != 0
-            or idx.col(G_UBATCH, "flags")[u] != 0
-            or idx.first(G_UBATCH, "output")[u] != 1
-        ):
+        if not f.ub_one_row[u]:
             return 0
-        tid, ctx = idx.col(G_UBATCH, "tid")[u], idx.col(G_UBATCH, "ctx")[u]
-        s_tid, s_ctx = idx.col(G_SMALL, "tid"), idx.col(G_SMALL, "ctx")
+        tid, ctx = f.ub_tid[u], f.ub_ctx[u]
+        s_tid, s_ctx = f.s_tid, f.s_ctx
         end, begin, sample = idx.row[end_at], idx.row[begin_at], idx.row[sample_at]
         if s_tid[end] != tid or s_tid[begin] != tid or s_tid[sample] != tid:
             return 0
@@ -380,10 +398,10 @@ class Correlator:
         c = self.ctxs.get(ctx)
         if c is None or not c.sampler_seen or (c.decode_seen and c.rows):
             return 0
-        want = idx.col(G_SMALL, "a")[begin]  # llama_get_logits_ith's index: this row either way
-        if want not in (-1, 0):
+        want = f.s_a[begin]  # llama_get_logits_ith's index: this row either way
+        if want != -1 and want != 0:
             return 0
-        seq, pos, token = (idx.first(G_UBATCH, f)[u] for f in ("seq_id", "pos", "token"))
+        seq, pos, token = f.ub_seq[u], f.ub_pos[u], f.ub_token[u]
         st = c.seqs.get(seq)
         if st is None or pos != st.max_pos + 1 or (st.expect_token is not None and st.expect_token != token):
             return 0
@@ -393,26 +411,24 @@ class Correlator:
         pre: AggRow | None = None
         if agg_at >= 0:
             a = idx.row[agg_at]
-            if idx.col(G_STEP_AGG, "tid")[a] != tid or idx.col(G_STEP_AGG, "overlap")[a]:
+            if f.agg_tid[a] != tid or f.agg_overlap[a]:
                 return 0
             if self.counters.verified_sparse < VERIFY_UBATCHES and self.n_expert:
                 return 0
-            pre = self._agg_pre.get(idx.col(G_STEP_AGG, "seq")[a])
+            pre = self._agg_pre.get(f.agg_seq[a])
             if pre is None:
                 return 0
         logits: list[np.ndarray] | None = None
         if logits_at < sample_at:
             rows = idx.row[logits_at:sample_at]
-            l_tid, l_ctx, l_chunk = (idx.col(G_LOGITS, f) for f in ("tid", "ctx", "chunk"))
-            if any(l_tid[r] != tid or l_ctx[r] != ctx for r in rows):
-                return 0
+            for r in rows:
+                if f.lg_tid[r] != tid or f.lg_ctx[r] != ctx:
+                    return 0
             vals = idx.arrays[G_LOGITS]["vals"]
-            chunk_len = vals.shape[1]
-            n_vocab = idx.col(G_LOGITS, "n_vocab")[rows[-1]]
-            if [l_chunk[r] for r in rows] != list(range(-(-n_vocab // chunk_len))):
+            n_chunks = -(-f.lg_n_vocab[rows[-1]] // vals.shape[1])
+            if len(rows) != n_chunks or any(f.lg_chunk[r] != k for k, r in enumerate(rows)):
                 return 0  # incomplete or out of order: _on_sample_end counts it
-            n_vals = idx.col(G_LOGITS, "n_vals")
-            logits = [vals[r][: n_vals[r]] for r in rows]
+            logits = [vals[r][: f.lg_n_vals[r]] for r in rows]
 
         # _on_ubatch
         if not c.decode_seen:
@@ -423,8 +439,8 @@ class Correlator:
             ctx_id=c.ctx_id,
             decode_id=c.decode_id,
             tid=tid,
-            t_start=idx.col(G_UBATCH, "ts_ns")[u],
-            t_end=idx.col(G_SMALL, "ts_ns")[end],
+            t_start=f.ub_ts[u],
+            t_end=f.s_ts[end],
             token=ub["token"][:1].copy(),
             pos=ub["pos"][:1].copy(),
             seq=ub["seq_id"][:1].copy(),
@@ -466,7 +482,7 @@ class Correlator:
                 self._emit_routes(step)
         # _on_sample_begin .. _on_sample_end
         c.sampling.pop(tid, None)
-        self._emit_token(c, step, 0, idx.col(G_SMALL, "a")[sample], tid, SOURCE_SAMPLER, logits)
+        self._emit_token(c, step, 0, f.s_a[sample], tid, SOURCE_SAMPLER, logits)
         return sample_at + 1
 
     def _on_decode_begin(self, r: dict[str, Any]) -> None:
@@ -1014,48 +1030,45 @@ class Correlator:
                 st.samples = logits_pos + 1 - base
                 st.agg.prompt_tokens = base
                 st.agg.inherited = st.samples
-        sparse_cols: dict[str, object] = _NO_SPARSE
+        sparse_values: tuple[object, ...] = _NO_SPARSE_VALUES
         if step.sparse is not None:
             v = step.sparse.row_values(
                 step.row_offset + i, step.output_index(), step.n_tokens, self.layers, self.problems
             )
             att = [a for a in v["attn_attended"] if a is not None]
-            # in _SPARSE_TOKEN_COLUMNS order, the order of _NO_SPARSE (rows are tuples)
-            sparse_cols = dict(
-                zip(
-                    _SPARSE_TOKEN_COLUMNS,
-                    (
-                        v["expert_ids"] if self.layers.moe else [],
-                        v["expert_weights"] if self.layers.moe else [],
-                        v["router_probs"] if v["router_probs"].count(None) < len(v["router_probs"]) else None,
-                        v["act_zero_ratio"],
-                        v["act_below_ratio"],
-                        v["attn_attended"],
-                        max(att) if att else None,
-                    ),
-                    strict=True,
-                )
+            sparse_values = (  # in _SPARSE_TOKEN_COLUMNS order
+                v["expert_ids"] if self.layers.moe else [],
+                v["expert_weights"] if self.layers.moe else [],
+                v["router_probs"] if v["router_probs"].count(None) < len(v["router_probs"]) else None,
+                v["act_zero_ratio"],
+                v["act_below_ratio"],
+                v["attn_attended"],
+                max(att) if att else None,
             )
-        self._tokens.add(
-            request_id=st.request_id,
-            ctx_id=c.ctx_id,
-            seq_id=seq,
-            decode_order=None if st.partial else st.samples,
-            pos=logits_pos + 1,
-            logits_pos=logits_pos,
-            phase=PHASE_PREFILL if st.samples == 0 and not st.partial else PHASE_DECODE,
-            token_id=token,
-            token_source=source,
-            step_id=step.step_id,
-            t_start_ns=step.t_start,
-            t_end_ns=step.t_end,
-            ts_unix_ms=self._wall_ms(step.t_end) if step.t_end is not None else None,
-            batch_size=step.n_tokens,
-            partial=st.partial,
-            pid=self.pid,
-            tid=tid,
-            attn_total=logits_pos + 1,
-            **sparse_cols,
+        # in _TOKEN_ROW order: one tuple per token, no keyword dict (a row per token)
+        self._tokens.add_values(
+            _TOKEN_ROW,
+            (
+                st.request_id,
+                c.ctx_id,
+                seq,
+                None if st.partial else st.samples,
+                logits_pos + 1,
+                logits_pos,
+                PHASE_PREFILL if st.samples == 0 and not st.partial else PHASE_DECODE,
+                token,
+                source,
+                step.step_id,
+                step.t_start,
+                step.t_end,
+                self._wall_ms(step.t_end) if step.t_end is not None else None,
+                step.n_tokens,
+                st.partial,
+                self.pid,
+                tid,
+                logits_pos + 1,
+                *sparse_values,
+            ),
         )
         st.samples += 1
         st.expect_token = token
@@ -1125,6 +1138,14 @@ class _RowBuffer:
         elif len(row) != len(self.names):
             raise ValueError(f"row with columns {sorted(row)}, expected {sorted(self.names)}")
         self.rows.append(tuple(row.values()))
+
+    def add_values(self, names: tuple[str, ...], values: tuple[object, ...]) -> None:
+        """A row given as values in the order of `names` (the same names for every row)."""
+        if not self.rows:
+            self.names = names
+        elif names is not self.names and names != self.names:
+            raise ValueError(f"row with columns {sorted(names)}, expected {sorted(self.names)}")
+        self.rows.append(values)
 
     def __len__(self) -> int:
         return len(self.rows)
