@@ -11,7 +11,8 @@ kernel `topk_hist_kernel`, copied after every launch); after one discarded warm-
 with the modes in rotating order, tokens/s reported per run and as medians. The ring is drained
 directly while each child runs.
 Prints one JSON object; exit 0 when every check passed, 1 when one failed, 2 when the machine
-cannot run the check at all (no GPU, no torch, library not built).
+cannot run the check at all (no GPU, no torch, library not built). The CUDA C++ kernel is built once
+with torch's load_inline (nvcc, ~1 min); where that fails the other checks still run.
 """
 
 from __future__ import annotations
@@ -41,6 +42,26 @@ GPU = ROOT / "sparseety_prof" / "gpu"
 LIB = ROOT / "cupti_ext" / "build" / "libsparseety_cupti.so"
 KERNEL = "topk_hist_kernel"
 WATCH = f"{KERNEL}:0:int32:arg2"  # topk_ids pointer is arg 0, its element count the int32 arg 2
+# A CUDA C++ kernel launched with <<<>>> (a runtime-API launch, as vLLM's moe_align_block_size
+# is), built on the machine with torch's load_inline: the runtime launch path of the watch.
+RT_KERNEL = "sparseety_copy_ids_kernel"
+RT_WATCH = f"{RT_KERNEL}:0:int32:arg2"
+RT_CPP = "torch::Tensor copy_ids(torch::Tensor ids);"
+RT_CUDA = """
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+__global__ void sparseety_copy_ids_kernel(const int* ids, int* out, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = ids[i];
+}
+torch::Tensor copy_ids(torch::Tensor ids) {
+    auto out = torch::empty_like(ids);
+    int n = (int)ids.numel();
+    sparseety_copy_ids_kernel<<<(n + 127) / 128, 128, 0, at::cuda::getCurrentCUDAStream()>>>(
+        ids.data_ptr<int>(), out.data_ptr<int>(), n);
+    return out;
+}
+"""
 HIDDEN, EXPERTS, TOPK, LAYERS, BATCH, VOCAB, FFN = 1024, 16, 2, 4, 8, 4096, 512
 WARMUP = 10
 
@@ -71,8 +92,26 @@ def load(name: str, path: Path) -> ModuleType:
 # ---------------------------------------------------------------- child: the decode loop
 
 
-def child(steps: int, out: Path) -> None:
+def runtime_ext(build_dir: Path) -> Any:
+    """The CUDA C++ extension (built on first use, then loaded from build_dir)."""
+    from torch.utils.cpp_extension import load_inline
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return load_inline(
+        name="sparseety_gpucheck_ext",
+        cpp_sources=RT_CPP,
+        cuda_sources=RT_CUDA,
+        functions=["copy_ids"],
+        build_directory=str(build_dir),
+        extra_cuda_cflags=["-O2"],
+        verbose=False,
+    )
+
+
+def child(steps: int, out: Path, ext_dir: Path | None) -> None:
     import torch
+
+    ext = runtime_ext(ext_dir) if ext_dir is not None else None
 
     t_begin = time.monotonic_ns()
     dev = torch.device("cuda")
@@ -98,6 +137,8 @@ def child(steps: int, out: Path) -> None:
             topk_ids = ids.to(torch.int32).contiguous()
             n = topk_ids.numel()
             topk_hist_kernel[(triton.cdiv(n, 128),)](topk_ids, hist, n, BLOCK=128)
+            if ext is not None:
+                ext.copy_ids(topk_ids)  # the same ids again, through a runtime-API launch
             if keep:
                 kept.append(topk_ids.clone())
             h = torch.einsum("bh,bkhf->bkf", x, w1[ids.flatten()].view(BATCH, TOPK, HIDDEN, FFN))
@@ -131,12 +172,15 @@ def child(steps: int, out: Path) -> None:
 # ---------------------------------------------------------------- parent
 
 
-def run_mode(mode: str, steps: int, tmp: Path, shm_ring: Any, launch: Any) -> dict[str, Any]:
+def run_mode(
+    mode: str, steps: int, tmp: Path, shm_ring: Any, launch: Any, ext_dir: Path | None = None
+) -> dict[str, Any]:
     out = tmp
     out.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARSEETY_", "CUDA_INJECTION64"))}
     if mode != "off":
-        env = launch.build_env(env, LIB, watch=WATCH if mode == "buffers" else None, flush_ms=50)
+        watch = (WATCH + (f";{RT_WATCH}" if ext_dir is not None else "")) if mode == "buffers" else None
+        env = launch.build_env(env, LIB, watch=watch, flush_ms=50)
         env["SPARSEETY_SHM_NAME"] = "sparseety-gpucheck.{pid}"
     p0 = time.monotonic_ns()
     # The children run on a fixed set of cores (not the parent's draining core) where the machine
@@ -149,7 +193,8 @@ def run_mode(mode: str, steps: int, tmp: Path, shm_ring: Any, launch: Any) -> di
         os.sched_setaffinity(0, child_cores)
 
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--child", "--steps", str(steps), "--out", str(out)],
+        [sys.executable, __file__, "--child", "--steps", str(steps), "--out", str(out)]
+        + (["--ext", str(ext_dir)] if ext_dir is not None else []),
         env=env,
         preexec_fn=pin,
     )
@@ -227,6 +272,13 @@ def analyse(
         res["topk_bytes_expected"] = len(expected)
         res["topk_equal"] = got == expected
         res["topk_shapes"] = sorted({w.shape for w in watched})
+        rt = [w for w in sorted(watched, key=lambda w: w.correlation_id) if RT_KERNEL in w.kernel]
+        if rt:  # the runtime-API launches of the extension's kernel, watched the same way
+            res["runtime_watched_buffers"] = len(rt)
+            res["runtime_topk_equal"] = b"".join(w.data for w in rt) == expected
+            res["runtime_launch_apis"] = sorted(
+                {r.api for r in launches if r.correlation_id in {w.correlation_id for w in rt}}
+            )
     return res
 
 
@@ -236,9 +288,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=1000, help="decode steps timed per run (default 1000)")
     ap.add_argument("--rounds", type=int, default=5, help="runs of each mode, in rotating order (default 5)")
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--ext", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--no-runtime-kernel",
+        action="store_true",
+        help="skip the CUDA C++ kernel (built with torch's load_inline) that checks runtime-API launches",
+    )
     args = ap.parse_args()
     if args.child:
-        child(args.steps, args.out)
+        child(args.steps, args.out, args.ext)
         return 0
 
     if not (Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia").exists()):
@@ -268,13 +326,26 @@ def main() -> int:
     modes = ("off", "kernels", "buffers")
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="sparseety-gpucheck-") as tmp:
+        ext_dir: Path | None = None
+        if not args.no_runtime_kernel:
+            # built once here (nvcc, ~1 min), loaded by every child from the same directory
+            print("gpu_check: building the CUDA C++ kernel (torch load_inline)", file=sys.stderr, flush=True)
+            t_build = time.monotonic()
+            try:
+                runtime_ext(Path(tmp) / "ext")
+                ext_dir = Path(tmp) / "ext"
+                report["runtime_kernel"] = f"built in {time.monotonic() - t_build:.0f} s"
+            except Exception as e:  # no nvcc, no ninja: the other checks still run
+                report["runtime_kernel"] = f"not built: {type(e).__name__}: {str(e)[-400:]}"
         # One discarded run first: the GPU leaves its idle clocks and the caches fill. Then the
         # modes rotate round by round, so no mode always runs first or last.
-        report["warmup"] = run_mode("off", args.steps, Path(tmp) / "warmup", shm_ring, launch)
+        report["warmup"] = run_mode("off", args.steps, Path(tmp) / "warmup", shm_ring, launch, ext_dir)
         for r in range(args.rounds):
             for mode in modes[r % 3 :] + modes[: r % 3]:
                 print(f"gpu_check: round {r + 1}/{args.rounds}: {mode}", file=sys.stderr, flush=True)
-                runs[mode].append(run_mode(mode, args.steps, Path(tmp) / f"{mode}-{r}", shm_ring, launch))
+                runs[mode].append(
+                    run_mode(mode, args.steps, Path(tmp) / f"{mode}-{r}", shm_ring, launch, ext_dir)
+                )
     for mode in modes:
         report[mode] = runs[mode][-1] | {"tokens_per_s_runs": [x.get("tokens_per_s") for x in runs[mode]]}
     speed = {m: statistics.median(x.get("tokens_per_s", 0.0) for x in runs[m]) for m in modes}
@@ -303,6 +374,8 @@ def main() -> int:
         ),
         "no_errors": all(not x.get("errors") for x in every),
     }
+    if ext_dir is not None:  # the runtime-API launch path of the watch
+        checks["runtime_topk_equal"] = all(x.get("runtime_topk_equal") for x in runs["buffers"])
     report["checks"] = checks
     report["ok"] = all(checks.values())
     print(json.dumps(report, indent=1, default=str))

@@ -6,4 +6,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-exec timeout 230 "$PY" scripts/gpu_check.py "$@"
+exec timeout 330 "$PY" scripts/gpu_check.py "$@"
