@@ -7,12 +7,13 @@ BCC: `records.py`, `shm_ring.py` and `launch.py` are loaded by file path.
 A small MoE decode loop (hidden 1024, 16 experts, top-2, 4 layers, 8 sequences, greedy next token
 from a 4096-entry vocab head, 1000 timed steps) runs in child processes in three modes: library
 off, library on (kernels only), library on with the top-k ids watched (argument 0 of the Triton
-kernel `topk_hist_kernel`, copied after every launch); after one discarded warm-up run, 5 rounds
+kernel `topk_hist_kernel`, copied after every launch, and the same ids through a CUDA C++ kernel
+launched with <<<>>>, the runtime-API path); after one discarded warm-up run, 5 rounds
 with the modes in rotating order, tokens/s reported per run and as medians. The ring is drained
 directly while each child runs.
 Prints one JSON object; exit 0 when every check passed, 1 when one failed, 2 when the machine
-cannot run the check at all (no GPU, no torch, library not built). The CUDA C++ kernel is built once
-with torch's load_inline (nvcc, ~1 min); where that fails the other checks still run.
+cannot run the check at all (no GPU, no torch, library not built). The CUDA C++ kernel is built
+once with torch's load_inline (nvcc, ~1 min); where that fails the other checks still run.
 """
 
 from __future__ import annotations
