@@ -210,8 +210,9 @@ class Correlator:
         self.attn_map = AttentionMap(self.layers.attn)
         self._routes: dict[str, list[object]] = {}
         self._routes_layout: tuple[list[int], list[int | None], list[int | None], bool] | None = None
-        # routes rows of fast one-row steps not yet in _routes: (step_id, ctx_id, seq, pos, values)
-        self._routes_pending: list[tuple[int, int, int, int, dict[str, list[Any]]]] = []
+        # routes rows of _emit_routes' common case not yet in _routes: (step_id, ctx_id, seq, pos,
+        # row, the row's values)
+        self._routes_pending: list[tuple[int, int, int, int, int, dict[str, Any]]] = []
         self._masks: dict[str, list[object]] = {}
         self.serving = serving
         # server: a sample waits for the process_token call that names its slot (by thread)
@@ -244,7 +245,7 @@ class Correlator:
                 if kind == ev.EV_DECODE_BEGIN:
                     self._decode_begin(idx.col(G_SMALL, "ctx")[r], a, b, idx.col(G_SMALL, "c")[r])
                 else:
-                    self.pending_clears.setdefault(idx.col(G_SMALL, "tid")[r], []).append((a, b))
+                    self._seq_rm(idx.col(G_SMALL, "tid")[r], a, b)
                 i += 1
                 continue
             handler = _HANDLERS.get(kind)
@@ -413,7 +414,7 @@ class Correlator:
             a = idx.row[agg_at]
             if f.agg_tid[a] != tid or f.agg_overlap[a]:
                 return 0
-            if self.counters.verified_sparse < VERIFY_UBATCHES and self.n_expert:
+            if self._verifying_sparse():
                 return 0
             pre = self._agg_pre.get(f.agg_seq[a])
             if pre is None:
@@ -468,18 +469,7 @@ class Correlator:
         self._add_step_row(step, 1, PHASE_DECODE, [seq], [token], [pos], [seq], [0])
         if step.sparse is not None:
             self.layers_seen["attn"].update(self.attn_map.observe(step.sparse))
-            values = pre.values if pre is not None else None
-            if (
-                values is not None
-                and not self.with_masks
-                and self._route_layout()[3]
-                and None not in values["expert_ids"]
-                and None not in values["act_zero_ratio"]
-            ):
-                # _emit_routes' common case, kept for one extend per column over the drain
-                self._routes_pending.append((step.step_id, step.ctx_id, seq, pos, values))
-            else:
-                self._emit_routes(step)
+            self._emit_routes(step)
         # _on_sample_begin .. _on_sample_end
         c.sampling.pop(tid, None)
         self._emit_token(c, step, 0, f.s_a[sample], tid, SOURCE_SAMPLER, logits)
@@ -611,26 +601,25 @@ class Correlator:
         return cols
 
     def _flush_routes(self) -> None:
-        """The routes rows of the fast steps so far (every layer is MoE and FFN, all computed for
-        the one row: _emit_routes' first case), one extend per column for all of them."""
+        """The routes rows gathered so far by _emit_routes (every layer is MoE and FFN, all
+        computed for the row: the common case), one extend per column for all of them."""
         pending, self._routes_pending = self._routes_pending, []
         if not pending:
             return
         all_layers = self._route_layout()[0]
         n_layers = len(all_layers)
         cols = self._route_columns()
-        for name, k in (("step_id", 0), ("ctx_id", 1), ("seq_id", 2), ("pos", 3)):
+        for name, k in (("step_id", 0), ("ctx_id", 1), ("seq_id", 2), ("pos", 3), ("row", 4)):
             cols[name].extend(chain.from_iterable(repeat(p[k], n_layers) for p in pending))
-        cols["row"].extend(repeat(0, n_layers * len(pending)))
         cols["layer"].extend(all_layers * len(pending))
         for name in _ROUTE_VALUES:
-            cols[name].extend(chain.from_iterable(p[4][name] for p in pending))
+            cols[name].extend(chain.from_iterable(p[5][name] for p in pending))
 
     def _emit_routes(self, step: Step) -> None:
         """The long form: one row per (batch row, FFN layer) the engine computed, from the same
         per-row values the token rows use (computed once per row). Whole columns are extended at
-        once per row: per-value appends were the largest consumer cost of full mode."""
-        self._flush_routes()  # rows keep the order of their steps
+        once per row: per-value appends were the largest consumer cost of full mode. Rows of the
+        common case are gathered and extended once per drain (_flush_routes)."""
         sp = step.sparse
         assert sp is not None
         out_index = step.output_index()
@@ -645,6 +634,9 @@ class Correlator:
             values: dict[str, Sequence[object]]
             if identity and None not in ids_v and None not in zr_v:
                 # every layer is MoE and FFN, all computed for this row: the lists as they are
+                if not self.with_masks:  # (mask rows follow each routes row: no gathering then)
+                    self._routes_pending.append((step.step_id, step.ctx_id, seq, pos, b, v))
+                    continue
                 keep: Sequence[int] = range(n_layers)
                 values = {
                     "layer": all_layers,
@@ -673,6 +665,7 @@ class Correlator:
                 }
                 if len(keep) < n_layers:
                     values = {k: [vals[j] for j in keep] for k, vals in values.items()}
+            self._flush_routes()  # rows keep the order of their steps
             n = len(keep)
             for name, value in (
                 ("step_id", step.step_id),
@@ -722,7 +715,7 @@ class Correlator:
         if step is None or int(r["overlap"]):
             self.counters.sparse_unattributed += 1
             return
-        verifying = self.counters.verified_sparse < VERIFY_UBATCHES and self.n_expert
+        verifying = self._verifying_sparse()
         pre = self._agg_pre.get(int(r["seq"]))
         if not verifying and (step.sparse is None or not step.sparse.from_records):
             # the common case (nothing but maybe attention records came before): the row's
@@ -770,6 +763,10 @@ class Correlator:
             section = "attn"
         if got is not None:
             self.layers_seen[section].add(got[1])
+
+    def _verifying_sparse(self) -> bool:
+        """The first aggregate records of an MoE model are still checked against the model."""
+        return self.counters.verified_sparse < VERIFY_UBATCHES and bool(self.n_expert)
 
     def _verify_routing(self, sp: StepSparse) -> None:
         """The first routing tensors are checked against the model: k values per row, expert ids
@@ -894,7 +891,10 @@ class Correlator:
         self._emit_sample(c, idx, token, tid, logits, slot=int(r["a"]))
 
     def _on_seq_rm(self, r: dict[str, Any]) -> None:
-        self.pending_clears.setdefault(int(r["tid"]), []).append((int(r["a"]), int(r["b"])))
+        self._seq_rm(int(r["tid"]), int(r["a"]), int(r["b"]))
+
+    def _seq_rm(self, tid: int, seq: int, p0: int) -> None:
+        self.pending_clears.setdefault(tid, []).append((seq, p0))
 
     def _on_mem_clear(self, r: dict[str, Any]) -> None:
         self.pending_clears.setdefault(int(r["tid"]), []).append((-1, 0))

@@ -17,8 +17,9 @@ from .events import EventBatch
 
 # layouts in EventBatch.groups() order
 G_SMALL, G_UBATCH, G_LOGITS, G_TENSOR_S, G_TENSOR_L, G_ACT, G_ACT_MASK, G_ATTN, G_STEP_AGG, G_HTTP = range(10)
-_WHOLE_ROW = (G_SMALL, G_TENSOR_S, G_TENSOR_L, G_ACT, G_ACT_MASK, G_ATTN)  # all fields become values
-_ARRAY_VIEWS = (G_UBATCH, G_LOGITS, G_STEP_AGG)  # array fields stay views into the drained records
+# all fields become values; in the other layouts (micro-batch, logits, aggregate) array fields
+# stay views into the drained records
+_WHOLE_ROW = (G_SMALL, G_TENSOR_S, G_TENSOR_L, G_ACT, G_ACT_MASK, G_ATTN)
 
 
 class DrainIndex:
