@@ -61,11 +61,9 @@ PROBES = [
     ProbeSpec(tg.SYM_TASK_POST_ONE, "task_post_one", None, False),
     ProbeSpec(tg.SYM_TASK_POST_VEC, "task_post_vec", None, False),
     ProbeSpec(tg.SYM_SLOT_LAUNCH, "slot_launch", None, False),
-    ProbeSpec(tg.SYM_SLOT_LAUNCH_OLD, "slot_launch", None, False),
     ProbeSpec(tg.SYM_SLOT_LAUNCH_PARENT, "slot_launch_parent", None, False),
     ProbeSpec(tg.SYM_SLOT_RELEASE, "slot_release", None, False),
     ProbeSpec(tg.SYM_PROCESS_TOKEN, "slot_token", None, False),
-    ProbeSpec(tg.SYM_PROCESS_TOKEN_OLD, "slot_token", None, False),
 ]
 #: the graph-op probes that map attention layers to masks: detached once the consumer has
 #: learned which mask each layer applies (Session.detach_attention_ops)
@@ -188,6 +186,8 @@ def compile_and_attach(
     skip: frozenset[str] = frozenset(),
     moe: MoePlan | None = None,
 ) -> Session:
+    if build.ubatch is None:
+        raise ValueError("compile_and_attach needs a llama_ubatch layout (from the table or discovery)")
     bcc = import_bcc()
     capture = capture or Capture()
     # what the capture needs of the model's plan: router probabilities come with the ids from
@@ -254,7 +254,7 @@ def compile_and_attach(
             if spec.symbol == tg.SYM_KQ_MASK and not kv_mask:
                 continue
             syms = tg.elf_symbols(lib)
-            vaddr = syms[spec.symbol][0]
+            vaddr = syms[tg.symbol_in(lib, spec.symbol)][0]
             code = read_at_vaddr(lib, vaddr, 32)
             # a return probe needs the return address at [rsp]: only entry-only probes may skip
             # a stack-realigning prologue
@@ -273,9 +273,7 @@ def compile_and_attach(
 
 def is_server(where: dict[str, Path]) -> bool:
     """The process runs llama-server's task/slot machinery (a built binary or xllamacpp)."""
-    return (tg.SYM_SLOT_LAUNCH in where or tg.SYM_SLOT_LAUNCH_OLD in where) and (
-        tg.SYM_TASK_POST_ONE in where or tg.SYM_TASK_POST_VEC in where
-    )
+    return tg.SYM_SLOT_LAUNCH in where and (tg.SYM_TASK_POST_ONE in where or tg.SYM_TASK_POST_VEC in where)
 
 
 def fdinfo_recursion_misses(fdinfo: str) -> int:

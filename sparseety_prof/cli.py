@@ -58,6 +58,8 @@ def _options(args: argparse.Namespace) -> Options:
         sched=args.sched,
         capture=capture,
         moe_read=getattr(args, "moe_read", "auto"),
+        discover_layout=getattr(args, "discover_layout", False),
+        discover_timeout=getattr(args, "discover_timeout", 120.0),
     )
 
 
@@ -222,6 +224,18 @@ def _attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_requir
     p.add_argument("--duration", type=float, default=None, help="detach after this many seconds")
     p.add_argument("--redact-text", action="store_true", help="keep token ids but store no token text")
     p.add_argument("--model", type=Path, default=None, help="model file, when the engine has none mapped")
+    p.add_argument(
+        "--discover-layout",
+        action="store_true",
+        help="learn the engine's private llama_ubatch layout from its first forward passes even when "
+        "the table of verified layouts has its build (those passes are not recorded)",
+    )
+    p.add_argument(
+        "--discover-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for forward passes when the layout must be learned (default 120)",
+    )
     p.add_argument(
         "--nice",
         type=int,

@@ -119,12 +119,33 @@ def check_engine(pid: int) -> list[Check]:
             "" if not missing else "this engine build does not export what the profiler needs",
         )
     )
-    try:
-        b = layouts.resolve(where[tg.SYM_UBATCH])
-        out.append(Check("engine build", True, f"{b.engine} {b.version}: known llama_ubatch layout"))
-    except ProfError as e:
+    b = layouts.identify_build(t, where)
+    lo, hi = layouts.supported_range()
+    if b.ubatch is not None:
         out.append(
-            Check("engine build", False, str(e), "use a supported engine version (README: Supported engines)")
+            Check(
+                "engine build",
+                True,
+                f"{b.identity.describe()}: llama_ubatch layout from the {b.layout_source}",
+            )
+        )
+    else:
+        out.append(
+            Check(
+                "engine build",
+                True,
+                f"{b.identity.describe()}: not in the verified ggml range {lo}..{hi}; the "
+                f"llama_ubatch layout will be learned from live forward passes at attach",
+                "send the engine a request while attaching",
+            )
+        )
+    for layer in tg.capture_layers(where):
+        out.append(
+            Check(
+                f"layer: {layer.name}",
+                layer.available or layer.name != "tokens",
+                layer.detail if layer.available else f"degraded: {layer.detail}",
+            )
         )
     if t.model_paths:
         out.append(Check("model file", True, ", ".join(str(p) for p in t.model_paths)))

@@ -1,8 +1,10 @@
-"""Private struct layouts of known engine builds, and how a process's build is identified.
+"""Private struct layouts of llama.cpp builds: the table of layouts verified on live data (the
+fast path), and which one, if any, a process's build gets.
 
-`struct llama_ubatch` is private to llama.cpp and changes between versions, so a layout is only
-used for a build we know, and is verified against live data at attach time (verify.py). A build
-we do not know is refused with UnsupportedEngineBuild rather than recorded as garbage.
+`struct llama_ubatch` is private to llama.cpp and changes between versions. A build whose ggml
+version falls in a verified range starts with that range's layout, which the correlator checks
+on the first live micro-batches (a mismatch is refused, exit 6). Any other build gets no layout
+from here: the recorder learns it from live forward passes first (layout_discovery).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UnsupportedEngineBuild
+from . import target as tg
+from .buildinfo import BuildIdentity, identify, version_key
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,9 @@ class UbatchLayout:
     n_seq_id: int
     seq_id: int
     output: int
+
+    def describe(self) -> str:
+        return " ".join(f"{k}@{v}" for k, v in self.__dict__.items())
 
     def cflags(self) -> list[str]:
         return [
@@ -91,32 +97,57 @@ class ServerLayout:
 
 @dataclass(frozen=True)
 class EngineBuild:
-    engine: str  # "llama-cpp-python" | "xllamacpp"
-    version: str  # package version
-    llama_cpp_commit: str  # the llama.cpp source it bundles, where known
-    ubatch: UbatchLayout
+    engine: str  # "llama-cpp-python" | "xllamacpp" | the executable's name (llama-server, ...)
+    version: str  # package version, else the llama.cpp build number or ggml version
+    identity: BuildIdentity
+    ubatch: UbatchLayout | None  # None: not in the table, to be discovered on live data
+    layout_source: str  # where `ubatch` came from (table range, discovery)
     tensor: TensorLayout = _TENSOR_GGML_2026
     server: ServerLayout = ServerLayout()  # measured on xllamacpp 2026.10.11549's live slots and tasks
 
+    @property
+    def llama_cpp_commit(self) -> str:
+        return self.identity.commit or ""
 
+
+# Offsets dumped with offsetof() from llama-batch.h and measured on live micro-batches:
 # b_equal_seqs@0 n_tokens@4 n_seq_tokens@8 n_seqs@12 n_seqs_unq@16 n_pos@20 token@24 embd@32 pos@40
-# n_seq_id@48 seq_id@56 seq_id_unq@64 seq_idx@72 output@80 (offsets dumped with offsetof() from the
-# vendored llama-batch.h of llama-cpp-python 0.3.36)
-_LAYOUT_0C1E570 = UbatchLayout(n_tokens=4, token=24, pos=40, n_seq_id=48, seq_id=56, output=80)
-# xllamacpp 2026.10.11549: one more pointer between embd and pos (measured on live micro-batches)
-_LAYOUT_XLLAMACPP_2026_10 = UbatchLayout(n_tokens=4, token=24, pos=48, n_seq_id=56, seq_id=64, output=88)
+# n_seq_id@48 seq_id@56 seq_id_unq@64 seq_idx@72 output@80
+_UBATCH_2025 = UbatchLayout(n_tokens=4, token=24, pos=40, n_seq_id=48, seq_id=56, output=80)
+# one more pointer between embd and pos
+_UBATCH_2026_10 = UbatchLayout(n_tokens=4, token=24, pos=48, n_seq_id=56, seq_id=64, output=88)
 
-KNOWN_BUILDS: dict[tuple[str, str], EngineBuild] = {
-    ("llama-cpp-python", "0.3.36"): EngineBuild("llama-cpp-python", "0.3.36", "0c1e570", _LAYOUT_0C1E570),
-    ("xllamacpp", "2026.10.11549"): EngineBuild("xllamacpp", "2026.10.11549", "", _LAYOUT_XLLAMACPP_2026_10),
-}
+
+@dataclass(frozen=True)
+class VerifiedRange:
+    """ggml versions [first, last] (inclusive) whose llama_ubatch layout is `ubatch`; each range
+    holds builds on which layout discovery found exactly this layout (`verified_on`)."""
+
+    first: str
+    last: str
+    ubatch: UbatchLayout
+    verified_on: tuple[str, ...]
+
+    def contains(self, ggml_version: str | None) -> bool:
+        k = version_key(ggml_version)
+        return bool(k) and version_key(self.first) <= k <= version_key(self.last)
+
+
+VERIFIED: tuple[VerifiedRange, ...] = (
+    VerifiedRange("0.25.3", "0.25.3", _UBATCH_2025, ("llama-cpp-python 0.3.36",)),
+    VerifiedRange("0.26.0", "0.26.0", _UBATCH_2026_10, ("xllamacpp 2026.10.11549",)),
+)
+# package (engine, version) -> ggml version, for a library whose ggml_version() cannot be read
+_PACKAGE_HINTS = {("llama-cpp-python", "0.3.36"): "0.25.3"}
+
 
 # package directory name next to the library -> distribution name
 _PACKAGES = {"llama_cpp": "llama-cpp-python", "xllamacpp": "xllamacpp"}
 
 
-def identify(lib: Path) -> tuple[str, str]:
-    """(engine, version) of the package that ships `lib`, from its dist-info next to it."""
+def package_of(lib: Path) -> tuple[str, str]:
+    """(distribution, version) of the Python package that ships `lib`, from its dist-info next
+    to it: a hint only; ("unknown", "unknown") for a built binary."""
     for parent in lib.parents:
         pkg = _PACKAGES.get(parent.name)
         if pkg is None:
@@ -131,14 +162,34 @@ def identify(lib: Path) -> tuple[str, str]:
     return "unknown", "unknown"
 
 
-def resolve(lib: Path) -> EngineBuild:
-    engine, version = identify(lib)
-    build = KNOWN_BUILDS.get((engine, version))
-    if build is None:
-        known = ", ".join(f"{e} {v}" for e, v in KNOWN_BUILDS)
-        raise UnsupportedEngineBuild(
-            f"unsupported engine build: {lib} is {engine} {version}, whose private llama_ubatch layout "
-            f"is not known to this version of sparseety-prof (known: {known}). Recording it would "
-            f"produce garbage, so nothing was attached."
-        )
-    return build
+def resolve(identity: BuildIdentity, exe: str) -> EngineBuild:
+    """The build's name and, where its ggml version is in a verified range, its layout."""
+    engine = identity.package or Path(exe).name
+    version = identity.package_version or (
+        f"b{identity.build_number}" if identity.build_number else (identity.ggml_version or "unknown")
+    )
+    ggml = identity.ggml_version or _PACKAGE_HINTS.get((identity.package, identity.package_version))
+    for r in VERIFIED:
+        if r.contains(ggml):
+            src = f"table: ggml {ggml} (verified on {', '.join(r.verified_on)})"
+            return EngineBuild(engine, version, identity, r.ubatch, src)
+    return EngineBuild(engine, version, identity, None, "to be discovered")
+
+
+def supported_range() -> tuple[str, str]:
+    """The first and last ggml versions of the verified ranges."""
+    firsts = sorted((r.first for r in VERIFIED), key=version_key)
+    lasts = sorted((r.last for r in VERIFIED), key=version_key)
+    return firsts[0], lasts[-1]
+
+
+def identify_build(t: tg.Target, where: dict[str, Path]) -> EngineBuild:
+    """The build's identity from its own binaries (every llama/ggml file it maps, and the files
+    holding probe points), and its layout where the table has one."""
+    files = sorted(
+        {*where.values(), *(m.path for m in t.libs if "ggml" in m.path.name or "llama" in m.path.name)}
+    )
+    identity = identify(
+        files, package_of(where[tg.SYM_UBATCH]), [tg.build_id(f) or "" for f in sorted(set(where.values()))]
+    )
+    return resolve(identity, t.exe)

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,8 @@ from . import target as tg
 from .bpf_loader import ATTENTION_OPS, RING_BUFFER_PAGES, RingReader, Session, compile_and_attach, is_server
 from .capture import Capture
 from .correlator import Correlator
-from .errors import NotAnEngine, ProfError
+from .discovery_probe import Discovery, run_discovery
+from .errors import NotAnEngine, ProfError, UnsupportedEngineBuild
 from .events import SeqTracker, decode_groups
 from .gguf_info import ModelInfo, Vocab, read_model_info, read_tensor_infos, sha256_file
 from .gpu.capture import GpuCapture
@@ -55,6 +56,8 @@ class Options:
     # where MoE values are read: "auto" = at the weighted multiply where the graph allows; "ops" =
     # at get_rows and the GLU op (sparse.MoePlan)
     moe_read: str = "auto"
+    discover_layout: bool = False  # learn the llama_ubatch layout on live data even if the table has it
+    discover_timeout: float = 120.0  # seconds to wait for forward passes to learn a layout from
 
 
 @dataclass
@@ -92,17 +95,26 @@ class Attached:
     session: Session
     where: dict[str, Path]
     layers: LayerSet
+    capture_layers: list[tg.CaptureLayer]
+    discovery: Discovery | None
 
 
-def attach(opts: Options) -> Attached:
-    """Validate the target, then compile and attach the probes. Every failure is a ProfError."""
+def attach(
+    opts: Options, log: Callable[[str], None] = print, stop: Callable[[], bool] = lambda: False
+) -> Attached:
+    """Validate the target, learn its layout where needed, then compile and attach the probes.
+    Every failure is a ProfError."""
     tg.check_process(opts.pid)
     tg.check_privileges()
     t = tg.inspect(opts.pid)
     where = tg.find_engine_libs(t)
-    build = layouts.resolve(where[tg.SYM_UBATCH])
     if tg.SYM_LLAMA_SAMPLER not in where and tg.SYM_COMMON_SAMPLER not in where:
         raise NotAnEngine(f"PID {opts.pid} maps llama.cpp but no sampler entry point was found")
+    build = layouts.identify_build(t, where)
+    layers_found = tg.capture_layers(where)
+    for layer in layers_found:
+        if not layer.available:
+            log(f"sparseety-prof: capture layer '{layer.name}' degraded: {layer.detail}")
     model_path = opts.model or (t.model_paths[0] if t.model_paths else None)
     if model_path is None:
         raise NotAnEngine(
@@ -116,10 +128,28 @@ def attach(opts: Options) -> Attached:
     tensor_names = [ti.name for ti in read_tensor_infos(model_path)]
     layers = layer_set(tensor_names, n_layer)
     plan = moe_plan(tensor_names, layers, model.architecture) if opts.moe_read == "auto" else MoePlan()
+    discovery = None
+    if build.ubatch is None or opts.discover_layout:
+        log(f"sparseety-prof: {build.identity.describe()}: layout source: {build.layout_source}")
+        discovery = run_discovery(
+            opts.pid, where, len(vocab), timeout_s=opts.discover_timeout, log=log, stop=stop
+        )
+        if build.ubatch is not None and build.ubatch != discovery.layout:
+            raise UnsupportedEngineBuild(
+                f"unsupported engine build: the layout discovered on live data ({discovery.layout}) "
+                f"differs from the table's for {build.identity.describe()} ({build.ubatch}); "
+                f"nothing was attached"
+            )
+        build = replace(build, ubatch=discovery.layout, layout_source="discovered on live data")
+        log(
+            f"sparseety-prof: llama_ubatch layout discovered from {discovery.ubatches} forward passes "
+            f"in {discovery.seconds:.2f} s (+{discovery.compile_s:.2f} s compile): "
+            f"{discovery.layout.describe()}"
+        )
     sess = compile_and_attach(
         opts.pid, where, build, len(vocab), capture=opts.capture, skip=opts.skip_probes, moe=plan
     )
-    return Attached(t, build, model, vocab, sess, where, layers)
+    return Attached(t, build, model, vocab, sess, where, layers, layers_found, discovery)
 
 
 def run_metadata(a: Attached, opts: Options) -> dict[str, Any]:
@@ -130,8 +160,14 @@ def run_metadata(a: Attached, opts: Options) -> dict[str, Any]:
             "name": a.build.engine,
             "version": a.build.version,
             "llama_cpp_commit": a.build.llama_cpp_commit,
+            "identity": a.build.identity.to_meta(),
             "libraries": [{"path": p, "build_id": tg.build_id(Path(p))} for p in libs],
-            "ubatch_layout": a.build.ubatch.__dict__,
+            "ubatch_layout": a.build.ubatch.__dict__ if a.build.ubatch else None,
+            "layout_source": a.build.layout_source,
+            "layout_discovery": a.discovery.to_meta() if a.discovery else None,
+            "capture_layers": {
+                c.name: {"available": c.available, "detail": c.detail} for c in a.capture_layers
+            },
         },
         "probes": [p.__dict__ for p in a.session.attached],
         "moe_read_points": a.session.moe.to_meta(),
@@ -178,7 +214,7 @@ class Recorder:
         opts = self.opts
         cpu0 = self._cpu0 = _cpu_s()
         try:
-            a = attach(opts)
+            a = attach(opts, self.log, self._stop.is_set)
         except NotAnEngine:
             # a CUDA engine with a Python decode loop (vLLM, SGLang, PyTorch): no llama.cpp to
             # probe, but started under `sparseety-prof launch`: record its GPU side alone
@@ -211,9 +247,7 @@ class Recorder:
             n_expert_used=int(hp.get("expert_used_count", 0) or 0),
             with_masks=opts.capture.masks,
             serving=ServingTracker(opts.pid, opts.request_header) if is_server(a.where) else None,
-            slot_tokens=any(
-                p.symbol in (tg.SYM_PROCESS_TOKEN, tg.SYM_PROCESS_TOKEN_OLD) for p in a.session.attached
-            ),
+            slot_tokens=any(p.symbol == tg.SYM_PROCESS_TOKEN for p in a.session.attached),
         )
         tracker = SeqTracker()
         # Everything made so far (modules, the vocabulary's strings, the model's metadata) lives

@@ -35,27 +35,24 @@ SYM_SOFT_MAX = "ggml_compute_forward_soft_max"
 SYM_FLASH_ATTN = "ggml_compute_forward_flash_attn_ext"
 SPARSE_SYMBOLS = (SYM_GET_ROWS, SYM_MUL, SYM_GLU, SYM_SOFT_MAX, SYM_FLASH_ATTN)
 # llama-server (built binary, or inside xllamacpp): the request -> task -> slot chain. The server
-# context class was renamed server_context -> server_context_impl in 2025; both are probed.
+# context class was renamed server_context -> server_context_impl in 2025: SYMBOL_ROLES finds
+# either by demangled signature.
 SYM_TASK_POST_ONE = "_ZN12server_queue4postEO11server_taskb"
 SYM_TASK_POST_VEC = "_ZN12server_queue4postEOSt6vectorI11server_taskSaIS1_EEb"
 SYM_SLOT_RELEASE = "_ZN11server_slot7releaseEv"
 SYM_SLOT_LAUNCH = "_ZN19server_context_impl21launch_slot_with_taskER11server_slotO11server_task"
-SYM_SLOT_LAUNCH_OLD = "_ZN14server_context21launch_slot_with_taskER11server_slotO11server_task"
 SYM_SLOT_LAUNCH_PARENT = (
     "_ZN19server_context_impl29launch_slots_with_parent_task"
     "ER11server_slotRSt6vectorIPS0_SaIS3_EEO11server_task"
 )
 SYM_PROCESS_TOKEN = "_ZN19server_context_impl13process_tokenER23completion_token_outputR11server_slot"
-SYM_PROCESS_TOKEN_OLD = "_ZN14server_context13process_tokenER23completion_token_outputR11server_slot"
 SERVER_SYMBOLS = (
     SYM_TASK_POST_ONE,
     SYM_TASK_POST_VEC,
     SYM_SLOT_RELEASE,
     SYM_SLOT_LAUNCH,
-    SYM_SLOT_LAUNCH_OLD,
     SYM_SLOT_LAUNCH_PARENT,
     SYM_PROCESS_TOKEN,
-    SYM_PROCESS_TOKEN_OLD,
 )
 
 
@@ -194,6 +191,137 @@ def _elf_symbols(path: Path, _inode: int, _mtime_ns: int) -> dict[str, tuple[int
     return syms
 
 
+@dataclass(frozen=True)
+class SymbolRole:
+    """A probe point found by what the function is, not by one mangled name: functions get
+    renamed across llama.cpp versions (server_context -> server_context_impl, the KV-cache class
+    llama_kv_cache_unified -> llama_kv_cache). `names` are the accepted qualified names, `params`
+    the leading parameter types the probe reads (demangled, as c++filt prints them)."""
+
+    key: str  # the canonical mangled name: the role's key in `where`
+    names: tuple[str, ...]
+    params: tuple[str, ...]
+
+
+def _role(key: str, names: tuple[str, ...], *params: str) -> SymbolRole:
+    return SymbolRole(key, names, params)
+
+
+_SERVER_CTX = ("server_context_impl", "server_context")
+SYMBOL_ROLES: tuple[SymbolRole, ...] = (
+    _role(SYM_UBATCH, ("llama_context::process_ubatch",), "llama_ubatch const&"),
+    _role(SYM_DECODE, ("llama_context::decode",), "llama_batch const&"),
+    _role(SYM_DECODE_EXT, ("llama_context::decode",), "llama_batch_ext const&"),
+    _role(SYM_COMMON_SAMPLER, ("common_sampler_sample",), "common_sampler*", "llama_context*", "int"),
+    _role(
+        SYM_KQ_MASK,
+        ("llama_kv_cache::set_input_kq_mask", "llama_kv_cache_unified::set_input_kq_mask"),
+        "ggml_tensor*",
+        "llama_ubatch const*",
+    ),
+    _role(SYM_TASK_POST_ONE, ("server_queue::post",), "server_task&&"),
+    _role(
+        SYM_TASK_POST_VEC, ("server_queue::post",), "std::vector<server_task, std::allocator<server_task> >&&"
+    ),
+    _role(SYM_SLOT_RELEASE, ("server_slot::release",)),
+    _role(
+        SYM_SLOT_LAUNCH,
+        tuple(f"{c}::launch_slot_with_task" for c in _SERVER_CTX),
+        "server_slot&",
+        "server_task&&",
+    ),
+    _role(
+        SYM_SLOT_LAUNCH_PARENT,
+        tuple(f"{c}::launch_slots_with_parent_task" for c in _SERVER_CTX),
+        "server_slot&",
+        "std::vector<server_slot*, std::allocator<server_slot*> >&",
+        "server_task&&",
+    ),
+    _role(
+        SYM_PROCESS_TOKEN,
+        tuple(f"{c}::process_token" for c in _SERVER_CTX),
+        "completion_token_output&",
+        "server_slot&",
+    ),
+)
+
+
+def split_params(demangled: str) -> tuple[str, tuple[str, ...]] | None:
+    """'ns::f(a, b<c, d>) const' -> ('ns::f', ('a', 'b<c, d>')); None if it is not a function."""
+    depth, start = 0, -1
+    for i, ch in enumerate(demangled):
+        if ch in "<(":
+            if ch == "(" and depth == 0:
+                start = i
+                break
+            depth += 1
+        elif ch in ">)":
+            depth -= 1
+    if start < 0:
+        return None
+    name, params, depth, cur = demangled[:start], [], 0, ""
+    for ch in demangled[start + 1 :]:
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)":
+            if depth == 0:
+                break
+            depth -= 1
+        if ch == "," and depth == 0:
+            params.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        params.append(cur.strip())
+    return name, tuple(p for p in params if p != "void")
+
+
+def _demangle(names: list[str]) -> list[str]:
+    if not names:
+        return []
+    r = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True)
+    out = r.stdout.splitlines()
+    return out if len(out) == len(names) else names
+
+
+def _base(qualified: str) -> str:
+    return qualified.rsplit("::", 1)[-1]
+
+
+@functools.lru_cache(maxsize=32)
+def _role_symbols(path: Path, _inode: int, _mtime_ns: int) -> dict[str, str]:
+    """role key -> the mangled name that plays it in this file (the canonical name if present,
+    else the first candidate whose demangled name and leading parameters match)."""
+    syms = _elf_symbols(path, _inode, _mtime_ns)
+    found: dict[str, str] = {}
+    pending = []
+    for role in SYMBOL_ROLES:
+        if role.key in syms:
+            found[role.key] = role.key
+        else:
+            pending.append(role)
+    if not pending:
+        return found
+    frags = {f"{len(_base(n))}{_base(n)}" for role in pending for n in role.names}
+    cands = sorted(s for s in syms if s.startswith("_Z") and any(f in s for f in frags))
+    parsed = [split_params(d) for d in _demangle(cands)]
+    for role in pending:
+        for mangled, sig in zip(cands, parsed, strict=True):
+            if sig is None or sig[0] not in role.names:
+                continue
+            if sig[1][: len(role.params)] == role.params and (role.params or not sig[1]):
+                found[role.key] = mangled
+                break
+    return found
+
+
+def symbol_in(lib: Path, role: str) -> str:
+    """The mangled name that plays `role` (a SYM_* key) in `lib`; the key itself by default."""
+    st = lib.stat()
+    return _role_symbols(lib, st.st_ino, st.st_mtime_ns).get(role, role)
+
+
 def build_id(path: Path) -> str | None:
     """GNU build id (hex) from the ELF note, or None."""
     try:
@@ -233,6 +361,9 @@ def find_engine_libs(t: Target) -> dict[str, Path]:
         syms = elf_symbols(lib.path)
         for s in wanted & syms.keys():
             where.setdefault(s, lib.path)
+        st = lib.path.stat()
+        for role in _role_symbols(lib.path, st.st_ino, st.st_mtime_ns):
+            where.setdefault(role, lib.path)
     if SYM_UBATCH not in where:
         raise NotAnEngine(
             f"PID {t.pid} ({t.exe}) maps no llama.cpp library with the micro-batch entry point "
@@ -283,3 +414,73 @@ def _host(hex_addr: str, v6: bool) -> str:
     if raw[:12] == bytes(10) + b"\xff\xff":
         return ".".join(str(x) for x in raw[12:])
     return "[" + ":".join(raw[i : i + 2].hex() for i in range(0, 16, 2)) + "]"
+
+
+@dataclass(frozen=True)
+class CaptureLayer:
+    name: str
+    available: bool
+    detail: str  # which symbols serve it, or what is missing and what that costs
+
+
+def capture_layers(where: dict[str, Path]) -> list[CaptureLayer]:
+    """What this engine build lets the recorder see, from the probe points found in it. Only the
+    token layer is required; a missing optional layer degrades that layer alone."""
+
+    def have(*syms: str) -> bool:
+        return all(s in where for s in syms)
+
+    sampler = have(SYM_LLAMA_SAMPLER) or have(SYM_COMMON_SAMPLER)
+    server = have(SYM_SLOT_LAUNCH) and (have(SYM_TASK_POST_ONE) or have(SYM_TASK_POST_VEC))
+    layers = [
+        CaptureLayer(
+            "tokens",
+            have(SYM_UBATCH, SYM_LOGITS_ITH) and sampler,
+            "micro-batches, sampled tokens, logits rows"
+            if have(SYM_UBATCH, SYM_LOGITS_ITH) and sampler
+            else "needs llama_context::process_ubatch, llama_get_logits_ith and a sampler entry point",
+        ),
+        CaptureLayer(
+            "batch cross-check",
+            have(SYM_DECODE) or have(SYM_DECODE_EXT),
+            "public llama_batch at decode"
+            if have(SYM_DECODE)
+            else "no llama_context::decode: layout checks use invariants only",
+        ),
+        CaptureLayer(
+            "request boundaries",
+            have(SYM_SEQ_RM) or have(SYM_MEM_CLEAR),
+            "llama_memory_seq_rm / llama_memory_clear"
+            if have(SYM_SEQ_RM) or have(SYM_MEM_CLEAR)
+            else "no memory API symbols: requests are cut by position resets only",
+        ),
+        CaptureLayer(
+            "server requests",
+            server,
+            "task -> slot -> token chain: client request ids"
+            if server
+            else "not a llama-server: generated request ids",
+        ),
+        CaptureLayer(
+            "server forks",
+            server and have(SYM_SLOT_LAUNCH_PARENT),
+            "launch_slots_with_parent_task"
+            if have(SYM_SLOT_LAUNCH_PARENT)
+            else "launch_slots_with_parent_task inlined or absent: n_cmpl > 1 children have no parent_seq_id",
+        ),
+        CaptureLayer(
+            "experts and activations",
+            have(SYM_GET_ROWS) or have(SYM_MUL) or have(SYM_GLU),
+            "ggml CPU ops get_rows / mul / glu"
+            if have(SYM_GET_ROWS) or have(SYM_MUL) or have(SYM_GLU)
+            else "no ggml CPU op symbols (another backend?): no routing or sparsity",
+        ),
+        CaptureLayer(
+            "attention coverage",
+            have(SYM_SOFT_MAX) or have(SYM_FLASH_ATTN) or have(SYM_KQ_MASK),
+            ("KQ mask write" if have(SYM_KQ_MASK) else "graph ops only (no set_input_kq_mask)")
+            if have(SYM_SOFT_MAX) or have(SYM_FLASH_ATTN) or have(SYM_KQ_MASK)
+            else "no soft_max / flash_attn_ext / set_input_kq_mask: no attention coverage",
+        ),
+    ]
+    return layers

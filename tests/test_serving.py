@@ -208,7 +208,7 @@ def test_check_command_passes_and_names_the_layer_that_lost_the_id(server: Engin
     cases = [
         (["http_reads"], "entry"),
         ([tg.SYM_TASK_POST_ONE, tg.SYM_TASK_POST_VEC], "task"),
-        ([tg.SYM_SLOT_LAUNCH, tg.SYM_SLOT_LAUNCH_OLD], "slot"),
+        ([tg.SYM_SLOT_LAUNCH], "slot"),
     ]
     for skip, layer in cases:
         flags = [a for s in skip for a in ("--skip-probe", s)]

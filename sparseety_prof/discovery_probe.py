@@ -1,0 +1,134 @@
+"""Run the layout-discovery probe on a live engine until its `llama_ubatch` layout is known.
+
+Attaches probes/discover_ubatch.bpf.c to the micro-batch entry, the public decode entry and the
+sampler returns, feeds what they copy to layout_discovery.discover after every poll, and detaches
+as soon as one layout is proven (or the time is up). The forward passes it watches are not
+recorded: the recording probes are compiled with the layout it finds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import target as tg
+from .bpf_loader import cheap_entry_probe_offset, import_bcc
+from .elf import read_at_vaddr
+from .errors import BpfUnavailable, MissingPrivileges, NoSuchProcess, UnsupportedEngineBuild
+from .events import PROBES_DIR
+from .layout_discovery import DSC_UBATCH, Verdict, discover, parse
+from .layouts import UbatchLayout
+
+MAX_RECORDS = 4096  # a discovery that has not converged after this many records never will
+
+
+@dataclass(frozen=True)
+class Discovery:
+    layout: UbatchLayout
+    ubatches: int  # forward passes watched (not recorded)
+    seconds: float  # from attaching the discovery probe to the verdict
+    compile_s: float
+    evidence: tuple[str, ...]
+
+    def to_meta(self) -> dict[str, object]:
+        return {
+            "ubatch_layout": self.layout.__dict__,
+            "ubatches_watched": self.ubatches,
+            "seconds": round(self.seconds, 3),
+            "compile_s": round(self.compile_s, 3),
+            "anchors": list(self.evidence),
+        }
+
+
+def run_discovery(
+    pid: int,
+    where: dict[str, Path],
+    n_vocab: int,
+    *,
+    timeout_s: float,
+    log: Callable[[str], None],
+    stop: Callable[[], bool] = lambda: False,
+) -> Discovery:
+    """Watch forward passes until exactly one layout fits them. UnsupportedEngineBuild (exit 6)
+    when no layout fits, naming the invariant, or when none was proven within `timeout_s`."""
+    bcc = import_bcc()
+    t0 = time.monotonic()
+    try:
+        b = bcc.BPF(src_file=str(PROBES_DIR / "discover_ubatch.bpf.c"), cflags=["-Wno-macro-redefined"])
+    except Exception as e:
+        if "Operation not permitted" in str(e):
+            raise MissingPrivileges(f"the kernel refused the discovery probe ({e}): run as root") from None
+        raise BpfUnavailable(f"could not compile the layout-discovery probe: {e}") from None
+    compile_s = time.monotonic() - t0
+    records: list[bytes] = []
+
+    def on_record(_ctx: object, data: int, size: int) -> None:
+        if len(records) < MAX_RECORDS:
+            records.append(ctypes.string_at(data, size))
+
+    try:
+        b["dsc_events"].open_ring_buffer(on_record)
+        _attach(b, pid, where, tg.SYM_UBATCH, "dsc_ubatch", ret=False)
+        if tg.SYM_DECODE in where:
+            _attach(b, pid, where, tg.SYM_DECODE, "dsc_batch", ret=False)
+        for sym in (tg.SYM_LLAMA_SAMPLER, tg.SYM_COMMON_SAMPLER):
+            if sym in where:
+                _attach(b, pid, where, sym, "dsc_sample", ret=True)
+        t_attached = time.monotonic()
+        log(
+            f"sparseety-prof: learning this build's llama_ubatch layout from live forward passes "
+            f"(up to {timeout_s:.0f} s; the engine must be working: send it a request)"
+        )
+        verdict = Verdict(None, 0, 0, "no forward pass was seen")
+        while True:
+            b.ring_buffer_poll(100)
+            n_ub = sum(
+                1 for r in records if len(r) >= 24 and int.from_bytes(r[20:24], "little") == DSC_UBATCH
+            )
+            if n_ub:
+                verdict = discover(parse(records), n_vocab)
+                if verdict.layout is not None:
+                    break
+                if verdict.candidates == 0:
+                    raise UnsupportedEngineBuild(
+                        f"unsupported engine build: no consistent llama_ubatch layout in PID {pid}'s "
+                        f"{where[tg.SYM_UBATCH]} ({verdict.reason}; {verdict.ubatches} micro-batches "
+                        f"examined). Recording it would produce garbage, so nothing was attached."
+                    )
+            if len(records) >= MAX_RECORDS or time.monotonic() - t_attached > timeout_s or stop():
+                raise UnsupportedEngineBuild(
+                    f"unsupported engine build: the llama_ubatch layout of PID {pid} was not proven within "
+                    f"{timeout_s:.0f} s ({verdict.reason}). Run the engine on a prompt while attaching, or "
+                    f"raise --discover-timeout"
+                )
+            try:
+                tg.check_process(pid)
+            except NoSuchProcess:
+                raise
+        return Discovery(
+            layout=verdict.layout,
+            ubatches=verdict.ubatches,
+            seconds=time.monotonic() - t_attached,
+            compile_s=compile_s,
+            evidence=verdict.evidence,
+        )
+    finally:
+        with contextlib.suppress(Exception):
+            b.cleanup()
+
+
+def _attach(b: object, pid: int, where: dict[str, Path], role: str, fn: str, *, ret: bool) -> None:
+    lib = where[role]
+    vaddr = tg.elf_symbols(lib)[tg.symbol_in(lib, role)][0]
+    # a return probe needs the return address at [rsp]: it sits on the first instruction
+    off = 0 if ret else cheap_entry_probe_offset(read_at_vaddr(lib, vaddr, 32))
+    attach = b.attach_uretprobe if ret else b.attach_uprobe  # type: ignore[attr-defined]
+    try:
+        attach(name=str(lib), addr=vaddr + off, fn_name=fn, pid=pid)
+    except Exception as e:
+        tg.check_process(pid)
+        raise BpfUnavailable(f"could not attach the discovery probe to {lib} ({role}): {e}") from None

@@ -1,0 +1,330 @@
+"""Infer the private `struct llama_ubatch` layout of a llama.cpp build from live data.
+
+The discovery probe (probes/discover_ubatch.bpf.c) copies, for a few forward passes, the raw
+struct, what each of its words points to, the public `llama_batch` the micro-batches were cut
+from and the sampled tokens. Here every candidate set of offsets is tested against invariants
+that hold for any real micro-batch and fail for a wrong offset; discovery succeeds when exactly
+one candidate holds on every record and the records were informative enough to tell the
+candidates apart. Pure functions over the records: tests feed them perturbed memory.
+
+Structural facts used (unchanged in llama-batch.h since the struct was introduced in 2023): the
+counts (`n_tokens` first among them) come before the pointers, and the pointers the probes read
+come in the order token, pos, n_seq_id, seq_id, output.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .layouts import UbatchLayout
+
+# mirrors of probes/discover_ubatch.bpf.c
+DSC_STRUCT = 256
+DSC_SLOTS = DSC_STRUCT // 8
+DSC_BYTES = 256
+DSC_DEREF = 16
+DSC_BATCH_ROWS = 64
+DSC_UBATCH, DSC_BATCH, DSC_SAMPLE = 1, 2, 3
+
+HDR = [("serial", "<u8"), ("ctx", "<u8"), ("tid", "<u4"), ("kind", "<u4")]
+UBATCH_DTYPE = np.dtype(
+    [
+        *HDR,
+        ("raw", "u1", (DSC_STRUCT,)),
+        ("pointee", "u1", (DSC_SLOTS, DSC_BYTES)),
+        ("deref", "<i4", (DSC_SLOTS, DSC_DEREF)),
+        ("pointee_ok", "<u4"),
+        ("raw_ok", "<u4"),
+        ("deref_ok", "<u2", (DSC_SLOTS,)),
+    ]
+)
+BATCH_DTYPE = np.dtype(
+    [
+        *HDR,
+        ("n_tokens", "<i4"),
+        ("has", "<u4"),
+        ("token", "<i4", (DSC_BATCH_ROWS,)),
+        ("pos", "<i4", (DSC_BATCH_ROWS,)),
+        ("seq", "<i4", (DSC_BATCH_ROWS,)),
+        ("logits", "i1", (DSC_BATCH_ROWS,)),
+    ]
+)
+SAMPLE_DTYPE = np.dtype([*HDR, ("token", "<i4"), ("pad", "<u4")])
+DTYPES = {DSC_UBATCH: UBATCH_DTYPE, DSC_BATCH: BATCH_DTYPE, DSC_SAMPLE: SAMPLE_DTYPE}
+
+MAX_N_TOKENS = 1 << 16  # llama.cpp's n_ubatch is far below this
+MAX_SEQ = 1 << 16  # sequence ids (LLAMA_MAX_SEQ is 256 today; generous on purpose)
+MAX_POS = 1 << 26
+
+# The invariants, by the names the refusal message uses.
+INV_N = "n_tokens in [1, 65536]"
+INV_TOKEN = "token ids in [0, n_vocab)"
+INV_POS = "positions in [0, 2^26)"
+INV_NSEQ = "n_seq_id of every row in [1, 65536]"
+INV_SEQ = "sequence ids readable and in [0, 65536)"
+INV_OUT = "output flags 0/1"
+INV_CONSEC = "positions consecutive per sequence"
+INV_BATCH_N = "micro-batch sizes add up to the public llama_batch's n_tokens"
+INV_BATCH_ROWS = "rows equal the public llama_batch's (token, position, sequence, output)"
+INV_SAMPLE = "the sampled token is the next decode step's input"
+INV_OUTPUT_USED = "a micro-batch read by a sampler call has an output row"
+
+
+@dataclass
+class Ubatch:
+    """One micro-batch as copied: raw struct words and what they point to."""
+
+    raw: bytes
+    pointee: list[bytes | None]  # per 8-byte word: DSC_BYTES bytes at that pointer, or None
+    deref: list[list[int | None]]  # per word: the int32s its first DSC_DEREF entries point to
+    batch: Batch | None = None  # the public batch this micro-batch was the first of
+    batch_total: int | None = None  # n_tokens of the batch when this is its LAST micro-batch
+    batch_first: int | None = None  # index of the batch's first micro-batch (for the sum check)
+    sampled_after: bool = False  # a sampler call read logits before the next forward pass
+    next_input: list[int] = field(default_factory=list)  # tokens sampled right before this one
+
+
+@dataclass
+class Batch:
+    n_tokens: int
+    token: list[int] | None
+    pos: list[int] | None
+    seq: list[int] | None
+    logits: list[int] | None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    layout: UbatchLayout | None
+    candidates: int  # layouts consistent with every record
+    ubatches: int
+    reason: str  # why there is no layout (empty when there is one)
+    evidence: tuple[str, ...] = ()  # the anchors that were checked and held
+
+
+def parse(records: list[bytes]) -> list[Ubatch]:
+    """Raw ring records (in ring order) -> micro-batches with their anchors attached. Records of
+    one engine thread are put in serial order; anchors never cross threads."""
+    parsed: list[tuple[int, int, int, np.void]] = []
+    for r in records:
+        if len(r) < 24:
+            continue
+        kind = int.from_bytes(r[20:24], "little")
+        dt = DTYPES.get(kind)
+        if dt is None or len(r) < dt.itemsize:
+            continue
+        a = np.frombuffer(r[: dt.itemsize], dtype=dt)[0]
+        parsed.append((int(a["tid"]), int(a["serial"]), kind, a))
+    parsed.sort(key=lambda x: (x[0], x[1]))
+    out: list[Ubatch] = []
+    for _tid, group in itertools.groupby(parsed, key=lambda x: x[0]):
+        batch: Batch | None = None
+        first_of_batch: int | None = None
+        pending: list[int] = []
+        last: Ubatch | None = None
+        for _t, _s, kind, a in group:
+            if kind == DSC_BATCH:
+                if last is not None and first_of_batch is not None and batch is not None:
+                    last.batch_total, last.batch_first = batch.n_tokens, first_of_batch
+                batch = _batch(a)
+                first_of_batch = None
+                last = None
+            elif kind == DSC_SAMPLE:
+                if last is not None:
+                    last.sampled_after = True
+                pending.append(int(a["token"]))
+            else:
+                u = _ubatch(a)
+                u.next_input, pending = pending, []
+                if batch is not None and first_of_batch is None:
+                    u.batch = batch
+                    first_of_batch = len(out)
+                out.append(u)
+                last = u
+        # the thread's last batch is complete only if a later record closed it: not checked
+    return out
+
+
+def _batch(a: np.void) -> Batch:
+    n = int(a["n_tokens"])
+    m = max(0, min(n, DSC_BATCH_ROWS))
+    has = int(a["has"])
+    return Batch(
+        n_tokens=n,
+        token=[int(x) for x in a["token"][:m]] if has & 1 else None,
+        pos=[int(x) for x in a["pos"][:m]] if has & 2 else None,
+        seq=[int(x) for x in a["seq"][:m]] if has & 8 else None,
+        logits=[int(x) for x in a["logits"][:m]] if has & 4 else None,
+    )
+
+
+def _ubatch(a: np.void) -> Ubatch:
+    raw = bytes(a["raw"]) if int(a["raw_ok"]) else bytes(DSC_STRUCT)
+    ok = int(a["pointee_ok"])
+    pointee = [bytes(a["pointee"][k]) if ok >> k & 1 else None for k in range(DSC_SLOTS)]
+    deref = []
+    for k in range(DSC_SLOTS):
+        dok = int(a["deref_ok"][k])
+        deref.append([int(a["deref"][k][j]) if dok >> j & 1 else None for j in range(DSC_DEREF)])
+    return Ubatch(raw=raw, pointee=pointee, deref=deref)
+
+
+def _i32(b: bytes, m: int) -> np.ndarray:
+    return np.frombuffer(b, dtype="<i4", count=min(m, len(b) // 4))
+
+
+@dataclass
+class _Slots:
+    """What each pointer word can be, on every micro-batch, for one n_tokens offset."""
+
+    token: set[int]
+    pos: set[int]
+    nseq: set[int]
+    seq: set[int]
+    out: set[int]
+
+
+def discover(ubatches: list[Ubatch], n_vocab: int, *, min_ubatches: int = 2) -> Verdict:
+    """The one layout consistent with every micro-batch, or why there is none."""
+    n_ub = len(ubatches)
+    if n_ub == 0:
+        return Verdict(None, 0, 0, "no forward pass was seen")
+    survivors: list[UbatchLayout] = []
+    failures: dict[str, int] = {}
+    evidence: set[str] = set()
+    for n_off in range(0, 32, 4):
+        ns = [int.from_bytes(u.raw[n_off : n_off + 4], "little") for u in ubatches]
+        if not all(1 <= n <= MAX_N_TOKENS for n in ns):
+            failures[INV_N] = failures.get(INV_N, 0) + 1
+            continue
+        slots = _slot_roles(ubatches, ns, n_vocab, n_off)
+        for t, p, q, s, o in _ordered(slots):
+            lay = UbatchLayout(
+                n_tokens=n_off, token=t * 8, pos=p * 8, n_seq_id=q * 8, seq_id=s * 8, output=o * 8
+            )
+            failed, used = _joint(ubatches, ns, lay)
+            if failed:
+                failures[failed] = failures.get(failed, 0) + 1
+            else:
+                survivors.append(lay)
+                evidence |= used
+    # n_tokens is the first count of the struct: among counts that hold equally, the lowest offset
+    if survivors:
+        low = min(s.n_tokens for s in survivors)
+        survivors = [s for s in survivors if s.n_tokens == low]
+    if len(survivors) == 1:
+        if n_ub < min_ubatches or not evidence:
+            return Verdict(
+                None,
+                1,
+                n_ub,
+                f"not enough evidence yet ({n_ub} micro-batches, anchors: {sorted(evidence) or 'none'})",
+            )
+        return Verdict(survivors[0], 1, n_ub, "", tuple(sorted(evidence)))
+    if survivors:
+        return Verdict(
+            None, len(survivors), n_ub, f"{len(survivors)} layouts fit the {n_ub} micro-batches seen so far"
+        )
+    worst = max(failures.items(), key=lambda kv: kv[1])[0] if failures else INV_N
+    return Verdict(None, 0, n_ub, f"no layout satisfies every invariant; the last candidates failed: {worst}")
+
+
+def _slot_roles(ubatches: list[Ubatch], ns: list[int], n_vocab: int, n_off: int) -> _Slots:
+    first = (n_off + 4 + 7) // 8  # pointers follow the counts
+    roles = _Slots(*(set(range(first, DSC_SLOTS)) for _ in range(5)))
+    for u, n in zip(ubatches, ns, strict=True):
+        for k in range(first, DSC_SLOTS):
+            b = u.pointee[k]
+            if b is None:
+                for r in (roles.token, roles.pos, roles.nseq, roles.seq, roles.out):
+                    r.discard(k)
+                continue
+            v = _i32(b, n)
+            if not ((v >= 0) & (v < n_vocab)).all():
+                roles.token.discard(k)
+            if not ((v >= 0) & (v < MAX_POS)).all():
+                roles.pos.discard(k)
+            if not ((v >= 1) & (v <= MAX_SEQ)).all():
+                roles.nseq.discard(k)
+            o = np.frombuffer(b, dtype="i1", count=min(n, len(b)))
+            if not np.isin(o, (0, 1)).all():
+                roles.out.discard(k)
+            ids = u.deref[k][: min(n, DSC_DEREF)]
+            if any(x is None or not 0 <= x < MAX_SEQ for x in ids):
+                roles.seq.discard(k)
+    return roles
+
+
+def _ordered(sl: _Slots) -> list[tuple[int, int, int, int, int]]:
+    return [
+        (t, p, q, s, o)
+        for t in sorted(sl.token)
+        for p in sorted(x for x in sl.pos if x > t)
+        for q in sorted(x for x in sl.nseq if x > p)
+        for s in sorted(x for x in sl.seq if x > q)
+        for o in sorted(x for x in sl.out if x > s)
+    ]
+
+
+def _joint(ubatches: list[Ubatch], ns: list[int], lay: UbatchLayout) -> tuple[str, set[str]]:
+    """The first invariant `lay` breaks ("" if none) and the anchors that were exercised."""
+    t, p, s, o = lay.token // 8, lay.pos // 8, lay.seq_id // 8, lay.output // 8
+    used: set[str] = set()
+    last_pos: dict[int, int] = {}
+    for i, (u, n) in enumerate(zip(ubatches, ns, strict=True)):
+        tok = _i32(u.pointee[t] or b"", n)
+        pos = _i32(u.pointee[p] or b"", n)
+        out = np.frombuffer(u.pointee[o] or b"", dtype="i1", count=min(n, DSC_BYTES))
+        seq = [x for x in u.deref[s][: min(n, DSC_DEREF)] if x is not None]
+        rows = min(len(seq), len(pos))
+        by_seq: dict[int, list[int]] = {}
+        for r in range(rows):
+            by_seq.setdefault(seq[r], []).append(int(pos[r]))
+        for ps in by_seq.values():
+            if len(ps) > 1:
+                if any(b - a != 1 for a, b in itertools.pairwise(ps)):
+                    return INV_CONSEC, used
+                used.add(INV_CONSEC)
+        if u.batch is not None:
+            bt = u.batch
+            if n > bt.n_tokens:
+                return INV_BATCH_N, used
+            k = min(n, len(tok))
+            if bt.seq is not None and len(set(bt.seq)) > 1:
+                k = 0  # several sequences: llama.cpp may regroup the rows; only the count is compared
+            checks = [
+                (bt.token, tok[:k]),
+                (bt.pos, pos[:k]),
+                (bt.seq, np.asarray(seq[: min(k, len(seq))])),
+                (bt.logits, out[: min(k, len(out))]),
+            ]
+            for want, got in checks:
+                if want is None or not len(got):
+                    continue
+                m = min(len(want), len(got))
+                # llama.cpp fills in what the caller left NULL (pos, seq, logits): compare only
+                # what the caller gave
+                if not np.array_equal(np.asarray(want[:m]), got[:m]):
+                    return INV_BATCH_ROWS, used
+                used.add(INV_BATCH_ROWS)
+        if u.batch_total is not None and u.batch_first is not None:
+            total = sum(ns[u.batch_first : i + 1])
+            if total != u.batch_total:
+                return INV_BATCH_N, used
+            used.add(INV_BATCH_N)
+        # where no public batch is seen (llama-server decodes through its own batch type): the
+        # token sampled last for a sequence is the input of its next one-row step, when that
+        # step continues the sequence (a cached prompt re-evaluated instead starts elsewhere)
+        continues = bool(len(pos)) and bool(seq) and last_pos.get(seq[0]) == int(pos[0]) - 1
+        if u.batch is None and u.next_input and n == 1 and len(tok) and continues:
+            if int(tok[0]) not in u.next_input:
+                return INV_SAMPLE, used
+            used.add(INV_SAMPLE)
+        for r in range(rows):
+            last_pos[seq[r]] = int(pos[r])
+        if u.sampled_after and len(out) and not out.any():
+            return INV_OUTPUT_USED, used
+    return "", used
