@@ -77,6 +77,19 @@ else
 fi
 "$PY" -m pip install -q --no-deps -e . >/dev/null 2>&1 || "$PY" -m pip install --no-deps -e .
 
+# 4b. the build matrix (tests/test_build_matrix.py): older llama.cpp builds, each xllamacpp wheel
+#     unpacked into a folder of its own (put first on PYTHONPATH by the tests), a few seconds each
+MATRIX=${SPARSEETY_MATRIX_DIR:-.cache/engines}
+for v in $(grep -v '^#' scripts/matrix-xllamacpp.txt); do
+  if [ ! -e "$MATRIX/xllamacpp-$v/.complete" ]; then
+    step "4b/6 xllamacpp $v for the build matrix"
+    rm -rf "$MATRIX/xllamacpp-$v"
+    timed "$PY" -m pip install -q --no-deps --target "$MATRIX/xllamacpp-$v" "xllamacpp==$v"
+    touch "$MATRIX/xllamacpp-$v/.complete"
+  fi
+done
+step "4b/6 build matrix: $(ls -d "$MATRIX"/xllamacpp-* 2>/dev/null | wc -l) xllamacpp builds in $MATRIX"
+
 # 5. make Debian's pure-Python bcc importable from the venv: link ONLY that package (putting all of
 #    /usr/lib/python3/dist-packages on the path would shadow the venv's packages).
 PURELIB=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

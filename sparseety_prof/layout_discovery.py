@@ -192,44 +192,102 @@ def discover(ubatches: list[Ubatch], n_vocab: int, *, min_ubatches: int = 2) -> 
     n_ub = len(ubatches)
     if n_ub == 0:
         return Verdict(None, 0, 0, "no forward pass was seen")
-    survivors: list[UbatchLayout] = []
-    failures: dict[str, int] = {}
-    evidence: set[str] = set()
-    for n_off in range(0, 32, 4):
-        ns = [int.from_bytes(u.raw[n_off : n_off + 4], "little") for u in ubatches]
-        if not all(1 <= n <= MAX_N_TOKENS for n in ns):
-            failures[INV_N] = failures.get(INV_N, 0) + 1
-            continue
-        slots = _slot_roles(ubatches, ns, n_vocab, n_off)
-        for t, p, q, s, o in _ordered(slots):
-            lay = UbatchLayout(
-                n_tokens=n_off, token=t * 8, pos=p * 8, n_seq_id=q * 8, seq_id=s * 8, output=o * 8
-            )
-            failed, used = _joint(ubatches, ns, lay)
-            if failed:
-                failures[failed] = failures.get(failed, 0) + 1
-            else:
-                survivors.append(lay)
-                evidence |= used
-    # n_tokens is the first count of the struct: among counts that hold equally, the lowest offset
-    if survivors:
-        low = min(s.n_tokens for s in survivors)
-        survivors = [s for s in survivors if s.n_tokens == low]
+    survivors, evidence = _survivors(ubatches, n_vocab)
     if len(survivors) == 1:
         if n_ub < min_ubatches or not evidence:
+            anchors = sorted(evidence) or "none"
             return Verdict(
-                None,
-                1,
-                n_ub,
-                f"not enough evidence yet ({n_ub} micro-batches, anchors: {sorted(evidence) or 'none'})",
+                None, 1, n_ub, f"not enough evidence yet ({n_ub} micro-batches, anchors: {anchors})"
             )
         return Verdict(survivors[0], 1, n_ub, "", tuple(sorted(evidence)))
     if survivors:
         return Verdict(
             None, len(survivors), n_ub, f"{len(survivors)} layouts fit the {n_ub} micro-batches seen so far"
         )
-    worst = max(failures.items(), key=lambda kv: kv[1])[0] if failures else INV_N
-    return Verdict(None, 0, n_ub, f"no layout satisfies every invariant; the last candidates failed: {worst}")
+    return Verdict(None, 0, n_ub, "no layout satisfies every invariant: " + _diagnose(ubatches, n_vocab))
+
+
+def _survivors(ubatches: list[Ubatch], n_vocab: int) -> tuple[list[UbatchLayout], set[str]]:
+    survivors: list[UbatchLayout] = []
+    evidence: set[str] = set()
+    for n_off in range(0, 32, 4):
+        ns = _counts(ubatches, n_off)
+        if ns is None:
+            continue
+        for lay in _ordered(_slot_roles(ubatches, ns, n_vocab, n_off), n_off):
+            failed, used = _joint(ubatches, ns, lay)
+            if not failed:
+                survivors.append(lay)
+                evidence |= used
+    # n_tokens is the first count of the struct: among counts that hold equally, the lowest offset
+    if survivors:
+        low = min(s.n_tokens for s in survivors)
+        survivors = [s for s in survivors if s.n_tokens == low]
+        evidence = set()
+        for lay in survivors:
+            evidence |= _joint(ubatches, _counts(ubatches, low) or [], lay)[1]
+    return survivors, evidence
+
+
+def _counts(ubatches: list[Ubatch], n_off: int) -> list[int] | None:
+    ns = [int.from_bytes(u.raw[n_off : n_off + 4], "little") for u in ubatches]
+    return ns if all(1 <= n <= MAX_N_TOKENS for n in ns) else None
+
+
+def _diagnose(ubatches: list[Ubatch], n_vocab: int) -> str:
+    """Which invariant broke the layouts that fit the longest run of micro-batches."""
+    for j in range(len(ubatches) - 1, 0, -1):
+        fitting, _ = _survivors(ubatches[:j], n_vocab)
+        if fitting:
+            broken = sorted({_why(ubatches[: j + 1], lay, n_vocab) for lay in fitting})
+            return (
+                f"micro-batch {j} breaks {'; '.join(broken)} for the {len(fitting)} layout(s) that fit the "
+                f"{j} before it"
+            )
+    failed: list[str] = []
+    for n_off in range(0, 32, 4):
+        ns = _counts(ubatches, n_off)
+        if ns is None:
+            failed.append(INV_N)
+            continue
+        sl = _slot_roles(ubatches, ns, n_vocab, n_off)
+        for inv, slots in (
+            (INV_TOKEN, sl.token),
+            (INV_POS, sl.pos),
+            (INV_NSEQ, sl.nseq),
+            (INV_SEQ, sl.seq),
+            (INV_OUT, sl.out),
+        ):
+            if not slots:
+                failed.append(inv)
+    for n_off in range(0, 32, 4):
+        ns = _counts(ubatches, n_off)
+        if ns is not None:
+            failed += [
+                _joint(ubatches, ns, lay)[0]
+                for lay in _ordered(_slot_roles(ubatches, ns, n_vocab, n_off), n_off)
+            ]
+    counts = {inv: failed.count(inv) for inv in dict.fromkeys(failed)}
+    return "; ".join(
+        f"{inv} (no candidate word for {c} of 8 count offsets)" for inv, c in counts.items()
+    ) or ("no ordered set of words fits")
+
+
+def _why(ubatches: list[Ubatch], lay: UbatchLayout, n_vocab: int) -> str:
+    ns = _counts(ubatches, lay.n_tokens)
+    if ns is None:
+        return INV_N
+    sl = _slot_roles(ubatches, ns, n_vocab, lay.n_tokens)
+    for inv, slots, off in (
+        (INV_TOKEN, sl.token, lay.token),
+        (INV_POS, sl.pos, lay.pos),
+        (INV_NSEQ, sl.nseq, lay.n_seq_id),
+        (INV_SEQ, sl.seq, lay.seq_id),
+        (INV_OUT, sl.out, lay.output),
+    ):
+        if off // 8 not in slots:
+            return inv
+    return _joint(ubatches, ns, lay)[0] or "no invariant (it fits)"
 
 
 def _slot_roles(ubatches: list[Ubatch], ns: list[int], n_vocab: int, n_off: int) -> _Slots:
@@ -258,9 +316,9 @@ def _slot_roles(ubatches: list[Ubatch], ns: list[int], n_vocab: int, n_off: int)
     return roles
 
 
-def _ordered(sl: _Slots) -> list[tuple[int, int, int, int, int]]:
+def _ordered(sl: _Slots, n_off: int) -> list[UbatchLayout]:
     return [
-        (t, p, q, s, o)
+        UbatchLayout(n_tokens=n_off, token=t * 8, pos=p * 8, n_seq_id=q * 8, seq_id=s * 8, output=o * 8)
         for t in sorted(sl.token)
         for p in sorted(x for x in sl.pos if x > t)
         for q in sorted(x for x in sl.nseq if x > p)

@@ -133,9 +133,24 @@ class VerifiedRange:
         return bool(k) and version_key(self.first) <= k <= version_key(self.last)
 
 
+# llama-batch.h kept token..output at these offsets from b8672 (ggml 0.9.11) through at least b11434;
+# `float * embd_state` went in between embd and pos before b11549 (ggml 0.26.0). Each point named in
+# `verified_on` is a build of the test matrix (tests/test_build_matrix.py) on which discovery found
+# exactly this layout; a ggml version between the ranges gets discovery.
 VERIFIED: tuple[VerifiedRange, ...] = (
-    VerifiedRange("0.25.3", "0.25.3", _UBATCH_2025, ("llama-cpp-python 0.3.36",)),
-    VerifiedRange("0.26.0", "0.26.0", _UBATCH_2026_10, ("xllamacpp 2026.10.11549",)),
+    VerifiedRange(
+        "0.9.11",
+        "0.25.3",
+        _UBATCH_2025,
+        (
+            "xllamacpp 2026.4.8672 (ggml 0.9.11)",
+            "xllamacpp 2026.6.9538 (ggml 0.13.1)",
+            "xllamacpp 2026.8.10229 (ggml 0.18.0)",
+            "xllamacpp 2026.9.10809 (ggml 0.23.0)",
+            "llama-cpp-python 0.3.36 (ggml 0.25.3)",
+        ),
+    ),
+    VerifiedRange("0.26.0", "0.26.0", _UBATCH_2026_10, ("xllamacpp 2026.10.11549 (ggml 0.26.0)",)),
 )
 # package (engine, version) -> ggml version, for a library whose ggml_version() cannot be read
 _PACKAGE_HINTS = {("llama-cpp-python", "0.3.36"): "0.25.3"}
@@ -171,7 +186,7 @@ def resolve(identity: BuildIdentity, exe: str) -> EngineBuild:
     ggml = identity.ggml_version or _PACKAGE_HINTS.get((identity.package, identity.package_version))
     for r in VERIFIED:
         if r.contains(ggml):
-            src = f"table: ggml {ggml} (verified on {', '.join(r.verified_on)})"
+            src = f"table: ggml {r.first}..{r.last} (verified on {len(r.verified_on)} builds)"
             return EngineBuild(engine, version, identity, r.ubatch, src)
     return EngineBuild(engine, version, identity, None, "to be discovered")
 

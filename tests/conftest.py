@@ -56,9 +56,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 class Engine:
     """A child engine process speaking the JSON-lines protocol of tests/engines/*.py."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
-            [PY, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            [PY, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, **env} if env else None,
         )
         self.ready = self.read()
         self.pid = int(self.ready["ready"])
@@ -95,6 +100,29 @@ class Engine:
             except (BrokenPipeError, subprocess.TimeoutExpired, OSError):
                 self.proc.kill()
                 self.proc.wait()
+
+
+MATRIX_DIR = Path(os.environ.get("SPARSEETY_MATRIX_DIR", ROOT / ".cache" / "engines"))
+
+
+def server_builds() -> list[tuple[str, dict[str, str] | None]]:
+    """llama-server builds to test against: the pinned xllamacpp of the venv, then every release
+    of scripts/matrix-xllamacpp.txt (scripts/setup.sh unpacks each into MATRIX_DIR)."""
+    builds: list[tuple[str, dict[str, str] | None]] = [("xllamacpp-pinned", None)]
+    for line in (ROOT / "scripts" / "matrix-xllamacpp.txt").read_text().splitlines():
+        v = line.strip()
+        if v and not v.startswith("#"):
+            builds.append((f"xllamacpp-{v}", {"PYTHONPATH": str(MATRIX_DIR / f"xllamacpp-{v}")}))
+    return builds
+
+
+def require_build(env: dict[str, str] | None) -> None:
+    """A matrix build that set-up did not install is a failure, not a skip: run scripts/setup.sh."""
+    if env is not None:
+        path = Path(env["PYTHONPATH"])
+        assert (path / ".complete").exists(), (
+            f"{path} missing: run scripts/setup.sh (it installs the build matrix)"
+        )
 
 
 @pytest.fixture
