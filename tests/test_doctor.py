@@ -75,7 +75,7 @@ def test_engine_checks_fail_on_a_process_that_is_not_an_engine() -> None:
 
 @pytest.mark.root
 @pytest.mark.engine
-def test_engine_checks_pass_on_an_engine_and_fail_on_an_unknown_build(
+def test_engine_checks_name_the_build_from_its_binary_and_the_capture_layers(
     models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
@@ -84,18 +84,24 @@ def test_engine_checks_pass_on_an_engine_and_fail_on_an_unknown_build(
     finally:
         e.close()
     assert all(c.ok for c in good.values()), good
+    assert (
+        "ggml 0.25.3" in good["engine build"].detail
+        and "llama-cpp-python 0.3.36" in good["engine build"].detail
+    )
+    assert good["layer: tokens"].ok and "degraded" in good["layer: server requests"].detail
     import llama_cpp
 
+    # the same libraries outside any package: still identified, from the binary alone
     libdir = tmp_path / "lib"
     shutil.copytree(Path(llama_cpp.__file__).parent / "lib", libdir)
     monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(libdir))
     e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
     try:
-        bad = {c.name: c for c in doctor.check_engine(e.pid)}
+        moved = {c.name: c for c in doctor.check_engine(e.pid)}
     finally:
         e.close()
-    assert bad["engine library"].ok and not bad["engine build"].ok
-    assert "unsupported engine build" in bad["engine build"].detail
+    assert moved["engine build"].ok and "ggml 0.25.3" in moved["engine build"].detail
+    assert "llama-cpp-python" not in moved["engine build"].detail
 
 
 @pytest.mark.root

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -73,30 +71,6 @@ def test_missing_privileges(models: dict[str, Path], tmp_path: Path) -> None:
     assert r.returncode == MissingPrivileges.exit_code, r.stderr
     assert "CAP_BPF" in r.stderr and "--cap-add" in r.stderr
     assert not (tmp_path / "x").exists()
-
-
-@pytest.mark.root
-@pytest.mark.engine
-def test_unsupported_engine_build(models: dict[str, Path], tmp_path: Path) -> None:
-    """The same libllama, but outside any package we know: refused, nothing attached."""
-    import llama_cpp
-
-    libdir = tmp_path / "lib"
-    shutil.copytree(Path(llama_cpp.__file__).parent / "lib", libdir)
-    env_engine = Engine.__new__(Engine)
-    os.environ["LLAMA_CPP_LIB_PATH"] = str(libdir)
-    try:
-        env_engine.__init__([str(ENGINES / "llama_engine.py"), str(models["moe"])])  # type: ignore[misc]
-    finally:
-        del os.environ["LLAMA_CPP_LIB_PATH"]
-    try:
-        maps = Path(f"/proc/{env_engine.pid}/maps").read_text()
-        assert str(libdir) in maps
-        r = run_cli("record", "--pid", str(env_engine.pid), "-o", str(tmp_path / "x"))
-    finally:
-        env_engine.close()
-    assert r.returncode == UnsupportedEngineBuild.exit_code, r.stderr
-    assert "unsupported engine build" in r.stderr
 
 
 def test_corrupt_recording(tmp_path: Path) -> None:
