@@ -53,9 +53,13 @@ struct dsc_sample {
     __u32 pad;
 };
 
-BPF_RINGBUF_OUTPUT(dsc_events, 256); /* 1 MiB: discovery keeps a few dozen records */
+BPF_RINGBUF_OUTPUT(dsc_events, 256); /* 1 MiB: more than DSC_BUDGET micro-batch records */
 BPF_ARRAY(dsc_serial, __u64, 1);
 BPF_ARRAY(dsc_drops, __u64, 1);
+/* Micro-batch records the consumer still takes before its next poll (it refills this): a busy
+ * engine must not overflow the ring between two polls. A record skipped or dropped still takes
+ * its serial number, so the consumer sees the gap and links no anchor across it. */
+BPF_ARRAY(dsc_budget, __u64, 1);
 
 static __always_inline __u64 dsc_next(void) {
     int k = 0;
@@ -63,29 +67,39 @@ static __always_inline __u64 dsc_next(void) {
     return v ? __sync_fetch_and_add(v, 1) : 0;
 }
 
-static __always_inline void dsc_drop(void) {
-    int k = 0;
-    __u64 *v = dsc_drops.lookup(&k);
-    if (v)
-        __sync_fetch_and_add(v, 1);
-}
 
-static __always_inline void dsc_fill(struct dsc_hdr *h, __u32 kind, __u64 ctx) {
-    h->serial = dsc_next();
+/* Reserve a record of `size` bytes (a constant once inlined) and fill its header; NULL, counted in
+ * dsc_drops, when the ring is full. */
+static __always_inline void *dsc_reserve(__u64 size, __u32 kind, __u64 ctx) {
+    __u64 serial = dsc_next();
+    struct dsc_hdr *h = dsc_events.ringbuf_reserve(size);
+    if (!h) {
+        int k = 0;
+        __u64 *d = dsc_drops.lookup(&k);
+        if (d)
+            __sync_fetch_and_add(d, 1);
+        return 0;
+    }
+    h->serial = serial;
     h->ctx = ctx;
     h->tid = (__u32)bpf_get_current_pid_tgid();
     h->kind = kind;
+    return h;
 }
 
 /* llama_context::process_ubatch(this, const llama_ubatch &, ...): rsi = the micro-batch */
 int dsc_ubatch(struct pt_regs *ctx) {
     __u64 ub = PT_REGS_PARM2(ctx);
-    struct dsc_ubatch *e = dsc_events.ringbuf_reserve(sizeof(struct dsc_ubatch));
-    if (!e) {
-        dsc_drop();
+    int k0 = 0;
+    __u64 *budget = dsc_budget.lookup(&k0);
+    if (!budget || *budget == 0) {
+        dsc_next(); /* skipped: a gap in the serials */
         return 0;
     }
-    dsc_fill(&e->h, DSC_UBATCH, PT_REGS_PARM1(ctx));
+    __sync_fetch_and_add(budget, -1);
+    struct dsc_ubatch *e = dsc_reserve(sizeof(struct dsc_ubatch), DSC_UBATCH, PT_REGS_PARM1(ctx));
+    if (!e)
+        return 0;
     e->raw_ok = bpf_probe_read_user(e->raw, DSC_STRUCT, (void *)ub) == 0;
     e->pointee_ok = 0;
     for (int k = 0; k < DSC_SLOTS; k++) {
@@ -107,12 +121,9 @@ int dsc_ubatch(struct pt_regs *ctx) {
 /* llama_context::decode(this, const llama_batch &): rsi = the public batch */
 int dsc_batch(struct pt_regs *ctx) {
     __u64 b = PT_REGS_PARM2(ctx);
-    struct dsc_batch *e = dsc_events.ringbuf_reserve(sizeof(struct dsc_batch));
-    if (!e) {
-        dsc_drop();
+    struct dsc_batch *e = dsc_reserve(sizeof(struct dsc_batch), DSC_BATCH, PT_REGS_PARM1(ctx));
+    if (!e)
         return 0;
-    }
-    dsc_fill(&e->h, DSC_BATCH, PT_REGS_PARM1(ctx));
     __u64 f[7] = {};
     e->has = 0;
     e->n_tokens = 0;
@@ -145,12 +156,9 @@ int dsc_batch(struct pt_regs *ctx) {
 
 /* llama_sampler_sample / common_sampler_sample return: the sampled token id */
 int dsc_sample(struct pt_regs *ctx) {
-    struct dsc_sample *e = dsc_events.ringbuf_reserve(sizeof(struct dsc_sample));
-    if (!e) {
-        dsc_drop();
+    struct dsc_sample *e = dsc_reserve(sizeof(struct dsc_sample), DSC_SAMPLE, 0);
+    if (!e)
         return 0;
-    }
-    dsc_fill(&e->h, DSC_SAMPLE, 0);
     e->token = (__s32)PT_REGS_RC(ctx);
     e->pad = 0;
     dsc_events.ringbuf_submit(e, 0);

@@ -259,11 +259,15 @@ def compile_and_attach(
             # a return probe needs the return address at [rsp]: only entry-only probes may skip
             # a stack-realigning prologue
             off = cheap_probe_offset(code) if spec.fn_return else cheap_entry_probe_offset(code)
+            # The return probe goes in first: a call whose entry the probes see must have its
+            # return seen too, or per-thread state opened at entry (the sampler-call depth) would
+            # stay open for good when the engine runs such a call while we attach.
+            if spec.fn_return:
+                _attach(b.attach_uretprobe, lib, vaddr + off, spec.fn_return, pid)
             if spec.fn_entry:
                 _attach(b.attach_uprobe, lib, vaddr + off, spec.fn_entry, pid)
                 sess.attached.append(AttachedProbe(spec.symbol, str(lib), off, "entry", vaddr + off))
             if spec.fn_return:
-                _attach(b.attach_uretprobe, lib, vaddr + off, spec.fn_return, pid)
                 sess.attached.append(AttachedProbe(spec.symbol, str(lib), off, "return", vaddr + off))
     except BaseException:
         sess.close()

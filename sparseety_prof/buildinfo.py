@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import re
 import struct
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from .elf import load_segments
+from .target import symbol_table
 
 MAX_STRING = 128
 _DATA_TYPES = {"B", "b", "D", "d", "R", "r", "T", "t"}
@@ -89,7 +89,8 @@ def identify(files: list[Path], package: tuple[str, str], build_ids: list[str]) 
 def read_markers(path: Path) -> dict[str, object]:
     """ggml_version / ggml_commit (from the functions' `lea` of a string constant), and the
     LLAMA_BUILD_NUMBER / LLAMA_COMMIT globals of one ELF file."""
-    syms = _symbols(path, _WANTED)
+    table = symbol_table(path)
+    syms = {name: table[name][0] for name in _WANTED if name in table and table[name][2] in _DATA_TYPES}
     segs = load_segments(path)
     out: dict[str, object] = {}
     with path.open("rb") as f:
@@ -109,19 +110,6 @@ def read_markers(path: Path) -> dict[str, object]:
                 if s and re.fullmatch(r"[0-9a-f]{7,40}", s):
                     out["commit"] = s
     return out
-
-
-def _symbols(path: Path, names: tuple[str, ...]) -> dict[str, int]:
-    found: dict[str, int] = {}
-    for extra in (["-D"], []):
-        r = subprocess.run(["nm", *extra, "--defined-only", str(path)], capture_output=True, text=True)
-        for line in r.stdout.splitlines():
-            parts = line.split()
-            if len(parts) == 3 and parts[2] in names and parts[1] in _DATA_TYPES:
-                found.setdefault(parts[2], int(parts[0], 16))
-        if len(found) == len(names):
-            break
-    return found
 
 
 def _read(f: object, segs: list[tuple[int, int, int]], vaddr: int, n: int) -> bytes | None:

@@ -18,12 +18,13 @@ from pathlib import Path
 from . import target as tg
 from .bpf_loader import cheap_entry_probe_offset, import_bcc
 from .elf import read_at_vaddr
-from .errors import BpfUnavailable, MissingPrivileges, NoSuchProcess, UnsupportedEngineBuild
+from .errors import BpfUnavailable, MissingPrivileges, UnsupportedEngineBuild
 from .events import PROBES_DIR
-from .layout_discovery import DSC_UBATCH, Verdict, discover, parse
+from .layout_discovery import Verdict, discover, parse
 from .layouts import UbatchLayout
 
 MAX_RECORDS = 4096  # a discovery that has not converged after this many records never will
+POLL_BUDGET = 32  # micro-batch records per 100 ms poll: ~350 KiB, well inside the 1 MiB ring
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class Discovery:
     seconds: float  # from attaching the discovery probe to the verdict
     compile_s: float
     evidence: tuple[str, ...]
+    drops: int  # discovery records the ring had no room for (counted in BPF)
 
     def to_meta(self) -> dict[str, object]:
         return {
@@ -41,6 +43,7 @@ class Discovery:
             "seconds": round(self.seconds, 3),
             "compile_s": round(self.compile_s, 3),
             "anchors": list(self.evidence),
+            "drops": self.drops,
         }
 
 
@@ -84,16 +87,17 @@ def run_discovery(
             f"(up to {timeout_s:.0f} s; the engine must be working: send it a request)"
         )
         verdict = Verdict(None, 0, 0, "no forward pass was seen")
+        judged = 0  # records the verdict was made on: judge again only when more came
+        budget = b["dsc_budget"]
         while True:
+            budget[ctypes.c_int(0)] = ctypes.c_uint64(POLL_BUDGET)
             b.ring_buffer_poll(100)
-            n_ub = sum(
-                1 for r in records if len(r) >= 24 and int.from_bytes(r[20:24], "little") == DSC_UBATCH
-            )
-            if n_ub:
+            if len(records) > judged:
+                judged = len(records)
                 verdict = discover(parse(records), n_vocab)
                 if verdict.layout is not None:
                     break
-                if verdict.candidates == 0:
+                if verdict.candidates == 0 and verdict.ubatches:
                     raise UnsupportedEngineBuild(
                         f"unsupported engine build: no consistent llama_ubatch layout in PID {pid}'s "
                         f"{where[tg.SYM_UBATCH]} ({verdict.reason}; {verdict.ubatches} micro-batches "
@@ -105,16 +109,14 @@ def run_discovery(
                     f"{timeout_s:.0f} s ({verdict.reason}). Run the engine on a prompt while attaching, or "
                     f"raise --discover-timeout"
                 )
-            try:
-                tg.check_process(pid)
-            except NoSuchProcess:
-                raise
+            tg.check_process(pid)  # NoSuchProcess when the engine exited meanwhile
         return Discovery(
             layout=verdict.layout,
             ubatches=verdict.ubatches,
             seconds=time.monotonic() - t_attached,
             compile_s=compile_s,
             evidence=verdict.evidence,
+            drops=int(b["dsc_drops"][ctypes.c_int(0)].value),
         )
     finally:
         with contextlib.suppress(Exception):

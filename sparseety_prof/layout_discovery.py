@@ -82,8 +82,9 @@ class Ubatch:
     deref: list[list[int | None]]  # per word: the int32s its first DSC_DEREF entries point to
     batch: Batch | None = None  # the public batch this micro-batch was the first of
     batch_total: int | None = None  # n_tokens of the batch when this is its LAST micro-batch
-    batch_first: int | None = None  # index of the batch's first micro-batch (for the sum check)
+    batch_first: int | None = None  # index of its batch's first micro-batch: the batch's id
     sampled_after: bool = False  # a sampler call read logits before the next forward pass
+    gap_before: bool = False  # records were skipped or lost just before: no continuity across
     next_input: list[int] = field(default_factory=list)  # tokens sampled right before this one
 
 
@@ -106,9 +107,10 @@ class Verdict:
 
 
 def parse(records: list[bytes]) -> list[Ubatch]:
-    """Raw ring records (in ring order) -> micro-batches with their anchors attached. Records of
-    one engine thread are put in serial order; anchors never cross threads."""
-    parsed: list[tuple[int, int, int, np.void]] = []
+    """Raw ring records -> micro-batches with their anchors attached, in serial order. Anchors
+    link records of one engine thread only, and never across a gap in the serial numbers (a
+    record the probe skipped or the ring had no room for)."""
+    parsed: list[tuple[int, int, np.void]] = []
     for r in records:
         if len(r) < 24:
             continue
@@ -117,35 +119,49 @@ def parse(records: list[bytes]) -> list[Ubatch]:
         if dt is None or len(r) < dt.itemsize:
             continue
         a = np.frombuffer(r[: dt.itemsize], dtype=dt)[0]
-        parsed.append((int(a["tid"]), int(a["serial"]), kind, a))
-    parsed.sort(key=lambda x: (x[0], x[1]))
+        parsed.append((int(a["serial"]), kind, a))
+    parsed.sort(key=lambda x: x[0])
     out: list[Ubatch] = []
-    for _tid, group in itertools.groupby(parsed, key=lambda x: x[0]):
-        batch: Batch | None = None
-        first_of_batch: int | None = None
-        pending: list[int] = []
-        last: Ubatch | None = None
-        for _t, _s, kind, a in group:
-            if kind == DSC_BATCH:
-                if last is not None and first_of_batch is not None and batch is not None:
-                    last.batch_total, last.batch_first = batch.n_tokens, first_of_batch
-                batch = _batch(a)
-                first_of_batch = None
-                last = None
-            elif kind == DSC_SAMPLE:
-                if last is not None:
-                    last.sampled_after = True
-                pending.append(int(a["token"]))
-            else:
-                u = _ubatch(a)
-                u.next_input, pending = pending, []
-                if batch is not None and first_of_batch is None:
-                    u.batch = batch
-                    first_of_batch = len(out)
-                out.append(u)
-                last = u
-        # the thread's last batch is complete only if a later record closed it: not checked
+    threads: dict[int, _Thread] = {}
+    prev = None
+    for serial, kind, a in parsed:
+        if prev is not None and serial != prev + 1:
+            threads = {}  # a gap: start every thread afresh
+            gap = True
+        else:
+            gap = prev is None
+        prev = serial
+        th = threads.setdefault(int(a["tid"]), _Thread(gap_pending=gap))
+        if kind == DSC_BATCH:
+            if th.last is not None and th.first_of_batch is not None and th.batch is not None:
+                th.last.batch_total = th.batch.n_tokens  # the batch is complete: check its sum
+            th.batch, th.first_of_batch, th.last = _batch(a), None, None
+        elif kind == DSC_SAMPLE:
+            if th.last is not None:
+                th.last.sampled_after = True
+            th.pending.append(int(a["token"]))
+        else:
+            u = _ubatch(a)
+            u.next_input, th.pending = th.pending, []
+            u.gap_before, th.gap_pending = th.gap_pending, False
+            if th.batch is not None and th.first_of_batch is None:
+                u.batch = th.batch
+                th.first_of_batch = len(out)
+            u.batch_first = th.first_of_batch
+            out.append(u)
+            th.last = u
     return out
+
+
+@dataclass
+class _Thread:
+    """What parse() links across the records of one engine thread."""
+
+    gap_pending: bool
+    batch: Batch | None = None
+    first_of_batch: int | None = None  # index (in the output) of the batch's first micro-batch
+    pending: list[int] = field(default_factory=list)  # tokens sampled since the last micro-batch
+    last: Ubatch | None = None
 
 
 def _batch(a: np.void) -> Batch:
@@ -208,8 +224,7 @@ def discover(ubatches: list[Ubatch], n_vocab: int, *, min_ubatches: int = 2) -> 
 
 
 def _survivors(ubatches: list[Ubatch], n_vocab: int) -> tuple[list[UbatchLayout], set[str]]:
-    survivors: list[UbatchLayout] = []
-    evidence: set[str] = set()
+    fits: list[tuple[UbatchLayout, set[str]]] = []
     for n_off in range(0, 32, 4):
         ns = _counts(ubatches, n_off)
         if ns is None:
@@ -217,16 +232,13 @@ def _survivors(ubatches: list[Ubatch], n_vocab: int) -> tuple[list[UbatchLayout]
         for lay in _ordered(_slot_roles(ubatches, ns, n_vocab, n_off), n_off):
             failed, used = _joint(ubatches, ns, lay)
             if not failed:
-                survivors.append(lay)
-                evidence |= used
+                fits.append((lay, used))
+    if not fits:
+        return [], set()
     # n_tokens is the first count of the struct: among counts that hold equally, the lowest offset
-    if survivors:
-        low = min(s.n_tokens for s in survivors)
-        survivors = [s for s in survivors if s.n_tokens == low]
-        evidence = set()
-        for lay in survivors:
-            evidence |= _joint(ubatches, _counts(ubatches, low) or [], lay)[1]
-    return survivors, evidence
+    low = min(lay.n_tokens for lay, _ in fits)
+    fits = [(lay, used) for lay, used in fits if lay.n_tokens == low]
+    return [lay for lay, _ in fits], set().union(*(used for _, used in fits))
 
 
 def _counts(ubatches: list[Ubatch], n_off: int) -> list[int] | None:
@@ -332,7 +344,13 @@ def _joint(ubatches: list[Ubatch], ns: list[int], lay: UbatchLayout) -> tuple[st
     t, p, s, o = lay.token // 8, lay.pos // 8, lay.seq_id // 8, lay.output // 8
     used: set[str] = set()
     last_pos: dict[int, int] = {}
-    for i, (u, n) in enumerate(zip(ubatches, ns, strict=True)):
+    batches: dict[int, list[int]] = {}  # batch id -> its micro-batches
+    for j, u in enumerate(ubatches):
+        if u.batch_first is not None:
+            batches.setdefault(u.batch_first, []).append(j)
+    for u, n in zip(ubatches, ns, strict=True):
+        if u.gap_before:
+            last_pos.clear()
         tok = _i32(u.pointee[t] or b"", n)
         pos = _i32(u.pointee[p] or b"", n)
         out = np.frombuffer(u.pointee[o] or b"", dtype="i1", count=min(n, DSC_BYTES))
@@ -369,7 +387,7 @@ def _joint(ubatches: list[Ubatch], ns: list[int], lay: UbatchLayout) -> tuple[st
                     return INV_BATCH_ROWS, used
                 used.add(INV_BATCH_ROWS)
         if u.batch_total is not None and u.batch_first is not None:
-            total = sum(ns[u.batch_first : i + 1])
+            total = sum(ns[j] for j in batches[u.batch_first])
             if total != u.batch_total:
                 return INV_BATCH_N, used
             used.add(INV_BATCH_N)

@@ -179,16 +179,28 @@ def elf_symbols(path: Path) -> dict[str, tuple[int, int]]:
     return dict(_elf_symbols(path, st.st_ino, st.st_mtime_ns))
 
 
+def symbol_table(path: Path) -> dict[str, tuple[int, int, str]]:
+    """Every defined symbol with a size (functions and data) -> (address, size, nm type letter)."""
+    st = path.stat()
+    return _symbol_table(path, st.st_ino, st.st_mtime_ns)
+
+
 @functools.lru_cache(maxsize=32)
-def _elf_symbols(path: Path, _inode: int, _mtime_ns: int) -> dict[str, tuple[int, int]]:
-    syms: dict[str, tuple[int, int]] = {}
+def _symbol_table(path: Path, _inode: int, _mtime_ns: int) -> dict[str, tuple[int, int, str]]:
+    syms: dict[str, tuple[int, int, str]] = {}
     for extra in (["-D"], []):
         r = subprocess.run(["nm", *extra, "--defined-only", "-S", str(path)], capture_output=True, text=True)
         for line in r.stdout.splitlines():
             parts = line.split()
-            if len(parts) == 4 and parts[2] in ("T", "t", "W", "i"):
-                syms.setdefault(parts[3], (int(parts[0], 16), int(parts[1], 16)))
+            if len(parts) == 4:
+                syms.setdefault(parts[3], (int(parts[0], 16), int(parts[1], 16), parts[2]))
     return syms
+
+
+@functools.lru_cache(maxsize=32)
+def _elf_symbols(path: Path, _inode: int, _mtime_ns: int) -> dict[str, tuple[int, int]]:
+    table = _symbol_table(path, _inode, _mtime_ns)
+    return {name: (a, n) for name, (a, n, kind) in table.items() if kind in ("T", "t", "W", "i")}
 
 
 @dataclass(frozen=True)

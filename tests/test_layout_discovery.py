@@ -204,3 +204,30 @@ def test_truncated_and_unknown_records_are_skipped() -> None:
     assert ld.parse(garbage) == []
     v = ld.discover(ld.parse(garbage + recs), N_VOCAB)
     assert v.layout == _UBATCH_2025
+
+
+def test_lost_records_break_no_anchor() -> None:
+    """A batch record lost in the ring (a serial gap) must not pair its micro-batches with the
+    previous batch: the true layout still holds, linked anchors resume after the gap."""
+    mem = Memory(random.Random(7))
+    recs = generation(mem, _UBATCH_2025, public_batch=True)
+    lost = [i for i, r in enumerate(recs) if int.from_bytes(r[20:24], "little") == ld.DSC_BATCH][2]
+    v = ld.discover(ld.parse(recs[:lost] + recs[lost + 1 :]), N_VOCAB)
+    assert v.layout == _UBATCH_2025, v
+
+
+def test_two_threads_interleaved() -> None:
+    """Two engine threads (two contexts) decoding at once: anchors stay within a thread."""
+    mem = Memory(random.Random(8))
+    a = generation(mem, _UBATCH_2025, public_batch=True)
+    mem2 = Memory(random.Random(9))
+    b = generation(mem2, _UBATCH_2025, public_batch=True, seq=1)
+    # one serial counter for the process, records of the two threads alternating
+    mixed = []
+    for n, r in enumerate(x for pair in itertools.zip_longest(a, b) for x in pair if x is not None):
+        arr = bytearray(r)
+        arr[0:8] = n.to_bytes(8, "little")
+        arr[16:20] = (7 if r in a else 8).to_bytes(4, "little")
+        mixed.append(bytes(arr))
+    v = ld.discover(ld.parse(mixed), N_VOCAB)
+    assert v.layout == _UBATCH_2025, v

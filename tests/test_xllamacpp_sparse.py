@@ -16,16 +16,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pytest
-from conftest import (
-    ENGINES,
-    Engine,
-    Recorder,
-    align_server_probs,
-    free_port,
-    http_post,
-    require_build,
-    server_builds,
-)
+from conftest import ENGINES, Engine, Recorder, align_server_probs, free_port, http_post
 
 import sparseety_prof
 
@@ -48,14 +39,10 @@ TIE_TOL = 1e-3
 MIN_AGREEMENT = 0.98
 
 
-@pytest.fixture(params=server_builds(), ids=lambda b: b[0])
-def server(models: dict[str, Path], request: pytest.FixtureRequest) -> Iterator[Engine]:
-    """The pinned build and every build of the matrix (scripts/matrix-xllamacpp.txt)."""
-    _name, env = request.param
-    require_build(env)
+@pytest.fixture
+def server(models: dict[str, Path]) -> Iterator[Engine]:
     e = Engine(
-        [str(ENGINES / "server_engine.py"), str(models["moe"]), "--port", str(free_port()), "--threads", "2"],
-        env=env,
+        [str(ENGINES / "server_engine.py"), str(models["moe"]), "--port", str(free_port()), "--threads", "2"]
     )
     yield e
     e.close()
