@@ -89,6 +89,12 @@ for v in $(grep -v '^#' scripts/matrix-xllamacpp.txt); do
   fi
 done
 step "4b/6 build matrix: $(ls -d "$MATRIX"/xllamacpp-* 2>/dev/null | wc -l) xllamacpp builds in $MATRIX"
+# 4c. llama-server executables built from llama.cpp sources (cached under /var/cache/sparseety-prof)
+grep -v '^#' scripts/matrix-llama-server.txt | while read -r build kind; do
+  [ -n "$build" ] || continue
+  PYTHON="$PY" bash scripts/build_llama_server.sh "$build" "$kind" >/dev/null
+  step "4c/6 llama-server b$build ($kind) ready"
+done
 
 # 5. make Debian's pure-Python bcc importable from the venv: link ONLY that package (putting all of
 #    /usr/lib/python3/dist-packages on the path would shadow the venv's packages).

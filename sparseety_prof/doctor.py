@@ -134,7 +134,7 @@ def check_engine(pid: int) -> list[Check]:
             Check(
                 "engine build",
                 True,
-                f"{b.identity.describe()}: not in the verified ggml range {lo}..{hi}; the "
+                f"{b.identity.describe()}: not in the verified range {lo}..{hi}; the "
                 f"llama_ubatch layout will be learned from live forward passes at attach",
                 "send the engine a request while attaching",
             )

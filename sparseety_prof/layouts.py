@@ -120,25 +120,38 @@ _UBATCH_2026_10 = UbatchLayout(n_tokens=4, token=24, pos=48, n_seq_id=56, seq_id
 
 @dataclass(frozen=True)
 class VerifiedRange:
-    """ggml versions [first, last] (inclusive) whose llama_ubatch layout is `ubatch`; each range
-    holds builds on which layout discovery found exactly this layout (`verified_on`)."""
+    """Builds whose llama_ubatch layout is `ubatch`: llama.cpp build numbers [first_build,
+    last_build] where the build number is known, else ggml versions [first_ggml, last_ggml]
+    (None: no ggml range, the ggml version alone does not decide). `verified_on` names builds of
+    the test matrix on which layout discovery found exactly this layout."""
 
-    first: str
-    last: str
+    first_build: int
+    last_build: int
+    first_ggml: str | None
+    last_ggml: str | None
     ubatch: UbatchLayout
     verified_on: tuple[str, ...]
 
-    def contains(self, ggml_version: str | None) -> bool:
+    def contains(self, build_number: int | None, ggml_version: str | None) -> bool:
+        if build_number:
+            return self.first_build <= build_number <= self.last_build
         k = version_key(ggml_version)
-        return bool(k) and version_key(self.first) <= k <= version_key(self.last)
+        return (
+            bool(k)
+            and self.first_ggml is not None
+            and self.last_ggml is not None
+            and version_key(self.first_ggml) <= k <= version_key(self.last_ggml)
+        )
 
 
-# llama-batch.h kept token..output at these offsets from b8672 (ggml 0.9.11) through at least b11434;
-# `float * embd_state` went in between embd and pos before b11549 (ggml 0.26.0). Each point named in
-# `verified_on` is a build of the test matrix (tests/test_build_matrix.py) on which discovery found
-# exactly this layout; a ggml version between the ranges gets discovery.
+# llama-batch.h kept token..output at these offsets from b8672 (ggml 0.9.11) through b11434;
+# `float * embd_state` went in between embd and pos after b11434 and by b11549. ggml's version is
+# 0.26.0 on both sides of that change (b11434 and b11549), so it decides only up to 0.25.3; past
+# that the build number must, and a build without one gets layout discovery.
 VERIFIED: tuple[VerifiedRange, ...] = (
     VerifiedRange(
+        8672,
+        11434,
         "0.9.11",
         "0.25.3",
         _UBATCH_2025,
@@ -150,10 +163,17 @@ VERIFIED: tuple[VerifiedRange, ...] = (
             "llama-cpp-python 0.3.36 (ggml 0.25.3)",
         ),
     ),
-    VerifiedRange("0.26.0", "0.26.0", _UBATCH_2026_10, ("xllamacpp 2026.10.11549 (ggml 0.26.0)",)),
+    VerifiedRange(11549, 11549, None, None, _UBATCH_2026_10, ("xllamacpp 2026.10.11549 (ggml 0.26.0)",)),
 )
-# package (engine, version) -> ggml version, for a library whose ggml_version() cannot be read
-_PACKAGE_HINTS = {("llama-cpp-python", "0.3.36"): "0.25.3"}
+
+
+def package_build_number(package: str, version: str) -> int | None:
+    """The llama.cpp build a package release bundles, where its version says so: xllamacpp's
+    versions end in it (2026.10.11549 = b11549; the wheels' own LLAMA_BUILD_NUMBER is 0)."""
+    if package == "xllamacpp":
+        m = re.fullmatch(r"\d{4}\.\d{1,2}\.(\d{4,6})", version)
+        return int(m.group(1)) if m else None
+    return None
 
 
 # package directory name next to the library -> distribution name
@@ -178,24 +198,24 @@ def package_of(lib: Path) -> tuple[str, str]:
 
 
 def resolve(identity: BuildIdentity, exe: str) -> EngineBuild:
-    """The build's name and, where its ggml version is in a verified range, its layout."""
+    """The build's name and, where its build number (or, below 0.26, its ggml version) is in a
+    verified range, its layout."""
     engine = identity.package or Path(exe).name
     version = identity.package_version or (
         f"b{identity.build_number}" if identity.build_number else (identity.ggml_version or "unknown")
     )
-    ggml = identity.ggml_version or _PACKAGE_HINTS.get((identity.package, identity.package_version))
+    build = identity.build_number or package_build_number(identity.package, identity.package_version)
     for r in VERIFIED:
-        if r.contains(ggml):
-            src = f"table: ggml {r.first}..{r.last} (verified on {len(r.verified_on)} builds)"
+        if r.contains(build, identity.ggml_version):
+            key = f"b{r.first_build}..b{r.last_build}" if build else f"ggml {r.first_ggml}..{r.last_ggml}"
+            src = f"table: {key} (verified on {len(r.verified_on)} builds)"
             return EngineBuild(engine, version, identity, r.ubatch, src)
     return EngineBuild(engine, version, identity, None, "to be discovered")
 
 
 def supported_range() -> tuple[str, str]:
-    """The first and last ggml versions of the verified ranges."""
-    firsts = sorted((r.first for r in VERIFIED), key=version_key)
-    lasts = sorted((r.last for r in VERIFIED), key=version_key)
-    return firsts[0], lasts[-1]
+    """The first and last llama.cpp builds of the verified ranges."""
+    return f"b{min(r.first_build for r in VERIFIED)}", f"b{max(r.last_build for r in VERIFIED)}"
 
 
 def identify_build(t: tg.Target, where: dict[str, Path]) -> EngineBuild:

@@ -105,24 +105,42 @@ class Engine:
 MATRIX_DIR = Path(os.environ.get("SPARSEETY_MATRIX_DIR", ROOT / ".cache" / "engines"))
 
 
+SERVER_CACHE = Path(os.environ.get("SPARSEETY_CACHE", "/var/cache/sparseety-prof")) / "llama-server"
+
+
+def _matrix_lines(name: str) -> list[list[str]]:
+    lines = (ROOT / "scripts" / name).read_text().splitlines()
+    return [line.split() for line in lines if line.strip() and not line.startswith("#")]
+
+
 def server_builds() -> list[tuple[str, dict[str, str] | None]]:
-    """llama-server builds to test against: the pinned xllamacpp of the venv, then every release
-    of scripts/matrix-xllamacpp.txt (scripts/setup.sh unpacks each into MATRIX_DIR)."""
+    """llama-server builds to test against: the pinned xllamacpp of the venv, every release of
+    scripts/matrix-xllamacpp.txt (scripts/setup.sh unpacks each into MATRIX_DIR), and every
+    executable of scripts/matrix-llama-server.txt (set-up builds each into SERVER_CACHE)."""
     builds: list[tuple[str, dict[str, str] | None]] = [("xllamacpp-pinned", None)]
-    for line in (ROOT / "scripts" / "matrix-xllamacpp.txt").read_text().splitlines():
-        v = line.strip()
-        if v and not v.startswith("#"):
-            builds.append((f"xllamacpp-{v}", {"PYTHONPATH": str(MATRIX_DIR / f"xllamacpp-{v}")}))
+    for (v,) in _matrix_lines("matrix-xllamacpp.txt"):
+        builds.append((f"xllamacpp-{v}", {"PYTHONPATH": str(MATRIX_DIR / f"xllamacpp-{v}")}))
+    for build, kind in _matrix_lines("matrix-llama-server.txt"):
+        where = str(SERVER_CACHE / f"b{build}-{kind}")
+        builds.append((f"llama-server-b{build}-{kind}", {"LLAMA_SERVER_BIN": where}))
     return builds
 
 
 def require_build(env: dict[str, str] | None) -> None:
     """A matrix build that set-up did not install is a failure, not a skip: run scripts/setup.sh."""
     if env is not None:
-        path = Path(env["PYTHONPATH"])
+        path = Path(env.get("PYTHONPATH") or env["LLAMA_SERVER_BIN"])
         assert (path / ".complete").exists(), (
             f"{path} missing: run scripts/setup.sh (it installs the build matrix)"
         )
+
+
+def server_engine_args(env: dict[str, str] | None, model: Path, port: int) -> list[str]:
+    """The test engine for a server build: xllamacpp in-process, or a built llama-server."""
+    if env is not None and "LLAMA_SERVER_BIN" in env:
+        binary = Path(env["LLAMA_SERVER_BIN"]) / "llama-server"
+        return [str(ENGINES / "llama_server_binary.py"), str(binary), str(model), "--port", str(port)]
+    return [str(ENGINES / "server_engine.py"), str(model), "--port", str(port)]
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from conftest import (
     require_build,
     run_cli,
     server_builds,
+    server_engine_args,
 )
 
 import sparseety_prof
@@ -72,7 +73,7 @@ def attach_during(pid: int, out: Path, traffic: Callable[[], object], *extra: st
 def server(models: dict[str, Path], request: pytest.FixtureRequest) -> Iterator[Engine]:
     _name, env = request.param
     require_build(env)
-    e = Engine([str(ENGINES / "server_engine.py"), str(models["moe"]), "--port", str(free_port())], env=env)
+    e = Engine(server_engine_args(env, models["moe"], free_port()), env=env)
     yield e
     e.close()
 
@@ -151,7 +152,8 @@ def test_server_build_layout_discovered_and_recorded_exactly(server: Engine, tmp
     assert ident["ggml_version"], ident
     assert eng["layout_source"] == "discovered on live data"
     disc = eng["layout_discovery"]
-    table = next(v for v in layouts.VERIFIED if v.contains(ident["ggml_version"]))
+    build = ident["llama_build_number"] or layouts.package_build_number("xllamacpp", eng["version"])
+    table = next(v for v in layouts.VERIFIED if v.contains(build, ident["ggml_version"]))
     assert disc["ubatch_layout"] == table.ubatch.__dict__ == eng["ubatch_layout"]
     assert disc["ubatches_watched"] >= 2 and disc["anchors"] and disc["drops"] == 0
     tokens = r.tokens()
@@ -250,7 +252,7 @@ def test_library_outside_any_package_is_identified_by_its_binary(
     assert rc == 0, err
     meta = sparseety_prof.open(tmp_path / "rec").meta["engine"]
     assert meta["identity"]["package"] is None and meta["identity"]["ggml_version"] == "0.25.3"
-    assert meta["layout_source"].startswith("table: ggml 0.9.11..0.25.3")
+    assert meta["layout_source"].startswith("table: ggml 0.9.11..0.25.3")  # no build number in it
     tokens = sparseety_prof.open(tmp_path / "rec").tokens()
     assert tokens["token_id"].to_list() == results[0]["ids"]
     assert os.environ.get("LLAMA_CPP_LIB_PATH") is None

@@ -231,3 +231,26 @@ def test_two_threads_interleaved() -> None:
         mixed.append(bytes(arr))
     v = ld.discover(ld.parse(mixed), N_VOCAB)
     assert v.layout == _UBATCH_2025, v
+
+
+@pytest.mark.parametrize(
+    ("build", "ggml", "package", "want"),
+    [
+        (11434, "0.26.0", ("", ""), _UBATCH_2025),  # llama-server b11434: ggml 0.26.0, the old layout
+        (None, "0.26.0", ("xllamacpp", "2026.10.11549"), _UBATCH_2026_10),  # build from the version
+        (None, "0.26.0", ("", ""), None),  # 0.26.0 alone spans both layouts: discovery
+        (None, "0.25.3", ("llama-cpp-python", "0.3.36"), _UBATCH_2025),
+        (10068, "0.17.0", ("", ""), _UBATCH_2025),
+        (12000, "0.27.0", ("", ""), None),  # past the verified range: discovery
+        (8000, "0.9.11", ("", ""), None),  # a build number before the range decides, not ggml
+    ],
+)
+def test_table_fast_path(
+    build: int | None, ggml: str, package: tuple[str, str], want: UbatchLayout | None
+) -> None:
+    from sparseety_prof.buildinfo import BuildIdentity
+    from sparseety_prof.layouts import resolve
+
+    ident = BuildIdentity(ggml, build, None, package[0], package[1], ())
+    got = resolve(ident, "/usr/bin/llama-server")
+    assert got.ubatch == want, got.layout_source
