@@ -156,6 +156,9 @@ class CtxState:
     outputs: list[tuple[Step, int]] = field(default_factory=list)  # rows that produce logits
     public_batch: tuple[int, int, int] | None = None  # (n_tokens, tok0, pos0) to verify
     sampler_seen: bool = False
+    # micro-batches recorded on this context: a sample before the first one finishes a decode
+    # that ran before the probes were in (attach boundary), not one the recording lost
+    ubatches_seen: int = 0
     seqs: dict[int, SeqState] = field(default_factory=dict)
     requests: int = 0
     sampling: dict[int, SampleState] = field(default_factory=dict)  # by tid
@@ -171,6 +174,7 @@ class Counters:
     sparse_unmapped_rows: int = 0  # tensor rows that match neither the batch nor its outputs
     verified_sparse: int = 0  # routing records checked against the model's expert counts
     slot_tokens_unresolved: int = 0  # server samples whose slot has no output row in the decode
+    samples_before_first_step: int = 0  # samples of a decode that ran before the attach
 
 
 class Correlator:
@@ -434,6 +438,7 @@ class Correlator:
         # _on_ubatch
         if not c.decode_seen:
             c.decode_id += 1
+        c.ubatches_seen += 1
         ub = idx.arrays[G_UBATCH][u]
         step = Step(
             step_id=self.next_step_id,
@@ -492,6 +497,7 @@ class Correlator:
             c.decode_id += 1
             c.rows, c.outputs = [], []
         m = int(r["n_copied"])
+        c.ubatches_seen += 1
         step = Step(
             step_id=self.next_step_id,
             ctx_id=c.ctx_id,
@@ -806,6 +812,11 @@ class Correlator:
         c = self._ctx(int(r["ctx"]))
         tid = int(r["tid"])
         s = c.sampling.pop(tid, None)
+        if c.ubatches_seen == 0:
+            # the decode this sample finishes ran before the probes were attached: the
+            # recording starts at the next one (counted, and not a loss of the recording)
+            self.counters.samples_before_first_step += 1
+            return
         idx = s.idx if s is not None else int(r["c"])
         logits = None
         if s is not None and s.chunks:

@@ -324,6 +324,7 @@ class Recorder:
                     "sparse_unattributed": corr.counters.sparse_unattributed,
                     "sparse_unmapped_rows": corr.problems.unmapped_rows,
                     "slot_tokens_unresolved": corr.counters.slot_tokens_unresolved,
+                    "samples_before_first_step": corr.counters.samples_before_first_step,
                     "program_misses": counters["program_misses"],
                 },
                 "serving": _serving_meta(corr, a, opts),

@@ -457,3 +457,18 @@ def test_fast_one_row_steps_equal_the_record_by_record_path(
     assert want[0]["log_prob"].count(None) >= 2  # the incomplete row and the second sampler call
     # most steps took the fast path once verification was done (16 micro-batches)
     assert sum(taken) > 30 and not all(taken)
+
+
+def test_sample_of_a_decode_before_the_attach_is_counted_apart() -> None:
+    """Probes attached between a decode and its sampler call: that sample has no recorded row.
+    It is counted as the attach boundary, not as a sample the recording failed to resolve, and
+    the recording starts with the next decode."""
+    s = Script()
+    s.sample(9)
+    s.decode([9], [12])
+    s.sample(4)
+    c = Correlator(pid=1, n_vocab=N_VOCAB, wall_offset_ns=0)
+    c.feed(decode_records(s.recs, 1024))
+    tok, _ = c.take_rows()
+    assert tok["token_id"] == [4]
+    assert c.counters.samples_before_first_step == 1 and c.counters.samples_unresolved == 0
