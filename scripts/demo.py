@@ -90,7 +90,7 @@ def main() -> int:
     import polars as pl
 
     import sparseety_prof
-    from sparseety_prof.report import print_report
+    from sparseety_prof.views.report import print_report
 
     print_report(a.out)
     t = sparseety_prof.open(a.out).tokens()

@@ -11,6 +11,6 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "POLA
 
 __version__ = "0.1.0"
 
-from .recording import Recording, open  # noqa: E402
+from sparseety_prof.store.recording import Recording, open  # noqa: E402
 
 __all__ = ["Recording", "__version__", "open"]

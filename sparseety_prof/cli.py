@@ -9,12 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import __version__
-from .errors import ProfError
-from .serving import DEFAULT_HEADER
+from sparseety_prof import __version__
+from sparseety_prof.correlate.serving import DEFAULT_HEADER
+from sparseety_prof.errors import ProfError
 
 if TYPE_CHECKING:
-    from .record import Options
+    from sparseety_prof.session.recorder import Options
 
 EXIT_CODES_HELP = """exit codes:
   0  success              3  no such process        6  unsupported engine build
@@ -29,9 +29,9 @@ CHECK_FAILED = 9
 
 def _options(args: argparse.Namespace) -> Options:
     """Options of `record` and `attach`, from the flags they share (see _attach_flags)."""
-    from .capture import TOKENS_ONLY, Capture
-    from .errors import UsageError
-    from .record import Options
+    from sparseety_prof.capture.options import TOKENS_ONLY, Capture
+    from sparseety_prof.errors import UsageError
+    from sparseety_prof.session.recorder import Options
 
     if args.mode == "tokens":
         if args.capture_router_probs or args.capture_masks:
@@ -64,7 +64,7 @@ def _options(args: argparse.Namespace) -> Options:
 
 
 def _cmd_record(args: argparse.Namespace) -> int:
-    from .record import Recorder, install_signal_handlers, summary_line
+    from sparseety_prof.session.recorder import Recorder, install_signal_handlers, summary_line
 
     rec = Recorder(_options(args))
     install_signal_handlers(rec)
@@ -79,8 +79,8 @@ def _cmd_attach(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from .live import LiveState, render
-    from .record import Progress, Recorder, install_signal_handlers, summary_line
+    from sparseety_prof.session.recorder import Progress, Recorder, install_signal_handlers, summary_line
+    from sparseety_prof.views.live import LiveState, render
 
     opts = _options(args)
     console = Console(stderr=True)
@@ -111,7 +111,7 @@ def _cmd_attach(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from .doctor import print_checks, run_checks
+    from sparseety_prof.commands.doctor import print_checks, run_checks
 
     checks = run_checks(args.pid, gpu=args.gpu)
     print_checks(checks)
@@ -126,7 +126,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .check import first_missing, run_check
+    from sparseety_prof.commands.check import first_missing, run_check
 
     console = Console()
     rid, results = run_check(
@@ -153,20 +153,20 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
-    from .gpu.launch import run
+    from sparseety_prof.gpu.launch import run
 
     return run(args)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .report import print_report
+    from sparseety_prof.views.report import print_report
 
     print_report(args.recording)
     return 0
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from .diff import Tolerances, run
+    from sparseety_prof.views.diff import Tolerances, run
 
     return run(
         args.a,
@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
         "attach to a running process, so GPU kernels are only visible for engines started this way. "
         "Then: sudo sparseety-prof record --pid N -o DIR (the kernels table).",
     )
-    from .gpu.launch import add_arguments as add_launch_arguments
+    from sparseety_prof.gpu.launch import add_arguments as add_launch_arguments
 
     add_launch_arguments(la)
     la.set_defaults(func=_cmd_launch)

@@ -4,9 +4,9 @@ layers without a graph-op record get their call's counts, and nothing is invente
 
 from __future__ import annotations
 
-from sparseety_prof import events as ev
-from sparseety_prof.attention_map import LEARN_PASSES, AttentionMap
-from sparseety_prof.sparse import StepSparse
+from sparseety_prof.capture import events as ev
+from sparseety_prof.correlate.attention_map import LEARN_PASSES, AttentionMap
+from sparseety_prof.correlate.step_sparse import StepSparse
 
 LAYERS = (0, 1, 2, 3)
 FULL, SWA = 0x1000, 0x2000  # mask data pointers of the two calls

@@ -32,9 +32,9 @@ from conftest import (
 )
 
 import sparseety_prof
-from sparseety_prof import layouts
+from sparseety_prof.capture import layouts
+from sparseety_prof.capture.layout_discovery import INV_BATCH_ROWS
 from sparseety_prof.errors import UnsupportedEngineBuild
-from sparseety_prof.layout_discovery import INV_BATCH_ROWS
 
 pytestmark = [pytest.mark.root, pytest.mark.engine]
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparseety_prof import events as ev
-from sparseety_prof.correlator import _NO_SPARSE, _SPARSE_TOKEN_COLUMNS, Correlator, _RowBuffer
+from sparseety_prof.capture import events as ev
+from sparseety_prof.capture.events import EventBatch, SeqTracker, decode_records
+from sparseety_prof.capture.plans import LayerSet
+from sparseety_prof.correlate.correlator import _NO_SPARSE, _SPARSE_TOKEN_COLUMNS, Correlator, _RowBuffer
 from sparseety_prof.errors import UnsupportedEngineBuild
-from sparseety_prof.events import EventBatch, SeqTracker, decode_records
-from sparseety_prof.sparse import LayerSet
 
 N_VOCAB = 10
 CTX = 0xAAAA

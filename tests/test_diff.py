@@ -15,9 +15,9 @@ import pytest
 from conftest import run_cli
 from rich.console import Console
 
-from sparseety_prof import recording, schema
-from sparseety_prof.diff import Tolerances, compare, diff_recordings, render, result_json
-from sparseety_prof.recording import RecordingWriter
+from sparseety_prof.store import recording, schema
+from sparseety_prof.store.recording import RecordingWriter
+from sparseety_prof.views.diff import Tolerances, compare, diff_recordings, render, result_json
 
 VOCAB = ["▁The", "▁cat", "▁sat", "▁on", "▁the", "▁mat", ".", "\n", "▁It", "▁was", "▁warm", "▁and"]
 LAYERS = {"moe": [3, 7], "ffn": [0, 3, 7], "attn": [0, 1]}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import ENGINES, ROOT, Engine, run_cli, run_cli_without_capabilities
 
-from sparseety_prof import doctor
+from sparseety_prof.commands import doctor
 
 
 @pytest.mark.root
@@ -34,7 +34,7 @@ def test_privileges_and_bpf_load_fail_without_capabilities() -> None:
 def test_bcc_check_fails_when_bcc_is_not_importable(tmp_path: Path) -> None:
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['bcc'] = None\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
-    code = "from sparseety_prof import doctor; c = doctor.check_bcc(); print(c.ok, c.fix)"
+    code = "from sparseety_prof.commands import doctor; c = doctor.check_bcc(); print(c.ok, c.fix)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert r.stdout.startswith("False") and "python3-bpfcc" in r.stdout
 

@@ -85,8 +85,8 @@ def test_corrupt_recording(tmp_path: Path) -> None:
 def test_truncated_segment(tmp_path: Path) -> None:
     import polars as pl
 
-    from sparseety_prof import schema
-    from sparseety_prof.recording import RecordingWriter
+    from sparseety_prof.store import schema
+    from sparseety_prof.store.recording import RecordingWriter
 
     w = RecordingWriter(tmp_path / "rec", {"note": "test"})
     w.append("steps", pl.DataFrame(schema=schema.STEPS))

@@ -9,8 +9,8 @@ import gguf
 import numpy as np
 import pytest
 
+from sparseety_prof.capture.gguf_info import ModelInfo, Vocab, _Header, read_model_info, sha256_file
 from sparseety_prof.errors import ProfError
-from sparseety_prof.gguf_info import ModelInfo, Vocab, _Header, read_model_info, sha256_file
 
 T = gguf.TokenType
 

@@ -10,7 +10,6 @@ from typing import Any
 import polars as pl
 import pytest
 
-from sparseety_prof import schema
 from sparseety_prof.gpu.correlate import KernelCorrelator, gpu_step_id, gpu_step_index, summarize
 from sparseety_prof.gpu.records import (
     HostStep,
@@ -20,6 +19,7 @@ from sparseety_prof.gpu.records import (
     RingCounters,
     WatchedBuffer,
 )
+from sparseety_prof.store import schema
 
 MS = 1_000_000
 HORIZON = 10 * MS

@@ -10,8 +10,8 @@ import random
 import numpy as np
 import pytest
 
-from sparseety_prof import layout_discovery as ld
-from sparseety_prof.layouts import _UBATCH_2025, _UBATCH_2026_10, UbatchLayout
+from sparseety_prof.capture import layout_discovery as ld
+from sparseety_prof.capture.layouts import _UBATCH_2025, _UBATCH_2026_10, UbatchLayout
 
 N_VOCAB = 32000
 
@@ -248,8 +248,8 @@ def test_two_threads_interleaved() -> None:
 def test_table_fast_path(
     build: int | None, ggml: str, package: tuple[str, str], want: UbatchLayout | None
 ) -> None:
-    from sparseety_prof.buildinfo import BuildIdentity
-    from sparseety_prof.layouts import resolve
+    from sparseety_prof.capture.buildinfo import BuildIdentity
+    from sparseety_prof.capture.layouts import resolve
 
     ident = BuildIdentity(ggml, build, None, package[0], package[1], ())
     got = resolve(ident, "/usr/bin/llama-server")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sparseety_prof.live import LiveState, Snapshot, render, shade
+from sparseety_prof.views.live import LiveState, Snapshot, render, shade
 
 DATA = Path(__file__).parent / "data"
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparseety_prof import logits
-from sparseety_prof.logits import RowStats, row_stats, top_k
-from sparseety_prof.schema import TOP_K
+from sparseety_prof.correlate import logits
+from sparseety_prof.correlate.logits import RowStats, row_stats, top_k
+from sparseety_prof.store.schema import TOP_K
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_SH = ROOT / "sparseety_prof" / "native" / "build.sh"
@@ -272,15 +272,16 @@ def test_missing_or_broken_library_is_not_loaded(tmp_path: Path) -> None:
 def test_numpy_fallback_when_the_library_is_absent(tmp_path: Path) -> None:
     """A copy of the module with no native/build next to it: it imports, says numpy, and is right."""
     pkg = tmp_path / "sparseety_prof"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    for name in ("logits.py", "schema.py"):
+    for name in ("correlate/logits.py", "store/schema.py"):
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        for init in (pkg / "__init__.py", (pkg / name).parent / "__init__.py"):
+            init.write_text("")
         shutil.copy(ROOT / "sparseety_prof" / name, pkg / name)
     script = textwrap.dedent(
         """
         import sys
         import numpy as np
-        from sparseety_prof import logits
+        from sparseety_prof.correlate import logits
         assert logits.__file__.startswith(sys.argv[1]), logits.__file__
         rng = np.random.default_rng(9)
         rows = (rng.standard_normal((3, 32000)) * 3).astype(np.float32)

@@ -11,9 +11,9 @@ import pytest
 from polars.testing import assert_frame_equal
 
 import sparseety_prof
-from sparseety_prof import recording, schema
 from sparseety_prof.errors import CorruptRecording, UsageError
-from sparseety_prof.recording import META_FILE, RecordingWriter, sudo_owner
+from sparseety_prof.store import recording, schema
+from sparseety_prof.store.recording import META_FILE, RecordingWriter, sudo_owner
 
 
 # ------------------------------------------------------------------ record builders

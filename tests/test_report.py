@@ -6,8 +6,8 @@ from pathlib import Path
 
 from conftest import run_cli
 
-from sparseety_prof import schema
-from sparseety_prof.recording import RecordingWriter
+from sparseety_prof.store import schema
+from sparseety_prof.store.recording import RecordingWriter
 
 
 def _recording(path: Path) -> None:

@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import pytest
 
-from sparseety_prof import bpf_loader as bl
+from sparseety_prof.capture import bpf_loader as bl
 
 PAGE = 4096
 SIZE = 1 << 16  # data bytes of the synthetic ring (a power of two, as the kernel's)

@@ -8,7 +8,7 @@ import polars as pl
 import pytest
 from polars.testing import assert_series_equal
 
-from sparseety_prof import schema
+from sparseety_prof.store import schema
 
 
 def _general(values: list[object], dtype: pl.DataType) -> pl.Series:

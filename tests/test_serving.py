@@ -198,7 +198,7 @@ def test_check_command_passes_and_names_the_layer_that_lost_the_id(server: Engin
     it names that layer and exits 9."""
     from conftest import run_cli
 
-    from sparseety_prof import target as tg
+    from sparseety_prof.capture import target as tg
 
     ok = run_cli("check", "--pid", str(server.pid))
     assert ok.returncode == 0, ok.stdout + ok.stderr

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import polars as pl
 
-from sparseety_prof import schema
-from sparseety_prof.check import evaluate, first_missing
-from sparseety_prof.serving import ID_GENERATED, ID_HEADER, ServingTracker, parse_request_head
+from sparseety_prof.commands.check import evaluate, first_missing
+from sparseety_prof.correlate.serving import ID_GENERATED, ID_HEADER, ServingTracker, parse_request_head
+from sparseety_prof.store import schema
 
 
 def head(rid: str | None, path: str = "/completion", name: str = "X-Request-Id") -> bytes:
@@ -109,7 +109,7 @@ def test_environment_snapshot_keeps_engine_settings_and_hides_secrets() -> None:
     import subprocess
     import sys
 
-    from sparseety_prof.snapshot import engine_environment
+    from sparseety_prof.session.snapshot import engine_environment
 
     env = {"PATH": "/usr/bin", "OMP_NUM_THREADS": "3", "LLAMA_API_KEY": "s3cret", "HOME": "/root"}
     code = "import time; print('up', flush=True); time.sleep(30)"

@@ -5,19 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparseety_prof import events as ev
-from sparseety_prof.bpf_loader import PROBES, _wanted, fdinfo_recursion_misses, task_storage_usable
-from sparseety_prof.capture import Capture
-from sparseety_prof.sparse import (
-    LayerSet,
-    MoePlan,
-    Problems,
-    StepSparse,
-    agg_rows_batch,
-    layer_set,
-    moe_plan,
-    parse_name,
-)
+from sparseety_prof.capture import events as ev
+from sparseety_prof.capture.bpf_loader import PROBES, _wanted, fdinfo_recursion_misses, task_storage_usable
+from sparseety_prof.capture.options import Capture
+from sparseety_prof.capture.plans import LayerSet, MoePlan, layer_set, moe_plan
+from sparseety_prof.correlate.step_sparse import Problems, StepSparse, agg_rows_batch, parse_name
 
 LAYERS = LayerSet(moe=(0, 1), ffn=(0, 1), attn=(0, 1))
 

@@ -1,4 +1,4 @@
-"""Static weight sparsity (sparseety_prof.weight_sparsity) and the tensor directory it reads
+"""Static weight sparsity (sparseety_prof.capture.weight_sparsity) and the tensor directory it reads
 (gguf_info.read_tensor_infos), on small GGUF files written here with gguf.GGUFWriter.
 
 Expected zero counts are built into the data; every file is also cross-checked against gguf-py's
@@ -18,9 +18,9 @@ import gguf
 import numpy as np
 import pytest
 
-from sparseety_prof import weight_sparsity as ws
+from sparseety_prof.capture import weight_sparsity as ws
+from sparseety_prof.capture.gguf_info import GGML_TYPES, read_tensor_infos
 from sparseety_prof.errors import ProfError, UsageError
-from sparseety_prof.gguf_info import GGML_TYPES, read_tensor_infos
 
 Q = gguf.GGMLQuantizationType
 ROWS, NE0 = 8, 64  # every tensor: 8 rows of 64 values (two Q8_0/Q4_0 blocks per row)

@@ -13,9 +13,9 @@ from typing import Any
 
 import polars as pl
 
-from .correlate import KernelCorrelator
-from .records import HostStep, LaunchApi, MemcpyActivity, RingCounters
-from .shm_ring import RingError, ShmRing, find_rings
+from sparseety_prof.gpu.correlate import KernelCorrelator
+from sparseety_prof.gpu.records import HostStep, LaunchApi, MemcpyActivity, RingCounters
+from sparseety_prof.gpu.shm_ring import RingError, ShmRing, find_rings
 
 #: the injection library's own device-to-host copies of watched arguments are reported as
 #: launches of this name; they must never be taken for the engine's step-closing copies

@@ -70,7 +70,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from .records import HostStep, KernelActivity, LaunchApi, MemcpyActivity, RingCounters, WatchedBuffer
+from sparseety_prof.gpu.records import (
+    HostStep,
+    KernelActivity,
+    LaunchApi,
+    MemcpyActivity,
+    RingCounters,
+    WatchedBuffer,
+)
 
 if TYPE_CHECKING:
     import polars as pl
@@ -344,7 +351,7 @@ class KernelCorrelator:
 
     def flush(self, now_ns: int | None = None, *, final: bool = False) -> dict[str, pl.DataFrame]:
         """Emit the settled rows: ``{"kernels", "routes", "steps"}`` frames of the schema tables."""
-        from .. import schema
+        from sparseety_prof.store import schema
 
         if now_ns is not None:
             self._host_now = max(self._host_now, now_ns)
@@ -601,7 +608,7 @@ class _Rows:
     """Column lists of one flush."""
 
     def __init__(self) -> None:
-        from .. import schema
+        from sparseety_prof.store import schema
 
         self.kernels: dict[str, list[object]] = {c: [] for c in schema.KERNELS}
         self.routes: dict[str, list[object]] = {c: [] for c in ("step_id", "row", "layer", "expert_ids")}

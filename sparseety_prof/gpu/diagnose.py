@@ -7,10 +7,10 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from .. import target as tg
-from ..doctor import Check
-from .launch import find_libcupti, library_path
-from .shm_ring import RingError, ShmRing, find_rings
+from sparseety_prof.capture import target as tg
+from sparseety_prof.checks import Check
+from sparseety_prof.gpu.launch import find_libcupti, library_path
+from sparseety_prof.gpu.shm_ring import RingError, ShmRing, find_rings
 
 INJECTION_SYMBOL = "InitializeInjection"
 

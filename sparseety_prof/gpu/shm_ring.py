@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 try:
+    # relative on purpose: loaded by file path, an absolute import would pull in the package
     from .records import KernelActivity, LaunchApi, MemcpyActivity, RingCounters, WatchedBuffer
 except ImportError:  # loaded by file path (scripts/gpu_check.py): records was loaded as "records"
     from records import (  # type: ignore[no-redef]

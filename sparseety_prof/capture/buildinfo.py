@@ -14,8 +14,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .elf import load_segments
-from .target import symbol_table
+from sparseety_prof.capture.elf import load_segments
+from sparseety_prof.capture.target import symbol_table
 
 MAX_STRING = 128
 _DATA_TYPES = {"B", "b", "D", "d", "R", "r", "T", "t"}

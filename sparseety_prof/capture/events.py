@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-PROBES_DIR = Path(__file__).resolve().parent.parent / "probes"
+PROBES_DIR = Path(__file__).resolve().parents[2] / "probes"
 
 EV_DECODE_BEGIN = 1
 EV_UBATCH = 3

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .events import EventBatch
+from sparseety_prof.capture.events import EventBatch
 
 # layouts in EventBatch.groups() order
 G_SMALL, G_UBATCH, G_LOGITS, G_TENSOR_S, G_TENSOR_L, G_ACT, G_ACT_MASK, G_ATTN, G_STEP_AGG, G_HTTP = range(10)

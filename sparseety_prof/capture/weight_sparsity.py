@@ -50,8 +50,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .errors import UsageError
-from .gguf_info import TensorInfo, read_tensor_infos, sha256_file
+from sparseety_prof.capture.gguf_info import TensorInfo, read_tensor_infos, sha256_file
+from sparseety_prof.errors import UsageError
 
 __all__ = ["CACHE_FORMAT", "CACHE_VERSION", "NM_GROUP_SIZES", "analyze", "default_cache_dir", "nm_pattern"]
 

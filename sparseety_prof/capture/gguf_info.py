@@ -38,7 +38,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-from .errors import ProfError
+from sparseety_prof.errors import ProfError
 
 __all__ = [
     "GGML_TYPES",

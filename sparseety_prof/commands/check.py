@@ -29,10 +29,10 @@ from typing import Any
 
 import polars as pl
 
-from .errors import NotAnEngine, ProfError, UsageError
-from .recording import open as open_recording
-from .serving import DEFAULT_HEADER
-from .target import listening_urls
+from sparseety_prof.capture.target import listening_urls
+from sparseety_prof.correlate.serving import DEFAULT_HEADER
+from sparseety_prof.errors import NotAnEngine, ProfError, UsageError
+from sparseety_prof.store.recording import open as open_recording
 
 PROMPT = "sparseety-prof correlation check"
 
@@ -75,7 +75,7 @@ def run_check(
     log: Any = None,
 ) -> tuple[str, list[LayerResult]]:
     """(request id, per-layer results). Raises ProfError when it cannot run at all."""
-    from .record import Options, Recorder  # imports bcc: not needed for --help
+    from sparseety_prof.session.recorder import Options, Recorder  # imports bcc: not needed for --help
 
     log = log or (lambda s: None)
     with tempfile.TemporaryDirectory(prefix="sparseety-check-") as tmp:

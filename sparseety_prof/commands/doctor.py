@@ -6,20 +6,12 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from . import layouts
-from . import target as tg
-from .errors import ProfError
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    ok: bool
-    detail: str
-    fix: str = ""
+from sparseety_prof.capture import layouts
+from sparseety_prof.capture import target as tg
+from sparseety_prof.checks import Check
+from sparseety_prof.errors import ProfError
 
 
 def check_privileges() -> Check:
@@ -170,7 +162,7 @@ def run_checks(pid: int | None, *, gpu: bool = False) -> list[Check]:
     if pid is not None:
         checks += check_engine(pid)
     if gpu:
-        from .gpu.diagnose import gpu_checks
+        from sparseety_prof.gpu.diagnose import gpu_checks
 
         checks += gpu_checks(pid)
     return checks

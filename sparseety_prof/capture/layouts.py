@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import target as tg
-from .buildinfo import BuildIdentity, identify, version_key
+from sparseety_prof.capture import target as tg
+from sparseety_prof.capture.buildinfo import BuildIdentity, identify, version_key
 
 
 @dataclass(frozen=True)

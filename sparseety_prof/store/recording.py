@@ -32,8 +32,8 @@ from typing import Any, BinaryIO, Literal
 
 import polars as pl
 
-from . import schema
-from .errors import CorruptRecording, UsageError
+from sparseety_prof.errors import CorruptRecording, UsageError
+from sparseety_prof.store import schema
 
 __all__ = ["FORMAT", "META_FILE", "Recording", "RecordingWriter", "open", "sudo_owner"]
 

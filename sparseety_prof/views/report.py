@@ -8,7 +8,7 @@ import polars as pl
 from rich.console import Console
 from rich.table import Table
 
-from .recording import open as open_recording
+from sparseety_prof.store.recording import open as open_recording
 
 
 def print_report(path: Path, *, console: Console | None = None) -> None:

@@ -20,22 +20,32 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from . import __version__, layouts, logits, schema
-from . import target as tg
-from .bpf_loader import ATTENTION_OPS, RING_BUFFER_PAGES, RingReader, Session, compile_and_attach, is_server
-from .capture import Capture
-from .correlator import Correlator
-from .discovery_probe import Discovery, run_discovery
-from .errors import NotAnEngine, ProfError, UnsupportedEngineBuild
-from .events import SeqTracker, decode_groups
-from .gguf_info import ModelInfo, Vocab, read_model_info, read_tensor_infos, sha256_file
-from .gpu.capture import GpuCapture
-from .gpu.shm_ring import RingError
-from .recording import RecordingWriter, sudo_owner
-from .serving import DEFAULT_HEADER, ServingTracker
-from .snapshot import engine_environment, host_info, process_info, server_props
-from .sparse import LayerSet, MoePlan, layer_set, moe_plan
-from .weight_sparsity import analyze as analyze_weights
+from sparseety_prof import __version__
+from sparseety_prof.capture import layouts
+from sparseety_prof.capture import target as tg
+from sparseety_prof.capture.bpf_loader import (
+    ATTENTION_OPS,
+    RING_BUFFER_PAGES,
+    RingReader,
+    Session,
+    compile_and_attach,
+    is_server,
+)
+from sparseety_prof.capture.discovery_probe import Discovery, run_discovery
+from sparseety_prof.capture.events import SeqTracker, decode_groups
+from sparseety_prof.capture.gguf_info import ModelInfo, Vocab, read_model_info, read_tensor_infos, sha256_file
+from sparseety_prof.capture.options import Capture
+from sparseety_prof.capture.plans import LayerSet, MoePlan, layer_set, moe_plan
+from sparseety_prof.capture.weight_sparsity import analyze as analyze_weights
+from sparseety_prof.correlate import logits
+from sparseety_prof.correlate.correlator import Correlator
+from sparseety_prof.correlate.serving import DEFAULT_HEADER, ServingTracker
+from sparseety_prof.errors import NotAnEngine, ProfError, UnsupportedEngineBuild
+from sparseety_prof.gpu.capture import GpuCapture
+from sparseety_prof.gpu.shm_ring import RingError
+from sparseety_prof.session.snapshot import engine_environment, host_info, process_info, server_props
+from sparseety_prof.store import schema
+from sparseety_prof.store.recording import RecordingWriter, sudo_owner
 
 DRAIN_INTERVAL_S = 0.5  # consumer batches: fewer, larger frames cost less CPU per token
 RING_BYTES = RING_BUFFER_PAGES * 4096
@@ -54,7 +64,7 @@ class Options:
     request_header: str = DEFAULT_HEADER  # HTTP header carrying the client's request id
     capture: Capture = field(default_factory=Capture)  # sparse decisions to capture
     # where MoE values are read: "auto" = at the weighted multiply where the graph allows; "ops" =
-    # at get_rows and the GLU op (sparse.MoePlan)
+    # at get_rows and the GLU op (capture.plans.MoePlan)
     moe_read: str = "auto"
     discover_layout: bool = False  # learn the llama_ubatch layout on live data even if the table has it
     discover_timeout: float = 120.0  # seconds to wait for forward passes to learn a layout from

@@ -61,8 +61,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from . import schema
-from .errors import CorruptRecording
+from sparseety_prof.errors import CorruptRecording
+from sparseety_prof.store import schema
 
 __all__ = [
     "DiffResult",
@@ -993,7 +993,7 @@ def diff_recordings(
     context: int = 3,
 ) -> DiffResult:
     """Open two recordings (UsageError / CorruptRecording as `recording.open`) and `compare` them."""
-    from .recording import open as open_recording
+    from sparseety_prof.store.recording import open as open_recording
 
     ra, rb = open_recording(path_a), open_recording(path_b)
     return compare(

@@ -15,13 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import target as tg
-from .bpf_loader import cheap_entry_probe_offset, import_bcc
-from .elf import read_at_vaddr
-from .errors import BpfUnavailable, MissingPrivileges, UnsupportedEngineBuild
-from .events import PROBES_DIR
-from .layout_discovery import Verdict, discover, parse
-from .layouts import UbatchLayout
+from sparseety_prof.capture import target as tg
+from sparseety_prof.capture.bpf_loader import cheap_entry_probe_offset, import_bcc
+from sparseety_prof.capture.elf import read_at_vaddr
+from sparseety_prof.capture.events import PROBES_DIR
+from sparseety_prof.capture.layout_discovery import Verdict, discover, parse
+from sparseety_prof.capture.layouts import UbatchLayout
+from sparseety_prof.errors import BpfUnavailable, MissingPrivileges, UnsupportedEngineBuild
 
 MAX_RECORDS = 4096  # a discovery that has not converged after this many records never will
 POLL_BUDGET = 32  # micro-batch records per 100 ms poll: ~350 KiB, well inside the 1 MiB ring

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .sparse import StepSparse
+from sparseety_prof.correlate.step_sparse import StepSparse
 
 LEARN_PASSES = 3  # consecutive agreeing forward passes before the map is trusted
 

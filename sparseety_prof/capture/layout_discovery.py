@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .layouts import UbatchLayout
+from sparseety_prof.capture.layouts import UbatchLayout
 
 # mirrors of probes/discover_ubatch.bpf.c
 DSC_STRUCT = 256

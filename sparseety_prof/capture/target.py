@@ -11,7 +11,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import MissingPrivileges, NoSuchProcess, NotAnEngine
+from sparseety_prof.errors import MissingPrivileges, NoSuchProcess, NotAnEngine
 
 # Symbols that make a library a llama.cpp engine library we can probe.
 SYM_UBATCH = (

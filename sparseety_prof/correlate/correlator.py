@@ -24,14 +24,15 @@ from typing import Any
 import numpy as np
 import numpy.ma
 
-from . import events as ev
-from .attention_map import AttentionMap
-from .drain_index import G_LOGITS, G_SMALL, G_UBATCH, DrainIndex
-from .errors import UnsupportedEngineBuild
-from .logits import BACKEND, RowStats, row_stats, row_stats_at
-from .schema import PHASE_DECODE, PHASE_PREFILL, SOURCE_NEXT_INPUT, SOURCE_SAMPLER
-from .serving import ID_SEGMENTED, Launch, RequestAgg, ServingTracker
-from .sparse import AggRow, LayerSet, Problems, StepSparse, agg_rows_batch
+from sparseety_prof.capture import events as ev
+from sparseety_prof.capture.drain_index import G_LOGITS, G_SMALL, G_UBATCH, DrainIndex
+from sparseety_prof.capture.plans import LayerSet
+from sparseety_prof.correlate.attention_map import AttentionMap
+from sparseety_prof.correlate.logits import BACKEND, RowStats, row_stats, row_stats_at
+from sparseety_prof.correlate.serving import ID_SEGMENTED, Launch, RequestAgg, ServingTracker
+from sparseety_prof.correlate.step_sparse import AggRow, Problems, StepSparse, agg_rows_batch
+from sparseety_prof.errors import UnsupportedEngineBuild
+from sparseety_prof.store.schema import PHASE_DECODE, PHASE_PREFILL, SOURCE_NEXT_INPUT, SOURCE_SAMPLER
 
 _SPARSE_TOKEN_COLUMNS = (
     "expert_ids",

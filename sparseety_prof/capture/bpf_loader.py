@@ -21,13 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from . import target as tg
-from .capture import Capture
-from .elf import cheap_entry_probe_offset, cheap_probe_offset, read_at_vaddr
-from .errors import BpfUnavailable, MissingPrivileges, NoSuchProcess
-from .events import PROBES_DIR, logits_chunk_for, logits_dtype, record_sizes
-from .layouts import EngineBuild
-from .sparse import MoePlan
+from sparseety_prof.capture import target as tg
+from sparseety_prof.capture.elf import cheap_entry_probe_offset, cheap_probe_offset, read_at_vaddr
+from sparseety_prof.capture.events import PROBES_DIR, logits_chunk_for, logits_dtype, record_sizes
+from sparseety_prof.capture.layouts import EngineBuild
+from sparseety_prof.capture.options import Capture
+from sparseety_prof.capture.plans import MoePlan
+from sparseety_prof.errors import BpfUnavailable, MissingPrivileges, NoSuchProcess
 
 RING_BUFFER_PAGES = 16384  # 64 MiB: a 1 MiB ring lost 35-70% of a burst here, 16 MiB lost none;
 # the consumer drains every 0.5 s, and full capture with a 32k vocabulary writes ~40 MB/s
@@ -344,7 +344,7 @@ def _prefaulted(n: int) -> np.ndarray:
 
 # sparseety_prof/native/ringwalk.c, built by sparseety_prof/native/build.sh (scripts/setup.sh runs
 # it); without it RingReader walks the ring in Python (~3 us per record instead of ~0.1 + copy).
-_WALK_LIB = Path(__file__).resolve().parent / "native" / "build" / "libringwalk.so"
+_WALK_LIB = Path(__file__).resolve().parent.parent / "native" / "build" / "libringwalk.so"
 _WALK_ABI = 2
 _RW_BUSY, _RW_ARENA_FULL, _RW_UNKNOWN_SIZE, _RW_LIMIT = range(1, 5)  # 0: caught up
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .schema import TOP_K
+from sparseety_prof.store.schema import TOP_K
 
 # exp() of values below about -87 is subnormal in float32, and subnormals are ~20x slower here;
 # such terms are < 1e-37 of the largest one and change neither the sum nor the entropy.
@@ -22,7 +22,7 @@ _EXP_FLOOR = np.float32(-87.0)
 
 # Built next to this module by sparseety_prof/native/build.sh (scripts/setup.sh runs it). Never
 # compiled at import: without it, row_stats quietly uses numpy.
-LIB_PATH = Path(__file__).resolve().parent / "native" / "build" / "librowstats.so"
+LIB_PATH = Path(__file__).resolve().parent.parent / "native" / "build" / "librowstats.so"
 _ABI_VERSION = 2  # must match RS_ABI_VERSION in rowstats.c
 _MAX_K = 16  # RS_MAX_K in rowstats.c
 
