@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scripts.make_models import make_model  # noqa: E402
-from sparseety_prof.session.recorder import Options  # noqa: E402
+from sparseety_prof.session.options import Options  # noqa: E402
 
 DEFAULT_NICE = Options(pid=0, out=None).nice
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sparseety_prof.cli import _options, build_parser
+from sparseety_prof.cli import build_parser
+from sparseety_prof.commands.attach_flags import options_from as _options
 
 
 def test_shared_flags_reach_the_options() -> None:

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from sparseety_prof.session.recorder import Options, Progress, _ConsumerSched
+from sparseety_prof.session.options import Options, Progress
+from sparseety_prof.session.sched import ConsumerSched as _ConsumerSched
 
 
 def run_in_thread(fn: object) -> None:
@@ -68,7 +69,7 @@ def test_idle_policy_leaves_sched_idle_while_escalated() -> None:
 
 
 def test_rows_gathered_over_drains_become_one_frame_per_frame_rows() -> None:
-    from sparseety_prof.session.recorder import _ColumnBuffer
+    from sparseety_prof.store.buffers import ColumnBuffer as _ColumnBuffer
 
     buf = _ColumnBuffer()
     buf.FRAME_ROWS = 5

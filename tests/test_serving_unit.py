@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import polars as pl
 
-from sparseety_prof.commands.check import evaluate, first_missing
 from sparseety_prof.correlate.serving import ID_GENERATED, ID_HEADER, ServingTracker, parse_request_head
+from sparseety_prof.session.request_check import evaluate, first_missing
 from sparseety_prof.store import schema
 
 

@@ -1,196 +1,54 @@
-"""`sparseety-prof check --pid N`: an end-to-end correlation check on a live HTTP engine.
-
-Attaches (recording to a private temporary directory), sends ONE request tagged with a fresh
-request id to the engine's own endpoint, and follows the id through every capture layer, in
-the order the request travels:
-
-    entry    the socket read carrying the header       (syscall tracepoints)
-    task     the task(s) the HTTP thread posted         (server_queue::post)
-    slot     the slot the task was launched on          (launch_slot_with_task)
-    steps    forward passes computing that slot's rows  (process_ubatch)
-    tokens   token rows with the id, equal to the server's answer (sampler, process_token)
-    routing  expert ids on those token rows             (MoE graph ops; n/a on dense models)
-
-The first layer that lost the id is named; layers after it cannot see it either.
-"""
+"""`check --pid N`: follow one tagged request through every capture layer of a live HTTP engine."""
 
 from __future__ import annotations
 
-import json
-import tempfile
-import threading
-import time
-import urllib.error
-import urllib.request
-import uuid
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+import argparse
+import sys
 
-import polars as pl
-
-from sparseety_prof.capture.target import listening_urls
+from sparseety_prof.commands.exit_codes import CHECK_FAILED, EXIT_CODES_HELP
 from sparseety_prof.correlate.serving import DEFAULT_HEADER
-from sparseety_prof.errors import NotAnEngine, ProfError, UsageError
-from sparseety_prof.store.recording import open as open_recording
-
-PROMPT = "sparseety-prof correlation check"
 
 
-@dataclass
-class LayerResult:
-    layer: str
-    ok: bool
-    detail: str
-
-
-def send(url: str, header: str, request_id: str, n_predict: int, timeout: float) -> dict[str, Any]:
-    body = {
-        "prompt": PROMPT,
-        "n_predict": n_predict,
-        "temperature": 0,
-        "return_tokens": True,
-        "ignore_eos": True,
-    }
-    req = urllib.request.Request(
-        url + "/completion",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", header: request_id},
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    ck = sub.add_parser(
+        "check",
+        help="send one tagged request to an HTTP engine and verify its id reaches every capture layer",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return dict(json.loads(r.read()))
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise ProfError(f"the check request to {url}/completion failed: {e}") from None
+    ck.add_argument("--pid", type=int, required=True, help="process id of the running HTTP engine")
+    ck.add_argument("--url", default=None, help="engine endpoint (default: the port the process listens on)")
+    ck.add_argument("--request-header", default=DEFAULT_HEADER, metavar="NAME", help="request id header name")
+    ck.add_argument("--timeout", type=float, default=120.0, help="seconds for attaching and for the request")
+    ck.add_argument("--skip-probe", action="append", help=argparse.SUPPRESS)
+    ck.set_defaults(func=run)
 
 
-def run_check(
-    pid: int,
-    *,
-    url: str | None = None,
-    header: str = DEFAULT_HEADER,
-    n_predict: int = 4,
-    timeout: float = 120.0,
-    skip_probes: frozenset[str] = frozenset(),
-    log: Any = None,
-) -> tuple[str, list[LayerResult]]:
-    """(request id, per-layer results). Raises ProfError when it cannot run at all."""
-    from sparseety_prof.session.recorder import Options, Recorder  # imports bcc: not needed for --help
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
 
-    log = log or (lambda s: None)
-    with tempfile.TemporaryDirectory(prefix="sparseety-check-") as tmp:
-        out = Path(tmp) / "rec"
-        rec = Recorder(
-            Options(pid=pid, out=out, skip_probes=skip_probes, request_header=header, nice=0), log=log
-        )
-        errors: list[BaseException] = []
+    from sparseety_prof.session.request_check import first_missing, run_check
 
-        def run() -> None:
-            try:
-                rec.run()
-            except BaseException as e:
-                errors.append(e)
-
-        th = threading.Thread(target=run, name="check-recorder", daemon=True)
-        th.start()
-        deadline = time.monotonic() + timeout
-        while rec.correlator is None and th.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if errors or rec.correlator is None:
-            th.join(timeout=5)
-            if errors:
-                raise errors[0]
-            raise ProfError(f"could not attach to PID {pid} within {timeout:.0f}s")
-        try:
-            if rec.correlator.serving is None:
-                raise NotAnEngine(
-                    f"PID {pid} is not an HTTP server engine (no llama-server task/slot functions): "
-                    "the correlation check needs one"
-                )
-            if url is None:
-                urls = listening_urls(pid)
-                if not urls:
-                    raise UsageError(f"PID {pid} listens on no TCP port; pass --url")
-                url = urls[0]
-            request_id = f"sparseety-check-{uuid.uuid4().hex[:12]}"
-            log(f"sparseety-prof check: POST {url}/completion with {header}: {request_id}")
-            answer = send(url, header, request_id, n_predict, timeout)
-            want = len(answer.get("tokens", []))
-            # the consumer drains twice a second: wait until it has the tokens (or gives up)
-            t_end = time.monotonic() + 5
-            while time.monotonic() < t_end and rec.progress.tokens < want:
-                time.sleep(0.1)
-            time.sleep(0.6)
-        finally:
-            rec.stop("check done")
-            th.join(timeout=60)
-        if errors:
-            raise errors[0]
-        trace = rec.correlator.serving.trace.get(request_id, {}) if rec.correlator.serving else {}
-        r = open_recording(out)
-        return request_id, evaluate(request_id, answer, trace, r.steps(), r.tokens(), r.meta)
-
-
-def evaluate(
-    rid: str,
-    answer: dict[str, Any],
-    trace: dict[str, list[int]],
-    steps: pl.DataFrame,
-    tokens: pl.DataFrame,
-    meta: dict[str, Any],
-) -> list[LayerResult]:
-    """Follow the id layer by layer (pure: unit-tested on synthetic inputs)."""
-    res: list[LayerResult] = []
-    entry = trace.get("entry_ns", [])
-    res.append(
-        LayerResult("entry", bool(entry), "header read from the socket" if entry else "header never seen")
+    console = Console()
+    rid, results = run_check(
+        args.pid,
+        url=args.url,
+        header=args.request_header,
+        timeout=args.timeout,
+        skip_probes=frozenset(args.skip_probe or ()),
+        log=lambda s: print(s, file=sys.stderr, flush=True),
     )
-    tasks = trace.get("tasks", [])
-    res.append(
-        LayerResult(
-            "task", bool(tasks), f"task ids {tasks}" if tasks else "no task posted by the request's thread"
-        )
-    )
-    slots = trace.get("slots", [])
-    slot, t_launch = (slots[0], slots[1]) if len(slots) >= 2 else (None, None)
-    res.append(
-        LayerResult(
-            "slot", slot is not None, f"slot {slot}" if slot is not None else "no slot launched its task"
-        )
-    )
-    n_steps = 0
-    if slot is not None and steps.height:
-        n_steps = steps.filter(
-            (pl.col("t_start_ns") >= t_launch) & pl.col("seq_ids").list.contains(slot)
-        ).height
-    res.append(
-        LayerResult(
-            "steps", n_steps > 0, f"{n_steps} forward passes" if n_steps else "no forward pass for the slot"
-        )
-    )
-    mine = tokens.filter(pl.col("request_id") == rid).sort("decode_order") if tokens.height else tokens
-    want = answer.get("tokens", [])
-    got = mine["token_id"].to_list() if mine.height else []
-    ok = bool(want) and got == want
-    res.append(
-        LayerResult(
-            "tokens",
-            ok,
-            f"{len(got)} tokens equal to the server's answer"
-            if ok
-            else f"{len(got)} tokens recorded under the id, the server returned {len(want)}"
-            + (" (ids differ)" if got and len(got) == len(want) else ""),
-        )
-    )
-    moe = bool((meta.get("layers") or {}).get("moe"))
-    if not moe:
-        res.append(LayerResult("routing", True, "n/a (dense model)"))
-    else:
-        routed = mine.filter(pl.col("expert_ids").list.len() > 0).height if mine.height else 0
-        ok = bool(mine.height) and routed == mine.height
-        res.append(LayerResult("routing", ok, f"{routed}/{mine.height} tokens carry expert ids"))
-    return res
-
-
-def first_missing(results: list[LayerResult]) -> LayerResult | None:
-    return next((r for r in results if not r.ok), None)
+    table = Table(title=f"request {rid} through the capture layers")
+    table.add_column("layer")
+    table.add_column("result")
+    table.add_column("detail")
+    for r in results:
+        table.add_row(r.layer, "[green]ok[/]" if r.ok else "[red]LOST[/]", r.detail)
+    console.print(table)
+    missing = first_missing(results)
+    if missing is not None:
+        print(f"sparseety-prof check: the request id was lost at the {missing.layer} layer", file=sys.stderr)
+        return CHECK_FAILED
+    print("sparseety-prof check: the request id reached every layer", file=sys.stderr)
+    return 0

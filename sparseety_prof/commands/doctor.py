@@ -4,7 +4,9 @@ very thing it checks."""
 
 from __future__ import annotations
 
+import argparse
 import platform
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -178,3 +180,25 @@ def print_checks(checks: list[Check]) -> None:
     for c in checks:
         t.add_row(c.name, "[green]ok[/]" if c.ok else "[red]FAIL[/]", c.detail, c.fix)
     Console().print(t)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    dr = sub.add_parser("doctor", help="check privileges, BPF, headers, tracefs and (with --pid) the engine")
+    dr.add_argument("--pid", type=int, default=None, help="also check this engine process")
+    dr.add_argument(
+        "--gpu",
+        action="store_true",
+        help="also check the GPU path: injection library, libcupti, cupti-python, CUDA driver "
+        "(and with --pid the engine's CUPTI ring)",
+    )
+    dr.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    checks = run_checks(args.pid, gpu=args.gpu)
+    print_checks(checks)
+    failed = [c.name for c in checks if not c.ok]
+    if failed:
+        print(f"sparseety-prof doctor: {len(failed)} check(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,119 @@
+"""The flags `record` and `attach` share, and the session Options made from them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sparseety_prof.correlate.serving import DEFAULT_HEADER
+
+if TYPE_CHECKING:
+    from sparseety_prof.session.options import Options
+
+
+def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_required: bool) -> None:
+    p.add_argument("--pid", type=int, required=True, help="process id of the running engine")
+    p.add_argument("-o", "--output", type=Path, required=output_required, default=None, help=output_help)
+    p.add_argument("--duration", type=float, default=None, help="detach after this many seconds")
+    p.add_argument("--redact-text", action="store_true", help="keep token ids but store no token text")
+    p.add_argument("--model", type=Path, default=None, help="model file, when the engine has none mapped")
+    p.add_argument(
+        "--discover-layout",
+        action="store_true",
+        help="learn the engine's private llama_ubatch layout from its first forward passes even when "
+        "the table of verified layouts has its build (those passes are not recorded)",
+    )
+    p.add_argument(
+        "--discover-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for forward passes when the layout must be learned (default 120)",
+    )
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=10,
+        help="niceness the consumer takes once attached, so the engine wins CPU contention (default 10)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("full", "tokens"),
+        default="full",
+        help="full (default): tokens plus MoE routing, activation sparsity and attention coverage; "
+        "tokens: token boundaries, ids and log-probs only (fewer probes)",
+    )
+    p.add_argument(
+        "--act-threshold",
+        type=float,
+        default=1e-2,
+        help="activations with |x| below this count in act_below_ratio (default 0.01; recorded in metadata)",
+    )
+    p.add_argument(
+        "--capture-router-probs",
+        action="store_true",
+        help="also record the router probability of every expert per MoE layer",
+    )
+    p.add_argument(
+        "--capture-masks",
+        action="store_true",
+        help="also record the activation zero masks, bit-packed, in the masks table",
+    )
+    p.add_argument(
+        "--moe-read",
+        choices=("auto", "ops"),
+        default="auto",
+        help="where MoE routing and activations are read: auto (default) = at each MoE layer's weighted "
+        "multiply where the graph allows (fewest probe hits); ops = at the router's get_rows and the "
+        "GLU op (more probe hits, for engine builds whose MoE graph differs)",
+    )
+    p.add_argument(
+        "--sched",
+        choices=["idle", "nice"],
+        default="nice",
+        help="consumer CPU policy once attached: nice (default) = run at --nice; idle = SCHED_IDLE (only CPU "
+        "the engine leaves idle). Either way it takes nice 0 while more than half the ring is pending",
+    )
+    p.add_argument(
+        "--request-header",
+        default=DEFAULT_HEADER,
+        metavar="NAME",
+        help=f"HTTP servers: header whose value becomes request_id (default {DEFAULT_HEADER}); "
+        "requests without it get generated ids",
+    )
+
+
+def options_from(args: argparse.Namespace) -> Options:
+    """Options of `record` and `attach`, from the flags they share (see add_attach_flags)."""
+    from sparseety_prof.capture.options import TOKENS_ONLY, Capture
+    from sparseety_prof.errors import UsageError
+    from sparseety_prof.session.options import Options
+
+    if args.mode == "tokens":
+        if args.capture_router_probs or args.capture_masks:
+            raise UsageError("--capture-router-probs and --capture-masks need --mode full")
+        capture = TOKENS_ONLY
+    else:
+        try:
+            capture = Capture(
+                router_probs=args.capture_router_probs,
+                masks=args.capture_masks,
+                act_threshold=args.act_threshold,
+            )
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    return Options(
+        pid=args.pid,
+        out=args.output,
+        duration=args.duration,
+        redact_text=args.redact_text,
+        model=args.model,
+        nice=args.nice,
+        skip_probes=frozenset(getattr(args, "skip_probe", None) or ()),
+        request_header=args.request_header,
+        sched=args.sched,
+        capture=capture,
+        moe_read=getattr(args, "moe_read", "auto"),
+        discover_layout=getattr(args, "discover_layout", False),
+        discover_timeout=getattr(args, "discover_timeout", 120.0),
+    )

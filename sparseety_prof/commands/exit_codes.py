@@ -1,0 +1,10 @@
+"""The exit codes every command documents (the ProfError subclasses carry theirs)."""
+
+EXIT_CODES_HELP = """exit codes:
+  0  success              3  no such process        6  unsupported engine build
+  1  other failure        4  not a supported engine 7  corrupt recording
+  2  usage error          5  missing privileges     8  BPF unavailable (BCC, headers, kernel)
+  9  check: a capture layer lost the request id
+"""
+
+CHECK_FAILED = 9  # `check`: the request id did not reach every capture layer

@@ -1,0 +1,32 @@
+"""`record --pid N -o DIR`: attach and write a recording until stopped."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sparseety_prof.commands.attach_flags import add_attach_flags, options_from
+from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    r = sub.add_parser(
+        "record",
+        help="attach to an engine and record every sampled token",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_attach_flags(r, output_help="recording directory (created; must be empty)", output_required=True)
+    r.add_argument("--skip-probe", action="append", help=argparse.SUPPRESS)
+    r.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sparseety_prof.session.metadata import summary_line
+    from sparseety_prof.session.recorder import Recorder, install_signal_handlers
+
+    rec = Recorder(options_from(args))
+    install_signal_handlers(rec)
+    meta = rec.run()
+    print(summary_line(meta), file=sys.stderr)
+    return 0

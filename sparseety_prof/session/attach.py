@@ -1,0 +1,83 @@
+"""Attach: validate the target, identify its build, learn its private layout where needed, and
+compile and attach the probes. Nothing here runs on the engine's hot path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from sparseety_prof.capture import layouts
+from sparseety_prof.capture import target as tg
+from sparseety_prof.capture.bpf_loader import Session, compile_and_attach
+from sparseety_prof.capture.discovery_probe import Discovery, run_discovery
+from sparseety_prof.capture.gguf_info import ModelInfo, Vocab, read_model_info, read_tensor_infos
+from sparseety_prof.capture.plans import LayerSet, MoePlan, layer_set, moe_plan
+from sparseety_prof.errors import NotAnEngine, UnsupportedEngineBuild
+from sparseety_prof.session.options import Options
+
+
+@dataclass
+class Attached:
+    target: tg.Target
+    build: layouts.EngineBuild
+    model: ModelInfo
+    vocab: Vocab
+    session: Session
+    where: dict[str, Path]
+    layers: LayerSet
+    capture_layers: list[tg.CaptureLayer]
+    discovery: Discovery | None
+
+
+def attach(
+    opts: Options, log: Callable[[str], None] = print, stop: Callable[[], bool] = lambda: False
+) -> Attached:
+    """Validate the target, learn its layout where needed, then compile and attach the probes.
+    Every failure is a ProfError."""
+    tg.check_process(opts.pid)
+    tg.check_privileges()
+    t = tg.inspect(opts.pid)
+    where = tg.find_engine_libs(t)
+    if tg.SYM_LLAMA_SAMPLER not in where and tg.SYM_COMMON_SAMPLER not in where:
+        raise NotAnEngine(f"PID {opts.pid} maps llama.cpp but no sampler entry point was found")
+    build = layouts.identify_build(t, where)
+    layers_found = tg.capture_layers(where)
+    for layer in layers_found:
+        if not layer.available:
+            log(f"sparseety-prof: capture layer '{layer.name}' degraded: {layer.detail}")
+    model_path = opts.model or (t.model_paths[0] if t.model_paths else None)
+    if model_path is None:
+        raise NotAnEngine(
+            f"PID {opts.pid} has no .gguf model file mapped or open (deleted since, or read without mmap); "
+            f"pass --model PATH"
+        )
+    # the sha256 of a multi-GB model takes a while: it is computed after attaching (Recorder.run)
+    model = read_model_info(model_path, with_sha256=False)
+    vocab = Vocab.from_gguf(model_path)
+    n_layer = int(model.hyperparameters.get("block_count", 0) or 0)
+    tensor_names = [ti.name for ti in read_tensor_infos(model_path)]
+    layers = layer_set(tensor_names, n_layer)
+    plan = moe_plan(tensor_names, layers, model.architecture) if opts.moe_read == "auto" else MoePlan()
+    discovery = None
+    if build.ubatch is None or opts.discover_layout:
+        log(f"sparseety-prof: {build.identity.describe()}: layout source: {build.layout_source}")
+        discovery = run_discovery(
+            opts.pid, where, len(vocab), timeout_s=opts.discover_timeout, log=log, stop=stop
+        )
+        if build.ubatch is not None and build.ubatch != discovery.layout:
+            raise UnsupportedEngineBuild(
+                f"unsupported engine build: the layout discovered on live data ({discovery.layout}) "
+                f"differs from the table's for {build.identity.describe()} ({build.ubatch}); "
+                f"nothing was attached"
+            )
+        build = replace(build, ubatch=discovery.layout, layout_source="discovered on live data")
+        log(
+            f"sparseety-prof: llama_ubatch layout discovered from {discovery.ubatches} forward passes "
+            f"in {discovery.seconds:.2f} s (+{discovery.compile_s:.2f} s compile): "
+            f"{discovery.layout.describe()}"
+        )
+    sess = compile_and_attach(
+        opts.pid, where, build, len(vocab), capture=opts.capture, skip=opts.skip_probes, moe=plan
+    )
+    return Attached(t, build, model, vocab, sess, where, layers, layers_found, discovery)

@@ -1,0 +1,162 @@
+"""meta.json of a recording: what it takes to reproduce the run (written at attach), and what the
+run did (losses, coverage, verification counts; written at close), plus the one-line summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sparseety_prof import __version__
+from sparseety_prof.capture import target as tg
+from sparseety_prof.capture.bpf_loader import is_server
+from sparseety_prof.capture.options import Capture
+from sparseety_prof.capture.plans import LayerSet
+from sparseety_prof.correlate import logits
+from sparseety_prof.correlate.correlator import Correlator
+from sparseety_prof.errors import ProfError
+from sparseety_prof.session.attach import Attached
+from sparseety_prof.session.options import Options
+from sparseety_prof.session.snapshot import engine_environment, host_info, process_info, server_props
+
+
+def run_metadata(a: Attached, opts: Options) -> dict[str, Any]:
+    libs = sorted({str(p) for p in a.where.values()})
+    return {
+        "profiler": {"name": "sparseety-prof", "version": __version__},
+        "engine": {
+            "name": a.build.engine,
+            "version": a.build.version,
+            "llama_cpp_commit": a.build.llama_cpp_commit,
+            "identity": a.build.identity.to_meta(),
+            "libraries": [{"path": p, "build_id": tg.build_id(Path(p))} for p in libs],
+            "ubatch_layout": a.build.ubatch.__dict__ if a.build.ubatch else None,
+            "layout_source": a.build.layout_source,
+            "layout_discovery": a.discovery.to_meta() if a.discovery else None,
+            "capture_layers": {
+                c.name: {"available": c.available, "detail": c.detail} for c in a.capture_layers
+            },
+        },
+        "probes": [p.__dict__ for p in a.session.attached],
+        "moe_read_points": a.session.moe.to_meta(),
+        "model": a.model.to_meta(),
+        "target": {"pid": a.target.pid, "exe": a.target.exe, "cmdline": a.target.cmdline},
+        "host": host_info(),
+        "config": _config_snapshot(a),
+        "clock": "CLOCK_MONOTONIC ns (t_*_ns); ts_unix_ms is wall clock derived from it at attach",
+        "redact_text": opts.redact_text,
+        "capture": opts.capture.to_meta(),
+        "act_threshold": opts.capture.act_threshold,
+        "logits_stats": {"backend": logits.BACKEND, "x86_level": logits.native_level()},
+        "layers": a.layers.to_meta(),
+    }
+
+
+def target_meta(pid: int) -> dict[str, Any]:
+    t = tg.inspect(pid)
+    return {"pid": pid, "exe": t.exe, "cmdline": t.cmdline}
+
+
+def _config_snapshot(a: Attached) -> dict[str, Any]:
+    """What it takes to reproduce the run, beyond the engine build and model (recorded apart)."""
+    pid = a.target.pid
+    cfg: dict[str, Any] = {"environment": engine_environment(pid), "process": process_info(pid)}
+    if is_server(a.where):
+        try:
+            urls = tg.listening_urls(pid)
+        except ProfError:
+            urls = []
+        cfg["server"] = {"urls": urls, "props": server_props(urls[0]) if urls else None}
+    return cfg
+
+
+def serving_meta(corr: Correlator, a: Attached, opts: Options) -> dict[str, Any] | None:
+    """How request ids were obtained, with the chain's own counts (None: not a server)."""
+    sv = corr.serving
+    if sv is None:
+        return None
+    return {
+        "request_id_header": opts.request_header,
+        "http_reads_probed": any(p.kind == "tracepoint" for p in a.session.attached),
+        **sv.counters.__dict__,
+    }
+
+
+def coverage(layers: LayerSet, seen: dict[str, set[int]], capture: Capture) -> dict[str, Any]:
+    """Per kind of decision: the model's layers, those observed, and those missing. A layer that
+    ran elsewhere (offloaded) or a probe that never fired shows up as missing, never as absent."""
+    wanted = {"moe": capture.routes, "ffn": capture.activations, "attn": capture.attention}
+    out: dict[str, Any] = {}
+    for kind, expected in (("moe", layers.moe), ("ffn", layers.ffn), ("attn", layers.attn)):
+        if not wanted[kind]:
+            out[kind] = {"captured": False}
+            continue
+        got = seen.get(kind, set())
+        out[kind] = {
+            "captured": True,
+            "layers": list(expected),
+            "observed": sorted(got & set(expected)),
+            "missing": sorted(set(expected) - got),
+        }
+    return out
+
+
+def weight_summary(w: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Static weight sparsity for meta.json: per-tensor figures only for tensors with zeros."""
+    if not w or "tensors" not in w:
+        return w
+    return {
+        "summary": w["summary"],
+        "tensors": [
+            {k: t[k] for k in ("name", "type", "zero_fraction", "nm_pattern")}
+            for t in w["tensors"]
+            if t.get("zero_fraction") or t.get("nm_pattern")
+        ],
+    }
+
+
+def losses(counters: dict[str, int], corr: Correlator, *, seq_gaps: int, records_seen: int) -> dict[str, int]:
+    """Every count of what the recording missed, in one place: the kernel side's (ring drops,
+    rows beyond the in-kernel budgets, programs that did not run) and the correlator's."""
+    return {
+        "kernel_drops": counters["kernel_drops"],
+        "seq_gaps": seq_gaps,
+        "records_produced": counters["records_produced"],
+        "records_seen": records_seen,
+        "ubatch_rows_not_copied": counters["ubatch_rows_not_copied"],
+        "logits_incomplete": corr.counters.logits_incomplete,
+        "samples_unresolved": corr.counters.samples_unresolved,
+        "sparse_rows_not_captured": counters["sparse_rows_not_captured"],
+        "attention_rows_not_counted": counters["attention_rows_not_counted"],
+        "sparse_unattributed": corr.counters.sparse_unattributed,
+        "sparse_unmapped_rows": corr.problems.unmapped_rows,
+        "slot_tokens_unresolved": corr.counters.slot_tokens_unresolved,
+        "samples_before_first_step": corr.counters.samples_before_first_step,
+        "program_misses": counters["program_misses"],
+    }
+
+
+def outcome(a: Attached, opts: Options, corr: Correlator) -> dict[str, Any]:
+    """What the correlator verified and saw, for meta.json at close."""
+    return {
+        "serving": serving_meta(corr, a, opts),
+        "verification": {
+            "verified_ubatches": corr.counters.verified_ubatches,
+            "verified_decodes": corr.counters.verified_decodes,
+            "verified_routing": corr.counters.verified_sparse,
+        },
+        "layer_coverage": coverage(a.layers, corr.layers_seen, opts.capture),
+        "attention_masks": corr.attn_map.meta() if opts.capture.attention else None,
+    }
+
+
+def summary_line(meta: dict[str, Any]) -> str:
+    losses = meta.get("losses", {})
+    return (
+        f"sparseety-prof: {meta['counts']['tokens']} tokens, {meta['counts']['steps']} steps; "
+        f"losses: {losses.get('kernel_drops', 0)} dropped in kernel, "
+        f"{losses.get('seq_gaps', 0)} sequence gaps, "
+        f"{losses.get('logits_incomplete', 0)} incomplete logits, "
+        f"{losses.get('samples_unresolved', 0)} unresolved samples; "
+        f"profiler CPU {meta['profiler_cpu_s']:.2f}s "
+        f"(BPF compile {meta['bpf_compile_s']:.2f}s); stopped: {meta['stop_reason']}"
+    )

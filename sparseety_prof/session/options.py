@@ -1,0 +1,55 @@
+"""What a recording session is asked to do (Options, from the command line) and what it has done
+so far (Progress, read by the live view and the summary line)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sparseety_prof.capture.options import Capture
+from sparseety_prof.correlate.serving import DEFAULT_HEADER
+
+
+@dataclass
+class Options:
+    pid: int
+    out: Path | None
+    duration: float | None = None
+    redact_text: bool = False
+    model: Path | None = None  # override when the process has no GGUF file mapped or open
+    skip_probes: frozenset[str] = frozenset()  # for tests: disable a probe point on purpose
+    nice: int = 10  # consumer priority once attached: the engine's threads win any contention
+    sched: str = "nice"  # "nice": compete at `nice`; "idle": SCHED_IDLE, escalating when the ring fills
+    request_header: str = DEFAULT_HEADER  # HTTP header carrying the client's request id
+    capture: Capture = field(default_factory=Capture)  # sparse decisions to capture
+    # where MoE values are read: "auto" = at the weighted multiply where the graph allows; "ops" =
+    # at get_rows and the GLU op (capture.plans.MoePlan)
+    moe_read: str = "auto"
+    discover_layout: bool = False  # learn the llama_ubatch layout on live data even if the table has it
+    discover_timeout: float = 120.0  # seconds to wait for forward passes to learn a layout from
+
+
+@dataclass
+class Progress:
+    """What the live view and the summary line show; updated by the consumer loop."""
+
+    tokens: int = 0
+    steps: int = 0
+    records: int = 0
+    kernel_drops: int = 0
+    seq_gaps: int = 0
+    cpu_s: float = 0.0
+    lag_ms: float = 0.0
+    logits_incomplete: int = 0
+    ring_fill_peak: float = 0.0  # largest share of the ring one drain found filled
+    drain_gap_max_ms: float = 0.0  # longest time between two drains (the consumer waited for CPU)
+    escalations: int = 0  # times the consumer left SCHED_IDLE because the ring was filling
+
+    def counters(self) -> dict[str, float]:
+        return {
+            "cpu_s": self.cpu_s,
+            "lag_ms": self.lag_ms,
+            "kernel_drops": self.kernel_drops,
+            "seq_gaps": self.seq_gaps,
+            "logits_incomplete": self.logits_incomplete,
+        }

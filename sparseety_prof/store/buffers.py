@@ -1,0 +1,45 @@
+"""Rows gathered over drains, made into storage frames in batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+
+from sparseety_prof.store import schema
+
+
+class ColumnBuffer:
+    """Rows of each table gathered over drains, as columns, and made into a frame once
+    FRAME_ROWS rows are there (or at the end): building a polars frame has a fixed cost per
+    column (~70 columns over the tables), which one drain's hundred tokens did not amortise
+    (measured: 16 us per token at a frame per drain). The writer keeps frames in memory up to a
+    segment anyway, so nothing reaches the disk later than before for a long recording."""
+
+    FRAME_ROWS = 2048
+
+    def __init__(self) -> None:
+        self._cols: dict[str, dict[str, list[Any]]] = {}
+
+    def add(self, table: str, cols: dict[str, list[Any]], *, final: bool) -> list[pl.DataFrame]:
+        out = []
+        buf = self._cols.get(table)
+        if cols:
+            if buf is not None and buf.keys() != cols.keys():  # another shape: close the old one
+                out.append(schema.frame(table, buf))
+                buf = None
+            if buf is None:
+                buf = self._cols[table] = {k: list(v) for k, v in cols.items()}
+            else:
+                for k, v in cols.items():
+                    buf[k].extend(v)
+        if buf is not None and (final or len(next(iter(buf.values()), ())) >= self.FRAME_ROWS):
+            out.append(schema.frame(table, buf))
+            del self._cols[table]
+        return out
+
+    def take_all(self) -> list[tuple[str, pl.DataFrame]]:
+        """Frames of every row still gathered."""
+        out = [(table, schema.frame(table, cols)) for table, cols in self._cols.items()]
+        self._cols.clear()
+        return out
