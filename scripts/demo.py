@@ -19,7 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.make_models import make_model  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))  # the model generator lives with the tests
+from make_models import make_model  # noqa: E402
 
 PROMPTS = ["hello the expert router", "the sparse decode sample", "one two three"]
 
@@ -42,14 +43,14 @@ def start(cmd: list[str]) -> tuple[subprocess.Popen[str], dict[str, object]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", choices=["llama-cpp-python", "xllamacpp"], default="llama-cpp-python")
-    ap.add_argument("--preset", default="moe", help="model preset of scripts/make_models.py")
+    ap.add_argument("--preset", default="moe", help="model preset of tests/make_models.py")
     ap.add_argument("--out", type=Path, default=ROOT / "recordings" / time.strftime("demo-%Y%m%d-%H%M%S"))
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt")
     a = ap.parse_args()
 
     model = make_model(ROOT / "models" / f"{a.preset}.gguf", a.preset)
     log(f"model: {model} ({model.stat().st_size / 1e6:.1f} MB)")
-    engines = ROOT / "scripts" / "engines"
+    engines = ROOT / "tests" / "engines"
     if a.engine == "llama-cpp-python":
         eng, ready = start([sys.executable, str(engines / "llama_engine.py"), str(model)])
     else:

@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINES = ROOT / "scripts" / "engines"
+ENGINES = ROOT / "tests" / "engines"
 PY = sys.executable
 CLI = [PY, "-m", "sparseety_prof.cli"]
 
 sys.path.insert(0, str(ROOT))
-from scripts.make_models import make_model  # noqa: E402
+from make_models import make_model  # noqa: E402
 
 
 def _bpf_reason() -> str | None:

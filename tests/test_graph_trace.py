@@ -1,4 +1,4 @@
-"""The in-process ground truth of scripts/engines/llama_engine.py --graph-trace: llama.cpp's cb_eval
+"""The in-process ground truth of tests/engines/llama_engine.py --graph-trace: llama.cpp's cb_eval
 graph callback records, per graph evaluation, MoE routing, activation sparsity and attention
 coverage (line format in the engine's docstring). No root needed."""
 
@@ -15,9 +15,8 @@ import gguf
 import numpy as np
 import pytest
 from conftest import ENGINES, Engine
-
+from make_models import PRESETS, make_model
 from scripts.engines import llama_engine
-from scripts.make_models import PRESETS, make_model
 
 PROMPTS = ["hello the expert router", "the sparse decode sample"]
 MAX_TOKENS = 8
@@ -325,10 +324,8 @@ def test_flash_attention_mask(traced: Any, models: dict[str, Path]) -> None:
 
 @pytest.mark.engine
 def test_sliding_window_attention_mask(traced: Any, tmp_path: Path) -> None:
-    from scripts import make_models
+    import make_models
 
-    if "swa" not in PRESETS or not hasattr(make_models, "swa_layers"):
-        pytest.skip("this make_models has no sliding-window preset")
     window, swa = PRESETS["swa"].n_swa, set(make_models.swa_layers("swa"))
     assert swa and window
     e = traced(make_model(tmp_path / "swa.gguf", "swa"))

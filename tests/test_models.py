@@ -1,4 +1,4 @@
-"""Tests for scripts/make_models.py: deterministic GGUF test models that llama.cpp really loads."""
+"""Tests for tests/make_models.py: deterministic GGUF test models that llama.cpp really loads."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `scripts` lives at the repository root
     sys.path.insert(0, str(ROOT))
 
-from scripts.make_models import (  # noqa: E402
+from make_models import (  # noqa: E402
     BYTE_TOKEN_IDS,
     EOS_ID,
     PRESETS,
@@ -113,7 +113,7 @@ def test_cli_single_matches_api(tmp_path: Path) -> None:
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "scripts" / "make_models.py"),
+            str(ROOT / "tests" / "make_models.py"),
             str(out),
             "--preset",
             "qwen3moe",

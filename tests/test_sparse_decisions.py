@@ -2,7 +2,7 @@
 attention coverage) equal what the engine itself computed.
 
 Ground truth comes from a SEPARATE run of the same engine script, model, prompts, seed and
-settings with llama.cpp's in-process graph callback installed (scripts/engines/llama_engine.py
+settings with llama.cpp's in-process graph callback installed (tests/engines/llama_engine.py
 --graph-trace). Each case states its logits_all setting: with logits_all=False the engine computes
 the last layer only for rows that produce logits, and neither side may invent the others.
 Expert ids and exact-zero counts must match exactly; gate weights within 1e-5."""
@@ -19,9 +19,9 @@ import numpy as np
 import polars as pl
 import pytest
 from conftest import ENGINES, Engine, Recorder, run_cli
+from make_models import make_model, swa_layers
 
 import sparseety_prof
-from scripts.make_models import make_model, swa_layers
 
 pytestmark = [pytest.mark.root, pytest.mark.engine]
 

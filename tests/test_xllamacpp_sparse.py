@@ -1,7 +1,7 @@
 """Acceptance test of the sparse decisions on a real llama-server engine (xllamacpp): attached by PID
 while it serves HTTP completions, the recording's tokens and log-probs equal the server's own
 responses, and its MoE routing agrees with the llama-cpp-python graph-trace oracle
-(scripts/engines/llama_engine.py --graph-trace) fed the same token sequence, teacher-forced: each
+(tests/engines/llama_engine.py --graph-trace) fed the same token sequence, teacher-forced: each
 request's prompt ids, then the ids the server generated, one at a time."""
 
 from __future__ import annotations

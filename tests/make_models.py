@@ -3,11 +3,11 @@
 
 Same preset + seed + dtype + n_vocab_min + prune => byte-identical file. Needs only numpy and gguf.
 
-    python scripts/make_models.py OUT.gguf --preset moe [--seed N] [--dtype f32|f16|q8_0|q4_0]
+    python tests/make_models.py OUT.gguf --preset moe [--seed N] [--dtype f32|f16|q8_0|q4_0]
                                   [--prune N:M|FRACTION]
-    python scripts/make_models.py --all DIR          # DIR/<preset>.gguf for every preset
+    python tests/make_models.py --all DIR          # DIR/<preset>.gguf for every preset
 
-    from scripts.make_models import make_model, PRESETS
+    from make_models import make_model, PRESETS
     make_model(tmp_path / "moe.gguf", "moe")
     make_model(tmp_path / "moe-q4.gguf", "moe", dtype="q4_0", prune="2:4")
 
