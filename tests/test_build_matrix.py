@@ -169,9 +169,14 @@ def test_server_build_layout_discovered_and_recorded_exactly(server: Engine, tmp
             # of the same greedy completion gives the server's ids, up to where it stopped
             assert len(ids) == N_PREDICT, i
             assert a["tokens"] and is_subsequence(a["tokens"], ids), (i, str(ids), str(a["tokens"]))
+            whole = ids
             got = tokens.filter(pl.col("request_id") == f"req-{i}-stream").sort("t_end_ns")
             ids, lps = got["token_id"].to_list(), got["log_prob"].to_list()
-            assert is_subsequence(a["tokens"], ids) and len(ids) <= len(a["tokens"]) + 3, (i, str(ids))
+            # The server keeps generating until its HTTP thread notices the failed chunk: how many
+            # tokens that is depends on scheduling, not on the profiler. The same greedy completion
+            # of the same prompt: the retry's recorded tokens are the first ones of the whole one,
+            # and hold every token the stream delivered.
+            assert ids == whole[: len(ids)] and is_subsequence(a["tokens"], ids), (i, str(ids))
             pairs = align_server_probs(ids, a["completion_probabilities"])
         assert len(pairs) >= 0.9 * len(a["tokens"])
         worst = max(abs(lps[j] - c["logprob"]) for j, c in pairs)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import ENGINES, Engine
 from make_models import PRESETS, make_model
-from scripts.engines import llama_engine
+from engines import llama_engine
 
 PROMPTS = ["hello the expert router", "the sparse decode sample"]
 MAX_TOKENS = 8
