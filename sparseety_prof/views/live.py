@@ -64,6 +64,7 @@ class LiveState:
     def update(
         self, tokens: dict[str, list[Any]], steps: dict[str, list[Any]], counters: dict[str, float]
     ) -> None:
+        """Fold one batch of the consumer's new rows (column -> values) and its latest counters."""
         self.counters = dict(counters)
         for t0, t1 in zip(steps.get("t_start_ns", []), steps.get("t_end_ns", []), strict=True):
             self.steps += 1
@@ -84,13 +85,14 @@ class LiveState:
                     bool(tokens["partial"][i]),
                     deque(maxlen=MAX_TOKENS_PER_REQUEST),
                 ]
-                while len(self._requests) > MAX_REQUESTS:
+                while len(self._requests) > MAX_REQUESTS:  # dicts keep insertion order: oldest first
                     del self._requests[next(iter(self._requests))]
             req[0] += 1
             text = tokens.get("token_text", [None] * n)[i]
             req[2].append((text if text is not None else f"<{tokens['token_id'][i]}>", tokens["log_prob"][i]))
 
     def snapshot(self, now_ns: int, elapsed_s: float) -> Snapshot:
+        """The state at `now_ns`; rates over the last RATE_WINDOW_NS, or since the start if shorter."""
         for q in (self._token_times, self._step_times):
             while q and q[0] < now_ns - RATE_WINDOW_NS:
                 q.popleft()
@@ -139,6 +141,7 @@ def _fmt_ms(v: float | None) -> str:
 
 
 def render(s: Snapshot) -> RenderableType:
+    """Stats panel, the newest requests' token tails shaded by log-prob, and the legend."""
     stats = Table.grid(padding=(0, 2), expand=True)
     for _ in range(4):
         stats.add_column()

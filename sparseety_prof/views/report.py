@@ -12,6 +12,8 @@ from sparseety_prof.store.recording import open as open_recording
 
 
 def print_report(path: Path, *, console: Console | None = None) -> None:
+    """The recording's header, then per-request, GPU-kernel and step-latency tables (each only when
+    the recording holds such rows)."""
     con = console or Console()
     r = open_recording(path)
     meta = r.meta
@@ -44,7 +46,7 @@ def print_report(path: Path, *, console: Console | None = None) -> None:
             ((pl.col("t_end_ns").max() - pl.col("t_end_ns").min()) / 1e6).alias("span_ms"),
         )
         reqs = r.requests()
-        if reqs.height:  # the requests table: id source, time to first token, inter-token latency
+        if reqs.height:  # id source, time to first token and inter-token latency, when recorded
             per_req = per_req.join(
                 reqs.group_by("request_id", maintain_order=True).agg(
                     pl.col("id_source").first().alias("id"),
