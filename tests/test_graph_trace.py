@@ -15,8 +15,8 @@ import gguf
 import numpy as np
 import pytest
 from conftest import ENGINES, Engine
-from make_models import PRESETS, make_model
 from engines import llama_engine
+from make_models import PRESETS, make_model
 
 PROMPTS = ["hello the expert router", "the sparse decode sample"]
 MAX_TOKENS = 8
