@@ -1,5 +1,6 @@
-"""The only module that imports bcc: compiles probes/token_probes.bpf.c for one engine build,
-attaches it to one process, and drains its ring buffer on a reader thread.
+"""The main probe program's life: compiles probes/*.bpf.c for one engine build, attaches it to
+one process, reads its ring buffer on the consumer's thread, and detaches it. bcc is imported
+only in capture/ (here and by the layout-discovery probe, through import_bcc).
 
 BCC reports failures as bare `Exception` strings; they are translated here into the project's
 own errors so callers never see them.
@@ -390,8 +391,8 @@ class RingReader:
     walked from the consumer to the producer position seen at the start, copied into per-size
     arenas, and the consumer position is advanced. No callback per record: BCC's
     ring_buffer_consume called a Python function through ctypes for every record, which cost
-    ~30 us per record (260 us per token in token mode), and kept consuming as long as the
-    producer kept producing. A separate reader thread cost more still (the GIL).
+    ~30 us per record, and kept consuming as long as the producer kept producing; a thread of
+    its own would contend for the GIL with the consumer.
 
     The ring holds about 1.5 s of tokens at a 32k vocabulary; what it cannot hold is counted by
     the probes as dropped (reserve failures) and by the consumer as sequence gaps."""

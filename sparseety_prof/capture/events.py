@@ -1,7 +1,8 @@
 """Python mirror of probes/events.h, and batch decoding of raw ring-buffer records.
 
-The reader thread only appends raw bytes; everything here works on whole batches with numpy
-structured arrays, so there is no per-event Python work beyond slicing the batch by kind.
+The ring reader hands over raw bytes grouped by record size; everything here works on whole
+batches with numpy structured arrays, so there is no per-event Python work beyond slicing the
+batch by kind.
 """
 
 from __future__ import annotations
