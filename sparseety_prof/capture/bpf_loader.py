@@ -27,6 +27,7 @@ from sparseety_prof.capture.events import PROBES_DIR, logits_chunk_for, logits_d
 from sparseety_prof.capture.layouts import EngineBuild
 from sparseety_prof.capture.options import Capture
 from sparseety_prof.capture.plans import MoePlan
+from sparseety_prof.capture.resources import native_library
 from sparseety_prof.errors import BpfUnavailable, MissingPrivileges, NoSuchProcess
 
 RING_BUFFER_PAGES = 16384  # 64 MiB: a 1 MiB ring lost 35-70% of a burst here, 16 MiB lost none;
@@ -344,7 +345,7 @@ def _prefaulted(n: int) -> np.ndarray:
 
 # sparseety_prof/native/ringwalk.c, built by sparseety_prof/native/build.sh (scripts/setup.sh runs
 # it); without it RingReader walks the ring in Python (~3 us per record instead of ~0.1 + copy).
-_WALK_LIB = Path(__file__).resolve().parent.parent / "native" / "build" / "libringwalk.so"
+_WALK_LIB = native_library("libringwalk.so")
 _WALK_ABI = 2
 _RW_BUSY, _RW_ARENA_FULL, _RW_UNKNOWN_SIZE, _RW_LIMIT = range(1, 5)  # 0: caught up
 
