@@ -13,6 +13,8 @@ import mmap
 import os
 import re
 import struct
+import sys
+import sysconfig
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -94,14 +96,26 @@ def probe_source() -> str:
     return "\n".join((PROBES_DIR / f).read_text() for f in PROBE_SOURCES)
 
 
+DEBIAN_BCC = Path("/usr/lib/python3/dist-packages/bcc")  # Debian's python3-bpfcc (pure Python)
+
+
+def bcc_fix() -> str:
+    """The command that makes Debian's bcc importable by this interpreter. BCC is not on PyPI (the
+    package named bcc there is another project); a venv sees Debian's copy only when made from
+    /usr/bin/python3 with --system-site-packages, so link just that package into site-packages."""
+    link = f"ln -sfn {DEBIAN_BCC} {sysconfig.get_paths()['purelib']}/bcc"
+    if DEBIAN_BCC.is_dir():
+        return f"{link}   (bcc of Debian's python3-bpfcc; scripts/setup.sh does this for .venv)"
+    return f"apt-get install -y python3-bpfcc libbpfcc && {link}   (scripts/setup.sh does both for .venv)"
+
+
 def import_bcc() -> Any:
     try:
         import bcc
     except ImportError:
         raise BpfUnavailable(
-            "the bcc Python module is not importable: install Debian's python3-bpfcc and libbpfcc and link "
-            "/usr/lib/python3/dist-packages/bcc into this interpreter's site-packages "
-            "(scripts/setup.sh does both)"
+            f"the bcc Python module (BCC, from Debian) is not importable by {sys.executable}; "
+            f"to make it importable run: {bcc_fix()}"
         ) from None
     return bcc
 
