@@ -272,7 +272,7 @@ def test_missing_or_broken_library_is_not_loaded(tmp_path: Path) -> None:
 def test_numpy_fallback_when_the_library_is_absent(tmp_path: Path) -> None:
     """A copy of the module with no native/build next to it: it imports, says numpy, and is right."""
     pkg = tmp_path / "sparseety_prof"
-    for name in ("correlate/logits.py", "store/schema.py"):
+    for name in ("correlate/logits.py", "store/schema.py", "capture/resources.py"):
         (pkg / name).parent.mkdir(parents=True, exist_ok=True)
         for init in (pkg / "__init__.py", (pkg / name).parent / "__init__.py"):
             init.write_text("")

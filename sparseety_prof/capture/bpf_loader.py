@@ -14,6 +14,8 @@ import mmap
 import os
 import re
 import struct
+import sys
+import sysconfig
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +30,7 @@ from sparseety_prof.capture.events import PROBES_DIR, logits_chunk_for, logits_d
 from sparseety_prof.capture.layouts import EngineBuild
 from sparseety_prof.capture.options import Capture
 from sparseety_prof.capture.plans import MoePlan
+from sparseety_prof.capture.resources import native_library
 from sparseety_prof.errors import BpfUnavailable, MissingPrivileges, NoSuchProcess
 
 RING_BUFFER_PAGES = 16384  # 64 MiB: a 1 MiB ring lost 35-70% of a burst here, 16 MiB lost none;
@@ -94,14 +97,26 @@ def probe_source() -> str:
     return "\n".join((PROBES_DIR / f).read_text() for f in PROBE_SOURCES)
 
 
+DEBIAN_BCC = Path("/usr/lib/python3/dist-packages/bcc")  # Debian's python3-bpfcc (pure Python)
+
+
+def bcc_fix() -> str:
+    """The command that makes Debian's bcc importable by this interpreter. BCC is not on PyPI (the
+    package named bcc there is another project); a venv sees Debian's copy only when made from
+    /usr/bin/python3 with --system-site-packages, so link just that package into site-packages."""
+    link = f"ln -sfn {DEBIAN_BCC} {sysconfig.get_paths()['purelib']}/bcc"
+    if DEBIAN_BCC.is_dir():
+        return f"{link}   (bcc of Debian's python3-bpfcc; scripts/setup.sh does this for .venv)"
+    return f"apt-get install -y python3-bpfcc libbpfcc && {link}   (scripts/setup.sh does both for .venv)"
+
+
 def import_bcc() -> Any:
     try:
         import bcc
     except ImportError:
         raise BpfUnavailable(
-            "the bcc Python module is not importable: install Debian's python3-bpfcc and libbpfcc and link "
-            "/usr/lib/python3/dist-packages/bcc into this interpreter's site-packages "
-            "(scripts/setup.sh does both)"
+            f"the bcc Python module (BCC, from Debian) is not importable by {sys.executable}; "
+            f"to make it importable run: {bcc_fix()}"
         ) from None
     return bcc
 
@@ -345,7 +360,7 @@ def _prefaulted(n: int) -> np.ndarray:
 
 # sparseety_prof/native/ringwalk.c, built by sparseety_prof/native/build.sh (scripts/setup.sh runs
 # it); without it RingReader walks the ring in Python (~3 us per record instead of ~0.1 + copy).
-_WALK_LIB = Path(__file__).resolve().parent.parent / "native" / "build" / "libringwalk.so"
+_WALK_LIB = native_library("libringwalk.so")
 _WALK_ABI = 2
 _RW_BUSY, _RW_ARENA_FULL, _RW_UNKNOWN_SIZE, _RW_LIMIT = range(1, 5)  # 0: caught up
 

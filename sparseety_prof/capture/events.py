@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-PROBES_DIR = Path(__file__).resolve().parents[2] / "probes"
+from sparseety_prof.capture.resources import PROBES_DIR
 
 EV_DECODE_BEGIN = 1
 EV_UBATCH = 3

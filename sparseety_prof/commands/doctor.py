@@ -12,6 +12,7 @@ from pathlib import Path
 
 from sparseety_prof.capture import layouts
 from sparseety_prof.capture import target as tg
+from sparseety_prof.capture.bpf_loader import bcc_fix
 from sparseety_prof.checks import Check
 from sparseety_prof.errors import ProfError
 
@@ -28,13 +29,7 @@ def check_bcc() -> Check:
     try:
         import bcc
     except ImportError as e:
-        return Check(
-            "bcc",
-            False,
-            f"the bcc module is not importable ({e})",
-            "apt-get install python3-bpfcc libbpfcc, then link /usr/lib/python3/dist-packages/bcc into this "
-            "interpreter's site-packages (scripts/setup.sh does both)",
-        )
+        return Check("bcc", False, f"the bcc module is not importable by {sys.executable} ({e})", bcc_fix())
     return Check("bcc", True, f"bcc {getattr(bcc, '__version__', '?')} from {Path(bcc.__file__).parent}")
 
 

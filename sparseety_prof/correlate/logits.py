@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from sparseety_prof.capture.resources import native_library
 from sparseety_prof.store.schema import TOP_K
 
 # exp() of values below about -87 is subnormal in float32, and subnormals are ~20x slower here;
@@ -22,7 +23,7 @@ _EXP_FLOOR = np.float32(-87.0)
 
 # Built next to this module by sparseety_prof/native/build.sh (scripts/setup.sh runs it). Never
 # compiled at import: without it, row_stats quietly uses numpy.
-LIB_PATH = Path(__file__).resolve().parent.parent / "native" / "build" / "librowstats.so"
+LIB_PATH = native_library("librowstats.so")
 _ABI_VERSION = 2  # must match RS_ABI_VERSION in rowstats.c
 _MAX_K = 16  # RS_MAX_K in rowstats.c
 

@@ -17,9 +17,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from sparseety_prof.capture.resources import CUPTI_LIBRARY
+
 __all__ = ["add_arguments", "build_env", "find_libcupti", "launch", "library_path", "run"]
 
-ROOT = Path(__file__).resolve().parents[2]
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
@@ -27,7 +28,7 @@ EXIT_USAGE = 2
 def library_path() -> Path:
     """The built injection library (`SPARSEETY_CUPTI_LIB` overrides `cupti_ext/build/`)."""
     env = os.environ.get("SPARSEETY_CUPTI_LIB")
-    return Path(env) if env else ROOT / "cupti_ext" / "build" / "libsparseety_cupti.so"
+    return Path(env) if env else CUPTI_LIBRARY
 
 
 def find_libcupti() -> Path | None:
