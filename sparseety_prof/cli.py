@@ -9,11 +9,20 @@ import argparse
 import sys
 
 from sparseety_prof import __version__
-from sparseety_prof.commands import attach, check, diff, doctor, launch, record, report
+from sparseety_prof.commands import attach, build_cupti, check, diff, doctor, launch, record, report
 from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
 from sparseety_prof.errors import ProfError
 
-COMMANDS = (record, attach, launch, check, doctor, report, diff)  # in the order --help lists them
+COMMANDS = (
+    record,
+    attach,
+    launch,
+    build_cupti,
+    check,
+    doctor,
+    report,
+    diff,
+)  # in the order --help lists them
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -378,7 +378,7 @@ def test_launch_sets_injection_env_and_returns_exit_code(
 def test_launch_refuses_without_built_library(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     rc = launch_mod.launch(["true"], library=tmp_path / "missing.so")
     assert rc == 1
-    assert "not built: run `bash cupti_ext/build.sh`" in capfd.readouterr().err
+    assert "not built: run `sparseety-prof build-cupti`" in capfd.readouterr().err
     assert launch_mod.launch([], library=tmp_path / "missing.so") == 2
 
 

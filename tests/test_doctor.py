@@ -128,7 +128,7 @@ def test_gpu_injection_library_check(tmp_path: Path) -> None:
     assert diagnose.check_injection_library().ok, "scripts/setup.sh builds cupti_ext"
     assert diagnose.check_injection_library(library_path()).ok
     missing = diagnose.check_injection_library(tmp_path / "nope.so")
-    assert not missing.ok and "cupti_ext/build.sh" in missing.fix
+    assert not missing.ok and "sparseety-prof build-cupti" in missing.fix
     garbage = tmp_path / "garbage.so"
     garbage.write_bytes(b"not an ELF file at all")
     assert not diagnose.check_injection_library(garbage).ok

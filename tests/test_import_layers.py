@@ -103,3 +103,21 @@ def test_the_walk_sees_back_edges(tmp_path: Path) -> None:
         "from . import elf\nfrom ..errors import ProfError\nfrom sparseety_prof.capture import target\n"
     )
     assert _back_edges(good, pkg) == []
+
+
+def test_only_capture_imports_bcc() -> None:
+    """bcc (root, kernel headers, a compiler) stays in the capture stage: every later stage can be
+    imported, and its tests run, without it."""
+    importers = []
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            if any(n == "bcc" or n.startswith("bcc.") for n in names):
+                importers.append(str(path.relative_to(PKG)))
+    assert importers and all(p.startswith("capture/") for p in importers), importers

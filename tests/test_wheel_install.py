@@ -182,10 +182,10 @@ def test_without_bcc_the_tool_says_the_command_that_fixes_it(
 
 @pytest.mark.root  # the venv is the one with BCC
 def test_build_cupti_command_builds_where_launch_looks(venv: Path, tmp_path: Path) -> None:
-    """`sparseety-prof-build-cupti` from the installed package (CUDA 13 headers from the toolkit or
+    """`sparseety-prof build-cupti` from the installed package (CUDA 13 headers from the toolkit or
     the nvidia-cuda-* wheels of the test interpreter's environment, as cupti_ext/build.sh finds them)."""
     r = subprocess.run(
-        [str(venv / "bin" / "sparseety-prof-build-cupti")],
+        [str(venv / "bin" / "sparseety-prof"), "build-cupti"],
         cwd=tmp_path,
         env=_env(VENV=sys.prefix),
         capture_output=True,

@@ -1,4 +1,4 @@
-"""`sparseety-prof-build-cupti [OUTDIR]`: build the CUPTI injection library that `launch` loads into
+"""`build-cupti [OUTDIR]`: build the CUPTI injection library that `launch` loads into
 CUDA engines, from the sources the package ships (cupti_ext/), into the folder `launch` looks in.
 
 The library is not built at install time: it needs the CUDA 13 headers, which most machines
@@ -22,15 +22,23 @@ def _writable(folder: Path) -> bool:
     return os.access(existing, os.W_OK)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="sparseety-prof-build-cupti", description=__doc__.split("\n\n")[0])
-    ap.add_argument(
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bc = sub.add_parser(
+        "build-cupti",
+        help="build the CUPTI injection library `launch` loads (needs the CUDA 13 headers)",
+        description=(__doc__ or "").split("\n\n")[0],
+    )
+    bc.add_argument(
         "outdir", nargs="?", type=Path, default=CUPTI_LIBRARY.parent, help=f"default: {CUPTI_LIBRARY.parent}"
     )
-    out: Path = ap.parse_args(argv).outdir.resolve()
+    bc.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    out: Path = args.outdir.resolve()
     if not _writable(out):
         print(
-            f"sparseety-prof-build-cupti: {out} is not writable: run it as the owner of this installation, "
+            f"sparseety-prof build-cupti: {out} is not writable: run it as the owner of this installation, "
             "or give another OUTDIR and start engines with SPARSEETY_CUPTI_LIB=OUTDIR/libsparseety_cupti.so",
             file=sys.stderr,
         )
@@ -39,12 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     rc = subprocess.run(["bash", str(CUPTI_DIR / "build.sh"), str(out)], env=env).returncode
     if rc == 0 and out != CUPTI_LIBRARY.parent.resolve():
         print(
-            f"sparseety-prof-build-cupti: `launch` looks in {CUPTI_LIBRARY.parent}: "
+            f"sparseety-prof build-cupti: `launch` looks in {CUPTI_LIBRARY.parent}: "
             f"set SPARSEETY_CUPTI_LIB={out / CUPTI_LIBRARY.name}",
             file=sys.stderr,
         )
     return rc
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,7 +17,7 @@ INJECTION_SYMBOL = "InitializeInjection"
 
 def check_injection_library(path: Path | None = None) -> Check:
     lib = path or library_path()
-    fix = "bash cupti_ext/build.sh (scripts/setup.sh builds it against the CUDA 13 headers)"
+    fix = "sparseety-prof build-cupti (needs the CUDA 13 headers; scripts/setup.sh runs it in a checkout)"
     if not lib.is_file():
         return Check("cupti_ext library", False, f"{lib} is missing", fix)
     try:

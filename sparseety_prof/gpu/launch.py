@@ -98,7 +98,7 @@ def launch(argv: list[str], *, library: Path | None = None, **settings: Any) -> 
     if not lib.is_file():
         print(
             f"sparseety-prof launch: the CUPTI injection library {lib} is not built: "
-            "run `bash cupti_ext/build.sh`",
+            "run `sparseety-prof build-cupti`",
             file=sys.stderr,
         )
         return EXIT_FAILURE
