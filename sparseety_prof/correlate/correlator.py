@@ -27,10 +27,11 @@ import numpy.ma
 from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.drain_index import G_LOGITS, G_SMALL, G_UBATCH, DrainIndex
 from sparseety_prof.capture.plans import LayerSet
+from sparseety_prof.correlate.agg_record import AggRow, agg_rows_batch
 from sparseety_prof.correlate.attention_map import AttentionMap
 from sparseety_prof.correlate.logits import BACKEND, RowStats, row_stats, row_stats_at
 from sparseety_prof.correlate.serving import ID_SEGMENTED, Launch, RequestAgg, ServingTracker
-from sparseety_prof.correlate.step_sparse import AggRow, Problems, StepSparse, agg_rows_batch
+from sparseety_prof.correlate.step_sparse import Problems, StepSparse
 from sparseety_prof.errors import UnsupportedEngineBuild
 from sparseety_prof.store.schema import PHASE_DECODE, PHASE_PREFILL, SOURCE_NEXT_INPUT, SOURCE_SAMPLER
 
