@@ -462,19 +462,12 @@ class Recorder:
         tracker.update(batch.seqs(), final=final)
         if len(batch):
             corr.feed(batch)
-        tok, steps = corr.take_rows()
-        routes, masks = corr.take_sparse_rows()
-        requests = corr.take_request_rows(final=final)
+        tables = corr.take_tables(final=final)
+        tok, steps = tables["tokens"], tables["steps"]
         gpu_frames = self._poll_gpu(gpu, steps, final=final)
         if writer is not None:
             rows = self._rows
-            for table, cols in (
-                ("steps", steps),
-                ("tokens", tok),
-                ("routes", routes),
-                ("masks", masks),
-                ("requests", requests),
-            ):
+            for table, cols in tables.items():
                 for df in rows.add(table, cols, final=final):
                     writer.append(table, df)
             for table, df in gpu_frames.items():

@@ -1,12 +1,13 @@
 """Single source of truth for every column name and dtype the profiler writes.
 
 Recordings store these tables as Parquet segments; `sparseety_prof.open()` returns them as Polars
-frames with exactly these schemas. Nothing else in the project spells a column name literally
-when building a table: it goes through the dicts below.
+frames with exactly these schemas. A producer names the columns it fills through `columns()`
+(checked when its module is imported).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import numpy as np
@@ -165,6 +166,40 @@ PHASE_DECODE = "decode"
 SOURCE_SAMPLER = "sampler"
 SOURCE_NEXT_INPUT = "next_input"
 TOP_K = 5
+
+
+#: One table's rows as columns: column name -> one value per row.
+Columns = dict[str, list[object]]
+#: What a correlator hands over: table name -> its rows since the last call, every column present.
+Tables = dict[str, Columns]
+
+
+def columns(table: str, *names: str) -> tuple[str, ...]:
+    """`names`, each checked to be a column of `table`. Producers declare the columns they fill
+    with it, so a misspelt name fails when their module is imported."""
+    unknown = [n for n in names if n not in TABLES[table]]
+    if unknown:
+        raise ValueError(f"not columns of the {table} table: {unknown}")
+    return names
+
+
+def check_columns(table: str, names: Iterable[str], *, absent: Collection[str] = ()) -> None:
+    """Raise ValueError unless `names` are exactly the columns of `table`, less any of `absent`."""
+    want, got = TABLES[table], set(names)
+    unknown = sorted(got - want.keys())
+    missing = [c for c in want if c not in got and c not in absent]
+    bad_absent = sorted(set(absent) - want.keys())
+    if unknown or missing or bad_absent:
+        problems = [
+            f"{what} {cols}"
+            for what, cols in (
+                ("missing columns", missing),
+                ("unknown columns", unknown),
+                ("declared absent but not in the table", bad_absent),
+            )
+            if cols
+        ]
+        raise ValueError(f"{table} table: " + "; ".join(problems))
 
 
 def empty(table: str) -> pl.DataFrame:
