@@ -202,6 +202,15 @@ def check_columns(table: str, names: Iterable[str], *, absent: Collection[str] =
         raise ValueError(f"{table} table: " + "; ".join(problems))
 
 
+def fill_absent(table: str, cols: Columns, absent: Collection[str]) -> Columns:
+    """`cols` with a column of nulls for each of `absent` it lacks: the way a producer that does not
+    have some of a table's columns says which (the caller documents why). Any other column
+    missing, or one not in the table, is a ValueError."""
+    check_columns(table, cols, absent=absent)
+    n = _n_rows(table, cols)
+    return {**cols, **{name: [None] * n for name in absent if name not in cols}}
+
+
 def empty(table: str) -> pl.DataFrame:
     return pl.DataFrame(schema=TABLES[table])
 
@@ -229,6 +238,16 @@ def frame(table: str, columns: dict[str, list[object]], *, split: bool = True) -
             got = pl.Series(name, columns.get(name, [None] * n), dtype=dtype, strict=False)
         series.append(got)
     return pl.DataFrame(series)
+
+
+def _n_rows(table: str, cols: Columns) -> int:
+    lengths = {len(v) for v in cols.values()}
+    if len(lengths) > 1:
+        raise ValueError(f"{table} table: columns of different lengths {sorted(lengths)}")
+    return lengths.pop() if lengths else 0
+
+
+_RAGGED_MIN_ROWS = 16
 
 
 _RAGGED_MIN_ROWS = 16
