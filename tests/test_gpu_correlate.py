@@ -483,7 +483,7 @@ def test_summarize_busy_time_is_the_union_of_kernel_intervals() -> None:
         "start_ns": [100, 150, 300, None, 1_000, 5],
         "end_ns": [200, 250, 400, None, 1_010, 6],
     }
-    kernels = schema.frame("kernels", given)
+    kernels = schema.frame("kernels", given, absent=[c for c in schema.KERNELS if c not in given])
     s = summarize(kernels).rows()
     assert s == [(0, 4, 250, 100, 400), (1, 1, 10, 1_000, 1_010), (None, 1, 1, 5, 6)]
     assert summarize(kernels).columns == ["step_id", "kernels", "busy_ns", "first_start_ns", "last_end_ns"]

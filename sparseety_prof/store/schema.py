@@ -1,8 +1,9 @@
 """Single source of truth for every column name and dtype the profiler writes.
 
 Recordings store these tables as Parquet segments; `sparseety_prof.open()` returns them as Polars
-frames with exactly these schemas. A producer names the columns it fills through `columns()`
-(checked when its module is imported).
+frames with exactly these schemas. A producer names the columns it fills through `columns()` (checked
+when its module is imported), and `frame()` refuses a table whose columns are not exactly the
+schema's: a misspelt or forgotten column is an error, never a column of nulls.
 """
 
 from __future__ import annotations
@@ -174,6 +175,10 @@ Columns = dict[str, list[object]]
 Tables = dict[str, Columns]
 
 
+def empty(table: str) -> pl.DataFrame:
+    return pl.DataFrame(schema=TABLES[table])
+
+
 def columns(table: str, *names: str) -> tuple[str, ...]:
     """`names`, each checked to be a column of `table`. Producers declare the columns they fill
     with it, so a misspelt name fails when their module is imported."""
@@ -211,31 +216,30 @@ def fill_absent(table: str, cols: Columns, absent: Collection[str]) -> Columns:
     return {**cols, **{name: [None] * n for name in absent if name not in cols}}
 
 
-def empty(table: str) -> pl.DataFrame:
-    return pl.DataFrame(schema=TABLES[table])
-
-
-def frame(table: str, columns: dict[str, list[object]], *, split: bool = True) -> pl.DataFrame:
-    """Build a table from column lists, in schema order with schema dtypes (missing columns: null)."""
+def frame(table: str, cols: Columns, *, absent: Collection[str] = (), split: bool = True) -> pl.DataFrame:
+    """Build a table from column lists, in schema order with schema dtypes. `cols` must hold every
+    column of the table, except those named in `absent`, which are null when not given; a missing
+    or unknown column is a ValueError naming them."""
+    if absent:
+        cols = fill_absent(table, cols, absent)
+    else:
+        check_columns(table, cols)
     schema = TABLES[table]
-    unknown = set(columns) - set(schema)
-    if unknown:
-        raise KeyError(f"columns not in the {table} schema: {sorted(unknown)}")
-    n = len(next(iter(columns.values()))) if columns else 0
+    n = _n_rows(table, cols)
     fast: dict[str, pl.Series | None] = {}
     for name, dtype in schema.items():
-        if isinstance(dtype, pl.List) and name in columns:
-            fast[name] = _regular_list_series(name, columns[name], dtype)
-    ragged = [k for k, v in fast.items() if v is None and any(x is not None for x in columns[k])]
+        if isinstance(dtype, pl.List):
+            fast[name] = _regular_list_series(name, cols[name], dtype)
+    ragged = [k for k, v in fast.items() if v is None and any(x is not None for x in cols[k])]
     if split and ragged and n > _RAGGED_MIN_ROWS:
-        by_shape = _frame_by_shape(table, columns, ragged, n)
+        by_shape = _frame_by_shape(table, cols, ragged, n)
         if by_shape is not None:
             return by_shape
     series = []
     for name, dtype in schema.items():
         got = fast.get(name)
         if got is None:
-            got = pl.Series(name, columns.get(name, [None] * n), dtype=dtype, strict=False)
+            got = pl.Series(name, cols[name], dtype=dtype, strict=False)
         series.append(got)
     return pl.DataFrame(series)
 
@@ -250,12 +254,7 @@ def _n_rows(table: str, cols: Columns) -> int:
 _RAGGED_MIN_ROWS = 16
 
 
-_RAGGED_MIN_ROWS = 16
-
-
-def _frame_by_shape(
-    table: str, columns: dict[str, list[object]], ragged: list[str], n: int
-) -> pl.DataFrame | None:
+def _frame_by_shape(table: str, cols: Columns, ragged: list[str], n: int) -> pl.DataFrame | None:
     """Rows whose list columns have different lengths (a prompt step among one-row decode steps)
     defeat the numpy fast path, and polars' element-by-element construction costs ~6 us per
     row and column. Rows are grouped by the lengths of their list values, each group takes the
@@ -263,13 +262,13 @@ def _frame_by_shape(
     chunks) is the common case; with many, this gives up (None) and the caller's frame stands."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for i in range(n):
-        key = tuple(-1 if (v := columns[name][i]) is None else len(v) for name in ragged)  # type: ignore[arg-type]
+        key = tuple(-1 if (v := cols[name][i]) is None else len(v) for name in ragged)  # type: ignore[arg-type]
         groups.setdefault(key, []).append(i)
     if len(groups) > max(4, n // 16):
         return None
     parts = []
     for idx in groups.values():
-        sub = {k: [v[i] for i in idx] for k, v in columns.items()}
+        sub = {k: [v[i] for i in idx] for k, v in cols.items()}
         parts.append(frame(table, sub, split=False).with_columns(pl.Series("__row", idx, dtype=pl.Int64())))
     return pl.concat(parts).sort("__row").drop("__row")
 
