@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from dataclasses import fields, is_dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,8 +14,11 @@ import pytest
 from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.events import EventBatch, SeqTracker, decode_records
 from sparseety_prof.capture.plans import LayerSet
-from sparseety_prof.correlate.correlator import _NO_SPARSE, _SPARSE_TOKEN_COLUMNS, Correlator, _RowBuffer
+from sparseety_prof.correlate.correlator import Correlator
+from sparseety_prof.correlate.state import Step
+from sparseety_prof.correlate.tables import NO_SPARSE_VALUES, SPARSE_TOKEN_COLUMNS, RowBuffer
 from sparseety_prof.errors import UnsupportedEngineBuild
+from sparseety_prof.store import schema
 
 N_VOCAB = 10
 CTX = 0xAAAA
@@ -76,8 +81,7 @@ class Script:
 def run(s: Script) -> dict[str, list[object]]:
     c = Correlator(pid=1, n_vocab=N_VOCAB, wall_offset_ns=0, texts=lambda ids: [f"t{i}" for i in ids])
     c.feed(decode_records(s.recs, 1024))
-    tok, _ = c.take_rows()
-    return tok
+    return c.take_tables()["tokens"]
 
 
 def test_request_lifecycle_and_fields() -> None:
@@ -271,8 +275,8 @@ def test_reordered_split_is_unresolved_not_misattributed() -> None:
     s.sample(4, idx=6)
     c = Correlator(pid=1, n_vocab=N_VOCAB, wall_offset_ns=0)
     c.feed(decode_records(s.recs, 1024))
-    tok, _ = c.take_rows()
-    assert tok.get("token_id", []) == []
+    tok = c.take_tables()["tokens"]
+    assert tok["token_id"] == []
     assert c.counters.samples_unresolved == 2
 
 
@@ -305,8 +309,8 @@ def test_aggregate_routing_lands_in_the_token_row_and_routes() -> None:
     _step_with_aggregate(s, [6, 2], token=9)
     c = _sparse_correlator()
     c.feed(decode_records(s.recs, 1024))
-    tok, _ = c.take_rows()
-    routes, _ = c.take_sparse_rows()
+    tables = c.take_tables()
+    tok, routes = tables["tokens"], tables["routes"]
     assert tok["expert_ids"] == [[[6, 2]]]
     assert tok["expert_weights"] == [[[0.75, 0.25]]]
     assert routes["expert_ids"] == [[6, 2]] and routes["pos"] == [3] and routes["layer"] == [0]
@@ -322,8 +326,8 @@ def test_routing_outside_the_models_experts_is_an_unsupported_build() -> None:
 
 
 def test_row_buffer_keeps_rows_as_tuples_and_gives_columns() -> None:
-    buf = _RowBuffer()
-    assert buf.take() == {}
+    buf = RowBuffer(("a", "b"))
+    assert buf.take() == {"a": [], "b": []}
     buf.add(a=1, b="x")
     buf.add(a=2, b=None)
     assert len(buf) == 2
@@ -332,16 +336,41 @@ def test_row_buffer_keeps_rows_as_tuples_and_gives_columns() -> None:
     buf.add(a=3, b="y")
     with pytest.raises(ValueError, match="columns"):
         buf.add(a=4)  # a row must have every column
-    # token rows with and without sparse values put their columns in the same order
-    assert tuple(_NO_SPARSE) == _SPARSE_TOKEN_COLUMNS
+    with pytest.raises(ValueError, match="columns"):
+        buf.add(b=4, a=5)  # ... in the buffer's order
+    buf.add_values((4,))
+    with pytest.raises(ValueError):
+        buf.take()  # a row of values must have every column too
+    # token rows with and without sparse values have as many sparse columns
+    assert len(NO_SPARSE_VALUES) == len(SPARSE_TOKEN_COLUMNS)
+
+
+def test_every_table_has_exactly_the_schema_columns() -> None:
+    """take_tables hands over every column of each table, with rows or without: what
+    schema.frame requires (a misspelt or forgotten column is an error there)."""
+    for texts in (None, lambda ids: [f"t{i}" for i in ids]):
+        c = _correlator(texts=texts, with_masks=True)
+        empty = c.take_tables()
+        c.feed(decode_records(_mixed_script().recs, 1024))
+        for tables in (empty, c.take_tables(final=True)):
+            assert tables.keys() == {"tokens", "steps", "routes", "masks", "requests"}
+            for name, cols in tables.items():
+                assert cols.keys() == schema.TABLES[name].keys(), name
+                assert schema.frame(name, cols).height == len(
+                    cols["step_id" if name != "requests" else "pid"]
+                )
+        assert tables["tokens"]["token_text"][0] == (None if texts is None else "t4")
 
 
 # ---------------------------------------------------------------- one-row decode steps, fast path
 
 
-def _agg_step(s: Script, token: int, pos: int, *, seq: int = 0, ctx: int = CTX, layers: int = 2) -> None:
-    """A one-row micro-batch with its aggregate record (every layer MoE and FFN, k = 2; two
-    attention nodes), as the probes send it for a decode step."""
+def _agg_step(
+    s: Script, token: int, pos: int, *, seq: int = 0, ctx: int = CTX, layers: int = 2, ops: bool = True
+) -> None:
+    """A one-row micro-batch with its aggregate record (every layer MoE and FFN, k = 2), as the
+    probes send it for a decode step. Attention: the two set_input_kq_mask calls (full mask, a
+    window of 4) and, with `ops`, the graph-op nodes of layers 0 (full) and 1 (window)."""
     r = np.zeros(1, ev.UBATCH_DTYPE)
     s._hdr(r, ev.EV_UBATCH, ctx)
     r["n_tokens"] = r["n_copied"] = 1
@@ -357,10 +386,15 @@ def _agg_step(s: Script, token: int, pos: int, *, seq: int = 0, ctx: int = CTX, 
         a["act_ne0"][0, layer] = 16
         a["act_zero"][0, layer] = pos % 7
         a["act_below"][0, layer] = pos % 11
-    a["att_n"] = 2
-    a["att_mask"][0, :2] = [0x1000, 0x2000]
-    a["att_layer"][0, :2] = [0, 1]
-    a["att_count"][0, :2] = [pos + 1, min(pos + 1, 4)]
+    counts = [pos + 1, min(pos + 1, 4)]
+    nodes = [(0x1000, 0, counts[0], ev.ATT_FLAG_KV_MASK), (0x2000, 1, counts[1], ev.ATT_FLAG_KV_MASK)]
+    if ops:
+        nodes += [(0x1000, 0, counts[0], 0), (0x2000, 1, counts[1], 0)]
+    a["att_n"] = len(nodes)
+    for col, values in zip(
+        ("att_mask", "att_layer", "att_count", "att_flags"), zip(*nodes, strict=True), strict=True
+    ):
+        a[col][0, : len(nodes)] = values
     s.recs.append(a.tobytes())
     s.small(ev.EV_UBATCH_END, ctx=ctx)
 
@@ -368,20 +402,24 @@ def _agg_step(s: Script, token: int, pos: int, *, seq: int = 0, ctx: int = CTX, 
 def _mixed_script() -> Script:
     """Many one-row decode steps, and among them everything that must leave the fast path:
     prompts, cache removals (past the end and cutting), a token that is not the one sampled,
-    incomplete logits, a second sampler call on the same step, another context, steps without
-    an aggregate record, samples by positive index."""
+    incomplete logits, a second sampler call on the same step, a sampler call whose end was
+    lost, other contexts (one whose decode calls are not probed), steps without an aggregate
+    record, samples by positive index."""
     s = Script()
     logits = np.linspace(-2, 2, N_VOCAB, dtype=np.float32)
     s.decode([1, 2, 3], [0, 1, 2])
     s.sample(4, logits=logits)
     pos, tok = 3, 4
+    other_pos, other_tok = 0, 3
     for i in range(60):
         s.small(ev.EV_SEQ_RM, 0, pos + 5 if i % 3 else pos, -1, ctx=MEM)  # past the end: no boundary
         s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
         if i % 17 == 5:
             s.ubatch([tok], [pos])  # no aggregate record (token mode)
         else:
-            _agg_step(s, tok, pos)
+            # layer 1 is seen only after verification, on steps that can take the fast path;
+            # from step 30 on, attention comes from the learned map only (graph-op probes gone)
+            _agg_step(s, tok, pos, layers=2 if 24 <= i < 30 else 1, ops=i < 30)
         nxt = (tok * 7 + i) % N_VOCAB
         if i == 23:  # incomplete logits: two chunks expected, one seen
             s.small(ev.EV_SAMPLE_BEGIN, -1, ev.SAMPLER_LLAMA)
@@ -394,6 +432,8 @@ def _mixed_script() -> Script:
             s.sample(nxt, idx=0 if i % 5 == 0 else -1, logits=logits + i)
         if i == 31:
             s.sample(nxt)  # a second sampler call on the same output row
+        if i == 35:
+            s.small(ev.EV_SAMPLE_BEGIN, -1, ev.SAMPLER_LLAMA)  # its end record was lost
         pos, tok = pos + 1, nxt
         if i == 40:
             tok = (tok + 1) % N_VOCAB  # the next input is not the token sampled: a new request
@@ -401,40 +441,89 @@ def _mixed_script() -> Script:
             s.small(ev.EV_SEQ_RM, 0, 2, -1, ctx=MEM)  # cuts the sequence: a new request
         if i % 13 == 0:
             s.small(ev.EV_DECODE_BEGIN, -1, -1, -1, ctx=0xCCCC)  # another context's step
-            _agg_step(s, 3, i, ctx=0xCCCC)
+            _agg_step(s, 3, i, ctx=0xCCCC, layers=1)
             s.small(ev.EV_SAMPLE_BEGIN, -1, ev.SAMPLER_LLAMA, ctx=0xCCCC)
             s.small(ev.EV_SAMPLE_END, 5, ev.SAMPLER_LLAMA, -1, ctx=0xCCCC)
+        if i >= 14 and i % 3 == 0:
+            # a context without decode probes, first seen after verification: its first step
+            # leaves a next_input row pending (no sampler seen yet), the following ones continue
+            _agg_step(s, other_tok, other_pos, ctx=0xEEEE, layers=1)
+            s.small(ev.EV_SAMPLE_BEGIN, -1, ev.SAMPLER_LLAMA, ctx=0xEEEE)
+            s.small(ev.EV_SAMPLE_END, 6, ev.SAMPLER_LLAMA, -1, ctx=0xEEEE)
+            other_pos, other_tok = other_pos + 1, 6
     return s
 
 
-def _replay(s: Script, drains: int) -> tuple[list[dict[str, list[object]]], Correlator]:
-    c = Correlator(
-        pid=1,
-        n_vocab=N_VOCAB,
-        wall_offset_ns=0,
-        texts=lambda ids: [f"t{i}" for i in ids],
-        layers=LayerSet(moe=(0, 1), ffn=(0, 1), attn=(0, 1)),
-        n_expert=8,
-        n_expert_used=2,
-    )
-    out: list[dict[str, list[object]]] = [{}, {}, {}, {}]
+def _correlator(**kw: Any) -> Correlator:
+    args: dict[str, Any] = {
+        "pid": 1,
+        "n_vocab": N_VOCAB,
+        "wall_offset_ns": 0,
+        "texts": lambda ids: [f"t{i}" for i in ids],
+        "layers": LayerSet(moe=(0, 1), ffn=(0, 1), attn=(0, 1)),
+        "n_expert": 8,
+        "n_expert_used": 2,
+    }
+    return Correlator(**{**args, **kw})
+
+
+def _plain(x: Any) -> Any:
+    """`x` as plain values to compare with ==: dataclasses field by field (a Step through its
+    accessors: its caches fill at different times on the two paths), numpy arrays and scalars
+    with their dtype (a value of another type is a difference too)."""
+    if isinstance(x, Step):
+        out = {
+            f.name: _plain(getattr(x, f.name))
+            for f in fields(x)
+            if f.name not in ("_output_index", "_seq_rows")
+        }
+        return {**out, "output_index": x.output_index(), "seq_rows": _plain(x.seq_rows())}
+    if is_dataclass(x) and not isinstance(x, type):
+        return {f.name: _plain(getattr(x, f.name)) for f in fields(x)}
+    if isinstance(x, np.ndarray | np.generic):
+        return (str(x.dtype), x.tolist())
+    if isinstance(x, dict):
+        return {_plain(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple | set):
+        return type(x)(_plain(v) for v in x)
+    return (type(x).__name__, x)
+
+
+def _state(c: Correlator) -> dict[str, Any]:
+    """Everything the correlator keeps between records (every attribute, so a new one is covered
+    too), but its output buffers (emptied by take_tables, compared as tables) and scratch."""
+    skip = {"requests", "routes", "_steps", "_agg_pre"}
+    out = {name: _plain(v) for name, v in vars(c).items() if name not in skip}
+    out["deferred"] = _plain(c.requests.deferred)
+    return out
+
+
+def _replay(
+    s: Script, drains: int, *, with_masks: bool
+) -> tuple[dict[str, dict[str, list[object]]], list[Any]]:
+    """Feeds the script in `drains` drains; the tables concatenated over them, and the
+    correlator's state after each."""
+    c = _correlator(with_masks=with_masks)
+    out: dict[str, dict[str, list[object]]] = {}
+    states = []
     per = -(-len(s.recs) // drains)
     for k in range(0, len(s.recs), per):
         c.feed(decode_records(s.recs[k : k + per], 1024))
-        tok, steps = c.take_rows()
-        routes, _ = c.take_sparse_rows()
-        for table, cols in zip(out, (tok, steps, routes, c.take_request_rows()), strict=True):
+        final = k + per >= len(s.recs)
+        for table, cols in c.take_tables(final=final).items():
             for name, values in cols.items():
-                table.setdefault(name, []).extend(values)
-    for name, values in c.take_request_rows(final=True).items():
-        out[3].setdefault(name, []).extend(values)
-    return out, c
+                out.setdefault(table, {}).setdefault(name, []).extend(values)
+        states.append(_state(c))
+    return out, states
 
 
-@pytest.mark.parametrize("drains", [1, 7])
+@pytest.mark.parametrize("with_masks", [False, True])
+@pytest.mark.parametrize("drains", [1, 7, 40])
 def test_fast_one_row_steps_equal_the_record_by_record_path(
-    monkeypatch: pytest.MonkeyPatch, drains: int
+    monkeypatch: pytest.MonkeyPatch, drains: int, with_masks: bool
 ) -> None:
+    """Every table, every column, and every piece of state after each drain: the fast path
+    must leave exactly what the six handlers leave."""
     s = _mixed_script()
     taken = []
     fast = Correlator._fast_step
@@ -445,18 +534,29 @@ def test_fast_one_row_steps_equal_the_record_by_record_path(
         return got
 
     monkeypatch.setattr(Correlator, "_fast_step", counting)
-    got, c_fast = _replay(s, drains)
+    got, got_states = _replay(s, drains, with_masks=with_masks)
     monkeypatch.setattr(Correlator, "_fast_step", lambda self, idx, i: 0)
-    want, c_slow = _replay(s, drains)
-    for name, g, w in zip(("tokens", "steps", "routes", "requests"), got, want, strict=True):
-        assert g.keys() == w.keys(), name
-        for col in w:
-            assert g[col] == w[col], f"{name}.{col}"
-    assert c_fast.counters == c_slow.counters
-    assert len(want[0]["token_id"]) > 60 and len(set(want[3]["request_id"])) >= 3
-    assert want[0]["log_prob"].count(None) >= 2  # the incomplete row and the second sampler call
-    # most steps took the fast path once verification was done (16 micro-batches)
-    assert sum(taken) > 30 and not all(taken)
+    want, want_states = _replay(s, drains, with_masks=with_masks)
+    assert got.keys() == want.keys() == set(schema.TABLES) - {"kernels"}
+    for name in want:
+        assert got[name].keys() == want[name].keys() == schema.TABLES[name].keys(), name
+        for col in want[name]:
+            assert got[name][col] == want[name][col], f"{name}.{col}"
+    for k, (g, w) in enumerate(zip(got_states, want_states, strict=True)):
+        assert g.keys() == w.keys()
+        for attr in w:
+            assert g[attr] == w[attr], f"drain {k}: {attr}"
+    assert len(want["tokens"]["token_id"]) > 60 and len(set(want["requests"]["request_id"])) >= 3
+    assert want["tokens"]["log_prob"].count(None) >= 2  # the incomplete row and the second sampler call
+    assert len(want["routes"]["step_id"]) > 60
+    assert want_states[-1]["attn_map"]["layer_calls"] == _plain(
+        {0: 0, 1: 1}
+    )  # learned, and used from step 30
+    last_pos = want["tokens"]["logits_pos"][-1]
+    assert isinstance(last_pos, int) and want["tokens"]["attn_attended"][-1] == [last_pos + 1, 4]
+    # most steps took the fast path once verification was done (16 micro-batches); with many
+    # drains, fewer: a step split over two drains takes the handlers
+    assert sum(taken) > (20 if drains == 40 else 30) and not all(taken)
 
 
 def test_sample_of_a_decode_before_the_attach_is_counted_apart() -> None:
@@ -469,6 +569,6 @@ def test_sample_of_a_decode_before_the_attach_is_counted_apart() -> None:
     s.sample(4)
     c = Correlator(pid=1, n_vocab=N_VOCAB, wall_offset_ns=0)
     c.feed(decode_records(s.recs, 1024))
-    tok, _ = c.take_rows()
+    tok = c.take_tables()["tokens"]
     assert tok["token_id"] == [4]
     assert c.counters.samples_before_first_step == 1 and c.counters.samples_unresolved == 0

@@ -90,9 +90,8 @@ def test_truncated_segment(tmp_path: Path) -> None:
 
     w = RecordingWriter(tmp_path / "rec", {"note": "test"})
     w.append("steps", pl.DataFrame(schema=schema.STEPS))
-    w.append(
-        "tokens", schema.frame("tokens", {"token_id": [1, 2, 3], "seq_id": [0, 0, 0], "t_end_ns": [1, 2, 3]})
-    )
+    cols: dict[str, list[object]] = {"token_id": [1, 2, 3], "seq_id": [0, 0, 0], "t_end_ns": [1, 2, 3]}
+    w.append("tokens", schema.frame("tokens", cols, absent=schema.TOKENS.keys() - cols.keys()))
     w.close()
     seg = next((tmp_path / "rec" / "tokens").glob("*.parquet"))
     seg.write_bytes(seg.read_bytes()[: seg.stat().st_size // 2])

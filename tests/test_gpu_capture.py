@@ -21,6 +21,7 @@ import sparseety_prof
 from sparseety_prof.gpu.capture import GpuCapture
 from sparseety_prof.gpu.records import KernelActivity, LaunchApi
 from sparseety_prof.gpu.shm_ring import SHM_PREFIX, ShmRing
+from sparseety_prof.store import schema
 
 
 def ring_copy(src: Path, dst: Path) -> list[object]:
@@ -52,7 +53,7 @@ def test_capture_joins_kernels_and_buffers_to_host_steps(build: Path, shm_name: 
     gpu = GpuCapture.open(pid=1, paths=[path])
     assert gpu is not None
     gpu.add_steps(steps)
-    out = gpu.poll(final=True)
+    out = {t: schema.frame(t, cols) for t, cols in gpu.poll(final=True).items()}
     k = out["kernels"]
     assert k.height == len(kernels) == 4
     launch_of = {r.correlation_id: r for r in launches}

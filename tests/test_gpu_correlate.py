@@ -10,7 +10,8 @@ from typing import Any
 import polars as pl
 import pytest
 
-from sparseety_prof.gpu.correlate import KernelCorrelator, gpu_step_id, gpu_step_index, summarize
+from sparseety_prof.gpu.correlate import KernelCorrelator, gpu_step_id, gpu_step_index
+from sparseety_prof.gpu.kernel_rows import summarize
 from sparseety_prof.gpu.records import (
     HostStep,
     KernelActivity,
@@ -69,6 +70,13 @@ class Trace:
         return [*self.launches, *self.kernels, *self.other]
 
 
+def flush(c: KernelCorrelator, now_ns: int | None = None, *, final: bool = False) -> dict[str, pl.DataFrame]:
+    """c.flush's tables as frames (schema.frame: every column must be there)."""
+    tables = c.flush(now_ns, final=final)
+    assert tables.keys() == {"kernels", "routes", "steps"}
+    return {t: schema.frame(t, cols) for t, cols in tables.items()}
+
+
 def run(
     c: KernelCorrelator, batches: list[list[Record]], steps: list[HostStep], *, final: bool = True
 ) -> dict[str, pl.DataFrame]:
@@ -77,9 +85,9 @@ def run(
     outs = []
     for b in batches:
         c.add(b)
-        outs.append(c.flush())
+        outs.append(flush(c))
     if final:
-        outs.append(c.flush(final=True))
+        outs.append(flush(c, final=True))
     return {t: pl.concat([o[t] for o in outs]) for t in ("kernels", "routes", "steps")}
 
 
@@ -130,9 +138,9 @@ def test_kernel_waits_for_its_launch_record_until_the_horizon() -> None:
     c = KernelCorrelator(horizon_ns=HORIZON)
     c.add_steps(tr.steps)
     c.add(tr.kernels)
-    assert c.flush()["kernels"].height == 0  # launch records may still come
+    assert flush(c)["kernels"].height == 0  # launch records may still come
     c.add(tr.launches)
-    rows = by_corr(c.flush()["kernels"])
+    rows = by_corr(flush(c)["kernels"])
     assert {k: r["step_id"] for k, r in rows.items()} == want
 
 
@@ -141,8 +149,8 @@ def test_window_fallback_when_launch_records_are_lost_and_its_gpu_lag_error() ->
     c = KernelCorrelator(horizon_ns=HORIZON)
     c.add_steps(tr.steps)
     c.add(tr.kernels)  # no launch record at all
-    assert c.flush(T0 + 2 * MS + HORIZON - 1)["kernels"].height == 0
-    rows = by_corr(c.flush(T0 + 2 * MS + HORIZON + 1)["kernels"])
+    assert flush(c, T0 + 2 * MS + HORIZON - 1)["kernels"].height == 0
+    rows = by_corr(flush(c, T0 + 2 * MS + HORIZON + 1)["kernels"])
     got = {k: r["step_id"] for k, r in rows.items()}
     late = max(k for k, s in want.items() if s == 10)
     # the documented error: queued in step 10, executed during step 11, joined to 11 with error 0
@@ -177,8 +185,8 @@ def test_launch_outside_every_step_of_its_thread_joins_by_launch_time() -> None:
     c = KernelCorrelator(horizon_ns=HORIZON)
     c.add_steps(tr.steps)
     c.add(tr.records())
-    assert c.flush()["kernels"].height == 0  # its thread's step may still arrive
-    row = c.flush(final=True)["kernels"].row(0, named=True)
+    assert flush(c)["kernels"].height == 0  # its thread's step may still arrive
+    row = flush(c, final=True)["kernels"].row(0, named=True)
     assert (row["step_id"], row["join"], row["join_error_ns"], row["tid"]) == (0, "window", 0, 9)
     assert row["launch_ns"] == la.enter_ns
 
@@ -328,12 +336,12 @@ def test_watched_topk_buffers_become_routes_rows_in_launch_order() -> None:
     c = KernelCorrelator(horizon_ns=HORIZON)
     c.add_steps(tr.steps)
     c.add(recs)
-    first = c.flush()
+    first = flush(c)
     assert first["kernels"].height == 6 and first["routes"].height == 0  # routes wait for the horizon
     captured = dict(zip(first["kernels"]["correlation_id"], first["kernels"]["buffer_captured"], strict=True))
     assert [captured[k.correlation_id] for k in w0 + w1] == [True] * 5
     assert captured[tr.kernels[3].correlation_id] is False
-    routes = c.flush(T0 + 2 * MS + HORIZON + 1)["routes"]
+    routes = flush(c, T0 + 2 * MS + HORIZON + 1)["routes"]
     assert routes.columns == list(schema.ROUTES)
     got = routes.sort("step_id", "layer", "row").select("step_id", "layer", "row", "expert_ids").rows()
     want = [
@@ -346,7 +354,7 @@ def test_watched_topk_buffers_become_routes_rows_in_launch_order() -> None:
     assert routes["seq_id"].null_count() == routes.height
     # a buffer for step 0 arriving now would renumber its layers: dropped and counted
     c.add([WatchedBuffer(w0[0].correlation_id, "moe_align", 1, "int32", (1, 2), b"\0" * 8, 7, T0 + 100_000)])
-    assert c.flush(final=True)["routes"].height == 0
+    assert flush(c, final=True)["routes"].height == 0
     assert c.counters["buffers_late"] == 1 and c.counters["routes_rows"] == 10
 
 
@@ -371,9 +379,9 @@ def test_buffer_after_its_kernel_row_is_counted() -> None:
     c = KernelCorrelator(horizon_ns=HORIZON)
     c.add_steps(tr.steps)
     c.add([*tr.launches, *tr.kernels])
-    assert c.flush()["kernels"]["buffer_captured"].to_list() == [False]
+    assert flush(c)["kernels"]["buffer_captured"].to_list() == [False]
     c.add(tr.other)
-    out = c.flush(final=True)
+    out = flush(c, final=True)
     assert out["routes"]["expert_ids"].to_list() == [[1, 2]]
     assert c.counters["buffers_after_kernel_row"] == 1
 
@@ -408,10 +416,10 @@ def test_gpu_step_mode_closes_steps_on_small_dtoh_copies() -> None:
     random.Random(5).shuffle(recs)
     c = KernelCorrelator(horizon_ns=HORIZON)
     c.add(recs)
-    early = c.flush()  # closes wait for the horizon: a late, earlier close could still arrive
+    early = flush(c)  # closes wait for the horizon: a late, earlier close could still arrive
     assert (early["kernels"].height, early["steps"].height, c.mode) == (0, 0, "auto")
-    out = c.flush(T0 + 3 * MS + HORIZON)
-    rest = c.flush(final=True)
+    out = flush(c, T0 + 3 * MS + HORIZON)
+    rest = flush(c, final=True)
     assert c.mode == "gpu_step"
     steps = out["steps"].select("step_id", "t_start_ns", "t_end_ns", "tid", "n_tokens").rows()
     assert steps == [
@@ -431,7 +439,7 @@ def test_gpu_step_close_predicate_is_configurable() -> None:
     recs, _ = gpu_loop()
     c = KernelCorrelator(horizon_ns=HORIZON, step_close=lambda m: m.bytes > 1024)  # the 1 MiB copies
     c.add(recs)
-    out = c.flush(final=True)
+    out = flush(c, final=True)
     assert out["steps"]["t_end_ns"].to_list() == [T0 + n * MS + 260_000 for n in range(3)]
 
 
@@ -440,10 +448,10 @@ def test_a_close_older_than_a_settled_one_is_late_and_counted() -> None:
     first = next(r for r in recs if isinstance(r, MemcpyActivity) and r.end_ns == T0 + 910_000)
     c = KernelCorrelator(horizon_ns=HORIZON)
     c.add([r for r in recs if r is not first])
-    out = c.flush(T0 + 3 * MS + HORIZON)
+    out = flush(c, T0 + 3 * MS + HORIZON)
     assert out["steps"]["t_end_ns"].to_list() == [T0 + MS + 910_000, T0 + 2 * MS + 910_000]
     c.add([first])  # cannot reopen settled history: steps 0 and 1 stay merged
-    out = c.flush(final=True)
+    out = flush(c, final=True)
     assert out["steps"].height == 0 and c.counters["late_closes"] == 1
 
 
@@ -452,11 +460,11 @@ def test_forced_gpu_step_mode_ignores_host_steps() -> None:
     c = KernelCorrelator(mode="gpu_step", horizon_ns=HORIZON)
     c.add_steps([HostStep(0, 7, T0, T0 + MS)])
     c.add(recs)
-    out = c.flush(final=True)
+    out = flush(c, final=True)
     assert out["steps"].height == 3 and c.counters["steps_ignored"] == 1
     forced = KernelCorrelator(mode="host", horizon_ns=HORIZON)
     forced.add(recs)
-    out = forced.flush(final=True)
+    out = flush(forced, final=True)
     assert out["steps"].height == 0 and out["kernels"]["step_id"].null_count() == out["kernels"].height
 
 
@@ -465,19 +473,17 @@ def test_unsettled_state_is_capped_dropping_the_oldest() -> None:
     c = KernelCorrelator(horizon_ns=HORIZON, max_pending=3)
     c.add(tr.kernels)  # no steps, no launches: nothing settles
     assert c.counters["state_overflow"] == 5
-    out = c.flush(final=True)
+    out = flush(c, final=True)
     assert out["kernels"]["correlation_id"].to_list() == [k.correlation_id for k in tr.kernels[-3:]]
 
 
 def test_summarize_busy_time_is_the_union_of_kernel_intervals() -> None:
-    kernels = schema.frame(
-        "kernels",
-        {
-            "step_id": [0, 0, 0, 0, 1, None],
-            "start_ns": [100, 150, 300, None, 1_000, 5],
-            "end_ns": [200, 250, 400, None, 1_010, 6],
-        },
-    )
+    given: dict[str, list[object]] = {
+        "step_id": [0, 0, 0, 0, 1, None],
+        "start_ns": [100, 150, 300, None, 1_000, 5],
+        "end_ns": [200, 250, 400, None, 1_010, 6],
+    }
+    kernels = schema.frame("kernels", given, absent=[c for c in schema.KERNELS if c not in given])
     s = summarize(kernels).rows()
     assert s == [(0, 4, 250, 100, 400), (1, 1, 10, 1_000, 1_010), (None, 1, 1, 5, 6)]
     assert summarize(kernels).columns == ["step_id", "kernels", "busy_ns", "first_start_ns", "last_end_ns"]

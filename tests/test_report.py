@@ -48,7 +48,7 @@ def _recording(path: Path) -> None:
         },
     }
     for table, cols in tables.items():
-        w.append(table, schema.frame(table, cols))
+        w.append(table, schema.frame(table, cols, absent=schema.TABLES[table].keys() - cols.keys()))
     w.close(losses={"kernel_drops": 0, "seq_gaps": 1})
 
 

@@ -39,13 +39,54 @@ def test_fast_path_equals_general_path(values: list[object], dtype: pl.DataType)
 
 
 def test_frame_uses_schema_order_and_dtypes() -> None:
-    df = schema.frame("routes", {"layer": [1, 2], "expert_ids": [[3, 4], None], "step_id": [7, 7]})
+    given: dict[str, list[object]] = {"layer": [1, 2], "expert_ids": [[3, 4], None], "step_id": [7, 7]}
+    df = schema.frame("routes", given, absent=[c for c in schema.ROUTES if c not in given])
     assert list(df.columns) == list(schema.ROUTES)
     assert dict(df.schema) == schema.ROUTES
     assert df["expert_ids"].to_list() == [[3, 4], None]
     assert df["router_probs"].null_count() == 2
-    with pytest.raises(KeyError, match="not in the routes schema"):
-        schema.frame("routes", {"nope": [1]})
+
+
+def _routes(**drop_or_add: list[object] | None) -> dict[str, list[object]]:
+    cols: dict[str, list[object]] = {c: [None] for c in schema.ROUTES}
+    for name, values in drop_or_add.items():
+        if values is None:
+            del cols[name]
+        else:
+            cols[name] = values
+    return cols
+
+
+def test_a_missing_column_is_an_error_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"routes table: missing columns \['seq_id'\]"):
+        schema.frame("routes", _routes(seq_id=None))
+    # unless the producer says it does not have it: then it is null
+    df = schema.frame("routes", _routes(seq_id=None), absent=["seq_id"])
+    assert df["seq_id"].to_list() == [None]
+
+
+def test_an_unknown_column_is_an_error_naming_it() -> None:
+    # a misspelling: both names are said
+    with pytest.raises(
+        ValueError, match=r"routes table: missing columns \['seq_id'\]; unknown columns \['seq_idd'\]"
+    ):
+        schema.frame("routes", _routes(seq_id=None, seq_idd=[1]))
+    with pytest.raises(ValueError, match=r"unknown columns \['nope'\]"):
+        schema.frame("routes", _routes(nope=[1]), absent=["seq_id"])
+    with pytest.raises(ValueError, match=r"declared absent but not in the table \['seq_idd'\]"):
+        schema.frame("routes", _routes(seq_id=None), absent=["seq_id", "seq_idd"])
+
+
+def test_fill_absent_and_columns_check_names() -> None:
+    cols = schema.fill_absent(
+        "masks", {c: [1] for c in schema.MASKS if c != "nonzero_bits"}, ["nonzero_bits"]
+    )
+    assert cols["nonzero_bits"] == [None] and cols.keys() == schema.MASKS.keys()
+    assert schema.columns("masks", "row", "layer") == ("row", "layer")
+    with pytest.raises(ValueError, match=r"not columns of the masks table: \['rows'\]"):
+        schema.columns("masks", "row", "rows")
+    with pytest.raises(ValueError, match="different lengths"):
+        schema.frame("masks", {c: [1] if c != "row" else [1, 2] for c in schema.MASKS})
 
 
 def test_frame_with_ragged_lists_keeps_rows_in_order() -> None:
@@ -58,7 +99,7 @@ def test_frame_with_ragged_lists_keeps_rows_in_order() -> None:
         "positions": [[0, 1, 2] if i % 13 == 0 else [i + 3] for i in range(n)],
         "seq_ids": [None if i == 5 else [0] for i in range(n)],
     }
-    got = schema.frame("steps", cols)
+    got = schema.frame("steps", cols, absent=[c for c in schema.STEPS if c not in cols])
     want = pl.DataFrame(
         [pl.Series(k, cols.get(k, [None] * n), dtype=t, strict=False) for k, t in schema.STEPS.items()]
     )

@@ -73,16 +73,15 @@ def test_children_of_a_parent_task_are_forks() -> None:
 
 
 def _frames(rid: str, slot: int, n: int, with_experts: bool) -> tuple[pl.DataFrame, pl.DataFrame]:
-    steps = schema.frame("steps", {"step_id": [1], "t_start_ns": [300], "seq_ids": [[slot]]})
-    tokens = schema.frame(
-        "tokens",
-        {
-            "request_id": [rid] * n,
-            "decode_order": list(range(n)),
-            "token_id": [5 + i for i in range(n)],
-            "expert_ids": [[[1, 2]] if with_experts else [] for _ in range(n)],
-        },
-    )
+    step_cols: dict[str, list[object]] = {"step_id": [1], "t_start_ns": [300], "seq_ids": [[slot]]}
+    steps = schema.frame("steps", step_cols, absent=schema.STEPS.keys() - step_cols.keys())
+    token_cols: dict[str, list[object]] = {
+        "request_id": [rid] * n,
+        "decode_order": list(range(n)),
+        "token_id": [5 + i for i in range(n)],
+        "expert_ids": [[[1, 2]] if with_experts else [] for _ in range(n)],
+    }
+    tokens = schema.frame("tokens", token_cols, absent=schema.TOKENS.keys() - token_cols.keys())
     return steps, tokens
 
 

@@ -9,7 +9,9 @@ from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.bpf_loader import PROBES, _wanted, fdinfo_recursion_misses, task_storage_usable
 from sparseety_prof.capture.options import Capture
 from sparseety_prof.capture.plans import LayerSet, MoePlan, layer_set, moe_plan
-from sparseety_prof.correlate.step_sparse import Problems, StepSparse, agg_rows_batch, parse_name
+from sparseety_prof.correlate.agg_record import agg_rows_batch
+from sparseety_prof.correlate.node_names import parse_name
+from sparseety_prof.correlate.step_sparse import Problems, StepSparse
 
 LAYERS = LayerSet(moe=(0, 1), ffn=(0, 1), attn=(0, 1))
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparseety_prof.correlate.step_sparse import StepSparse
+from sparseety_prof.correlate.attention_records import AttentionRecords
 
 LEARN_PASSES = 3  # consecutive agreeing forward passes before the map is trusted
 
@@ -39,7 +39,7 @@ class AttentionMap:
         """The map is learned: the graph-op probes may go."""
         return self.layer_calls is not None
 
-    def observe(self, sp: StepSparse) -> list[int]:
+    def observe(self, sp: AttentionRecords) -> list[int]:
         """One finished forward pass: learn from it while learning, else give its layers the
         masks of the calls they apply. Returns the layers filled that way."""
         if not sp.kv_masks:

@@ -221,6 +221,8 @@ class RequestAgg:
         self.last_token = token
 
     def row(self) -> dict[str, object]:
+        """The requests table's row: every column, in schema order (checked where it is buffered,
+        request_tokens.py; this module stays free of the schema's polars import for the CLI)."""
         import numpy as np  # here: the CLI imports this module for its defaults, before numpy
 
         t = np.asarray(self.t_token_ns, dtype=np.int64)

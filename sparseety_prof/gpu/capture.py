@@ -1,9 +1,10 @@
 """The recorder's GPU side: drains the CUPTI rings of an engine (and of its worker processes)
-into the kernel correlator, fed with the host steps the uprobes found, and hands back table
-frames (kernels, routes of watched top-k buffers, and GPU-side steps for Python decode loops).
+into the kernel correlator, fed with the host steps the uprobes found, and hands back its tables
+(kernels, routes of watched top-k buffers, and GPU-side steps for Python decode loops) as columns,
+like the host correlator.
 
-Used by record.Recorder when `find_rings(pid)` finds a ring, i.e. when the engine was started
-with `sparseety-prof launch` (CUDA_INJECTION64_PATH).
+Used by the recorder when `find_rings(pid)` finds a ring, i.e. when the engine was started with
+`sparseety-prof launch` (CUDA_INJECTION64_PATH).
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import polars as pl
-
 from sparseety_prof.gpu.correlate import KernelCorrelator
 from sparseety_prof.gpu.records import HostStep, LaunchApi, MemcpyActivity, RingCounters
 from sparseety_prof.gpu.shm_ring import RingError, ShmRing, find_rings
+from sparseety_prof.store.schema import Tables
 
 #: the injection library's own device-to-host copies of watched arguments are reported as
 #: launches of this name; they must never be taken for the engine's step-closing copies
@@ -60,7 +60,7 @@ class GpuCapture:
             if t0 is not None and t1 is not None
         )
 
-    def poll(self, *, final: bool = False) -> dict[str, pl.DataFrame]:
+    def poll(self, *, final: bool = False) -> Tables:
         """Drain every ring and return the settled rows (everything, with `final`)."""
         for ring in self.rings:
             recs = ring.drain()

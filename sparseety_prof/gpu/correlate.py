@@ -61,15 +61,14 @@ issue the staging copy under the kernel's correlation id for rule 3 to ignore it
 
 from __future__ import annotations
 
-import array
 import statistics
-import sys
 from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
+from sparseety_prof.gpu.kernel_rows import KernelRows, gpu_step_id, gpu_step_index
 from sparseety_prof.gpu.records import (
     HostStep,
     KernelActivity,
@@ -78,11 +77,9 @@ from sparseety_prof.gpu.records import (
     RingCounters,
     WatchedBuffer,
 )
+from sparseety_prof.store.schema import Tables
 
-if TYPE_CHECKING:
-    import polars as pl
-
-__all__ = ["KernelCorrelator", "Mode", "gpu_step_id", "gpu_step_index", "summarize"]
+__all__ = ["KernelCorrelator", "Mode", "gpu_step_id", "gpu_step_index"]
 
 Mode = Literal["auto", "host", "gpu_step"]
 Record = KernelActivity | LaunchApi | MemcpyActivity | WatchedBuffer | RingCounters
@@ -90,7 +87,6 @@ Record = KernelActivity | LaunchApi | MemcpyActivity | WatchedBuffer | RingCount
 DEFAULT_HORIZON_NS = 2_000_000_000
 STEP_CLOSE_MAX_BYTES = 64 * 1024
 _OFFSET_SAMPLES = 4096
-_ID_CODES = {"int32": "i", "int64": "q"}
 
 COUNTER_NAMES = (
     "kernels_in",
@@ -112,16 +108,6 @@ COUNTER_NAMES = (
     "buffers_after_kernel_row",  # arrived after their kernel row said buffer_captured = False
     "buffers_malformed",  # data size does not match dtype and shape
 )
-
-
-def gpu_step_id(n: int) -> int:
-    """`step_id` of GPU step `n` (0, 1, ...): negative, so it never collides with uprobe steps."""
-    return -1 - n
-
-
-def gpu_step_index(step_id: int) -> int:
-    """Inverse of `gpu_step_id`."""
-    return -1 - step_id
 
 
 def _default_close(m: MemcpyActivity) -> bool:
@@ -349,13 +335,12 @@ class KernelCorrelator:
         """Median of the negative (kernel start - launch enter) seen, or None without violations."""
         return int(statistics.median(self._offsets)) if self._offsets else None
 
-    def flush(self, now_ns: int | None = None, *, final: bool = False) -> dict[str, pl.DataFrame]:
-        """Emit the settled rows: ``{"kernels", "routes", "steps"}`` frames of the schema tables."""
-        from sparseety_prof.store import schema
-
+    def flush(self, now_ns: int | None = None, *, final: bool = False) -> Tables:
+        """Emit the settled rows: the ``kernels``, ``routes`` and ``steps`` tables, every column
+        of each (the ones the GPU cannot know are null: kernel_rows.py)."""
         if now_ns is not None:
             self._host_now = max(self._host_now, now_ns)
-        out = _Rows()
+        out = KernelRows()
         if self.mode == "host":
             self._flush_host(out, final)
         else:
@@ -368,14 +353,7 @@ class KernelCorrelator:
                 break
             del self._launches[first.correlation_id]
         self._counts["routes_rows"] += len(out.routes["step_id"])
-        kernels = schema.frame("kernels", out.kernels)
-        if len(kernels):
-            kernels = kernels.sort(["start_ns", "launch_ns", "correlation_id"], nulls_last=True)
-        return {
-            "kernels": kernels,
-            "routes": schema.frame("routes", out.routes),
-            "steps": schema.frame("steps", out.steps),
-        }
+        return out.tables()
 
     # ---- host mode: thread, then window
 
@@ -400,7 +378,7 @@ class KernelCorrelator:
             return tl.steps[i], tl.steps[i].t_start_ns - t
         return None
 
-    def _flush_host(self, out: _Rows, final: bool) -> None:
+    def _flush_host(self, out: KernelRows, final: bool) -> None:
         cutoff = self._now() - self.horizon_ns
         for key, p in list(self._pending.items()):
             k = p.kernel
@@ -420,7 +398,7 @@ class KernelCorrelator:
                 self._emit(out, key, launch, hit[0].step_id, "window", hit[1], hit[0].pid)
         self._flush_routes_host(out, final, cutoff)
 
-    def _flush_routes_host(self, out: _Rows, final: bool, cutoff: int) -> None:
+    def _flush_routes_host(self, out: KernelRows, final: bool, cutoff: int) -> None:
         seal = self._now() + 1 if final else cutoff
         ready: list[tuple[int, WatchedBuffer]] = []
         for key, b in list(self._buffers.items()):
@@ -445,11 +423,11 @@ class KernelCorrelator:
                 del self._buffers[key]
                 ready.append((s.step_id, w))
         self._routes_cutoff = max(self._routes_cutoff or seal, seal)
-        self._emit_routes(out, ready)
+        self._counts["buffers_malformed"] += out.add_routes(ready)
 
     # ---- gpu_step mode
 
-    def _flush_gpu(self, out: _Rows, final: bool) -> None:
+    def _flush_gpu(self, out: KernelRows, final: bool) -> None:
         cutoff = self._now() - self.horizon_ns
         first_new = self._sealed_base + len(self._sealed_ends)
         self._seal_closes(out, final, cutoff)
@@ -485,7 +463,7 @@ class KernelCorrelator:
                 self._counts["buffers_late"] += 1
             else:
                 ready.append((gpu_step_id(n), w))
-        self._emit_routes(out, ready)
+        self._counts["buffers_malformed"] += out.add_routes(ready)
 
     def _gpu_index(self, t: int | None) -> int | None:
         """GPU step n such that t lies in (end of n-1, end of n], among the settled closes."""
@@ -496,7 +474,7 @@ class KernelCorrelator:
             return None  # before the oldest step still kept
         return self._sealed_base + i
 
-    def _seal_closes(self, out: _Rows, final: bool, cutoff: int) -> None:
+    def _seal_closes(self, out: KernelRows, final: bool, cutoff: int) -> None:
         self._closes.sort(key=lambda c: c.end)
         keep: list[_Close] = []
         for c in self._closes:
@@ -513,11 +491,13 @@ class KernelCorrelator:
             launch = self._launches.get(c.copy.correlation_id)
             self._sealed_ends.append(c.end)
             self._counts["gpu_steps"] += 1
-            out.steps["step_id"].append(gpu_step_id(n))
-            out.steps["t_start_ns"].append(prev)
-            out.steps["t_end_ns"].append(c.end)
-            out.steps["pid"].append(launch.pid if launch is not None and launch.pid else None)
-            out.steps["tid"].append(launch.tid if launch is not None else None)
+            out.add_step(
+                gpu_step_id(n),
+                prev,
+                c.end,
+                launch.pid if launch is not None and launch.pid else None,
+                launch.tid if launch is not None else None,
+            )
         self._closes = keep
         if len(self._sealed_ends) > self.max_steps:
             drop = len(self._sealed_ends) - self.max_steps
@@ -528,7 +508,7 @@ class KernelCorrelator:
 
     def _emit(
         self,
-        out: _Rows,
+        out: KernelRows,
         key: int,
         launch: LaunchApi | None,
         step_id: int | None,
@@ -553,101 +533,4 @@ class KernelCorrelator:
             if len(self._emitted) > self.max_pending:
                 del self._emitted[next(iter(self._emitted))]
         pid = launch.pid if launch is not None and launch.pid else step_pid
-        row = out.kernels
-        row["step_id"].append(step_id)
-        row["join"].append(join)
-        row["join_error_ns"].append(error)
-        row["pid"].append(pid or None)
-        row["tid"].append(launch.tid if launch is not None else None)
-        row["device"].append(k.device)
-        row["context_id"].append(k.context_id)
-        row["stream_id"].append(k.stream_id)
-        row["correlation_id"].append(k.correlation_id)
-        row["name"].append(k.name)
-        row["api"].append(launch.api if launch is not None else None)
-        row["launch_ns"].append(launch.enter_ns if launch is not None else None)
-        row["start_ns"].append(p.start)
-        row["end_ns"].append(p.end)
-        row["grid"].append(list(k.grid))
-        row["block"].append(list(k.block))
-        row["shared_mem_bytes"].append(k.shared_mem_bytes)
-        row["graph_id"].append(k.graph_id or None)
-        row["graph_node_id"].append(k.graph_node_id or None)
-        row["buffer_captured"].append(captured)
-
-    def _emit_routes(self, out: _Rows, ready: list[tuple[int, WatchedBuffer]]) -> None:
-        # chronological steps (GPU step ids count down), then one group per watch, in launch order
-        ready.sort(
-            key=lambda sw: (
-                sw[0] if sw[0] >= 0 else gpu_step_index(sw[0]),
-                sw[1].kernel,
-                sw[1].arg_index,
-                sw[1].correlation_id,
-            )
-        )
-        layer = 0
-        group: tuple[int, str, int] | None = None
-        for step_id, w in ready:
-            g = (step_id, w.kernel, w.arg_index)
-            layer = layer + 1 if g == group else 0
-            group = g
-            ids = _decode_ids(w)
-            if ids is None:
-                if w.dtype in _ID_CODES:
-                    self._counts["buffers_malformed"] += 1
-                continue
-            n_rows, k = w.shape
-            for i in range(n_rows):
-                out.routes["step_id"].append(step_id)
-                out.routes["row"].append(i)
-                out.routes["layer"].append(layer)
-                out.routes["expert_ids"].append(ids[i * k : (i + 1) * k])
-
-
-class _Rows:
-    """Column lists of one flush."""
-
-    def __init__(self) -> None:
-        from sparseety_prof.store import schema
-
-        self.kernels: dict[str, list[object]] = {c: [] for c in schema.KERNELS}
-        self.routes: dict[str, list[object]] = {c: [] for c in ("step_id", "row", "layer", "expert_ids")}
-        self.steps: dict[str, list[object]] = {
-            c: [] for c in ("step_id", "t_start_ns", "t_end_ns", "pid", "tid")
-        }
-
-
-def _decode_ids(w: WatchedBuffer) -> list[int] | None:
-    """The ids of a 2-D int32/int64 buffer, row-major; None when it is not one (or is malformed)."""
-    code = _ID_CODES.get(w.dtype)
-    if code is None or len(w.shape) != 2:
-        return None
-    a = array.array(code)
-    if len(w.data) != w.shape[0] * w.shape[1] * a.itemsize:
-        return None
-    a.frombytes(w.data)
-    if sys.byteorder == "big":
-        a.byteswap()  # CUDA devices and their hosts are little-endian
-    return a.tolist()
-
-
-def summarize(kernels: pl.DataFrame) -> pl.DataFrame:
-    """Per step of a `kernels` frame: kernel count, GPU busy time (union of the kernel intervals,
-    so overlapping streams are not counted twice), first start and last end. Unjoined kernels form
-    the null step; kernels without timestamps count but add no busy time."""
-    import polars as pl
-
-    step, start, end = pl.col("step_id"), pl.col("start_ns"), pl.col("end_ns")
-    prev_end = end.cum_max().shift(1).over("step_id")
-    busy = (end - pl.max_horizontal(start, prev_end)).clip(lower_bound=0)
-    return (
-        kernels.sort(["step_id", "start_ns"], nulls_last=True)
-        .with_columns(busy.alias("_busy"))
-        .group_by(step, maintain_order=True)
-        .agg(
-            pl.len().cast(pl.Int64).alias("kernels"),
-            pl.col("_busy").sum().cast(pl.Int64).alias("busy_ns"),
-            start.min().alias("first_start_ns"),
-            end.max().alias("last_end_ns"),
-        )
-    )
+        out.add_kernel(k, p.start, p.end, launch, step_id, join, error, pid, captured)

@@ -216,9 +216,7 @@ class Recorder:
                 f"(layer map learned after {amap.learned_after} passes); {n} graph-op probes detached"
             )
 
-    def _poll_gpu(
-        self, gpu: GpuCapture | None, steps: dict[str, list[Any]], *, final: bool
-    ) -> dict[str, pl.DataFrame]:
+    def _poll_gpu(self, gpu: GpuCapture | None, steps: schema.Columns, *, final: bool) -> schema.Tables:
         if gpu is None:
             return {}
         gpu.add_steps(steps)
@@ -253,7 +251,8 @@ class Recorder:
                 if not _alive(opts.pid):
                     self.stop("target exited")
                 final = stop or self._stop.is_set()
-                for table, df in gpu.poll(final=final).items():
+                for table, cols in gpu.poll(final=final).items():
+                    df = schema.frame(table, cols)
                     if writer is not None and df.height:
                         writer.append(table, df)
                     if table == "steps":
@@ -298,23 +297,13 @@ class Recorder:
         tracker.update(batch.seqs(), final=final)
         if len(batch):
             corr.feed(batch)
-        tok, steps = corr.take_rows()
-        routes, masks = corr.take_sparse_rows()
-        requests = corr.take_request_rows(final=final)
-        gpu_frames = self._poll_gpu(gpu, steps, final=final)
+        tables = corr.take_tables(final=final)
+        tok, steps = tables["tokens"], tables["steps"]
+        gpu_tables = self._poll_gpu(gpu, steps, final=final)
         if writer is not None:
             rows = self._rows
-            for table, cols in (
-                ("steps", steps),
-                ("tokens", tok),
-                ("routes", routes),
-                ("masks", masks),
-                ("requests", requests),
-            ):
+            for table, cols in (*tables.items(), *gpu_tables.items()):
                 for df in rows.add(table, cols, final=final):
-                    writer.append(table, df)
-            for table, df in gpu_frames.items():
-                if df.height:
                     writer.append(table, df)
         p = self.progress
         p.records = tracker.seen

@@ -1,12 +1,14 @@
 """Single source of truth for every column name and dtype the profiler writes.
 
 Recordings store these tables as Parquet segments; `sparseety_prof.open()` returns them as Polars
-frames with exactly these schemas. Nothing else in the project spells a column name literally
-when building a table: it goes through the dicts below.
+frames with exactly these schemas. A producer names the columns it fills through `columns()` (checked
+when its module is imported), and `frame()` refuses a table whose columns are not exactly the
+schema's: a misspelt or forgotten column is an error, never a column of nulls.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import numpy as np
@@ -167,41 +169,92 @@ SOURCE_NEXT_INPUT = "next_input"
 TOP_K = 5
 
 
+#: One table's rows as columns: column name -> one value per row.
+Columns = dict[str, list[object]]
+#: What a correlator hands over: table name -> its rows since the last call, every column present.
+Tables = dict[str, Columns]
+
+
 def empty(table: str) -> pl.DataFrame:
     return pl.DataFrame(schema=TABLES[table])
 
 
-def frame(table: str, columns: dict[str, list[object]], *, split: bool = True) -> pl.DataFrame:
-    """Build a table from column lists, in schema order with schema dtypes (missing columns: null)."""
-    schema = TABLES[table]
-    unknown = set(columns) - set(schema)
+def columns(table: str, *names: str) -> tuple[str, ...]:
+    """`names`, each checked to be a column of `table`. Producers declare the columns they fill
+    with it, so a misspelt name fails when their module is imported."""
+    unknown = [n for n in names if n not in TABLES[table]]
     if unknown:
-        raise KeyError(f"columns not in the {table} schema: {sorted(unknown)}")
-    n = len(next(iter(columns.values()))) if columns else 0
+        raise ValueError(f"not columns of the {table} table: {unknown}")
+    return names
+
+
+def check_columns(table: str, names: Iterable[str], *, absent: Collection[str] = ()) -> None:
+    """Raise ValueError unless `names` are exactly the columns of `table`, less any of `absent`."""
+    want, got = TABLES[table], set(names)
+    unknown = sorted(got - want.keys())
+    missing = [c for c in want if c not in got and c not in absent]
+    bad_absent = sorted(set(absent) - want.keys())
+    if unknown or missing or bad_absent:
+        problems = [
+            f"{what} {cols}"
+            for what, cols in (
+                ("missing columns", missing),
+                ("unknown columns", unknown),
+                ("declared absent but not in the table", bad_absent),
+            )
+            if cols
+        ]
+        raise ValueError(f"{table} table: " + "; ".join(problems))
+
+
+def fill_absent(table: str, cols: Columns, absent: Collection[str]) -> Columns:
+    """`cols` with a column of nulls for each of `absent` it lacks: the way a producer that does not
+    have some of a table's columns says which (the caller documents why). Any other column
+    missing, or one not in the table, is a ValueError."""
+    check_columns(table, cols, absent=absent)
+    n = _n_rows(table, cols)
+    return {**cols, **{name: [None] * n for name in absent if name not in cols}}
+
+
+def frame(table: str, cols: Columns, *, absent: Collection[str] = (), split: bool = True) -> pl.DataFrame:
+    """Build a table from column lists, in schema order with schema dtypes. `cols` must hold every
+    column of the table, except those named in `absent`, which are null when not given; a missing
+    or unknown column is a ValueError naming them."""
+    if absent:
+        cols = fill_absent(table, cols, absent)
+    else:
+        check_columns(table, cols)
+    schema = TABLES[table]
+    n = _n_rows(table, cols)
     fast: dict[str, pl.Series | None] = {}
     for name, dtype in schema.items():
-        if isinstance(dtype, pl.List) and name in columns:
-            fast[name] = _regular_list_series(name, columns[name], dtype)
-    ragged = [k for k, v in fast.items() if v is None and any(x is not None for x in columns[k])]
+        if isinstance(dtype, pl.List):
+            fast[name] = _regular_list_series(name, cols[name], dtype)
+    ragged = [k for k, v in fast.items() if v is None and any(x is not None for x in cols[k])]
     if split and ragged and n > _RAGGED_MIN_ROWS:
-        by_shape = _frame_by_shape(table, columns, ragged, n)
+        by_shape = _frame_by_shape(table, cols, ragged, n)
         if by_shape is not None:
             return by_shape
     series = []
     for name, dtype in schema.items():
         got = fast.get(name)
         if got is None:
-            got = pl.Series(name, columns.get(name, [None] * n), dtype=dtype, strict=False)
+            got = pl.Series(name, cols[name], dtype=dtype, strict=False)
         series.append(got)
     return pl.DataFrame(series)
+
+
+def _n_rows(table: str, cols: Columns) -> int:
+    lengths = {len(v) for v in cols.values()}
+    if len(lengths) > 1:
+        raise ValueError(f"{table} table: columns of different lengths {sorted(lengths)}")
+    return lengths.pop() if lengths else 0
 
 
 _RAGGED_MIN_ROWS = 16
 
 
-def _frame_by_shape(
-    table: str, columns: dict[str, list[object]], ragged: list[str], n: int
-) -> pl.DataFrame | None:
+def _frame_by_shape(table: str, cols: Columns, ragged: list[str], n: int) -> pl.DataFrame | None:
     """Rows whose list columns have different lengths (a prompt step among one-row decode steps)
     defeat the numpy fast path, and polars' element-by-element construction costs ~6 us per
     row and column. Rows are grouped by the lengths of their list values, each group takes the
@@ -209,13 +262,13 @@ def _frame_by_shape(
     chunks) is the common case; with many, this gives up (None) and the caller's frame stands."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for i in range(n):
-        key = tuple(-1 if (v := columns[name][i]) is None else len(v) for name in ragged)  # type: ignore[arg-type]
+        key = tuple(-1 if (v := cols[name][i]) is None else len(v) for name in ragged)  # type: ignore[arg-type]
         groups.setdefault(key, []).append(i)
     if len(groups) > max(4, n // 16):
         return None
     parts = []
     for idx in groups.values():
-        sub = {k: [v[i] for i in idx] for k, v in columns.items()}
+        sub = {k: [v[i] for i in idx] for k, v in cols.items()}
         parts.append(frame(table, sub, split=False).with_columns(pl.Series("__row", idx, dtype=pl.Int64())))
     return pl.concat(parts).sort("__row").drop("__row")
 

@@ -1,0 +1,141 @@
+"""Aggregate records (struct ev_step_agg): a one-row micro-batch's routing, activation counts and
+attention nodes in one record, sent by the thread that ran it. Here they become the row's
+per-layer values, for a whole drain at once."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from sparseety_prof.capture import events as ev
+from sparseety_prof.capture.plans import LayerSet
+from sparseety_prof.correlate.attention_records import AggAttn
+
+_AGG_LAYOUTS: dict[LayerSet, tuple[list[int], np.ndarray, list[int], np.ndarray]] = {}
+
+
+def agg_layout(layers: LayerSet) -> tuple[list[int], np.ndarray, list[int], np.ndarray]:
+    """The MoE and FFN layers an aggregate record can hold, as lists and index arrays (made
+    once per layer set: indexing with a Python list converts it on every call)."""
+    got = _AGG_LAYOUTS.get(layers)
+    if got is None:
+        moe = [layer for layer in layers.moe if layer < ev.AGG_MAX_LAYERS]
+        ffn = [layer for layer in layers.ffn if layer < ev.AGG_MAX_LAYERS]
+        got = _AGG_LAYOUTS[layers] = (moe, np.array(moe, dtype=np.intp), ffn, np.array(ffn, dtype=np.intp))
+    return got
+
+
+def agg_row_values(r: dict[str, Any], layers: LayerSet) -> tuple[dict[str, list[Any]], list[int], list[int]]:
+    """One record's per-layer values of its row, as StepSparse.row_values gives them (but the
+    attention), vectorised over layers; and the MoE and FFN layers it saw."""
+    moe, moe_idx, ffn, ffn_idx = agg_layout(layers)
+    k_ids, nr = np.asarray(r["k_ids"]), np.asarray(r["act_nr"])
+    kid, kwt = k_ids[moe_idx].tolist(), np.asarray(r["k_wts"])[moe_idx].tolist()
+    ids_l = np.asarray(r["ids"])[moe_idx].tolist()
+    wts_l = np.asarray(r["wts"])[moe_idx].view(np.float32).tolist()
+    by_moe = {
+        layer: (i[:a] if a else None, w[:b] if b else None)
+        for layer, a, b, i, w in zip(moe, kid, kwt, ids_l, wts_l, strict=True)
+    }
+    # a layer counts when every row was counted and they are one token's rows
+    rows, slots = np.asarray(r["act_rows"]), np.asarray(r["act_slots"])
+    complete = (nr != 0) & (rows == nr) & (nr == np.maximum(slots, 1))
+    ffn_seen = np.flatnonzero(complete).tolist()
+    cols = [np.asarray(r[f])[ffn_idx].tolist() for f in ("act_nr", "act_zero", "act_below", "act_ne0")]
+    ok = complete[ffn_idx].tolist()
+    by_ffn: dict[int, tuple[float, float, int]] = {}
+    for layer, good, n_r, zero, below, ne0 in zip(ffn, ok, *cols, strict=True):
+        if good and ne0:
+            n = n_r * ne0  # n_r == rows per token (k for MoE activations)
+            by_ffn[layer] = (zero / n, below / n, n)
+    none2 = (None, None)
+    values: dict[str, list[Any]] = {
+        "expert_ids": [by_moe.get(layer, none2)[0] for layer in layers.moe],
+        "expert_weights": [by_moe.get(layer, none2)[1] for layer in layers.moe],
+        "router_probs": [None] * len(layers.moe),
+        "act_zero_ratio": [by_ffn[layer][0] if layer in by_ffn else None for layer in layers.ffn],
+        "act_below_ratio": [by_ffn[layer][1] if layer in by_ffn else None for layer in layers.ffn],
+        "act_values": [by_ffn[layer][2] if layer in by_ffn else 0 for layer in layers.ffn],
+    }
+    return values, np.flatnonzero(k_ids).tolist(), ffn_seen
+
+
+class AggRow(NamedTuple):
+    """What the consumer needs of one aggregate record: the row's per-layer values (as
+    agg_row_values makes them), the MoE and FFN layers it saw, its attention columns.
+    A named tuple: one is made per token, and a frozen dataclass costs several times more to make."""
+
+    values: dict[str, list[Any]]
+    moe_seen: list[int]
+    ffn_seen: list[int]
+    attn: AggAttn
+
+
+def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
+    """agg_row_values and the attention columns for every aggregate record of a drain at once:
+    numpy over the [records, layers] arrays and one tolist per column, instead of ~15 numpy
+    calls per record (the largest per-token cost of full mode's consumer). Rows whose layers are
+    not all complete take agg_row_values; None when the model has layers beyond what the record
+    holds (then the handler does it all, record by record)."""
+    moe, moe_idx, ffn, ffn_idx = agg_layout(layers)
+    if len(moe) != len(layers.moe) or len(ffn) != len(layers.ffn) or not len(arr):
+        return None
+    k_ids = arr["k_ids"]
+    kid = k_ids[:, moe_idx]
+    kwt = arr["k_wts"][:, moe_idx]
+    k = int(kid.max(initial=0))
+    ids_all = arr["ids"][:, moe_idx, :k].tolist()
+    wts_all = arr["wts"][:, moe_idx, :k].view(np.float32).tolist()
+    # the common row: every MoE layer (and no other) with k ids and k weights, every FFN layer
+    # (and no other) with all its rows counted; any other row takes agg_row_values
+    moe_full = ((kid == k) & (kwt == k)).all(axis=1) & (k > 0 or not moe)
+    moe_full &= (k_ids != 0).sum(axis=1) == len(moe)
+    nr, rows, slots = arr["act_nr"], arr["act_rows"], arr["act_slots"]
+    complete = (nr != 0) & (rows == nr) & (nr == np.maximum(slots, 1))
+    ne0 = arr["act_ne0"]
+    ffn_full = (complete[:, ffn_idx] & (ne0[:, ffn_idx] != 0)).all(axis=1) & (
+        complete.sum(axis=1) == len(ffn)
+    )
+    n_vals = nr[:, ffn_idx].astype(np.int64) * ne0[:, ffn_idx]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        zr_all = (arr["act_zero"][:, ffn_idx] / n_vals).tolist()
+        br_all = (arr["act_below"][:, ffn_idx] / n_vals).tolist()
+    nv_all = n_vals.tolist()
+    att_n = np.minimum(arr["att_n"], ev.AGG_MAX_LAYERS).tolist()
+    width = max(att_n, default=0)
+    c_mask, c_layer, c_count, c_flags = (
+        arr[f][:, :width].tolist() for f in ("att_mask", "att_layer", "att_count", "att_flags")
+    )
+    none_moe = [None] * len(layers.moe)
+    out: list[AggRow] = []
+    for i, (full, n_att) in enumerate(zip((moe_full & ffn_full).tolist(), att_n, strict=True)):
+        if full:
+            moe_seen, ffn_seen = moe, ffn
+            values = {
+                "expert_ids": ids_all[i],
+                "expert_weights": wts_all[i],
+                "router_probs": none_moe,
+                "act_zero_ratio": zr_all[i],
+                "act_below_ratio": br_all[i],
+                "act_values": nv_all[i],
+            }
+        else:
+            values, moe_seen, ffn_seen = agg_row_values({f: arr[f][i] for f in _AGG_ROW_FIELDS}, layers)
+        attn = (c_mask[i][:n_att], c_layer[i][:n_att], c_count[i][:n_att], c_flags[i][:n_att])
+        out.append(AggRow(values, moe_seen, ffn_seen, attn))
+    return out
+
+
+_AGG_ROW_FIELDS = (
+    "k_ids",
+    "k_wts",
+    "ids",
+    "wts",
+    "act_nr",
+    "act_rows",
+    "act_slots",
+    "act_zero",
+    "act_below",
+    "act_ne0",
+)

@@ -1,0 +1,144 @@
+"""The one-row decode step, the bulk of any generation, taken from the drained records' columns.
+
+A one-row micro-batch followed by its aggregate, its end and the sampler call that reads its
+logits, with nothing else between them, is handled here in one go: the effect of the
+correlator's _on_ubatch, _on_step_agg, _on_ubatch_end, _on_sample_begin, _on_logits and
+_on_sample_end, without making each record a dict or the row's values numpy arrays. Anything
+unusual leaves it to those handlers. The two must stay in lockstep:
+tests/test_correlator.py::test_fast_one_row_steps_equal_the_record_by_record_path compares them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sparseety_prof.capture import events as ev
+from sparseety_prof.capture.drain_index import G_LOGITS, G_UBATCH, DrainIndex
+from sparseety_prof.correlate.agg_record import AggRow
+from sparseety_prof.correlate.state import Step
+from sparseety_prof.correlate.step_sparse import StepSparse
+from sparseety_prof.correlate.verification import VERIFY_UBATCHES, verifying_sparse
+from sparseety_prof.store.schema import PHASE_DECODE, SOURCE_SAMPLER
+
+if TYPE_CHECKING:
+    from sparseety_prof.correlate.correlator import Correlator
+
+
+def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
+    """The one-row step whose micro-batch is record i (Correlator._fast_step: it works on the
+    correlator's state as its handlers do). Returns the index after the step's records, or 0
+    when anything is unusual (then the handlers take every record as usual)."""
+    kinds, n = idx.kinds, len(idx)
+    j = i + 1
+    agg_at = -1
+    if j < n and kinds[j] == ev.EV_STEP_AGG:
+        agg_at, j = j, j + 1
+    if j + 1 >= n or kinds[j] != ev.EV_UBATCH_END or kinds[j + 1] != ev.EV_SAMPLE_BEGIN:
+        return 0
+    end_at, begin_at = j, j + 1
+    j += 2
+    logits_at = j
+    while j < n and kinds[j] == ev.EV_LOGITS:
+        j += 1
+    if j >= n or kinds[j] != ev.EV_SAMPLE_END:
+        return 0
+    sample_at = j
+    if (
+        corr.counters.verified_ubatches < VERIFY_UBATCHES
+        or corr.open_steps
+        or corr.serving is not None
+        or corr.slot_tokens
+    ):
+        return 0
+    f = idx.fast()
+    u = idx.row[i]
+    if not f.ub_one_row[u]:
+        return 0
+    tid, ctx = f.ub_tid[u], f.ub_ctx[u]
+    s_tid, s_ctx = f.s_tid, f.s_ctx
+    end, begin, sample = idx.row[end_at], idx.row[begin_at], idx.row[sample_at]
+    if s_tid[end] != tid or s_tid[begin] != tid or s_tid[sample] != tid:
+        return 0
+    if s_ctx[begin] != ctx or s_ctx[sample] != ctx:
+        return 0
+    c = corr.ctxs.get(ctx)
+    if c is None or not c.sampler_seen or (c.decode_seen and c.rows):
+        return 0
+    want = f.s_a[begin]  # llama_get_logits_ith's index: this row either way
+    if want != -1 and want != 0:
+        return 0
+    seq, pos, token = f.ub_seq[u], f.ub_pos[u], f.ub_token[u]
+    st = c.seqs.get(seq)
+    if st is None or pos != st.max_pos + 1 or (st.expect_token is not None and st.expect_token != token):
+        return 0
+    clears = corr.pending_clears.get(tid)
+    if clears and any(cs in (-1, seq) and p0 <= st.max_pos for cs, p0 in clears):
+        return 0  # the sequence was cut: segmentation starts a new request
+    pre: AggRow | None = None
+    if agg_at >= 0:
+        a = idx.row[agg_at]
+        if f.agg_tid[a] != tid or f.agg_overlap[a]:
+            return 0
+        if verifying_sparse(corr.counters, corr.n_expert):
+            return 0
+        pre = corr._agg_pre.get(f.agg_seq[a])
+        if pre is None:
+            return 0
+    logits: list[np.ndarray] | None = None
+    if logits_at < sample_at:
+        rows = idx.row[logits_at:sample_at]
+        for r in rows:
+            if f.lg_tid[r] != tid or f.lg_ctx[r] != ctx:
+                return 0
+        vals = idx.arrays[G_LOGITS]["vals"]
+        n_chunks = -(-f.lg_n_vocab[rows[-1]] // vals.shape[1])
+        if len(rows) != n_chunks or any(f.lg_chunk[r] != k for k, r in enumerate(rows)):
+            return 0  # incomplete or out of order: _on_sample_end counts it
+        logits = [vals[r][: f.lg_n_vals[r]] for r in rows]
+
+    # _on_ubatch
+    if not c.decode_seen:
+        c.decode_id += 1
+    c.ubatches_seen += 1
+    ub = idx.arrays[G_UBATCH][u]
+    step = Step(
+        step_id=corr.next_step_id,
+        ctx_id=c.ctx_id,
+        decode_id=c.decode_id,
+        tid=tid,
+        t_start=f.ub_ts[u],
+        t_end=f.s_ts[end],
+        token=ub["token"][:1].copy(),
+        pos=ub["pos"][:1].copy(),
+        seq=ub["seq_id"][:1].copy(),
+        output=ub["output"][:1].copy(),
+        n_tokens=1,
+        truncated=False,
+        _output_index={0: 0},
+    )
+    corr.next_step_id += 1
+    corr.pending_clears.pop(tid, None)
+    # segmentation: the sequence continues (with a sampler seen, no next-input token is pending)
+    if st.samples > 0:
+        step.decode_rows = 1
+    st.next_input_pending = None
+    st.expect_token = None
+    st.max_pos = max(st.max_pos, pos)
+    c.rows, c.outputs = [(step, 0)], [(step, 0)]
+    # _on_step_agg
+    if pre is not None:
+        step.sparse = StepSparse.from_pre(pre)
+        corr.layers_seen["moe"].update(pre.moe_seen)
+        corr.layers_seen["ffn"].update(pre.ffn_seen)
+        corr.layers_seen["attn"].update(step.sparse.add_agg_attn_lists(pre.attn, corr.layers.attn))
+    # _on_ubatch_end
+    corr._add_step_row(step, 1, PHASE_DECODE, [seq], [token], [pos], [seq], [0])
+    if step.sparse is not None:
+        corr.layers_seen["attn"].update(corr.attn_map.observe(step.sparse))
+        corr.routes.emit(step)
+    # _on_sample_begin .. _on_sample_end
+    c.sampling.pop(tid, None)
+    corr.requests.emit_token(c, step, 0, f.s_a[sample], tid, SOURCE_SAMPLER, logits)
+    return sample_at + 1

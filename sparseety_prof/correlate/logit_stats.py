@@ -1,0 +1,73 @@
+"""The statistics of the token rows' logits rows (log-prob of the token, top ids, entropy),
+computed for a whole drain at once when the rows are taken: one C call per block of rows instead
+of one per token."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sparseety_prof.correlate.logits import BACKEND, RowStats, row_stats, row_stats_at
+from sparseety_prof.correlate.tables import TOKEN_STATS
+from sparseety_prof.store.schema import Columns
+
+STATS_BLOCK = 64  # logits rows per statistics call
+
+
+class PendingStats:
+    """Logits rows waiting for their statistics, by the token row they belong to."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, list[np.ndarray]]] = []  # (token row, logits row chunks)
+        self._scratch: dict[int, np.ndarray] = {}  # row width -> reused block of rows
+
+    def add(self, token_row: int, chunks: list[np.ndarray]) -> None:
+        self.rows.append((token_row, chunks))
+
+    def fill(self, tok: Columns) -> None:
+        """Set the statistics columns of `tok` (null for rows without a logits row)."""
+        pending, self.rows = self.rows, []
+        n = len(tok["token_id"])
+        none: list[object] = [None] * n
+        log_prob, top_ids, top_lps, entropy = (none.copy() for _ in TOKEN_STATS)
+        by_len: dict[int, list[tuple[int, list[np.ndarray]]]] = {}
+        for i, chunks in pending:
+            by_len.setdefault(sum(len(ch) for ch in chunks), []).append((i, chunks))
+        for width, group in by_len.items():
+            for b0 in range(0, len(group), STATS_BLOCK):
+                block = group[b0 : b0 + STATS_BLOCK]
+                toks = np.array([tok["token_id"][i] for i, _ in block], dtype=np.int64)
+                st = self._block_stats(width, [chunks for _, chunks in block], toks)
+                lps, tops = st.log_prob.tolist(), st.top_ids.tolist()
+                tlps, ents = st.top_log_probs.tolist(), st.entropy.tolist()
+                for j, (i, _) in enumerate(block):
+                    log_prob[i], top_ids[i], top_lps[i], entropy[i] = lps[j], tops[j], tlps[j], ents[j]
+        tok.update(zip(TOKEN_STATS, (log_prob, top_ids, top_lps, entropy), strict=True))
+
+    def _block_stats(self, width: int, rows: list[list[np.ndarray]], toks: np.ndarray) -> RowStats:
+        """Statistics of up to STATS_BLOCK rows of `width` floats, each given as its chunks.
+        With the C backend a row of one chunk is read where it lies (in the drained records):
+        only rows split over several records are put together first."""
+        if BACKEND == "c":
+            addresses = np.empty(len(rows), dtype=np.int64)
+            for j, chunks in enumerate(rows):
+                # vocabularies above LOGITS_CHUNK_MAX: the row is put together first
+                row = chunks[0] if len(chunks) == 1 else self._joined(width, j, chunks)
+                addresses[j] = row.ctypes.data
+            return row_stats_at(addresses, width, toks)
+        for j, chunks in enumerate(rows):
+            self._joined(width, j, chunks)
+        return row_stats(self._scratch[width][: len(rows)], toks, overwrite=True)
+
+    def _joined(self, width: int, j: int, chunks: list[np.ndarray]) -> np.ndarray:
+        """Row j of the scratch block of `width`-float rows, filled with `chunks`. One block per
+        width, kept between drains: a fresh multi-MB array per block costs page faults on every
+        write."""
+        scratch = self._scratch.get(width)
+        if scratch is None:
+            scratch = self._scratch[width] = np.empty((STATS_BLOCK, width), dtype=np.float32)
+        row = scratch[j]
+        off = 0
+        for ch in chunks:
+            row[off : off + len(ch)] = ch
+            off += len(ch)
+        return row

@@ -1,0 +1,322 @@
+"""Which request each sequence's rows belong to, and the token and request rows that come out.
+
+On llama-server (a built binary or xllamacpp), a sequence serves the request whose task was last
+launched on its slot (serving.py: HTTP read -> task post -> slot launch), and the server's own
+process_token call says which slot each sampled token went to. Other front ends have no request
+objects: a sequence starts a new (segmented) request when
+  * the engine removed cells of it from its cache (llama_memory_seq_rm with p0 at or before the
+    last cached position, or llama_memory_clear), or
+  * a forward pass's input for it is not the continuation: not at the next position, or not the
+    token sampled last.
+Segmentation and token emission call each other (a continued sequence may emit the token fed
+back to it; a token of a sequence never seen starts a request), so they live together here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from sparseety_prof.capture.plans import LayerSet
+from sparseety_prof.correlate.logit_stats import PendingStats
+from sparseety_prof.correlate.serving import ID_SEGMENTED, Launch, RequestAgg, ServingTracker
+from sparseety_prof.correlate.state import Counters, CtxState, SeqState, Step
+from sparseety_prof.correlate.step_sparse import Problems
+from sparseety_prof.correlate.tables import NO_SPARSE_VALUES, REQUEST_ROW, TOKEN_ROW, TOKEN_TEXT, RowBuffer
+from sparseety_prof.store.schema import (
+    PHASE_DECODE,
+    PHASE_PREFILL,
+    SOURCE_NEXT_INPUT,
+    SOURCE_SAMPLER,
+    Columns,
+)
+
+#: a sampler call waiting for the server's process_token call (by thread): context, batch
+#: index, token, logits row chunks
+Deferred = tuple[CtxState, int, int, list[np.ndarray] | None]
+
+
+class RequestTokens:
+    def __init__(
+        self,
+        *,
+        pid: int,
+        wall_offset_ns: int,
+        texts: Callable[[list[int]], list[str | None]] | None,
+        layers: LayerSet,
+        problems: Problems,
+        counters: Counters,
+        serving: ServingTracker | None,
+        slot_tokens: bool,
+    ) -> None:
+        self.pid = pid
+        self.wall_offset_ns = wall_offset_ns
+        self.texts = texts
+        self.layers = layers
+        self.problems = problems
+        self.counters = counters
+        self.serving = serving
+        # server: a sample waits for the process_token call that names its slot (by thread)
+        self.slot_tokens = slot_tokens
+        self.deferred: dict[int, Deferred] = {}
+        self.tokens = RowBuffer(TOKEN_ROW)
+        self.stats = PendingStats()
+        self.requests = RowBuffer(REQUEST_ROW)  # finished requests
+
+    # ------------------------------------------------------------------ rows out
+    def take_tokens(self) -> Columns:
+        """Token rows since the last call, with their logits statistics and texts."""
+        tok = self.tokens.take()
+        self.stats.fill(tok)
+        ids = tok["token_id"]
+        if self.texts is not None and ids:
+            tok[TOKEN_TEXT] = list(self.texts([int(t) for t in ids]))  # type: ignore[call-overload]
+        else:  # no vocabulary: the text column stays null
+            tok[TOKEN_TEXT] = [None] * len(ids)
+        return tok
+
+    def take_requests(self, ctxs: Iterable[CtxState], *, final: bool) -> Columns:
+        """Rows of the requests that ended since the last call; with `final`, every request
+        still open too (end_reason "detached" unless one is known)."""
+        if final:
+            for c in ctxs:
+                for st in c.seqs.values():
+                    self.finish_request(st, "detached")
+        return self.requests.take()
+
+    def keep_deferred(self) -> None:
+        """The deferred samples' logits are views into the drained batch: copy them before the
+        next drain reuses its memory."""
+        for tid, (c, idx, token, logits) in self.deferred.items():
+            if logits is not None:
+                self.deferred[tid] = (c, idx, token, [np.array(x) for x in logits])
+
+    # ------------------------------------------------------------------ requests
+    def segment(self, c: CtxState, step: Step, clears: list[tuple[int, int]]) -> None:
+        """Give each sequence of a new micro-batch its request: the one it continues, or a new one."""
+        for seq, rows in sorted(step.seq_rows().items()):
+            first = int(rows[0])
+            tok, pos = int(step.token[first]), int(step.pos[first])
+            st = c.seqs.get(seq)
+            launch = self.serving.slots.get(seq) if self.serving is not None else None
+            if launch is not None and (st is None or launch.serial > st.launch_serial):
+                # the server launched a task on this slot since: a new request, whatever the
+                # positions say (a cached prompt prefix makes a new request look continued)
+                self.new_request(c, seq, step, rows, launch=launch)
+                continue
+            cleared = st is not None and any(cs in (-1, seq) and p0 <= st.max_pos for cs, p0 in clears)
+            # In a truncated micro-batch the sequence's first rows may be among those not copied:
+            # then any position past the last one cached continues it.
+            hidden_head = step.row_offset > 0 and first == 0
+            continues = (
+                st is not None
+                and not cleared
+                and (pos == st.max_pos + 1 or (hidden_head and pos > st.max_pos))
+                and (st.expect_token is None or st.expect_token == tok or hidden_head)
+            )
+            if st is not None and continues:
+                if len(rows) == 1 and st.samples > 0:
+                    step.decode_rows += 1  # a sampled token fed back
+                self._maybe_next_input(c, st, step, first, len(rows))
+                st.expect_token = None
+                st.max_pos = max(st.max_pos, int(step.pos[rows].max()))
+                continue
+            # A new request. Seen for the first time since attach as a lone token past position 0,
+            # it was most likely already running: partial (a prefix-cache hit that leaves a single
+            # prompt token to evaluate looks the same; partial errs on the safe side).
+            partial = st is None and len(rows) == 1 and pos > 0
+            self.new_request(c, seq, step, rows, partial=partial)
+
+    def new_request(
+        self,
+        c: CtxState,
+        seq: int,
+        step: Step,
+        rows: np.ndarray,
+        *,
+        partial: bool = False,
+        launch: Launch | None = None,
+    ) -> None:
+        old = c.seqs.get(seq)
+        if old is not None:
+            self.finish_request(old, None)
+        c.requests += 1
+        if launch is not None:
+            rid, src, serial = launch.request_id, launch.id_source, launch.serial
+        else:
+            rid, src, serial = (
+                f"r{c.ctx_id}-{seq}-{c.requests}",
+                ID_SEGMENTED,
+                old.launch_serial if old else 0,
+            )
+        agg = RequestAgg(rid, src, c.ctx_id, seq, self.pid, partial, step.t_start)
+        if launch is not None:
+            agg.slot_id, agg.task_id, agg.parent_seq_id = launch.slot, launch.task_id, launch.parent_seq_id
+            agg.t_received_ns, agg.t_started_ns = launch.t_received_ns, launch.t_ns
+        c.seqs[seq] = SeqState(
+            request_id=rid, partial=partial, max_pos=int(step.pos[rows].max()), agg=agg, launch_serial=serial
+        )
+
+    def finish_request(self, st: SeqState, reason: str | None) -> None:
+        if st.agg is None:
+            return
+        if st.agg.end_reason is None:
+            st.agg.end_reason = reason
+        self.requests.add(**st.agg.row())
+        st.agg = None
+
+    def _maybe_next_input(self, c: CtxState, st: SeqState, step: Step, row: int, n_rows: int) -> None:
+        """Engines that sample without a probed sampler call: the token is the next input.
+
+        Only a continuation of exactly one row is a sampled token fed back; more rows are the
+        next chunk of a prompt evaluated over several decode calls."""
+        pending, st.next_input_pending = st.next_input_pending, None
+        if c.sampler_seen or pending is None or n_rows != 1:
+            return
+        prev_step, prev_row = pending
+        self.emit_token(c, prev_step, prev_row, int(step.token[row]), step.tid, SOURCE_NEXT_INPUT, None)
+
+    # ------------------------------------------------------------------ samples and tokens
+    def sample_end(
+        self, c: CtxState, tid: int, idx: int, token: int, logits: list[np.ndarray] | None
+    ) -> None:
+        """A sampler call returned `token` for llama_get_logits_ith's index `idx`."""
+        if self.slot_tokens:
+            # the server's process_token call for this sample names its slot: wait for it (a
+            # sample it never hands to a slot is emitted by batch index when the next comes)
+            self.flush_deferred(tid)
+            self.deferred[tid] = (c, idx, token, logits)
+            return
+        self.emit_sample(c, idx, token, tid, logits)
+
+    def slot_token(self, tid: int, slot: int, token: int) -> None:
+        """The server handed the thread's last sampled token to `slot`."""
+        d = self.deferred.pop(tid, None)
+        if d is None:
+            return
+        c, idx, sampled, logits = d
+        if sampled != token and self.serving is not None:
+            self.serving.counters.slot_token_mismatch += 1
+        self.emit_sample(c, idx, sampled, tid, logits, slot=slot)
+
+    def flush_deferred(self, tid: int) -> None:
+        d = self.deferred.pop(tid, None)
+        if d is not None:
+            c, idx, token, logits = d
+            self.emit_sample(c, idx, token, tid, logits)
+
+    def emit_sample(
+        self,
+        c: CtxState,
+        idx: int,
+        token: int,
+        tid: int,
+        logits: list[np.ndarray] | None,
+        slot: int | None = None,
+    ) -> None:
+        where = self._resolve(c, idx)
+        if slot is not None and (where is None or int(where[0].seq[where[1]]) != slot):
+            # the batch index does not lead to the slot's row (the micro-batch was split and
+            # reordered by sequence): the slot's only output row of this decode is the one
+            mine = [(st, i) for st, i in c.outputs if int(st.seq[i]) == slot]
+            where = mine[0] if len(mine) == 1 else None
+            if where is None:
+                self.counters.slot_tokens_unresolved += 1
+                return
+        if where is None:
+            self.counters.samples_unresolved += 1
+            return
+        step, i = where
+        self.emit_token(c, step, i, token, tid, SOURCE_SAMPLER, logits)
+
+    def _resolve(self, c: CtxState, idx: int) -> tuple[Step, int] | None:
+        """Map llama_get_logits_ith's index to a micro-batch row: negative = from the end of the
+        decode's outputs, otherwise a position in the decode's batch (micro-batches in order).
+
+        A decode split into several micro-batches with outputs of several sequences may have
+        been split by sequence (split_equal), which reorders rows: batch positions are then not
+        known, and the sample is counted as unresolved rather than given to the wrong sequence."""
+        if idx < 0:
+            j = len(c.outputs) + idx
+            return c.outputs[j] if 0 <= j < len(c.outputs) else None
+        if len({id(s) for s, _ in c.outputs}) > 1 and len({int(s.seq[i]) for s, i in c.outputs}) > 1:
+            return None
+        row = c.rows[idx] if idx < len(c.rows) else None
+        if row is None:
+            return None
+        step, i = row
+        return (step, i) if step.output[i] else None
+
+    def emit_token(
+        self,
+        c: CtxState,
+        step: Step,
+        i: int,
+        token: int,
+        tid: int,
+        source: str,
+        logits: list[np.ndarray] | None,
+    ) -> None:
+        """The token row of `token`, sampled from row i of `step`."""
+        seq = int(step.seq[i])
+        logits_pos = int(step.pos[i])
+        st = c.seqs.get(seq)
+        if st is None:  # attached between a forward pass and its sampling
+            self.new_request(c, seq, step, np.array([i]), partial=True)
+            st = c.seqs[seq]
+        if logits is not None:  # statistics are computed for the whole drain in take_tokens
+            self.stats.add(len(self.tokens), logits)
+        first = st.samples == 0
+        if first and st.agg is not None and st.agg.parent_seq_id is not None and not st.partial:
+            # a fork (n > 1 completions): the child continues the parent's sequence after its
+            # prompt, and the parent's first token(s) are the child's too
+            parent = c.seqs.get(st.agg.parent_seq_id)
+            base = parent.agg.prompt_tokens if parent is not None and parent.agg is not None else None
+            if base is not None and logits_pos + 1 >= base:
+                st.samples = logits_pos + 1 - base
+                st.agg.prompt_tokens = base
+                st.agg.inherited = st.samples
+        sparse_values: tuple[object, ...] = NO_SPARSE_VALUES
+        if step.sparse is not None:
+            v = step.sparse.row_values(
+                step.row_offset + i, step.output_index(), step.n_tokens, self.layers, self.problems
+            )
+            att = [a for a in v["attn_attended"] if a is not None]
+            sparse_values = (  # in SPARSE_TOKEN_COLUMNS order
+                v["expert_ids"] if self.layers.moe else [],
+                v["expert_weights"] if self.layers.moe else [],
+                v["router_probs"] if v["router_probs"].count(None) < len(v["router_probs"]) else None,
+                v["act_zero_ratio"],
+                v["act_below_ratio"],
+                v["attn_attended"],
+                max(att) if att else None,
+            )
+        # in TOKEN_ROW order: one tuple per token, no keyword dict (a row per token)
+        self.tokens.add_values(
+            (
+                st.request_id,
+                c.ctx_id,
+                seq,
+                None if st.partial else st.samples,
+                logits_pos + 1,
+                logits_pos,
+                PHASE_PREFILL if st.samples == 0 and not st.partial else PHASE_DECODE,
+                token,
+                source,
+                step.step_id,
+                step.t_start,
+                step.t_end,
+                (step.t_end + self.wall_offset_ns) // 1_000_000 if step.t_end is not None else None,
+                step.n_tokens,
+                st.partial,
+                self.pid,
+                tid,
+                logits_pos + 1,
+                *sparse_values,
+            )
+        )
+        st.samples += 1
+        st.expect_token = token
+        if st.agg is not None:
+            st.agg.add_token(logits_pos, step.t_end, token)

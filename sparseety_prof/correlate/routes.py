@@ -1,0 +1,161 @@
+"""The routes table (one row per batch row and FFN layer the engine computed, prompt rows
+included: the long form of the token rows' sparse lists) and, with --capture-masks, the masks
+table keyed the same way."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from itertools import chain, repeat
+from typing import Any
+
+import numpy as np
+
+from sparseety_prof.capture.plans import LayerSet
+from sparseety_prof.correlate.state import Step
+from sparseety_prof.correlate.step_sparse import Problems, StepSparse
+from sparseety_prof.correlate.tables import (
+    MASK_ROW,
+    ROUTE_KEYS,
+    ROUTE_LAYER,
+    ROUTE_ROW,
+    ROUTE_VALUES,
+    RowBuffer,
+)
+from sparseety_prof.store.schema import Columns
+
+#: the routes table's layers, per layer its index in the per-row MoE and FFN value lists, and
+#: whether every layer is both (the lists then line up with the table's layers)
+RouteLayout = tuple[list[int], list[int | None], list[int | None], bool]
+
+
+class RoutesTables:
+    def __init__(self, layers: LayerSet, problems: Problems, *, with_masks: bool) -> None:
+        self.layers = layers
+        self.problems = problems
+        self.with_masks = with_masks
+        self._routes: Columns = {name: [] for name in ROUTE_ROW}
+        self._layout: RouteLayout | None = None
+        # rows of emit's common case not yet in _routes: (step_id, ctx_id, seq, pos, row, the
+        # row's values)
+        self._pending: list[tuple[int, int, int, int, int, dict[str, Any]]] = []
+        self._masks = RowBuffer(MASK_ROW)
+
+    def take(self) -> tuple[Columns, Columns]:
+        """Routes and masks columns produced since the last call."""
+        self._flush()
+        routes, self._routes = self._routes, {name: [] for name in ROUTE_ROW}
+        return routes, self._masks.take()
+
+    def layout(self) -> RouteLayout:
+        """Fixed for a recording: computed once."""
+        if self._layout is None:
+            layers = self.layers
+            moe_pos = {layer: k for k, layer in enumerate(layers.moe)}
+            ffn_pos = {layer: k for k, layer in enumerate(layers.ffn)}
+            all_layers = sorted(set(layers.moe) | set(layers.ffn))
+            km_of = [moe_pos.get(layer) for layer in all_layers]
+            kf_of = [ffn_pos.get(layer) for layer in all_layers]
+            identity = km_of == kf_of == list(range(len(all_layers)))
+            self._layout = (all_layers, km_of, kf_of, identity)
+        return self._layout
+
+    def _flush(self) -> None:
+        """The rows gathered so far by emit (every layer is MoE and FFN, all computed for the
+        row: the common case), one extend per column for all of them."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        all_layers = self.layout()[0]
+        n_layers = len(all_layers)
+        cols = self._routes
+        for k, name in enumerate(ROUTE_KEYS):
+            cols[name].extend(chain.from_iterable(repeat(p[k], n_layers) for p in pending))
+        cols[ROUTE_LAYER].extend(all_layers * len(pending))
+        for name in ROUTE_VALUES:
+            cols[name].extend(chain.from_iterable(p[5][name] for p in pending))
+
+    def emit(self, step: Step) -> None:
+        """The rows of a finished step, from the same per-row values the token rows use
+        (computed once per row). Whole columns are extended at once per row: per-value appends
+        were the largest consumer cost of full mode. Rows of the common case are gathered and
+        extended once per drain (_flush)."""
+        sp = step.sparse
+        assert sp is not None
+        out_index = step.output_index()
+        all_layers, km_of, kf_of, identity = self.layout()
+        n_layers = len(all_layers)
+        cols = self._routes
+        for i, (seq, pos) in enumerate(zip(step.seq.tolist(), step.pos.tolist(), strict=True)):
+            b = step.row_offset + i
+            v = sp.row_values(b, out_index, step.n_tokens, self.layers, self.problems)
+            ids_v, w_v, p_v = v["expert_ids"], v["expert_weights"], v["router_probs"]
+            zr_v, br_v, nv_v = v["act_zero_ratio"], v["act_below_ratio"], v["act_values"]
+            values: dict[str, Sequence[object]]
+            if identity and None not in ids_v and None not in zr_v:
+                # every layer is MoE and FFN, all computed for this row: the lists as they are
+                if not self.with_masks:  # (mask rows follow each routes row: no gathering then)
+                    self._pending.append((step.step_id, step.ctx_id, seq, pos, b, v))
+                    continue
+                keep: Sequence[int] = range(n_layers)
+                values = {
+                    "layer": all_layers,
+                    "expert_ids": ids_v,
+                    "expert_weights": w_v,
+                    "router_probs": p_v,
+                    "act_zero_ratio": zr_v,
+                    "act_below_ratio": br_v,
+                    "act_values": nv_v,
+                }
+            else:
+                ids = [ids_v[k] if k is not None else None for k in km_of]
+                zr = [zr_v[k] if k is not None else None for k in kf_of]
+                # a layer not computed for this row (or not captured) gets no row: none is invented
+                keep = [j for j in range(n_layers) if ids[j] is not None or zr[j] is not None]
+                if not keep:
+                    continue
+                values = {
+                    "layer": list(all_layers),
+                    "expert_ids": ids,
+                    "expert_weights": [w_v[k] if k is not None else None for k in km_of],
+                    "router_probs": [p_v[k] if k is not None else None for k in km_of],
+                    "act_zero_ratio": zr,
+                    "act_below_ratio": [br_v[k] if k is not None else None for k in kf_of],
+                    "act_values": [nv_v[k] if zr[j] is not None else None for j, k in enumerate(kf_of)],
+                }
+                if len(keep) < n_layers:
+                    values = {k: [vals[j] for j in keep] for k, vals in values.items()}
+            self._flush()  # rows keep the order of their steps
+            n = len(keep)
+            for name, value in zip(ROUTE_KEYS, (step.step_id, step.ctx_id, seq, pos, b), strict=True):
+                cols[name].extend([value] * n)
+            for name, vals in values.items():
+                cols[name].extend(vals)
+            if self.with_masks:
+                self._emit_masks(step, sp, seq, pos, b, keep, out_index)
+
+    def _emit_masks(
+        self,
+        step: Step,
+        sp: StepSparse,
+        seq: int,
+        pos: int,
+        b: int,
+        keep: Iterable[int],
+        out_index: dict[int, int],
+    ) -> None:
+        """Rows of the masks table for batch row b, for the routes layers at indices `keep`."""
+        all_layers = self.layout()[0]
+        for j in keep:
+            layer = all_layers[j]
+            bits = sp.act_mask_bits(layer, b, out_index, step.n_tokens)
+            if bits is not None:
+                self._masks.add(
+                    step_id=step.step_id,
+                    ctx_id=step.ctx_id,
+                    seq_id=seq,
+                    pos=pos,
+                    row=b,
+                    layer=layer,
+                    n_values=len(bits),
+                    nonzero_bits=np.packbits(bits).tobytes(),
+                )

@@ -1,0 +1,112 @@
+"""What the correlator keeps between records: the micro-batches (steps) it has seen, each engine
+context's decode in progress, each sequence's request, and the counts of what could not be
+resolved. Plain data: the logic that moves it lives in the correlator's other modules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sparseety_prof.correlate.serving import RequestAgg
+from sparseety_prof.correlate.step_sparse import StepSparse
+
+_ROW0 = np.zeros(1, dtype=np.int64)
+
+
+@dataclass
+class Step:
+    """One micro-batch (a forward pass): its rows as the probe copied them."""
+
+    step_id: int
+    ctx_id: int
+    decode_id: int
+    tid: int
+    t_start: int
+    t_end: int | None
+    token: np.ndarray
+    pos: np.ndarray
+    seq: np.ndarray
+    output: np.ndarray
+    n_tokens: int
+    truncated: bool
+    row_offset: int = 0  # rows [0, row_offset) of a truncated micro-batch were not copied
+    decode_rows: int = 0  # rows that feed back a token sampled for their sequence (the rest: prompt)
+    sparse: StepSparse | None = None  # routing, activation and attention records of this pass
+    _output_index: dict[int, int] | None = None
+    _seq_rows: dict[int, np.ndarray] | None = None
+
+    def seq_rows(self) -> dict[int, np.ndarray]:
+        """Sequence id -> its row indices (in batch order). One-row steps, the bulk of a decode,
+        skip numpy's unique/flatnonzero (microseconds each, per token)."""
+        if self._seq_rows is None:
+            if len(self.seq) == 1:
+                self._seq_rows = {int(self.seq[0]): _ROW0}
+            else:
+                self._seq_rows = {int(v): np.flatnonzero(self.seq == v) for v in np.unique(self.seq)}
+        return self._seq_rows
+
+    def output_index(self) -> dict[int, int]:
+        """Batch row -> ordinal among the rows that produce logits (the rows a tensor has when
+        the engine computed a layer for output rows only)."""
+        if self._output_index is None:
+            rows = np.flatnonzero(self.output) + self.row_offset
+            self._output_index = {int(r): k for k, r in enumerate(rows)}
+        return self._output_index
+
+
+@dataclass
+class SeqState:
+    """The request a sequence of one context is serving."""
+
+    request_id: str
+    partial: bool
+    max_pos: int
+    agg: RequestAgg | None = None  # the request's row-to-be (None once it was emitted)
+    launch_serial: int = 0  # server: the slot launch this request came from
+    samples: int = 0
+    expect_token: int | None = None  # token sampled last, not yet fed back
+    next_input_pending: tuple[Step, int] | None = None  # output row awaiting a next_input token
+
+
+@dataclass
+class SampleState:
+    """A sampler call in progress on one thread: the logits row chunks read so far."""
+
+    idx: int
+    tid: int
+    chunks: dict[int, np.ndarray] = field(default_factory=dict)
+    n_vocab: int = 0
+    chunk_len: int = 1
+
+
+@dataclass
+class CtxState:
+    """One engine context (a draft or embedding context in the same process never mixes)."""
+
+    ctx_id: int
+    decode_id: int = -1
+    decode_seen: bool = False
+    rows: list[tuple[Step, int] | None] = field(default_factory=list)  # the decode's rows, batch order
+    outputs: list[tuple[Step, int]] = field(default_factory=list)  # rows that produce logits
+    public_batch: tuple[int, int, int] | None = None  # (n_tokens, tok0, pos0) to verify
+    sampler_seen: bool = False
+    # micro-batches recorded on this context: a sample before the first one finishes a decode
+    # that ran before the probes were in (attach boundary), not one the recording lost
+    ubatches_seen: int = 0
+    seqs: dict[int, SeqState] = field(default_factory=dict)
+    requests: int = 0
+    sampling: dict[int, SampleState] = field(default_factory=dict)  # by tid
+
+
+@dataclass
+class Counters:
+    samples_unresolved: int = 0  # sampler index that matches no row of the last decode
+    logits_incomplete: int = 0  # token rows whose logits row lost a chunk
+    verified_ubatches: int = 0
+    verified_decodes: int = 0  # micro-batches checked against the public llama_batch
+    sparse_unattributed: int = 0  # graph-op records while no (or more than one) micro-batch ran
+    sparse_unmapped_rows: int = 0  # tensor rows that match neither the batch nor its outputs
+    verified_sparse: int = 0  # routing records checked against the model's expert counts
+    slot_tokens_unresolved: int = 0  # server samples whose slot has no output row in the decode
+    samples_before_first_step: int = 0  # samples of a decode that ran before the attach
