@@ -572,3 +572,20 @@ def test_sample_of_a_decode_before_the_attach_is_counted_apart() -> None:
     tok = c.take_tables()["tokens"]
     assert tok["token_id"] == [4]
     assert c.counters.samples_before_first_step == 1 and c.counters.samples_unresolved == 0
+
+
+def test_server_sample_never_handed_to_a_slot_keeps_its_own_decode() -> None:
+    """llama-server: a sample waits for the process_token call that names its slot. When none
+    comes, it is emitted at the next sample, after another decode has run: it must still be the
+    row of the decode it sampled from (position 3), not the new decode's row at the same index."""
+    s = Script()
+    s.decode([5], [2])
+    s.sample(9, idx=0)  # no process_token call follows
+    s.decode([9], [3])
+    s.sample(7, idx=0)
+    s.small(ev.EV_SLOT_TOKEN, 0, 7)
+    c = Correlator(pid=1, n_vocab=N_VOCAB, wall_offset_ns=0, slot_tokens=True)
+    c.feed(decode_records(s.recs, 1024))
+    tok = c.take_tables()["tokens"]
+    assert tok["token_id"] == [9, 7] and tok["logits_pos"] == [2, 3]
+    assert c.counters.samples_unresolved == 0 and c.counters.slot_tokens_unresolved == 0

@@ -15,6 +15,7 @@ back to it; a token of a sequence never seen starts a request), so they live tog
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,9 +33,19 @@ from sparseety_prof.store.schema import (
     Columns,
 )
 
-#: a sampler call waiting for the server's process_token call (by thread): context, batch
-#: index, token, logits row chunks
-Deferred = tuple[CtxState, int, int, list[np.ndarray] | None]
+
+@dataclass
+class _Deferred:
+    """A server sample waiting for its process_token call, which names the slot. It keeps the
+    rows of the decode it read: when no call comes, it is emitted at the next sample, after
+    another decode may have replaced the context's rows."""
+
+    ctx: CtxState
+    idx: int
+    token: int
+    logits: list[np.ndarray] | None
+    rows: list[tuple[Step, int] | None]
+    outputs: list[tuple[Step, int]]
 
 
 class RequestTokens:
@@ -59,7 +70,7 @@ class RequestTokens:
         self.serving = serving
         # server: a sample waits for the process_token call that names its slot (by thread)
         self.slot_tokens = slot_tokens
-        self.deferred: dict[int, Deferred] = {}
+        self.deferred: dict[int, _Deferred] = {}
         self.tokens = RowBuffer(TOKEN_ROW)
         self.stats = PendingStats()
         self.requests = RowBuffer(REQUEST_ROW)  # finished requests
@@ -88,9 +99,9 @@ class RequestTokens:
     def keep_deferred(self) -> None:
         """The deferred samples' logits are views into the drained batch: copy them before the
         next drain reuses its memory."""
-        for tid, (c, idx, token, logits) in self.deferred.items():
-            if logits is not None:
-                self.deferred[tid] = (c, idx, token, [np.array(x) for x in logits])
+        for d in self.deferred.values():
+            if d.logits is not None:
+                d.logits = [np.array(x) for x in d.logits]
 
     # ------------------------------------------------------------------ requests
     def segment(self, c: CtxState, step: Step, clears: list[tuple[int, int]]) -> None:
@@ -186,7 +197,7 @@ class RequestTokens:
             # the server's process_token call for this sample names its slot: wait for it (a
             # sample it never hands to a slot is emitted by batch index when the next comes)
             self.flush_deferred(tid)
-            self.deferred[tid] = (c, idx, token, logits)
+            self.deferred[tid] = _Deferred(c, idx, token, logits, c.rows, c.outputs)
             return
         self.emit_sample(c, idx, token, tid, logits)
 
@@ -195,16 +206,15 @@ class RequestTokens:
         d = self.deferred.pop(tid, None)
         if d is None:
             return
-        c, idx, sampled, logits = d
-        if sampled != token and self.serving is not None:
+        if d.token != token and self.serving is not None:
             self.serving.counters.slot_token_mismatch += 1
-        self.emit_sample(c, idx, sampled, tid, logits, slot=slot)
+        self.emit_sample(d.ctx, d.idx, d.token, tid, d.logits, slot=slot, decode=(d.rows, d.outputs))
 
     def flush_deferred(self, tid: int) -> None:
         d = self.deferred.pop(tid, None)
         if d is not None:
-            c, idx, token, logits = d
-            self.emit_sample(c, idx, token, tid, logits)
+            # resolved against the decode it sampled from, not the one running now
+            self.emit_sample(d.ctx, d.idx, d.token, tid, d.logits, decode=(d.rows, d.outputs))
 
     def emit_sample(
         self,
@@ -214,12 +224,16 @@ class RequestTokens:
         tid: int,
         logits: list[np.ndarray] | None,
         slot: int | None = None,
+        decode: tuple[list[tuple[Step, int] | None], list[tuple[Step, int]]] | None = None,
     ) -> None:
-        where = self._resolve(c, idx)
+        """`decode`: the rows and output rows of the decode the sample read (default: the
+        context's current decode)."""
+        rows, outputs = decode if decode is not None else (c.rows, c.outputs)
+        where = self._resolve(rows, outputs, idx)
         if slot is not None and (where is None or int(where[0].seq[where[1]]) != slot):
             # the batch index does not lead to the slot's row (the micro-batch was split and
             # reordered by sequence): the slot's only output row of this decode is the one
-            mine = [(st, i) for st, i in c.outputs if int(st.seq[i]) == slot]
+            mine = [(st, i) for st, i in outputs if int(st.seq[i]) == slot]
             where = mine[0] if len(mine) == 1 else None
             if where is None:
                 self.counters.slot_tokens_unresolved += 1
@@ -230,7 +244,10 @@ class RequestTokens:
         step, i = where
         self.emit_token(c, step, i, token, tid, SOURCE_SAMPLER, logits)
 
-    def _resolve(self, c: CtxState, idx: int) -> tuple[Step, int] | None:
+    @staticmethod
+    def _resolve(
+        rows: list[tuple[Step, int] | None], outputs: list[tuple[Step, int]], idx: int
+    ) -> tuple[Step, int] | None:
         """Map llama_get_logits_ith's index to a micro-batch row: negative = from the end of the
         decode's outputs, otherwise a position in the decode's batch (micro-batches in order).
 
@@ -238,11 +255,11 @@ class RequestTokens:
         been split by sequence (split_equal), which reorders rows: batch positions are then not
         known, and the sample is counted as unresolved rather than given to the wrong sequence."""
         if idx < 0:
-            j = len(c.outputs) + idx
-            return c.outputs[j] if 0 <= j < len(c.outputs) else None
-        if len({id(s) for s, _ in c.outputs}) > 1 and len({int(s.seq[i]) for s, i in c.outputs}) > 1:
+            j = len(outputs) + idx
+            return outputs[j] if 0 <= j < len(outputs) else None
+        if len({id(s) for s, _ in outputs}) > 1 and len({int(s.seq[i]) for s, i in outputs}) > 1:
             return None
-        row = c.rows[idx] if idx < len(c.rows) else None
+        row = rows[idx] if idx < len(rows) else None
         if row is None:
             return None
         step, i = row

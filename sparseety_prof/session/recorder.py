@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import polars as pl
 
 from sparseety_prof import __version__
 from sparseety_prof.capture import target as tg
@@ -33,6 +32,7 @@ from sparseety_prof.session.attach import attach
 from sparseety_prof.session.options import Options, Progress
 from sparseety_prof.session.sched import ConsumerSched
 from sparseety_prof.session.snapshot import engine_environment, host_info, process_info
+from sparseety_prof.store import schema
 from sparseety_prof.store.buffers import ColumnBuffer
 from sparseety_prof.store.recording import RecordingWriter, sudo_owner
 
