@@ -29,7 +29,7 @@ class AttentionMap:
     passes_seen: int = 0  # passes with masks counted at set_input_kq_mask
     disagreements: int = 0  # passes where the two counts of a mask differed (learning stops)
     learned_after: int = 0  # passes_seen when the map was learned
-    detach_tried: bool = False  # the recorder asked the session to detach them
+    detach_tried: bool = False  # the session was asked to detach the graph-op probes
     ops_detached: bool = False  # ... and none is left attached
     _candidate: dict[int, int] | None = field(default=None, repr=False)
     _agree: int = field(default=0, repr=False)
@@ -38,6 +38,16 @@ class AttentionMap:
     def ready(self) -> bool:
         """The map is learned: the graph-op probes may go."""
         return self.layer_calls is not None
+
+    @property
+    def wants_ops_detached(self) -> bool:
+        """Learned, and the graph-op probes not yet asked to go (asked once: a probe that would
+        not detach keeps sending records that agree with the map)."""
+        return self.ready and not self.detach_tried
+
+    def ops_detach_done(self, *, none_left: bool) -> None:
+        """The session detached what it could; `none_left`: no graph-op probe remains."""
+        self.detach_tried, self.ops_detached = True, none_left
 
     def observe(self, sp: AttentionRecords) -> list[int]:
         """One finished forward pass: learn from it while learning, else give its layers the

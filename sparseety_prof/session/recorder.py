@@ -207,10 +207,9 @@ class Recorder:
         """Once the layer -> mask map is learned (attention_map), the soft_max / flash-attention
         probes only cost: two uprobe hits per layer and engine thread per token."""
         amap = corr.attn_map
-        if amap.ready and not amap.detach_tried and sess.kv_mask_probe:
-            amap.detach_tried = True  # once: a probe that would not detach keeps agreeing records
+        if amap.wants_ops_detached and sess.kv_mask_probe:
             n = sess.detach_attention_ops()
-            amap.ops_detached = not any(p.symbol in ATTENTION_OPS for p in sess.attached)
+            amap.ops_detach_done(none_left=not any(p.symbol in ATTENTION_OPS for p in sess.attached))
             self.log(
                 f"sparseety-prof: attention masks now counted where the engine writes them "
                 f"(layer map learned after {amap.learned_after} passes); {n} graph-op probes detached"
