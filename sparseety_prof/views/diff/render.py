@@ -8,8 +8,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from sparseety_prof.terminal_text import text, visible
 from sparseety_prof.views.diff.result import ATTN, FFN, MOE, DiffResult, PairResult, TokenRef, Where
-from sparseety_prof.views.diff.text import describe_token, num, pct, visible
+from sparseety_prof.views.diff.text import describe_token, num, pct
 
 
 def _at(w: Where | None, kind: str | None = None) -> str:
@@ -38,8 +39,8 @@ def _summary(result: DiffResult, name_a: str, name_b: str) -> Table:
     head = Table(title="sparseety-prof diff", show_header=False, title_justify="left")
     head.add_column(style="bold")
     head.add_column()
-    head.add_row("A", Text(name_a))
-    head.add_row("B", Text(name_b))
+    head.add_row("A", text(name_a))
+    head.add_row("B", text(name_b))
     sa, sb = result.a, result.b
     req = f"A {sa.requests}, B {sb.requests}; {len(result.pairs)} paired by first-token time"
     if result.unpaired_a or result.unpaired_b:
@@ -96,7 +97,7 @@ def _summary(result: DiffResult, name_a: str, name_b: str) -> Table:
             line += f"; first: {_at(ad.where, ATTN)}: {ad.attended_a} vs {ad.attended_b} cells"
         head.add_row("attention", line)
     for column, why in result.not_comparable.items():
-        head.add_row("not comparable", f"{column}: {why}")
+        head.add_row("not comparable", text(f"{column}: {why}"))
     return head
 
 
@@ -119,7 +120,7 @@ def _pairs_table(result: DiffResult) -> Table:
     for p in result.pairs:
         cells: list[str | Text] = [
             str(p.pair),
-            Text(f"{p.request_a} / {p.request_b}"),
+            text(f"{p.request_a} / {p.request_b}"),
             f"{p.tokens_a}/{p.tokens_b}",
             str(p.compared),
             "—" if p.divergence is None else f"at {p.divergence}",
@@ -147,8 +148,8 @@ def _pair_line(p: PairResult) -> Text | None:
     if pf is None:
         return None
     line = Text(f"#{p.pair} ", style="bold")
-    line.append(f"{p.request_a} / {p.request_b}: ")
-    line.append(f"first difference at token {pf.decode_order} ({pf.kind}): {pf.detail}", style="red")
+    line.append(visible(f"{p.request_a} / {p.request_b}: "))
+    line.append(visible(f"first difference at token {pf.decode_order} ({pf.kind}): {pf.detail}"), style="red")
     if p.divergence is not None and pf.kind != "token":
         line.append(f"; tokens diverge at {p.divergence}: token {describe_token(p.token_a)} in A, ")
         line.append(f"{describe_token(p.token_b)} in B")
@@ -167,7 +168,7 @@ def _print_context(con: Console, shown: PairResult, all_positions: bool) -> None
             else ""
         )
     )
-    con.print(Text(title, style="bold"))
+    con.print(text(title, "bold"))
     ctx = Table()
     for col in ("token", "A", "A log-prob", "B", "B log-prob", ""):
         ctx.add_column(col)
@@ -253,7 +254,7 @@ def render(
         con.print(layers)
 
     for note in result.notes:
-        con.print(Text(f"note: {note}", style="yellow"))
+        con.print(text(f"note: {note}", "yellow"))
     if result.unpaired_a or result.unpaired_b:
-        con.print(Text(f"unpaired: A {result.unpaired_a}, B {result.unpaired_b}", style="yellow"))
+        con.print(text(f"unpaired: A {result.unpaired_a}, B {result.unpaired_b}", "yellow"))
     con.print(_verdict(result))
