@@ -20,7 +20,7 @@ import time
 import urllib.request
 from fcntl import ioctl
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from conftest import CLI, ENGINES, ROOT, Engine, free_port, run_cli
@@ -249,7 +249,8 @@ def test_attach_on_a_real_server_with_a_hostile_header_and_model_name(
             data=json.dumps(
                 {"prompt": "hello the expert", "n_predict": 8, "ignore_eos": True, "return_tokens": True}
             ).encode(),
-            headers={"Content-Type": "application/json", "X-Request-Id": HEADER_ID.encode()},
+            # bytes: http.client sends them as they are (a str would have to be latin-1)
+            headers={"Content-Type": "application/json", "X-Request-Id": cast(str, HEADER_ID.encode())},
         )
         with urllib.request.urlopen(req, timeout=120) as r:
             answer = json.loads(r.read())

@@ -236,9 +236,12 @@ class Recorder:
         self.meta = {
             "profiler": {"name": "sparseety-prof", "version": __version__},
             "engine": {"name": "cuda (gpu only)", "version": ""},
-            "target": metadata.target_meta(opts.pid),
+            "target": metadata.target_meta(opts.pid, redact_text=opts.redact_text),
             "host": host_info(),
-            "config": {"environment": engine_environment(opts.pid), "process": process_info(opts.pid)},
+            "config": {
+                "environment": engine_environment(opts.pid, redact_text=opts.redact_text),
+                "process": process_info(opts.pid),
+            },
             "clock": "CLOCK_MONOTONIC ns (t_*_ns, start_ns, end_ns)",
         }
         writer = None
