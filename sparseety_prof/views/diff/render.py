@@ -39,25 +39,29 @@ def _summary(result: DiffResult, name_a: str, name_b: str) -> Table:
     head = Table(title="sparseety-prof diff", show_header=False, title_justify="left")
     head.add_column(style="bold")
     head.add_column()
-    head.add_row("A", text(name_a))
-    head.add_row("B", text(name_b))
+
+    def row(label: str, value: str | Text) -> None:  # values quote the recordings: Text, never markup
+        head.add_row(label, value if isinstance(value, Text) else text(value))
+
+    row("A", name_a)
+    row("B", name_b)
     sa, sb = result.a, result.b
     req = f"A {sa.requests}, B {sb.requests}; {len(result.pairs)} paired by first-token time"
     if result.unpaired_a or result.unpaired_b:
         req += f"; unpaired: A {len(result.unpaired_a)}, B {len(result.unpaired_b)}"
     if sa.partial_requests or sb.partial_requests:
         req += f" (partial excluded: A {sa.partial_requests}, B {sb.partial_requests})"
-    head.add_row("requests", req)
+    row("requests", req)
     rule = "all aligned positions" if result.all_positions else "up to each pair's divergence"
-    head.add_row("tokens compared", f"{result.tokens_compared} ({rule})")
+    row("tokens compared", f"{result.tokens_compared} ({rule})")
     fd = result.first_divergence
-    head.add_row(
+    row(
         "token divergence",
         f"{result.pairs_diverged} of {len(result.pairs)} pairs"
         + (f"; first: {_at(fd)}" if fd is not None else ""),
     )
     lp = result.log_prob
-    head.add_row(
+    row(
         "log-prob",
         f"max |Δ| {num(lp.max_abs_delta)}"
         + (f" at {_at(lp.max_at)}" if lp.max_at and lp.max_abs_delta else "")
@@ -72,8 +76,8 @@ def _summary(result: DiffResult, name_a: str, name_b: str) -> Table:
         if rt.first_difference:
             g = rt.first_difference
             line += f"; first set difference: {_at(g.where, MOE)}: {g.experts_a} vs {g.experts_b}"
-        head.add_row("routing", line)
-        head.add_row(
+        row("routing", line)
+        row(
             "expert weights",
             f"max |Δ| {num(rt.max_weight_delta)}"
             + (f" at {_at(rt.max_weight_at, MOE)}" if rt.max_weight_at and rt.max_weight_delta else "")
@@ -88,16 +92,16 @@ def _summary(result: DiffResult, name_a: str, name_b: str) -> Table:
         if worst is not None and worst.mean_abs_delta:
             line += f"; worst layer {worst.layer.label(FFN)} (mean {num(worst.mean_abs_delta)})"
         line += f"; {z.beyond_tol} of {z.compared} beyond {tol.ratio:g}"
-        head.add_row("act zero ratio", line)
+        row("act zero ratio", line)
     at = result.attn
     if at is not None:
         line = f"{at.differing} of {at.compared} token×layer differ"
         if at.first_difference:
             ad = at.first_difference
             line += f"; first: {_at(ad.where, ATTN)}: {ad.attended_a} vs {ad.attended_b} cells"
-        head.add_row("attention", line)
+        row("attention", line)
     for column, why in result.not_comparable.items():
-        head.add_row("not comparable", text(f"{column}: {why}"))
+        row("not comparable", f"{column}: {why}")
     return head
 
 
@@ -209,7 +213,7 @@ def _ratio_layers(result: DiffResult) -> Table | None:
         lt.add_column(col)
     for x in sorted(z.layers, key=lambda x: -x.mean_abs_delta)[:8]:
         lt.add_row(
-            x.layer.label(FFN),
+            text(x.layer.label(FFN)),
             str(x.compared),
             num(x.mean_abs_delta),
             num(x.max_abs_delta),
