@@ -12,6 +12,7 @@ from sparseety_prof import __version__
 from sparseety_prof.commands import attach, build_cupti, check, diff, doctor, launch, record, report
 from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
 from sparseety_prof.errors import ProfError
+from sparseety_prof.terminal_text import line
 
 COMMANDS = (
     record,
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except ProfError as e:
-        print(f"sparseety-prof: error: {e}", file=sys.stderr)
+        print(line(f"sparseety-prof: error: {e}"), file=sys.stderr)  # may name target paths
         return e.exit_code
     except KeyboardInterrupt:
         return 130

@@ -17,6 +17,7 @@ PKG = Path(__file__).resolve().parent.parent / "sparseety_prof"
 STAGES: dict[str, int] = {
     "errors": 0,  # the exceptions and their exit codes: every stage raises them
     "checks": 0,  # a check's result line, shared by doctor and the GPU diagnosis
+    "terminal_text": 0,  # untrusted strings made safe to print: every stage that prints uses it
     "capture": 1,  # the only importer of bcc: probes, ring, plans, target inspection, layouts
     "store": 2,  # the schema (every column) and the on-disk recording format
     "correlate": 3,  # probe records -> steps, tokens, routes, requests

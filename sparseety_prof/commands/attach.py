@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from sparseety_prof.session.metadata import summary_line
     from sparseety_prof.session.options import Progress
     from sparseety_prof.session.recorder import Recorder, install_signal_handlers
+    from sparseety_prof.terminal_text import line
     from sparseety_prof.views.live import LiveState, render
 
     opts = options_from(args)
@@ -56,5 +57,5 @@ def run(args: argparse.Namespace) -> int:
     install_signal_handlers(rec)
     with live:
         meta = rec.run()
-    console.print(summary_line(meta), markup=False, highlight=False)
+    console.print(line(summary_line(meta)), markup=False, highlight=False)
     return 0

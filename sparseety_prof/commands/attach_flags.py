@@ -16,7 +16,12 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
     p.add_argument("--pid", type=int, required=True, help="process id of the running engine")
     p.add_argument("-o", "--output", type=Path, required=output_required, default=None, help=output_help)
     p.add_argument("--duration", type=float, default=None, help="detach after this many seconds")
-    p.add_argument("--redact-text", action="store_true", help="keep token ids but store no token text")
+    p.add_argument(
+        "--redact-text",
+        action="store_true",
+        help="keep token ids but store no token text, and no prompt or other "
+        "text from the engine's command line, environment or server settings (README: Privacy)",
+    )
     p.add_argument("--model", type=Path, default=None, help="model file, when the engine has none mapped")
     p.add_argument(
         "--discover-layout",

@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from sparseety_prof.session.request_check import first_missing, run_check
+    from sparseety_prof.terminal_text import line, text
 
     console = Console()
     rid, results = run_check(
@@ -37,14 +38,15 @@ def run(args: argparse.Namespace) -> int:
         header=args.request_header,
         timeout=args.timeout,
         skip_probes=frozenset(args.skip_probe or ()),
-        log=lambda s: print(s, file=sys.stderr, flush=True),
+        log=lambda s: print(line(s), file=sys.stderr, flush=True),
     )
-    table = Table(title=f"request {rid} through the capture layers")
+    table = Table(title=text(f"request {rid} through the capture layers"))
     table.add_column("layer")
     table.add_column("result")
     table.add_column("detail")
     for r in results:
-        table.add_row(r.layer, "[green]ok[/]" if r.ok else "[red]LOST[/]", r.detail)
+        # details quote what the engine and its memory gave back: Text, never markup
+        table.add_row(text(r.layer), "[green]ok[/]" if r.ok else "[red]LOST[/]", text(r.detail))
     console.print(table)
     missing = first_missing(results)
     if missing is not None:

@@ -45,11 +45,19 @@ def print_checks(checks: list[Check]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from sparseety_prof.terminal_text import text
+
     t = Table(title="sparseety-prof doctor", show_lines=False)
     for col in ("check", "", "detail", "how to fix"):
         t.add_column(col, overflow="fold")
     for c in checks:
-        t.add_row(c.name, "[green]ok[/]" if c.ok else "[red]FAIL[/]", c.detail, c.fix)
+        # details name the target's files and build strings: Text, never markup
+        t.add_row(
+            text(c.name),
+            "[green]ok[/]" if c.ok else "[red]FAIL[/]",
+            text(c.detail, keep_newlines=True),
+            text(c.fix, keep_newlines=True),
+        )
     Console().print(t)
 
 

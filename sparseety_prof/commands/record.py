@@ -24,9 +24,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     from sparseety_prof.session.metadata import summary_line
     from sparseety_prof.session.recorder import Recorder, install_signal_handlers
+    from sparseety_prof.terminal_text import line
 
     rec = Recorder(options_from(args))
     install_signal_handlers(rec)
     meta = rec.run()
-    print(summary_line(meta), file=sys.stderr)
+    print(line(summary_line(meta)), file=sys.stderr)
     return 0

@@ -14,6 +14,7 @@ from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate import logits
 from sparseety_prof.correlate.correlator import Correlator
 from sparseety_prof.errors import ProfError
+from sparseety_prof.session import redaction
 from sparseety_prof.session.attach import Attached
 from sparseety_prof.session.options import Options
 from sparseety_prof.session.snapshot import engine_environment, host_info, process_info, server_props
@@ -39,9 +40,13 @@ def run_metadata(a: Attached, opts: Options) -> dict[str, Any]:
         "probes": [p.__dict__ for p in a.session.attached],
         "moe_read_points": a.session.moe.to_meta(),
         "model": a.model.to_meta(),
-        "target": {"pid": a.target.pid, "exe": a.target.exe, "cmdline": a.target.cmdline},
+        "target": {
+            "pid": a.target.pid,
+            "exe": a.target.exe,
+            "cmdline": redaction.command_line(a.target.cmdline, redact_text=opts.redact_text),
+        },
         "host": host_info(),
-        "config": _config_snapshot(a),
+        "config": _config_snapshot(a, redact_text=opts.redact_text),
         "clock": "CLOCK_MONOTONIC ns (t_*_ns); ts_unix_ms is wall clock derived from it at attach",
         "redact_text": opts.redact_text,
         "capture": opts.capture.to_meta(),
@@ -51,21 +56,25 @@ def run_metadata(a: Attached, opts: Options) -> dict[str, Any]:
     }
 
 
-def target_meta(pid: int) -> dict[str, Any]:
+def target_meta(pid: int, *, redact_text: bool) -> dict[str, Any]:
     t = tg.inspect(pid)
-    return {"pid": pid, "exe": t.exe, "cmdline": t.cmdline}
+    return {"pid": pid, "exe": t.exe, "cmdline": redaction.command_line(t.cmdline, redact_text=redact_text)}
 
 
-def _config_snapshot(a: Attached) -> dict[str, Any]:
+def _config_snapshot(a: Attached, *, redact_text: bool) -> dict[str, Any]:
     """What it takes to reproduce the run, beyond the engine build and model (recorded apart)."""
     pid = a.target.pid
-    cfg: dict[str, Any] = {"environment": engine_environment(pid), "process": process_info(pid)}
+    cfg: dict[str, Any] = {
+        "environment": engine_environment(pid, redact_text=redact_text),
+        "process": process_info(pid),
+    }
     if is_server(a.where):
         try:
             urls = tg.listening_urls(pid)
         except ProfError:
             urls = []
-        cfg["server"] = {"urls": urls, "props": server_props(urls[0]) if urls else None}
+        props = server_props(urls[0], redact_text=redact_text) if urls else None
+        cfg["server"] = {"urls": urls, "props": props}
     return cfg
 
 

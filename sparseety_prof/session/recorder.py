@@ -35,6 +35,7 @@ from sparseety_prof.session.snapshot import engine_environment, host_info, proce
 from sparseety_prof.store import schema
 from sparseety_prof.store.buffers import ColumnBuffer
 from sparseety_prof.store.recording import RecordingWriter, sudo_owner
+from sparseety_prof.terminal_text import line as terminal_line
 
 DRAIN_INTERVAL_S = 0.5  # consumer batches: fewer, larger frames cost less CPU per token
 RING_BYTES = RING_BUFFER_PAGES * 4096
@@ -53,7 +54,9 @@ class Recorder:
         self.opts = opts
         self.on_update = on_update
         self._rows = ColumnBuffer()
-        self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+        sink = log or (lambda s: print(s, file=sys.stderr, flush=True))
+        # messages carry target strings (model path, build, layer details): shown, never obeyed
+        self.log: Callable[[str], None] = lambda s: sink(terminal_line(s))
         self.progress = Progress()
         self._stop = threading.Event()
         self.stop_reason = ""
@@ -230,9 +233,12 @@ class Recorder:
         self.meta = {
             "profiler": {"name": "sparseety-prof", "version": __version__},
             "engine": {"name": "cuda (gpu only)", "version": ""},
-            "target": metadata.target_meta(opts.pid),
+            "target": metadata.target_meta(opts.pid, redact_text=opts.redact_text),
             "host": host_info(),
-            "config": {"environment": engine_environment(opts.pid), "process": process_info(opts.pid)},
+            "config": {
+                "environment": engine_environment(opts.pid, redact_text=opts.redact_text),
+                "process": process_info(opts.pid),
+            },
             "clock": "CLOCK_MONOTONIC ns (t_*_ns, start_ns, end_ns)",
         }
         writer = None

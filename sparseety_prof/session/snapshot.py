@@ -2,8 +2,8 @@
 and, for HTTP servers, from the server's own read-only /props endpoint; nothing is changed.
 
 Environment variables are kept only for the prefixes that steer inference engines (threads,
-BLAS, GPU visibility, llama.cpp/ggml settings), and any whose name looks like a credential is
-stored as "<redacted>": recordings travel, secrets must not.
+BLAS, GPU visibility, llama.cpp/ggml settings); what of them, and of /props, is stored at each
+privacy level is session/redaction.py's: recordings travel, secrets must not.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import re
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from sparseety_prof.session import redaction
 
 ENV_PREFIXES = (
     "LLAMA_",
@@ -35,12 +37,11 @@ ENV_PREFIXES = (
     "PYTORCH_",
     "SPARSEETY_",
 )
-_SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
 PROPS_TIMEOUT_S = 2.0
 
 
-def engine_environment(pid: int) -> dict[str, str]:
-    """The engine-relevant part of the process's environment (as it was at exec)."""
+def engine_environment(pid: int, *, redact_text: bool = False) -> dict[str, str]:
+    """The engine-relevant part of the process's environment (as it was at exec), redacted."""
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
@@ -49,8 +50,8 @@ def engine_environment(pid: int) -> dict[str, str]:
     for item in raw.split(b"\0"):
         name, sep, value = item.decode("utf-8", "replace").partition("=")
         if sep and name.startswith(ENV_PREFIXES):
-            out[name] = "<redacted>" if _SECRET.search(name) else value
-    return dict(sorted(out.items()))
+            out[name] = value
+    return dict(sorted(redaction.environment(out, redact_text=redact_text).items()))
 
 
 def process_info(pid: int) -> dict[str, Any]:
@@ -93,9 +94,9 @@ def host_info() -> dict[str, Any]:
     }
 
 
-def server_props(url: str) -> dict[str, Any]:
-    """llama-server's GET /props (context size, slots, default sampling settings, build), or
-    {"error": ...} when it cannot be read (API key set, older server)."""
+def server_props(url: str, *, redact_text: bool = False) -> dict[str, Any]:
+    """llama-server's GET /props (context size, slots, default sampling settings, build), redacted,
+    or {"error": ...} when it cannot be read (API key set, older server)."""
     try:
         with urllib.request.urlopen(url + "/props", timeout=PROPS_TIMEOUT_S) as r:
             props = json.loads(r.read())
@@ -104,4 +105,4 @@ def server_props(url: str) -> dict[str, Any]:
     if not isinstance(props, dict):
         return {"error": "GET /props did not return an object"}
     props.pop("chat_template", None)  # long, and part of the model file already hashed
-    return props
+    return dict(redaction.server_answer(props, redact_text=redact_text))

@@ -466,7 +466,7 @@ class Recording:
 
 def _read_segment(table: str, path: Path) -> pl.DataFrame:
     try:
-        df = pl.read_parquet(path)
+        df = pl.read_parquet(path, glob=False)  # a "[" in the folder name is no pattern
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # polars raises its own errors, OSError, and pyo3 PanicException

@@ -14,6 +14,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from sparseety_prof.terminal_text import text as safe_text
+
 RATE_WINDOW_NS = 5_000_000_000  # tokens/s and steps/s over the last 5 s
 MAX_REQUESTS = 6  # requests shown, newest last
 MAX_TOKENS_PER_REQUEST = 48  # tail of each request's token stream
@@ -157,17 +159,18 @@ def render(s: Snapshot) -> RenderableType:
         "gaps",
         Text(f"{s.seq_gaps} (+{s.logits_incomplete} incomplete logits)", style=loss_style),
     )
-    title = f"sparseety-prof · PID {s.pid} · {s.engine} · {s.model}"
-    subtitle = f"recording to {s.recording}" if s.recording else "not recording (use -o DIR)"
+    # engine, model and path come from the target or the operator: Text, never markup
+    title = safe_text(f"sparseety-prof · PID {s.pid} · {s.engine} · {s.model}")
+    subtitle = safe_text(f"recording to {s.recording}" if s.recording else "not recording (use -o DIR)")
     parts: list[RenderableType] = [Panel(stats, title=title, subtitle=subtitle, title_align="left")]
     if not s.requests:
         parts.append(Text("waiting for tokens ...", style="dim"))
     for r in s.requests:
         line = Text()
-        line.append(f"{r.request_id}", style="bold cyan")
+        line.append(safe_text(r.request_id, "bold cyan"))
         line.append(f" {r.n_tokens} tok{' (partial)' if r.partial else ''}: ", style="cyan")
         for text, lp in r.tokens:
-            line.append(text.replace("\n", "⏎"), style=shade(lp))
+            line.append(safe_text(text.replace("\n", "⏎"), shade(lp)))
         parts.append(line)
     parts.append(
         Text("log-prob: ", style="dim")

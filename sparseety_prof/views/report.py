@@ -9,6 +9,13 @@ from rich.console import Console
 from rich.table import Table
 
 from sparseety_prof.store.recording import open as open_recording
+from sparseety_prof.terminal_text import text
+
+
+def _row(table: Table, *cells: object) -> None:
+    """A row whose every cell is shown as Text with hidden characters spelled out: ids, names
+    and paths in a recording come from the target and its clients."""
+    table.add_row(*[text(c) for c in cells])
 
 
 def print_report(path: Path, *, console: Console | None = None) -> None:
@@ -19,22 +26,25 @@ def print_report(path: Path, *, console: Console | None = None) -> None:
     meta = r.meta
     tokens, steps = r.tokens(), r.steps()
 
-    head = Table(title=f"recording {path}", show_header=False)
+    head = Table(title=text(f"recording {path}"), show_header=False)
     engine = meta.get("engine", {})
     model = meta.get("model", {})
-    head.add_row("engine", f"{engine.get('name', '?')} {engine.get('version', '?')}")
-    head.add_row(
+    _row(head, "engine", f"{engine.get('name', '?')} {engine.get('version', '?')}")
+    _row(
+        head,
         "model",
         f"{model.get('path', '?')} ({model.get('architecture', '?')}, sha256 "
         f"{str(model.get('sha256', ''))[:12]}…)",
     )
-    head.add_row("target", f"PID {meta.get('target', {}).get('pid', '?')}")
-    head.add_row(
-        "complete", str(r.complete) + ("" if r.complete else " (interrupted: the last segment may be lost)")
+    _row(head, "target", f"PID {meta.get('target', {}).get('pid', '?')}")
+    _row(
+        head,
+        "complete",
+        str(r.complete) + ("" if r.complete else " (interrupted: the last segment may be lost)"),
     )
     losses = meta.get("losses", {})
-    head.add_row("losses", ", ".join(f"{k}={v}" for k, v in losses.items()) or "unknown")
-    head.add_row("tokens / steps", f"{tokens.height} / {steps.height}")
+    _row(head, "losses", ", ".join(f"{k}={v}" for k, v in losses.items()) or "unknown")
+    _row(head, "tokens / steps", f"{tokens.height} / {steps.height}")
     con.print(head)
 
     if tokens.height:
@@ -61,7 +71,7 @@ def print_report(path: Path, *, console: Console | None = None) -> None:
         for c in per_req.columns:
             t.add_column(c)
         for row in per_req.iter_rows():
-            t.add_row(*[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row])
+            _row(t, *[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row])
         con.print(t)
     kernels = r.kernels()
     if kernels.height:
@@ -77,7 +87,7 @@ def print_report(path: Path, *, console: Console | None = None) -> None:
         for c in top.columns:
             kt.add_column(c)
         for row in top.iter_rows():
-            kt.add_row(*[f"{v:.1f}" if isinstance(v, float) else str(v) for v in row])
+            _row(kt, *[f"{v:.1f}" if isinstance(v, float) else str(v) for v in row])
         con.print(kt)
     if steps.height:
         dur = ((steps["t_end_ns"] - steps["t_start_ns"]) / 1e6).drop_nulls()
@@ -87,5 +97,5 @@ def print_report(path: Path, *, console: Console | None = None) -> None:
         for phase in ("prefill", "decode"):
             d = dur.filter(steps["phase"] == phase)
             if len(d):
-                lat.add_row(phase, str(len(d)), f"{d.quantile(0.5):.3f}", f"{d.quantile(0.99):.3f}")
+                _row(lat, phase, str(len(d)), f"{d.quantile(0.5):.3f}", f"{d.quantile(0.99):.3f}")
         con.print(lat)

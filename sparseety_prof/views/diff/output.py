@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import asdict
@@ -18,6 +17,7 @@ from typing import Any
 
 from rich.console import Console
 
+from sparseety_prof.terminal_text import json_dumps
 from sparseety_prof.views.diff.compare import diff_recordings
 from sparseety_prof.views.diff.render import render
 from sparseety_prof.views.diff.result import DiffResult, Tolerances
@@ -57,7 +57,8 @@ def run(
     )
     if as_json:
         out = console.file if console is not None else sys.stdout
-        out.write(json.dumps(result_json(result), indent=2, ensure_ascii=False) + "\n")
+        # the same JSON, with C1 and bidi characters of ids and token text as \\uXXXX escapes
+        out.write(json_dumps(result_json(result), indent=2, ensure_ascii=False) + "\n")
     else:
         render(result, console or Console(), name_a=str(path_a), name_b=str(path_b))
     return 0 if result.equal else 1

@@ -8,8 +8,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from sparseety_prof.terminal_text import text, visible
 from sparseety_prof.views.diff.result import ATTN, FFN, MOE, DiffResult, PairResult, TokenRef, Where
-from sparseety_prof.views.diff.text import describe_token, num, pct, visible
+from sparseety_prof.views.diff.text import describe_token, num, pct
 
 
 def _at(w: Where | None, kind: str | None = None) -> str:
@@ -38,25 +39,29 @@ def _summary(result: DiffResult, name_a: str, name_b: str) -> Table:
     head = Table(title="sparseety-prof diff", show_header=False, title_justify="left")
     head.add_column(style="bold")
     head.add_column()
-    head.add_row("A", Text(name_a))
-    head.add_row("B", Text(name_b))
+
+    def row(label: str, value: str | Text) -> None:  # values quote the recordings: Text, never markup
+        head.add_row(label, value if isinstance(value, Text) else text(value))
+
+    row("A", name_a)
+    row("B", name_b)
     sa, sb = result.a, result.b
     req = f"A {sa.requests}, B {sb.requests}; {len(result.pairs)} paired by first-token time"
     if result.unpaired_a or result.unpaired_b:
         req += f"; unpaired: A {len(result.unpaired_a)}, B {len(result.unpaired_b)}"
     if sa.partial_requests or sb.partial_requests:
         req += f" (partial excluded: A {sa.partial_requests}, B {sb.partial_requests})"
-    head.add_row("requests", req)
+    row("requests", req)
     rule = "all aligned positions" if result.all_positions else "up to each pair's divergence"
-    head.add_row("tokens compared", f"{result.tokens_compared} ({rule})")
+    row("tokens compared", f"{result.tokens_compared} ({rule})")
     fd = result.first_divergence
-    head.add_row(
+    row(
         "token divergence",
         f"{result.pairs_diverged} of {len(result.pairs)} pairs"
         + (f"; first: {_at(fd)}" if fd is not None else ""),
     )
     lp = result.log_prob
-    head.add_row(
+    row(
         "log-prob",
         f"max |Δ| {num(lp.max_abs_delta)}"
         + (f" at {_at(lp.max_at)}" if lp.max_at and lp.max_abs_delta else "")
@@ -71,8 +76,8 @@ def _summary(result: DiffResult, name_a: str, name_b: str) -> Table:
         if rt.first_difference:
             g = rt.first_difference
             line += f"; first set difference: {_at(g.where, MOE)}: {g.experts_a} vs {g.experts_b}"
-        head.add_row("routing", line)
-        head.add_row(
+        row("routing", line)
+        row(
             "expert weights",
             f"max |Δ| {num(rt.max_weight_delta)}"
             + (f" at {_at(rt.max_weight_at, MOE)}" if rt.max_weight_at and rt.max_weight_delta else "")
@@ -87,16 +92,16 @@ def _summary(result: DiffResult, name_a: str, name_b: str) -> Table:
         if worst is not None and worst.mean_abs_delta:
             line += f"; worst layer {worst.layer.label(FFN)} (mean {num(worst.mean_abs_delta)})"
         line += f"; {z.beyond_tol} of {z.compared} beyond {tol.ratio:g}"
-        head.add_row("act zero ratio", line)
+        row("act zero ratio", line)
     at = result.attn
     if at is not None:
         line = f"{at.differing} of {at.compared} token×layer differ"
         if at.first_difference:
             ad = at.first_difference
             line += f"; first: {_at(ad.where, ATTN)}: {ad.attended_a} vs {ad.attended_b} cells"
-        head.add_row("attention", line)
+        row("attention", line)
     for column, why in result.not_comparable.items():
-        head.add_row("not comparable", f"{column}: {why}")
+        row("not comparable", f"{column}: {why}")
     return head
 
 
@@ -119,7 +124,7 @@ def _pairs_table(result: DiffResult) -> Table:
     for p in result.pairs:
         cells: list[str | Text] = [
             str(p.pair),
-            Text(f"{p.request_a} / {p.request_b}"),
+            text(f"{p.request_a} / {p.request_b}"),
             f"{p.tokens_a}/{p.tokens_b}",
             str(p.compared),
             "—" if p.divergence is None else f"at {p.divergence}",
@@ -147,8 +152,8 @@ def _pair_line(p: PairResult) -> Text | None:
     if pf is None:
         return None
     line = Text(f"#{p.pair} ", style="bold")
-    line.append(f"{p.request_a} / {p.request_b}: ")
-    line.append(f"first difference at token {pf.decode_order} ({pf.kind}): {pf.detail}", style="red")
+    line.append(visible(f"{p.request_a} / {p.request_b}: "))
+    line.append(visible(f"first difference at token {pf.decode_order} ({pf.kind}): {pf.detail}"), style="red")
     if p.divergence is not None and pf.kind != "token":
         line.append(f"; tokens diverge at {p.divergence}: token {describe_token(p.token_a)} in A, ")
         line.append(f"{describe_token(p.token_b)} in B")
@@ -167,7 +172,7 @@ def _print_context(con: Console, shown: PairResult, all_positions: bool) -> None
             else ""
         )
     )
-    con.print(Text(title, style="bold"))
+    con.print(text(title, "bold"))
     ctx = Table()
     for col in ("token", "A", "A log-prob", "B", "B log-prob", ""):
         ctx.add_column(col)
@@ -208,7 +213,7 @@ def _ratio_layers(result: DiffResult) -> Table | None:
         lt.add_column(col)
     for x in sorted(z.layers, key=lambda x: -x.mean_abs_delta)[:8]:
         lt.add_row(
-            x.layer.label(FFN),
+            text(x.layer.label(FFN)),
             str(x.compared),
             num(x.mean_abs_delta),
             num(x.max_abs_delta),
@@ -253,7 +258,7 @@ def render(
         con.print(layers)
 
     for note in result.notes:
-        con.print(Text(f"note: {note}", style="yellow"))
+        con.print(text(f"note: {note}", "yellow"))
     if result.unpaired_a or result.unpaired_b:
-        con.print(Text(f"unpaired: A {result.unpaired_a}, B {result.unpaired_b}", style="yellow"))
+        con.print(text(f"unpaired: A {result.unpaired_a}, B {result.unpaired_b}", "yellow"))
     con.print(_verdict(result))

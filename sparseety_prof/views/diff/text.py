@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sparseety_prof.terminal_text import visible
 from sparseety_prof.views.diff.result import TokenRef
 
 
@@ -15,11 +16,6 @@ def pct(v: float | None) -> str:
     if v is None:
         return "—"
     return "100%" if v == 1 else f"{min(100 * v, 99.99):.2f}%"  # never rounds up to a false 100%
-
-
-def visible(text: str) -> str:
-    """Token text with control characters escaped (newlines, tabs...), everything else as is."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def describe_token(t: TokenRef | None) -> str:
