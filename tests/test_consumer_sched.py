@@ -69,21 +69,30 @@ def test_idle_policy_leaves_sched_idle_while_escalated() -> None:
 
 
 def test_rows_gathered_over_drains_become_one_frame_per_frame_rows() -> None:
-    from sparseety_prof.store.buffers import ColumnBuffer as _ColumnBuffer
+    import pytest
 
-    buf = _ColumnBuffer()
+    from sparseety_prof.store import schema
+    from sparseety_prof.store.buffers import ColumnBuffer
+
+    def rows(table: str, **given: list[object]) -> dict[str, list[object]]:
+        return schema.fill_absent(table, given, [c for c in schema.TABLES[table] if c not in given])
+
+    buf = ColumnBuffer()
     buf.FRAME_ROWS = 5
-    assert buf.add("tokens", {"token_id": [1, 2], "seq_id": [0, 0]}, final=False) == []
+    assert buf.add("tokens", rows("tokens", token_id=[1, 2], seq_id=[0, 0]), final=False) == []
     assert buf.add("tokens", {}, final=False) == []  # a drain without rows
-    (df,) = buf.add("tokens", {"token_id": [3, 4, 5], "seq_id": [0, 0, 1]}, final=False)
+    assert buf.add("tokens", rows("tokens", token_id=[], seq_id=[]), final=False) == []
+    (df,) = buf.add("tokens", rows("tokens", token_id=[3, 4, 5], seq_id=[0, 0, 1]), final=False)
     assert df["token_id"].to_list() == [1, 2, 3, 4, 5] and df["seq_id"].to_list() == [0, 0, 0, 0, 1]
-    # another set of columns: the rows gathered so far become their own frame first
-    buf.add("tokens", {"token_id": [6]}, final=False)
-    first, second = buf.add("tokens", {"token_id": [7], "seq_id": [2]}, final=True)
-    assert first["token_id"].to_list() == [6] and first["seq_id"].to_list() == [None]
-    assert second["token_id"].to_list() == [7] and second["seq_id"].to_list() == [2]
+    assert df.columns == list(schema.TABLES["tokens"])
+    # the end of the recording takes what is left, however few rows
+    (last,) = buf.add("tokens", rows("tokens", token_id=[7], seq_id=[2]), final=True)
+    assert last["token_id"].to_list() == [7] and last["seq_id"].to_list() == [2]
+    # a drain whose columns are not the table's fails there, naming them
+    with pytest.raises(ValueError, match="tkoen_id"):
+        buf.add("tokens", {"tkoen_id": [1]}, final=False)
     # what is left when the recording ends on an error is taken by take_all()
-    buf.add("steps", {"step_id": [9]}, final=False)
+    buf.add("steps", rows("steps", step_id=[9]), final=False)
     [(table, df)] = buf.take_all()
     assert table == "steps" and df["step_id"].to_list() == [9]
     assert buf.take_all() == []

@@ -22,6 +22,7 @@ from fcntl import ioctl
 from pathlib import Path
 from typing import Any, cast
 
+import polars as pl
 import pytest
 from conftest import CLI, ENGINES, ROOT, Engine, free_port, run_cli
 from rich.console import Console
@@ -90,6 +91,11 @@ def test_every_hidden_character_is_spelled_out_and_markup_escaped() -> None:
 
 
 # ------------------------------------------------------------------ views on planted strings
+def _planted_frame(table: str, given: dict[str, list[object]]) -> pl.DataFrame:
+    """A table of one row: the given columns, every other column null."""
+    return schema.frame(table, given, absent=[c for c in schema.TABLES[table] if c not in given])
+
+
 def _hostile_recording(path: Path) -> Path:
     """A recording whose every string (meta.json, ids, token text, kernel names) is hostile."""
     meta = {
@@ -102,14 +108,14 @@ def _hostile_recording(path: Path) -> Path:
     w.append("tokens", tokens(request(HOSTILE, mutate=lambda k, row: row.update(token_text=HOSTILE))))
     w.append(
         "requests",
-        schema.frame(
+        _planted_frame(
             "requests",
             {"request_id": [HOSTILE], "id_source": [HOSTILE], "ttft_ms": [1.0], "end_reason": [HOSTILE]},
         ),
     )
     w.append(
         "kernels",
-        schema.frame("kernels", {"name": [HOSTILE], "start_ns": [0], "end_ns": [10], "step_id": [1]}),
+        _planted_frame("kernels", {"name": [HOSTILE], "start_ns": [0], "end_ns": [10], "step_id": [1]}),
     )
     w.close(losses={HOSTILE: 1})
     return path

@@ -101,13 +101,26 @@ def test_output_identical_with_and_without_profiler(models: dict[str, Path], tmp
 
 
 def test_attach_mid_request_marks_rows_partial(models: dict[str, Path], tmp_path: Path) -> None:
-    e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
+    e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"]), "--n-ctx", "8192"])
     try:
-        # about 10 s in all: longer than attaching takes (BPF compile of every probe, 3-5 s here)
-        e.send({"prompts": ["hello the expert router"], "max_tokens": 1000, "temp": 0.0, "token_delay": 0.01})
+        # the request runs until the recorder is attached and has seen some of its tokens,
+        # however long attaching takes on a loaded machine (it ends at 8,000 tokens otherwise)
+        stop = tmp_path / "stop-generating"
+        e.send(
+            {
+                "prompts": ["hello the expert router"],
+                "max_tokens": 8000,
+                "temp": 0.0,
+                "token_delay": 0.01,
+                "stop_file": str(stop),
+            }
+        )
         time.sleep(0.3)  # the request is running now
         rec = Recorder(e.pid, tmp_path / "rec")
+        time.sleep(1.0)
+        stop.touch()
         first = e.read(timeout=300)["results"]
+        assert len(first[0]["ids"]) < 8000, "the request ended before the recorder attached"
         nxt = e.generate(["one two three"], max_tokens=20)
         rc, err = rec.stop()
         assert rc == 0, err

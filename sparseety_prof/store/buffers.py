@@ -22,21 +22,20 @@ class ColumnBuffer:
         self._cols: dict[str, dict[str, list[Any]]] = {}
 
     def add(self, table: str, cols: dict[str, list[Any]], *, final: bool) -> list[pl.DataFrame]:
-        out = []
+        """Gather one drain's rows of `table` (every column of the table, as schema.frame wants;
+        a drain without rows may pass {} or empty lists); the frames that are due."""
         buf = self._cols.get(table)
-        if cols:
-            if buf is not None and buf.keys() != cols.keys():  # another shape: close the old one
-                out.append(schema.frame(table, buf))
-                buf = None
+        if cols and len(next(iter(cols.values()))):
             if buf is None:
+                schema.check_columns(table, cols)  # a wrong column fails at its drain, not later
                 buf = self._cols[table] = {k: list(v) for k, v in cols.items()}
             else:
                 for k, v in cols.items():
                     buf[k].extend(v)
         if buf is not None and (final or len(next(iter(buf.values()), ())) >= self.FRAME_ROWS):
-            out.append(schema.frame(table, buf))
             del self._cols[table]
-        return out
+            return [schema.frame(table, buf)]
+        return []
 
     def take_all(self) -> list[tuple[str, pl.DataFrame]]:
         """Frames of every row still gathered."""

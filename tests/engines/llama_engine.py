@@ -588,6 +588,8 @@ def main() -> None:
                     lps.append(float(log_softmax(row)[t]))
                 if len(ids) >= int(cmd["max_tokens"]) or t == llm.token_eos():
                     break
+                if cmd.get("stop_file") and os.path.exists(cmd["stop_file"]):
+                    break  # the test says when: a request that lasts as long as attaching takes
                 if cmd.get("token_delay"):  # a slow client, so a test can attach mid-request
                     time.sleep(float(cmd["token_delay"]))
             results.append({"prompt_tokens": toks, "ids": ids, "log_probs": lps, "times_ns": times})
