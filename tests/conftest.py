@@ -291,3 +291,36 @@ def which(name: str) -> str:
     path = shutil.which(name)
     assert path, f"{name} not installed"
     return path
+
+
+_MAPPER = r"""
+import mmap, os, shutil, sys, time
+path = sys.argv[1].replace("{pid}", str(os.getpid()))
+if sys.argv[2]:
+    shutil.copyfile(sys.argv[2], path)
+fd = os.open(path, os.O_RDWR)
+m = mmap.mmap(fd, 0)
+print(path, flush=True)
+time.sleep(600)
+"""
+
+
+class MappingProcess:
+    """A process that maps a file (shared, read-write) and sleeps: an engine whose CUPTI library
+    mapped its ring. `path` may contain "{pid}" (the process's own PID); `copy_from`: the file's
+    content, copied there by the process before it maps it."""
+
+    def __init__(self, path: str | Path, copy_from: Path | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [PY, "-c", _MAPPER, str(path), str(copy_from or "")], stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        assert line, f"the mapping process exited with {self.proc.wait()}"
+        self.path = Path(line)
+        self.pid = self.proc.pid
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.path.unlink(missing_ok=True)

@@ -21,6 +21,7 @@ from typing import TypeVar
 
 import numpy as np
 import pytest
+from conftest import MappingProcess
 
 from sparseety_prof.gpu import launch as launch_mod
 from sparseety_prof.gpu.records import KernelActivity, LaunchApi, MemcpyActivity, WatchedBuffer
@@ -335,20 +336,25 @@ def test_reader_skips_pad_and_unknown_records(tmp_path: Path) -> None:
     with ShmRing(tmp_path / "ring") as ring:
         assert ring.drain() == []
         assert ring.counters().errors == ["boom (code -1)"]
-        assert ring._tail.value == len(data)
-        assert ring._mm[HEADER_SIZE : HEADER_SIZE + len(data)] == bytes(len(data))  # zeroed for the producers
+        assert ring.read_tail == len(data)
+        raw = (tmp_path / "ring").read_bytes()
+        assert struct.unpack_from("<Q", raw, 128)[0] == len(data)  # stored for the producers
+        assert raw[HEADER_SIZE : HEADER_SIZE + len(data)] == bytes(len(data))  # zeroed for the producers
 
 
 def test_find_rings_covers_descendant_processes(tmp_path: Path) -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    write_ring(tmp_path / "src")
+    child = MappingProcess(tmp_path / "sparseety-prof-cupti.{pid}", copy_from=tmp_path / "src")
     try:
         assert child.pid in descendants(os.getpid())
-        (tmp_path / f"sparseety-prof-cupti.{child.pid}").write_bytes(b"")
         (tmp_path / "sparseety-prof-cupti.1").write_bytes(b"")  # init: not ours
-        assert find_rings(os.getpid(), shm_dir=tmp_path) == [tmp_path / f"sparseety-prof-cupti.{child.pid}"]
+        found = find_rings(os.getpid(), shm_dir=tmp_path)
+        assert [(f.path, f.pid) for f in found] == [
+            (tmp_path / f"sparseety-prof-cupti.{child.pid}", child.pid)
+        ]
+        assert found[0].mapped.inode == os.stat(child.path).st_ino
     finally:
-        child.kill()
-        child.wait()
+        child.close()
 
 
 # ---------------------------------------------------------------- launch
@@ -399,7 +405,8 @@ def test_gpu_check_fails_fast_and_clearly_without_gpu() -> None:
 
 
 def test_reader_loads_by_file_path_without_the_package(tmp_path: Path) -> None:
-    # As scripts/gpu_check.py does on a machine without polars: records.py, then shm_ring.py by path.
+    # As scripts/gpu_check.py does on a machine without polars: records.py, untrusted_files.py, then
+    # shm_ring.py by path.
     write_ring(tmp_path / "ring")
     code = f"""
 import importlib.util, sys
@@ -408,6 +415,7 @@ def load(name, path):
     mod = importlib.util.module_from_spec(spec); sys.modules[name] = mod; spec.loader.exec_module(mod)
     return mod
 load("records", {str(ROOT / "sparseety_prof/gpu/records.py")!r})
+load("untrusted_files", {str(ROOT / "sparseety_prof/capture/untrusted_files.py")!r})
 ring = load("shm_ring", {str(ROOT / "sparseety_prof/gpu/shm_ring.py")!r}).ShmRing({str(tmp_path / "ring")!r})
 assert ring.drain() == [] and "sparseety_prof" not in sys.modules and "polars" not in sys.modules
 print("ok")

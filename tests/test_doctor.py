@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ENGINES, ROOT, Engine, run_cli, run_cli_without_capabilities
+from conftest import ENGINES, ROOT, Engine, MappingProcess, run_cli, run_cli_without_capabilities
 
 from sparseety_prof.commands import doctor
 
@@ -173,14 +173,16 @@ def test_gpu_ring_check(tmp_path: Path) -> None:
     from sparseety_prof.gpu.shm_ring import SHM_PREFIX
 
     p = subprocess.Popen(["sleep", "30"])
-    ring = Path("/dev/shm") / f"{SHM_PREFIX}{p.pid}"
     try:
         none = diagnose.check_rings(p.pid)
         assert not none.ok and "sparseety-prof launch" in none.fix
-        ring.write_bytes(b"\0" * 8192)  # a ring that was never initialised
-        bad = diagnose.check_rings(p.pid)
-        assert not bad.ok and "magic" in bad.detail
     finally:
         p.kill()
         p.wait()
-        ring.unlink(missing_ok=True)
+    (tmp_path / "blank").write_bytes(b"\0" * 8192)  # a ring that was never initialised
+    engine = MappingProcess(Path("/dev/shm") / f"{SHM_PREFIX}{{pid}}", copy_from=tmp_path / "blank")
+    try:
+        bad = diagnose.check_rings(engine.pid)
+        assert not bad.ok and "magic" in bad.detail
+    finally:
+        engine.close()

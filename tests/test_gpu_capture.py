@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import stat
-import subprocess
 from pathlib import Path
 
 import polars as pl
 import pytest
-from conftest import run_cli
+from conftest import MappingProcess, run_cli
 from test_cupti_ext import WATCH, build, env_for, run_driver, shm_name  # noqa: F401 (fixtures)
 
 import sparseety_prof
@@ -84,10 +82,10 @@ def test_record_gpu_only_process(build: Path, shm_name: str, tmp_path: Path) -> 
     """A process with no llama.cpp but a CUPTI ring (a Python CUDA engine under `launch`):
     `record` records kernels and GPU-side steps closed by the device-to-host copy."""
     run_driver(build, "main", env_for(build, shm_name, SPARSEETY_WATCH=WATCH))
-    engine = subprocess.Popen(["sleep", "60"])
-    ring = Path("/dev/shm") / f"{SHM_PREFIX}{engine.pid}"
+    # the engine maps its ring, as the injection library does: a ring is only read where it is mapped
+    engine = MappingProcess(Path("/dev/shm") / f"{SHM_PREFIX}{{pid}}", copy_from=Path("/dev/shm") / shm_name)
+    ring = engine.path
     try:
-        shutil.copyfile(Path("/dev/shm") / shm_name, ring)
         from sparseety_prof.gpu.diagnose import check_rings
 
         assert check_rings(engine.pid).ok  # doctor --gpu --pid sees it
@@ -95,8 +93,7 @@ def test_record_gpu_only_process(build: Path, shm_name: str, tmp_path: Path) -> 
         assert r.returncode == 0, r.stderr
         assert "GPU only" in r.stderr
     finally:
-        engine.send_signal(signal.SIGKILL)
-        engine.wait()
+        engine.close()
         ring.unlink(missing_ok=True)
     rec = sparseety_prof.open(tmp_path / "rec")
     k = rec.kernels()

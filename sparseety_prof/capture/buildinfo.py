@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparseety_prof.capture.elf import load_segments
+from sparseety_prof.capture.elf import load_segments, open_elf
 from sparseety_prof.capture.target import symbol_table
 
 MAX_STRING = 128
@@ -93,7 +93,7 @@ def read_markers(path: Path) -> dict[str, object]:
     syms = {name: table[name][0] for name in _WANTED if name in table and table[name][2] in _DATA_TYPES}
     segs = load_segments(path)
     out: dict[str, object] = {}
-    with path.open("rb") as f:
+    with open_elf(path) as f:
         for fn, key in (("ggml_version", "ggml_version"), ("ggml_commit", "commit")):
             if fn in syms:
                 s = _returned_string(f, segs, syms[fn])

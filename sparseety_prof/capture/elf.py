@@ -1,14 +1,25 @@
-"""Just enough ELF reading to place uprobes well: virtual address -> file bytes."""
+"""Just enough ELF reading to place uprobes well: virtual address -> file bytes. The files are
+the target's: opened as untrusted (capture/untrusted_files.py), never blocking, regular files only."""
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
+from typing import BinaryIO
+
+from sparseety_prof.capture.untrusted_files import open_untrusted
+
+
+def open_elf(path: Path) -> BinaryIO:
+    """The file for reading, once it proved to be a regular file (no FIFO, no /dev/zero)."""
+    fd, _ = open_untrusted(path)
+    return os.fdopen(fd, "rb")
 
 
 def load_segments(path: Path) -> list[tuple[int, int, int]]:
     """PT_LOAD segments as (vaddr, file offset, file size)."""
-    with path.open("rb") as f:
+    with open_elf(path) as f:
         ehdr = f.read(64)
         if ehdr[:4] != b"\x7fELF" or ehdr[4] != 2:
             raise ValueError(f"{path} is not a 64-bit ELF file")
@@ -29,7 +40,7 @@ def load_segments(path: Path) -> list[tuple[int, int, int]]:
 def read_at_vaddr(path: Path, vaddr: int, n: int) -> bytes:
     for seg_vaddr, seg_off, seg_size in load_segments(path):
         if seg_vaddr <= vaddr < seg_vaddr + seg_size:
-            with path.open("rb") as f:
+            with open_elf(path) as f:
                 f.seek(seg_off + vaddr - seg_vaddr)
                 return f.read(n)
     raise ValueError(f"address {vaddr:#x} is not in a loaded segment of {path}")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import mmap
 import os
 import struct
 from collections.abc import Callable, Sequence
@@ -38,6 +37,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
+from sparseety_prof.capture.untrusted_files import open_untrusted
 from sparseety_prof.errors import ProfError
 
 __all__ = [
@@ -65,6 +65,9 @@ _KEY_EOS = gguf.Keys.Tokenizer.EOS_ID
 
 _SPM_LIKE = frozenset({"llama", "bert", "t5"})  # llama.cpp's SPM, WPM and UGM share one branch
 _BPE = frozenset({"gpt2"})
+
+#: the first read of a GGUF header (a 150k-token vocabulary and its merges take a few MB)
+HEADER_READ_BYTES = 16 << 20
 
 # (path, st_dev, st_ino, size, mtime_ns) -> hex digest
 _sha256_cache: dict[tuple[str, int, int, int, int], str] = {}
@@ -112,18 +115,21 @@ def sha256_file(path: Path, *, progress: Callable[[int, int], object] | None = N
 
     `progress(done_bytes, total_bytes)` is called after each chunk when the file is actually
     read (not on a cache hit): hashing a multi-GB model takes seconds.
+
+    The file may belong to the target: only a regular file is read (capture/untrusted_files.py),
+    and no further than the size it had when opened (a file that grows is not followed).
     """
-    st = os.stat(path)
-    key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    hit = _sha256_cache.get(key)
-    if hit is not None:
-        return hit
-    h = hashlib.sha256()
-    buf = bytearray(SHA256_CHUNK)
-    view = memoryview(buf)
-    done = 0
-    with Path(path).open("rb", buffering=0) as f:
-        while n := f.readinto(buf):
+    fd, st = open_untrusted(path)
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        hit = _sha256_cache.get(key)
+        if hit is not None:
+            return hit
+        h = hashlib.sha256()
+        buf = bytearray(SHA256_CHUNK)
+        view = memoryview(buf)
+        done = 0
+        while done < st.st_size and (n := f.readinto(view[: min(SHA256_CHUNK, st.st_size - done)])):
             h.update(view[:n])
             done += n
             if progress is not None:
@@ -207,28 +213,39 @@ class _Header:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        # Read, not mapped: the file may be the target's, and truncating a mapped file would kill
+        # the reader with SIGBUS. The header is read from the start of the file, a larger prefix
+        # each time it runs past the one read.
         try:
-            with path.open("rb") as f:
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            fd, st = open_untrusted(path)  # a regular file, opened without blocking
+            with os.fdopen(fd, "rb", buffering=0) as f:
+                self._read_header(f.fileno(), st.st_size)
         except OSError as e:
             raise ProfError(f"cannot read model file {path}: {e.strerror or e}") from e
-        except ValueError as e:  # mmap of an empty file
-            raise ProfError(f"{path} is not a readable GGUF model file ({e})") from e
-        self.fields: dict[str, Scalar | npt.NDArray[Any] | _StringArray | list[Any]] = {}
-        self.tensors: list[tuple[str, tuple[int, ...]]] = []
-        self.tensor_types: list[tuple[int, int]] = []  # (ggml type, offset in the data section)
-        self.directory_end = 0  # file offset just past the tensor directory
-        try:
-            self._parse()
-        except ProfError:
-            self.close()
-            raise
         except (struct.error, ValueError, IndexError, UnicodeDecodeError, OverflowError) as e:
-            self.close()
             raise ProfError(f"{path} is not a readable GGUF model file (truncated or damaged: {e})") from e
+        self.size = st.st_size
+
+    def _read_header(self, fd: int, size: int) -> None:
+        if size == 0:
+            raise ValueError("empty file")
+        n = min(size, HEADER_READ_BYTES)
+        while True:
+            self._mm = os.pread(fd, n, 0)
+            self.fields: dict[str, Scalar | npt.NDArray[Any] | _StringArray | list[Any]] = {}
+            self.tensors: list[tuple[str, tuple[int, ...]]] = []
+            self.tensor_types: list[tuple[int, int]] = []  # (ggml type, offset in the data section)
+            self.directory_end = 0  # file offset just past the tensor directory
+            try:
+                self._parse()
+                return
+            except (struct.error, ValueError, IndexError):
+                if len(self._mm) < n or n >= size:  # the whole file was read (or it shrank)
+                    raise
+                n = min(size, n * 4)
 
     def close(self) -> None:
-        self._mm.close()
+        self._mm = b""
 
     def __enter__(self) -> _Header:
         return self
@@ -379,7 +396,7 @@ def read_tensor_infos(path: Path) -> list[TensorInfo]:
     path = Path(path)
     with _Header(path) as h:
         infos = h.tensor_infos()
-        size = len(h._mm)
+        size = h.size
     for t in infos:
         if t.nbytes is not None and t.offset + t.nbytes > size:
             raise ProfError(

@@ -21,7 +21,7 @@ def check_privileges() -> Check:
     try:
         tg.check_privileges()
     except ProfError as e:
-        return Check("privileges", False, str(e), 'run as root: sudo env "PATH=$PATH" sparseety-prof doctor')
+        return Check("privileges", False, str(e), 'run as root: sudo "$(command -v sparseety-prof)" doctor')
     return Check("privileges", True, "CAP_BPF + CAP_PERFMON (or CAP_SYS_ADMIN) in the effective set")
 
 

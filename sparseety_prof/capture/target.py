@@ -7,10 +7,12 @@ import errno
 import functools
 import os
 import re
+import stat
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sparseety_prof.capture.untrusted_files import open_untrusted, read_prefix, target_path, trusted_tool
 from sparseety_prof.errors import MissingPrivileges, NoSuchProcess, NotAnEngine
 
 # Symbols that make a library a llama.cpp engine library we can probe.
@@ -46,6 +48,9 @@ SYM_SLOT_LAUNCH_PARENT = (
     "ER11server_slotRSt6vectorIPS0_SaIS3_EEO11server_task"
 )
 SYM_PROCESS_TOKEN = "_ZN19server_context_impl13process_tokenER23completion_token_outputR11server_slot"
+#: nm on a 100 MB library takes seconds; a file that keeps it busy longer is not read
+TOOL_TIMEOUT_S = 120
+
 SERVER_SYMBOLS = (
     SYM_TASK_POST_ONE,
     SYM_TASK_POST_VEC,
@@ -82,7 +87,7 @@ def check_process(pid: int) -> None:
     except PermissionError:
         raise MissingPrivileges(
             f"PID {pid} belongs to another user and you may not trace it: run as root, e.g.\n"
-            f'  sudo env "PATH=$PATH" sparseety-prof record --pid {pid} ...'
+            f'  sudo "$(command -v sparseety-prof)" record --pid {pid} ...'
         ) from None
 
 
@@ -97,7 +102,7 @@ def check_privileges() -> None:
         "already root but capabilities are missing: in a container add --cap-add BPF --cap-add PERFMON "
         "(or --privileged)"
         if os.geteuid() == 0
-        else 'run it as root: sudo env "PATH=$PATH" sparseety-prof ...'
+        else 'run it as root: sudo "$(command -v sparseety-prof)" ...'
     )
     raise MissingPrivileges(
         f"attaching eBPF uprobes needs CAP_BPF and CAP_PERFMON (or CAP_SYS_ADMIN); {hint}"
@@ -136,6 +141,8 @@ def inspect(pid: int) -> Target:
         if e.errno == errno.ENOENT:
             raise NoSuchProcess(f"no process with PID {pid} (did the engine exit?)") from None
         raise MissingPrivileges(f"cannot inspect PID {pid}: {e.strerror}; run as root (sudo)") from None
+    # Paths as the process sees them, resolved through /proc/PID/root in a container: its files,
+    # not ours of the same name.
     libs: list[MappedLib] = []
     seen: set[str] = set()
     for path, inode in maps:
@@ -143,8 +150,8 @@ def inspect(pid: int) -> Target:
             continue
         seen.add(path)
         if re.search(r"\.so(\.\d+)*$", path) or path == exe:
-            libs.append(MappedLib(Path(path), inode))
-    models = _open_models(pid, [p for p, _ in maps])
+            libs.append(MappedLib(target_path(pid, path), inode))
+    models = [target_path(pid, m) for m in _open_models(pid, [p for p, _ in maps])]
     return Target(
         pid=pid, exe=exe, cmdline=[c.decode(errors="replace") for c in cmdline], libs=libs, model_paths=models
     )
@@ -158,10 +165,12 @@ def _open_models(pid: int, mapped: list[str]) -> list[Path]:
         for fd in fd_dir.iterdir():
             try:
                 t = os.readlink(fd)
+                # stat of the fd link is the open file itself (never blocks): a FIFO or device
+                # named *.gguf is no model
+                if t.endswith(".gguf") and stat.S_ISREG(os.stat(fd).st_mode):
+                    found.append(t)
             except OSError:
                 continue
-            if t.endswith(".gguf"):
-                found.append(t)
     except OSError:
         pass
     out: list[Path] = []
@@ -174,7 +183,9 @@ def _open_models(pid: int, mapped: list[str]) -> list[Path]:
 def elf_symbols(path: Path) -> dict[str, tuple[int, int]]:
     """Defined function symbols of an ELF file -> (address, size), from .dynsym and .symtab.
     Uses binutils' nm, present wherever BCC's toolchain is. Read once per file version: finding
-    the engine and attaching each probe both ask, and nm on a 100 MB library takes a while."""
+    the engine and attaching each probe both ask, and nm on a 100 MB library takes a while.
+    The file belongs to the target: nm (from /usr/bin, never through PATH) reads it through a
+    descriptor opened without blocking, and only when it is a regular file."""
     st = path.stat()
     return dict(_elf_symbols(path, st.st_ino, st.st_mtime_ns))
 
@@ -188,9 +199,25 @@ def symbol_table(path: Path) -> dict[str, tuple[int, int, str]]:
 @functools.lru_cache(maxsize=32)
 def _symbol_table(path: Path, _inode: int, _mtime_ns: int) -> dict[str, tuple[int, int, str]]:
     syms: dict[str, tuple[int, int, str]] = {}
-    for extra in (["-D"], []):
-        r = subprocess.run(["nm", *extra, "--defined-only", "-S", str(path)], capture_output=True, text=True)
-        for line in r.stdout.splitlines():
+    nm = trusted_tool("nm")
+    fd, _ = open_untrusted(path)
+    try:
+        outputs = [
+            subprocess.run(
+                [nm, *extra, "--defined-only", "-S", f"/dev/fd/{fd}"],
+                capture_output=True,
+                text=True,
+                pass_fds=(fd,),
+                timeout=TOOL_TIMEOUT_S,
+            ).stdout
+            for extra in (["-D"], [])
+        ]
+    except subprocess.TimeoutExpired:
+        raise OSError(f"{path}: nm did not finish within {TOOL_TIMEOUT_S} s") from None
+    finally:
+        os.close(fd)
+    for out in outputs:
+        for line in out.splitlines():
             parts = line.split()
             if len(parts) == 4:
                 syms.setdefault(parts[3], (int(parts[0], 16), int(parts[1], 16), parts[2]))
@@ -292,7 +319,13 @@ def split_params(demangled: str) -> tuple[str, tuple[str, ...]] | None:
 def _demangle(names: list[str]) -> list[str]:
     if not names:
         return []
-    r = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True)
+    r = subprocess.run(
+        [trusted_tool("c++filt")],
+        input="\n".join(names),
+        capture_output=True,
+        text=True,
+        timeout=TOOL_TIMEOUT_S,
+    )
     out = r.stdout.splitlines()
     return out if len(out) == len(names) else names
 
@@ -337,7 +370,7 @@ def symbol_in(lib: Path, role: str) -> str:
 def build_id(path: Path) -> str | None:
     """GNU build id (hex) from the ELF note, or None."""
     try:
-        data = path.read_bytes()[: 1 << 16]
+        data = read_prefix(path, 1 << 16)
     except OSError:
         return None
     i = data.find(b"GNU\0")

@@ -51,7 +51,8 @@ import numpy as np
 import numpy.typing as npt
 
 from sparseety_prof.capture.gguf_info import TensorInfo, read_tensor_infos, sha256_file
-from sparseety_prof.errors import UsageError
+from sparseety_prof.capture.untrusted_files import open_untrusted
+from sparseety_prof.errors import ProfError, UsageError
 
 __all__ = ["CACHE_FORMAT", "CACHE_VERSION", "NM_GROUP_SIZES", "analyze", "default_cache_dir", "nm_pattern"]
 
@@ -180,9 +181,28 @@ def _group_max_nonzeros(nz: BoolArray, sizes: list[int]) -> dict[int, int]:
 
 
 # ------------------------------------------------------------------ one tensor
-def _analyse_tensor(data: U8Array | None, t: TensorInfo, tick: Callable[[int], None]) -> dict[str, Any]:
+class _FileBytes:
+    """Byte ranges of the model file, read with pread: never mapped, because the file may be the
+    target's, and a file truncated under a mapping kills the reader with SIGBUS."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd, _ = open_untrusted(path)  # a regular file, opened without blocking
+
+    def __getitem__(self, span: slice) -> U8Array:
+        start, stop = int(span.start), int(span.stop)
+        raw = os.pread(self._fd, stop - start, start)
+        if len(raw) != stop - start:
+            raise ProfError(f"{self.path} shrank while its weights were read (short read at byte {start})")
+        return np.frombuffer(raw, dtype=np.uint8)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def _analyse_tensor(data: _FileBytes | None, t: TensorInfo, tick: Callable[[int], None]) -> dict[str, Any]:
     """Per-tensor entry of the JSON; `tick(n)` is told of every n bytes scanned. `data` is the
-    whole file, mapped (None only when no tensor has any data)."""
+    whole file (None only when no tensor has any data)."""
     type_name = t.type_name
     entry: dict[str, Any] = {
         "name": t.name,
@@ -250,18 +270,12 @@ def _analyse_file(
         if progress is not None and n:
             progress(min(done, total), total)
 
-    # numpy cannot map an empty range, so a file whose tensors hold no data is never mapped.
-    data = np.memmap(path, dtype=np.uint8, mode="r") if any(t.nbytes for t in infos) else None
+    data = _FileBytes(path) if any(t.nbytes for t in infos) else None
     try:
         tensors = [_analyse_tensor(data, t, tick) for t in infos]
     finally:
-        # Unmap now rather than when the garbage collector gets to it: the mapping pins the file
-        # (and its page-cache pages) for as long as it lives.
-        mm = getattr(data, "_mmap", None)
-        del data
-        if mm is not None:
-            with contextlib.suppress(BufferError):  # a view escaped: leave it to the GC
-                mm.close()
+        if data is not None:
+            data.close()
 
     analysed = [e for e in tensors if e["n_zeros"] is not None]
     n_values = sum(e["n_values"] for e in analysed)

@@ -3,8 +3,10 @@ into the kernel correlator, fed with the host steps the uprobes found, and hands
 (kernels, routes of watched top-k buffers, and GPU-side steps for Python decode loops) as columns,
 like the host correlator.
 
-Used by the recorder when `find_rings(pid)` finds a ring, i.e. when the engine was started with
-`sparseety-prof launch` (CUDA_INJECTION64_PATH).
+Used by the recorder when `find_rings(pid)` finds a ring that the engine (or one of its workers)
+maps, i.e. when it was started with `sparseety-prof launch` (CUDA_INJECTION64_PATH). A ring that
+turns out damaged while being read is dropped and named in the metadata's errors: the recording
+goes on.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ from typing import Any
 
 from sparseety_prof.gpu.correlate import KernelCorrelator
 from sparseety_prof.gpu.records import HostStep, LaunchApi, MemcpyActivity, RingCounters
-from sparseety_prof.gpu.shm_ring import RingError, ShmRing, find_rings
+from sparseety_prof.gpu.shm_ring import (
+    RingError,
+    ShmRing,
+    find_rings,
+    open_ring,
+    remove_stale_rings,
+)
 from sparseety_prof.store.schema import Tables
 
 #: the injection library's own device-to-host copies of watched arguments are reported as
@@ -30,18 +38,26 @@ class GpuCapture:
         self.correlator = KernelCorrelator()
         self.records = 0
         self._staging: dict[int, None] = {}  # correlation ids of the library's own copies
+        self._failed: list[str] = []  # rings dropped because they could not be read
 
     @classmethod
     def open(cls, pid: int, paths: list[Path] | None = None) -> GpuCapture | None:
-        """The rings of `pid` and its descendants, or None when it was not launched with the
-        injection library. A ring that cannot be read is an error the user must see."""
-        paths = find_rings(pid) if paths is None else paths
-        if not paths:
+        """The rings that `pid` and its descendants map, or None when it was not launched with the
+        injection library (rings of processes that are gone are removed first). `paths`: ring
+        files to read instead, whoever maps them. A ring that cannot be read is an error the
+        user must see."""
+        if paths is None:
+            remove_stale_rings()
+            found = find_rings(pid)
+            opens = [lambda f=f: open_ring(f) for f in found]
+        else:
+            opens = [lambda p=p: ShmRing(p) for p in paths]
+        if not opens:
             return None
-        rings = []
+        rings: list[ShmRing] = []
         try:
-            for p in paths:
-                rings.append(ShmRing(p))
+            for op in opens:
+                rings.append(op())
         except RingError:
             for r in rings:
                 r.close()
@@ -62,8 +78,12 @@ class GpuCapture:
 
     def poll(self, *, final: bool = False) -> Tables:
         """Drain every ring and return the settled rows (everything, with `final`)."""
-        for ring in self.rings:
-            recs = ring.drain()
+        for ring in list(self.rings):
+            try:
+                recs = ring.drain()
+            except RingError as e:
+                self._drop(ring, e)
+                continue
             self.records += len(recs)
             keep = []
             for r in recs:
@@ -79,10 +99,20 @@ class GpuCapture:
         self.correlator.add([self._counters()])
         return self.correlator.flush(final=final)
 
+    def _drop(self, ring: ShmRing, error: RingError) -> None:
+        self._failed.append(f"ring dropped: {error}")
+        self.rings.remove(ring)
+        ring.close()
+
     def _counters(self) -> RingCounters:
-        total = RingCounters()
-        for ring in self.rings:
-            c = ring.counters()
+        total = RingCounters(errors=list(self._failed))
+        for ring in list(self.rings):
+            try:
+                c = ring.counters()
+            except RingError as e:
+                self._drop(ring, e)
+                total.errors.append(self._failed[-1])
+                continue
             for k, v in c.__dict__.items():
                 if k == "errors":
                     total.errors.extend(v)
@@ -95,6 +125,7 @@ class GpuCapture:
         return {
             "rings": [str(r.path) for r in self.rings],
             "clock_domains": sorted({r.clock_domain for r in self.rings}),
+            "rings_dropped": len(self._failed),
             "join_mode": self.correlator.mode,
             "records": self.records,
             "ring": {k: v for k, v in c.__dict__.items() if k != "errors"},
@@ -105,7 +136,9 @@ class GpuCapture:
 
     def close(self) -> None:
         for r in self.rings:
-            finished = r.finished
+            try:
+                if r.finished:  # the producer exited and everything was drained: leave nothing behind
+                    r.unlink()
+            except RingError:
+                pass
             r.close()
-            if finished:  # the producer exited and everything was drained: leave nothing behind
-                r.path.unlink(missing_ok=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 from sparseety_prof.capture import target as tg
 from sparseety_prof.checks import Check
 from sparseety_prof.gpu.launch import find_libcupti, library_path
-from sparseety_prof.gpu.shm_ring import RingError, ShmRing, find_rings
+from sparseety_prof.gpu.shm_ring import RingError, find_rings, open_ring
 
 INJECTION_SYMBOL = "InitializeInjection"
 
@@ -77,23 +77,24 @@ def check_cuda_driver(module: str = "cupti", proc_driver: Path = Path("/proc/dri
 
 def check_rings(pid: int) -> Check:
     try:
-        paths = find_rings(pid)
+        rings = find_rings(pid)
     except OSError as e:
         return Check("GPU ring", False, f"cannot scan /proc for PID {pid}: {e}", "run as root")
-    if not paths:
+    if not rings:
         return Check(
             "GPU ring",
             False,
-            f"no CUPTI ring for PID {pid} or its children",
+            f"no CUPTI ring mapped by PID {pid} or its children",
             "start the engine with `sparseety-prof launch -- <command>` (CUPTI cannot attach later)",
         )
     notes = []
-    for p in paths:
+    for f in rings:
         try:
-            with ShmRing(p) as r:
+            with open_ring(f) as r:
                 c = r.counters()
                 notes.append(
-                    f"{p.name}: clock {r.clock_domain}, {c.launches_seen} launches, {c.ring_dropped} dropped"
+                    f"{f.path.name}: clock {r.clock_domain}, {c.launches_seen} launches, "
+                    f"{c.ring_dropped} dropped"
                 )
         except RingError as e:
             return Check("GPU ring", False, str(e), "restart the engine under `sparseety-prof launch`")

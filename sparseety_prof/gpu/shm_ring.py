@@ -23,7 +23,11 @@ the data area), each with an 8-byte header ``u32 length, u16 type, u16 reserved`
 commit word: producers store it last with release semantics, so 0 means "not written yet" and the
 reader stops there. The reader zeroes every byte it consumed before it advances `read_tail`
 (a single aligned 8-byte store), which keeps reserved-but-unwritten space reading as 0. The
-reader relies on the hardware not reordering its loads (x86-64's TSO; CPython issues no fences).
+reader uses pread/pwrite, not a mapping (the producer may truncate the file), and reads the
+committed records a second time after it saw their lengths (x86-64 keeps separate reads in order).
+
+The file's name proves nothing: `find_rings` takes a ring only where the process maps it, and
+`open_ring` opens that very inode, owned by the process's user (capture/untrusted_files.py).
 
 Record payloads (after the 8-byte header):
 
@@ -45,8 +49,6 @@ API and watched-buffer times are always CLOCK_MONOTONIC (taken by the library it
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -54,14 +56,22 @@ from pathlib import Path
 
 try:
     # relative on purpose: loaded by file path, an absolute import would pull in the package
+    from ..capture.untrusted_files import MappedFile, mapped_files, open_untrusted, process_uids, target_path
     from .records import KernelActivity, LaunchApi, MemcpyActivity, RingCounters, WatchedBuffer
-except ImportError:  # loaded by file path (scripts/gpu_check.py): records was loaded as "records"
+except ImportError:  # loaded by file path (scripts/gpu_check.py): these were loaded by their names
     from records import (  # type: ignore[no-redef]
         KernelActivity,
         LaunchApi,
         MemcpyActivity,
         RingCounters,
         WatchedBuffer,
+    )
+    from untrusted_files import (  # type: ignore[no-redef]
+        MappedFile,
+        mapped_files,
+        open_untrusted,
+        process_uids,
+        target_path,
     )
 
 __all__ = [
@@ -71,10 +81,13 @@ __all__ = [
     "SHM_PREFIX",
     "Record",
     "RingError",
+    "RingFile",
     "RingHeader",
     "ShmRing",
     "descendants",
     "find_rings",
+    "open_ring",
+    "remove_stale_rings",
 ]
 
 SHM_DIR = Path("/dev/shm")
@@ -84,11 +97,17 @@ VERSION = 1
 HEADER_SIZE = 4096
 CLOCK_CUPTI_DEFAULT = 0
 CLOCK_MONOTONIC = 1
+#: rings larger than this are refused (the library's default is 64 MiB)
+MAX_CAPACITY = 1 << 30
+#: bytes read per drain (more when the first record is larger); the rest waits for the next drain
+DRAIN_WINDOW = 64 << 20
+#: records decoded per drain: a drain takes at most about a second, whatever the ring holds
+MAX_RECORDS_PER_DRAIN = 500_000
 
 REC_KERNEL, REC_LAUNCH_API, REC_MEMCPY, REC_WATCHED_BUFFER, REC_ERROR, REC_PAD = 1, 2, 3, 4, 5, 0x50
 
 _HDR = struct.Struct("<QIIQIIQQQII")  # magic .. flags (64 bytes)
-_OFF_HEAD, _OFF_TAIL, _OFF_COUNTERS = 64, 128, 192
+_OFF_CLOCK, _OFF_FINISHED, _OFF_HEAD, _OFF_TAIL, _OFF_COUNTERS = 28, 56, 64, 128, 192
 _N_COUNTERS = 10
 _REC = struct.Struct("<IHH")
 _KERNEL = struct.Struct("<QQQIIII3i3iIIII")
@@ -137,60 +156,120 @@ class RingHeader:
 
 
 class ShmRing:
-    """One producer process's ring, mapped read-write (the reader owns `read_tail`).
+    """One producer process's ring, read and written with pread/pwrite (the reader owns `read_tail`).
+
+    Never mapped: the producer is the profiled process, which may truncate the file at any time,
+    and a mapping would then kill the reader with SIGBUS; a short read is an error instead. Every
+    position and length read from the file is checked against the capacity before use, so a
+    damaged or hostile ring ends in RingError, never in a long walk.
 
     >>> ring = ShmRing("/dev/shm/sparseety-prof-cupti.12345")  # doctest: +SKIP
     >>> records = ring.drain()  # doctest: +SKIP
     >>> ring.counters().ring_dropped  # doctest: +SKIP
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, fd: int | None = None) -> None:
+        """`fd`: the ring already opened (and checked) by the caller; otherwise `path` is opened
+        as an untrusted file: no symlink, a regular file of bounded size that only its owner writes."""
         self.path = Path(path)
+        if fd is None:
+            try:
+                fd, _ = open_untrusted(
+                    self.path, write=True, follow=False, private=True, max_size=HEADER_SIZE + MAX_CAPACITY
+                )
+            except FileNotFoundError:
+                raise RingError(f"{self.path}: no such ring") from None
+            except OSError as e:
+                raise RingError(f"{self.path}: not opened: {e.strerror or e}") from None
+        self._fd: int | None = fd
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise RingError(f"{self.path}: no such ring") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size < HEADER_SIZE:
-                raise RingError(f"{self.path}: truncated ({size} bytes, the header alone is {HEADER_SIZE})")
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        fields = _HDR.unpack_from(self._mm, 0)
+            self._init_header()
+        except BaseException:
+            self.close()
+            raise
+        self._errors: list[str] = []
+
+    def _init_header(self) -> None:
+        size = os.fstat(self._fd_()).st_size
+        if size < HEADER_SIZE:
+            raise RingError(f"{self.path}: truncated ({size} bytes, the header alone is {HEADER_SIZE})")
+        fields = _HDR.unpack_from(self._pread(0, _HDR.size), 0)
         magic, version, header_size, capacity, pid, clock = fields[:6]
         if magic != MAGIC:
-            self.close()
             raise RingError(
                 f"{self.path}: bad magic {magic:#018x} (not a sparseety-prof CUPTI ring, or not initialised)"
             )
         if version != VERSION:
-            self.close()
             raise RingError(f"{self.path}: ring format version {version}, this reader reads {VERSION}")
-        if header_size != HEADER_SIZE or capacity < 4096 or capacity & (capacity - 1):
-            self.close()
+        if (
+            header_size != HEADER_SIZE
+            or capacity < 4096
+            or capacity > MAX_CAPACITY
+            or capacity & (capacity - 1)
+        ):
             raise RingError(f"{self.path}: corrupt header (header_size {header_size}, capacity {capacity})")
         if size < header_size + capacity:
-            self.close()
             raise RingError(f"{self.path}: truncated ({size} bytes, header says {header_size + capacity})")
         self.header = RingHeader(version, capacity, pid, clock, *fields[6:9])
         self._cap = capacity
-        self._head = ctypes.c_uint64.from_buffer(self._mm, _OFF_HEAD)
-        self._tail = ctypes.c_uint64.from_buffer(self._mm, _OFF_TAIL)
-        self._finished = ctypes.c_uint32.from_buffer(self._mm, 56)
-        self._clock = ctypes.c_uint32.from_buffer(self._mm, 28)
-        self._errors: list[str] = []
+        self._tail = self._u64(_OFF_TAIL)
+
+    # ---------------------------------------------------------------- file access
+
+    def _fd_(self) -> int:
+        if self._fd is None:
+            raise RingError(f"{self.path}: ring is closed")
+        return self._fd
+
+    def _pread(self, offset: int, n: int) -> bytes:
+        try:
+            data = os.pread(self._fd_(), n, offset)
+        except OSError as e:
+            raise RingError(f"{self.path}: read failed: {e.strerror or e}") from None
+        if len(data) != n:
+            raise RingError(f"{self.path}: truncated while being read (short read at byte {offset})")
+        return data
+
+    def _pwrite(self, offset: int, data: bytes) -> None:
+        try:
+            os.pwrite(self._fd_(), data, offset)
+        except OSError as e:
+            raise RingError(f"{self.path}: write failed: {e.strerror or e}") from None
+
+    def _u64(self, offset: int) -> int:
+        return int.from_bytes(self._pread(offset, 8), "little")
+
+    def _check_size(self) -> None:
+        size = os.fstat(self._fd_()).st_size
+        if size < HEADER_SIZE + self._cap:
+            raise RingError(f"{self.path}: truncated to {size} bytes while in use")
+
+    def _read_span(self, pos: int, n: int) -> bytes:
+        """`n` bytes of the data area from ring position `pos`, unwrapped."""
+        cap = self._cap
+        a = pos & (cap - 1)
+        if a + n <= cap:
+            return self._pread(HEADER_SIZE + a, n)
+        return self._pread(HEADER_SIZE + a, cap - a) + self._pread(HEADER_SIZE, n - (cap - a))
+
+    @property
+    def read_tail(self) -> int:
+        """The reader's position: everything before it was consumed and zeroed."""
+        return self._tail
 
     # ---------------------------------------------------------------- state
 
     @property
     def finished(self) -> bool:
         """True once the producer flushed at exit: a drain after that returns everything."""
-        return self._finished.value != 0
+        return self._u32(_OFF_FINISHED) != 0
 
     @property
     def clock_domain(self) -> int:
-        return int(self._clock.value)
+        return self._u32(_OFF_CLOCK)
+
+    def _u32(self, offset: int) -> int:
+        return int.from_bytes(self._pread(offset, 4), "little")
 
     def counters(self) -> RingCounters:
         """The producer's counters, with the ERROR messages drained so far."""
@@ -221,47 +300,84 @@ class ShmRing:
             "records_written",
             "buffers_copied",
         ]
-        return dict(zip(names, struct.unpack_from(f"<{_N_COUNTERS}Q", self._mm, _OFF_COUNTERS), strict=True))
+        return dict(
+            zip(
+                names,
+                struct.unpack(f"<{_N_COUNTERS}Q", self._pread(_OFF_COUNTERS, 8 * _N_COUNTERS)),
+                strict=True,
+            )
+        )
 
     # ---------------------------------------------------------------- draining
 
     def drain(self, max_records: int | None = None) -> list[Record]:
-        """Every committed record since the last drain, oldest first, as `records` dataclasses.
+        """Every committed record since the last drain, oldest first, as `records` dataclasses
+        (at most `max_records`, and at most MAX_RECORDS_PER_DRAIN: the rest waits for the next drain).
 
         ERROR records are not returned: their text goes to ``counters().errors``. Consumed space
         is handed back to the producers."""
+        self._check_size()
+        cap, tail = self._cap, self._tail
+        head = self._u64(_OFF_HEAD)
+        avail = head - tail
+        if avail < 0 or avail > cap:  # producers never run ahead of the reader by more than the ring
+            raise RingError(
+                f"{self.path}: corrupt write position {head} (read position {tail}, capacity {cap})"
+            )
+        if avail == 0:
+            return []
+        limit = MAX_RECORDS_PER_DRAIN if max_records is None else min(max_records, MAX_RECORDS_PER_DRAIN)
+        # The lengths first, then the records they commit, in a second read: a length is stored
+        # after its record, and one copy does not promise to load its bytes in order.
+        first = int.from_bytes(self._read_span(tail, min(8, avail)).ljust(8, b"\0")[:4], "little")
+        window = min(avail, max(DRAIN_WINDOW, first))
+        end = self._committed(self._read_span(tail, window), tail, avail, limit)
+        if end == 0:
+            return []
+        data = self._read_span(tail, end)
         out: list[Record] = []
-        mm, cap = self._mm, self._cap
-        tail = self._tail.value
-        consumed_from = tail
-        while max_records is None or len(out) < max_records:
-            off = tail & (cap - 1)
-            base = HEADER_SIZE + off
-            length = ctypes.c_uint32.from_buffer(mm, base).value
+        p = 0
+        while p < end:
+            off = (tail + p) & (cap - 1)
+            length, rtype, _ = _REC.unpack_from(data, p)
+            if length % 8 or length < _REC.size or p + length > end:
+                raise RingError(f"{self.path}: record at offset {off} changed while being read")
+            rec = self._decode(rtype, data[p + _REC.size : p + length], off)
+            if rec is not None:
+                out.append(rec)
+            p += length
+        self._release(tail, tail + end)
+        return out
+
+    def _committed(self, snap: bytes, tail: int, avail: int, limit: int) -> int:
+        """How many bytes from `tail` hold whole committed records (at most `limit` of them)."""
+        cap = self._cap
+        p = n = 0
+        while p + _REC.size <= len(snap) and n < limit:
+            length, rtype, _ = _REC.unpack_from(snap, p)
             if length == 0:
                 break
-            _, rtype, _ = _REC.unpack_from(mm, base)
-            if length % 8 or length < _REC.size or off + length > cap or tail + length > self._head.value:
+            off = (tail + p) & (cap - 1)
+            if length % 8 or length < _REC.size or off + length > cap or p + length > avail:
                 raise RingError(
                     f"{self.path}: corrupt record at offset {off} (length {length}, type {rtype})"
                 )
-            rec = self._decode(rtype, bytes(mm[base + _REC.size : base + length]), off)
-            if rec is not None:
-                out.append(rec)
-            tail += length
-        if tail != consumed_from:
-            self._release(consumed_from, tail)
-        return out
+            if p + length > len(snap):
+                break  # beyond this drain's window: the next drain reads it
+            p += length
+            n += 1
+        return p
 
     def _release(self, start: int, end: int) -> None:
         cap = self._cap
         a, b = start & (cap - 1), end & (cap - 1)
         if end - start >= cap or (b <= a and end != start):
-            self._mm[HEADER_SIZE + a : HEADER_SIZE + cap] = bytes(cap - a)
-            self._mm[HEADER_SIZE : HEADER_SIZE + b] = bytes(b)
+            self._pwrite(HEADER_SIZE + a, bytes(cap - a))
+            self._pwrite(HEADER_SIZE, bytes(b))
         else:
-            self._mm[HEADER_SIZE + a : HEADER_SIZE + b] = bytes(b - a)
-        self._tail.value = end  # one aligned 8-byte store, after the zeroing
+            self._pwrite(HEADER_SIZE + a, bytes(b - a))
+        self._pwrite(_OFF_TAIL, end.to_bytes(8, "little"))  # one aligned 8-byte store, after the zeroing
+        self._tail = end
 
     def _to_mono(self, t: int) -> int:
         if t == 0 or self.clock_domain == CLOCK_MONOTONIC:
@@ -331,14 +447,19 @@ class ShmRing:
     # ---------------------------------------------------------------- lifetime
 
     def close(self) -> None:
-        for name in ("_head", "_tail", "_finished", "_clock"):
-            if hasattr(self, name):
-                delattr(self, name)  # ctypes views pin the mmap: drop them before closing it
-        self._mm.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def unlink(self) -> None:
-        """Remove the ring file (once the producer finished and everything was drained)."""
-        self.path.unlink(missing_ok=True)
+        """Remove the ring file (once the producer finished and everything was drained), before
+        close: only while the name still is the file this reader has open."""
+        try:
+            same = os.path.samestat(os.lstat(self.path), os.fstat(self._fd_()))
+        except OSError:
+            return
+        if same:
+            self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> ShmRing:
         return self
@@ -374,6 +495,86 @@ def descendants(pid: int, proc: Path = Path("/proc")) -> list[int]:
     return out
 
 
-def find_rings(pid: int, *, shm_dir: Path = SHM_DIR, proc: Path = Path("/proc")) -> list[Path]:
-    """The ring files of `pid` and its descendant processes that exist now."""
-    return [p for q in descendants(pid, proc) if (p := shm_dir / f"{SHM_PREFIX}{q}").exists()]
+@dataclass(frozen=True)
+class RingFile:
+    """A ring that a process of the target maps: where to open it from here, and what it must be."""
+
+    path: Path  # through /proc/PID/root when the process is in another mount namespace
+    pid: int  # the process that maps it
+    mapped: MappedFile  # the process's own view: its name there, device and inode
+
+
+def find_rings(pid: int, *, shm_dir: Path = SHM_DIR, proc: Path = Path("/proc")) -> list[RingFile]:
+    """The rings that `pid` and its descendants have mapped now (/proc/PID/maps). A file's name
+    proves nothing (anyone may create /dev/shm/sparseety-prof-cupti.<pid>): a ring counts only
+    where the process maps it, and is opened by open_ring as that very file."""
+    out = []
+    for q in descendants(pid, proc):
+        try:
+            maps = mapped_files(q, proc)
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+        for m in maps:
+            where = Path(m.path)
+            if where.parent == shm_dir and where.name.startswith(SHM_PREFIX):
+                out.append(RingFile(target_path(q, where, proc), q, m))
+    return out
+
+
+def open_ring(ring: RingFile, proc: Path = Path("/proc")) -> ShmRing:
+    """Open a ring found by find_rings: no symlink, the inode the process maps, owned by the
+    process's user (or root) and writable by nobody else, of a size the header accounts for."""
+    try:
+        owners = process_uids(ring.pid, proc)
+        fd, _ = open_untrusted(
+            ring.path,
+            write=True,
+            follow=False,
+            identity=(ring.mapped.dev, ring.mapped.inode),
+            owners=owners,
+            private=True,
+            max_size=HEADER_SIZE + MAX_CAPACITY,
+        )
+    except OSError as e:
+        raise RingError(f"{ring.path}: not opened: {e.strerror or e}") from None
+    return ShmRing(ring.path, fd=fd)
+
+
+def remove_stale_rings(shm_dir: Path = SHM_DIR, proc: Path = Path("/proc")) -> list[Path]:
+    """Remove the rings of processes that are gone; return what was removed.
+
+    A file is removed only when all of this holds: its name is SHM_PREFIX + a PID that no running
+    process has; it is a regular file (not a symlink) with a single link; it reads as a ring
+    (magic, version, a size the header accounts for) whose header names that same PID. Anything
+    else, whoever owns it, is left alone: a file that cannot be proven to be a dead process's
+    ring is never deleted."""
+    removed = []
+    try:
+        names = [p for p in shm_dir.iterdir() if p.name.startswith(SHM_PREFIX)]
+    except OSError:
+        return []
+    for path in names:
+        digits = path.name[len(SHM_PREFIX) :]
+        if not digits.isdigit() or (proc / digits).exists():
+            continue
+        try:
+            fd, st = open_untrusted(path, follow=False, max_size=HEADER_SIZE + MAX_CAPACITY)
+        except OSError:
+            continue
+        try:
+            ring = ShmRing(path, fd=fd)
+        except RingError:
+            continue
+        try:
+            proven = ring.header.pid == int(digits) and st.st_nlink == 1
+            proven = proven and st.st_size == HEADER_SIZE + ring.header.capacity
+        finally:
+            ring.close()
+        try:
+            now = os.lstat(path)
+        except OSError:
+            continue
+        if proven and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):  # not swapped meanwhile
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed

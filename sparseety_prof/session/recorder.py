@@ -39,6 +39,7 @@ from sparseety_prof.terminal_text import line as terminal_line
 
 DRAIN_INTERVAL_S = 0.5  # consumer batches: fewer, larger frames cost less CPU per token
 RING_BYTES = RING_BUFFER_PAGES * 4096
+HASH_STALL_S = 30.0  # close gives up on the model's sha256 after this long without progress
 
 
 class Recorder:
@@ -127,12 +128,22 @@ class Recorder:
         gc.freeze()
         reader = RingReader(a.session)
         model_hash: dict[str, Any] = {}
+        hash_moved = [time.monotonic()]  # when the hashing thread last read something
 
         def hash_and_scan() -> None:
             # the model's sha256, then its static weight sparsity (cached per sha256)
-            model_hash["sha256"] = sha256_file(a.model.path)
+            def moved(_done: int, _total: int) -> None:
+                hash_moved[0] = time.monotonic()
+
             try:
-                model_hash["weights"] = analyze_weights(a.model.path, sha256=model_hash["sha256"])
+                model_hash["sha256"] = sha256_file(a.model.path, progress=moved)
+            except OSError as e:  # the file is the target's: gone, swapped, unreadable
+                model_hash["weights"] = {"error": f"model file not hashed: {e}"}
+                return
+            try:
+                model_hash["weights"] = analyze_weights(
+                    a.model.path, sha256=model_hash["sha256"], progress=moved
+                )
             except Exception as e:  # a cache problem must not lose the recording
                 model_hash["weights"] = {"error": str(e)}
 
@@ -191,7 +202,15 @@ class Recorder:
             }
             if hasher.is_alive():
                 self.log("sparseety-prof: finishing the model file's sha256 ...")
-            hasher.join()
+            # waited for as long as it reads on (a big model takes minutes), not for a read that hangs
+            while hasher.is_alive() and time.monotonic() - hash_moved[0] < HASH_STALL_S:
+                hasher.join(0.5)
+            if hasher.is_alive():
+                self.log(
+                    f"sparseety-prof: model file's sha256 abandoned (no progress for {HASH_STALL_S:.0f} s)"
+                )
+                model_hash.clear()
+                model_hash["weights"] = {"error": "model file not hashed: reading it stalled"}
             final["model"] = {**self.meta["model"], "sha256": model_hash.get("sha256")}
             final["weight_sparsity"] = metadata.weight_summary(model_hash.get("weights"))
             if gpu is not None:
