@@ -147,6 +147,21 @@ def test_a_symlink_planted_as_a_segment_name_is_replaced_not_written_through(tmp
     assert rec.complete and rec.steps().height == 6
 
 
+@root_only
+def test_an_existing_empty_output_keeps_its_mode_and_owner_under_sudo(tmp_path: Path) -> None:
+    d = tmp_path / "rec"
+    d.mkdir()
+    d.chmod(0o750)
+    w = RecordingWriter(d, META, owner=(NOBODY, NOBODY), segment_rows=2)
+    w.append("steps", _steps(3))
+    w.close()
+    assert _state(d)[:3] == (0o750, 0, 0)  # not ours: left as it was
+    for p in d.rglob("*"):  # ours: private, and the sudo user's
+        st = p.lstat()
+        assert (st.st_uid, st.st_gid) == (NOBODY, NOBODY), p
+        assert stat.S_IMODE(st.st_mode) == (0o700 if p.is_dir() else 0o600), p
+
+
 def test_the_write_error_exit_code_is_its_own_and_documented() -> None:
     code = RecordingWriteError.exit_code
     assert code not in (0, 1, CHECK_FAILED)
@@ -238,6 +253,14 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@root_only
+def test_a_disk_already_full_is_a_one_line_write_error(tiny_tmpfs: Path) -> None:
+    with open(tiny_tmpfs / "filler", "wb") as f, pytest.raises(OSError):
+        f.write(b"\0" * (1 << 20))
+    with pytest.raises(RecordingWriteError, match=r"cannot write .*meta\.json: No space left on device"):
+        RecordingWriter(tiny_tmpfs / "rec", META)
 
 
 @pytest.mark.root

@@ -102,7 +102,15 @@ class Recorder:
         self.meta = metadata.run_metadata(a, opts)
         writer = None
         if opts.out is not None:
-            writer = RecordingWriter(opts.out, self.meta, owner=sudo_owner(), redact_text=opts.redact_text)
+            try:
+                writer = RecordingWriter(
+                    opts.out, self.meta, owner=sudo_owner(), redact_text=opts.redact_text
+                )
+            except BaseException:  # -o swapped since the check, or the disk is full: detach, record nothing
+                a.session.close()
+                if gpu is not None:
+                    gpu.close()
+                raise
         hp = a.model.hyperparameters
         corr = self._corr = Correlator(
             pid=opts.pid,

@@ -108,9 +108,10 @@ class OutputDir:
             for i, name in enumerate(p.parts[1:-1], start=1):
                 here = Path(*p.parts[: i + 1])
                 try:
-                    fd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent)
-                except FileNotFoundError:
-                    fd = _make_dir(parent, name, here, owner, exist_ok=True)
+                    try:
+                        fd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent)
+                    except FileNotFoundError:
+                        fd = _make_dir(parent, name, here, owner, exist_ok=True)
                 except OSError as e:
                     raise UsageError(
                         f"cannot open {here}: {e.strerror}: choose another output directory"
