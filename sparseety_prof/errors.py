@@ -43,3 +43,10 @@ class BpfUnavailable(ProfError):
     """BCC missing, kernel headers missing, or the kernel refused the program."""
 
     exit_code = 8
+
+
+class RecordingWriteError(ProfError):
+    """The recording could not be written (disk full, I/O error). What was written before stays
+    readable; meta.json says complete: false, why, and how many rows were not written."""
+
+    exit_code = 10

@@ -14,6 +14,7 @@ from sparseety_prof.errors import (
     MissingPrivileges,
     NoSuchProcess,
     NotAnEngine,
+    RecordingWriteError,
     UnsupportedEngineBuild,
     UsageError,
 )
@@ -28,6 +29,7 @@ def test_exit_codes_are_distinct() -> None:
         UnsupportedEngineBuild,
         CorruptRecording,
         BpfUnavailable,
+        RecordingWriteError,
     ]
     codes = [c.exit_code for c in classes]
     assert len(set(codes)) == len(codes) and 0 not in codes and 1 not in codes

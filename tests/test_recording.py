@@ -228,11 +228,19 @@ def test_files_are_0600_and_directories_0700_whatever_the_umask(tmp_path: Path) 
     assert seen == 3 + 1 + 2 + 2 + 2  # deep, er, rec; meta.json; 2 table dirs; 2 + 2 segments
 
 
-def test_an_existing_empty_directory_is_used_and_tightened(tmp_path: Path) -> None:
+def test_an_existing_empty_directory_is_used_but_its_mode_left_alone(tmp_path: Path) -> None:
+    # the writer never changes the mode or owner of a directory it did not create (issue 18):
+    # what it creates inside is private whatever the directory's mode
     d = tmp_path / "rec"
-    d.mkdir(mode=0o755)
-    RecordingWriter(d, META).close()
-    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    d.mkdir()
+    d.chmod(0o755)
+    w = RecordingWriter(d, META, segment_rows=2)
+    w.append("tokens", tokens_frame(3))
+    w.close()
+    assert stat.S_IMODE(d.stat().st_mode) == 0o755
+    for p in d.rglob("*"):
+        mode = stat.S_IMODE(p.lstat().st_mode)
+        assert mode == (0o700 if p.is_dir() else 0o600), f"{p}: {oct(mode)}"
     assert sparseety_prof.open(d).complete
 
 

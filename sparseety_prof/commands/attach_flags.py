@@ -22,6 +22,14 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         help="keep token ids but store no token text, and no prompt or other "
         "text from the engine's command line, environment or server settings (README: Privacy)",
     )
+    p.add_argument(
+        "--flush-interval",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="write the rows gathered to disk at least this often, so that a recorder killed "
+        "outright (SIGKILL, power cut) loses at most this much (default 2)",
+    )
     p.add_argument("--model", type=Path, default=None, help="model file, when the engine has none mapped")
     p.add_argument(
         "--discover-layout",
@@ -93,7 +101,13 @@ def options_from(args: argparse.Namespace) -> Options:
     from sparseety_prof.capture.options import TOKENS_ONLY, Capture
     from sparseety_prof.errors import UsageError
     from sparseety_prof.session.options import Options
+    from sparseety_prof.store.output_dir import check_output_path, sudo_owner
+    from sparseety_prof.store.recording import META_FILE
 
+    if not args.flush_interval > 0:
+        raise UsageError(f"--flush-interval must be a positive number of seconds, got {args.flush_interval}")
+    if args.output is not None:
+        check_output_path(args.output, META_FILE, sudo_owner())  # refused before anything is attached
     if args.mode == "tokens":
         if args.capture_router_probs or args.capture_masks:
             raise UsageError("--capture-router-probs and --capture-masks need --mode full")
@@ -111,6 +125,7 @@ def options_from(args: argparse.Namespace) -> Options:
         pid=args.pid,
         out=args.output,
         duration=args.duration,
+        flush_interval=args.flush_interval,
         redact_text=args.redact_text,
         model=args.model,
         nice=args.nice,

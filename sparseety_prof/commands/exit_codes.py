@@ -5,6 +5,7 @@ EXIT_CODES_HELP = """exit codes:
   1  other failure        4  not a supported engine 7  corrupt recording
   2  usage error          5  missing privileges     8  BPF unavailable (BCC, headers, kernel)
   9  check: a capture layer lost the request id
+  10 the recording could not be written (disk full, I/O error): meta.json says complete: false
 """
 
 CHECK_FAILED = 9  # `check`: the request id did not reach every capture layer

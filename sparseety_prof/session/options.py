@@ -15,6 +15,7 @@ class Options:
     pid: int
     out: Path | None
     duration: float | None = None
+    flush_interval: float = 2.0  # seconds: rows older than this are on disk, whatever kills the recorder
     redact_text: bool = False
     model: Path | None = None  # override when the process has no GGUF file mapped or open
     skip_probes: frozenset[str] = frozenset()  # for tests: disable a probe point on purpose

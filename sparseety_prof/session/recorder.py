@@ -33,7 +33,7 @@ from sparseety_prof.session.options import Options, Progress
 from sparseety_prof.session.sched import ConsumerSched
 from sparseety_prof.session.snapshot import engine_environment, host_info, process_info
 from sparseety_prof.store import schema
-from sparseety_prof.store.buffers import ColumnBuffer
+from sparseety_prof.store.buffers import ColumnBuffer, FlushSchedule
 from sparseety_prof.store.recording import RecordingWriter, sudo_owner
 from sparseety_prof.terminal_text import line as terminal_line
 
@@ -106,7 +106,15 @@ class Recorder:
         self.meta = metadata.run_metadata(a, opts)
         writer = None
         if opts.out is not None:
-            writer = RecordingWriter(opts.out, self.meta, owner=sudo_owner(), redact_text=opts.redact_text)
+            try:
+                writer = RecordingWriter(
+                    opts.out, self.meta, owner=sudo_owner(), redact_text=opts.redact_text
+                )
+            except BaseException:  # -o swapped since the check, or the disk is full: detach, record nothing
+                a.session.close()
+                if gpu is not None:
+                    gpu.close()
+                raise
         hp = a.model.hyperparameters
         corr = self._corr = Correlator(
             pid=opts.pid,
@@ -158,15 +166,17 @@ class Recorder:
         deadline = time.monotonic() + opts.duration if opts.duration else None
         error: BaseException | None = None
         sched = ConsumerSched(opts, self.progress)
+        flush = FlushSchedule(opts.flush_interval)
         try:
             t_prev = time.monotonic()
             while not self._stop.is_set():
-                self._stop.wait(DRAIN_INTERVAL_S)
+                self._stop.wait(flush.wait_s(DRAIN_INTERVAL_S))
                 records = reader.take(sched.on_backlog)
                 now = time.monotonic()
                 sched.after_drain(sum(len(b) for b in records.values()) / RING_BYTES, (now - t_prev) * 1e3)
                 t_prev = now
                 self._consume(records, corr, tracker, writer, a.session, gpu=gpu)
+                self._keep_durable(writer, flush, now)
                 self._maybe_detach_attention_ops(corr, a.session)
                 if deadline is not None and time.monotonic() >= deadline:
                     self.stop("duration reached")
@@ -220,10 +230,23 @@ class Recorder:
             if writer is not None:
                 for table, df in self._rows.take_all():  # rows of drains before an error
                     writer.append(table, df)
-                writer.close(**final)
+                writer.close(complete=error is None, **final)
         if error is not None:
             raise error
+        _raise_write_failure(writer)
         return self.meta
+
+    def _keep_durable(self, writer: RecordingWriter | None, flush: FlushSchedule, drained_at: float) -> None:
+        """Flush on schedule (a SIGKILL then loses only the last flush interval); after a write
+        error (disk full), stop: the writer keeps count of what is lost."""
+        if writer is None:
+            return
+        if flush.due(drained_at):
+            for table, df in self._rows.take_all():
+                writer.append(table, df)
+            writer.flush()
+        if writer.write_error is not None:
+            self.stop("write error")
 
     def _maybe_detach_attention_ops(self, corr: Correlator, sess: Session) -> None:
         """Once the layer -> mask map is learned (attention_map), the soft_max / flash-attention
@@ -267,9 +290,10 @@ class Recorder:
         start_unix_ms = time.time_ns() // 1_000_000
         deadline = time.monotonic() + opts.duration if opts.duration else None
         error: BaseException | None = None
+        flush = FlushSchedule(opts.flush_interval)
         try:
             while True:
-                stop = self._stop.wait(DRAIN_INTERVAL_S)
+                stop = self._stop.wait(flush.wait_s(DRAIN_INTERVAL_S))
                 if deadline is not None and time.monotonic() >= deadline:
                     self.stop("duration reached")
                 if not _alive(opts.pid):
@@ -282,6 +306,7 @@ class Recorder:
                     if table == "steps":
                         self.progress.steps += df.height
                 self.progress.cpu_s = _cpu_s() - self._cpu0
+                self._keep_durable(writer, flush, time.monotonic())
                 if final:
                     break
         except BaseException as e:
@@ -300,9 +325,10 @@ class Recorder:
             gpu.close()
             self.meta.update(final_meta)
             if writer is not None:
-                writer.close(**final_meta)
+                writer.close(complete=error is None, **final_meta)
         if error is not None:
             raise error
+        _raise_write_failure(writer)
         return self.meta
 
     def _consume(
@@ -352,6 +378,12 @@ def _open_gpu(pid: int) -> GpuCapture | None:
         raise ProfError(f"the CUPTI ring of PID {pid} cannot be read: {e}") from None
 
 
+def _raise_write_failure(writer: RecordingWriter | None) -> None:
+    failure = writer.failure() if writer is not None else None
+    if failure is not None:
+        raise failure
+
+
 def _cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -378,6 +410,7 @@ def install_signal_handlers(rec: Recorder) -> None:
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGHUP, handler)  # the terminal went away: close the recording too
 
 
 __all__ = ["Options", "ProfError", "Progress", "Recorder", "install_signal_handlers"]

@@ -9,44 +9,60 @@ Layout::
         steps/part-000000.parquet  schema.STEPS columns
         ...
 
-Every segment is written in full under a hidden temporary name (``.part-000003.parquet.tmp``)
-and then renamed, so a crash or Ctrl-C loses at most the segment being written and a reader
+Every segment is written in full under a hidden temporary name (``.part-000003.parquet.<random>.tmp``)
+and then renamed, so a crash or Ctrl-C loses at most the rows not yet flushed and a reader
 never sees half a file. ``polars.scan_parquet(rec / "tokens" / "*.parquet")`` reads a table.
+meta.json is written first with ``"complete": false``, so a recording killed at any moment is
+readable; a disk-full or I/O error stops the writes and is recorded (``write_error``).
 
 Recordings hold secrets (token text, and routing/mask traces from which prompts can be
-recovered), so every file is 0600 and every directory 0700 whatever the umask, and when the
-profiler runs under sudo everything is handed to the invoking user (``owner``).
+recovered), so every file is 0600 and every directory the writer creates 0700 whatever the
+umask, and when the profiler runs under sudo they are handed to the invoking user (``owner``).
+Files are created through an open directory, never through a symlink (store/output_dir.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO, Literal
+from typing import Any, Literal
 
 import polars as pl
 
-from sparseety_prof.errors import CorruptRecording, UsageError
+from sparseety_prof.errors import CorruptRecording, RecordingWriteError, UsageError
 from sparseety_prof.store import schema
+from sparseety_prof.store.output_dir import DIR_MODE, FILE_MODE, OutputDir, sudo_owner
 
-__all__ = ["FORMAT", "META_FILE", "Recording", "RecordingWriter", "open", "sudo_owner"]
+__all__ = [
+    "DIR_MODE",
+    "FILE_MODE",
+    "FORMAT",
+    "META_FILE",
+    "Recording",
+    "RecordingWriter",
+    "open",
+    "sudo_owner",
+]
 
 FORMAT = "sparseety-prof-recording"
 META_FILE = "meta.json"
-DIR_MODE = 0o700
-FILE_MODE = 0o600
 DEFAULT_SEGMENT_ROWS = 50_000
+# Disk room held from the start for the last meta.json, freed when a write fails or at close.
+_RESERVE_FILE = ".space-reserve"
+_RESERVE_MIN = 64 * 1024
+_RESERVE_PER_META_BYTE = 4  # the final meta.json is larger than the first; it is written beside it
 
 _SKIP_HINT = "; open the recording with skip_damaged=True to read the rest"
 _SEGMENT_RE = re.compile(r"^part-(\d{6})\.parquet$")
 #: Keys the writer owns; callers may not set them through meta/update_meta/close.
-_RESERVED_META = frozenset({"format", "schema_version", "complete", "redacted", "tables"})
+_RESERVED_META = frozenset({"format", "schema_version", "complete", "redacted", "tables", "write_error"})
 
 # Column roles. Names come from the schema; these only say which schema column plays which role.
 # (Candidates for schema.py itself, e.g. schema.TEXT_COLUMNS / schema.SORT_KEYS.)
@@ -63,19 +79,6 @@ for _table, _cols in (*_TEXT_COLUMNS.items(), *_SORT_KEYS.items()):
     _missing = [c for c in _cols if c not in schema.TABLES[_table]]
     if _missing:  # pragma: no cover - guards against a schema rename
         raise ImportError(f"recording: columns {_missing} are not in schema.TABLES[{_table!r}]")
-
-
-def sudo_owner() -> tuple[int, int] | None:
-    """(uid, gid) of the user who ran ``sudo``, or None when not root or not under sudo."""
-    if os.geteuid() != 0:
-        return None
-    uid, gid = os.environ.get("SUDO_UID"), os.environ.get("SUDO_GID")
-    if not uid or not gid:
-        return None
-    try:
-        return int(uid), int(gid)
-    except ValueError:
-        return None
 
 
 def segment_name(index: int) -> str:
@@ -111,15 +114,20 @@ class RecordingWriter:
     ----------
     path
         The recording directory. Created (mode 0700, missing parents too); an existing directory
-        must be empty.
+        must be empty, a real directory (not a symlink), and is left with its mode and owner
+        (see `output_dir.OutputDir.create`).
     meta
         Run metadata (JSON-serialisable; anything else is stored as ``str()``).
     owner
-        ``(uid, gid)`` to chown every file and directory to (see `sudo_owner`).
+        ``(uid, gid)`` to chown every file and every directory it creates to (see `sudo_owner`).
     segment_rows
         Rows buffered per table before a segment is written.
     redact_text
         Store token text as nulls (the column stays) and record ``"redacted": true``.
+
+    A write that fails (disk full, I/O error) does not raise: the writer stops writing rows,
+    counts every row it is given from then on as not written, and `close` records
+    ``"complete": false`` with the reason (`write_error`). The caller decides what to do.
     """
 
     def __init__(
@@ -147,8 +155,12 @@ class RecordingWriter:
         self._buffered: dict[str, int] = dict.fromkeys(schema.TABLES, 0)
         self._segments: dict[str, int] = dict.fromkeys(schema.TABLES, 0)
         self._rows: dict[str, int] = dict.fromkeys(schema.TABLES, 0)
+        self._not_written: dict[str, int] = dict.fromkeys(schema.TABLES, 0)
+        #: Why writing stopped (disk full, I/O error), or None while every write succeeded.
+        self.write_error: str | None = None
         self._closed = False
-        self._make_root()
+        self._dir = OutputDir.create(self.path, META_FILE, owner)
+        self._table_dirs: dict[str, OutputDir] = {}
         self._meta: dict[str, Any] = {
             "format": FORMAT,
             "schema_version": schema.SCHEMA_VERSION,
@@ -158,7 +170,12 @@ class RecordingWriter:
             **meta,
         }
         with self._lock:
-            self._write_meta()
+            try:
+                size = self._write_meta()
+            except Exception as e:
+                self._dir.close()
+                raise RecordingWriteError(f"cannot write {self.path / META_FILE}: {_reason(e)}") from None
+            self._dir.reserve(_RESERVE_FILE, max(_RESERVE_MIN, _RESERVE_PER_META_BYTE * size))
 
     # ------------------------------------------------------------------ public API
     @property
@@ -174,6 +191,21 @@ class RecordingWriter:
         """Rows of `table` already in segments on disk (buffered rows not included)."""
         return self._rows[table]
 
+    def rows_not_written(self) -> dict[str, int]:
+        """Rows per table given to the writer but lost to a write error."""
+        with self._lock:
+            return dict(self._not_written)
+
+    def failure(self) -> RecordingWriteError | None:
+        """The one-line error to end with when a write failed (None when none did)."""
+        if self.write_error is None:
+            return None
+        lost, kept = sum(self.rows_not_written().values()), sum(self._rows.values())
+        return RecordingWriteError(
+            f"recording stopped: {self.write_error}; {lost} rows were not written, the {kept} written "
+            f"before are readable ({META_FILE} says complete: false)"
+        )
+
     def append(self, table: str, df: pl.DataFrame) -> None:
         """Buffer rows of `table`; writes a segment each time `segment_rows` rows are buffered.
 
@@ -187,6 +219,9 @@ class RecordingWriter:
         with self._lock:
             self._check_open()
             if df.height == 0:
+                return
+            if self.write_error is not None:
+                self._not_written[table] += df.height
                 return
             if self.redact_text:
                 df = df.with_columns(
@@ -209,13 +244,12 @@ class RecordingWriter:
         with self._lock:
             self._check_open()
             self._meta.update(kv)
-            self._write_meta()
+            if self.write_error is None:
+                self._store_meta()
 
-    def close(self, **final_meta: Any) -> None:
-        """Flush, merge `final_meta` (end time, loss counters...) and mark the recording complete.
-
-        A second call does nothing.
-        """
+    def close(self, *, complete: bool = True, **final_meta: Any) -> None:
+        """Flush, merge `final_meta` (end time, loss counters...) and mark the recording complete
+        (unless `complete` is False, or a write failed). A second call does nothing."""
         self._check_reserved(final_meta)
         with self._lock:
             if self._closed:
@@ -223,9 +257,17 @@ class RecordingWriter:
             self._flush_all()
             self._meta.update(final_meta)
             self._meta.setdefault("closed_unix_ms", _now_ms())
-            self._meta["complete"] = True
-            self._write_meta()
+            lost = sum(self._not_written.values())
+            if isinstance(self._meta.get("losses"), dict):
+                self._meta["losses"] = {**self._meta["losses"], "rows_not_written": lost}
+            elif lost:
+                self._meta["losses"] = {"rows_not_written": lost}
+            self._meta["complete"] = complete and self.write_error is None
+            self._dir.release(_RESERVE_FILE)  # its room is for this last meta.json
+            self._store_meta()
             self._closed = True
+            for d in (*self._table_dirs.values(), self._dir):
+                d.close()
 
     def __enter__(self) -> RecordingWriter:
         return self
@@ -233,14 +275,8 @@ class RecordingWriter:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        # Keep what was captured, but do not claim completeness.
-        with self._lock:
-            if not self._closed:
-                self._flush_all()
-                self._closed = True
+        # Keep what was captured, but do not claim completeness after an exception.
+        self.close(complete=exc_type is None)
 
     # ------------------------------------------------------------------ internals
     def _check_open(self) -> None:
@@ -253,82 +289,54 @@ class RecordingWriter:
         if reserved:
             raise ValueError(f"meta keys {sorted(reserved)} are set by the writer")
 
-    def _make_root(self) -> None:
-        p = self.path
-        if p.exists() or p.is_symlink():
-            if not p.is_dir():
-                raise UsageError(f"{p} exists and is not a directory: choose another output directory")
-            if (p / META_FILE).exists():
-                raise UsageError(
-                    f"{p} already holds a recording: choose another output directory (or delete that one)"
-                )
-            if any(p.iterdir()):
-                raise UsageError(f"{p} is not empty: choose a new or empty output directory")
-            self._secure_dir(p)
-            return
-        # Create missing parents too; every directory we create gets our mode and owner.
-        missing: list[Path] = []
-        q = p
-        while not q.exists():
-            missing.append(q)
-            q = q.parent
-        for d in reversed(missing):
-            try:
-                d.mkdir(mode=DIR_MODE)
-            except FileExistsError:
-                if d == p:
-                    raise UsageError(
-                        f"{p} appeared while creating it: choose another output directory"
-                    ) from None
-                continue
-            except OSError as e:
-                raise UsageError(f"cannot create {d}: {e.strerror}: choose another output directory") from e
-            self._secure_dir(d)
-
-    def _secure_dir(self, d: Path) -> None:
-        os.chmod(d, DIR_MODE)
-        if self.owner is not None:
-            os.chown(d, *self.owner)
-
-    def _write_atomic(self, final: Path, write: Callable[[BinaryIO], object]) -> None:
-        """Write a file via a hidden temp name in the same directory, then rename it into place."""
-        tmp = final.with_name(f".{final.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
-        try:
-            os.fchmod(fd, FILE_MODE)  # os.open's mode is filtered by the umask
-            if self.owner is not None:
-                os.fchown(fd, *self.owner)
-            with os.fdopen(fd, "wb", closefd=False) as f:
-                write(f)
-                f.flush()
-            os.fsync(fd)
-            os.close(fd)
-            fd = -1
-            os.replace(tmp, final)
-        except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-
-    def _write_meta(self) -> None:
+    def _write_meta(self) -> int:
+        """Rewrite meta.json (atomically); returns its size. Raises what the file system raises."""
         self._meta["tables"] = {
             t: {"rows": self._rows[t], "segments": self._segments[t]} for t in schema.TABLES
         }
+        if self.write_error is not None:
+            self._meta["write_error"] = {
+                "reason": self.write_error,
+                "rows_not_written": dict(self._not_written),
+            }
         data = (json.dumps(self._meta, indent=2, sort_keys=True, default=str) + "\n").encode()
-        self._write_atomic(self.path / META_FILE, lambda f: f.write(data))
+        self._dir.write_atomic(META_FILE, lambda f: f.write(data))
+        return len(data)
+
+    def _store_meta(self) -> None:
+        """Rewrite meta.json; a failure stops the recording's writes (see `_fail`)."""
+        try:
+            self._write_meta()
+        except Exception as e:
+            if self.write_error is None:
+                self._fail(f"writing {self.path / META_FILE}", e)
+
+    def _fail(self, what: str, e: BaseException) -> None:
+        """Stop writing rows: every buffered row is lost, and so is every row appended later.
+        meta.json is rewritten once more (complete: false, with the reason) in the room the
+        reserve held; if even that fails, it keeps its last state, which says complete: false."""
+        self.write_error = f"{what}: {_reason(e)}"
+        for t in schema.TABLES:
+            self._not_written[t] += self._buffered[t]
+            self._buffers[t], self._buffered[t] = [], 0
+        self._meta["complete"] = False
+        self._dir.release(_RESERVE_FILE)
+        with contextlib.suppress(Exception):  # still full: meta.json keeps complete: false
+            self._write_meta()
 
     def _flush_all(self) -> None:
+        if self.write_error is not None:
+            return
         wrote = False
         for table in schema.TABLES:
             wrote |= self._flush_table(table, full_only=False)
-        if wrote:
-            self._write_meta()
+        if wrote and self.write_error is None:
+            self._store_meta()
 
     def _flush_table(self, table: str, *, full_only: bool) -> bool:
         """Write buffered rows as segments of at most `segment_rows` rows. With `full_only`, a
         remainder smaller than a segment stays buffered. Returns whether anything was written."""
-        if self._buffered[table] == 0:
+        if self._buffered[table] == 0 or self.write_error is not None:
             return False
         df = pl.concat(self._buffers[table], how="vertical", rechunk=False)
         self._buffers[table], self._buffered[table] = [], 0
@@ -337,25 +345,39 @@ class RecordingWriter:
             n = min(self.segment_rows, df.height - offset)
             if full_only and n < self.segment_rows:
                 break
-            self._write_segment(table, df.slice(offset, n))
+            try:
+                self._write_segment(table, df.slice(offset, n))
+            except Exception as e:
+                self._not_written[table] += df.height - offset
+                self._fail(f"writing {self.path / table / segment_name(self._segments[table])}", e)
+                return wrote
             offset += n
             wrote = True
         if offset < df.height:
             rest = df.slice(offset)
             self._buffers[table], self._buffered[table] = [rest], rest.height
         if wrote and full_only:
-            self._write_meta()
+            self._store_meta()
         return wrote
 
     def _write_segment(self, table: str, df: pl.DataFrame) -> None:
-        d = self.path / table
-        if not d.is_dir():
-            d.mkdir(mode=DIR_MODE, exist_ok=True)
-            self._secure_dir(d)
-        final = d / segment_name(self._segments[table])
-        self._write_atomic(final, lambda f: df.write_parquet(f, compression=self._compression))
+        d = self._table_dirs.get(table)
+        if d is None:
+            d = self._table_dirs[table] = self._dir.subdir(table)
+        d.write_atomic(
+            segment_name(self._segments[table]), lambda f: df.write_parquet(f, compression=self._compression)
+        )
         self._segments[table] += 1
         self._rows[table] += df.height
+
+
+def _reason(e: BaseException) -> str:
+    """One line saying why a write failed ("No space left on device", not a polars traceback)."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    _, sep, io_reason = text.partition("underlying IO error: ")  # polars wraps the OSError
+    return re.sub(r" \(os error \d+\)$", "", io_reason) if sep else text
 
 
 class Recording:
@@ -365,7 +387,8 @@ class Recording:
         self.path = path
         self.meta = meta
         self.skip_damaged = skip_damaged
-        #: With skip_damaged, what was skipped (one message per damaged or missing segment).
+        #: What was skipped (one message per damaged or missing segment): with skip_damaged, any
+        #: such segment; without, only the unreadable last segment of an interrupted recording.
         self.damaged: list[str] = []
         self._cache: dict[str, pl.DataFrame] = {}
 
@@ -444,12 +467,17 @@ class Recording:
         self._check_table(name)
         if name not in self._cache:
             frames = []
-            for f in self.segments(name):
+            files = self.segments(name)
+            for i, f in enumerate(files):
                 try:
                     frames.append(_read_segment(name, f))
                     continue
                 except CorruptRecording as e:
                     problem = str(e)
+                if not self.complete and i == len(files) - 1:
+                    # where an interrupted recording ends: left out, as the rows never flushed are
+                    self.damaged.append(f"{problem} (the recording was interrupted; left out)")
+                    continue
                 self._damage(problem)  # raised outside the except: no chained traceback
             df = pl.concat(frames, how="vertical") if frames else schema.empty(name)
             keys = list(_SORT_KEYS.get(name, ()))
