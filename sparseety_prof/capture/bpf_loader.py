@@ -1,5 +1,5 @@
-"""The only module that imports bcc: compiles probes/token_probes.bpf.c for one engine build,
-attaches it to one process, and drains its ring buffer on a reader thread.
+"""The only module that imports bcc: compiles the probes (probes/*.bpf.c) for one engine build and
+capture, attaches them to one process, and drains their ring buffer on a reader thread.
 
 BCC reports failures as bare `Exception` strings; they are translated here into the project's
 own errors so callers never see them.
@@ -84,13 +84,24 @@ def _wanted(spec: ProbeSpec, capture: Capture, moe: MoePlan) -> bool:
     return bool(getattr(capture, spec.feature))
 
 
-PROBE_SOURCES = ("token_probes.bpf.c", "sparse_probes.bpf.c", "server_probes.bpf.c")
+def probe_files(capture: Capture, moe: MoePlan) -> list[str]:
+    """The probe files of one program, in order: the token probes, the sparse decisions captured
+    (their shared part first; activations before MoE, whose multiply probe can count them), the
+    serving probes. Each condition is the one the file's programs need, in the terms of the -D
+    flags the program is compiled with (`moe` as compiled: MoE read points only where captured)."""
+    sparse = (
+        ("sparse_common.bpf.c", capture.any),
+        ("sparse_activation.bpf.c", capture.activations),
+        ("sparse_moe.bpf.c", capture.routes or capture.router_probs or moe.act_at_mul),
+        ("sparse_attention.bpf.c", capture.attention),
+    )
+    return ["token_probes.bpf.c", *(f for f, wanted in sparse if wanted), "server_probes.bpf.c"]
 
 
-def probe_source() -> str:
+def probe_source(capture: Capture, moe: MoePlan) -> str:
     """The BPF program text: BCC only rewrites and exports what is in its main text, so the probe
     files are concatenated rather than #included."""
-    return "\n".join((PROBES_DIR / f).read_text() for f in PROBE_SOURCES)
+    return "\n".join((PROBES_DIR / f).read_text() for f in probe_files(capture, moe))
 
 
 def import_bcc() -> Any:
@@ -216,7 +227,7 @@ def compile_and_attach(
     ]
     t0 = time.monotonic()
     try:
-        b = bcc.BPF(text=probe_source(), cflags=cflags)
+        b = bcc.BPF(text=probe_source(capture, moe), cflags=cflags)
     except Exception as e:
         msg = str(e)
         if "Operation not permitted" in msg or "EPERM" in msg:

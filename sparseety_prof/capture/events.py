@@ -83,6 +83,7 @@ def logits_chunk_for(n_vocab: int) -> int:
 
 HDR = [("seq", "<u8"), ("ts_ns", "<u8"), ("ctx", "<u8"), ("tid", "<u4"), ("kind", "<u2"), ("flags", "<u2")]
 HDR_DTYPE = np.dtype(HDR)
+# what a, b, c, ptr (and ctx) hold depends on the kind: the table at struct ev_small in probes/events.h
 SMALL_DTYPE = np.dtype([*HDR, ("a", "<i4"), ("b", "<i4"), ("c", "<i4"), ("pad", "<i4"), ("ptr", "<u8")])
 UBATCH_DTYPE = np.dtype(
     [
