@@ -1,5 +1,5 @@
 /* Event records shared by the BPF side (token_probes.bpf.c) and the Python side
- * (sparseety_prof/events.py mirrors these layouts as numpy dtypes; tests check the sizes).
+ * (sparseety_prof/capture/events.py mirrors these layouts as numpy dtypes; tests check the sizes).
  *
  * Every record starts with struct ev_hdr. seq is a process-wide counter taken when the record
  * is produced, so the consumer sees a gap whenever a record was lost (reserve failure) and can
@@ -19,27 +19,27 @@
 #endif
 #define MAX_LOGITS_CHUNKS 64     /* LOGITS_CHUNK * 64 floats: vocabularies up to 4M entries */
 
-enum ev_kind {
-    EV_DECODE_BEGIN = 1,  /* llama_context::decode entry            ctx = llama_context*          */
-    EV_UBATCH = 3,        /* llama_context::process_ubatch entry    struct ev_ubatch              */
-    EV_UBATCH_END = 4,    /* process_ubatch return                                                */
-    EV_SAMPLE_BEGIN = 5,  /* sampler entry                          a = idx, b = sampler kind     */
-    EV_LOGITS = 6,        /* llama_get_logits_ith return inside a sampler call: struct ev_logits  */
-    EV_SAMPLE_END = 7,    /* sampler return                         a = token id, b = sampler kind */
-    EV_SEQ_RM = 8,        /* llama_memory_seq_rm entry              ctx = memory*, a = seq, b = p0, c = p1 */
-    EV_MEM_CLEAR = 9,     /* llama_memory_clear entry               ctx = memory*                 */
-    EV_TENSOR = 10,       /* a routing tensor copied at a graph node: struct ev_tensor_{s,l}      */
-    EV_ACT = 11,          /* activation counts of one thread's rows of a GLU node: struct ev_act */
-    EV_ATTN = 12,         /* attention mask of one layer, counted per output row: struct ev_attn */
-    EV_ACT_MASK = 13,     /* struct ev_act plus the zero mask bits (--capture-masks)             */
-    EV_STEP_AGG = 14,     /* routing and activation totals of a one-row micro-batch: ev_step_agg */
+enum ev_kind { /* where the record is made, and its struct (ev_small's fields: the table there) */
+    EV_DECODE_BEGIN = 1,  /* llama_context::decode entry                            ev_small        */
+    EV_UBATCH = 3,        /* llama_context::process_ubatch entry                    ev_ubatch       */
+    EV_UBATCH_END = 4,    /* process_ubatch return                                  ev_small        */
+    EV_SAMPLE_BEGIN = 5,  /* sampler entry                                          ev_small        */
+    EV_LOGITS = 6,        /* llama_get_logits_ith return inside a sampler call      ev_logits       */
+    EV_SAMPLE_END = 7,    /* sampler return                                         ev_small        */
+    EV_SEQ_RM = 8,        /* llama_memory_seq_rm entry                              ev_small        */
+    EV_MEM_CLEAR = 9,     /* llama_memory_clear entry                               ev_small        */
+    EV_TENSOR = 10,       /* a routing tensor copied at a graph node                ev_tensor_{s,l} */
+    EV_ACT = 11,          /* activation counts of one thread's rows of a GLU node   ev_act          */
+    EV_ATTN = 12,         /* attention mask of one layer, counted per output row    ev_attn         */
+    EV_ACT_MASK = 13,     /* ev_act plus the zero mask bits (--capture-masks)       ev_act_mask     */
+    EV_STEP_AGG = 14,     /* routing and activation totals of a one-row micro-batch ev_step_agg     */
     /* ---- serving context (server_probes.bpf.c): llama-server's request -> task -> slot chain */
-    EV_HTTP_READ = 15,    /* bytes a server thread received on a socket: struct ev_http          */
-    EV_TASK_POST = 16,    /* server_queue::post entry      a = first task id, b = 1 single / 0 vector, ptr = vector bytes */
-    EV_SLOT_LAUNCH = 17,  /* launch_slot_with_task entry   a = slot id, b = task id               */
-    EV_SLOT_CHILD = 18,   /* launch_slots_with_parent_task a = child slot id, b = task id, c = parent slot id */
-    EV_SLOT_RELEASE = 19, /* server_slot::release entry    a = slot id                            */
-    EV_SLOT_TOKEN = 20,   /* process_token entry           a = slot id, b = sampled token id      */
+    EV_HTTP_READ = 15,    /* bytes a server thread received on a socket             ev_http         */
+    EV_TASK_POST = 16,    /* server_queue::post entry                               ev_small        */
+    EV_SLOT_LAUNCH = 17,  /* launch_slot_with_task entry                            ev_small        */
+    EV_SLOT_CHILD = 18,   /* launch_slots_with_parent_task entry                    ev_small        */
+    EV_SLOT_RELEASE = 19, /* server_slot::release entry                             ev_small        */
+    EV_SLOT_TOKEN = 20,   /* process_token entry                                    ev_small        */
 };
 
 enum sampler_kind { SAMPLER_LLAMA = 1, SAMPLER_COMMON = 2 };
@@ -53,7 +53,24 @@ struct ev_hdr {
     __u16 flags;
 };
 
-/* Small records: decode begin, ubatch end, sample begin/end, seq_rm, clear. */
+/* Small records (emit_small in token_probes.bpf.c, server_probes.bpf.c). What a, b, c and ptr (and
+ * h.ctx) hold depends on h.kind; the numpy mirror keeps the names a, b, c, and the consumer reads
+ * them by this table (fields not listed are 0):
+ *
+ *   kind              h.ctx           a                b                c                ptr
+ *   EV_DECODE_BEGIN   llama_context*  batch n_tokens   first token id   first position   llama_batch*
+ *                                     (-1, -1, -1 from decode(llama_batch_ext), which has no public layout)
+ *   EV_UBATCH_END     llama_context*  -                -                -                process_ubatch's return value
+ *   EV_SAMPLE_BEGIN   llama_context*  idx (row index)  sampler_kind     -                -
+ *   EV_SAMPLE_END     llama_context*  sampled token    sampler_kind     idx              -
+ *   EV_SEQ_RM         llama_memory*   seq id           p0               p1               -
+ *   EV_MEM_CLEAR      llama_memory*   -                -                -                -
+ *   EV_TASK_POST      -               first task id    1 single, 0 vec  -                vector bytes (0 single)
+ *   EV_SLOT_LAUNCH    -               slot id          task id          -                server_slot*
+ *   EV_SLOT_CHILD     -               child slot id    task id          parent slot id   child server_slot*
+ *   EV_SLOT_RELEASE   -               slot id          -                -                server_slot*
+ *   EV_SLOT_TOKEN     -               slot id          token id         -                server_slot*
+ */
 struct ev_small {
     struct ev_hdr h;
     __s32 a;
@@ -64,6 +81,7 @@ struct ev_small {
 };
 
 #define UB_FLAG_TRUNCATED 1
+#define UB_FLAG_NO_TOKENS 2 /* the micro-batch carries embeddings, not token ids */
 
 struct ev_ubatch {
     struct ev_hdr h;
@@ -86,7 +104,7 @@ struct ev_logits {
     __u32 vals[LOGITS_CHUNK];   /* raw IEEE-754 bits (BPF has no floating point) */
 };
 
-/* ---- sparse decisions (sparse_probes.bpf.c) ------------------------------------------------ */
+/* ---- sparse decisions (sparse_common.bpf.c, sparse_{moe,activation,attention}.bpf.c) --------- */
 #define NAME_LEN 32              /* tensor name bytes copied ("ffn_moe_weighted-47" fits) */
 #define TENSOR_BYTES_S 1024      /* data of a small tensor record (a decode step) */
 #define TENSOR_BYTES_L 16384     /* data of a large tensor record (prompt rows) */

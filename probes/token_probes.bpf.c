@@ -1,12 +1,13 @@
 /* Token-boundary probes for llama.cpp engines (BCC; compiled at attach time).
  *
- * Build-time constants (set by sparseety_prof/bpf_loader.py with -D, per engine build):
+ * Build-time constants (set by sparseety_prof/capture/bpf_loader.py with -D, per engine build):
  *   UB_N_TOKENS UB_TOKEN UB_POS UB_N_SEQ_ID UB_SEQ_ID UB_OUTPUT  offsets in struct llama_ubatch
  *   N_VOCAB                                                      floats per logits row
  *   RB_PAGES                                                     ring buffer size in pages
  *
- * sparse_probes.bpf.c is appended to this text by the loader (BCC rewrites map accesses and
- * exports programs only in the main source text, so it cannot be #included).
+ * The sparse-decision files (sparse_common.bpf.c, then one per decision captured) and
+ * server_probes.bpf.c are appended to this text by the loader (BCC rewrites map accesses and
+ * exports programs only in the main source text, so they cannot be #included).
  *
  * Cost discipline: everything here copies raw bits; no floating point, no per-token maps
  * beyond the per-thread argument stash needed to pair entry and return probes. Records are
@@ -214,7 +215,7 @@ int ubatch_enter(struct pt_regs *ctx) {
     if (tok)
         bpf_probe_read_user(e->token, sz, (void *)(tok + (u64)off * 4));
     else
-        e->h.flags |= 2; /* embeddings input: no token ids */
+        e->h.flags |= UB_FLAG_NO_TOKENS;
     if (pos)
         bpf_probe_read_user(e->pos, sz, (void *)(pos + (u64)off * 4));
     u32 osz = m;

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
 from sparseety_prof.capture import events as ev
-from sparseety_prof.capture.bpf_loader import PROBES, _wanted, fdinfo_recursion_misses, task_storage_usable
-from sparseety_prof.capture.options import Capture
+from sparseety_prof.capture.bpf_loader import (
+    PROBES,
+    _wanted,
+    fdinfo_recursion_misses,
+    probe_files,
+    task_storage_usable,
+)
+from sparseety_prof.capture.options import TOKENS_ONLY, Capture
 from sparseety_prof.capture.plans import LayerSet, MoePlan, layer_set, moe_plan
 from sparseety_prof.correlate.agg_record import agg_rows_batch
 from sparseety_prof.correlate.node_names import parse_name
@@ -323,6 +331,31 @@ def test_probes_follow_the_moe_plan() -> None:
     acts_only = Capture(routes=False, attention=False)
     assert [_wanted(p, acts_only, both) for p in (get_rows, mul, glu)] == [False, True, False]
     assert [_wanted(p, acts_only, MoePlan()) for p in (get_rows, mul, glu)] == [False, False, True]
+
+
+def test_probe_files_follow_the_decisions_captured() -> None:
+    common, act, moe, attn = (f"sparse_{d}.bpf.c" for d in ("common", "activation", "moe", "attention"))
+    assert probe_files(TOKENS_ONLY, MoePlan()) == ["token_probes.bpf.c", "server_probes.bpf.c"]
+    assert probe_files(Capture(), MoePlan())[1:-1] == [common, act, moe, attn]
+    # activations read at the multiply need the MoE file without routes
+    acts_only = Capture(routes=False, attention=False)
+    assert probe_files(acts_only, MoePlan(act_at_mul=True))[1:-1] == [common, act, moe]
+    assert probe_files(acts_only, MoePlan())[1:-1] == [common, act]
+    assert probe_files(Capture(routes=False, activations=False), MoePlan())[1:-1] == [common, attn]
+
+
+def test_probe_files_hold_every_program_the_loader_attaches() -> None:
+    for routes, probs, acts, attention, ids_at_mul, act_at_mul in itertools.product((False, True), repeat=6):
+        capture = Capture(routes=routes, router_probs=probs, activations=acts, attention=attention)
+        # the plan as compile_and_attach narrows it to the capture
+        moe = MoePlan(ids_at_mul=ids_at_mul and routes and not probs, act_at_mul=act_at_mul and acts)
+        text = "\n".join((ev.PROBES_DIR / f).read_text() for f in probe_files(capture, moe))
+        wanted = [p.fn_entry for p in PROBES if _wanted(p, capture, moe)]
+        wanted += [p.fn_return for p in PROBES if _wanted(p, capture, moe)]
+        wanted += ["glu_continue"] if acts else []  # tail-call targets, loaded by name
+        wanted += ["kvmask_f16"] if attention else []
+        missing = [fn for fn in wanted if fn and f"int {fn}(struct pt_regs *ctx)" not in text]
+        assert not missing, (capture, moe, missing)
 
 
 def test_task_storage_by_kernel_release(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,7 @@
-"""The main probe program's life: compiles probes/*.bpf.c for one engine build, attaches it to
-one process, reads its ring buffer on the consumer's thread, and detaches it. bcc is imported
-only in capture/ (here and by the layout-discovery probe, through import_bcc).
+"""The main probe program's life: compiles the probes (probes/*.bpf.c) for one engine build and
+capture, attaches them to one process, reads their ring buffer on the consumer's thread, and
+detaches them. bcc is imported only in capture/ (here and by the layout-discovery probe, through
+import_bcc).
 
 BCC reports failures as bare `Exception` strings; they are translated here into the project's
 own errors so callers never see them.
@@ -88,13 +89,24 @@ def _wanted(spec: ProbeSpec, capture: Capture, moe: MoePlan) -> bool:
     return bool(getattr(capture, spec.feature))
 
 
-PROBE_SOURCES = ("token_probes.bpf.c", "sparse_probes.bpf.c", "server_probes.bpf.c")
+def probe_files(capture: Capture, moe: MoePlan) -> list[str]:
+    """The probe files of one program, in order: the token probes, the sparse decisions captured
+    (their shared part first; activations before MoE, whose multiply probe can count them), the
+    serving probes. Each condition is the one the file's programs need, in the terms of the -D
+    flags the program is compiled with (`moe` as compiled: MoE read points only where captured)."""
+    sparse = (
+        ("sparse_common.bpf.c", capture.any),
+        ("sparse_activation.bpf.c", capture.activations),
+        ("sparse_moe.bpf.c", capture.routes or capture.router_probs or moe.act_at_mul),
+        ("sparse_attention.bpf.c", capture.attention),
+    )
+    return ["token_probes.bpf.c", *(f for f, wanted in sparse if wanted), "server_probes.bpf.c"]
 
 
-def probe_source() -> str:
+def probe_source(capture: Capture, moe: MoePlan) -> str:
     """The BPF program text: BCC only rewrites and exports what is in its main text, so the probe
     files are concatenated rather than #included."""
-    return "\n".join((PROBES_DIR / f).read_text() for f in PROBE_SOURCES)
+    return "\n".join((PROBES_DIR / f).read_text() for f in probe_files(capture, moe))
 
 
 DEBIAN_BCC = Path("/usr/lib/python3/dist-packages/bcc")  # Debian's python3-bpfcc (pure Python)
@@ -232,7 +244,7 @@ def compile_and_attach(
     ]
     t0 = time.monotonic()
     try:
-        b = bcc.BPF(text=probe_source(), cflags=cflags)
+        b = bcc.BPF(text=probe_source(capture, moe), cflags=cflags)
     except Exception as e:
         msg = str(e)
         if "Operation not permitted" in msg or "EPERM" in msg:

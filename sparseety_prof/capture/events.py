@@ -49,6 +49,7 @@ ATT_FLAG_KV_MASK = 32  # counted where the engine writes the mask ("kq_mask-<n>"
 SAMPLER_LLAMA = 1
 SAMPLER_COMMON = 2
 UB_FLAG_TRUNCATED = 1
+UB_FLAG_NO_TOKENS = 2  # embeddings input: no token ids
 
 
 def _header_define(name: str) -> int:
@@ -83,6 +84,7 @@ def logits_chunk_for(n_vocab: int) -> int:
 
 HDR = [("seq", "<u8"), ("ts_ns", "<u8"), ("ctx", "<u8"), ("tid", "<u4"), ("kind", "<u2"), ("flags", "<u2")]
 HDR_DTYPE = np.dtype(HDR)
+# what a, b, c, ptr (and ctx) hold depends on the kind: the table at struct ev_small in probes/events.h
 SMALL_DTYPE = np.dtype([*HDR, ("a", "<i4"), ("b", "<i4"), ("c", "<i4"), ("pad", "<i4"), ("ptr", "<u8")])
 UBATCH_DTYPE = np.dtype(
     [

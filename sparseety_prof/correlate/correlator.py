@@ -210,7 +210,9 @@ class Correlator:
             row_offset=int(r["row_offset"]),
         )
         self.next_step_id += 1
-        verify_ubatch(c, step, self.counters, self.n_vocab, has_tokens=not (int(r["flags"]) & 2))
+        verify_ubatch(
+            c, step, self.counters, self.n_vocab, has_tokens=not (int(r["flags"]) & ev.UB_FLAG_NO_TOKENS)
+        )
         self.open_steps[tid] = step
         clears = self.pending_clears.pop(tid, [])
         self.requests.segment(c, step, clears)

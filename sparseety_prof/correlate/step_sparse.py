@@ -1,6 +1,6 @@
 """Sparse decisions of one forward pass, assembled from the graph-op probe records.
 
-The probes (probes/sparse_probes.bpf.c) send, per micro-batch:
+The probes (probes/sparse_*.bpf.c) send, per micro-batch:
   * routing tensors per MoE layer: the selected expert ids, the gate weights as applied and
     (optionally) the router probabilities, each as raw rows of the engine's own tensor;
   * activation counts per FFN layer: exact zeros and |x| < threshold per GLU output row (per
