@@ -29,7 +29,8 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user 
 
 
 def _steps(n: int) -> pl.DataFrame:
-    return schema.frame("steps", {"step_id": list(range(n)), "ctx_id": [0] * n, "n_tokens": [1] * n})
+    given: dict[str, list[object]] = {"step_id": list(range(n)), "ctx_id": [0] * n, "n_tokens": [1] * n}
+    return schema.frame("steps", given, absent=[c for c in schema.TABLES["steps"] if c not in given])
 
 
 def _state(p: Path) -> tuple[int, int, int, list[str]]:

@@ -24,6 +24,7 @@ Files are created through an open directory, never through a symlink (store/outp
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -364,9 +365,12 @@ class RecordingWriter:
         d = self._table_dirs.get(table)
         if d is None:
             d = self._table_dirs[table] = self._dir.subdir(table)
-        d.write_atomic(
-            segment_name(self._segments[table]), lambda f: df.write_parquet(f, compression=self._compression)
-        )
+        # encoded in memory, then written as bytes: a full disk then fails in our own write, with
+        # its errno (polars reports it as a bare "transport error")
+        buf = io.BytesIO()
+        df.write_parquet(buf, compression=self._compression)
+        data = buf.getbuffer()
+        d.write_atomic(segment_name(self._segments[table]), lambda f: f.write(data))
         self._segments[table] += 1
         self._rows[table] += df.height
 
