@@ -25,7 +25,7 @@ from sparseety_prof.correlate.attention_map import AttentionMap
 from sparseety_prof.correlate.fast_step import fast_step
 from sparseety_prof.correlate.request_tokens import RequestTokens
 from sparseety_prof.correlate.routes import RoutesTables
-from sparseety_prof.correlate.serving import ServingTracker
+from sparseety_prof.correlate.serving import ServingTracker, http_read_bytes
 from sparseety_prof.correlate.state import Counters, CtxState, SampleState, Step
 from sparseety_prof.correlate.step_sparse import Problems, StepSparse
 from sparseety_prof.correlate.tables import STEP_ROW, RowBuffer
@@ -349,7 +349,7 @@ class Correlator:
     # ---- serving context (llama-server)
     def _on_http(self, r: dict[str, Any]) -> None:
         if self.serving is not None:
-            self.serving.on_http(int(r["tid"]), int(r["ts_ns"]), r["data"])
+            self.serving.on_http(int(r["tid"]), int(r["ts_ns"]), http_read_bytes(r))
 
     def _on_task_post(self, r: dict[str, Any]) -> None:
         if self.serving is not None:

@@ -24,7 +24,9 @@ bound in order of their request lines, which cpp-httplib also processes in order
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 DEFAULT_HEADER = "X-Request-Id"
 MAX_ID_LEN = 256  # longer header values are cut (a request id, not a payload)
@@ -66,6 +68,13 @@ class ServingCounters:
     tasks_unbound: int = 0  # tasks launched whose request was never read (sent before attach)
     task_bindings_dropped: int = 0
     slot_token_mismatch: int = 0  # process_token's token differs from the sampler's
+
+
+def http_read_bytes(r: Mapping[str, Any]) -> bytes:
+    """The bytes an EV_HTTP_READ record actually copied: its buffer is reserved uncleared in the
+    ring, so what lies past `n_copied` is a stale earlier record's (another request's headers)."""
+    data = bytes(r["data"])
+    return data[: max(0, min(int(r["n_copied"]), int(r["len"]), len(data)))]
 
 
 def parse_request_head(data: bytes, header: str) -> tuple[str, str, str | None] | None:

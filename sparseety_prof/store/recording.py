@@ -550,4 +550,38 @@ def open(path: str | os.PathLike[str], *, skip_damaged: bool = False) -> Recordi
             f"{meta_path}: recorded with schema version {version}, this sparseety-prof reads up to "
             f"{schema.SCHEMA_VERSION}: upgrade sparseety-prof to read it"
         )
+    _check_meta_types(meta, meta_path)
     return Recording(p, meta, skip_damaged=skip_damaged)
+
+
+#: The types of the meta.json entries that readers (views, `check`, `attach`) look into. An entry
+#: may be absent or null; present with another type, the recording is damaged (CorruptRecording),
+#: so no reader has to guard against, say, "engine": [] or "tables": {"tokens": 3}.
+_META_TYPES: dict[str, type | tuple[type, ...]] = {
+    "engine": dict,
+    "model": dict,
+    "target": dict,
+    "losses": dict,
+    "tables": dict,
+    "layers": dict,
+    "complete": bool,
+    "redacted": bool,
+}
+
+
+def _check_meta_types(meta: Mapping[str, Any], meta_path: Path) -> None:
+    for key, want in _META_TYPES.items():
+        v = meta.get(key)
+        if v is not None and not isinstance(v, want):
+            raise CorruptRecording(
+                f"{meta_path}: {key!r} is {type(v).__name__}, expected {_type_names(want)}"
+            )
+    for name, entry in (meta.get("tables") or {}).items():
+        if not isinstance(entry, dict):
+            raise CorruptRecording(f"{meta_path}: tables.{name} is {type(entry).__name__}, expected object")
+
+
+def _type_names(want: type | tuple[type, ...]) -> str:
+    names = {dict: "object", bool: "true/false", list: "array", str: "string", int: "integer"}
+    types = want if isinstance(want, tuple) else (want,)
+    return " or ".join(names.get(t, t.__name__) for t in types)

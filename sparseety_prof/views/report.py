@@ -27,8 +27,8 @@ def print_report(path: Path, *, console: Console | None = None) -> None:
     tokens, steps = r.tokens(), r.steps()
 
     head = Table(title=text(f"recording {path}"), show_header=False)
-    engine = meta.get("engine", {})
-    model = meta.get("model", {})
+    engine = meta.get("engine") or {}
+    model = meta.get("model") or {}
     _row(head, "engine", f"{engine.get('name', '?')} {engine.get('version', '?')}")
     _row(
         head,
@@ -36,13 +36,13 @@ def print_report(path: Path, *, console: Console | None = None) -> None:
         f"{model.get('path', '?')} ({model.get('architecture', '?')}, sha256 "
         f"{str(model.get('sha256', ''))[:12]}…)",
     )
-    _row(head, "target", f"PID {meta.get('target', {}).get('pid', '?')}")
+    _row(head, "target", f"PID {(meta.get('target') or {}).get('pid', '?')}")
     _row(
         head,
         "complete",
         str(r.complete) + ("" if r.complete else " (interrupted: the last segment may be lost)"),
     )
-    losses = meta.get("losses", {})
+    losses = meta.get("losses") or {}
     _row(head, "losses", ", ".join(f"{k}={v}" for k, v in losses.items()) or "unknown")
     _row(head, "tokens / steps", f"{tokens.height} / {steps.height}")
     con.print(head)
