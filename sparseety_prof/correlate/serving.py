@@ -24,9 +24,7 @@ bound in order of their request lines, which cpp-httplib also processes in order
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 DEFAULT_HEADER = "X-Request-Id"
 MAX_ID_LEN = 256  # longer header values are cut (a request id, not a payload)
@@ -70,18 +68,13 @@ class ServingCounters:
     slot_token_mismatch: int = 0  # process_token's token differs from the sampler's
 
 
-def http_read_bytes(r: Mapping[str, Any]) -> bytes:
-    """The bytes an EV_HTTP_READ record actually copied: its buffer is reserved uncleared in the
-    ring, so what lies past `n_copied` is a stale earlier record's (another request's headers)."""
-    data = bytes(r["data"])
-    return data[: max(0, min(int(r["n_copied"]), int(r["len"]), len(data)))]
-
-
 def parse_request_head(data: bytes, header: str) -> tuple[str, str, str | None] | None:
     """(method, path, value of `header` or None) of a request head, or None if `data` does not
     start with an HTTP/1.x request line. Header names compare case-insensitively (RFC 9110)."""
-    head = data.split(b"\r\n\r\n", 1)[0]
+    head, end, _ = data.partition(b"\r\n\r\n")
     lines = head.split(b"\r\n")
+    if not end:  # the head goes on past the bytes copied: its last line may be cut short
+        lines = lines[:-1] if len(lines) > 1 else lines
     parts = lines[0].split(b" ")
     if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
         return None

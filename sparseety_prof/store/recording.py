@@ -554,19 +554,10 @@ def open(path: str | os.PathLike[str], *, skip_damaged: bool = False) -> Recordi
     return Recording(p, meta, skip_damaged=skip_damaged)
 
 
-#: The types of the meta.json entries that readers (views, `check`, `attach`) look into. An entry
-#: may be absent or null; present with another type, the recording is damaged (CorruptRecording),
-#: so no reader has to guard against, say, "engine": [] or "tables": {"tokens": 3}.
-_META_TYPES: dict[str, type | tuple[type, ...]] = {
-    "engine": dict,
-    "model": dict,
-    "target": dict,
-    "losses": dict,
-    "tables": dict,
-    "layers": dict,
-    "complete": bool,
-    "redacted": bool,
-}
+#: The types of meta.json's entries that this module writes and reads itself (the rest is the
+#: caller's: views take it through `section`). An entry may be absent or null; present with another
+#: type, the recording is damaged (CorruptRecording), so no reader guards against "tables": [].
+_META_TYPES: dict[str, type] = {"tables": dict, "complete": bool, "redacted": bool}
 
 
 def _check_meta_types(meta: Mapping[str, Any], meta_path: Path) -> None:
@@ -581,7 +572,16 @@ def _check_meta_types(meta: Mapping[str, Any], meta_path: Path) -> None:
             raise CorruptRecording(f"{meta_path}: tables.{name} is {type(entry).__name__}, expected object")
 
 
-def _type_names(want: type | tuple[type, ...]) -> str:
-    names = {dict: "object", bool: "true/false", list: "array", str: "string", int: "integer"}
-    types = want if isinstance(want, tuple) else (want,)
-    return " or ".join(names.get(t, t.__name__) for t in types)
+def section(rec: Recording, key: str) -> dict[str, Any]:
+    """meta.json's object `key` ({} when absent or null); CorruptRecording when it is something
+    else: a view reads a damaged recording as damaged (exit 7), never as a traceback."""
+    v = rec.meta.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise CorruptRecording(f"{rec.path / META_FILE}: {key!r} is {type(v).__name__}, expected object")
+    return v
+
+
+def _type_names(want: type) -> str:
+    return {dict: "object", bool: "true or false"}.get(want, want.__name__)
