@@ -188,7 +188,7 @@ def _write(tmp_path: Path, data: bytes, name: str = "m.gguf") -> Path:
 def _only_prof_error(path: Path) -> None:
     for read in (read_model_info, read_tensor_infos, Vocab.from_gguf):
         with pytest.raises(ProfError):
-            read(path)  # type: ignore[operator]
+            read(path)
 
 
 def test_gguf_nested_arrays_are_refused_not_recursed(tmp_path: Path) -> None:
@@ -235,8 +235,9 @@ def test_gguf_crafted_sizes_raise_prof_error(tmp_path: Path, data: bytes) -> Non
     p = _write(tmp_path, data)
     with pytest.raises(ProfError):
         read_tensor_infos(p)
-        read_model_info(p, with_sha256=False)
-        Vocab.from_gguf(p)
+    for read in (read_model_info, Vocab.from_gguf):  # may read (no tensors needed), or ProfError
+        with contextlib.suppress(ProfError):
+            read(p)
 
 
 # ------------------------------------------------------------------ damaged meta.json
