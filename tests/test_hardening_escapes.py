@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import struct
 import threading
@@ -238,6 +239,29 @@ def test_gguf_crafted_sizes_raise_prof_error(tmp_path: Path, data: bytes) -> Non
     for read in (read_model_info, Vocab.from_gguf):  # may read (no tensors needed), or ProfError
         with contextlib.suppress(ProfError):
             read(p)
+
+
+def test_gguf_header_claiming_more_than_the_cap_is_not_read_into_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A string whose length claims 200 MiB in a (sparse) 300 MiB file: the reader grows its
+    header read up to MAX_HEADER_BYTES, then stops."""
+    from sparseety_prof.capture import gguf_info
+
+    p = _write(tmp_path, gguf_bytes([("x", STRING, struct.pack("<Q", 200 << 20))]))
+    with p.open("r+b") as f:
+        f.truncate(300 << 20)
+    reads: list[int] = []
+    real_pread = os.pread
+
+    def counting_pread(fd: int, n: int, off: int) -> bytes:
+        reads.append(n)
+        return real_pread(fd, n, off)
+
+    monkeypatch.setattr(os, "pread", counting_pread)
+    with pytest.raises(ProfError, match="64 MiB"):
+        read_model_info(p, with_sha256=False)
+    assert max(reads) <= gguf_info.MAX_HEADER_BYTES
 
 
 # ------------------------------------------------------------------ damaged meta.json

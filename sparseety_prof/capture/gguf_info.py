@@ -72,6 +72,9 @@ MAX_ARRAY_NESTING = 8
 
 #: the first read of a GGUF header (a 150k-token vocabulary and its merges take a few MB)
 HEADER_READ_BYTES = 16 << 20
+#: the most of a file read as its header (the largest real vocabularies take ~10 MB): a crafted
+#: size in a multi-GB file must not have the whole file read into memory
+MAX_HEADER_BYTES = 64 << 20
 
 # (path, st_dev, st_ino, size, mtime_ns) -> hex digest
 _sha256_cache: dict[tuple[str, int, int, int, int], str] = {}
@@ -246,7 +249,9 @@ class _Header:
             except (struct.error, ValueError, IndexError):
                 if len(self._mm) < n or n >= size:  # the whole file was read (or it shrank)
                     raise
-                n = min(size, n * 4)
+                if n >= MAX_HEADER_BYTES:  # sizes in the file claim more: not read into memory
+                    raise ValueError(f"its header claims more than {MAX_HEADER_BYTES >> 20} MiB") from None
+                n = min(size, n * 4, MAX_HEADER_BYTES)
 
     def close(self) -> None:
         self._mm = b""
