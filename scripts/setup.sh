@@ -67,11 +67,16 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-if ! "$PY" -c 'import llama_cpp, xllamacpp, gguf, polars, rich, pytest' 2>/dev/null \
-   || ! "$PY" -m pip freeze 2>/dev/null | grep -qx 'llama_cpp_python==0.3.36'; then
+# The venv records the hash of the requirements it was installed from: a line added to (or changed
+# in) scripts/requirements.txt is installed into an existing venv too (pip keeps what is satisfied).
+REQ_HASH=$(sha256sum scripts/requirements.txt | cut -d' ' -f1)
+if ! "$PY" -c 'import llama_cpp, xllamacpp, gguf, polars, rich, pytest, hypothesis' 2>/dev/null \
+   || ! "$PY" -m pip freeze 2>/dev/null | grep -qx 'llama_cpp_python==0.3.36' \
+   || [ "$(cat "$VENV/.requirements.sha256" 2>/dev/null)" != "$REQ_HASH" ]; then
   step "4/6 installing pinned packages (llama-cpp-python builds from source: ~5 min on 2 cores the first time)"
   timed "$PY" -m pip install -q --upgrade pip
   CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF" timed "$PY" -m pip install -q -r scripts/requirements.txt
+  echo "$REQ_HASH" > "$VENV/.requirements.sha256"
 else
   step "4/6 pinned packages present"
 fi

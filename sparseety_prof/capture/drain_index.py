@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.events import EventBatch
 
 # layouts in EventBatch.groups() order
@@ -87,7 +88,7 @@ class DrainIndex:
                 "kind": int(h["kind"]),
                 "tid": int(h["tid"]),
                 "ts_ns": int(h["ts_ns"]),
-                "data": bytes(h["data"])[: int(h["n_copied"])],
+                "data": ev.http_copied(h),
             }
         dt = arr.dtype
         d: dict[str, Any] = {}

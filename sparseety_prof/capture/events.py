@@ -189,6 +189,13 @@ HTTP_DTYPE = np.dtype(
 )
 
 
+def http_copied(rec: np.void) -> bytes:
+    """The bytes an EV_HTTP_READ record actually holds: its buffer is reserved uncleared in the
+    ring, so what lies past `n_copied` is a stale earlier record's (another request's headers)."""
+    data = bytes(rec["data"])
+    return data[: max(0, min(int(rec["n_copied"]), int(rec["len"]), len(data)))]
+
+
 def logits_dtype(chunk: int) -> np.dtype:
     return np.dtype(
         [

@@ -66,8 +66,15 @@ _KEY_EOS = gguf.Keys.Tokenizer.EOS_ID
 _SPM_LIKE = frozenset({"llama", "bert", "t5"})  # llama.cpp's SPM, WPM and UGM share one branch
 _BPE = frozenset({"gpt2"})
 
+#: arrays of arrays deeper than this are refused (gguf writers nest one level; a crafted file
+#: could otherwise nest until the parser's recursion runs out)
+MAX_ARRAY_NESTING = 8
+
 #: the first read of a GGUF header (a 150k-token vocabulary and its merges take a few MB)
 HEADER_READ_BYTES = 16 << 20
+#: the most of a file read as its header (the largest real vocabularies take ~10 MB): a crafted
+#: size in a multi-GB file must not have the whole file read into memory
+MAX_HEADER_BYTES = 64 << 20
 
 # (path, st_dev, st_ino, size, mtime_ns) -> hex digest
 _sha256_cache: dict[tuple[str, int, int, int, int], str] = {}
@@ -222,7 +229,7 @@ class _Header:
                 self._read_header(f.fileno(), st.st_size)
         except OSError as e:
             raise ProfError(f"cannot read model file {path}: {e.strerror or e}") from e
-        except (struct.error, ValueError, IndexError, UnicodeDecodeError, OverflowError) as e:
+        except (struct.error, ValueError, IndexError, UnicodeDecodeError, OverflowError, MemoryError) as e:
             raise ProfError(f"{path} is not a readable GGUF model file (truncated or damaged: {e})") from e
         self.size = st.st_size
 
@@ -242,7 +249,9 @@ class _Header:
             except (struct.error, ValueError, IndexError):
                 if len(self._mm) < n or n >= size:  # the whole file was read (or it shrank)
                     raise
-                n = min(size, n * 4)
+                if n >= MAX_HEADER_BYTES:  # sizes in the file claim more: not read into memory
+                    raise ValueError(f"its header claims more than {MAX_HEADER_BYTES >> 20} MiB") from None
+                n = min(size, n * 4, MAX_HEADER_BYTES)
 
     def close(self) -> None:
         self._mm = b""
@@ -305,7 +314,7 @@ class _Header:
             raise ValueError(f"string at offset {off} runs past the end of the file")
         return self._mm[off + 8 : end].decode("utf-8", errors="replace"), end
 
-    def _value(self, vtype: int, off: int) -> tuple[Any, int]:
+    def _value(self, vtype: int, off: int, depth: int = 0) -> tuple[Any, int]:
         e, mm = self._e, self._mm
         if vtype == _V.STRING:
             return self._string(off)
@@ -333,9 +342,11 @@ class _Header:
             if off > len(mm):
                 raise ValueError(f"string array at offset {start} runs past the end of the file")
             return _StringArray(start, count), off
+        if depth >= MAX_ARRAY_NESTING:
+            raise ValueError(f"arrays nested deeper than {MAX_ARRAY_NESTING} levels at offset {off}")
         items = []
         for _ in range(count):  # arrays of arrays: rare, decoded eagerly
-            v, off = self._value(itype, off)
+            v, off = self._value(itype, off, depth + 1)
             items.append(v)
         return items, off
 
@@ -430,8 +441,8 @@ def read_model_info(path: Path, *, with_sha256: bool = True) -> ModelInfo:
             n_vocab = h.int_(f"{arch}.vocab_size") or 0
         return ModelInfo(
             path=path,
-            size_bytes=os.stat(path).st_size,
-            sha256=sha256_file(path) if with_sha256 else None,
+            size_bytes=h.size,
+            sha256=_model_sha256(path) if with_sha256 else None,
             architecture=arch,
             name=h.str_(_KEY_NAME),
             hyperparameters=hparams,
@@ -442,6 +453,13 @@ def read_model_info(path: Path, *, with_sha256: bool = True) -> ModelInfo:
             n_tensors=len(h.tensors),
             n_params=sum(math.prod(dims) for _, dims in h.tensors),
         )
+
+
+def _model_sha256(path: Path) -> str:
+    try:
+        return sha256_file(path)
+    except OSError as e:
+        raise ProfError(f"cannot read model file {path}: {e.strerror or e}") from e
 
 
 @cache
@@ -510,7 +528,10 @@ class Vocab:
             model = h.str_(_KEY_TOK_MODEL)
         if pieces is None:
             raise ProfError(f"{path} has no tokenizer vocabulary ({_KEY_TOKENS}): token text is unavailable")
-        return cls(pieces, None if types is None else types.tolist(), model)
+        try:
+            return cls(pieces, None if types is None else types.tolist(), model)
+        except ValueError as e:  # the file's token types do not match its tokens
+            raise ProfError(f"{path} is not a readable GGUF model file (damaged vocabulary: {e})") from None
 
     def _render(self, piece: str, ttype: int) -> bytes:
         """The bytes llama_token_to_piece(special=false) writes for one token."""

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     def on_update(tok: dict, steps: dict, p: Progress) -> None:
         if not state:
-            eng, model = rec.meta.get("engine", {}), rec.meta.get("model", {})
+            eng, model = rec.meta.get("engine") or {}, rec.meta.get("model") or {}
             state.append(
                 LiveState(
                     pid=args.pid,

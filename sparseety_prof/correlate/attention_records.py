@@ -40,7 +40,10 @@ class AttentionRecords:
         """A graph-op or set_input_kq_mask record. Returns the graph node's (kind, layer)."""
         raw = bytes(r["name"])
         if int(r["aflags"]) & ev.ATT_FLAG_KV_MASK:  # "kq_mask-<n>": the n-th set_input_kq_mask call
-            call = int(raw[len(KV_MASK_PREFIX) : len(KV_MASK_PREFIX) + 1])
+            digit = raw[len(KV_MASK_PREFIX) : len(KV_MASK_PREFIX) + 1]
+            if not raw.startswith(KV_MASK_PREFIX) or not digit.isdigit():
+                return None  # not the probe's own name: nothing to attribute it to
+            call = int(digit)
             self.kv_masks[call] = int(r["mask"])
             n = int(r["n_counted"])
             counts = self.kv_counts.setdefault(call, {})

@@ -29,7 +29,12 @@ from sparseety_prof.correlate.serving import ServingTracker
 from sparseety_prof.correlate.state import Counters, CtxState, SampleState, Step
 from sparseety_prof.correlate.step_sparse import Problems, StepSparse
 from sparseety_prof.correlate.tables import STEP_ROW, RowBuffer
-from sparseety_prof.correlate.verification import verify_routing, verify_ubatch, verifying_sparse
+from sparseety_prof.correlate.verification import (
+    MAX_BATCH_ROWS,
+    verify_routing,
+    verify_ubatch,
+    verifying_sparse,
+)
 from sparseety_prof.store.schema import PHASE_DECODE, PHASE_PREFILL, Tables
 
 
@@ -192,7 +197,11 @@ class Correlator:
         if not c.decode_seen:  # no decode entry seen on this context: one micro-batch per decode
             c.decode_id += 1
             c.rows, c.outputs = [], []
-        m = int(r["n_copied"])
+        # sizes come from the target's memory: clamped to what the record holds and to a batch
+        # of MAX_BATCH_ROWS, so a record past verification cannot drive an allocation
+        n_tokens = min(int(r["n_tokens"]), MAX_BATCH_ROWS)
+        m = max(0, min(int(r["n_copied"]), ev.MAX_UB_TOK, n_tokens))
+        row_offset = max(0, min(int(r["row_offset"]), n_tokens - m, MAX_BATCH_ROWS - len(c.rows) - m))
         c.ubatches_seen += 1
         step = Step(
             step_id=self.next_step_id,
@@ -205,9 +214,9 @@ class Correlator:
             pos=np.array(r["pos"][:m]),
             seq=np.array(r["seq_id"][:m]),
             output=np.array(r["output"][:m]),
-            n_tokens=int(r["n_tokens"]),
+            n_tokens=n_tokens,
             truncated=bool(int(r["flags"]) & ev.UB_FLAG_TRUNCATED),
-            row_offset=int(r["row_offset"]),
+            row_offset=row_offset,
         )
         self.next_step_id += 1
         verify_ubatch(
@@ -313,10 +322,12 @@ class Correlator:
         s = c.sampling.get(int(r["tid"]))
         if s is None:
             return
-        n = int(r["n_vals"])
+        n, chunk = int(r["n_vals"]), int(r["chunk"])
+        if chunk >= ev.MAX_LOGITS_CHUNKS:
+            return  # beyond any vocabulary a record set can carry: left incomplete, and counted
         # a view into the drained batch, valid until the next drain; feed() copies the chunks of
         # sampler calls still open when it returns (take_tables uses the others before then)
-        s.chunks[int(r["chunk"])] = r["vals"][:n]
+        s.chunks[chunk] = r["vals"][:n]
         s.n_vocab = int(r["n_vocab"])
         s.chunk_len = len(r["vals"])
 
@@ -333,7 +344,7 @@ class Correlator:
         logits = None
         if s is not None and s.chunks:
             n_chunks = -(-s.n_vocab // s.chunk_len)
-            if len(s.chunks) == n_chunks:
+            if len(s.chunks) == n_chunks and all(k in s.chunks for k in range(n_chunks)):
                 logits = [s.chunks[k] for k in range(n_chunks)]
             else:
                 self.counters.logits_incomplete += 1

@@ -71,8 +71,10 @@ class ServingCounters:
 def parse_request_head(data: bytes, header: str) -> tuple[str, str, str | None] | None:
     """(method, path, value of `header` or None) of a request head, or None if `data` does not
     start with an HTTP/1.x request line. Header names compare case-insensitively (RFC 9110)."""
-    head = data.split(b"\r\n\r\n", 1)[0]
+    head, end, _ = data.partition(b"\r\n\r\n")
     lines = head.split(b"\r\n")
+    if not end:  # the head goes on past the bytes copied: its last line may be cut short
+        lines = lines[:-1] if len(lines) > 1 else lines
     parts = lines[0].split(b" ")
     if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
         return None

@@ -29,6 +29,13 @@ from sparseety_prof.correlate.node_names import parse_name
 GGML_TYPE_F32 = 0
 GGML_TYPE_I32 = 26
 BLOCK_PAIRS = ev.BLOCK_WORDS
+# Bounds on sizes read from the target's memory, far above real models (a routing tensor of an
+# 8k-token micro-batch over 256 experts holds 2M cells; an FFN 64k wide): a record beyond them is
+# dropped rather than allowed to size an allocation.
+MAX_TENSOR_CELLS = 1 << 24
+MAX_ACT_ROWS = 1 << 20
+MAX_ACT_WIDTH = 1 << 18
+MAX_MASK_CELLS = 1 << 28
 
 _ONE_FILLED = np.ones(1, dtype=bool)
 _ONE_FILLED.flags.writeable = False
@@ -156,11 +163,13 @@ class StepSparse(AttentionRecords):
         is_int = int(r["type"]) == GGML_TYPE_I32
         if (
             stride % 4
+            or n_rows < 1
             or ne0 * 4 > stride
-            or n_rows * stride > int(r["n_bytes"])
+            or n_rows * stride > min(int(r["n_bytes"]), len(r["data"]))
             or row0 + n_rows > rows_total
+            or rows_total * ne0 > MAX_TENSOR_CELLS
         ):
-            return None
+            return None  # sizes the record cannot hold, or a tensor no micro-batch has
         raw = np.frombuffer(r["data"], dtype="<i4" if is_int else "<f4", count=n_rows * stride // 4)
         block = raw.reshape(n_rows, stride // 4)[:, :ne0]
         cur = store.get(layer)
@@ -179,22 +188,23 @@ class StepSparse(AttentionRecords):
         kind, layer = parsed
         ne0, ne1, nr = int(r["ne0"]), int(r["ne1"]), int(r["nr_total"])
         slots = ne1 if kind.startswith("ffn_moe_") else 1
-        if slots <= 0 or nr % slots:
-            return None
+        if slots <= 0 or nr % slots or nr > MAX_ACT_ROWS or ne0 > MAX_ACT_WIDTH:
+            return None  # sizes from the target's memory beyond any model: not allocated
         z = self.act_zeros.get(layer)
         if z is None or len(z) != nr:
             z = self.act_zeros[layer] = np.full(nr, -1, dtype=np.int64)
             self.act_below[layer] = np.full(nr, -1, dtype=np.int64)
             self.act_width[layer] = ne0
             self.act_slots[layer] = slots
-            if with_bits:
+            if with_bits and nr * ne0 <= MAX_MASK_CELLS:
                 self.act_bits[layer] = np.zeros((nr, ne0), dtype=np.uint8)
         ir0, n = int(r["ir0"]), int(r["n_rows"])
         n = min(n, nr - ir0, ev.ACT_MAX_ROWS)
         if n > 0:
             z[ir0 : ir0 + n] = list(r["zeros"])[:n]
             self.act_below[layer][ir0 : ir0 + n] = list(r["below"])[:n]
-            if with_bits and "bits" in r:
+            bits = self.act_bits.get(layer) if with_bits and "bits" in r else None
+            if bits is not None and bits.shape[1] == ne0:
                 self._unpack_bits(layer, r["bits"], ir0, n, ne0)
         return parsed
 

@@ -11,6 +11,7 @@ from sparseety_prof.errors import UnsupportedEngineBuild
 
 VERIFY_UBATCHES = 16  # micro-batches (and routing records) checked at attach time
 MAX_SEQ_ID = 1 << 16
+MAX_BATCH_ROWS = 1 << 20  # rows of one batch: more is a misread layout (and, later, a clamp)
 
 
 def verify_ubatch(c: CtxState, step: Step, counters: Counters, n_vocab: int, *, has_tokens: bool) -> None:
@@ -19,7 +20,7 @@ def verify_ubatch(c: CtxState, step: Step, counters: Counters, n_vocab: int, *, 
     if counters.verified_ubatches >= VERIFY_UBATCHES:
         return
     problems = []
-    if not 0 < step.n_tokens <= 1 << 20:
+    if not 0 < step.n_tokens <= MAX_BATCH_ROWS:
         problems.append(f"n_tokens={step.n_tokens}")
     m = len(step.token)
     if m:

@@ -9,11 +9,15 @@ privacy level is session/redaction.py's: recordings travel, secrets must not.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import platform
 import re
-import urllib.request
+import socket
+import threading
+import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +41,9 @@ ENV_PREFIXES = (
     "PYTORCH_",
     "SPARSEETY_",
 )
-PROPS_TIMEOUT_S = 2.0
+PROPS_TIMEOUT_S = 2.0  # the whole fetch, connect to last byte (a slow drip cannot hold it longer)
+PROPS_MAX_BYTES = 1 << 20  # /props is a few KiB; anything larger is not llama-server's answer
+PROPS_MAX_DEPTH = 32  # llama-server nests 3 levels; deeper JSON is refused before it is walked
 
 
 def engine_environment(pid: int, *, redact_text: bool = False) -> dict[str, str]:
@@ -96,13 +102,70 @@ def host_info() -> dict[str, Any]:
 
 def server_props(url: str, *, redact_text: bool = False) -> dict[str, Any]:
     """llama-server's GET /props (context size, slots, default sampling settings, build), redacted,
-    or {"error": ...} when it cannot be read (API key set, older server)."""
+    or {"error": ...} when it cannot be read (API key set, older server).
+
+    The server is the target, not trusted: no redirect is followed, the body is read up to
+    PROPS_MAX_BYTES within PROPS_TIMEOUT_S in all, and JSON nested deeper than PROPS_MAX_DEPTH is
+    refused; every failure is an error string, never an exception out of the recorder."""
     try:
-        with urllib.request.urlopen(url + "/props", timeout=PROPS_TIMEOUT_S) as r:
-            props = json.loads(r.read())
-    except (OSError, ValueError) as e:
+        props = json.loads(_get_bounded(url + "/props"))
+        if _depth_exceeds(props, PROPS_MAX_DEPTH):
+            return {"error": f"GET {url}/props: JSON nested deeper than {PROPS_MAX_DEPTH} levels"}
+    except (OSError, ValueError, RecursionError, http.client.HTTPException) as e:
         return {"error": f"GET {url}/props failed: {e}"}
     if not isinstance(props, dict):
         return {"error": "GET /props did not return an object"}
     props.pop("chat_template", None)  # long, and part of the model file already hashed
     return dict(redaction.server_answer(props, redact_text=redact_text))
+
+
+def _get_bounded(url: str) -> bytes:
+    """The body of a plain-HTTP GET answered 200, or ValueError/OSError/HTTPException (a redirect
+    is an error). A timer shuts the socket down at the deadline, so neither a server that drips
+    its headers nor one that streams an endless body holds the caller longer than the timeout."""
+    u = urllib.parse.urlsplit(url)
+    if u.scheme != "http" or not u.hostname:
+        raise ValueError(f"not a plain http URL: {url!r}")
+    deadline = time.monotonic() + PROPS_TIMEOUT_S
+    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=PROPS_TIMEOUT_S)
+    conn.connect()
+    assert conn.sock is not None
+    timer = threading.Timer(PROPS_TIMEOUT_S, _shut_down, (conn.sock,))
+    timer.daemon = True
+    timer.start()
+    try:
+        conn.request("GET", u.path or "/", headers={"Accept": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise ValueError(f"HTTP {resp.status} {resp.reason} (redirects are not followed)")
+        body = bytearray()
+        while len(body) <= PROPS_MAX_BYTES:
+            chunk = resp.read1(64 << 10)
+            if not chunk:
+                break
+            body += chunk
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no complete answer within {PROPS_TIMEOUT_S:g} s")
+        if len(body) > PROPS_MAX_BYTES:
+            raise ValueError(f"answer larger than {PROPS_MAX_BYTES} bytes")
+        return bytes(body)
+    finally:
+        timer.cancel()
+        conn.close()
+
+
+def _shut_down(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def _depth_exceeds(obj: Any, limit: int) -> bool:
+    """Whether decoded JSON nests deeper than `limit` (iterative: no recursion to exhaust)."""
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict | list):
+            if d > limit:
+                return True
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return False

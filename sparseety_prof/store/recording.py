@@ -554,4 +554,38 @@ def open(path: str | os.PathLike[str], *, skip_damaged: bool = False) -> Recordi
             f"{meta_path}: recorded with schema version {version}, this sparseety-prof reads up to "
             f"{schema.SCHEMA_VERSION}: upgrade sparseety-prof to read it"
         )
+    _check_meta_types(meta, meta_path)
     return Recording(p, meta, skip_damaged=skip_damaged)
+
+
+#: The types of meta.json's entries that this module writes and reads itself (the rest is the
+#: caller's: views take it through `section`). An entry may be absent or null; present with another
+#: type, the recording is damaged (CorruptRecording), so no reader guards against "tables": [].
+_META_TYPES: dict[str, type] = {"tables": dict, "complete": bool, "redacted": bool}
+
+
+def _check_meta_types(meta: Mapping[str, Any], meta_path: Path) -> None:
+    for key, want in _META_TYPES.items():
+        v = meta.get(key)
+        if v is not None and not isinstance(v, want):
+            raise CorruptRecording(
+                f"{meta_path}: {key!r} is {type(v).__name__}, expected {_type_names(want)}"
+            )
+    for name, entry in (meta.get("tables") or {}).items():
+        if not isinstance(entry, dict):
+            raise CorruptRecording(f"{meta_path}: tables.{name} is {type(entry).__name__}, expected object")
+
+
+def section(rec: Recording, key: str) -> dict[str, Any]:
+    """meta.json's object `key` ({} when absent or null); CorruptRecording when it is something
+    else: a view reads a damaged recording as damaged (exit 7), never as a traceback."""
+    v = rec.meta.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise CorruptRecording(f"{rec.path / META_FILE}: {key!r} is {type(v).__name__}, expected object")
+    return v
+
+
+def _type_names(want: type) -> str:
+    return {dict: "object", bool: "true or false"}.get(want, want.__name__)

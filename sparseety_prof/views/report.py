@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparseety_prof.store.recording import open as open_recording
+from sparseety_prof.store.recording import section
 from sparseety_prof.terminal_text import text
 
 
@@ -23,12 +24,11 @@ def print_report(path: Path, *, console: Console | None = None) -> None:
     the recording holds such rows)."""
     con = console or Console()
     r = open_recording(path)
-    meta = r.meta
     tokens, steps = r.tokens(), r.steps()
 
     head = Table(title=text(f"recording {path}"), show_header=False)
-    engine = meta.get("engine", {})
-    model = meta.get("model", {})
+    engine = section(r, "engine")
+    model = section(r, "model")
     _row(head, "engine", f"{engine.get('name', '?')} {engine.get('version', '?')}")
     _row(
         head,
@@ -36,13 +36,13 @@ def print_report(path: Path, *, console: Console | None = None) -> None:
         f"{model.get('path', '?')} ({model.get('architecture', '?')}, sha256 "
         f"{str(model.get('sha256', ''))[:12]}…)",
     )
-    _row(head, "target", f"PID {meta.get('target', {}).get('pid', '?')}")
+    _row(head, "target", f"PID {section(r, 'target').get('pid', '?')}")
     _row(
         head,
         "complete",
         str(r.complete) + ("" if r.complete else " (interrupted: the last segment may be lost)"),
     )
-    losses = meta.get("losses", {})
+    losses = section(r, "losses")
     _row(head, "losses", ", ".join(f"{k}={v}" for k, v in losses.items()) or "unknown")
     _row(head, "tokens / steps", f"{tokens.height} / {steps.height}")
     con.print(head)
