@@ -8,10 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import stat
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from array import array
@@ -227,6 +230,52 @@ def test_kernel_handles_are_named_by_cupti_symbol_name(build: Path, shm_name: st
     # The handle launched without a symbol name cannot be matched: said once, nothing copied.
     assert c.buffers_failed == 0
     assert len(c.errors) == 1 and "without a symbol name" in c.errors[0] and "(code 400)" in c.errors[0]
+
+
+@pytest.mark.root
+def test_a_ring_name_planted_by_another_user_does_not_cost_the_engine_its_ring(
+    build: Path, shm_name: str
+) -> None:
+    """Another local user creates the engine's ring name in /dev/shm first. The engine (a third
+    user here, so it cannot remove that file) takes an unguessable name of its own instead of
+    losing its ring, and the planted file is left as it was."""
+    planted = Path("/dev/shm") / shm_name
+    planted.write_bytes(b"planted")
+    os.chown(planted, 65534, 65534)
+    os.chmod(planted, 0o644)
+    lib = Path(tempfile.mkdtemp(prefix="sparseety-cupti-"))  # readable by the engine's user
+    try:
+        os.chmod(lib, 0o755)
+        for f in build.iterdir():
+            if f.is_file():
+                shutil.copy(f, lib / f.name)
+                os.chmod(lib / f.name, 0o755)
+        r = subprocess.run(
+            [str(lib / "driver"), "main"],
+            env=env_for(lib, shm_name),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            user=65533,
+            group=65533,
+            extra_groups=[],
+        )
+        assert r.returncode == 0, r.stderr
+        assert planted.read_bytes() == b"planted" and planted.stat().st_uid == 65534
+        rings = sorted(Path("/dev/shm").glob(f"{shm_name}.*"))
+        assert [re.fullmatch(re.escape(shm_name) + r"\.[0-9a-f]{16}", p.name) is not None for p in rings] == [
+            True
+        ]
+        assert rings[0].stat().st_uid == 65533
+        ring = ShmRing(rings[0])
+        try:
+            assert ring.finished and by_type(ring.drain(), LaunchApi)
+        finally:
+            ring.close()
+    finally:
+        for p in Path("/dev/shm").glob(f"{shm_name}.*"):
+            p.unlink()
+        shutil.rmtree(lib)
 
 
 def test_full_ring_drops_and_counts_then_recovers(build: Path, shm_name: str) -> None:

@@ -277,8 +277,12 @@ def test_stale_rings_removed_only_when_proven(tmp_path: Path) -> None:
         os.link(tmp_path / "victim", hard)  # a second name of someone's file
         kept.setdefault("name", tmp_path / f"{SHM_PREFIX}x{dead}")
         pad_ring(kept["name"], head=0, pid=dead)
-        assert remove_stale_rings(shm_dir=tmp_path) == [proven]
-        assert not proven.exists()
+        # the name a library takes when its plain one was planted: PID + 16 hex digits
+        renamed = tmp_path / f"{SHM_PREFIX}{dead}.0123456789abcdef"
+        pad_ring(renamed, head=0, pid=dead, capacity=4096)
+        pad_ring(kept.setdefault("suffix", tmp_path / f"{SHM_PREFIX}{dead}.planted"), head=0, pid=dead)
+        assert sorted(remove_stale_rings(shm_dir=tmp_path)) == sorted([proven, renamed])
+        assert not proven.exists() and not renamed.exists()
         for why, p in kept.items():
             assert os.path.lexists(p), why
         assert other.read_bytes() == b"someone's data"

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -70,6 +71,15 @@ HIDDEN int ring_create(uint64_t capacity, char *err, size_t errlen) {
     /* A file left by a dead process with the same pid (or a test's name) is stale: replace it. */
     shm_unlink(g_name);
     int fd = shm_open(g_name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    /* Still there: another user's file (/dev/shm is sticky), planted under our name. Readers find
+     * rings by what this process maps, never by name, so an unguessable name of our own serves. */
+    size_t base = strlen(g_name);
+    for (int tries = 0; fd < 0 && errno == EEXIST && tries < 8 && base + 18 < sizeof g_name; tries++) {
+        uint64_t r = 0;
+        if (getrandom(&r, sizeof r, 0) != (ssize_t)sizeof r) break;
+        snprintf(g_name + base, sizeof g_name - base, ".%016llx", (unsigned long long)r);
+        fd = shm_open(g_name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    }
     if (fd < 0) {
         snprintf(err, errlen, "shm_open(%s): %s", g_name, strerror(errno));
         return -1;

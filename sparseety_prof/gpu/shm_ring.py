@@ -50,6 +50,7 @@ API and watched-buffer times are always CLOCK_MONOTONIC (taken by the library it
 from __future__ import annotations
 
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,8 @@ __all__ = [
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "sparseety-prof-cupti."
+# what follows SHM_PREFIX in a ring's name: the PID, and a random part when the plain name was taken
+_RING_NAME = re.compile(r"(?P<pid>[0-9]+)(\.[0-9a-f]{16})?")
 MAGIC = 0x49545055434B5053  # b"SPKCUPTI" as a little-endian u64
 VERSION = 1
 HEADER_SIZE = 4096
@@ -544,7 +547,8 @@ def remove_stale_rings(shm_dir: Path = SHM_DIR, proc: Path = Path("/proc")) -> l
     """Remove the rings of processes that are gone; return what was removed.
 
     A file is removed only when all of this holds: its name is SHM_PREFIX + a PID that no running
-    process has; it is a regular file (not a symlink) with a single link; it reads as a ring
+    process has (optionally + "." and 16 hex digits: the name a library takes when its plain one
+    was planted); it is a regular file (not a symlink) with a single link; it reads as a ring
     (magic, version, a size the header accounts for) whose header names that same PID. Anything
     else, whoever owns it, is left alone: a file that cannot be proven to be a dead process's
     ring is never deleted."""
@@ -554,9 +558,10 @@ def remove_stale_rings(shm_dir: Path = SHM_DIR, proc: Path = Path("/proc")) -> l
     except OSError:
         return []
     for path in names:
-        digits = path.name[len(SHM_PREFIX) :]
-        if not digits.isdigit() or (proc / digits).exists():
+        m = _RING_NAME.fullmatch(path.name[len(SHM_PREFIX) :])
+        if m is None or (proc / m["pid"]).exists():
             continue
+        digits = m["pid"]
         try:
             fd, st = open_untrusted(path, follow=False, max_size=HEADER_SIZE + MAX_CAPACITY)
         except OSError:
