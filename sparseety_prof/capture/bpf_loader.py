@@ -338,11 +338,10 @@ def _attach(fn: Any, lib: Path, vaddr: int, fn_name: str, pid: int) -> None:
 
 class _Arena:
     """Records of one size, back to back in a numpy buffer that is reused drain after drain:
-    fresh buffers every drain cost a page fault per 4 KiB (about 1 ms per token of 128 KiB of
-    logits here), reuse costs none. A buffer grows by doubling and is touched page by page when
-    it is made (`prefault`), so that the faults are taken once, at attach time for the sizes
-    known in advance, instead of inside the first drains under load (measured: 35-45 ms of CPU
-    in the first two drains of a generation, ~4% of a core over a 256-token run)."""
+    fresh buffers every drain cost a page fault per 4 KiB of records, reuse costs none. A buffer
+    grows by doubling and is touched page by page when it is made (`prefault`), so that the
+    faults are taken once, at attach time for the sizes known in advance, instead of inside the
+    first drains under load."""
 
     def __init__(self, size: int, capacity: int = 0) -> None:
         self.size = size

@@ -13,9 +13,9 @@ from sparseety_prof.session.options import Options, Progress
 class ConsumerSched:
     """Where the consumer's CPU comes from. It runs at a low priority (`--nice`, default 10), or
     with `--sched idle` as SCHED_IDLE (only CPU the engine leaves idle), so that the engine's
-    threads win contention. A low priority can starve it while the engine keeps every core busy
-    (measured: 2-3 s without a drain during a 2-thread generation on 2 cores), and the ring holds
-    about 1.5 s of tokens: when one drain finds the ring filling (ESCALATE_FILL), the consumer
+    threads win contention. A low priority can starve it for seconds while the engine keeps every
+    core busy (the live view and meta.json show the longest gap, `drain_gap_max_ms`), and the ring
+    holds about 1.5 s of tokens: when one drain finds the ring filling (ESCALATE_FILL), the consumer
     takes the engine's own priority (nice 0, SCHED_OTHER) until it has caught up (RELAX_FILL):
     losing records is worse than taking a few percent of the engine's time. Escalations are
     counted in meta.json ("consumer")."""
