@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import ENGINES, ROOT, Engine, MappingProcess, run_cli, run_cli_without_capabilities
 
-from sparseety_prof.commands import doctor
+from sparseety_prof.capture import preflight
 
 
 @pytest.mark.root
@@ -34,31 +34,31 @@ def test_privileges_and_bpf_load_fail_without_capabilities() -> None:
 def test_bcc_check_fails_when_bcc_is_not_importable(tmp_path: Path) -> None:
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['bcc'] = None\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
-    code = "from sparseety_prof.commands import doctor; c = doctor.check_bcc(); print(c.ok, c.fix)"
+    code = "from sparseety_prof.capture import preflight; c = preflight.check_bcc(); print(c.ok, c.fix)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert r.stdout.startswith("False") and "python3-bpfcc" in r.stdout
 
 
 def test_kernel_headers_check(tmp_path: Path) -> None:
-    c = doctor.check_kernel_headers(tmp_path, "9.9.9-test")
+    c = preflight.check_kernel_headers(tmp_path, "9.9.9-test")
     assert not c.ok and "linux-headers" in c.fix and "9.9.9-test" in c.fix
     good = tmp_path / "9.9.9-test" / "build" / "include" / "generated"
     good.mkdir(parents=True)
     (good / "autoconf.h").write_text("")
-    assert doctor.check_kernel_headers(tmp_path, "9.9.9-test").ok
+    assert preflight.check_kernel_headers(tmp_path, "9.9.9-test").ok
 
 
 def test_tracefs_check(tmp_path: Path) -> None:
-    c = doctor.check_tracefs(tmp_path)
+    c = preflight.check_tracefs(tmp_path)
     assert not c.ok and "mount -t tracefs" in c.fix
     (tmp_path / "uprobe_events").write_text("")
-    assert doctor.check_tracefs(tmp_path).ok
+    assert preflight.check_tracefs(tmp_path).ok
 
 
 def test_process_check_with_a_wrong_pid() -> None:
     p = subprocess.Popen(["true"])
     p.wait()
-    checks = doctor.check_engine(p.pid)
+    checks = preflight.check_engine(p.pid)
     assert [c.name for c in checks] == ["process"] and not checks[0].ok
 
 
@@ -66,7 +66,7 @@ def test_process_check_with_a_wrong_pid() -> None:
 def test_engine_checks_fail_on_a_process_that_is_not_an_engine() -> None:
     p = subprocess.Popen(["sleep", "30"])
     try:
-        checks = {c.name: c for c in doctor.check_engine(p.pid)}
+        checks = {c.name: c for c in preflight.check_engine(p.pid)}
     finally:
         p.kill()
         p.wait()
@@ -80,7 +80,7 @@ def test_engine_checks_name_the_build_from_its_binary_and_the_capture_layers(
 ) -> None:
     e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
     try:
-        good = {c.name: c for c in doctor.check_engine(e.pid)}
+        good = {c.name: c for c in preflight.check_engine(e.pid)}
     finally:
         e.close()
     assert all(c.ok for c in good.values()), good
@@ -97,7 +97,7 @@ def test_engine_checks_name_the_build_from_its_binary_and_the_capture_layers(
     monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(libdir))
     e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
     try:
-        moved = {c.name: c for c in doctor.check_engine(e.pid)}
+        moved = {c.name: c for c in preflight.check_engine(e.pid)}
     finally:
         e.close()
     assert moved["engine build"].ok and "ggml 0.25.3" in moved["engine build"].detail
@@ -112,7 +112,7 @@ def test_model_check_fails_when_no_model_file_is_open(models: dict[str, Path], t
     e = Engine([str(ENGINES / "llama_engine.py"), str(copy)])
     copy.unlink()  # still mapped by the engine, but no longer a file anyone can open
     try:
-        checks = {c.name: c for c in doctor.check_engine(e.pid)}
+        checks = {c.name: c for c in preflight.check_engine(e.pid)}
     finally:
         e.close()
     assert not checks["model file"].ok and "--model" in checks["model file"].fix

@@ -6,28 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sparseety_prof.capture.preflight import (
-    SYSTEM_CHECKS,
-    check_bcc,
-    check_bpf_load,
-    check_engine,
-    check_kernel_headers,
-    check_privileges,
-    check_tracefs,
-)
+from sparseety_prof.capture.preflight import SYSTEM_CHECKS, check_engine
 from sparseety_prof.checks import Check
-
-__all__ = [
-    "SYSTEM_CHECKS",
-    "check_bcc",
-    "check_bpf_load",
-    "check_engine",
-    "check_kernel_headers",
-    "check_privileges",
-    "check_tracefs",
-    "print_checks",
-    "run_checks",
-]
 
 
 def run_checks(pid: int | None, *, gpu: bool = False) -> list[Check]:
