@@ -436,6 +436,105 @@ def test_target_path_is_proc_root_relative_for_a_containerised_engine(tmp_path: 
         info = read_model_info(t.model_paths[0])
         assert info.architecture == read_model_info(model).architecture
         assert sha256_file(t.model_paths[0]) == sha256_file(model)
+        # and read through the process's own descriptor, as the recorder reads it
+        from sparseety_prof.session.attach import pin_model
+
+        with pin_model(t) as pinned:
+            assert pinned.path == t.model_paths[0] and sha256_file(pinned) == sha256_file(model)
     finally:
         p.kill()
         p.wait()
+
+
+# ------------------------------------------------------------------ the model file, pinned
+_HOLDER = """
+import mmap, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+if sys.argv[2] == "mapped":  # as llama.cpp does by default; the descriptor is closed after mapping
+    m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    os.close(fd)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("held", ["mapped", "open"])
+def test_model_name_swapped_after_inspect_does_not_redirect_root(
+    tmp_path: Path, models: dict[str, Path], held: str
+) -> None:
+    """The engine's user swaps the model's name for another file once the recorder has found it:
+    every later read as root (header, vocabulary, tensors, hash, weights) is still of the file the
+    engine holds, never of what the name now leads to."""
+    from sparseety_prof.session.attach import pin_model
+
+    served_from, other = models["moe"], models["dense"]
+    d = tmp_path / "models"
+    d.mkdir()
+    served = d / "model.gguf"
+    shutil.copy(served_from, served)
+    p = subprocess.Popen([PY, "-c", _HOLDER, str(served), held], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        t = tg.inspect(p.pid)
+        (m,) = t.models
+        assert m.path == served.resolve()
+        assert m.source.startswith(f"/proc/{p.pid}/{'map_files' if held == 'mapped' else 'fd'}/")
+        # the attack: the name now leads to another model (renamed over it), then to a root-only file
+        os.rename(served, d / "moved.gguf")
+        shutil.copy(other, served)
+        want = read_model_info(served_from)
+        assert read_model_info(served).hyperparameters != want.hyperparameters  # the swap took
+        with pin_model(t) as pinned:
+            info = read_model_info(pinned)
+            assert info.path == served.resolve()  # shown by its name
+            assert info.hyperparameters == want.hyperparameters and info.sha256 == sha256_file(served_from)
+            assert [ti.name for ti in read_tensor_infos(pinned)] == [
+                ti.name for ti in read_tensor_infos(served_from)
+            ]
+            vocab, want_vocab = Vocab.from_gguf(pinned), Vocab.from_gguf(served_from)
+            assert vocab.texts(range(len(vocab))) == want_vocab.texts(range(len(want_vocab)))
+            served.unlink()
+            secret = tmp_path / "secret"
+            secret.write_bytes(b"root only\n")
+            secret.chmod(0o600)
+            served.symlink_to(secret)
+            assert sha256_file(pinned) == want.sha256
+            weights = analyze(pinned, cache_dir=tmp_path / "cache")
+            assert weights["sha256"] == want.sha256
+            assert weights == analyze(served_from, cache_dir=tmp_path / "cache2")
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_pinned_model_named_by_the_operator_survives_a_swap_and_closes_for_good(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    from sparseety_prof.capture.untrusted_files import PinnedFile
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(models["moe"], path)
+    pinned = PinnedFile(path)
+    other = tmp_path / "d.gguf"
+    shutil.copy(models["dense"], other)
+    os.rename(other, path)
+    assert sha256_file(pinned) == sha256_file(models["moe"]) != sha256_file(path)
+    pinned.close()
+    # its descriptor number, taken by another file, is never read as the model
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError, match="closed"):
+            pinned.reopen()
+    finally:
+        os.close(fd)
+
+
+def test_pinned_file_refuses_what_open_untrusted_refuses(tmp_path: Path) -> None:
+    from sparseety_prof.capture.untrusted_files import PinnedFile
+
+    fifo = tmp_path / "fifo.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(RefusedFile, match="FIFO"):
+        within(10, lambda: PinnedFile(fifo))
+    with pytest.raises(RefusedFile, match="character device"):
+        within(10, lambda: PinnedFile("/dev/zero"))

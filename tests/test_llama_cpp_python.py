@@ -3,6 +3,7 @@ and compare every recorded token with the engine's own ground truth from the sam
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import time
@@ -32,7 +33,9 @@ def _by_request(tokens: pl.DataFrame) -> list[pl.DataFrame]:
     return [tokens.filter(pl.col("request_id") == r).sort("t_end_ns") for r in order["request_id"]]
 
 
-def test_tokens_match_engine_ground_truth(llama_engine: Engine, tmp_path: Path) -> None:
+def test_tokens_match_engine_ground_truth(
+    llama_engine: Engine, tmp_path: Path, models: dict[str, Path]
+) -> None:
     rec = Recorder(llama_engine.pid, tmp_path / "rec")
     truth = llama_engine.generate(PROMPTS, max_tokens=220)
     rc, err = rec.stop(signal.SIGINT)
@@ -74,7 +77,9 @@ def test_tokens_match_engine_ground_truth(llama_engine: Engine, tmp_path: Path) 
     # token text comes from the model's vocabulary
     assert tokens["token_text"].null_count() == 0
     meta = r.meta
-    assert meta["engine"]["name"] == "llama-cpp-python" and meta["model"]["sha256"]
+    assert meta["engine"]["name"] == "llama-cpp-python"
+    # hashed through the engine's own mapping of the file
+    assert meta["model"]["sha256"] == hashlib.sha256(models["moe"].read_bytes()).hexdigest()
     assert meta["target"]["pid"] == llama_engine.pid
 
 

@@ -37,7 +37,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-from sparseety_prof.capture.untrusted_files import open_untrusted
+from sparseety_prof.capture.untrusted_files import PinnedFile, open_source
 from sparseety_prof.errors import ProfError
 
 __all__ = [
@@ -117,16 +117,17 @@ class ModelInfo:
         }
 
 
-def sha256_file(path: Path, *, progress: Callable[[int, int], object] | None = None) -> str:
+def sha256_file(path: Path | PinnedFile, *, progress: Callable[[int, int], object] | None = None) -> str:
     """Hex sha256 of a file, read in 8 MB chunks; cached per (path, inode, size, mtime).
 
     `progress(done_bytes, total_bytes)` is called after each chunk when the file is actually
     read (not on a cache hit): hashing a multi-GB model takes seconds.
 
     The file may belong to the target: only a regular file is read (capture/untrusted_files.py),
-    and no further than the size it had when opened (a file that grows is not followed).
+    and no further than the size it had when opened (a file that grows is not followed); a
+    PinnedFile is read through its opening, whatever its name now leads to.
     """
-    fd, st = open_untrusted(path)
+    fd, st = open_source(path)
     with os.fdopen(fd, "rb", buffering=0) as f:
         key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         hit = _sha256_cache.get(key)
@@ -218,13 +219,13 @@ class _Header:
     it against GGUFReader.
     """
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, src: Path | PinnedFile) -> None:
+        path = self.path = _display(src)
         # Read, not mapped: the file may be the target's, and truncating a mapped file would kill
         # the reader with SIGBUS. The header is read from the start of the file, a larger prefix
         # each time it runs past the one read.
         try:
-            fd, st = open_untrusted(path)  # a regular file, opened without blocking
+            fd, st = open_source(src)  # a regular file, opened without blocking
             with os.fdopen(fd, "rb", buffering=0) as f:
                 self._read_header(f.fileno(), st.st_size)
         except OSError as e:
@@ -398,31 +399,30 @@ def _nbytes(ggml_type: int, shape: tuple[int, ...]) -> int | None:
     return math.prod(shape) // block * size
 
 
-def read_tensor_infos(path: Path) -> list[TensorInfo]:
+def read_tensor_infos(path: Path | PinnedFile) -> list[TensorInfo]:
     """The tensor directory of a GGUF (v2 or v3) file, in file order; no tensor data is read.
 
     Raises ProfError when the file cannot be read, is not GGUF, or when a tensor of known size
     lies (partly) beyond the end of the file (a truncated download or copy).
     """
-    path = Path(path)
     with _Header(path) as h:
         infos = h.tensor_infos()
         size = h.size
+        name = h.path
     for t in infos:
         if t.nbytes is not None and t.offset + t.nbytes > size:
             raise ProfError(
-                f"{path} is not a readable GGUF model file (truncated or damaged: tensor {t.name!r} "
+                f"{name} is not a readable GGUF model file (truncated or damaged: tensor {t.name!r} "
                 f"ends at byte {t.offset + t.nbytes} of a {size}-byte file)"
             )
     return infos
 
 
-def read_model_info(path: Path, *, with_sha256: bool = True) -> ModelInfo:
+def read_model_info(path: Path | PinnedFile, *, with_sha256: bool = True) -> ModelInfo:
     """Read a GGUF file's metadata (tensor data is not read, except to compute sha256).
 
     Raises ProfError when the file cannot be read or is not GGUF.
     """
-    path = Path(path)
     with _Header(path) as h:
         arch = h.str_(_KEY_ARCH) or ""
         hparams: dict[str, Scalar] = {}
@@ -440,7 +440,7 @@ def read_model_info(path: Path, *, with_sha256: bool = True) -> ModelInfo:
         if n_vocab is None:
             n_vocab = h.int_(f"{arch}.vocab_size") or 0
         return ModelInfo(
-            path=path,
+            path=_display(path),
             size_bytes=h.size,
             sha256=_model_sha256(path) if with_sha256 else None,
             architecture=arch,
@@ -455,11 +455,16 @@ def read_model_info(path: Path, *, with_sha256: bool = True) -> ModelInfo:
         )
 
 
-def _model_sha256(path: Path) -> str:
+def _model_sha256(path: Path | PinnedFile) -> str:
     try:
         return sha256_file(path)
     except OSError as e:
-        raise ProfError(f"cannot read model file {path}: {e.strerror or e}") from e
+        raise ProfError(f"cannot read model file {_display(path)}: {e.strerror or e}") from e
+
+
+def _display(src: Path | PinnedFile) -> Path:
+    """The name to show for a model file (a pinned one is read through its opening, not this)."""
+    return src.path if isinstance(src, PinnedFile) else Path(src)
 
 
 @cache
@@ -521,17 +526,21 @@ class Vocab:
         self._texts[n] = None  # target of every out-of-range id
 
     @classmethod
-    def from_gguf(cls, path: Path) -> Vocab:
-        with _Header(Path(path)) as h:
+    def from_gguf(cls, path: Path | PinnedFile) -> Vocab:
+        with _Header(path) as h:
             pieces = h.strings(_KEY_TOKENS)
             types = h.ints(_KEY_TOKEN_TYPES)
             model = h.str_(_KEY_TOK_MODEL)
         if pieces is None:
-            raise ProfError(f"{path} has no tokenizer vocabulary ({_KEY_TOKENS}): token text is unavailable")
+            raise ProfError(
+                f"{_display(path)} has no tokenizer vocabulary ({_KEY_TOKENS}): token text is unavailable"
+            )
         try:
             return cls(pieces, None if types is None else types.tolist(), model)
         except ValueError as e:  # the file's token types do not match its tokens
-            raise ProfError(f"{path} is not a readable GGUF model file (damaged vocabulary: {e})") from None
+            raise ProfError(
+                f"{_display(path)} is not a readable GGUF model file (damaged vocabulary: {e})"
+            ) from None
 
     def _render(self, piece: str, ttype: int) -> bytes:
         """The bytes llama_token_to_piece(special=false) writes for one token."""

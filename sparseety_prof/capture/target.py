@@ -67,13 +67,28 @@ class MappedLib:
     inode: int
 
 
+@dataclass(frozen=True)
+class ModelFile:
+    """A GGUF file the process has mapped or open: `path` as it is named (resolved through
+    /proc/PID/root for a process in a container), `source` a link of /proc to the very file the
+    process holds (/proc/PID/map_files/START-END or /proc/PID/fd/N), which no rename or swap of
+    `path` can redirect: the model is read through it (untrusted_files.PinnedFile)."""
+
+    path: Path
+    source: str
+
+
 @dataclass
 class Target:
     pid: int
     exe: str
     cmdline: list[str]
     libs: list[MappedLib] = field(default_factory=list)
-    model_paths: list[Path] = field(default_factory=list)
+    models: list[ModelFile] = field(default_factory=list)
+
+    @property
+    def model_paths(self) -> list[Path]:
+        return [m.path for m in self.models]
 
 
 def check_process(pid: int) -> None:
@@ -116,7 +131,8 @@ def _effective_caps() -> int:
     return 0
 
 
-def _read_maps(pid: int) -> list[tuple[str, int]]:
+def _read_maps(pid: int) -> list[tuple[str, int, str]]:
+    """(path, inode, address range) of each file-backed mapping."""
     try:
         text = Path(f"/proc/{pid}/maps").read_text()
     except FileNotFoundError:
@@ -127,7 +143,7 @@ def _read_maps(pid: int) -> list[tuple[str, int]]:
     for line in text.splitlines():
         parts = line.split(None, 5)
         if len(parts) == 6 and parts[5].startswith("/"):
-            out.append((parts[5], int(parts[4])))
+            out.append((parts[5], int(parts[4]), parts[0]))
     return out
 
 
@@ -145,21 +161,22 @@ def inspect(pid: int) -> Target:
     # not ours of the same name.
     libs: list[MappedLib] = []
     seen: set[str] = set()
-    for path, inode in maps:
+    for path, inode, _range in maps:
         if path in seen or path.endswith(" (deleted)"):
             continue
         seen.add(path)
         if re.search(r"\.so(\.\d+)*$", path) or path == exe:
             libs.append(MappedLib(target_path(pid, path), inode))
-    models = [target_path(pid, m) for m in _open_models(pid, [p for p, _ in maps])]
+    models = [ModelFile(target_path(pid, p), src) for p, src in _open_models(pid, maps)]
     return Target(
-        pid=pid, exe=exe, cmdline=[c.decode(errors="replace") for c in cmdline], libs=libs, model_paths=models
+        pid=pid, exe=exe, cmdline=[c.decode(errors="replace") for c in cmdline], libs=libs, models=models
     )
 
 
-def _open_models(pid: int, mapped: list[str]) -> list[Path]:
-    """GGUF files the process has mapped (llama.cpp mmaps models by default) or open as fds."""
-    found: list[str] = [p for p in mapped if p.endswith(".gguf")]
+def _open_models(pid: int, maps: list[tuple[str, int, str]]) -> list[tuple[str, str]]:
+    """(path, /proc link to the file) of each GGUF file the process has mapped (llama.cpp mmaps
+    models by default) or open as an fd; once per path."""
+    found = [(p, f"/proc/{pid}/map_files/{r}") for p, _, r in maps if p.endswith(".gguf")]
     fd_dir = Path(f"/proc/{pid}/fd")
     try:
         for fd in fd_dir.iterdir():
@@ -168,16 +185,15 @@ def _open_models(pid: int, mapped: list[str]) -> list[Path]:
                 # stat of the fd link is the open file itself (never blocks): a FIFO or device
                 # named *.gguf is no model
                 if t.endswith(".gguf") and stat.S_ISREG(os.stat(fd).st_mode):
-                    found.append(t)
+                    found.append((t, str(fd)))
             except OSError:
                 continue
     except OSError:
         pass
-    out: list[Path] = []
-    for p in found:
-        if Path(p) not in out:
-            out.append(Path(p))
-    return out
+    out: dict[str, str] = {}
+    for p, src in found:
+        out.setdefault(p, src)
+    return list(out.items())
 
 
 def elf_symbols(path: Path) -> dict[str, tuple[int, int]]:

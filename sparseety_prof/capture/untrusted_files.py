@@ -10,6 +10,10 @@ The rules, applied by every such read:
   O_NOFOLLOW, so a name swapped for a link to another file is refused;
 - identity: where the target's own view of the file is known (device and inode from
   /proc/PID/maps), the opened file must be that very file, whatever its name says;
+- pinned: a file read several times over a recording (the model: its header at attach, its hash
+  and weights later) is opened once, from the process's own mapping or descriptor where it has
+  one, and read again only through that opening (PinnedFile): a name swapped in the meantime
+  does not make root read another file;
 - ownership where it matters: a file that proves something by its owner (the CUPTI ring) must
   belong to the target's user or root, and be writable by nobody else;
 - bounded: sizes are checked before anything is allocated or read, reads stop at the size fstat
@@ -32,9 +36,11 @@ from pathlib import Path
 __all__ = [
     "TRUSTED_TOOL_DIRS",
     "MappedFile",
+    "PinnedFile",
     "RefusedFile",
     "in_foreign_mount_ns",
     "mapped_files",
+    "open_source",
     "open_untrusted",
     "process_uids",
     "read_prefix",
@@ -120,6 +126,55 @@ def open_untrusted(
     except BaseException:
         os.close(fd)
         raise
+
+
+class PinnedFile:
+    """One file, opened once and read again only through that opening, never through its name.
+
+    `path` is the name shown in messages and metadata; `source` is what was opened: the name
+    itself, or a link of /proc that leads to the very file a process has mapped or open
+    (/proc/PID/map_files/START-END, /proc/PID/fd/N), which no rename can redirect. Each reader
+    gets a descriptor of its own (`reopen`: its own file offset) of that same file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, source: str | os.PathLike[str] | None = None) -> None:
+        self.path = Path(path)
+        # /proc links are followed by the kernel to the file itself (never through a name); a
+        # name given by the operator is theirs to choose, symlink or not
+        self._fd, self.stat = open_untrusted(source if source is not None else path)
+        self.identity = (self.stat.st_dev, self.stat.st_ino)
+
+    @property
+    def size(self) -> int:
+        return self.stat.st_size
+
+    def reopen(self) -> tuple[int, os.stat_result]:
+        """A new descriptor (fd, fstat) of the pinned file, with its own offset."""
+        if self._fd < 0:
+            raise ValueError(f"{self.path}: pinned file already closed")
+        return open_untrusted(f"/proc/self/fd/{self._fd}", identity=self.identity)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> PinnedFile:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def __repr__(self) -> str:
+        return f"PinnedFile({str(self.path)!r}, dev={self.identity[0]}, ino={self.identity[1]})"
+
+
+def open_source(src: str | os.PathLike[str] | PinnedFile) -> tuple[int, os.stat_result]:
+    """(fd, fstat) of a file read as untrusted: a pinned one through its opening, a name otherwise."""
+    return src.reopen() if isinstance(src, PinnedFile) else open_untrusted(src)
 
 
 def read_prefix(path: str | os.PathLike[str], n: int, *, follow: bool = True) -> bytes:

@@ -51,7 +51,7 @@ import numpy as np
 import numpy.typing as npt
 
 from sparseety_prof.capture.gguf_info import TensorInfo, read_tensor_infos, sha256_file
-from sparseety_prof.capture.untrusted_files import open_untrusted
+from sparseety_prof.capture.untrusted_files import PinnedFile, open_source
 from sparseety_prof.errors import ProfError, UsageError
 
 __all__ = ["CACHE_FORMAT", "CACHE_VERSION", "NM_GROUP_SIZES", "analyze", "default_cache_dir", "nm_pattern"]
@@ -185,9 +185,9 @@ class _FileBytes:
     """Byte ranges of the model file, read with pread: never mapped, because the file may be the
     target's, and a file truncated under a mapping kills the reader with SIGBUS."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._fd, _ = open_untrusted(path)  # a regular file, opened without blocking
+    def __init__(self, src: Path | PinnedFile) -> None:
+        self.path = src.path if isinstance(src, PinnedFile) else src
+        self._fd, _ = open_source(src)  # a regular file, opened without blocking
 
     def __getitem__(self, span: slice) -> U8Array:
         start, stop = int(span.start), int(span.stop)
@@ -259,7 +259,7 @@ def _analyse_tensor(data: _FileBytes | None, t: TensorInfo, tick: Callable[[int]
 
 
 def _analyse_file(
-    path: Path, sha256: str, progress: Progress | None, done0: int, total: int
+    path: Path | PinnedFile, sha256: str, progress: Progress | None, done0: int, total: int
 ) -> dict[str, Any]:
     infos = read_tensor_infos(path)
     done = done0
@@ -354,7 +354,7 @@ def _write_cache(file: Path, doc: dict[str, Any], *, tighten: tuple[Path, ...]) 
 
 # ------------------------------------------------------------------ entry point
 def analyze(
-    path: Path | str,
+    path: Path | str | PinnedFile,
     *,
     sha256: str | None = None,
     cache_dir: Path | str | None = None,
@@ -377,8 +377,11 @@ def analyze(
     Raises ProfError when the file cannot be read or is not GGUF (gguf_info.read_tensor_infos),
     UsageError when `sha256` is not 64 hex digits.
     """
-    path = Path(path)
-    size = os.stat(path).st_size
+    if isinstance(path, PinnedFile):  # read through its opening, whatever its name leads to now
+        size = path.size
+    else:
+        path = Path(path)
+        size = os.stat(path).st_size
     total = size * (2 if sha256 is None else 1)
     if sha256 is None:
         # sha256_file counts to the file size; restate that against the whole job's total.

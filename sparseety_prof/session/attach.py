@@ -13,7 +13,8 @@ from sparseety_prof.capture.bpf_loader import Session, compile_and_attach
 from sparseety_prof.capture.discovery_probe import Discovery, run_discovery
 from sparseety_prof.capture.gguf_info import ModelInfo, Vocab, read_model_info, read_tensor_infos
 from sparseety_prof.capture.plans import LayerSet, MoePlan, layer_set, moe_plan
-from sparseety_prof.errors import NotAnEngine, UnsupportedEngineBuild
+from sparseety_prof.capture.untrusted_files import PinnedFile
+from sparseety_prof.errors import NotAnEngine, UnsupportedEngineBuild, UsageError
 from sparseety_prof.session.options import Options
 
 
@@ -22,6 +23,7 @@ class Attached:
     target: tg.Target
     build: layouts.EngineBuild
     model: ModelInfo
+    model_file: PinnedFile  # read through this opening only; closed by whoever ends the session
     vocab: Vocab
     session: Session
     where: dict[str, Path]
@@ -46,17 +48,57 @@ def attach(
     for layer in layers_found:
         if not layer.available:
             log(f"sparseety-prof: capture layer '{layer.name}' degraded: {layer.detail}")
-    model_path = opts.model or (t.model_paths[0] if t.model_paths else None)
-    if model_path is None:
+    model_file = pin_model(t, opts.model)
+    try:
+        # the sha256 of a multi-GB model takes a while: it is computed after attaching (Recorder.run)
+        model = read_model_info(model_file, with_sha256=False)
+        vocab = Vocab.from_gguf(model_file)
+        tensor_names = [ti.name for ti in read_tensor_infos(model_file)]
+        return _attach_probes(
+            opts, t, where, build, layers_found, model_file, model, vocab, tensor_names, log, stop
+        )
+    except BaseException:
+        model_file.close()
+        raise
+
+
+def pin_model(t: tg.Target, model: Path | None = None) -> PinnedFile:
+    """The model file, opened once for every later read (header, vocabulary, hash, weights):
+    the one the engine holds, through its own mapping or descriptor, so that a name swapped after
+    this does not make root read another file; or the file the operator named with --model."""
+    if model is not None:
+        try:
+            return PinnedFile(model)
+        except OSError as e:
+            raise UsageError(f"cannot read model file {model}: {e.strerror or e}") from None
+    if not t.models:
         raise NotAnEngine(
-            f"PID {opts.pid} has no .gguf model file mapped or open (deleted since, or read without mmap); "
+            f"PID {t.pid} has no .gguf model file mapped or open (deleted since, or read without mmap); "
             f"pass --model PATH"
         )
-    # the sha256 of a multi-GB model takes a while: it is computed after attaching (Recorder.run)
-    model = read_model_info(model_path, with_sha256=False)
-    vocab = Vocab.from_gguf(model_path)
+    m = t.models[0]
+    try:
+        return PinnedFile(m.path, source=m.source)
+    except OSError as e:
+        raise NotAnEngine(
+            f"cannot open the model file PID {t.pid} holds ({m.path}): {e.strerror or e}"
+        ) from None
+
+
+def _attach_probes(
+    opts: Options,
+    t: tg.Target,
+    where: dict[str, Path],
+    build: layouts.EngineBuild,
+    layers_found: list[tg.CaptureLayer],
+    model_file: PinnedFile,
+    model: ModelInfo,
+    vocab: Vocab,
+    tensor_names: list[str],
+    log: Callable[[str], None],
+    stop: Callable[[], bool],
+) -> Attached:
     n_layer = int(model.hyperparameters.get("block_count", 0) or 0)
-    tensor_names = [ti.name for ti in read_tensor_infos(model_path)]
     layers = layer_set(tensor_names, n_layer)
     plan = moe_plan(tensor_names, layers, model.architecture) if opts.moe_read == "auto" else MoePlan()
     discovery = None
@@ -80,4 +122,4 @@ def attach(
     sess = compile_and_attach(
         opts.pid, where, build, len(vocab), capture=opts.capture, skip=opts.skip_probes, moe=plan
     )
-    return Attached(t, build, model, vocab, sess, where, layers, layers_found, discovery)
+    return Attached(t, build, model, model_file, vocab, sess, where, layers, layers_found, discovery)

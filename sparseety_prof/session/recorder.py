@@ -112,6 +112,7 @@ class Recorder:
                 )
             except BaseException:  # -o swapped since the check, or the disk is full: detach, record nothing
                 a.session.close()
+                a.model_file.close()
                 if gpu is not None:
                     gpu.close()
                 raise
@@ -144,13 +145,13 @@ class Recorder:
                 hash_moved[0] = time.monotonic()
 
             try:
-                model_hash["sha256"] = sha256_file(a.model.path, progress=moved)
+                model_hash["sha256"] = sha256_file(a.model_file, progress=moved)
             except OSError as e:  # the file is the target's: gone, swapped, unreadable
                 model_hash["weights"] = {"error": f"model file not hashed: {e}"}
                 return
             try:
                 model_hash["weights"] = analyze_weights(
-                    a.model.path, sha256=model_hash["sha256"], progress=moved
+                    a.model_file, sha256=model_hash["sha256"], progress=moved
                 )
             except Exception as e:  # a cache problem must not lose the recording
                 model_hash["weights"] = {"error": str(e)}
@@ -221,6 +222,8 @@ class Recorder:
                 )
                 model_hash.clear()
                 model_hash["weights"] = {"error": "model file not hashed: reading it stalled"}
+            # a hasher still reading gets refused from here on (PinnedFile.reopen), never another file
+            a.model_file.close()
             final["model"] = {**self.meta["model"], "sha256": model_hash.get("sha256")}
             final["weight_sparsity"] = metadata.weight_summary(model_hash.get("weights"))
             if gpu is not None:
