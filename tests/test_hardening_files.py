@@ -538,3 +538,53 @@ def test_pinned_file_refuses_what_open_untrusted_refuses(tmp_path: Path) -> None
         within(10, lambda: PinnedFile(fifo))
     with pytest.raises(RefusedFile, match="character device"):
         within(10, lambda: PinnedFile("/dev/zero"))
+
+
+# ------------------------------------------------------------------ libraries: probes land on what is mapped
+_LIBZ = Path("/usr/lib/x86_64-linux-gnu/libz.so.1")
+_LOADER = """
+import ctypes, sys, time
+lib = ctypes.CDLL(sys.argv[1])
+print("ready", flush=True)
+while True:
+    lib.zlibVersion()
+    time.sleep(0.002)
+"""
+
+
+@pytest.mark.root
+def test_library_swapped_after_inspect_gets_no_uprobe(tmp_path: Path) -> None:
+    """The engine's user renames a mapped library and puts a link to another library (libc) in
+    its place once the recorder has inspected the process: uprobes go through the process's own
+    mapping, so they land on the file it maps, or, when that name no longer names a mapping,
+    nowhere (refused), never on the file the name now leads to."""
+    import bcc
+
+    from sparseety_prof.capture.bpf_loader import _attach
+    from sparseety_prof.errors import NotAnEngine
+
+    if not _LIBZ.exists():
+        pytest.skip(f"{_LIBZ} (zlib) is not installed")
+    victim = tmp_path / "libvictim.so"
+    shutil.copy(_LIBZ, victim)
+    p = subprocess.Popen([PY, "-c", _LOADER, str(victim)], stdout=subprocess.PIPE, text=True)
+    b = bcc.BPF(text='int hit(void *ctx) { bpf_trace_printk("hit\\n"); return 0; }')
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        (lib,) = [m.path for m in tg.inspect(p.pid).libs if m.path.name == victim.name]
+        assert tg.pinned_path(p.pid, lib).startswith(f"/proc/{p.pid}/map_files/")
+        vaddr = tg.elf_symbols(lib)["zlibVersion"][0]
+        _attach(b.attach_uprobe, lib, vaddr, "hit", p.pid)  # placed through the mapping: it fires
+        assert b.num_open_uprobes() == 1
+        b.trace_fields()  # blocks until the first hit
+        b.detach_uprobe(name=tg.pinned_path(p.pid, lib), addr=vaddr, pid=p.pid)
+        # the attack
+        os.rename(victim, tmp_path / "moved.so")
+        victim.symlink_to("/usr/lib/x86_64-linux-gnu/libc.so.6")
+        with pytest.raises(NotAnEngine, match="no longer maps"):
+            _attach(b.attach_uprobe, lib, vaddr, "hit", p.pid)
+        assert b.num_open_uprobes() == 0
+    finally:
+        b.cleanup()
+        p.kill()
+        p.wait()

@@ -140,6 +140,7 @@ class AttachedProbe:
     offset: int
     kind: str  # "entry" | "return"
     address: int = 0  # where the probe sits in the file (symbol + offset)
+    via: str = ""  # the name it was attached (and is detached) through: the process's mapping
 
 
 @dataclass
@@ -188,7 +189,7 @@ class Session:
         for p in [p for p in self.attached if p.symbol in ATTENTION_OPS]:
             fn = self.bpf.detach_uretprobe if p.kind == "return" else self.bpf.detach_uprobe
             try:
-                fn(name=p.library, addr=p.address, pid=self.pid)
+                fn(name=p.via or p.library, addr=p.address, pid=self.pid)
             except Exception:  # still attached: its records keep coming, and agree with the map
                 continue
             self.attached.remove(p)
@@ -291,12 +292,12 @@ def compile_and_attach(
             # return seen too, or per-thread state opened at entry (the sampler-call depth) would
             # stay open for good when the engine runs such a call while we attach.
             if spec.fn_return:
-                _attach(b.attach_uretprobe, lib, vaddr + off, spec.fn_return, pid)
+                via = _attach(b.attach_uretprobe, lib, vaddr + off, spec.fn_return, pid)
             if spec.fn_entry:
-                _attach(b.attach_uprobe, lib, vaddr + off, spec.fn_entry, pid)
-                sess.attached.append(AttachedProbe(spec.symbol, str(lib), off, "entry", vaddr + off))
+                via = _attach(b.attach_uprobe, lib, vaddr + off, spec.fn_entry, pid)
+                sess.attached.append(AttachedProbe(spec.symbol, str(lib), off, "entry", vaddr + off, via))
             if spec.fn_return:
-                sess.attached.append(AttachedProbe(spec.symbol, str(lib), off, "return", vaddr + off))
+                sess.attached.append(AttachedProbe(spec.symbol, str(lib), off, "return", vaddr + off, via))
     except BaseException:
         sess.close()
         raise
@@ -324,9 +325,12 @@ def task_storage_usable(release: str | None = None) -> bool:
     return m is not None and (int(m.group(1)), int(m.group(2))) >= (5, 11)
 
 
-def _attach(fn: Any, lib: Path, vaddr: int, fn_name: str, pid: int) -> None:
+def _attach(fn: Any, lib: Path, vaddr: int, fn_name: str, pid: int) -> str:
+    """Attach through the process's own mapping of `lib`; returns the name attached through."""
+    name = tg.pinned_path(pid, lib)  # the file the process maps, whatever its name leads to now
     try:
-        fn(name=str(lib), addr=vaddr, fn_name=fn_name, pid=pid)
+        fn(name=name, addr=vaddr, fn_name=fn_name, pid=pid)
+        return name
     except Exception as e:
         msg = str(e)
         try:

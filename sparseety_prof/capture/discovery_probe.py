@@ -129,8 +129,9 @@ def _attach(b: object, pid: int, where: dict[str, Path], role: str, fn: str, *, 
     # a return probe needs the return address at [rsp]: it sits on the first instruction
     off = 0 if ret else cheap_entry_probe_offset(read_at_vaddr(lib, vaddr, 32))
     attach = b.attach_uretprobe if ret else b.attach_uprobe  # type: ignore[attr-defined]
+    name = tg.pinned_path(pid, lib)  # the file the process maps, whatever its name leads to now
     try:
-        attach(name=str(lib), addr=vaddr + off, fn_name=fn, pid=pid)
+        attach(name=name, addr=vaddr + off, fn_name=fn, pid=pid)
     except Exception as e:
         tg.check_process(pid)
         raise BpfUnavailable(f"could not attach the discovery probe to {lib} ({role}): {e}") from None

@@ -173,6 +173,29 @@ def inspect(pid: int) -> Target:
     )
 
 
+def pinned_path(pid: int, lib: Path) -> str:
+    """Where to place a uprobe on `lib` (a path from `inspect`): the /proc/PID/map_files link of
+    the process's own mapping of it, which the kernel follows to the very file mapped, so that a
+    name renamed or swapped since `inspect` (say, for a link to another library) cannot move the
+    probe elsewhere. Raises NotAnEngine when the process no longer maps a file by that name; the
+    name itself where the links may not be opened (no CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE:
+    the probe is filtered to the process, so it can only reach that process's own mappings)."""
+    for path, _inode, addresses in _read_maps(pid):
+        if not path.endswith(" (deleted)") and target_path(pid, path) == lib:
+            link = f"/proc/{pid}/map_files/{addresses}"
+            try:
+                os.stat(link)
+            except PermissionError:
+                return str(lib)
+            except OSError:  # unmapped since maps was read
+                continue
+            return link
+    raise NotAnEngine(
+        f"PID {pid} no longer maps {lib} (renamed, replaced or unloaded since it was inspected); "
+        f"nothing was attached to it"
+    )
+
+
 def _open_models(pid: int, maps: list[tuple[str, int, str]]) -> list[tuple[str, str]]:
     """(path, /proc link to the file) of each GGUF file the process has mapped (llama.cpp mmaps
     models by default) or open as an fd; once per path."""
