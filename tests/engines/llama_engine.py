@@ -4,7 +4,9 @@ Protocol on stdin/stdout (one JSON object per line):
   engine prints {"ready": pid, "n_vocab": V}    after the model is loaded
   test sends   {"prompts": [...], "max_tokens": N, "temp": T, "seed": S}
   engine prints {"results": [{"prompt_tokens": [...], "ids": [...], "log_probs": [...],
-                               "times_ns": [...]}, ...]}
+                               "times_ns": [...], "t_request_ns": t}, ...]}
+               (times_ns: when each token reached the caller; t_request_ns: when the prompt's
+               processing began; both time.perf_counter_ns, CLOCK_MONOTONIC)
   test sends   {"teacher_force": [{"prompt_ids": [...], "ids": [...]}, ...]}
   engine prints {"results": [{"prompt_tokens": [...], "ids": [...], "log_probs": [...]}, ...]}
   test sends   {"exit": true}  (or closes stdin)
@@ -572,6 +574,7 @@ def main() -> None:
             trace.start_request()
         results: list[dict[str, Any]] = []
         for prompt in cmd.get("prompts", []):
+            t_request = time.perf_counter_ns()  # the request's start, for time to first token
             llm.set_seed(int(cmd.get("seed", 1)))
             toks = llm.tokenize(prompt.encode())
             if trace is not None:
@@ -592,7 +595,15 @@ def main() -> None:
                     break  # the test says when: a request that lasts as long as attaching takes
                 if cmd.get("token_delay"):  # a slow client, so a test can attach mid-request
                     time.sleep(float(cmd["token_delay"]))
-            results.append({"prompt_tokens": toks, "ids": ids, "log_probs": lps, "times_ns": times})
+            results.append(
+                {
+                    "prompt_tokens": toks,
+                    "ids": ids,
+                    "log_probs": lps,
+                    "times_ns": times,
+                    "t_request_ns": t_request,
+                }
+            )
         for tf in cmd.get("teacher_force", []):
             prompt_ids = [int(x) for x in tf["prompt_ids"]]
             forced = [int(x) for x in tf["ids"]]

@@ -1,0 +1,408 @@
+"""Overhead of staying attached under sustained load, with everything the profiler does counted.
+
+    sudo .venv/bin/python scripts/bench_sustained.py [--engine llama-cpp-python server]
+        [--clients 1 4] [--seconds 60] [--pairs 6] [--mode full tokens] [--json FILE]
+
+Each A/B pair runs the same load twice on one warm engine: A plain, B with `sparseety-prof record`
+attached BEFORE the load starts and stopped (SIGINT, then its close: last drains, Parquet writes,
+meta.json) before B's figures are taken. The order alternates AB, BA, ... so drift hits both
+sides alike. The load is requests back to back for `--seconds`: prompts of several lengths
+(prompt processing and time to first token are inside the window), `--tokens` generated each.
+
+- llama-cpp-python (tests/engines/llama_engine.py, logits_all off as in serving): one request
+  at a time; times are taken in the engine process.
+- server (xllamacpp's llama-server, tests/engines/server_engine.py, --parallel = clients):
+  `--clients` HTTP clients streaming /completion at once; times are when each streamed token
+  reached its client (the socket tracepoints and the request-id probes are inside the window).
+
+Per side: tokens/s over the whole window (all requests' tokens over first request sent to last
+token received), time to first token p50/p99, inter-token latency p99. Per B: the recorder's CPU
+time from the end of its attach to its exit (utime + stime from wait4, which includes its close)
+per token it recorded, its CPU for the attach itself, its peak RSS, and its losses. Ratios are
+profiled / plain per pair; medians with bootstrap 95% intervals. Prints a Markdown table; the
+figures in the README come from this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the model generator and the test engines live there
+
+from make_models import make_model  # noqa: E402
+
+from scripts.bench_overhead import SPARSE_LOSSES, bootstrap_median_ci  # noqa: E402
+
+ENGINES = ROOT / "tests" / "engines"
+# prompts of different lengths: prompt processing is part of the load
+PROMPTS = [
+    "hello the expert router decode sample",
+    "one two three four five six seven eight nine ten eleven twelve",
+    "what is the time",
+    "token expert router decode " * 6,
+    "the sparse decode sample of a longer request that keeps the prompt phase busy " * 3,
+]
+
+
+@dataclass
+class Side:
+    """One side of a pair: every request's send time and token arrival times (ns, CLOCK_MONOTONIC)."""
+
+    requests: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    def add(self, t_request: int, times: list[int]) -> None:
+        if times:
+            self.requests.append((t_request, times))
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(t) for _, t in self.requests)
+
+    def tps(self) -> float:
+        start = min(r for r, _ in self.requests)
+        end = max(t[-1] for _, t in self.requests)
+        return self.tokens / ((end - start) / 1e9)
+
+    def ttft_ms(self) -> np.ndarray:
+        return np.array([(t[0] - r) / 1e6 for r, t in self.requests])
+
+    def itl_ms(self) -> np.ndarray:
+        return np.concatenate([np.diff(np.array(t, dtype=np.int64)) / 1e6 for _, t in self.requests])
+
+
+# ------------------------------------------------------------------ engines and their load
+class LlamaCppPython:
+    name = "llama-cpp-python"
+
+    def __init__(self, model: Path, threads: int, clients: int) -> None:
+        if clients != 1:
+            raise SystemExit("llama-cpp-python serves one request at a time: --clients 1 only")
+        self.p = subprocess.Popen(
+            [
+                sys.executable,
+                str(ENGINES / "llama_engine.py"),
+                str(model),
+                "--threads",
+                str(threads),
+                "--no-logits-all",
+                "--n-ctx",
+                "1024",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self.pid = int(self._read()["ready"])
+
+    def _read(self) -> dict[str, Any]:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            if line.startswith("{"):
+                return dict(json.loads(line))
+        raise RuntimeError("engine exited")
+
+    def load(self, seconds: float, tokens: int) -> Side:
+        assert self.p.stdin is not None
+        side, i = Side(), 0
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.p.stdin.write(
+                json.dumps({"prompts": [PROMPTS[i % len(PROMPTS)]], "max_tokens": tokens}) + "\n"
+            )
+            self.p.stdin.flush()
+            (r,) = self._read()["results"]
+            side.add(int(r["t_request_ns"]), [int(t) for t in r["times_ns"]])
+            i += 1
+        return side
+
+    def close(self) -> None:
+        self.p.kill()
+        self.p.wait()
+
+
+class Server:
+    name = "server"
+
+    def __init__(self, model: Path, threads: int, clients: int) -> None:
+        self.clients = clients
+        port = _free_port()
+        self.p = subprocess.Popen(
+            [
+                sys.executable,
+                str(ENGINES / "server_engine.py"),
+                str(model),
+                "--port",
+                str(port),
+                "--threads",
+                str(threads),
+                "--parallel",
+                str(clients),
+                "--n-ctx",
+                str(1024 * clients),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert self.p.stdout is not None
+        ready = json.loads(self.p.stdout.readline())
+        self.pid = int(ready["ready"])
+        self.port = port
+
+    def _stream(self, prompt: str, tokens: int) -> tuple[int, list[int]]:
+        """One streamed completion: when it was sent, and when each token's chunk arrived."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        body = {
+            "prompt": prompt,
+            "n_predict": tokens,
+            "stream": True,
+            "temperature": 0,
+            "cache_prompt": False,
+        }
+        t0 = time.perf_counter_ns()
+        conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        times: list[int] = []
+        for line in resp:
+            if not line.startswith(b"data: "):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("content") or chunk.get("tokens"):
+                times.append(time.perf_counter_ns())
+            if chunk.get("stop"):
+                break
+        conn.close()
+        return t0, times
+
+    def load(self, seconds: float, tokens: int) -> Side:
+        side, lock = Side(), threading.Lock()
+        deadline = time.monotonic() + seconds
+
+        def client(k: int) -> None:
+            i = k
+            while time.monotonic() < deadline:
+                t0, times = self._stream(PROMPTS[i % len(PROMPTS)], tokens)
+                with lock:
+                    side.add(t0, times)
+                i += self.clients
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(self.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return side
+
+    def close(self) -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.close()
+        try:
+            self.p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ------------------------------------------------------------------ the recorder
+def _cpu_s(pid: int) -> float:
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Recording:
+    """`sparseety-prof record` on the engine, attached before the load; its CPU split at attach."""
+
+    def __init__(self, pid: int, out: Path, mode: str) -> None:
+        cmd = [sys.executable, "-m", "sparseety_prof.cli", "record", "--pid", str(pid), "-o", str(out)]
+        self.out = out
+        self.p = subprocess.Popen([*cmd, "--mode", mode], stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        assert self.p.stderr is not None
+        self.lines: list[str] = []
+        for line in self.p.stderr:
+            self.lines.append(line)
+            if "attached to PID" in line:
+                break
+        else:
+            raise RuntimeError(f"recorder failed ({self.p.wait()}): {''.join(self.lines)}")
+        # start-up (BPF compile, model sha256 and weight scan) is attach cost, not per-token cost
+        self.attach_cpu_s = _settled_cpu(self.p.pid)
+        self._reader = threading.Thread(target=self._drain_stderr, daemon=True)
+        self._reader.start()
+
+    def _drain_stderr(self) -> None:
+        assert self.p.stderr is not None
+        for line in self.p.stderr:
+            self.lines.append(line)
+
+    def stop(self) -> dict[str, Any]:
+        """SIGINT, then wait for its exit: its close is inside the measured window."""
+        self.p.send_signal(signal.SIGINT)
+        _, status, ru = os.wait4(self.p.pid, 0)
+        self.p.returncode = os.waitstatus_to_exitcode(status)
+        self._reader.join(timeout=10)
+        if self.p.returncode != 0:
+            raise RuntimeError(f"recorder exited {self.p.returncode}: {''.join(self.lines)}")
+        meta = json.loads((self.out / "meta.json").read_text())
+        cpu = ru.ru_utime + ru.ru_stime
+        return {
+            "meta": meta,
+            "cpu_total_s": cpu,
+            "cpu_attached_s": cpu - self.attach_cpu_s,
+            "attach_cpu_s": self.attach_cpu_s,
+            "peak_rss_mib": ru.ru_maxrss / 1024,
+        }
+
+
+def _settled_cpu(pid: int, limit: float = 30.0) -> float:
+    """The recorder's CPU once its start-up work is over (< 10 ms of CPU in 300 ms)."""
+    deadline = time.monotonic() + limit
+    prev = _cpu_s(pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        cur = _cpu_s(pid)
+        if cur - prev <= 0.01:
+            return cur
+        prev = cur
+    return prev
+
+
+# ------------------------------------------------------------------ pairs
+def bench(
+    engine_cls: type, model: Path, a: argparse.Namespace, clients: int, mode: str, tmp: Path
+) -> dict[str, Any]:
+    eng = engine_cls(model, a.threads, clients)
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("tps", "ttft_p50", "ttft_p99", "itl_p99", "cpu_us_per_token", "attach_cpu_s", "rss")
+    }
+    losses = records = tokens = 0
+    try:
+        eng.load(min(10.0, a.seconds), a.tokens)  # warm-up: weights paged in, allocator settled
+        for i in range(a.pairs):
+            order = ("A", "B") if i % 2 == 0 else ("B", "A")
+            sides: dict[str, Side] = {}
+            rec_out: dict[str, Any] = {}
+            for which in order:
+                if which == "A":
+                    sides["A"] = eng.load(a.seconds, a.tokens)
+                else:
+                    rec = Recording(eng.pid, tmp / f"{eng.name}-{clients}-{mode}-{i}", mode)
+                    sides["B"] = eng.load(a.seconds, a.tokens)
+                    rec_out = rec.stop()
+            pa, pb = sides["A"], sides["B"]
+            meta = rec_out["meta"]
+            n_rec = int(meta["counts"]["tokens"])
+            rows["tps"].append(pb.tps() / pa.tps())
+            rows["ttft_p50"].append(np.percentile(pb.ttft_ms(), 50) / np.percentile(pa.ttft_ms(), 50))
+            rows["ttft_p99"].append(np.percentile(pb.ttft_ms(), 99) / np.percentile(pa.ttft_ms(), 99))
+            rows["itl_p99"].append(np.percentile(pb.itl_ms(), 99) / np.percentile(pa.itl_ms(), 99))
+            rows["cpu_us_per_token"].append(rec_out["cpu_attached_s"] / max(n_rec, 1) * 1e6)
+            rows["attach_cpu_s"].append(rec_out["attach_cpu_s"])
+            rows["rss"].append(rec_out["peak_rss_mib"])
+            lz = meta["losses"]
+            losses += (
+                int(lz["kernel_drops"]) + int(lz["seq_gaps"]) + sum(int(lz.get(k, 0)) for k in SPARSE_LOSSES)
+            )
+            records += int(lz["records_produced"])
+            tokens += n_rec
+            print(
+                f"  {eng.name} clients={clients} mode={mode} pair {i + 1}/{a.pairs}: tokens/s ratio "
+                f"{rows['tps'][-1]:.4f}, {pb.tokens} tokens in B ({n_rec} recorded), recorder "
+                f"{rows['cpu_us_per_token'][-1]:.0f} µs CPU/token",
+                file=sys.stderr,
+            )
+    finally:
+        eng.close()
+    out: dict[str, Any] = {
+        "engine": eng.name,
+        "clients": clients,
+        "mode": mode,
+        "pairs": a.pairs,
+        "seconds": a.seconds,
+        "threads": a.threads,
+        "losses": losses,
+        "records": records,
+        "recorded_tokens": tokens,
+    }
+    for k, v in rows.items():
+        x = np.array(v)
+        lo, hi = bootstrap_median_ci(x)
+        out[k] = {"median": float(np.median(x)), "ci95": [lo, hi], "values": v}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--engine", nargs="+", default=["llama-cpp-python", "server"], choices=["llama-cpp-python", "server"]
+    )
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4], help="concurrent clients (server)")
+    ap.add_argument("--seconds", type=float, default=60.0, help="sustained load per side of a pair")
+    ap.add_argument("--pairs", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
+    ap.add_argument("--threads", type=int, default=2, help="engine threads")
+    ap.add_argument("--mode", nargs="+", default=["full"], choices=["full", "tokens"])
+    ap.add_argument("--model", default="bench", help="tests/make_models.py preset (default: bench)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("run as root: the recorder attaches eBPF uprobes")
+    model = make_model(ROOT / "models" / f"{a.model}.gguf", a.model)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="sparseety-sustained-") as tmp:
+        for name in a.engine:
+            cls = LlamaCppPython if name == "llama-cpp-python" else Server
+            for clients in [1] if name == "llama-cpp-python" else a.clients:
+                for mode in a.mode:
+                    print(
+                        f"[bench] {name}, {clients} client(s), mode {mode}, "
+                        f"{a.pairs} pairs of {a.seconds:.0f} s",
+                        file=sys.stderr,
+                    )
+                    results.append(bench(cls, model, a, clients, mode, Path(tmp)))
+    print(
+        "| engine | clients | mode | tokens/s ratio [95% CI] | TTFT p50 ratio | TTFT p99 ratio "
+        "| ITL p99 ratio | recorder CPU/token (attached → exit) | attach CPU | peak RSS | losses |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        t = r["tps"]
+        print(
+            f"| {r['engine']} | {r['clients']} | {r['mode']} "
+            f"| {t['median']:.4f} [{t['ci95'][0]:.4f}, {t['ci95'][1]:.4f}] "
+            f"| {r['ttft_p50']['median']:.3f} | {r['ttft_p99']['median']:.3f} | {r['itl_p99']['median']:.3f} "
+            f"| {r['cpu_us_per_token']['median']:.0f} µs | {r['attach_cpu_s']['median']:.1f} s "
+            f"| {r['rss']['median']:.0f} MiB | {r['losses']} of {r['records']} records |"
+        )
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
