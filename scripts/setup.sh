@@ -3,8 +3,10 @@
 #   - BCC from Debian (python3-bpfcc + libbpfcc), kernel headers and the /lib/modules links,
 #     tracefs;
 #   - the project in ./.venv with the engines it is tested against, pinned to exact versions:
-#     llama-cpp-python (built from its sdist, portable: no -march=native) and xllamacpp.
-# A fresh machine spends about 5 minutes building llama-cpp-python; later runs take seconds.
+#     llama-cpp-python (built from its sdist, portable: no -march=native) and xllamacpp, and the
+#     older builds of the build matrix (scripts/matrix-*.txt).
+# A fresh machine spends about 5 minutes building llama-cpp-python, and about 6 more on each older
+# llama-cpp-python of the build matrix; later runs take seconds.
 #   PYTHON=python3   interpreter for the venv (>= 3.11)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -94,6 +96,18 @@ for v in $(grep -v '^#' scripts/matrix-xllamacpp.txt); do
   fi
 done
 step "4b/6 build matrix: $(ls -d "$MATRIX"/xllamacpp-* 2>/dev/null | wc -l) xllamacpp builds in $MATRIX"
+# 4b. older llama-cpp-python releases, each built from its sdist into a folder of its own (portable, as
+#     the pinned one): about 6 minutes each on 2 idle cores the first time
+for v in $(grep -v '^#' scripts/matrix-llama-cpp-python.txt); do
+  if [ ! -e "$MATRIX/llama-cpp-python-$v/.complete" ]; then
+    step "4b/6 llama-cpp-python $v for the build matrix (built from source: ~6 min on 2 cores)"
+    rm -rf "$MATRIX/llama-cpp-python-$v"
+    CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF" timed "$PY" -m pip install -q --no-deps \
+      --no-binary llama-cpp-python --target "$MATRIX/llama-cpp-python-$v" "llama-cpp-python==$v"
+    touch "$MATRIX/llama-cpp-python-$v/.complete"
+  fi
+done
+step "4b/6 build matrix: $(ls -d "$MATRIX"/llama-cpp-python-* 2>/dev/null | wc -l) older llama-cpp-python builds in $MATRIX"
 # 4c. llama-server executables built from llama.cpp sources (cached under /var/cache/sparseety-prof)
 grep -v '^#' scripts/matrix-llama-server.txt | while read -r build kind; do
   [ -n "$build" ] || continue

@@ -126,6 +126,16 @@ def server_builds() -> list[tuple[str, dict[str, str] | None]]:
     return builds
 
 
+def llama_cpp_python_builds() -> list[tuple[str, dict[str, str]]]:
+    """Older llama-cpp-python releases to run the in-process engine on: every release of
+    scripts/matrix-llama-cpp-python.txt (set-up builds each from its sdist into MATRIX_DIR, put
+    first on the engine's PYTHONPATH). The pinned release of the venv: test_llama_cpp_python.py."""
+    return [
+        (f"llama-cpp-python-{v}", {"PYTHONPATH": str(MATRIX_DIR / f"llama-cpp-python-{v}")})
+        for (v,) in _matrix_lines("matrix-llama-cpp-python.txt")
+    ]
+
+
 def require_build(env: dict[str, str] | None) -> None:
     """A matrix build that set-up did not install is a failure, not a skip: run scripts/setup.sh."""
     if env is not None:

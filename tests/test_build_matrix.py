@@ -1,12 +1,14 @@
 """Root tests across llama.cpp builds: every build of the matrix is identified from its own
 binaries, its llama_ubatch layout is learned on live data and equals the verified table's, and
 what it then records equals the engine's own answers (token ids, log-probs, client request ids)
-with no losses. A program that only looks like an engine is refused with exit 6, naming the
-invariant its memory broke. (Routing against the teacher-forced oracle on every build:
+with no losses; on an older llama-cpp-python release, its MoE routing equals the engine's own graph
+trace too. A program that only looks like an engine is refused with exit 6, naming the invariant
+its memory broke. (Routing against the teacher-forced oracle on every server build:
 test_xllamacpp_sparse.py.)"""
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -25,6 +27,7 @@ from conftest import (
     Recorder,
     align_server_probs,
     free_port,
+    llama_cpp_python_builds,
     require_build,
     run_cli,
     server_builds,
@@ -41,6 +44,7 @@ pytestmark = [pytest.mark.root, pytest.mark.engine]
 PROMPTS = ["hello the expert router", "one two three four"]
 N_PREDICT = 40
 LOGPROB_TOL = 1e-3  # the server's n_probs answer is computed from the same logits row; see the note in README
+WEIGHT_TOL = 1e-5  # recorded gate weights vs the graph trace of the same engine (test_sparse_decisions.py)
 
 
 def attach_during(pid: int, out: Path, traffic: Callable[[], object], *extra: str) -> Recorder:
@@ -231,6 +235,116 @@ def test_llama_cpp_python_attached_while_generating(
         assert INV_BATCH_ROWS in eng["layout_discovery"]["anchors"]
     else:
         assert eng["layout_discovery"] is None and eng["layout_source"].startswith("table:")
+
+
+def _routes_of_last_request(path: Path) -> tuple[pl.DataFrame, dict[tuple[int, int], dict[str, Any]]]:
+    """The last request's token rows, and its MoE routes by (position, layer)."""
+    r = sparseety_prof.open(path)
+    tokens = r.tokens()
+    last = tokens.group_by("request_id").agg(pl.col("t_end_ns").min()).sort("t_end_ns")["request_id"][-1]
+    got = tokens.filter(pl.col("request_id") == last).sort("t_end_ns")
+    steps = set(got["step_id"].to_list())
+    routes = r.routes().filter(pl.col("step_id").is_in(list(steps)) & pl.col("expert_ids").is_not_null())
+    return got, {(x["pos"], x["layer"]): x for x in routes.iter_rows(named=True)}
+
+
+def _traced_routes(trace: Path, request: int) -> dict[tuple[int, int], dict[str, Any]]:
+    """The engine's own MoE routing (--graph-trace) of one request, by (position, layer)."""
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert not [x for x in lines if x["kind"] == "error"]
+    evals = {x["eval"] for x in lines if x["kind"] == "eval" and x["request"] == request}
+    return {
+        (pos, x["layer"]): {"ids": x["ids"][i], "weights": x["weights"][i]}
+        for x in lines
+        if x["kind"] == "moe" and x["eval"] in evals
+        for i, pos in enumerate(x["positions"])
+    }
+
+
+@pytest.mark.parametrize("build", llama_cpp_python_builds(), ids=lambda b: b[0])
+def test_older_llama_cpp_python_recorded_exactly(
+    build: tuple[str, dict[str, str]], models: dict[str, Path], tmp_path: Path
+) -> None:
+    """An older llama-cpp-python release first on the engine's PYTHONPATH: the engine runs that
+    release's libllama; the recorder reads its identity from its binaries and learns its
+    llama_ubatch layout on live data when forced with --discover-layout (exactly the verified
+    table's for its ggml version); attached again with the table's layout, a generation is
+    recorded exactly (ids, log-probs within 1e-4, no losses), and its MoE routing equals the
+    engine's graph trace of the same requests (a second run: the same warm-up, then the same
+    prompt)."""
+    name, env = build
+    require_build(env)
+    version = name.removeprefix("llama-cpp-python-")
+    libdir = Path(env["PYTHONPATH"]) / "llama_cpp" / "lib"
+    base = [str(ENGINES / "llama_engine.py"), str(models["moe"]), "--threads", "2"]
+    e = Engine(base, env=env)
+    try:
+        assert e.ready["llama_cpp_version"] == version
+        assert Path(e.ready["libllama"]) == libdir / "libllama.so"
+        maps = Path(f"/proc/{e.pid}/maps").read_text()
+        assert str((libdir / "libllama.so").resolve()) in maps and "site-packages/llama_cpp" not in maps
+        # discovery learns from forward passes: attached while the engine works
+        rec = attach_during(
+            e.pid, tmp_path / "discovered", lambda: e.generate(["warm up"], 6), "--discover-layout"
+        )
+        rc, err = rec.stop(signal.SIGTERM)
+        assert rc == 0, err
+        # the table's layout, attached to the idle engine (no forward pass in flight at the attach
+        # boundary): this recording is compared with the engine's own answers
+        rec = Recorder(e.pid, tmp_path / "rec")
+        results = e.generate(PROMPTS[:1], 24)
+        rc, err = rec.stop(signal.SIGTERM)
+    finally:
+        e.close()
+    assert rc == 0, err
+    got, routes = _routes_of_last_request(tmp_path / "rec")
+    assert got["token_id"].to_list() == results[0]["ids"]
+    assert got["decode_order"].to_list() == list(range(24))
+    np.testing.assert_allclose(got["log_prob"].to_numpy(), results[0]["log_probs"], atol=1e-4)
+    meta = sparseety_prof.open(tmp_path / "rec").meta
+    for loss in (
+        "kernel_drops",
+        "seq_gaps",
+        "logits_incomplete",
+        "samples_unresolved",
+        "sparse_unattributed",
+        "sparse_unmapped_rows",
+        "sparse_rows_not_captured",
+        "program_misses",
+    ):
+        assert meta["losses"][loss] == 0, (loss, meta["losses"])
+    # the build's identity from its own binaries: what ggml_version() of the loaded library returns
+    ident = meta["engine"]["identity"]
+    assert ident["ggml_version"] == e.ready["ggml_version"] and ident["package_version"] == version, ident
+    # the matrix names builds inside the verified ranges: the recording used the table's layout,
+    # and discovery on live data found exactly that layout
+    table = next(
+        v for v in layouts.VERIFIED if v.contains(ident["llama_build_number"], ident["ggml_version"])
+    )
+    assert meta["engine"]["layout_source"].startswith("table:")
+    assert meta["engine"]["ubatch_layout"] == table.ubatch.__dict__
+    discovered = sparseety_prof.open(tmp_path / "discovered").meta["engine"]
+    assert discovered["identity"] == ident and discovered["layout_source"] == "discovered on live data"
+    disc = discovered["layout_discovery"]
+    assert disc["ubatch_layout"] == table.ubatch.__dict__ == discovered["ubatch_layout"]
+    assert disc["ubatches_watched"] >= 2 and INV_BATCH_ROWS in disc["anchors"] and disc["drops"] == 0
+
+    trace = tmp_path / "trace.jsonl"
+    t = Engine([*base, "--graph-trace", str(trace)], env=env)
+    try:
+        t.generate(["warm up"], 6)
+        truth = t.generate(PROMPTS[:1], 24)
+    finally:
+        t.close()
+    assert truth[0]["ids"] == results[0]["ids"]
+    traced = _traced_routes(trace, request=1)
+    assert traced and routes.keys() == traced.keys()  # every (position, layer), nothing invented
+    print(f"llama-cpp-python {version} ({ident['ggml_version']}): {len(traced)} routes compared")
+    for key, want_route in traced.items():
+        assert routes[key]["expert_ids"] == want_route["ids"], key
+        np.testing.assert_allclose(
+            routes[key]["expert_weights"], want_route["weights"], atol=WEIGHT_TOL, err_msg=str(key)
+        )
 
 
 def test_library_outside_any_package_is_identified_by_its_binary(

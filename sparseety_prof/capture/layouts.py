@@ -157,6 +157,7 @@ VERIFIED: tuple[VerifiedRange, ...] = (
         _UBATCH_2025,
         (
             "xllamacpp 2026.4.8672 (ggml 0.9.11)",
+            "llama-cpp-python 0.3.20 (ggml 0.9.11)",
             "xllamacpp 2026.6.9538 (ggml 0.13.1)",
             "xllamacpp 2026.8.10229 (ggml 0.18.0)",
             "xllamacpp 2026.9.10809 (ggml 0.23.0)",

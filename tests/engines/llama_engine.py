@@ -1,7 +1,10 @@
 """A real llama-cpp-python engine process for the tests, with its own in-process ground truth.
 
 Protocol on stdin/stdout (one JSON object per line):
-  engine prints {"ready": pid, "n_vocab": V}    after the model is loaded
+  engine prints {"ready": pid, "n_vocab": V, "llama_cpp_version": v, "libllama": path,
+                "ggml_version": g}           after the model is loaded: which release and library
+                                              file this process imported, and what that library's
+                                              ggml_version() returns
   test sends   {"prompts": [...], "max_tokens": N, "temp": T, "seed": S}
   engine prints {"results": [{"prompt_tokens": [...], "ids": [...], "log_probs": [...],
                                "times_ns": [...], "t_request_ns": t}, ...]}
@@ -524,6 +527,14 @@ def teacher_force(llm: Llama, prompt_ids: Sequence[int], ids: Sequence[int]) -> 
     return lps
 
 
+def ggml_version() -> str:
+    """What ggml_version() of the loaded library returns (libllama's symbol lookup reaches the
+    libggml-base it links; the bindings do not wrap the function)."""
+    fn = C._lib.ggml_version
+    fn.restype = ctypes.c_char_p
+    return str(fn().decode())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -565,7 +576,14 @@ def main() -> None:
         trace.flush()
     else:
         llm = load()
-    print(json.dumps({"ready": os.getpid(), "n_vocab": llm.n_vocab()}), flush=True)
+    ready = {
+        "ready": os.getpid(),
+        "n_vocab": llm.n_vocab(),
+        "llama_cpp_version": llama_cpp.__version__,
+        "libllama": C._lib._name,
+        "ggml_version": ggml_version(),
+    }
+    print(json.dumps(ready), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("exit"):
