@@ -317,6 +317,30 @@ def test_aggregate_routing_lands_in_the_token_row_and_routes() -> None:
     assert c.counters.verified_sparse == 1
 
 
+def test_graph_records_of_the_pass_running_at_attach_are_the_boundary_not_a_loss() -> None:
+    """Graph-op records before any micro-batch began since the attach come from the forward pass
+    the probes were attached in the middle of: counted apart. The same record once micro-batches
+    have run is a real loss (no micro-batch claims it)."""
+
+    def lone_aggregate(s: Script) -> None:
+        a = np.zeros(1, ev.STEP_AGG_DTYPE)
+        s._hdr(a, ev.EV_STEP_AGG)
+        a["k_ids"][0, 0] = a["k_wts"][0, 0] = 2
+        a["ids"][0, 0, :2] = [1, 2]
+        s.recs.append(a.tobytes())
+
+    s = Script()
+    lone_aggregate(s)
+    lone_aggregate(s)
+    _step_with_aggregate(s, [6, 2], token=9)
+    lone_aggregate(s)
+    c = _sparse_correlator()
+    c.feed(decode_records(s.recs, 1024))
+    assert c.take_tables()["tokens"]["expert_ids"] == [[[6, 2]]]
+    assert c.counters.sparse_before_first_step == 2
+    assert c.counters.sparse_unattributed == 1
+
+
 def test_routing_outside_the_models_experts_is_an_unsupported_build() -> None:
     """A tensor layout read wrongly shows up as expert ids the model cannot have."""
     s = Script()

@@ -261,7 +261,7 @@ class Correlator:
         Records of layers that did not fit it (e.g. attention) may have come before: merge."""
         step = self.open_steps.get(int(r["tid"]))
         if step is None or int(r["overlap"]):
-            self.counters.sparse_unattributed += 1
+            self._unattributed()
             return
         verifying = verifying_sparse(self.counters, self.n_expert)
         pre = self._agg_pre.get(int(r["seq"]))
@@ -292,7 +292,7 @@ class Correlator:
         """A graph-op record belongs to the micro-batch running when it was produced. Worker
         threads carry no context, so this needs exactly one micro-batch in flight."""
         if len(self.open_steps) != 1:
-            self.counters.sparse_unattributed += 1
+            self._unattributed()
             return
         step = next(iter(self.open_steps.values()))
         if step.sparse is None:
@@ -311,6 +311,15 @@ class Correlator:
             section = "attn"
         if got is not None:
             self.layers_seen[section].add(got[1])
+
+    def _unattributed(self) -> None:
+        """A graph-op record no single micro-batch claims. Before any micro-batch has begun since
+        the attach, it comes from the forward pass the probes were attached in the middle of: the
+        attach boundary (like samples_before_first_step), not a loss of the recording."""
+        if self.open_steps or any(c.ubatches_seen for c in self.ctxs.values()):
+            self.counters.sparse_unattributed += 1
+        else:
+            self.counters.sparse_before_first_step += 1
 
     def _on_sample_begin(self, r: dict[str, Any]) -> None:
         c = self._ctx(int(r["ctx"]))

@@ -110,3 +110,4 @@ class Counters:
     verified_sparse: int = 0  # routing records checked against the model's expert counts
     slot_tokens_unresolved: int = 0  # server samples whose slot has no output row in the decode
     samples_before_first_step: int = 0  # samples of a decode that ran before the attach
+    sparse_before_first_step: int = 0  # graph-op records of the forward pass running at attach

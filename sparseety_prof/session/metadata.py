@@ -140,6 +140,7 @@ def losses(counters: dict[str, int], corr: Correlator, *, seq_gaps: int, records
         "sparse_unmapped_rows": corr.problems.unmapped_rows,
         "slot_tokens_unresolved": corr.counters.slot_tokens_unresolved,
         "samples_before_first_step": corr.counters.samples_before_first_step,
+        "sparse_before_first_step": corr.counters.sparse_before_first_step,
         "program_misses": counters["program_misses"],
     }
 
