@@ -451,3 +451,52 @@ def test_skip_damaged_reads_the_intact_segments_and_lists_the_rest(rec_dir: Path
     assert "part-000002.parquet is missing" in rec.damaged[1]
     assert "part-000001.parquet is not a readable Parquet segment" in rec.damaged[2]
     assert rec.steps().height == 3
+
+
+# ------------------------------------------------------------------ --max-disk: rotation
+def _disk_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in all_paths(root) if p.is_file())
+
+
+def test_max_disk_keeps_the_newest_rows_within_the_budget(tmp_path: Path) -> None:
+    budget = recording.MIN_MAX_DISK
+    rec_path = tmp_path / "rec"
+    peak, total = 0, 0
+    with RecordingWriter(rec_path, {"run": 1}, segment_rows=500, max_disk=budget) as w:
+        for i in range(120):
+            w.append("tokens", tokens_frame(500, start=i * 500))
+            w.flush()
+            total += 500
+            peak = max(peak, _disk_bytes(rec_path))
+    segment = max(p.stat().st_size for p in (rec_path / "tokens").iterdir())
+    assert peak <= budget + segment  # over by at most the segment being written
+    rec = sparseety_prof.open(rec_path)
+    assert rec.complete
+    tokens = rec.tokens()
+    rotation = rec.meta["rotation"]
+    assert rotation["max_disk_bytes"] == budget and rotation["segments_removed"] > 0
+    assert rotation["rows_removed"]["tokens"] + tokens.height == total  # counted, not lost
+    # what remains is the latest stretch, without gaps
+    assert sorted(tokens["token_id"].to_list()) == list(range(300 + total - tokens.height, 300 + total))
+    assert rec.meta["tables"]["tokens"]["first_segment"] == rotation["segments_removed"]
+    assert "losses" not in rec.meta or not rec.meta["losses"].get("rows_not_written")
+
+
+def test_a_segment_left_behind_by_a_kill_during_rotation_is_ignored(tmp_path: Path) -> None:
+    rec_path = tmp_path / "rec"
+    with RecordingWriter(rec_path, {}, segment_rows=500, max_disk=recording.MIN_MAX_DISK) as w:
+        for i in range(120):
+            w.append("tokens", tokens_frame(500, start=i * 500))
+            w.flush()
+    first = json.loads((rec_path / META_FILE).read_text())["tables"]["tokens"]["first_segment"]
+    assert first > 0
+    want = sparseety_prof.open(rec_path).tokens()
+    # the state a recorder killed between moving first_segment and removing the file leaves
+    (rec_path / "tokens" / recording.segment_name(first - 1)).write_bytes(
+        (rec_path / "tokens" / recording.segment_name(first)).read_bytes()
+    )
+    assert_frame_equal(sparseety_prof.open(rec_path).tokens(), want)
+    # a segment missing AFTER the first kept is still damage
+    (rec_path / "tokens" / recording.segment_name(first + 1)).unlink()
+    with pytest.raises(CorruptRecording, match="missing"):
+        sparseety_prof.open(rec_path).tokens()

@@ -30,6 +30,14 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         help="write the rows gathered to disk at least this often, so that a recorder killed "
         "outright (SIGKILL, power cut) loses at most this much (default 2)",
     )
+    p.add_argument(
+        "--max-disk",
+        default=None,
+        metavar="SIZE",
+        help="keep the recording within SIZE on disk (e.g. 500M, 2G): beyond it the oldest segments "
+        "are removed, so that it holds the latest stretch of the run; the rows removed are counted "
+        "in meta.json (rotation), apart from losses (default: no limit)",
+    )
     p.add_argument("--model", type=Path, default=None, help="model file, when the engine has none mapped")
     p.add_argument(
         "--discover-layout",
@@ -102,10 +110,21 @@ def options_from(args: argparse.Namespace) -> Options:
     from sparseety_prof.errors import UsageError
     from sparseety_prof.session.options import Options
     from sparseety_prof.store.output_dir import check_output_path, sudo_owner
-    from sparseety_prof.store.recording import META_FILE
+    from sparseety_prof.store.recording import META_FILE, MIN_MAX_DISK
+    from sparseety_prof.store.rotation import parse_size
 
     if not args.flush_interval > 0:
         raise UsageError(f"--flush-interval must be a positive number of seconds, got {args.flush_interval}")
+    max_disk = None
+    if args.max_disk is not None:
+        try:
+            max_disk = parse_size(args.max_disk)
+        except ValueError as e:
+            raise UsageError(f"--max-disk: {e}") from None
+        if max_disk < MIN_MAX_DISK:
+            raise UsageError(f"--max-disk must be at least {MIN_MAX_DISK >> 20} MiB, got {args.max_disk}")
+        if args.output is None:
+            raise UsageError("--max-disk needs -o (it bounds the recording on disk)")
     if args.output is not None:
         check_output_path(args.output, META_FILE, sudo_owner())  # refused before anything is attached
     if args.mode == "tokens":
@@ -126,6 +145,7 @@ def options_from(args: argparse.Namespace) -> Options:
         out=args.output,
         duration=args.duration,
         flush_interval=args.flush_interval,
+        max_disk=max_disk,
         redact_text=args.redact_text,
         model=args.model,
         nice=args.nice,

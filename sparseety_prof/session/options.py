@@ -16,6 +16,7 @@ class Options:
     out: Path | None
     duration: float | None = None
     flush_interval: float = 2.0  # seconds: rows older than this are on disk, whatever kills the recorder
+    max_disk: int | None = None  # bytes the recording may hold; the oldest segments make room
     redact_text: bool = False
     model: Path | None = None  # override when the process has no GGUF file mapped or open
     skip_probes: frozenset[str] = frozenset()  # for tests: disable a probe point on purpose

@@ -179,6 +179,11 @@ class OutputDir:
         finally:
             os.close(fd)
 
+    def remove(self, name: str) -> None:
+        """Remove the file `name` of this folder (a name, never a path followed elsewhere)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self.fd)
+
     def release(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=self.fd)

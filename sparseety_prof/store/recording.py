@@ -40,6 +40,7 @@ import polars as pl
 from sparseety_prof.errors import CorruptRecording, RecordingWriteError, UsageError
 from sparseety_prof.store import schema
 from sparseety_prof.store.output_dir import DIR_MODE, FILE_MODE, OutputDir, sudo_owner
+from sparseety_prof.store.rotation import DiskBudget, Segment
 
 __all__ = [
     "DIR_MODE",
@@ -58,12 +59,16 @@ DEFAULT_SEGMENT_ROWS = 50_000
 # Disk room held from the start for the last meta.json, freed when a write fails or at close.
 _RESERVE_FILE = ".space-reserve"
 _RESERVE_MIN = 64 * 1024
+#: the smallest --max-disk: room for meta.json, its reserve and a few segments of every table
+MIN_MAX_DISK = 1 << 20
 _RESERVE_PER_META_BYTE = 4  # the final meta.json is larger than the first; it is written beside it
 
 _SKIP_HINT = "; open the recording with skip_damaged=True to read the rest"
 _SEGMENT_RE = re.compile(r"^part-(\d{6})\.parquet$")
 #: Keys the writer owns; callers may not set them through meta/update_meta/close.
-_RESERVED_META = frozenset({"format", "schema_version", "complete", "redacted", "tables", "write_error"})
+_RESERVED_META = frozenset(
+    {"format", "schema_version", "complete", "redacted", "tables", "write_error", "rotation"}
+)
 
 # Column roles. Names come from the schema; these only say which schema column plays which role.
 # (Candidates for schema.py itself, e.g. schema.TEXT_COLUMNS / schema.SORT_KEYS.)
@@ -125,6 +130,9 @@ class RecordingWriter:
         Rows buffered per table before a segment is written.
     redact_text
         Store token text as nulls (the column stays) and record ``"redacted": true``.
+    max_disk
+        Bytes the recording may hold on disk; beyond them the oldest segments are removed
+        (store/rotation.py) and counted in ``"rotation"``. None: no limit.
 
     A write that fails (disk full, I/O error) does not raise: the writer stops writing rows,
     counts every row it is given from then on as not written, and `close` records
@@ -140,6 +148,7 @@ class RecordingWriter:
         segment_rows: int = DEFAULT_SEGMENT_ROWS,
         redact_text: bool = False,
         compression: Literal["zstd", "lz4", "snappy", "uncompressed"] = "zstd",
+        max_disk: int | None = None,
     ) -> None:
         if segment_rows < 1:
             raise ValueError(f"segment_rows must be >= 1, got {segment_rows}")
@@ -154,8 +163,11 @@ class RecordingWriter:
         self._lock = threading.Lock()
         self._buffers: dict[str, list[pl.DataFrame]] = {t: [] for t in schema.TABLES}
         self._buffered: dict[str, int] = dict.fromkeys(schema.TABLES, 0)
-        self._segments: dict[str, int] = dict.fromkeys(schema.TABLES, 0)
-        self._rows: dict[str, int] = dict.fromkeys(schema.TABLES, 0)
+        self._segments: dict[str, int] = dict.fromkeys(schema.TABLES, 0)  # next segment index
+        self._first: dict[str, int] = dict.fromkeys(schema.TABLES, 0)  # oldest segment on disk
+        self._rows: dict[str, int] = dict.fromkeys(schema.TABLES, 0)  # rows in segments on disk
+        self._budget = DiskBudget(max_disk) if max_disk is not None else None
+        self._meta_bytes = 0
         self._not_written: dict[str, int] = dict.fromkeys(schema.TABLES, 0)
         #: Why writing stopped (disk full, I/O error), or None while every write succeeded.
         self.write_error: str | None = None
@@ -176,7 +188,8 @@ class RecordingWriter:
             except Exception as e:
                 self._dir.close()
                 raise RecordingWriteError(f"cannot write {self.path / META_FILE}: {_reason(e)}") from None
-            self._dir.reserve(_RESERVE_FILE, max(_RESERVE_MIN, _RESERVE_PER_META_BYTE * size))
+            self._reserve_bytes = max(_RESERVE_MIN, _RESERVE_PER_META_BYTE * size)
+            self._dir.reserve(_RESERVE_FILE, self._reserve_bytes)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -293,8 +306,12 @@ class RecordingWriter:
     def _write_meta(self) -> int:
         """Rewrite meta.json (atomically); returns its size. Raises what the file system raises."""
         self._meta["tables"] = {
-            t: {"rows": self._rows[t], "segments": self._segments[t]} for t in schema.TABLES
+            t: {"rows": self._rows[t], "segments": self._segments[t] - self._first[t]}
+            | ({"first_segment": self._first[t]} if self._budget is not None else {})
+            for t in schema.TABLES
         }
+        if self._budget is not None:
+            self._meta["rotation"] = self._budget.to_meta()
         if self.write_error is not None:
             self._meta["write_error"] = {
                 "reason": self.write_error,
@@ -302,6 +319,7 @@ class RecordingWriter:
             }
         data = (json.dumps(self._meta, indent=2, sort_keys=True, default=str) + "\n").encode()
         self._dir.write_atomic(META_FILE, lambda f: f.write(data))
+        self._meta_bytes = len(data)
         return len(data)
 
     def _store_meta(self) -> None:
@@ -373,6 +391,22 @@ class RecordingWriter:
         d.write_atomic(segment_name(self._segments[table]), lambda f: f.write(data))
         self._segments[table] += 1
         self._rows[table] += df.height
+        if self._budget is not None:
+            seg = Segment(table, self._segments[table] - 1, len(data), df.height)
+            self._rotate(self._budget.added(seg, overhead=self._meta_bytes + self._reserve_bytes))
+
+    def _rotate(self, victims: list[Segment]) -> None:
+        """Remove the oldest segments the disk budget gave up. meta.json moves each table's first
+        segment past them BEFORE the files go: a recorder killed in between leaves an old segment
+        the loader ignores, never a gap it would call damage."""
+        if not victims:
+            return
+        for seg in victims:
+            self._first[seg.table] = seg.index + 1
+            self._rows[seg.table] -= seg.rows
+        self._write_meta()
+        for seg in victims:
+            self._table_dirs[seg.table].remove(segment_name(seg.index))
 
 
 def _reason(e: BaseException) -> str:
@@ -450,8 +484,11 @@ class Recording:
             m = _SEGMENT_RE.match(entry.name)
             if m:
                 found[int(m.group(1))] = entry
-        indexes = sorted(found)
-        gaps = sorted(set(range(indexes[-1] + 1)) - set(indexes)) if indexes else []
+        # segments before the table's first were removed by --max-disk (one may remain when the
+        # recorder was killed between recording that and removing it)
+        first = _first_segment(self.meta, table)
+        indexes = sorted(i for i in found if i >= first)
+        gaps = sorted(set(range(first, indexes[-1] + 1)) - set(indexes)) if indexes else []
         for gap in gaps:
             self._damage(
                 f"{d / segment_name(gap)} is missing (segments are numbered without gaps): "
@@ -494,6 +531,14 @@ class Recording:
     def _check_table(name: str) -> None:
         if name not in schema.TABLES:
             raise ValueError(f"unknown table {name!r}; tables are {sorted(schema.TABLES)}")
+
+
+def _first_segment(meta: Mapping[str, Any], table: str) -> int:
+    """The index of a table's oldest segment kept (0 unless segments were rotated out)."""
+    tables = meta.get("tables")
+    entry = tables.get(table) if isinstance(tables, dict) else None
+    first = entry.get("first_segment", 0) if isinstance(entry, dict) else 0
+    return first if isinstance(first, int) and not isinstance(first, bool) and first >= 0 else 0
 
 
 def _read_segment(table: str, path: Path) -> pl.DataFrame:
