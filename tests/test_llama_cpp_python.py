@@ -183,6 +183,33 @@ def test_detach_leaves_nothing_behind(models: dict[str, Path], tmp_path: Path, h
         assert r.complete and r.tokens().height == 16
 
 
+def test_two_recorders_on_one_engine_both_record_exactly(models: dict[str, Path], tmp_path: Path) -> None:
+    """A second recorder on an engine that already has one is safe: each has its own programs,
+    ring and probes (the kernel runs every program attached to a probe point), both recordings
+    equal the engine's output, and stopping one leaves the other recording."""
+    before = bpf_prog_ids()
+    e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
+    try:
+        first = Recorder(e.pid, tmp_path / "first")
+        second = Recorder(e.pid, tmp_path / "second")
+        both = e.generate(PROMPTS[:2], max_tokens=24)
+        rc, err = first.stop(signal.SIGINT)
+        assert rc == 0, err
+        only_second = e.generate(PROMPTS[2:3], max_tokens=24)
+        rc, err = second.stop(signal.SIGINT)
+        assert rc == 0, err
+    finally:
+        e.close()
+    _assert_nothing_left(before)
+    for name, truth in (("first", both), ("second", both + only_second)):
+        r = sparseety_prof.open(tmp_path / name)
+        tokens = r.tokens()
+        got = [g["token_id"].to_list() for g in _by_request(tokens)]
+        assert got == [t["ids"] for t in truth], name
+        losses = r.meta["losses"]
+        assert losses["kernel_drops"] == 0 and losses["seq_gaps"] == 0 and losses["samples_unresolved"] == 0
+
+
 def _assert_same_output(got: list[dict], want: list[dict]) -> None:
     # A repeated prompt hits llama-cpp-python's prefix cache, so the prompt is evaluated in another
     # batch shape: ids are equal, log-probs agree to float rounding.
