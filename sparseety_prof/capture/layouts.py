@@ -45,8 +45,9 @@ class UbatchLayout:
 @dataclass(frozen=True)
 class TensorLayout:
     """Byte offsets in ggml's `struct ggml_tensor` and `struct ggml_compute_params` (x86-64) that
-    the sparse-decision probes read. ggml.h's public struct; checked on live data at attach time
-    (tensor names must parse, shapes must match the model's hyper-parameters)."""
+    the sparse-decision probes read. ggml.h's public struct, but it changes: the table's offsets are
+    checked on the engine's live weight structs and graph nodes at attach time, and replaced by the
+    ones discovered there when they fail (tensor_probe.py)."""
 
     type: int = 0
     ne: int = 16

@@ -13,6 +13,7 @@ from sparseety_prof.capture.bpf_loader import Session, compile_and_attach
 from sparseety_prof.capture.discovery_probe import Discovery, run_discovery
 from sparseety_prof.capture.gguf_info import ModelInfo, Vocab, read_model_info, read_tensor_infos
 from sparseety_prof.capture.plans import LayerSet, MoePlan, layer_set, moe_plan
+from sparseety_prof.capture.tensor_probe import ProcessMemory, TensorCheck, verify_tensor_layout
 from sparseety_prof.errors import NotAnEngine, UnsupportedEngineBuild
 from sparseety_prof.session.options import Options
 
@@ -28,6 +29,7 @@ class Attached:
     layers: LayerSet
     capture_layers: list[tg.CaptureLayer]
     discovery: Discovery | None
+    tensor_check: TensorCheck | None = None  # None: no sparse-decision probe reads ggml_tensor
 
 
 def attach(
@@ -77,7 +79,18 @@ def attach(
             f"in {discovery.seconds:.2f} s (+{discovery.compile_s:.2f} s compile): "
             f"{discovery.layout.describe()}"
         )
+    tensor_check = None
+    if opts.capture.any:
+        tensor_check = verify_tensor_layout(
+            ProcessMemory(opts.pid), read_tensor_infos(model_path), build.tensor, what=f"PID {opts.pid}"
+        )
+        build = replace(build, tensor=tensor_check.layout)
+        log(
+            f"sparseety-prof: ggml_tensor layout {tensor_check.source} ({tensor_check.weights} weights, "
+            f"{tensor_check.nodes} graph nodes, {tensor_check.seconds:.2f} s)"
+            + (f"; the table's failed: {tensor_check.table_failure}" if tensor_check.table_failure else "")
+        )
     sess = compile_and_attach(
         opts.pid, where, build, len(vocab), capture=opts.capture, skip=opts.skip_probes, moe=plan
     )
-    return Attached(t, build, model, vocab, sess, where, layers, layers_found, discovery)
+    return Attached(t, build, model, vocab, sess, where, layers, layers_found, discovery, tensor_check)

@@ -33,6 +33,7 @@ def run_metadata(a: Attached, opts: Options) -> dict[str, Any]:
             "ubatch_layout": a.build.ubatch.__dict__ if a.build.ubatch else None,
             "layout_source": a.build.layout_source,
             "layout_discovery": a.discovery.to_meta() if a.discovery else None,
+            "tensor_layout_check": a.tensor_check.to_meta() if a.tensor_check else None,
             "capture_layers": {
                 c.name: {"available": c.available, "detail": c.detail} for c in a.capture_layers
             },
