@@ -72,7 +72,7 @@ class Heap:
 
 
 def heap(lay: tls.Solved, perturb: str = "") -> tls.BytesMemory:
-    h = Heap(lay, bytearray(STRIDE * (len(SPECS) + 9)))
+    h = Heap(lay, bytearray(STRIDE * (len(SPECS) + 10)))
     addr: dict[str, int] = {}
     for i, (raw, spec) in enumerate(SPECS.items()):
         name = raw[:-1].upper() if perturb == "garbage names" else raw[:-1]
@@ -89,7 +89,10 @@ def heap(lay: tls.Solved, perturb: str = "") -> tls.BytesMemory:
         h.put(n + 2, b"inp_embd", 0, (256, 7, 1, 1), (4, 1024, 7168, 7168), 0, (embd_src, tokens))
         h.put(n + 3, b"result_output", 0, (1000, 7, 1, 1), (4, 4000, 28000, 28000), 0,
               (addr["output.weight"] if perturb != "src elsewhere" else BASE + 8, norm))  # fmt: skip
-    # what else a heap holds: the names as bare strings (a GGUF string table, std::strings)
+    # what else a heap holds: a stale struct in freed memory, partly overwritten (its type), and
+    # the names as bare strings (a GGUF string table, std::strings)
+    spec = SPECS[b"token_embd.weight\x00"]
+    h.put(n + 4, b"token_embd.weight", 0x5EED, spec.ne, spec.nb, 0x7F20_0000_0000)
     strings = b"".join(raw + b"\x00\x00\x00" for raw in SPECS) + b"inp_embd\x00"
     if perturb == "garbage names":
         strings = strings.upper()

@@ -130,7 +130,7 @@ class Solved:
 @dataclass(frozen=True)
 class Verdict:
     layout: Solved | None
-    weights: int  # weight structs on which the layout holds
+    weights: int  # distinct weights (by name) whose structs hold with the layout
     nodes: int  # "inp_embd" graph nodes on which it holds
     reason: str  # the invariant that failed (layout None), else what was proven
 
@@ -287,42 +287,51 @@ def solve(mem: Memory, specs: dict[bytes, WeightSpec]) -> Verdict:
     if not specs:
         return Verdict(None, 0, 0, _fail("name", "the model has no usable '.weight' tensor"))
     found, weights = _anchors(mem, specs)
-    if not weights:
-        return Verdict(None, 0, 0, _fail("name", f"none of {len(specs)} weight names is in the memory read"))
+    named = len({spec.name for spec in weights.values()})
+    if named < min(MIN_WEIGHTS, len(specs)):
+        return Verdict(
+            None, 0, 0, _fail("name", f"{named} of {len(specs)} weight names are in the memory read")
+        )
     fails: Counter[str] = Counter()
-    support: Counter[Relative] = Counter()
+    support: dict[Relative, set[str]] = {}  # -> the weights (by name) whose structs hold with it
     for addr, spec in weights.items():
         words = _words(mem, addr)
-        if words is not None:
-            support.update(_relative_candidates(words, spec, fails))
-    if not support:
-        furthest = max(fails, key=list(INVARIANTS).index, default="ne")
-        return Verdict(
-            None, 0, 0, _fail(furthest, f"{len(weights)} weight names found, failed: {dict(fails)}")
-        )
-    best = max(support.values())
+        for rel in _relative_candidates(words, spec, fails) if words is not None else ():
+            support.setdefault(rel, set()).add(spec.name)
+    best = max(map(len, support.values()), default=0)
     need = min(MIN_WEIGHTS, len(specs))
-    top = [r for r, c in support.items() if c == best]
-    if best < need or len(top) > 1:
+    if best < need:
+        # too few structs hold: the others say why
+        furthest = max(fails, key=list(INVARIANTS).index, default="ne")
+        detail = f"{len(weights)} weight names found, {best} structs hold, failed: {dict(fails)}"
+        return Verdict(None, best, 0, _fail(furthest, detail))
+    top = [r for r, names in support.items() if len(names) == best]
+    if len(top) > 1:
         return Verdict(None, best, 0, _fail("agree", f"{len(top)} layouts fit {best} weights each"))
     rel = top[0]
     nodes = _nodes(mem, found, rel, weights, None)
     if not nodes:
         return Verdict(None, best, 0, _fail("src", f"graph nodes found: {_node_count(found)}"))
-    # the type offset: where every weight that parses has its own GGUF type
+    # the type offset: where the weights that parse have their own GGUF type (a stale copy of a
+    # struct in freed memory may hold a name, shape and strides, but not the rest)
     name_offs = {lay.name for lay in nodes}
     if len(name_offs) > 1:
         return Verdict(None, best, 0, _fail("agree", f"the nodes put the name at {sorted(name_offs)}"))
     base = next(iter(nodes))
-    types = set(range(0, base.ne, 8))
+    types: dict[int, set[str]] = {}  # type offset -> the weights (by name) that parse with it
     for addr, spec in weights.items():
         words = _words(mem, addr)
         if words is not None and rel in _relative_candidates(words, spec, Counter()):
-            types &= _type_offsets(mem, addr, spec, base)
-    if len(types) != 1:
-        key = "type" if not types else "agree"
-        return Verdict(None, best, 0, _fail(key, f"type offsets every weight allows: {sorted(types)}"))
-    lay = replace(base, type=types.pop())
+            for t in _type_offsets(mem, addr, spec, base):
+                types.setdefault(t, set()).add(spec.name)
+    most_typed = max(map(len, types.values()), default=0)
+    top_types = [t for t, names in types.items() if len(names) == most_typed]
+    if most_typed < need or len(top_types) > 1:
+        key = "type" if most_typed < need else "agree"
+        counts = {t: len(names) for t, names in types.items()}
+        return Verdict(None, best, 0, _fail(key, f"weights per type offset: {counts}"))
+    best = most_typed
+    lay = replace(base, type=top_types[0])
     typed = _nodes(mem, found, rel, weights, lay.type)[lay]
     if not typed:
         return Verdict(None, best, 0, _fail("src", "no node parses with the type offset the weights give"))
@@ -334,10 +343,13 @@ def check(mem: Memory, specs: dict[bytes, WeightSpec], lay: Solved) -> Verdict:
     fewer) and one graph node parse with it; else None naming the first invariant that no
     anchor passed."""
     found, weights = _anchors(mem, specs)
-    if not weights:
-        return Verdict(None, 0, 0, _fail("name", f"none of {len(specs)} weight names is in the memory read"))
+    named = len({spec.name for spec in weights.values()})
+    if named < min(MIN_WEIGHTS, len(specs)):
+        return Verdict(
+            None, 0, 0, _fail("name", f"{named} of {len(specs)} weight names are in the memory read")
+        )
     passed: Counter[str] = Counter()
-    ok = 0
+    ok_names: set[str] = set()
     for addr, spec in weights.items():
         raw = mem.read(addr - lay.name, lay.name)
         if raw is None:
@@ -352,7 +364,8 @@ def check(mem: Memory, specs: dict[bytes, WeightSpec], lay: Solved) -> Verdict:
                 break
             passed[key] += 1
         else:
-            ok += 1
+            ok_names.add(spec.name)
+    ok = len(ok_names)
     need = min(MIN_WEIGHTS, len(specs))
     if ok < need:
         for key in ("ne", "nb", "data", "type"):
@@ -360,6 +373,7 @@ def check(mem: Memory, specs: dict[bytes, WeightSpec], lay: Solved) -> Verdict:
                 return Verdict(
                     None, ok, 0, _fail(key, f"{passed[key]} of {len(weights)} weight names found pass")
                 )
+        return Verdict(None, ok, 0, _fail("agree", f"{ok} distinct weights parse, {need} needed"))
     rel = Relative(lay.name - lay.ne, lay.name - lay.nb, lay.name - lay.data)
     nodes = _nodes(mem, found, rel, weights, lay.type)[lay]
     if not nodes:
