@@ -153,6 +153,8 @@ def outcome(a: Attached, opts: Options, corr: Correlator) -> dict[str, Any]:
             "verified_ubatches": corr.counters.verified_ubatches,
             "verified_decodes": corr.counters.verified_decodes,
             "verified_routing": corr.counters.verified_sparse,
+            "verified_task_posts": corr.server_check.posts_verified,
+            "verified_slot_launches": corr.server_check.launches_verified,
         },
         "layer_coverage": coverage(a.layers, corr.layers_seen, opts.capture),
         "attention_masks": corr.attn_map.meta() if opts.capture.attention else None,
