@@ -12,6 +12,7 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import ENGINES, ROOT, Engine, Recorder
 
+from sparseety_prof.capture import params_check as pc
 from sparseety_prof.capture import tensor_layout_solver as tls
 from sparseety_prof.capture.gguf_info import TensorInfo, read_tensor_infos
 from sparseety_prof.capture.layouts import TensorLayout
@@ -228,3 +230,71 @@ def test_recording_states_the_verified_layout_and_a_wrong_table_is_replaced(
     assert check["source"] == "discovered on live data"
     assert check["tensor_layout"] == TensorLayout().__dict__
     assert check["table_failure"].startswith("invariant '")
+
+
+# ---- ggml_compute_params (ith, nth) on copies of live compute calls -----------------------------
+
+
+def params_records(
+    n_threads: int, *, ith_at: int = 0, nth_at: int = 4, wsize: int = 0x12345, calls: int = 6
+) -> list[bytes]:
+    """The first 16 bytes of ggml_compute_params as each of `n_threads` threads passes them
+    (ith, nth, then the low and high halves of wsize), with the record header of dsc_params."""
+    out = []
+    for _ in range(calls):
+        for ith in range(n_threads):
+            raw = bytearray(16)
+            struct.pack_into("<Q", raw, 8, wsize)
+            struct.pack_into("<i", raw, ith_at, ith)
+            struct.pack_into("<i", raw, nth_at, n_threads)
+            out.append(struct.pack("<II", 1000 + ith, 1) + bytes(raw))
+    return out
+
+
+def test_params_table_verified() -> None:
+    v = pc.check_params(params_records(4), (0, 4))
+    assert v.offsets == (0, 4) and v.source == "table, verified on live data" and v.calls == 24
+
+
+def test_params_discovered_where_the_table_fails() -> None:
+    v = pc.check_params(params_records(4, ith_at=4, nth_at=0), (0, 4))
+    assert v.offsets == (4, 0) and v.source.startswith(
+        "discovered on live data (the table's failed: 0 <= ith"
+    )
+
+
+def test_params_refused_where_one_thread_cannot_tell_the_pairs_apart() -> None:
+    v = pc.check_params(params_records(1, ith_at=4, nth_at=0, wsize=0), (0, 4))
+    assert v.offsets is None and "invariant failed at the table's offsets: 0 <= ith < nth" in v.source
+
+
+def test_params_not_checked_without_a_cpu_call() -> None:
+    v = pc.check_params([], (0, 4))
+    assert v.offsets is None and v.calls == 0 and v.source.startswith("not checked")
+
+
+@pytest.mark.root
+@pytest.mark.engine
+def test_discovery_pass_verifies_the_params_table_on_live_calls(
+    live: tuple[Engine, Path], tmp_path: Path
+) -> None:
+    e, _ = live
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            e.generate(["keep the engine working"], 4)
+
+    worker = threading.Thread(target=traffic, daemon=True)
+    worker.start()
+    try:
+        rec = Recorder(e.pid, tmp_path / "rec", "--discover-layout")
+    finally:
+        stop.set()
+        worker.join(timeout=120)
+    assert rec.stop()[0] == 0
+    eng = json.loads((tmp_path / "rec" / "meta.json").read_text())["engine"]
+    params = eng["layout_discovery"]["compute_params"]
+    assert params["source"] == "table, verified on live data" and params["offsets"] == [0, 4]
+    assert params["calls"] > 0
+    assert eng["tensor_layout_check"]["compute_params"] == "layout discovery: table, verified on live data"

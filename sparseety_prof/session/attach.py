@@ -64,8 +64,15 @@ def attach(
     discovery = None
     if build.ubatch is None or opts.discover_layout:
         log(f"sparseety-prof: {build.identity.describe()}: layout source: {build.layout_source}")
+        table_params = (build.tensor.params_ith, build.tensor.params_nth)
         discovery = run_discovery(
-            opts.pid, where, len(vocab), timeout_s=opts.discover_timeout, log=log, stop=stop
+            opts.pid,
+            where,
+            len(vocab),
+            timeout_s=opts.discover_timeout,
+            log=log,
+            stop=stop,
+            params_table=table_params,
         )
         if build.ubatch is not None and build.ubatch != discovery.layout:
             raise UnsupportedEngineBuild(
@@ -74,6 +81,9 @@ def attach(
                 f"nothing was attached"
             )
         build = replace(build, ubatch=discovery.layout, layout_source="discovered on live data")
+        if discovery.params.offsets is not None:
+            ith, nth = discovery.params.offsets
+            build = replace(build, tensor=replace(build.tensor, params_ith=ith, params_nth=nth))
         log(
             f"sparseety-prof: llama_ubatch layout discovered from {discovery.ubatches} forward passes "
             f"in {discovery.seconds:.2f} s (+{discovery.compile_s:.2f} s compile): "
@@ -84,6 +94,8 @@ def attach(
         tensor_check = verify_tensor_layout(
             ProcessMemory(opts.pid), read_tensor_infos(model_path), build.tensor, what=f"PID {opts.pid}"
         )
+        if discovery is not None:
+            tensor_check = replace(tensor_check, params_source=f"layout discovery: {discovery.params.source}")
         build = replace(build, tensor=tensor_check.layout)
         log(
             f"sparseety-prof: ggml_tensor layout {tensor_check.source} ({tensor_check.weights} weights, "
