@@ -10,7 +10,7 @@ for the engine. tensor_layout_solver decides.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from sparseety_prof.capture import tensor_layout_solver as tls
@@ -29,6 +29,8 @@ class ProcessMemory:
 
     pid: int
     scanned: int = 0  # bytes searched
+    # a search's answer, kept: checking the table and then discovering search for the same names
+    _found: dict[tuple[bytes, ...], dict[bytes, list[int]]] = field(default_factory=dict)
 
     def regions(self) -> list[tuple[int, int]]:
         try:
@@ -49,6 +51,8 @@ class ProcessMemory:
         return out
 
     def find(self, needles: tuple[bytes, ...]) -> dict[bytes, list[int]]:
+        if needles in self._found:
+            return self._found[needles]
         out: dict[bytes, list[int]] = {n: [] for n in needles}
         overlap = max(len(n) for n in needles) - 1
         with open(f"/proc/{self.pid}/mem", "rb", buffering=0) as f:
@@ -70,6 +74,7 @@ class ProcessMemory:
                     addr += CHUNK
         for hits in out.values():
             hits[:] = sorted(set(hits))
+        self._found[needles] = out
         return out
 
     def read(self, addr: int, size: int) -> bytes | None:
