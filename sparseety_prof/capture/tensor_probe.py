@@ -55,7 +55,14 @@ class ProcessMemory:
             return self._found[needles]
         out: dict[bytes, list[int]] = {n: [] for n in needles}
         overlap = max(len(n) for n in needles) - 1
-        with open(f"/proc/{self.pid}/mem", "rb", buffering=0) as f:
+        try:
+            f = open(f"/proc/{self.pid}/mem", "rb", buffering=0)
+        except PermissionError:
+            raise MissingPrivileges(
+                f"cannot read /proc/{self.pid}/mem to check the ggml_tensor layout: run as root (sudo), "
+                f"with ptrace allowed (kernel.yama.ptrace_scope below 3)"
+            ) from None
+        with f:
             for lo, hi in self.regions():
                 addr = lo
                 while addr < hi and self.scanned < SCAN_MAX:
