@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import BinaryIO
 
 from sparseety_prof.capture import tensor_layout_solver as tls
 from sparseety_prof.capture.gguf_info import TensorInfo
@@ -55,14 +56,7 @@ class ProcessMemory:
             return self._found[needles]
         out: dict[bytes, list[int]] = {n: [] for n in needles}
         overlap = max(len(n) for n in needles) - 1
-        try:
-            f = open(f"/proc/{self.pid}/mem", "rb", buffering=0)
-        except PermissionError:
-            raise MissingPrivileges(
-                f"cannot read /proc/{self.pid}/mem to check the ggml_tensor layout: run as root (sudo), "
-                f"with ptrace allowed (kernel.yama.ptrace_scope below 3)"
-            ) from None
-        with f:
+        with self._open_mem() as f:
             for lo, hi in self.regions():
                 addr = lo
                 while addr < hi and self.scanned < SCAN_MAX:
@@ -83,6 +77,15 @@ class ProcessMemory:
             hits[:] = sorted(set(hits))
         self._found[needles] = out
         return out
+
+    def _open_mem(self) -> BinaryIO:
+        try:
+            return open(f"/proc/{self.pid}/mem", "rb", buffering=0)
+        except PermissionError:
+            raise MissingPrivileges(
+                f"cannot read /proc/{self.pid}/mem to check the ggml_tensor layout: run as root (sudo), "
+                f"with ptrace allowed (kernel.yama.ptrace_scope below 3)"
+            ) from None
 
     def read(self, addr: int, size: int) -> bytes | None:
         if addr < 0:
