@@ -81,8 +81,8 @@ _TENSOR_GGML_2026 = TensorLayout()
 class ServerLayout:
     """Byte offsets in llama-server's private structs that the serving-context probes read. Each
     id is the struct's first member in llama-server's sources (server_task::id, server_slot::id,
-    completion_token_output::tok); checked on live data (slot ids must be the sequence ids of
-    the slot's micro-batch rows, task ids must grow)."""
+    completion_token_output::tok); checked on the first live requests (slot ids must be the
+    sequence ids of the slot's micro-batch rows, task ids must grow: correlate/server_layout_check.py)."""
 
     task_id: int = 0
     slot_id: int = 0
