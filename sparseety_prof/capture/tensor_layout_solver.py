@@ -7,9 +7,12 @@ ggml types and shapes are in the GGUF tensor directory, and each one the engine 
 `ggml_tensor` somewhere in its memory, its name a NUL-terminated string. A weight struct must
 carry, at offsets fixed relative to its name, the GGUF shape in ne[], the strides that shape and
 type give in nb[], the GGUF type, and a non-null data pointer. Offsets relative to the name are
-then made absolute by a graph node: llama.cpp names the token-embedding lookup "inp_embd", a
-get_rows whose src[0] is a weight struct; the word of the node equal to that weight's address is
-src[0], and the address tells where the weight struct begins.
+then made absolute by a graph node whose src[0] is a weight struct (llama.cpp names the token
+embedding lookup "inp_embd" and the output projection "result_output"): the word of the node equal
+to that weight's address is src[0], and the address tells where the weight struct begins. The
+type offset comes last, once the struct's start is known. Copies of names outside any struct, and
+stale structs in freed memory, fail some invariant and are outvoted: a layout is the one the most
+distinct weights hold with, and it must be the only one.
 
 Everything here is pure: a `Memory` is read, never the process itself (tensor_probe.py reads a
 live one), so tests feed it synthetic and perturbed structs.
@@ -131,7 +134,7 @@ class Solved:
 class Verdict:
     layout: Solved | None
     weights: int  # distinct weights (by name) whose structs hold with the layout
-    nodes: int  # "inp_embd" graph nodes on which it holds
+    nodes: int  # graph nodes ("inp_embd", "result_output") on which it holds
     reason: str  # the invariant that failed (layout None), else what was proven
 
 
@@ -175,7 +178,7 @@ INVARIANTS = {
     "parses, and that parses itself (printable name, known type, ne[0] from the weight's shape, "
     "src[1] a tensor that parses)",
     "type": "type equal to the weight's GGUF ggml type",
-    "agree": "one layout on which every anchor agrees",
+    "agree": "single layout that the most weights (at least MIN_WEIGHTS) and the graph nodes agree on",
 }
 
 
