@@ -164,3 +164,31 @@ int dsc_sample(struct pt_regs *ctx) {
     dsc_events.ringbuf_submit(e, 0);
     return 0;
 }
+
+/* ggml_compute_forward_get_rows(const struct ggml_compute_params *, struct ggml_tensor *): the
+ * first DSC_PARAMS bytes of the params, on every compute thread, for the ggml_compute_params
+ * offsets (ith, nth). Their own ring and count: they take no micro-batch serial number. */
+#define DSC_PARAMS 16
+#define DSC_PARAMS_MAX 2048
+struct dsc_params {
+    __u32 tid;
+    __u32 ok;
+    __u8 raw[DSC_PARAMS];
+};
+BPF_RINGBUF_OUTPUT(dsc_params_events, 16);
+BPF_ARRAY(dsc_params_sent, __u64, 1);
+
+int dsc_params(struct pt_regs *ctx) {
+    int k = 0;
+    __u64 *sent = dsc_params_sent.lookup(&k);
+    if (!sent || *sent >= DSC_PARAMS_MAX)
+        return 0;
+    __sync_fetch_and_add(sent, 1);
+    struct dsc_params *e = dsc_params_events.ringbuf_reserve(sizeof(struct dsc_params));
+    if (!e)
+        return 0;
+    e->tid = (__u32)bpf_get_current_pid_tgid();
+    e->ok = bpf_probe_read_user(e->raw, DSC_PARAMS, (void *)PT_REGS_PARM1(ctx)) == 0;
+    dsc_params_events.ringbuf_submit(e, 0);
+    return 0;
+}

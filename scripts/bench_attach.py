@@ -6,7 +6,8 @@ on a generating engine (llama-cpp-python, the `bench` model of tests/make_models
 
 Runs alternate table / discovery. For each it prints the wall time from starting the recorder to
 its "attached to PID" line, and for discovery the recorder's own split: the discovery probe's
-compile, the forward passes watched and the time they took (the main BPF compile is in both).
+compile, the forward passes watched and the time they took (the main BPF compile is in both), and
+for both the ggml_tensor layout check in the engine's memory.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from make_models import make_model  # noqa: E402
 
 DISCOVERED = re.compile(r"discovered from (\d+) forward passes in ([\d.]+) s \(\+([\d.]+) s compile\)")
 COMPILED = re.compile(r"compiled in ([\d.]+)s")
+TENSOR_CHECKED = re.compile(r"ggml_tensor layout .*, ([\d.]+) s\)")
 
 
 def attach_once(pid: int, out: Path, discover: bool) -> dict[str, float]:
@@ -46,6 +48,8 @@ def attach_once(pid: int, out: Path, discover: bool) -> dict[str, float]:
     for line in rec.stderr:
         if m := DISCOVERED.search(line):
             got |= {"passes": float(m[1]), "discovery_s": float(m[2]), "discovery_compile_s": float(m[3])}
+        if m := TENSOR_CHECKED.search(line):
+            got["tensor_check_s"] = float(m[1])
         if "attached to PID" in line:
             got["attach_s"] = time.monotonic() - t0
             if m := COMPILED.search(line):
@@ -91,7 +95,14 @@ def main() -> None:
             engine.close()
     for discover, rs in results.items():
         print(f"{'discovery' if discover else 'table'} ({len(rs)} runs):")
-        for key in ("attach_s", "main_compile_s", "discovery_compile_s", "discovery_s", "passes"):
+        for key in (
+            "attach_s",
+            "main_compile_s",
+            "discovery_compile_s",
+            "discovery_s",
+            "passes",
+            "tensor_check_s",
+        ):
             v = np.array([r[key] for r in rs if key in r])
             if v.size:
                 print(f"  {key:20s} median {np.median(v):6.2f}  min {v.min():6.2f}  max {v.max():6.2f}")

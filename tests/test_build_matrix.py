@@ -447,3 +447,31 @@ def test_a_program_that_only_looks_like_an_engine_is_refused(
     else:
         assert "no layout satisfies every invariant" in r.stderr, r.stderr
     assert not (tmp_path / "rec" / "tokens").exists()
+
+
+def test_every_build_has_the_tables_tensor_layout_and_a_wrong_one_is_caught(
+    server: Engine, models: dict[str, Path]
+) -> None:
+    """The ggml_tensor layout found in each build's own memory, before any request (weight structs
+    and the graph built at context creation), is the table's; a table wrong for the build is
+    caught on the same memory and replaced by what is found there."""
+    from dataclasses import replace
+
+    from sparseety_prof.capture import tensor_layout_solver as tls
+    from sparseety_prof.capture.gguf_info import read_tensor_infos
+    from sparseety_prof.capture.tensor_probe import ProcessMemory, verify_tensor_layout
+
+    infos = read_tensor_infos(models["moe"])
+    table = layouts.TensorLayout()
+    found = tls.solve(ProcessMemory(server.pid), tls.weight_specs(infos))
+    assert found.layout == tls.Solved(table.type, table.ne, table.nb, table.src, table.data, table.name), (
+        found.reason
+    )
+    assert found.weights == len(tls.weight_specs(infos)) and found.nodes >= 1
+    c = verify_tensor_layout(ProcessMemory(server.pid), infos, table, what=f"PID {server.pid}")
+    assert c.source == "table, verified on live data"
+    c = verify_tensor_layout(
+        ProcessMemory(server.pid), infos, replace(table, src=160), what=f"PID {server.pid}"
+    )
+    assert c.source == "discovered on live data" and c.layout == table
+    assert c.table_failure is not None and c.table_failure.startswith("invariant 'src' failed")

@@ -21,6 +21,7 @@ from sparseety_prof.capture.elf import read_at_vaddr
 from sparseety_prof.capture.events import PROBES_DIR
 from sparseety_prof.capture.layout_discovery import Verdict, discover, parse
 from sparseety_prof.capture.layouts import UbatchLayout
+from sparseety_prof.capture.params_check import ParamsVerdict, check_params
 from sparseety_prof.errors import BpfUnavailable, MissingPrivileges, UnsupportedEngineBuild
 
 MAX_RECORDS = 4096  # a discovery that has not converged after this many records never will
@@ -35,6 +36,7 @@ class Discovery:
     compile_s: float
     evidence: tuple[str, ...]
     drops: int  # discovery records the ring had no room for (counted in BPF)
+    params: ParamsVerdict  # the ggml_compute_params offsets, checked on the same forward passes
 
     def to_meta(self) -> dict[str, object]:
         return {
@@ -44,6 +46,11 @@ class Discovery:
             "compile_s": round(self.compile_s, 3),
             "anchors": list(self.evidence),
             "drops": self.drops,
+            "compute_params": {
+                "offsets": list(self.params.offsets) if self.params.offsets else None,
+                "calls": self.params.calls,
+                "source": self.params.source,
+            },
         }
 
 
@@ -55,9 +62,11 @@ def run_discovery(
     timeout_s: float,
     log: Callable[[str], None],
     stop: Callable[[], bool] = lambda: False,
+    params_table: tuple[int, int] = (0, 4),
 ) -> Discovery:
     """Watch forward passes until exactly one layout fits them. UnsupportedEngineBuild (exit 6)
-    when no layout fits, naming the invariant, or when none was proven within `timeout_s`."""
+    when no layout fits, naming the invariant, or when none was proven within `timeout_s`. The
+    ggml_compute_params offsets are checked on the same passes (`params_table` kept if it holds)."""
     bcc = import_bcc()
     t0 = time.monotonic()
     try:
@@ -68,13 +77,20 @@ def run_discovery(
         raise BpfUnavailable(f"could not compile the layout-discovery probe: {e}") from None
     compile_s = time.monotonic() - t0
     records: list[bytes] = []
+    params: list[bytes] = []
 
     def on_record(_ctx: object, data: int, size: int) -> None:
         if len(records) < MAX_RECORDS:
             records.append(ctypes.string_at(data, size))
 
+    def on_params(_ctx: object, data: int, size: int) -> None:
+        params.append(ctypes.string_at(data, size))
+
     try:
         b["dsc_events"].open_ring_buffer(on_record)
+        b["dsc_params_events"].open_ring_buffer(on_params)
+        if tg.SYM_GET_ROWS in where:  # a CPU op every text model's graph runs (the token embedding)
+            _attach(b, pid, where, tg.SYM_GET_ROWS, "dsc_params", ret=False)
         _attach(b, pid, where, tg.SYM_UBATCH, "dsc_ubatch", ret=False)
         if tg.SYM_DECODE in where:
             _attach(b, pid, where, tg.SYM_DECODE, "dsc_batch", ret=False)
@@ -110,6 +126,12 @@ def run_discovery(
                     f"raise --discover-timeout"
                 )
             tg.check_process(pid)  # NoSuchProcess when the engine exited meanwhile
+        pv = check_params(params, params_table)
+        if pv.offsets is None and pv.calls:
+            raise UnsupportedEngineBuild(
+                f"unsupported engine build: no consistent ggml_compute_params layout in PID {pid} "
+                f"({pv.source}; {pv.calls} compute calls examined). Nothing was attached."
+            )
         return Discovery(
             layout=verdict.layout,
             ubatches=verdict.ubatches,
@@ -117,6 +139,7 @@ def run_discovery(
             compile_s=compile_s,
             evidence=verdict.evidence,
             drops=int(b["dsc_drops"][ctypes.c_int(0)].value),
+            params=pv,
         )
     finally:
         with contextlib.suppress(Exception):

@@ -45,8 +45,9 @@ class UbatchLayout:
 @dataclass(frozen=True)
 class TensorLayout:
     """Byte offsets in ggml's `struct ggml_tensor` and `struct ggml_compute_params` (x86-64) that
-    the sparse-decision probes read. ggml.h's public struct; checked on live data at attach time
-    (tensor names must parse, shapes must match the model's hyper-parameters)."""
+    the sparse-decision probes read. ggml.h's public struct, but it changes: the table's offsets are
+    checked on the engine's live weight structs and graph nodes at attach time, and replaced by the
+    ones discovered there when they fail (tensor_probe.py)."""
 
     type: int = 0
     ne: int = 16
@@ -80,8 +81,8 @@ _TENSOR_GGML_2026 = TensorLayout()
 class ServerLayout:
     """Byte offsets in llama-server's private structs that the serving-context probes read. Each
     id is the struct's first member in llama-server's sources (server_task::id, server_slot::id,
-    completion_token_output::tok); checked on live data (slot ids must be the sequence ids of
-    the slot's micro-batch rows, task ids must grow)."""
+    completion_token_output::tok); checked on the first live requests (slot ids must be the
+    sequence ids of the slot's micro-batch rows, task ids must grow: correlate/server_layout_check.py)."""
 
     task_id: int = 0
     slot_id: int = 0

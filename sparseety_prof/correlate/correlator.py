@@ -25,6 +25,7 @@ from sparseety_prof.correlate.attention_map import AttentionMap
 from sparseety_prof.correlate.fast_step import fast_step
 from sparseety_prof.correlate.request_tokens import RequestTokens
 from sparseety_prof.correlate.routes import RoutesTables
+from sparseety_prof.correlate.server_layout_check import ServerLayoutCheck
 from sparseety_prof.correlate.serving import ServingTracker
 from sparseety_prof.correlate.state import Counters, CtxState, SampleState, Step
 from sparseety_prof.correlate.step_sparse import Problems, StepSparse
@@ -60,6 +61,7 @@ class Correlator:
         self.n_expert = n_expert
         self.n_expert_used = n_expert_used
         self.serving = serving
+        self.server_check = ServerLayoutCheck()  # fed only when serving
         self.slot_tokens = slot_tokens
         self.ctxs: dict[int, CtxState] = {}  # by context pointer
         self.open_steps: dict[int, Step] = {}  # by tid
@@ -222,6 +224,8 @@ class Correlator:
         verify_ubatch(
             c, step, self.counters, self.n_vocab, has_tokens=not (int(r["flags"]) & ev.UB_FLAG_NO_TOKENS)
         )
+        if self.serving is not None and not self.server_check.done:
+            self.server_check.on_ubatch(step.seq.tolist())
         self.open_steps[tid] = step
         clears = self.pending_clears.pop(tid, [])
         self.requests.segment(c, step, clears)
@@ -375,10 +379,12 @@ class Correlator:
 
     def _on_task_post(self, r: dict[str, Any]) -> None:
         if self.serving is not None:
+            self.server_check.on_task_post(int(r["tid"]), int(r["a"]))
             self.serving.on_task_post(int(r["tid"]), int(r["a"]), int(r["b"]) == 1, int(r["ptr"]))
 
     def _on_slot_launch(self, r: dict[str, Any]) -> None:
         if self.serving is not None:
+            self.server_check.on_slot_launch(int(r["a"]), int(r["b"]))
             self.serving.on_slot_launch(int(r["ts_ns"]), int(r["a"]), int(r["b"]))
 
     def _on_slot_child(self, r: dict[str, Any]) -> None:
@@ -388,6 +394,7 @@ class Correlator:
     def _on_slot_release(self, r: dict[str, Any]) -> None:
         """The slot finished its request: emit the request's row now."""
         self.requests.flush_deferred(int(r["tid"]))
+        self.server_check.on_slot_release(int(r["a"]))
         launch = self.serving.slots.get(int(r["a"])) if self.serving is not None else None
         if launch is None:
             return

@@ -11,8 +11,9 @@ from sparseety_prof.capture import layouts
 from sparseety_prof.capture import target as tg
 from sparseety_prof.capture.bpf_loader import Session, compile_and_attach
 from sparseety_prof.capture.discovery_probe import Discovery, run_discovery
-from sparseety_prof.capture.gguf_info import ModelInfo, Vocab, read_model_info, read_tensor_infos
+from sparseety_prof.capture.gguf_info import ModelInfo, TensorInfo, Vocab, read_model_info, read_tensor_infos
 from sparseety_prof.capture.plans import LayerSet, MoePlan, layer_set, moe_plan
+from sparseety_prof.capture.tensor_probe import ProcessMemory, TensorCheck, verify_tensor_layout
 from sparseety_prof.capture.untrusted_files import PinnedFile
 from sparseety_prof.errors import NotAnEngine, UnsupportedEngineBuild, UsageError
 from sparseety_prof.session.options import Options
@@ -30,6 +31,7 @@ class Attached:
     layers: LayerSet
     capture_layers: list[tg.CaptureLayer]
     discovery: Discovery | None
+    tensor_check: TensorCheck | None = None  # None: no sparse-decision probe reads ggml_tensor
 
 
 def attach(
@@ -53,9 +55,9 @@ def attach(
         # the sha256 of a multi-GB model takes a while: it is computed after attaching (Recorder.run)
         model = read_model_info(model_file, with_sha256=False)
         vocab = Vocab.from_gguf(model_file)
-        tensor_names = [ti.name for ti in read_tensor_infos(model_file)]
+        tensors = read_tensor_infos(model_file)
         return _attach_probes(
-            opts, t, where, build, layers_found, model_file, model, vocab, tensor_names, log, stop
+            opts, t, where, build, layers_found, model_file, model, vocab, tensors, log, stop
         )
     except BaseException:
         model_file.close()
@@ -94,18 +96,26 @@ def _attach_probes(
     model_file: PinnedFile,
     model: ModelInfo,
     vocab: Vocab,
-    tensor_names: list[str],
+    tensors: list[TensorInfo],
     log: Callable[[str], None],
     stop: Callable[[], bool],
 ) -> Attached:
+    tensor_names = [ti.name for ti in tensors]
     n_layer = int(model.hyperparameters.get("block_count", 0) or 0)
     layers = layer_set(tensor_names, n_layer)
     plan = moe_plan(tensor_names, layers, model.architecture) if opts.moe_read == "auto" else MoePlan()
     discovery = None
     if build.ubatch is None or opts.discover_layout:
         log(f"sparseety-prof: {build.identity.describe()}: layout source: {build.layout_source}")
+        table_params = (build.tensor.params_ith, build.tensor.params_nth)
         discovery = run_discovery(
-            opts.pid, where, len(vocab), timeout_s=opts.discover_timeout, log=log, stop=stop
+            opts.pid,
+            where,
+            len(vocab),
+            timeout_s=opts.discover_timeout,
+            log=log,
+            stop=stop,
+            params_table=table_params,
         )
         if build.ubatch is not None and build.ubatch != discovery.layout:
             raise UnsupportedEngineBuild(
@@ -114,12 +124,30 @@ def _attach_probes(
                 f"nothing was attached"
             )
         build = replace(build, ubatch=discovery.layout, layout_source="discovered on live data")
+        if discovery.params.offsets is not None:
+            ith, nth = discovery.params.offsets
+            build = replace(build, tensor=replace(build.tensor, params_ith=ith, params_nth=nth))
         log(
             f"sparseety-prof: llama_ubatch layout discovered from {discovery.ubatches} forward passes "
             f"in {discovery.seconds:.2f} s (+{discovery.compile_s:.2f} s compile): "
             f"{discovery.layout.describe()}"
         )
+    tensor_check = None
+    if opts.capture.any:
+        tensor_check = verify_tensor_layout(
+            ProcessMemory(opts.pid), tensors, build.tensor, what=f"PID {opts.pid}"
+        )
+        if discovery is not None:
+            tensor_check = replace(tensor_check, params_source=f"layout discovery: {discovery.params.source}")
+        build = replace(build, tensor=tensor_check.layout)
+        log(
+            f"sparseety-prof: ggml_tensor layout {tensor_check.source} ({tensor_check.weights} weights, "
+            f"{tensor_check.nodes} graph nodes, {tensor_check.seconds:.2f} s)"
+            + (f"; the table's failed: {tensor_check.table_failure}" if tensor_check.table_failure else "")
+        )
     sess = compile_and_attach(
         opts.pid, where, build, len(vocab), capture=opts.capture, skip=opts.skip_probes, moe=plan
     )
-    return Attached(t, build, model, model_file, vocab, sess, where, layers, layers_found, discovery)
+    return Attached(
+        t, build, model, model_file, vocab, sess, where, layers, layers_found, discovery, tensor_check
+    )

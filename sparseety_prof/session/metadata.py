@@ -33,6 +33,7 @@ def run_metadata(a: Attached, opts: Options) -> dict[str, Any]:
             "ubatch_layout": a.build.ubatch.__dict__ if a.build.ubatch else None,
             "layout_source": a.build.layout_source,
             "layout_discovery": a.discovery.to_meta() if a.discovery else None,
+            "tensor_layout_check": a.tensor_check.to_meta() if a.tensor_check else None,
             "capture_layers": {
                 c.name: {"available": c.available, "detail": c.detail} for c in a.capture_layers
             },
@@ -153,6 +154,8 @@ def outcome(a: Attached, opts: Options, corr: Correlator) -> dict[str, Any]:
             "verified_ubatches": corr.counters.verified_ubatches,
             "verified_decodes": corr.counters.verified_decodes,
             "verified_routing": corr.counters.verified_sparse,
+            "verified_task_posts": corr.server_check.posts_verified,
+            "verified_slot_launches": corr.server_check.launches_verified,
         },
         "layer_coverage": coverage(a.layers, corr.layers_seen, opts.capture),
         "attention_masks": corr.attn_map.meta() if opts.capture.attention else None,
