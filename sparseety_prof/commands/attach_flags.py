@@ -23,6 +23,15 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         "text from the engine's command line, environment or server settings (README: Privacy)",
     )
     p.add_argument(
+        "--redact",
+        action="append",
+        default=[],
+        metavar="LEVEL[,LEVEL]",
+        help="also leave out what recovers tokens: ids (token ids and text), routing (per-token "
+        "experts and gate weights; the expert load per layer stays), sparsity (ratios rounded to 0.1), "
+        "masks (activation masks); `sparseety-prof audit` measures what each leaves (README: Privacy)",
+    )
+    p.add_argument(
         "--flush-interval",
         type=float,
         default=2.0,
@@ -106,6 +115,12 @@ def options_from(args: argparse.Namespace) -> Options:
 
     if not args.flush_interval > 0:
         raise UsageError(f"--flush-interval must be a positive number of seconds, got {args.flush_interval}")
+    from sparseety_prof.store.redaction_levels import parse_levels
+
+    try:
+        redact = parse_levels(args.redact)
+    except ValueError as e:
+        raise UsageError(f"--redact: {e}") from None
     if args.output is not None:
         check_output_path(args.output, META_FILE, sudo_owner())  # refused before anything is attached
     if args.mode == "tokens":
@@ -127,6 +142,7 @@ def options_from(args: argparse.Namespace) -> Options:
         duration=args.duration,
         flush_interval=args.flush_interval,
         redact_text=args.redact_text,
+        redact=redact,
         model=args.model,
         nice=args.nice,
         skip_probes=frozenset(getattr(args, "skip_probe", None) or ()),

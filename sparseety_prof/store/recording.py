@@ -30,7 +30,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -38,7 +38,7 @@ from typing import Any, Literal
 import polars as pl
 
 from sparseety_prof.errors import CorruptRecording, RecordingWriteError, UsageError
-from sparseety_prof.store import schema
+from sparseety_prof.store import redaction_levels, schema
 from sparseety_prof.store.output_dir import DIR_MODE, FILE_MODE, OutputDir, sudo_owner
 
 __all__ = [
@@ -63,7 +63,9 @@ _RESERVE_PER_META_BYTE = 4  # the final meta.json is larger than the first; it i
 _SKIP_HINT = "; open the recording with skip_damaged=True to read the rest"
 _SEGMENT_RE = re.compile(r"^part-(\d{6})\.parquet$")
 #: Keys the writer owns; callers may not set them through meta/update_meta/close.
-_RESERVED_META = frozenset({"format", "schema_version", "complete", "redacted", "tables", "write_error"})
+_RESERVED_META = frozenset(
+    {"format", "schema_version", "complete", "redacted", "redaction", "tables", "write_error"}
+)
 
 # Column roles. Names come from the schema; these only say which schema column plays which role.
 # (Candidates for schema.py itself, e.g. schema.TEXT_COLUMNS / schema.SORT_KEYS.)
@@ -125,6 +127,10 @@ class RecordingWriter:
         Rows buffered per table before a segment is written.
     redact_text
         Store token text as nulls (the column stays) and record ``"redacted": true``.
+    redact
+        Redaction levels (store/redaction_levels.py: ids, routing, sparsity, masks) applied to
+        every row before it is buffered; meta.json's ``"redaction"`` lists them (with the expert
+        load per layer when routing is redacted, the aggregate it keeps).
 
     A write that fails (disk full, I/O error) does not raise: the writer stops writing rows,
     counts every row it is given from then on as not written, and `close` records
@@ -139,6 +145,7 @@ class RecordingWriter:
         owner: tuple[int, int] | None = None,
         segment_rows: int = DEFAULT_SEGMENT_ROWS,
         redact_text: bool = False,
+        redact: Iterable[str] = (),
         compression: Literal["zstd", "lz4", "snappy", "uncompressed"] = "zstd",
     ) -> None:
         if segment_rows < 1:
@@ -150,6 +157,11 @@ class RecordingWriter:
         self.owner = owner
         self.segment_rows = segment_rows
         self.redact_text = redact_text
+        self.redact = frozenset(redact)
+        unknown = self.redact - set(redaction_levels.LEVELS)
+        if unknown:
+            raise ValueError(f"unknown redaction levels {sorted(unknown)}")
+        self._expert_load = redaction_levels.ExpertLoad() if "routing" in self.redact else None
         self._compression = compression
         self._lock = threading.Lock()
         self._buffers: dict[str, list[pl.DataFrame]] = {t: [] for t in schema.TABLES}
@@ -167,6 +179,10 @@ class RecordingWriter:
             "schema_version": schema.SCHEMA_VERSION,
             "complete": False,
             "redacted": redact_text,
+            "redaction": {
+                "levels": redaction_levels.ordered(self.redact),
+                "sparsity_step": redaction_levels.SPARSITY_STEP if "sparsity" in self.redact else None,
+            },
             "created_unix_ms": _now_ms(),
             **meta,
         }
@@ -228,6 +244,9 @@ class RecordingWriter:
                 df = df.with_columns(
                     pl.lit(None, dtype=schema.TABLES[table][c]).alias(c) for c in _TEXT_COLUMNS.get(table, ())
                 )
+            if self._expert_load is not None and table == "routes":
+                self._expert_load.add(df)
+            df = redaction_levels.redact_frame(table, df, self.redact)
             self._buffers[table].append(df)
             self._buffered[table] += df.height
             if self._buffered[table] >= self.segment_rows:
@@ -295,6 +314,8 @@ class RecordingWriter:
         self._meta["tables"] = {
             t: {"rows": self._rows[t], "segments": self._segments[t]} for t in schema.TABLES
         }
+        if self._expert_load is not None:
+            self._meta["redaction"] = {**self._meta["redaction"], "expert_load": self._expert_load.to_meta()}
         if self.write_error is not None:
             self._meta["write_error"] = {
                 "reason": self.write_error,
@@ -414,6 +435,16 @@ class Recording:
     @property
     def redacted(self) -> bool:
         return self.meta.get("redacted") is True
+
+    @property
+    def redaction_levels(self) -> list[str]:
+        """The redaction levels the recording was written with ([] for none, or an older recording)."""
+        levels = section(self, "redaction").get("levels")
+        if levels is None:
+            return []
+        if not isinstance(levels, list) or not all(isinstance(x, str) for x in levels):
+            raise CorruptRecording(f"{self.path / META_FILE}: redaction.levels must be a list of names")
+        return redaction_levels.ordered(levels)
 
     def tokens(self) -> pl.DataFrame:
         """One row per sampled token (schema.TOKENS), in end-of-step time order."""
@@ -561,7 +592,7 @@ def open(path: str | os.PathLike[str], *, skip_damaged: bool = False) -> Recordi
 #: The types of meta.json's entries that this module writes and reads itself (the rest is the
 #: caller's: views take it through `section`). An entry may be absent or null; present with another
 #: type, the recording is damaged (CorruptRecording), so no reader guards against "tables": [].
-_META_TYPES: dict[str, type] = {"tables": dict, "complete": bool, "redacted": bool}
+_META_TYPES: dict[str, type] = {"tables": dict, "complete": bool, "redacted": bool, "redaction": dict}
 
 
 def _check_meta_types(meta: Mapping[str, Any], meta_path: Path) -> None:
