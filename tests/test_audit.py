@@ -191,8 +191,11 @@ def test_audit_cli_json_refuses_other_models_and_single_runs(tmp_path: Path) -> 
 
 def test_audit_refuses_a_recording_without_ids(tmp_path: Path) -> None:
     write_synthetic(tmp_path / "rec", _runs(1), mode="token", redact=("ids",))
+    write_synthetic(tmp_path / "plain", _runs(2), mode="token")
     p = run_cli("audit", str(tmp_path / "rec"))
     assert p.returncode == 2 and "token ids" in p.stderr
+    p = run_cli("audit", str(tmp_path / "plain"), "--train", str(tmp_path / "rec"))
+    assert p.returncode == 2 and "--train recordings have no rows with token ids" in p.stderr
 
 
 # ------------------------------------------------------------------ redaction levels

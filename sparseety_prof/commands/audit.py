@@ -14,8 +14,8 @@ model, and report on the held-out recording DIR: top-1 and top-5 token recovery,
 information, the layers that leak most, and the same after each redaction level (--redact routing,
 sparsity, masks, and all three).
 
-Without --train, each run of DIR (a sequence from position 0: one per prompt with a
-llama-cpp-python engine) is held out in turn and scored by models fitted on the others.
+Without --train, each run of DIR (a sequence up to where its position goes back: one per
+prompt) is held out in turn and scored by models fitted on the others.
 The recordings need token ids (not --redact ids): they are the ground truth.
 """
 

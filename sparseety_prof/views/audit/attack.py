@@ -2,10 +2,10 @@
 per layer and after each redaction level.
 
 With training recordings (`--train`), the held-out recording is scored by models fitted on them.
-Without, the held-out recording's runs (sequences from position 0: one per prompt here) are each
-held out in turn and scored by models fitted on the others (leave-one-run-out). Each redaction
-level is applied to training and held-out rows alike: the attacker can record their own runs of
-the same model and redact them the same way.
+Without, the held-out recording's runs (a sequence up to where its position goes back: one per
+prompt) are each held out in turn and scored by models fitted on the others (leave-one-run-out).
+Each redaction level is applied to training and held-out rows alike: the attacker can record their
+own runs of the same model and redact them the same way.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Score:
     top1: float
     top5: float
     bits: float  # I(token; top-1 guess), plug-in with Miller-Madow (estimators.py)
+    bits_shuffled: float  # the same with the guesses shuffled: the estimator's bias on these rows
     rows: int
 
 
@@ -54,7 +55,7 @@ class SignalScore:
 class LevelScore:
     levels: list[str]
     signals: list[SignalScore]
-    best_signal: str | None  # highest top-1 over all layers; None when no signal is left
+    best_signal: str | None  # highest top-1 (all layers, or one layer); None when no signal is left
     best: Score
 
 
@@ -200,8 +201,14 @@ def _predict(obs: Observations, folds: list[tuple[np.ndarray, np.ndarray]]) -> _
 def _score(obs: Observations, pred: _Predictions, key: tuple[str, int], rows: np.ndarray) -> Score:
     ok = rows & pred.present[key] if key[0] != "chance" else rows
     rank = pred.rank[key][ok]
-    bits = est.mutual_information_bits(obs.tokens[ok], pred.guess[key][ok])
-    return Score(top1=est.top_k(rank, 1), top5=est.top_k(rank, TOP), bits=bits, rows=int(ok.sum()))
+    tokens, guess = obs.tokens[ok], pred.guess[key][ok]
+    return Score(
+        top1=est.top_k(rank, 1),
+        top5=est.top_k(rank, TOP),
+        bits=est.mutual_information_bits(tokens, guess),
+        bits_shuffled=est.shuffled_information_bits(tokens, guess),
+        rows=int(ok.sum()),
+    )
 
 
 def audit(heldout: Path, train: list[Path]) -> AuditResult:
@@ -217,10 +224,15 @@ def audit(heldout: Path, train: list[Path]) -> AuditResult:
     leakiest: list[tuple[str, int, float]] = []
     for levels in LEVEL_SETS:
         obs = _observations(recs, levels)
-        if len(obs.tokens) == 0:
+        if not (obs.sources == 0).any():
             raise UsageError(
                 f"{heldout} has no rows with token ids and sparse decisions to audit (recorded with "
                 "--redact ids, or with --mode tokens): audit needs them as ground truth"
+            )
+        if trains and not (obs.sources > 0).any():
+            raise UsageError(
+                "the --train recordings have no rows with token ids and sparse decisions (recorded with "
+                "--redact ids, or with --mode tokens): the models are fitted on them"
             )
         folds = _folds(obs, bool(trains))
         if not trains and len(folds) < 2:
@@ -241,15 +253,12 @@ def audit(heldout: Path, train: list[Path]) -> AuditResult:
                 if k[0] == name and k[1] != ALL_LAYERS
             }
             signals.append(SignalScore(name, _score(obs, pred, (name, ALL_LAYERS), evaluated), layers))
-        best = max(signals, key=lambda s: (s.all_layers.top1, s.all_layers.top5), default=None)
         assert chance is not None
-        levels_out.append(
-            LevelScore(
-                list(levels), signals, best.signal if best else None, best.all_layers if best else chance
-            )
-        )
+        levels_out.append(_best(list(levels), signals, chance))
         if not levels:
-            per_layer = [(s.signal, layer, sc.top1) for s in signals for layer, sc in s.layers.items()]
+            per_layer = [
+                (s.signal, layer, sc.top1) for s in signals for layer, sc in s.layers.items() if sc.rows
+            ]
             leakiest = sorted(per_layer, key=lambda t: -t[2])[:5]
     assert base_obs is not None and chance is not None
     base_eval = np.logical_or.reduce([t for _, t in _folds(base_obs, bool(trains))])
@@ -276,6 +285,20 @@ def audit(heldout: Path, train: list[Path]) -> AuditResult:
         leakiest_layers=leakiest,
         notes=notes,
     )
+
+
+def _best(levels: list[str], signals: list[SignalScore], chance: Score) -> LevelScore:
+    """The attacker keeps whichever model recovers most: all layers of a signal, or one layer."""
+    options = [
+        (sc, s.signal if layer is None else f"{s.signal} (layer {layer})")
+        for s in signals
+        for layer, sc in [(None, s.all_layers), *s.layers.items()]
+        if sc.rows  # a signal the training rows have but the held-out rows lack recovers nothing
+    ]
+    if not options:
+        return LevelScore(levels, signals, None, chance)
+    score, name = max(options, key=lambda o: (o[0].top1, o[0].top5))
+    return LevelScore(levels, signals, name, score)
 
 
 def _seen_elsewhere(obs: Observations) -> np.ndarray:

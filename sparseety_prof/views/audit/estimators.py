@@ -15,7 +15,9 @@ with the Miller-Madow correction. By the data-processing inequality I(token; gue
 what the signal carries, so it is a lower bound on the signal's information, up to estimation bias:
 the plug-in estimate is biased upward by about (cells - rows - cols + 1) / (2 N ln 2) bits for N
 rows (Miller-Madow removes that first-order term), and remains biased when most (token, guess)
-pairs are seen once or twice: compare it with H(token) of the same rows.
+pairs are seen once or twice. `shuffled_information_bits` measures that remaining bias on the
+same counts (the guesses shuffled against the tokens): a signal carries information only as far as
+its estimate exceeds the shuffled one.
 """
 
 from __future__ import annotations
@@ -43,13 +45,14 @@ class Classes:
         return np.where(ok, pos, -1).astype(np.int64)
 
 
-def lookup_scores(
-    train_keys: Ints, train_labels: Ints, test_keys: Ints, n_classes: int, alpha: float = 0.5
-) -> Floats:
-    """log P(key | token) of each test row for each class (naive Bayes, additive smoothing
-    `alpha`); rows whose key is absent (-1) score 0 for every class. Labels are class indices."""
+def lookup_scores(train_keys: Ints, train_labels: Ints, test_keys: Ints, n_classes: int) -> Floats:
+    """log P(key | token) of each test row for each class (naive Bayes); rows whose key is absent
+    (-1) score 0 for every class. Labels are class indices. Smoothing adds one pseudo-observation
+    per class, spread over the keys (and "unseen"): a token seen once with a key then beats a
+    frequent token never seen with it, as a lookup should."""
     ok = (train_keys >= 0) & (train_labels >= 0)
     keys, key_of = np.unique(train_keys[ok], return_inverse=True)
+    alpha = 1.0 / (len(keys) + 1)
     counts = np.zeros((len(keys) + 1, n_classes))  # the last row: a key never seen in training
     np.add.at(counts, (key_of, train_labels[ok]), 1.0)
     per_class = counts.sum(axis=0)
@@ -127,17 +130,29 @@ def entropy_bits(x: Ints) -> float:
 
 def mutual_information_bits(x: Ints, y: Ints, *, miller_madow: bool = True) -> float:
     """Plug-in I(x; y) in bits from paired samples, with the Miller-Madow bias correction of each
-    entropy ((cells - 1) / (2 N ln 2)) unless `miller_madow` is False; between 0 and H(x), H(y)."""
+    entropy ((cells - 1) / (2 N ln 2)) unless `miller_madow` is False; between 0 and the plug-in
+    H(x) and H(y)."""
     n = len(x)
     if n == 0:
         return 0.0
     pairs = np.stack([x, y], axis=1)
     h_x, h_y, h_xy = entropy_bits(x), entropy_bits(y), _joint_entropy_bits(pairs)
+    ceiling = min(h_x, h_y)  # I <= H: the corrections must not lift it above the entropies shown
     if miller_madow:
         c = 1.0 / (2.0 * n * np.log(2.0))
         bx, by, bxy = len(np.unique(x)), len(np.unique(y)), len(np.unique(pairs, axis=0))
         h_x, h_y, h_xy = h_x + (bx - 1) * c, h_y + (by - 1) * c, h_xy + (bxy - 1) * c
-    return min(max(0.0, h_x + h_y - h_xy), h_x, h_y)  # the corrections must not lift it above H
+    return min(max(0.0, h_x + h_y - h_xy), ceiling)
+
+
+def shuffled_information_bits(x: Ints, y: Ints, *, rounds: int = 20, seed: int = 0) -> float:
+    """The same estimate with `y` shuffled against `x` (mean over `rounds`): what the estimator
+    reports for these counts when there is no information at all, i.e. its bias here. A signal
+    leaks only as far as its estimate exceeds this."""
+    if len(x) == 0:
+        return 0.0
+    rng = np.random.default_rng(seed)
+    return float(np.mean([mutual_information_bits(x, rng.permutation(y)) for _ in range(rounds)]))
 
 
 def _joint_entropy_bits(pairs: Ints) -> float:

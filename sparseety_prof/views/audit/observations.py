@@ -45,7 +45,7 @@ class Signal:
 @dataclass
 class Observations:
     tokens: npt.NDArray[np.int64]  # (N,) the input token of each row
-    runs: npt.NDArray[np.int64]  # (N,) which sequence run (from position 0) the row belongs to
+    runs: npt.NDArray[np.int64]  # (N,) which run of a sequence (up to where its position goes back)
     sources: npt.NDArray[np.int64]  # (N,) which of the given recordings it came from
     signals: dict[str, Signal]
 
@@ -77,8 +77,10 @@ def _row_index(steps: pl.DataFrame, keys: pl.DataFrame) -> pl.DataFrame:
 
 
 def _runs(rows: pl.DataFrame) -> npt.NDArray[np.int64]:
-    """A run starts at each position-0 row of a sequence (the KV cache was cleared)."""
-    run_n = rows.select(((pl.col("pos") == 0).cum_sum().over(["source", "seq"])).alias("n"))["n"]
+    """A run starts where a sequence's position goes back (the cache was cleared, or kept only a
+    common prefix such as the BOS token, as llama-cpp-python does between prompts)."""
+    back = (pl.col("pos") <= pl.col("pos").shift(1)).fill_null(True)
+    run_n = rows.select(back.cum_sum().over(["source", "seq"]).alias("n"))["n"]
     key = rows.select("source", "seq").with_columns(run_n)
     return np.asarray(key.select(pl.struct(pl.all()).rank("dense"))[:, 0].to_numpy(), dtype=np.int64) - 1
 

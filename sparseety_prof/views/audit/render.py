@@ -42,7 +42,7 @@ def _pct(x: float) -> str:
 
 
 def _cells(s: Score) -> list[str]:
-    return [_pct(s.top1), _pct(s.top5), f"{s.bits:.2f}", str(s.rows)]
+    return [_pct(s.top1), _pct(s.top5), f"{s.bits:.2f}", f"{s.bits_shuffled:.2f}", str(s.rows)]
 
 
 def _level_name(levels: list[str]) -> str:
@@ -73,7 +73,7 @@ def _levels(r: AuditResult) -> Table:
     t = Table(
         title="after each redaction level: the best signal left", box=box.SIMPLE_HEAD, title_justify="left"
     )
-    for name in ("redaction", "best signal", "top-1", "top-5", "bits", "rows"):
+    for name in ("redaction", "best signal", "top-1", "top-5", "bits", "shuffled", "rows"):
         t.add_column(name, justify="left" if name in ("redaction", "best signal") else "right")
     for lv in r.levels:
         t.add_row(_level_name(lv.levels), lv.best_signal or "(none left)", *_cells(lv.best))
@@ -86,10 +86,10 @@ def _signals(lv: LevelScore) -> Table:
         box=box.SIMPLE_HEAD,
         title_justify="left",
     )
-    for name in ("signal", "top-1", "top-5", "bits", "rows", "leakiest layer", "its top-1"):
+    for name in ("signal", "top-1", "top-5", "bits", "shuffled", "rows", "leakiest layer", "its top-1"):
         t.add_column(name, justify="left" if name == "signal" else "right")
     for s in lv.signals:
-        top = max(s.layers.items(), key=lambda kv: kv[1].top1, default=None)
+        top = max(((k, v) for k, v in s.layers.items() if v.rows), key=lambda kv: kv[1].top1, default=None)
         layer = "" if top is None or top[0] == ALL_LAYERS else str(top[0])
         t.add_row(s.signal, *_cells(s.all_layers), layer, _pct(top[1].top1) if top else "")
     return t
@@ -114,7 +114,9 @@ def render(r: AuditResult, console: Console) -> None:
         console.print(_layers(r))
     console.print(
         "bits: I(token; top-1 guess), plug-in with the Miller-Madow correction: a lower bound on what "
-        "the signal carries, biased upward when few rows per token (compare with H(token)).",
+        "the signal carries, biased upward when there are few rows per token; shuffled: the same "
+        "estimate with the guesses shuffled (its bias on these rows). Only bits above shuffled are "
+        "information.",
         style="dim",
         markup=False,
     )
