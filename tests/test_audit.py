@@ -266,3 +266,17 @@ def test_export_keeps_source_levels_adds_text_and_refuses_a_used_output(tmp_path
     assert p.returncode == 2 and "nothing to redact" in p.stderr
     p = run_cli("redact", str(tmp_path / "rec"), "-o", str(tmp_path / "new"), "--redact", "nope")
     assert p.returncode == 2 and "unknown redaction level nope" in p.stderr
+
+
+def test_audit_shows_planted_strings_escaped(tmp_path: Path) -> None:
+    planted = "\x1b]52;c;cGF5bG9hZA==\x07\u202e[red]x[/red]"
+    write_synthetic(tmp_path / "a", _runs(1), mode="token", sha=planted)
+    write_synthetic(tmp_path / "b", _runs(2, n_runs=2), mode="token", sha=planted)
+    for args in ([], ["--json"]):
+        p = run_cli("audit", str(tmp_path / "b"), "--train", str(tmp_path / "a"), *args)
+        assert p.returncode == 0, p.stderr
+        assert "\x1b" not in p.stdout and "\u202e" not in p.stdout and "\x07" not in p.stdout
+        assert "\\x1b" in p.stdout or "\\u001b" in p.stdout
+    write_synthetic(tmp_path / "c", _runs(3, n_runs=2), mode="token")
+    p = run_cli("audit", str(tmp_path / "c"), "--train", str(tmp_path / "a"))
+    assert p.returncode == 2 and "\x1b" not in p.stderr and "\\x1b" in p.stderr

@@ -2,7 +2,8 @@
 the redaction levels on real recordings, at record time and at export.
 
 Each model is recorded twice with the llama-cpp-python engine, the recorder attached as a user
-would (`sparseety-prof record`): training prompts, then other held-out prompts of the same words.
+would (`sparseety-prof record`): training prompts, then other held-out prompts of the same words
+(tests/audit_runs.py).
 - token_routed: layer 0's routing is a function of the token: near-total recovery (every held-out
   token that occurs in training), from layer 0.
 - context_routed: routing follows the prefix, not the token: near chance.
@@ -12,15 +13,13 @@ scripts/audit_sanity.py makes the same recordings and prints the figures the REA
 from __future__ import annotations
 
 import json
-import signal
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 import pytest
-from conftest import ENGINES, Engine, Recorder, run_cli
-from make_models import _WORDS, make_model
+from audit_runs import MODELS, Recorded, record_model
+from conftest import run_cli
 
 import sparseety_prof
 from sparseety_prof.views.audit.attack import AuditResult, LevelScore, audit
@@ -30,50 +29,14 @@ pytestmark = [pytest.mark.root, pytest.mark.engine]
 ALL_THREE = ("routing", "sparsity", "masks")
 
 
-def prompts(n: int, seed: int, words: int = 30) -> list[str]:
-    """`n` prompts of `words` words drawn from the generated vocabulary's first 60 words."""
-    rng = np.random.default_rng(seed)
-    return [" ".join(rng.choice(_WORDS[:60], words)) for _ in range(n)]
-
-
-TRAIN, HELD_OUT = prompts(6, seed=1), prompts(3, seed=2)
-
-
-@dataclass
-class Recorded:
-    train: Path
-    held: Path
-    extra: dict[str, Path]
-
-
-def record_model(
-    tmp: Path, preset: str, rec_args: list[str], extra: dict[str, list[str]] | None = None
-) -> Recorded:
-    """Training and held-out recordings of `preset` (and one held-out recording per `extra`
-    entry, with those recorder flags), from one engine process."""
-    model = make_model(tmp / f"{preset}.gguf", preset)
-    runs = {"train": (TRAIN, rec_args), "held": (HELD_OUT, rec_args)}
-    runs.update({name: (HELD_OUT, args) for name, args in (extra or {}).items()})
-    e = Engine([str(ENGINES / "llama_engine.py"), str(model)])
-    try:
-        for name, (ps, args) in runs.items():
-            rec = Recorder(e.pid, tmp / name, *args)
-            e.generate(ps, max_tokens=2)
-            rc, err = rec.stop(signal.SIGINT)
-            assert rc == 0, err
-    finally:
-        e.close()
-    return Recorded(tmp / "train", tmp / "held", {name: tmp / name for name in extra or {}})
-
-
 @pytest.fixture(scope="module")
 def token_routed(tmp_path_factory: pytest.TempPathFactory) -> Recorded:
-    return record_model(tmp_path_factory.mktemp("token_routed"), "token_routed", [])
+    return record_model(tmp_path_factory.mktemp("token_routed"), "token_routed", MODELS["token_routed"])
 
 
 @pytest.fixture(scope="module")
 def context_routed(tmp_path_factory: pytest.TempPathFactory) -> Recorded:
-    return record_model(tmp_path_factory.mktemp("context_routed"), "context_routed", [])
+    return record_model(tmp_path_factory.mktemp("context_routed"), "context_routed", MODELS["context_routed"])
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +46,7 @@ def reglu_masks(tmp_path_factory: pytest.TempPathFactory) -> Recorded:
     return record_model(
         tmp_path_factory.mktemp("reglu"),
         "smallthinker",
-        ["--capture-masks"],
+        MODELS["smallthinker"],
         extra={"all_levels": every_level, "three_levels": three},
     )
 
