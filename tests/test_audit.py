@@ -18,7 +18,7 @@ from conftest import run_cli
 import sparseety_prof
 from sparseety_prof.store import schema
 from sparseety_prof.store.recording import RecordingWriter
-from sparseety_prof.store.redaction_levels import parse_levels, redact_frame
+from sparseety_prof.store.redaction_levels import Redaction, parse_layers, parse_levels, redact_frame
 from sparseety_prof.views.audit import estimators as est
 from sparseety_prof.views.audit.attack import audit
 
@@ -139,7 +139,15 @@ def test_audit_token_routing_is_recovered_noise_is_not(tmp_path: Path) -> None:
     assert r.leakiest_layers[0][1] == 0
     # the information estimate is near H(token) for the exact signal
     assert base["experts"].layers[0].bits == pytest.approx(r.token_entropy_bits, abs=0.6)
-    by_level = {tuple(lv.levels): lv for lv in r.levels}
+    by_level = {tuple(lv.levels): lv for lv in r.levels if lv.layers is None}
+    # all three on the leakiest layer only (layer 0): layer 1's exact ratios and masks remain
+    only_0 = r.levels[-1]
+    assert only_0.layers == [0] and only_0.levels == ["routing", "sparsity", "masks"]
+    assert only_0.best.top1 == 1.0
+    left = {s.signal: s for s in only_0.signals}
+    assert left["experts"].layers[1].rows and 0 not in {
+        k for k, v in left["experts"].layers.items() if v.rows
+    }
     routing = by_level[("routing",)]
     assert {s.signal for s in routing.signals}.isdisjoint({"experts", "gate_weights"})
     everything = by_level[("routing", "sparsity", "masks")]
@@ -280,3 +288,69 @@ def test_audit_shows_planted_strings_escaped(tmp_path: Path) -> None:
     write_synthetic(tmp_path / "c", _runs(3, n_runs=2), mode="token")
     p = run_cli("audit", str(tmp_path / "c"), "--train", str(tmp_path / "a"))
     assert p.returncode == 2 and "\x1b" not in p.stderr and "\\x1b" in p.stderr
+
+
+def _token_rows() -> pl.DataFrame:
+    cols: dict[str, list[object]] = {c: [None] for c in schema.TOKENS}
+    cols.update(
+        token_id=[7],
+        expert_ids=[[[0, 1], [2, 3], [4, 5]]],
+        expert_weights=[[[0.5, 0.5], [0.7, 0.3], [0.6, 0.4]]],
+        act_zero_ratio=[[0.123, 0.456, 0.789]],
+        act_below_ratio=[[0.2, 0.3, 0.4]],
+    )
+    return schema.frame("tokens", cols)
+
+
+def test_layer_subsets_redact_only_those_layers() -> None:
+    assert parse_layers("0,2,5-7") == {0, 2, 5, 6, 7}
+    for bad in ("", "a", "3-1", "1-"):
+        with pytest.raises(ValueError):
+            parse_layers(bad)
+    # the tokens table's lists: element i is layer meta["layers"][kind][i]
+    r = Redaction(frozenset({"routing", "sparsity"}), frozenset({2}), {"moe": [0, 2, 3], "ffn": [0, 2, 3]})
+    row = r.frame("tokens", _token_rows()).row(0, named=True)
+    assert row["token_id"] == 7 and row["expert_ids"] == [[0, 1], None, [4, 5]]
+    assert row["expert_weights"][1] is None and row["expert_weights"][2] == pytest.approx([0.6, 0.4])
+    assert row["act_zero_ratio"] == pytest.approx([0.123, 0.5, 0.789])
+    # without a layer map, the whole list goes (never less than asked)
+    row = Redaction(frozenset({"routing"}), frozenset({2})).frame("tokens", _token_rows()).row(0, named=True)
+    assert row["expert_ids"] is None and row["act_zero_ratio"] == pytest.approx([0.123, 0.456, 0.789])
+    with pytest.raises(ValueError, match="layer subset needs"):
+        Redaction(frozenset({"ids"}), frozenset({0}))
+
+
+def test_layer_subsets_at_record_time_and_export(tmp_path: Path) -> None:
+    runs = _runs(1, n_runs=2)
+    write_synthetic(tmp_path / "rec", runs, mode="token", redact=("routing", "masks"), redact_layers=[0])
+    routes, masks = _segments(tmp_path / "rec", "routes"), _segments(tmp_path / "rec", "masks")
+    for df, c in ((routes, "expert_ids"), (masks, "nonzero_bits")):
+        assert df.filter(pl.col("layer") == 0)[c].null_count() == df.filter(pl.col("layer") == 0).height > 0
+        assert df.filter(pl.col("layer") == 1)[c].null_count() == 0
+    rec = sparseety_prof.open(tmp_path / "rec")
+    assert rec.redaction_layers == [0] and rec.meta["redaction"]["layers"] == [0]
+    # export: the source's levels and layers are kept, the new ones added on their layers
+    p = run_cli(
+        "redact",
+        str(tmp_path / "rec"),
+        "-o",
+        str(tmp_path / "out"),
+        "--redact",
+        "sparsity",
+        "--redact-layers",
+        "1",
+    )
+    assert p.returncode == 0, p.stderr
+    out = sparseety_prof.open(tmp_path / "out")
+    assert out.redaction_levels == ["routing", "sparsity", "masks"] and out.redaction_layers == [0, 1]
+    assert out.routes()["expert_ids"].null_count() == out.routes().height
+    for args, msg in (
+        (["--redact", "ids", "--redact-layers", "0"], "--redact-layers needs --redact with one of"),
+        (["--redact", "routing", "--redact-layers", "x"], "bad layer list"),
+    ):
+        p = run_cli("redact", str(tmp_path / "rec"), "-o", str(tmp_path / "new"), *args)
+        assert p.returncode == 2 and msg in p.stderr, p.stderr
+
+
+def _segments(rec: Path, table: str) -> pl.DataFrame:
+    return pl.concat([pl.read_parquet(f) for f in sorted((rec / table).glob("part-*.parquet"))])

@@ -47,7 +47,11 @@ def reglu_masks(tmp_path_factory: pytest.TempPathFactory) -> Recorded:
         tmp_path_factory.mktemp("reglu"),
         "smallthinker",
         MODELS["smallthinker"],
-        extra={"all_levels": every_level, "three_levels": three},
+        extra={
+            "all_levels": every_level,
+            "three_levels": three,
+            "layer_0": ["--capture-masks", "--redact", "routing,masks", "--redact-layers", "0"],
+        },
     )
 
 
@@ -165,3 +169,26 @@ def test_export_redacts_a_real_recording(token_routed: Recorded, tmp_path: Path)
 def test_audit_refuses_another_models_training(token_routed: Recorded, context_routed: Recorded) -> None:
     p = run_cli("audit", str(token_routed.held), "--train", str(context_routed.train))
     assert p.returncode == 2 and "another model" in p.stderr
+
+
+def test_layer_subset_at_record_time(reglu_masks: Recorded) -> None:
+    """--redact routing,masks --redact-layers 0: layer 0's experts and masks are gone, in the
+    routes and masks tables and in the tokens table's per-layer lists; the other layers stay."""
+    path = reglu_masks.extra["layer_0"]
+    rec = sparseety_prof.open(path)
+    assert rec.redaction_levels == ["routing", "masks"] and rec.redaction_layers == [0]
+    routes, masks, tokens = (_segments(path, t) for t in ("routes", "masks", "tokens"))
+    for df, c in ((routes, "expert_ids"), (routes, "expert_weights"), (masks, "nonzero_bits")):
+        at_0, others = df.filter(pl.col("layer") == 0), df.filter(pl.col("layer") != 0)
+        assert at_0.height and at_0[c].null_count() == at_0.height, c
+        assert others.height and others[c].null_count() == 0, c
+    assert rec.meta["layers"]["moe"] == [0, 1, 2, 3]
+    lists = tokens["expert_ids"].to_list()
+    assert lists and all(x[0] is None and all(e is not None for e in x[1:]) for x in lists)
+    after = audit(path, [reglu_masks.train])
+    best_layer0 = max(
+        (sc.top1 for s in level(after, *()).signals if s.signal in ("experts", "gate_weights", "masks")
+         for layer, sc in s.layers.items() if layer == 0 and sc.rows),
+        default=0.0,
+    )  # fmt: skip
+    assert best_layer0 == 0.0

@@ -32,6 +32,13 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         "masks (activation masks); `sparseety-prof audit` measures what each leaves (README: Privacy)",
     )
     p.add_argument(
+        "--redact-layers",
+        default=None,
+        metavar="LAYERS",
+        help="apply the routing, sparsity and masks levels of --redact to these model layers only "
+        "(e.g. 0-3 or 0,5: the layers `audit` finds leaking most); default every layer",
+    )
+    p.add_argument(
         "--flush-interval",
         type=float,
         default=2.0,
@@ -115,12 +122,9 @@ def options_from(args: argparse.Namespace) -> Options:
 
     if not args.flush_interval > 0:
         raise UsageError(f"--flush-interval must be a positive number of seconds, got {args.flush_interval}")
-    from sparseety_prof.store.redaction_levels import parse_levels
+    from sparseety_prof.store.redaction_levels import redaction_from_flags
 
-    try:
-        redact = parse_levels(args.redact)
-    except ValueError as e:
-        raise UsageError(f"--redact: {e}") from None
+    redact, redact_layers = redaction_from_flags(args.redact, args.redact_layers)
     if args.output is not None:
         check_output_path(args.output, META_FILE, sudo_owner())  # refused before anything is attached
     if args.mode == "tokens":
@@ -143,6 +147,7 @@ def options_from(args: argparse.Namespace) -> Options:
         flush_interval=args.flush_interval,
         redact_text=args.redact_text,
         redact=redact,
+        redact_layers=redact_layers,
         model=args.model,
         nice=args.nice,
         skip_probes=frozenset(getattr(args, "skip_probe", None) or ()),

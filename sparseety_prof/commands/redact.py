@@ -34,6 +34,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="LEVEL[,LEVEL]",
         help="levels to apply: ids, routing, sparsity, masks (repeat or comma-separate)",
     )
+    r.add_argument(
+        "--redact-layers",
+        default=None,
+        metavar="LAYERS",
+        help="apply the routing, sparsity and masks levels to these model layers only (e.g. 0-3)",
+    )
     r.add_argument("--redact-text", action="store_true", help="also drop token text and text in meta.json")
     r.set_defaults(func=run)
 
@@ -43,18 +49,19 @@ def run(args: argparse.Namespace) -> int:
     from sparseety_prof.session.export import export_redacted
     from sparseety_prof.store.output_dir import check_output_path, sudo_owner
     from sparseety_prof.store.recording import META_FILE
-    from sparseety_prof.store.redaction_levels import parse_levels
+    from sparseety_prof.store.redaction_levels import redaction_from_flags
     from sparseety_prof.terminal_text import line
 
-    try:
-        levels = parse_levels(args.redact)
-    except ValueError as e:
-        raise UsageError(f"--redact: {e}") from None
+    levels, layers = redaction_from_flags(args.redact, args.redact_layers)
     if not levels and not args.redact_text:
         raise UsageError("nothing to redact: give --redact LEVEL and/or --redact-text")
     check_output_path(args.output, META_FILE, sudo_owner())
-    meta = export_redacted(args.source, args.output, levels=levels, redact_text=args.redact_text)
+    meta = export_redacted(
+        args.source, args.output, levels=levels, layers=layers, redact_text=args.redact_text
+    )
     rows = sum(t["rows"] for t in meta["tables"].values())
     done = ", ".join(meta["redaction"]["levels"] + (["text"] if meta["redacted"] else []))
+    if meta["redaction"]["layers"] is not None:
+        done += f" (per-layer levels on layers {meta['redaction']['layers']})"
     print(line(f"sparseety-prof: wrote {args.output} ({rows} rows; redacted: {done})"), file=sys.stderr)
     return 0

@@ -23,10 +23,20 @@ _WRITER_KEYS = frozenset(
 )
 
 
-def export_redacted(src: Path, dst: Path, *, levels: Iterable[str], redact_text: bool) -> dict[str, Any]:
-    """Write `src` to `dst` with `levels` (plus the source's own) applied; returns the new meta."""
+def export_redacted(
+    src: Path, dst: Path, *, levels: Iterable[str], layers: Iterable[int] | None = None, redact_text: bool
+) -> dict[str, Any]:
+    """Write `src` to `dst` with `levels` (on `layers`, or every layer) plus the source's own levels
+    applied; returns the new meta. Where the source's levels were limited to some layers, the union
+    of both is applied to the union of both layer sets (every layer when either is): the copy may
+    lose more than asked, never less, and meta.json describes it exactly."""
     rec = recording.open(src)
     all_levels = set(levels) | set(rec.redaction_levels)
+    src_layers = rec.redaction_layers if rec.redaction_levels else None
+    if layers is None or (rec.redaction_levels and src_layers is None):
+        all_layers = None
+    else:
+        all_layers = set(layers) | set(src_layers or ())
     text = redact_text or rec.redacted
     meta = {k: v for k, v in rec.meta.items() if k not in _WRITER_KEYS}
     if text:
@@ -34,7 +44,7 @@ def export_redacted(src: Path, dst: Path, *, levels: Iterable[str], redact_text:
     meta["exported_from"] = {"complete": rec.complete, "created_unix_ms": rec.meta.get("created_unix_ms")}
     frames = {t: rec.table(t) for t in schema.TABLES}  # read (and checked) before anything is written
     with recording.RecordingWriter(
-        dst, meta, owner=sudo_owner(), redact_text=text, redact=all_levels
+        dst, meta, owner=sudo_owner(), redact_text=text, redact=all_levels, redact_layers=all_layers
     ) as writer:
         for table, df in frames.items():
             writer.append(table, df)

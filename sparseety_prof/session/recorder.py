@@ -108,7 +108,12 @@ class Recorder:
         if opts.out is not None:
             try:
                 writer = RecordingWriter(
-                    opts.out, self.meta, owner=sudo_owner(), redact_text=opts.redact_text, redact=opts.redact
+                    opts.out,
+                    self.meta,
+                    owner=sudo_owner(),
+                    redact_text=opts.redact_text,
+                    redact=opts.redact,
+                    redact_layers=opts.redact_layers,
                 )
             except BaseException:  # -o swapped since the check, or the disk is full: detach, record nothing
                 a.session.close()
@@ -289,7 +294,12 @@ class Recorder:
         writer = None
         if opts.out is not None:
             writer = RecordingWriter(
-                opts.out, self.meta, owner=sudo_owner(), redact_text=opts.redact_text, redact=opts.redact
+                opts.out,
+                self.meta,
+                owner=sudo_owner(),
+                redact_text=opts.redact_text,
+                redact=opts.redact,
+                redact_layers=opts.redact_layers,
             )
         self.log(f"sparseety-prof: attached to PID {opts.pid} (GPU only: {len(gpu.rings)} CUPTI ring(s))")
         start_unix_ms = time.time_ns() // 1_000_000

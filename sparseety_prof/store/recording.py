@@ -127,10 +127,11 @@ class RecordingWriter:
         Rows buffered per table before a segment is written.
     redact_text
         Store token text as nulls (the column stays) and record ``"redacted": true``.
-    redact
+    redact, redact_layers
         Redaction levels (store/redaction_levels.py: ids, routing, sparsity, masks) applied to
-        every row before it is buffered; meta.json's ``"redaction"`` lists them (with the expert
-        load per layer when routing is redacted, the aggregate it keeps).
+        every row before it is buffered, the per-layer ones on `redact_layers` only when given
+        (meta's "layers" maps the tokens table's per-layer lists); meta.json's ``"redaction"``
+        says what was applied (with the expert load per layer when routing is redacted).
 
     A write that fails (disk full, I/O error) does not raise: the writer stops writing rows,
     counts every row it is given from then on as not written, and `close` records
@@ -146,6 +147,7 @@ class RecordingWriter:
         segment_rows: int = DEFAULT_SEGMENT_ROWS,
         redact_text: bool = False,
         redact: Iterable[str] = (),
+        redact_layers: Iterable[int] | None = None,
         compression: Literal["zstd", "lz4", "snappy", "uncompressed"] = "zstd",
     ) -> None:
         if segment_rows < 1:
@@ -157,11 +159,13 @@ class RecordingWriter:
         self.owner = owner
         self.segment_rows = segment_rows
         self.redact_text = redact_text
-        self.redact = frozenset(redact)
-        unknown = self.redact - set(redaction_levels.LEVELS)
-        if unknown:
-            raise ValueError(f"unknown redaction levels {sorted(unknown)}")
-        self._expert_load = redaction_levels.ExpertLoad() if "routing" in self.redact else None
+        layers = meta.get("layers")
+        self.redaction = redaction_levels.Redaction(
+            frozenset(redact),
+            None if redact_layers is None else frozenset(redact_layers),
+            {k: v for k, v in layers.items() if isinstance(v, list)} if isinstance(layers, dict) else {},
+        )
+        self._expert_load = redaction_levels.ExpertLoad() if "routing" in self.redaction.levels else None
         self._compression = compression
         self._lock = threading.Lock()
         self._buffers: dict[str, list[pl.DataFrame]] = {t: [] for t in schema.TABLES}
@@ -179,10 +183,7 @@ class RecordingWriter:
             "schema_version": schema.SCHEMA_VERSION,
             "complete": False,
             "redacted": redact_text,
-            "redaction": {
-                "levels": redaction_levels.ordered(self.redact),
-                "sparsity_step": redaction_levels.SPARSITY_STEP if "sparsity" in self.redact else None,
-            },
+            "redaction": self.redaction.to_meta(),
             "created_unix_ms": _now_ms(),
             **meta,
         }
@@ -246,7 +247,7 @@ class RecordingWriter:
                 )
             if self._expert_load is not None and table == "routes":
                 self._expert_load.add(df)
-            df = redaction_levels.redact_frame(table, df, self.redact)
+            df = self.redaction.frame(table, df)
             self._buffers[table].append(df)
             self._buffered[table] += df.height
             if self._buffered[table] >= self.segment_rows:
@@ -445,6 +446,14 @@ class Recording:
         if not isinstance(levels, list) or not all(isinstance(x, str) for x in levels):
             raise CorruptRecording(f"{self.path / META_FILE}: redaction.levels must be a list of names")
         return redaction_levels.ordered(levels)
+
+    @property
+    def redaction_layers(self) -> list[int] | None:
+        """The layers the per-layer redaction levels were limited to (None: every layer)."""
+        layers = section(self, "redaction").get("layers")
+        if layers is not None and not (isinstance(layers, list) and all(type(x) is int for x in layers)):
+            raise CorruptRecording(f"{self.path / META_FILE}: redaction.layers must be a list of layers")
+        return layers
 
     def tokens(self) -> pl.DataFrame:
         """One row per sampled token (schema.TOKENS), in end-of-step time order."""

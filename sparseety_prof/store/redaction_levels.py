@@ -9,11 +9,13 @@ name and dtype, so a redacted recording has the same schema and every reader sti
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import polars as pl
 
+from sparseety_prof.errors import UsageError
 from sparseety_prof.store import schema
 
 LEVELS = schema.REDACT_LEVELS
@@ -46,19 +48,95 @@ def redacted_columns(table: str, levels: Iterable[str]) -> tuple[list[str], list
     return nulls, [c for c in coarse if c not in nulls]
 
 
+def parse_layers(text: str) -> frozenset[int]:
+    """Model layers from "0,2,5-7" (ValueError on anything else)."""
+    out: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"bad layer list {text!r}: give layers like 0,2,5-7")
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if last < first:
+            raise ValueError(f"bad layer range {part!r} in {text!r}")
+        out.update(range(first, last + 1))
+    return frozenset(out)
+
+
+def redaction_from_flags(
+    redact: list[str], layers: str | None
+) -> tuple[frozenset[str], frozenset[int] | None]:
+    """`--redact` values and `--redact-layers` (or None), checked: UsageError says what is wrong."""
+    try:
+        levels = parse_levels(redact)
+        subset = None if layers is None else parse_layers(layers)
+    except ValueError as e:
+        raise UsageError(f"--redact{'-layers' if 'layer' in str(e) else ''}: {e}") from None
+    if subset is not None and not levels & set(schema.REDACT_PER_LAYER):
+        raise UsageError(f"--redact-layers needs --redact with one of {', '.join(schema.REDACT_PER_LAYER)}")
+    return levels, subset
+
+
+@dataclass(frozen=True)
+class Redaction:
+    """What a recording leaves out: `levels`, the per-layer ones limited to `layers` when given.
+    `list_layers` (meta.json "layers") says which model layer each element of the tokens table's
+    per-layer lists is; without it, a layer subset empties those lists whole (never less)."""
+
+    levels: frozenset[str] = frozenset()
+    layers: frozenset[int] | None = None
+    list_layers: Mapping[str, Sequence[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = self.levels - set(LEVELS)
+        if unknown:
+            raise ValueError(f"unknown redaction levels {sorted(unknown)}")
+        if self.layers is not None and not self.levels & set(schema.REDACT_PER_LAYER):
+            raise ValueError(f"a layer subset needs one of the levels {', '.join(schema.REDACT_PER_LAYER)}")
+
+    def to_meta(self) -> dict[str, object]:
+        return {
+            "levels": ordered(self.levels),
+            "layers": None if self.layers is None else sorted(self.layers),
+            "sparsity_step": SPARSITY_STEP if "sparsity" in self.levels else None,
+        }
+
+    def frame(self, table: str, df: pl.DataFrame) -> pl.DataFrame:
+        """`df` (rows of `table`) as this redaction stores it: same columns and dtypes."""
+        exprs = []
+        for level in ordered(self.levels):
+            limited = self.layers is not None and level in schema.REDACT_PER_LAYER
+            for c in schema.REDACT_NULL.get(level, {}).get(table, ()):
+                exprs.append(self._column(table, c, None, limited))
+            for c in schema.REDACT_COARSEN.get(level, {}).get(table, ()):
+                exprs.append(self._column(table, c, _coarse, limited))
+        return df.with_columns(exprs) if exprs else df
+
+    def _column(
+        self, table: str, c: str, change: Callable[[pl.Expr], pl.Expr] | None, limited: bool
+    ) -> pl.Expr:
+        dtype = schema.TABLES[table][c]
+        null = pl.lit(None, dtype=dtype.inner if isinstance(dtype, pl.List) else dtype)
+        per_element = isinstance(dtype, pl.List) and c in schema.TOKEN_LIST_LAYERS and table == "tokens"
+        if per_element:  # one element per layer of a kind: change the elements of those layers
+            kind_layers = self.list_layers.get(schema.TOKEN_LIST_LAYERS[c])
+            by_layer = limited and kind_layers is not None and self.layers is not None
+            if change is None and not by_layer:
+                return pl.lit(None, dtype=dtype).alias(c)  # every layer (or no map to say which)
+            element = null if change is None else change(pl.element())
+            if by_layer:
+                assert kind_layers is not None and self.layers is not None
+                at = [i for i, layer in enumerate(kind_layers) if layer in self.layers]
+                element = pl.when(pl.int_range(pl.len()).is_in(at)).then(element).otherwise(pl.element())
+            return pl.col(c).list.eval(element).cast(dtype).alias(c)
+        new = pl.lit(None, dtype=dtype) if change is None else change(pl.col(c)).cast(dtype)
+        if limited and self.layers is not None and "layer" in schema.TABLES[table]:
+            new = pl.when(pl.col("layer").is_in(sorted(self.layers))).then(new).otherwise(pl.col(c))
+        return new.alias(c)
+
+
 def redact_frame(table: str, df: pl.DataFrame, levels: Iterable[str]) -> pl.DataFrame:
-    """`df` (rows of `table`) as `levels` store it: same columns and dtypes."""
-    nulls, coarse = redacted_columns(table, levels)
-    if not nulls and not coarse:
-        return df
-    dtypes = schema.TABLES[table]
-    exprs = [pl.lit(None, dtype=dtypes[c]).alias(c) for c in nulls]
-    for c in coarse:
-        if isinstance(dtypes[c], pl.List):
-            exprs.append(pl.col(c).list.eval(_coarse(pl.element())).cast(dtypes[c]).alias(c))
-        else:
-            exprs.append(_coarse(pl.col(c)).cast(dtypes[c]).alias(c))
-    return df.with_columns(exprs)
+    """`df` (rows of `table`) as `levels` store it, on every layer: same columns and dtypes."""
+    return Redaction(frozenset(levels)).frame(table, df)
 
 
 def _coarse(e: pl.Expr) -> pl.Expr:

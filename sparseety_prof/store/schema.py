@@ -182,6 +182,17 @@ REDACT_COARSEN: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 REDACT_LEVELS: tuple[str, ...] = ("ids", "routing", "sparsity", "masks")
+#: Levels that `--redact-layers` can limit to some layers (token ids belong to no layer).
+REDACT_PER_LAYER: tuple[str, ...] = ("routing", "sparsity", "masks")
+#: Which kind of layer each per-layer list of the tokens table covers (meta.json "layers"[kind]).
+TOKEN_LIST_LAYERS: dict[str, str] = {
+    "expert_ids": "moe",
+    "expert_weights": "moe",
+    "router_probs": "moe",
+    "act_zero_ratio": "ffn",
+    "act_below_ratio": "ffn",
+    "attn_attended": "attn",
+}
 #: grid the ratios of the "sparsity" level are rounded to (ten bins: enough for a sparsity profile)
 REDACT_SPARSITY_STEP = 0.1
 for _levels in (REDACT_NULL, REDACT_COARSEN):
@@ -189,6 +200,8 @@ for _levels in (REDACT_NULL, REDACT_COARSEN):
         for _table, _names in _tables.items():
             if _level not in REDACT_LEVELS or any(n not in TABLES[_table] for n in _names):
                 raise ImportError(f"schema: redaction level {_level!r} names unknown columns of {_table}")
+if any(c not in TOKENS for c in TOKEN_LIST_LAYERS):  # pragma: no cover - guards against a rename
+    raise ImportError("schema: TOKEN_LIST_LAYERS names a column the tokens table lacks")
 
 PHASE_PREFILL = "prefill"
 PHASE_DECODE = "decode"

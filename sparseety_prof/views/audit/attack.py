@@ -19,12 +19,13 @@ import polars as pl
 from sparseety_prof.errors import UsageError
 from sparseety_prof.store.recording import Recording, section
 from sparseety_prof.store.recording import open as open_recording
-from sparseety_prof.store.redaction_levels import redact_frame
+from sparseety_prof.store.redaction_levels import Redaction
 from sparseety_prof.views.audit import estimators as est
 from sparseety_prof.views.audit.observations import ALL_LAYERS, Observations, observe
 
 #: what the audit scores: nothing redacted, each level alone, all of them (ids is left out: it
-#: removes the labels, and with ids kept the tokens are in the file)
+#: removes the labels, and with ids kept the tokens are in the file); then all of them on the
+#: leakiest layer only (--redact-layers)
 LEVEL_SETS: tuple[tuple[str, ...], ...] = (
     (),
     ("routing",),
@@ -54,6 +55,7 @@ class SignalScore:
 @dataclass
 class LevelScore:
     levels: list[str]
+    layers: list[int] | None  # the layers the per-layer levels were applied to (None: every layer)
     signals: list[SignalScore]
     best_signal: str | None  # highest top-1 (all layers, or one layer); None when no signal is left
     best: Score
@@ -93,15 +95,21 @@ def _check_same_model(held: Recording, train: list[Recording]) -> str | None:
     return sha
 
 
-def _frames(recs: list[Recording], levels: tuple[str, ...]) -> dict[str, pl.DataFrame]:
-    """The tables of every recording as `levels` leave them, one frame each, with a "source"
-    column and step ids made unique across recordings."""
+def _frames(
+    recs: list[Recording], levels: tuple[str, ...], layers: frozenset[int] | None
+) -> dict[str, pl.DataFrame]:
+    """The tables of every recording as `levels` (on `layers`) leave them, one frame each, with a
+    "source" column and step ids made unique across recordings."""
     out: dict[str, list[pl.DataFrame]] = {t: [] for t in ("steps", "routes", "masks", "tokens")}
     offset = 0
     for i, rec in enumerate(recs):
         top = 0
+        kinds = section(rec, "layers")
+        redaction = Redaction(
+            frozenset(levels), layers, {k: v for k, v in kinds.items() if isinstance(v, list)}
+        )
         for table in out:
-            df = redact_frame(table, rec.table(table), levels)
+            df = redaction.frame(table, rec.table(table))
             if df.height:
                 top = max(top, int(np.max(df["step_id"].fill_null(0).to_numpy())) + 1)
             out[table].append(
@@ -113,9 +121,9 @@ def _frames(recs: list[Recording], levels: tuple[str, ...]) -> dict[str, pl.Data
     return {t: pl.concat(parts) for t, parts in out.items()}
 
 
-def _observations(recs: list[Recording], levels: tuple[str, ...]) -> Observations:
+def _observations(recs: list[Recording], levels: tuple[str, ...], on: frozenset[int] | None) -> Observations:
     layers = section(recs[0], "layers").get("attn")
-    f = _frames(recs, levels)
+    f = _frames(recs, levels, on)
     attn = [int(x) for x in layers] if isinstance(layers, list) else []
     return observe(f["steps"], f["routes"], f["masks"], f["tokens"], attn_layers=attn)
 
@@ -211,64 +219,61 @@ def _score(obs: Observations, pred: _Predictions, key: tuple[str, int], rows: np
     )
 
 
+def _level(
+    recs: list[Recording], levels: tuple[str, ...], layers: frozenset[int] | None, held_out_only: bool
+) -> tuple[Observations, _Predictions, np.ndarray, list[SignalScore]]:
+    """Observations, predictions, the rows scored and the per-signal scores after one level."""
+    heldout, has_train = recs[0].path, len(recs) > 1
+    obs = _observations(recs, levels, layers)
+    if not (obs.sources == 0).any():
+        raise UsageError(
+            f"{heldout} has no rows with token ids and sparse decisions to audit (recorded with "
+            "--redact ids, or with --mode tokens): audit needs them as ground truth"
+        )
+    if has_train and not (obs.sources > 0).any():
+        raise UsageError(
+            "the --train recordings have no rows with token ids and sparse decisions (recorded with "
+            "--redact ids, or with --mode tokens): the models are fitted on them"
+        )
+    folds = _folds(obs, held_out_only)
+    if not has_train and len(folds) < 2:
+        raise UsageError(
+            f"{heldout} holds a single run: give --train recordings of the same model, or record "
+            "several prompts so each can be held out in turn"
+        )
+    pred = _predict(obs, folds)
+    evaluated = np.logical_or.reduce([t for _, t in folds])
+    signals = []
+    for name in obs.signals:
+        per_layer = {
+            k[1]: _score(obs, pred, k, evaluated) for k in pred.rank if k[0] == name and k[1] != ALL_LAYERS
+        }
+        signals.append(SignalScore(name, _score(obs, pred, (name, ALL_LAYERS), evaluated), per_layer))
+    return obs, pred, evaluated, signals
+
+
 def audit(heldout: Path, train: list[Path]) -> AuditResult:
     held = open_recording(heldout)
     trains = [open_recording(p) for p in train]
     sha = _check_same_model(held, trains)
     recs = [held, *trains]
-    notes: list[str] = []
-    levels_out: list[LevelScore] = []
-    base_obs: Observations | None = None
-    chance: Score | None = None
-    evaluated = np.zeros(0, bool)
-    leakiest: list[tuple[str, int, float]] = []
-    for levels in LEVEL_SETS:
-        obs = _observations(recs, levels)
-        if not (obs.sources == 0).any():
-            raise UsageError(
-                f"{heldout} has no rows with token ids and sparse decisions to audit (recorded with "
-                "--redact ids, or with --mode tokens): audit needs them as ground truth"
-            )
-        if trains and not (obs.sources > 0).any():
-            raise UsageError(
-                "the --train recordings have no rows with token ids and sparse decisions (recorded with "
-                "--redact ids, or with --mode tokens): the models are fitted on them"
-            )
-        folds = _folds(obs, bool(trains))
-        if not trains and len(folds) < 2:
-            raise UsageError(
-                f"{heldout} holds a single run: give --train recordings of the same model, or record "
-                "several prompts so each can be held out in turn"
-            )
-        pred = _predict(obs, folds)
-        evaluated = np.logical_or.reduce([t for _, t in folds])
-        if base_obs is None:
-            base_obs = obs
-            chance = _score(obs, pred, ("chance", ALL_LAYERS), evaluated)
-        signals = []
-        for name in obs.signals:
-            layers = {
-                k[1]: _score(obs, pred, k, evaluated)
-                for k in pred.rank
-                if k[0] == name and k[1] != ALL_LAYERS
-            }
-            signals.append(SignalScore(name, _score(obs, pred, (name, ALL_LAYERS), evaluated), layers))
-        assert chance is not None
-        levels_out.append(_best(list(levels), signals, chance))
-        if not levels:
-            per_layer = [
-                (s.signal, layer, sc.top1) for s in signals for layer, sc in s.layers.items() if sc.rows
-            ]
-            leakiest = sorted(per_layer, key=lambda t: -t[2])[:5]
-    assert base_obs is not None and chance is not None
-    base_eval = np.logical_or.reduce([t for _, t in _folds(base_obs, bool(trains))])
-    held_tokens = base_obs.tokens[base_eval]
-    train_rows = ~base_eval if trains else np.ones(len(base_obs.tokens), bool)
-    seen = np.isin(held_tokens, base_obs.tokens[train_rows]) if trains else _seen_elsewhere(base_obs)
-    notes.append(
+    obs, pred, evaluated, signals = _level(recs, (), None, bool(trains))
+    chance = _score(obs, pred, ("chance", ALL_LAYERS), evaluated)
+    levels_out = [_best([], None, signals, chance)]
+    per_layer = [(s.signal, layer, sc.top1) for s in signals for layer, sc in s.layers.items() if sc.rows]
+    leakiest = sorted(per_layer, key=lambda t: -t[2])[:5]
+    level_sets: list[tuple[tuple[str, ...], frozenset[int] | None]] = [(lv, None) for lv in LEVEL_SETS[1:]]
+    if leakiest:  # what redacting only the layer that leaks most leaves
+        level_sets.append((LEVEL_SETS[-1], frozenset({leakiest[0][1]})))
+    for levels, layers in level_sets:
+        _, _, _, after = _level(recs, levels, layers, bool(trains))
+        levels_out.append(_best(list(levels), None if layers is None else sorted(layers), after, chance))
+    held_tokens = obs.tokens[evaluated]
+    seen = np.isin(held_tokens, obs.tokens[~evaluated]) if trains else _seen_elsewhere(obs)[evaluated]
+    notes = [
         "token ids themselves are stored unless the recording was made with --redact ids: this audit "
         "measures what the other columns give away to someone who removed them, or who only has those"
-    )
+    ]
     if held.redaction_levels:
         notes.append(f"{heldout} was recorded with --redact {','.join(held.redaction_levels)}")
     return AuditResult(
@@ -276,7 +281,7 @@ def audit(heldout: Path, train: list[Path]) -> AuditResult:
         train=[str(p) for p in train],
         mode="held-out" if trains else "leave-one-run-out",
         model_sha256=sha,
-        rows=int(base_eval.sum()),
+        rows=int(evaluated.sum()),
         distinct_tokens=len(np.unique(held_tokens)),
         token_entropy_bits=est.entropy_bits(held_tokens),
         coverage=float(np.mean(seen)) if len(seen) else 0.0,
@@ -287,7 +292,9 @@ def audit(heldout: Path, train: list[Path]) -> AuditResult:
     )
 
 
-def _best(levels: list[str], signals: list[SignalScore], chance: Score) -> LevelScore:
+def _best(
+    levels: list[str], layers: list[int] | None, signals: list[SignalScore], chance: Score
+) -> LevelScore:
     """The attacker keeps whichever model recovers most: all layers of a signal, or one layer."""
     options = [
         (sc, s.signal if layer is None else f"{s.signal} (layer {layer})")
@@ -296,9 +303,9 @@ def _best(levels: list[str], signals: list[SignalScore], chance: Score) -> Level
         if sc.rows  # a signal the training rows have but the held-out rows lack recovers nothing
     ]
     if not options:
-        return LevelScore(levels, signals, None, chance)
+        return LevelScore(levels, layers, signals, None, chance)
     score, name = max(options, key=lambda o: (o[0].top1, o[0].top5))
-    return LevelScore(levels, signals, name, score)
+    return LevelScore(levels, layers, signals, name, score)
 
 
 def _seen_elsewhere(obs: Observations) -> np.ndarray:

@@ -45,8 +45,11 @@ def _cells(s: Score) -> list[str]:
     return [_pct(s.top1), _pct(s.top5), f"{s.bits:.2f}", f"{s.bits_shuffled:.2f}", str(s.rows)]
 
 
-def _level_name(levels: list[str]) -> str:
-    return "none" if not levels else "--redact " + ",".join(levels)
+def _level_name(lv: LevelScore) -> str:
+    if not lv.levels:
+        return "none"
+    layers = "" if lv.layers is None else " --redact-layers " + ",".join(str(x) for x in lv.layers)
+    return "--redact " + ",".join(lv.levels) + layers
 
 
 def _summary(r: AuditResult) -> Table:
@@ -76,13 +79,13 @@ def _levels(r: AuditResult) -> Table:
     for name in ("redaction", "best signal", "top-1", "top-5", "bits", "shuffled", "rows"):
         t.add_column(name, justify="left" if name in ("redaction", "best signal") else "right")
     for lv in r.levels:
-        t.add_row(_level_name(lv.levels), lv.best_signal or "(none left)", *_cells(lv.best))
+        t.add_row(_level_name(lv), lv.best_signal or "(none left)", *_cells(lv.best))
     return t
 
 
 def _signals(lv: LevelScore) -> Table:
     t = Table(
-        title=f"per signal ({_level_name(lv.levels)}): all layers, then the leakiest layer",
+        title=f"per signal ({_level_name(lv)}): all layers, then the leakiest layer",
         box=box.SIMPLE_HEAD,
         title_justify="left",
     )
@@ -108,7 +111,7 @@ def render(r: AuditResult, console: Console) -> None:
     console.print(_summary(r))
     console.print(_levels(r))
     for lv in r.levels:
-        if not lv.levels or len(lv.levels) > 1:
+        if not lv.levels or (len(lv.levels) > 1 and lv.layers is None):
             console.print(_signals(lv))
     if r.leakiest_layers:
         console.print(_layers(r))
