@@ -38,7 +38,8 @@ def table(results: dict[str, AuditResult]) -> str:
     lines = []
     for model, r in results.items():
         for lv in r.levels:
-            name = "none" if not lv.levels else "`--redact " + ",".join(lv.levels) + "`"
+            layers = "" if lv.layers is None else " --redact-layers " + ",".join(map(str, lv.layers))
+            name = "none" if not lv.levels else "`--redact " + ",".join(lv.levels) + layers + "`"
             b = lv.best
             lines.append(
                 f"| {model} | {r.rows} ({_pct(r.coverage)}) | {_pct(r.chance.top1)} | {name} | "

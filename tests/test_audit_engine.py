@@ -80,6 +80,10 @@ def test_token_routed_model_gives_its_tokens_away(token_routed: Recorded) -> Non
     assert not {s.signal for s in routing.signals} & {"experts", "gate_weights", "router_probs"}
     assert routing.best.top1 < none.best.top1 - 0.3
     assert everything.best.top1 < 0.3 and everything.best.top1 < routing.best.top1
+    # all three on layer 0 alone: the deeper layers still give most tokens away
+    only_0 = r.levels[-1]
+    assert only_0.layers == [0] and only_0.levels == list(ALL_THREE)
+    assert everything.best.top1 + 0.3 < only_0.best.top1 < none.best.top1
 
 
 def test_context_routed_model_is_near_chance(context_routed: Recorded, token_routed: Recorded) -> None:

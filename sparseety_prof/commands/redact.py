@@ -12,8 +12,10 @@ DESCRIPTION = """\
 Write a copy of the recording SRC to DST with redaction levels applied, as if it had been recorded
 with them: ids (token ids and text), routing (per-token experts, gate weights and router
 probabilities; the expert load per layer stays in meta.json), sparsity (activation ratios rounded
-to 0.1), masks (activation masks). Levels the source already has are kept. `sparseety-prof audit`
-measures how much each level leaves (README: Privacy). DST must be new or empty.
+to 0.1), masks (activation masks); --redact-layers limits routing, sparsity and masks to some
+model layers. Levels the source already has are kept (both sets of levels then apply to both sets
+of layers). `sparseety-prof audit` measures how much each level leaves (README: Privacy). DST must
+be new or empty.
 """
 
 
