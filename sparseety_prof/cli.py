@@ -9,7 +9,18 @@ import argparse
 import sys
 
 from sparseety_prof import __version__
-from sparseety_prof.commands import attach, build_cupti, check, diff, doctor, launch, record, report
+from sparseety_prof.commands import (
+    attach,
+    audit,
+    build_cupti,
+    check,
+    diff,
+    doctor,
+    launch,
+    record,
+    redact,
+    report,
+)
 from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
 from sparseety_prof.errors import ProfError
 from sparseety_prof.terminal_text import line
@@ -23,6 +34,8 @@ COMMANDS = (
     doctor,
     report,
     diff,
+    audit,
+    redact,
 )  # in the order --help lists them
 
 

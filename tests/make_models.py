@@ -19,6 +19,13 @@ Presets:
                 activations are exactly zero), gating func SOFTMAX        (4 layers, d128, f32)
   swa           arch olmo2 with sliding-window attention, window 16: layers 0,1,2,4,5,6 attend to
                 the last 16 positions only, layers 3 and 7 to the whole context (8 layers, d128, f32)
+  token_routed  Mixtral-style MoE, 16 experts top-4, layer 0's attention output zero: layer 0's router
+                sees the token embedding alone, so its routing is a function of the token (audit:
+                near-total recovery)                                      (4 layers, d128, f32)
+  context_routed Mixtral-style MoE whose routing follows the context, not the token: token
+                embeddings x0.02, every layer attends uniformly to the prefix (attn_q zero) and its
+                attention output x4, so each router sees mostly the running mean of the prompt
+                (audit: near chance)                                      (4 layers, d128, f32)
   bench         Mixtral-style MoE big enough that decode costs a few ms/token, vocab >= 32,000
                 (8 layers, d512, 8 heads / 4 kv heads, 8 experts x ff1024, top-2, f16)
 
@@ -147,6 +154,9 @@ class Preset:
     dtype: str = "f32"
     n_vocab_min: int = 0
     n_swa: int = 0
+    #: "random" (drawn weights), "token" (layer 0's routing is a function of the token alone) or
+    #: "context" (routing dominated by the prefix, nearly independent of the token): see the presets
+    routing: str = "random"
     description: str = ""
 
     # Hyper-parameters that the engine fixes per arch (not read from the GGUF), for consumers that
@@ -203,6 +213,22 @@ PRESETS: dict[str, Preset] = {
         n_swa=16,
         description="OLMo-2/3 dense, sliding-window attention (window 16) on layers 0-2 and 4-6, "
         "full attention on 3 and 7",
+    ),
+    "token_routed": Preset(
+        arch="llama",
+        n_ff=64,
+        n_expert=16,
+        n_expert_used=4,
+        routing="token",
+        description="MoE whose layer-0 routing is a function of the token (16 experts top-4)",
+    ),
+    "context_routed": Preset(
+        arch="llama",
+        n_ff=64,
+        n_expert=8,
+        n_expert_used=2,
+        routing="context",
+        description="MoE whose routing follows the running mean of the prefix, not the token",
     ),
     "bench": Preset(
         arch="llama",
@@ -403,6 +429,8 @@ def _check(p: Preset, dtype: str, prune: Prune | None) -> None:
         raise ValueError(f"arch {p.arch} needs experts")
     if p.arch == "olmo2" and p.n_expert:
         raise ValueError("arch olmo2 is dense (its loader has no expert tensors)")
+    if p.routing not in ("random", "token", "context") or (p.routing != "random" and not p.n_expert):
+        raise ValueError(f"routing {p.routing!r} needs experts and is one of random, token, context")
     if p.n_swa and p.arch != "olmo2":
         # other archs here either ignore the key or (smallthinker) force their own window
         raise ValueError(f"n_swa needs arch olmo2, not {p.arch}")
@@ -499,17 +527,27 @@ def _write_gguf(
     def norm(tname: str, n: int) -> None:
         w.add_tensor(tname, np.ones(n, dtype=np.float32))  # norms stay f32
 
-    weight("token_embd.weight", draw(n_vocab, D, scale=1.0))
+    # "context": embeddings small next to the attention output, so the residual stream (and every
+    # router) holds mostly the prefix mean; the draws are the same, only scaled
+    weight("token_embd.weight", draw(n_vocab, D, scale=0.02 if p.routing == "context" else 1.0))
     norm("output_norm.weight", D)
     weight("output.weight", draw(n_vocab, D, scale=4.0 / float(np.sqrt(D))))
     for i in range(p.n_layer):
         b = f"blk.{i}."
         if p.arch != "olmo2":  # olmo2 has no pre-norms, only the post-norms below
             norm(b + "attn_norm.weight", D)
-        weight(b + "attn_q.weight", draw(p.n_head * hd, D))
+        attn_q = draw(p.n_head * hd, D)
+        if p.routing == "context":
+            attn_q[:] = 0.0  # every score equal: each row attends uniformly to its prefix
+        weight(b + "attn_q.weight", attn_q)
         weight(b + "attn_k.weight", draw(p.n_head_kv * hd, D))
         weight(b + "attn_v.weight", draw(p.n_head_kv * hd, D))
-        weight(b + "attn_output.weight", draw(D, p.n_head * hd))
+        attn_out = draw(D, p.n_head * hd)
+        if p.routing == "token" and i == 0:
+            attn_out[:] = 0.0  # layer 0's FFN input is the token embedding alone
+        elif p.routing == "context":
+            attn_out *= np.float32(4.0)
+        weight(b + "attn_output.weight", attn_out)
         if p.arch == "qwen3moe":
             norm(b + "attn_q_norm.weight", hd)  # per head
             norm(b + "attn_k_norm.weight", hd)

@@ -23,6 +23,22 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         "text from the engine's command line, environment or server settings (README: Privacy)",
     )
     p.add_argument(
+        "--redact",
+        action="append",
+        default=[],
+        metavar="LEVEL[,LEVEL]",
+        help="also leave out what recovers tokens: ids (token ids and text), routing (per-token "
+        "experts and gate weights; the expert load per layer stays), sparsity (ratios rounded to 0.1), "
+        "masks (activation masks); `sparseety-prof audit` measures what each leaves (README: Privacy)",
+    )
+    p.add_argument(
+        "--redact-layers",
+        default=None,
+        metavar="LAYERS",
+        help="apply the routing, sparsity and masks levels of --redact to these model layers only "
+        "(e.g. 0-3 or 0,5: the layers `audit` finds leaking most); default every layer",
+    )
+    p.add_argument(
         "--flush-interval",
         type=float,
         default=2.0,
@@ -111,10 +127,12 @@ def options_from(args: argparse.Namespace) -> Options:
     from sparseety_prof.session.options import Options
     from sparseety_prof.store.output_dir import check_output_path, sudo_owner
     from sparseety_prof.store.recording import META_FILE, MIN_MAX_DISK
+    from sparseety_prof.store.redaction_levels import redaction_from_flags
     from sparseety_prof.store.rotation import parse_size
 
     if not args.flush_interval > 0:
         raise UsageError(f"--flush-interval must be a positive number of seconds, got {args.flush_interval}")
+    redact, redact_layers = redaction_from_flags(args.redact, args.redact_layers)
     max_disk = None
     if args.max_disk is not None:
         try:
@@ -147,6 +165,8 @@ def options_from(args: argparse.Namespace) -> Options:
         flush_interval=args.flush_interval,
         max_disk=max_disk,
         redact_text=args.redact_text,
+        redact=redact,
+        redact_layers=redact_layers,
         model=args.model,
         nice=args.nice,
         skip_probes=frozenset(getattr(args, "skip_probe", None) or ()),

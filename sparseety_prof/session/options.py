@@ -18,6 +18,8 @@ class Options:
     flush_interval: float = 2.0  # seconds: rows older than this are on disk, whatever kills the recorder
     max_disk: int | None = None  # bytes the recording may hold; the oldest segments make room
     redact_text: bool = False
+    redact: frozenset[str] = frozenset()  # redaction levels applied to every row (store/redaction_levels.py)
+    redact_layers: frozenset[int] | None = None  # the layers the per-layer levels apply to (None: all)
     model: Path | None = None  # override when the process has no GGUF file mapped or open
     skip_probes: frozenset[str] = frozenset()  # for tests: disable a probe point on purpose
     nice: int = 10  # consumer priority once attached: the engine's threads win any contention

@@ -112,6 +112,8 @@ class Recorder:
                     self.meta,
                     owner=sudo_owner(),
                     redact_text=opts.redact_text,
+                    redact=opts.redact,
+                    redact_layers=opts.redact_layers,
                     max_disk=opts.max_disk,
                 )
             except BaseException:  # -o swapped since the check, or the disk is full: detach, record nothing
@@ -293,7 +295,13 @@ class Recorder:
         writer = None
         if opts.out is not None:
             writer = RecordingWriter(
-                opts.out, self.meta, owner=sudo_owner(), redact_text=opts.redact_text, max_disk=opts.max_disk
+                opts.out,
+                self.meta,
+                owner=sudo_owner(),
+                redact_text=opts.redact_text,
+                redact=opts.redact,
+                redact_layers=opts.redact_layers,
+                max_disk=opts.max_disk,
             )
         self.log(f"sparseety-prof: attached to PID {opts.pid} (GPU only: {len(gpu.rings)} CUPTI ring(s))")
         start_unix_ms = time.time_ns() // 1_000_000

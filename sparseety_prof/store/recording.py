@@ -30,7 +30,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -38,7 +38,7 @@ from typing import Any, Literal
 import polars as pl
 
 from sparseety_prof.errors import CorruptRecording, RecordingWriteError, UsageError
-from sparseety_prof.store import schema
+from sparseety_prof.store import redaction_levels, schema
 from sparseety_prof.store.output_dir import DIR_MODE, FILE_MODE, OutputDir, sudo_owner
 from sparseety_prof.store.rotation import DiskBudget, Segment
 
@@ -67,7 +67,7 @@ _SKIP_HINT = "; open the recording with skip_damaged=True to read the rest"
 _SEGMENT_RE = re.compile(r"^part-(\d{6})\.parquet$")
 #: Keys the writer owns; callers may not set them through meta/update_meta/close.
 _RESERVED_META = frozenset(
-    {"format", "schema_version", "complete", "redacted", "tables", "write_error", "rotation"}
+    {"format", "schema_version", "complete", "redacted", "redaction", "tables", "write_error", "rotation"}
 )
 
 # Column roles. Names come from the schema; these only say which schema column plays which role.
@@ -133,6 +133,11 @@ class RecordingWriter:
     max_disk
         Bytes the recording may hold on disk; beyond them the oldest segments are removed
         (store/rotation.py) and counted in ``"rotation"``. None: no limit.
+    redact, redact_layers
+        Redaction levels (store/redaction_levels.py: ids, routing, sparsity, masks) applied to
+        every row before it is buffered, the per-layer ones on `redact_layers` only when given
+        (meta's "layers" maps the tokens table's per-layer lists); meta.json's ``"redaction"``
+        says what was applied (with the expert load per layer when routing is redacted).
 
     A write that fails (disk full, I/O error) does not raise: the writer stops writing rows,
     counts every row it is given from then on as not written, and `close` records
@@ -147,6 +152,8 @@ class RecordingWriter:
         owner: tuple[int, int] | None = None,
         segment_rows: int = DEFAULT_SEGMENT_ROWS,
         redact_text: bool = False,
+        redact: Iterable[str] = (),
+        redact_layers: Iterable[int] | None = None,
         compression: Literal["zstd", "lz4", "snappy", "uncompressed"] = "zstd",
         max_disk: int | None = None,
     ) -> None:
@@ -159,6 +166,13 @@ class RecordingWriter:
         self.owner = owner
         self.segment_rows = segment_rows
         self.redact_text = redact_text
+        layers = meta.get("layers")
+        self.redaction = redaction_levels.Redaction(
+            frozenset(redact),
+            None if redact_layers is None else frozenset(redact_layers),
+            {k: v for k, v in layers.items() if isinstance(v, list)} if isinstance(layers, dict) else {},
+        )
+        self._expert_load = redaction_levels.ExpertLoad() if "routing" in self.redaction.levels else None
         self._compression = compression
         self._lock = threading.Lock()
         self._buffers: dict[str, list[pl.DataFrame]] = {t: [] for t in schema.TABLES}
@@ -179,6 +193,7 @@ class RecordingWriter:
             "schema_version": schema.SCHEMA_VERSION,
             "complete": False,
             "redacted": redact_text,
+            "redaction": self.redaction.to_meta(),
             "created_unix_ms": _now_ms(),
             **meta,
         }
@@ -241,6 +256,9 @@ class RecordingWriter:
                 df = df.with_columns(
                     pl.lit(None, dtype=schema.TABLES[table][c]).alias(c) for c in _TEXT_COLUMNS.get(table, ())
                 )
+            if self._expert_load is not None and table == "routes":
+                self._expert_load.add(df)
+            df = self.redaction.frame(table, df)
             self._buffers[table].append(df)
             self._buffered[table] += df.height
             if self._buffered[table] >= self.segment_rows:
@@ -312,6 +330,8 @@ class RecordingWriter:
         }
         if self._budget is not None:
             self._meta["rotation"] = self._budget.to_meta()
+        if self._expert_load is not None:
+            self._meta["redaction"] = {**self._meta["redaction"], "expert_load": self._expert_load.to_meta()}
         if self.write_error is not None:
             self._meta["write_error"] = {
                 "reason": self.write_error,
@@ -448,6 +468,24 @@ class Recording:
     @property
     def redacted(self) -> bool:
         return self.meta.get("redacted") is True
+
+    @property
+    def redaction_levels(self) -> list[str]:
+        """The redaction levels the recording was written with ([] for none, or an older recording)."""
+        levels = section(self, "redaction").get("levels")
+        if levels is None:
+            return []
+        if not isinstance(levels, list) or not all(isinstance(x, str) for x in levels):
+            raise CorruptRecording(f"{self.path / META_FILE}: redaction.levels must be a list of names")
+        return redaction_levels.ordered(levels)
+
+    @property
+    def redaction_layers(self) -> list[int] | None:
+        """The layers the per-layer redaction levels were limited to (None: every layer)."""
+        layers = section(self, "redaction").get("layers")
+        if layers is not None and not (isinstance(layers, list) and all(type(x) is int for x in layers)):
+            raise CorruptRecording(f"{self.path / META_FILE}: redaction.layers must be a list of layers")
+        return layers
 
     def tokens(self) -> pl.DataFrame:
         """One row per sampled token (schema.TOKENS), in end-of-step time order."""
@@ -606,7 +644,7 @@ def open(path: str | os.PathLike[str], *, skip_damaged: bool = False) -> Recordi
 #: The types of meta.json's entries that this module writes and reads itself (the rest is the
 #: caller's: views take it through `section`). An entry may be absent or null; present with another
 #: type, the recording is damaged (CorruptRecording), so no reader guards against "tables": [].
-_META_TYPES: dict[str, type] = {"tables": dict, "complete": bool, "redacted": bool}
+_META_TYPES: dict[str, type] = {"tables": dict, "complete": bool, "redacted": bool, "redaction": dict}
 
 
 def _check_meta_types(meta: Mapping[str, Any], meta_path: Path) -> None:

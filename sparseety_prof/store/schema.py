@@ -162,6 +162,47 @@ TABLES: dict[str, dict[str, pl.DataType]] = {
     "kernels": KERNELS,
 }
 
+#: What each redaction level (`--redact LEVEL`, store/redaction_levels.py) does to which columns:
+#: "null" columns are stored as nulls (the column stays, the schema is unchanged), "coarsen" columns
+#: keep their values rounded to REDACT_SPARSITY_STEP. The text column (--redact-text) is separate.
+REDACT_NULL: dict[str, dict[str, tuple[str, ...]]] = {
+    # token ids are the text to anyone with the model's vocabulary
+    "ids": {"tokens": ("token_id", "token_text", "top_ids"), "steps": ("token_ids",)},
+    # per-token expert choices: the MoE side channel (aggregate expert load stays in meta.json)
+    "routing": {
+        "tokens": ("expert_ids", "expert_weights", "router_probs"),
+        "routes": ("expert_ids", "expert_weights", "router_probs"),
+    },
+    "masks": {"masks": ("nonzero_bits",)},
+}
+REDACT_COARSEN: dict[str, dict[str, tuple[str, ...]]] = {
+    "sparsity": {
+        "tokens": ("act_zero_ratio", "act_below_ratio"),
+        "routes": ("act_zero_ratio", "act_below_ratio"),
+    },
+}
+REDACT_LEVELS: tuple[str, ...] = ("ids", "routing", "sparsity", "masks")
+#: Levels that `--redact-layers` can limit to some layers (token ids belong to no layer).
+REDACT_PER_LAYER: tuple[str, ...] = ("routing", "sparsity", "masks")
+#: Which kind of layer each per-layer list of the tokens table covers (meta.json "layers"[kind]).
+TOKEN_LIST_LAYERS: dict[str, str] = {
+    "expert_ids": "moe",
+    "expert_weights": "moe",
+    "router_probs": "moe",
+    "act_zero_ratio": "ffn",
+    "act_below_ratio": "ffn",
+    "attn_attended": "attn",
+}
+#: grid the ratios of the "sparsity" level are rounded to (ten bins: enough for a sparsity profile)
+REDACT_SPARSITY_STEP = 0.1
+for _levels in (REDACT_NULL, REDACT_COARSEN):
+    for _level, _tables in _levels.items():
+        for _table, _names in _tables.items():
+            if _level not in REDACT_LEVELS or any(n not in TABLES[_table] for n in _names):
+                raise ImportError(f"schema: redaction level {_level!r} names unknown columns of {_table}")
+if any(c not in TOKENS for c in TOKEN_LIST_LAYERS):  # pragma: no cover - guards against a rename
+    raise ImportError("schema: TOKEN_LIST_LAYERS names a column the tokens table lacks")
+
 PHASE_PREFILL = "prefill"
 PHASE_DECODE = "decode"
 SOURCE_SAMPLER = "sampler"
