@@ -276,6 +276,23 @@ def test_export_keeps_source_levels_adds_text_and_refuses_a_used_output(tmp_path
     assert p.returncode == 2 and "unknown redaction level nope" in p.stderr
 
 
+def test_diff_refuses_recordings_without_token_ids(tmp_path: Path) -> None:
+    """A diff pairs and compares tokens: with the ids redacted every pair would look equal."""
+    from test_recording import tokens_frame
+
+    from sparseety_prof.store.recording import RecordingWriter
+
+    for name, redact in (("plain", ()), ("ids", ("ids",))):
+        with RecordingWriter(tmp_path / name, {}, redact=redact) as w:
+            w.append("tokens", tokens_frame(40))
+    assert sparseety_prof.open(tmp_path / "ids").tokens()["token_id"].null_count() == 40
+    for a, b in (("ids", "ids"), ("plain", "ids")):
+        p = run_cli("diff", str(tmp_path / a), str(tmp_path / b))
+        assert p.returncode == 2 and "no token ids" in p.stderr, (a, b, p.stdout, p.stderr)
+    p = run_cli("diff", str(tmp_path / "plain"), str(tmp_path / "plain"))
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
 def test_audit_shows_planted_strings_escaped(tmp_path: Path) -> None:
     planted = "\x1b]52;c;cGF5bG9hZA==\x07\u202e[red]x[/red]"
     write_synthetic(tmp_path / "a", _runs(1), mode="token", sha=planted)

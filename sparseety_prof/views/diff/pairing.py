@@ -14,7 +14,7 @@ from typing import Any
 
 import polars as pl
 
-from sparseety_prof.errors import CorruptRecording
+from sparseety_prof.errors import CorruptRecording, UsageError
 from sparseety_prof.store import schema
 from sparseety_prof.views.diff.columns import REQUIRED
 from sparseety_prof.views.diff.result import SideSummary
@@ -42,6 +42,11 @@ def _with_schema_columns(df: pl.DataFrame, side: str) -> pl.DataFrame:
     missing = [c for c in REQUIRED if c not in df.columns]
     if missing:
         raise CorruptRecording(f"the tokens table of {side} lacks the columns {missing}")
+    if df.height and df["token_id"].null_count() == df.height:
+        # tokens are what a diff compares: without them every pair would look equal
+        raise UsageError(
+            f"{side} holds no token ids (recorded or exported with --redact ids): nothing to compare"
+        )
     absent = [c for c in schema.TOKENS if c not in df.columns]
     return df.with_columns(pl.lit(None, dtype=schema.TOKENS[c]).alias(c) for c in absent)
 
