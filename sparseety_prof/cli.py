@@ -16,6 +16,7 @@ from sparseety_prof.commands import (
     check,
     diff,
     doctor,
+    export,
     launch,
     record,
     redact,
@@ -36,6 +37,7 @@ COMMANDS = (
     diff,
     audit,
     redact,
+    export,
 )  # in the order --help lists them
 
 

@@ -1,0 +1,63 @@
+"""`export DIR --format perfetto|jsonl -o FILE`: a recording for other tools."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
+
+FORMATS = ("perfetto", "jsonl")
+
+DESCRIPTION = """\
+Write the recording DIR to FILE for other tools:
+  perfetto  Chrome trace-event JSON, opened by ui.perfetto.dev (Open trace file) and
+            chrome://tracing: a track per engine thread with its steps, a track per request
+            with its tokens (experts, sparsity, attention and log-prob as each slice's args),
+            a track per GPU stream with its kernels, and flow arrows token -> step -> kernels.
+  jsonl     one JSON object per token, in the product brief's event shape.
+Times are the recording's CLOCK_MONOTONIC; token text stays null where the recording was made
+with --redact-text. FILE is created owner-only (0600); an existing FILE is refused unless --force.
+The export holds what the recording holds (token text, routing): see README, Privacy.
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    e = sub.add_parser(
+        "export",
+        help="write a recording as a Perfetto/Chrome trace or as JSON lines (one per token)",
+        description=DESCRIPTION,
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    e.add_argument("recording", type=Path, metavar="DIR", help="the recording to export")
+    e.add_argument("--format", required=True, choices=FORMATS, help="perfetto or jsonl")
+    e.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="the file to write")
+    e.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    e.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sparseety_prof.store import recording
+    from sparseety_prof.store.output_dir import sudo_owner
+    from sparseety_prof.store.output_file import check_new_file, new_file
+    from sparseety_prof.terminal_text import line
+    from sparseety_prof.views.export.perfetto import write_perfetto
+    from sparseety_prof.views.export.token_events import write_jsonl
+
+    check_new_file(args.output, force=args.force)
+    rec = recording.open(args.recording)
+    for table in ("tokens", "steps", "requests", "kernels"):
+        rec.table(table)  # read (and checked) before the output is created
+    with new_file(args.output, force=args.force, owner=sudo_owner()) as out:
+        if args.format == "perfetto":
+            counts = write_perfetto(rec, out)
+            what = (
+                f"{counts.steps} steps, {counts.tokens} tokens, {counts.kernels} kernels, "
+                f"{counts.flows} flows"
+            )
+        else:
+            what = f"{write_jsonl(rec, out)} tokens"
+    print(line(f"sparseety-prof: wrote {args.output} ({args.format}: {what})"), file=sys.stderr)
+    return 0
