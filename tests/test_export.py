@@ -144,6 +144,9 @@ def test_perfetto_export_holds_every_step_token_and_kernel_with_exact_times(tmp_
     origin = doc["otherData"]["ts_origin_ns"]
     assert origin == min(rec.steps()["t_start_ns"].min(), rec.tokens()["t_start_ns"].min())  # type: ignore[type-var]
     assert doc["otherData"]["clock"] == "CLOCK_MONOTONIC"
+    # Perfetto takes a displayTimeUnit of "ns" as the unit of every ts, and stops reading at a key it
+    # does not know: the events first, then only otherData
+    assert list(doc) == ["traceEvents", "otherData"]
 
     steps = rec.steps().rows(named=True)
     got_steps = slices(doc, "step")
@@ -197,6 +200,8 @@ def test_perfetto_export_holds_every_step_token_and_kernel_with_exact_times(tmp_
     assert processes[(perfetto.REQUESTS_PID, 0)] == "requests"
     assert processes[(perfetto.GPU_PID, 0)] == "GPU kernels"
     assert track_names[(4242, 4243)] == "engine thread 4243"
+    # Perfetto names threads by tid alone: no tid is shared by two tracks
+    assert len({tid for _, tid in track_names}) == len(track_names)
 
 
 def _enclosing(doc: dict[str, Any], origin: int, ev: dict[str, Any]) -> dict[str, Any]:

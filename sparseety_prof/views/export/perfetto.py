@@ -25,9 +25,12 @@ from sparseety_prof.store.recording import Recording
 from sparseety_prof.views.export.json_text import dumps
 from sparseety_prof.views.export.token_events import TokenEvents, iter_rows, token_rows
 
-# Linux pids stay below 2**22: these never collide with the engine's
+# Linux pids and tids stay below 2**22: these never collide with the engine's. Synthetic tids are
+# unique across processes too, since Perfetto's importer names threads by tid alone.
 REQUESTS_PID = 0x7FFF0001
 GPU_PID = 0x7FFF0002
+REQUEST_TID_BASE = 0x40000000
+STREAM_TID_BASE = 0x50000000
 FORMAT = "sparseety-prof trace-event export"
 
 
@@ -124,7 +127,8 @@ def write_perfetto(rec: Recording, out: BinaryIO) -> TraceCounts:
         "events": {"steps": counts.steps, "tokens": counts.tokens, "kernels": counts.kernels},
         "skipped_without_times": counts.skipped,
     }
-    out.write(('\n],"displayTimeUnit":"ns","otherData":' + dumps(other) + "}\n").encode("ascii"))
+    # no displayTimeUnit: Perfetto would take "ns" as the unit of every ts, not of the display
+    out.write(('\n],"otherData":' + dumps(other) + "}\n").encode("ascii"))
     return counts
 
 
@@ -157,7 +161,7 @@ def _kernel_tracks(kernels: pl.DataFrame) -> dict[tuple[int | None, int | None],
         .unique(maintain_order=True)
         .sort("device", "stream_id", nulls_last=True)
     )
-    return {(d, s): i + 1 for i, (d, s) in enumerate(keys.iter_rows())}
+    return {(d, s): STREAM_TID_BASE + i for i, (d, s) in enumerate(keys.iter_rows())}
 
 
 def _write_kernels(w: _Writer, kernels: pl.DataFrame, step_ends: pl.DataFrame, counts: TraceCounts) -> None:
@@ -207,10 +211,10 @@ def _write_tokens(w: _Writer, rec: Recording, step_ends: pl.DataFrame, counts: T
     for r in iter_rows(joined):
         tid = tracks.get(r["request_id"])
         if tid is None:
-            tid = tracks[r["request_id"]] = len(tracks) + 1
+            tid = tracks[r["request_id"]] = REQUEST_TID_BASE + len(tracks)
             label = r["request_id"] if r["request_id"] is not None else "(no request id)"
             w.name(REQUESTS_PID, tid, label)
-            w.sort_index(REQUESTS_PID, tid, tid)
+            w.sort_index(REQUESTS_PID, tid, len(tracks))
         w.emit(
             {
                 "ph": "X",
