@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the model generator and the test engi
 
 from make_models import make_model  # noqa: E402
 
-from scripts.bench_overhead import SPARSE_LOSSES, bootstrap_median_ci  # noqa: E402
+from scripts.bench_overhead import SPARSE_LOSSES, EngineProc, bootstrap_median_ci  # noqa: E402
 
 ENGINES = ROOT / "tests" / "engines"
 # prompts of different lengths: prompt processing is part of the load
@@ -87,36 +87,15 @@ class Side:
 
 
 # ------------------------------------------------------------------ engines and their load
-class LlamaCppPython:
+class LlamaCppPython(EngineProc):
+    """bench_overhead's engine process (logits_all off, as in serving), one request at a time."""
+
     name = "llama-cpp-python"
 
     def __init__(self, model: Path, threads: int, clients: int) -> None:
         if clients != 1:
             raise SystemExit("llama-cpp-python serves one request at a time: --clients 1 only")
-        self.p = subprocess.Popen(
-            [
-                sys.executable,
-                str(ENGINES / "llama_engine.py"),
-                str(model),
-                "--threads",
-                str(threads),
-                "--no-logits-all",
-                "--n-ctx",
-                "1024",
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        self.pid = int(self._read()["ready"])
-
-    def _read(self) -> dict[str, Any]:
-        assert self.p.stdout is not None
-        for line in self.p.stdout:
-            if line.startswith("{"):
-                return dict(json.loads(line))
-        raise RuntimeError("engine exited")
+        super().__init__(model, threads, n_ctx=1024)
 
     def load(self, seconds: float, tokens: int) -> Side:
         assert self.p.stdin is not None
@@ -131,10 +110,6 @@ class LlamaCppPython:
             side.add(int(r["t_request_ns"]), [int(t) for t in r["times_ns"]])
             i += 1
         return side
-
-    def close(self) -> None:
-        self.p.kill()
-        self.p.wait()
 
 
 class Server:

@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.root, pytest.mark.engine]
 
 PROMPTS = ["hello the expert router", "one two three four"]
 N_PREDICT = 40
-LOGPROB_TOL = 1e-3  # the server's n_probs answer is computed from the same logits row; see the note in README
+LOGPROB_TOL = 1e-4  # the server's n_probs answer comes from the same logits row (measured: under 4e-6)
 WEIGHT_TOL = 1e-5  # recorded gate weights vs the graph trace of the same engine (test_sparse_decisions.py)
 
 

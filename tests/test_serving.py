@@ -23,7 +23,7 @@ import sparseety_prof
 
 pytestmark = [pytest.mark.root, pytest.mark.engine]
 
-LOGPROB_TOL = 1e-3
+LOGPROB_TOL = 1e-4  # the engine's own log-softmax of the same logits row
 WORDS = [
     "hello",
     "the",

@@ -16,7 +16,7 @@ import sparseety_prof
 pytestmark = [pytest.mark.root, pytest.mark.engine]
 
 PROMPTS = ["hello the expert router", "the sparse decode sample", "one two three four", "what is the time"]
-LOGPROB_TOL = 1e-3
+LOGPROB_TOL = 1e-4  # the engine's own log-softmax of the same logits row
 
 
 @pytest.fixture

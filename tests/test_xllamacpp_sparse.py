@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.root, pytest.mark.engine]
 # Distinct first words, so the server's prompt cache reuses only the <s> row of the previous prompt.
 PROMPTS = ["hello the expert router", "the sparse decode sample", "one two three four", "what is the time"]
 N_PREDICT = 50
-LOGPROB_TOL = 1e-3  # recorded vs the server's own n_probs answer (same logits row)
+LOGPROB_TOL = 1e-4  # recorded vs the server's own n_probs answer (same logits row)
 # Oracle vs server. llama-server's flash_attn_type is "auto", which is on for this CPU build; the oracle
 # runs with --flash-attn too. Measured (4 prompts x 50 tokens, 845 (position, layer) pairs): gate weights
 # within 3.2e-4 and router probabilities within 3.0e-4 (without --flash-attn in the oracle: 1.8e-3 and

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -107,15 +108,7 @@ class Recorder:
         writer = None
         if opts.out is not None:
             try:
-                writer = RecordingWriter(
-                    opts.out,
-                    self.meta,
-                    owner=sudo_owner(),
-                    redact_text=opts.redact_text,
-                    redact=opts.redact,
-                    redact_layers=opts.redact_layers,
-                    max_disk=opts.max_disk,
-                )
+                writer = _open_writer(opts, opts.out, self.meta)
             except BaseException:  # -o swapped since the check, or the disk is full: detach, record nothing
                 a.session.close()
                 a.model_file.close()
@@ -294,15 +287,7 @@ class Recorder:
         }
         writer = None
         if opts.out is not None:
-            writer = RecordingWriter(
-                opts.out,
-                self.meta,
-                owner=sudo_owner(),
-                redact_text=opts.redact_text,
-                redact=opts.redact,
-                redact_layers=opts.redact_layers,
-                max_disk=opts.max_disk,
-            )
+            writer = _open_writer(opts, opts.out, self.meta)
         self.log(f"sparseety-prof: attached to PID {opts.pid} (GPU only: {len(gpu.rings)} CUPTI ring(s))")
         start_unix_ms = time.time_ns() // 1_000_000
         deadline = time.monotonic() + opts.duration if opts.duration else None
@@ -386,6 +371,19 @@ class Recorder:
         p.cpu_s = _cpu_s() - self._cpu0
         if self.on_update is not None:
             self.on_update(tok, steps, p)
+
+
+def _open_writer(opts: Options, out: Path, meta: dict[str, Any]) -> RecordingWriter:
+    """The recording, with what the options ask of it (redaction, disk budget)."""
+    return RecordingWriter(
+        out,
+        meta,
+        owner=sudo_owner(),
+        redact_text=opts.redact_text,
+        redact=opts.redact,
+        redact_layers=opts.redact_layers,
+        max_disk=opts.max_disk,
+    )
 
 
 def _open_gpu(pid: int) -> GpuCapture | None:
