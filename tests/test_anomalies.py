@@ -146,7 +146,11 @@ def test_repetition_loop_is_found_where_the_ngram_repeats() -> None:
 def test_repetition_loop_reports_the_shortest_period_once() -> None:
     f = Fixture()
     f.ids[0, 10:22] = 42
-    assert _where(anomalies.repetition_loops(f.tokens())) == [("repetition_loop", REQUESTS[0], 10, 21, None)]
+    f.ids[0, 30:42] = [7, 8] * 6  # also a period-4 and period-6 loop: reported once, at period 2
+    assert _where(anomalies.repetition_loops(f.tokens())) == [
+        ("repetition_loop", REQUESTS[0], 10, 21, None),
+        ("repetition_loop", REQUESTS[0], 30, 41, None),
+    ]
 
 
 def test_logprob_collapse_is_found_in_the_run_of_unlikely_tokens() -> None:

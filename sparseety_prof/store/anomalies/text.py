@@ -26,8 +26,9 @@ LOGPROB_MIN_TOKENS = 16
 def _loops_in(
     ids: np.ndarray, max_period: int, min_repeats: float, min_span: int
 ) -> list[tuple[int, int, int]]:
-    """(start, end inclusive, period) of each loop in one request's token ids; the shortest period
-    wins where loops of several periods cover the same tokens (a period-2 loop is also period 4)."""
+    """(start, end inclusive, period) of each loop in one request's token ids, every window that
+    qualifies at its shortest period: one whose tokens all lie in loops of shorter periods already
+    found is the same loop (a period-2 loop is also a period-4 one) and is left out."""
     taken = np.zeros(len(ids), dtype=bool)
     found: list[tuple[int, int, int]] = []
     for p in range(1, min(max_period, len(ids) // 2) + 1):
@@ -37,7 +38,7 @@ def _loops_in(
         for run_start, run_end in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1), strict=True):
             start, end = int(run_start) - p, int(run_end) - 1
             span = end - start + 1
-            if span >= min_span and span / p >= min_repeats and not taken[start : end + 1].any():
+            if span >= min_span and span / p >= min_repeats and not taken[start : end + 1].all():
                 taken[start : end + 1] = True
                 found.append((start, end, p))
     return sorted(found)
