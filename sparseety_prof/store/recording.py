@@ -511,6 +511,13 @@ class Recording:
         """GPU kernel executions joined to their steps (schema.KERNELS); empty without the GPU path."""
         return self.table("kernels")
 
+    def anomalies(self) -> pl.DataFrame:
+        """What the anomaly detectors (store/anomalies/) find in the tokens and steps, as
+        schema.ANOMALIES rows; computed on each call, never stored."""
+        from sparseety_prof.store.anomalies import detect
+
+        return detect(self.tokens(), self.steps(), self.meta)
+
     def segments(self, table: str) -> list[Path]:
         """The segment files of `table`, in write order."""
         self._check_table(table)

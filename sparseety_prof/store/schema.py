@@ -347,3 +347,28 @@ def _regular_list_series(name: str, values: list[object], dtype: pl.DataType) ->
     if not all(valid):
         s = pl.select(pl.when(pl.Series(valid)).then(s).alias(name)).to_series()
     return s
+
+
+#: What `Recording.anomalies()` returns (store/anomalies/): one row per anomaly a detector found. Not
+#: a stored table: it is computed from the tokens and steps tables whenever it is asked for.
+ANOMALIES: dict[str, pl.DataType] = {
+    "kind": pl.String(),  # one of ANOMALY_KINDS
+    "score": pl.Float64(),  # how far past the detector's threshold (each detector says its unit)
+    "request_id": pl.String(),  # null for recording-wide findings (load imbalance)
+    "seq_id": pl.Int32(),
+    "decode_order": pl.Int32(),  # first token of the anomaly (null: recording-wide, or partial)
+    "decode_order_end": pl.Int32(),  # last token of it (= decode_order for a single token)
+    "step_id": pl.Int64(),  # the step of its first token
+    "layer": pl.Int32(),  # model layer, for per-layer detectors; else null
+    "reason": pl.String(),  # one sentence a person can read
+}
+ANOMALY_KINDS: tuple[str, ...] = (
+    "repetition_loop",
+    "logprob_collapse",
+    "routing_collapse",
+    "routing_jump",
+    "sparsity_spike",
+    "attention_collapse",
+    "slow_step",
+    "load_imbalance",
+)

@@ -11,6 +11,22 @@ from rich.table import Table
 from sparseety_prof.store.recording import open as open_recording
 from sparseety_prof.store.recording import section
 from sparseety_prof.terminal_text import text
+from sparseety_prof.views.anomaly_list import print_anomalies
+from sparseety_prof.views.fitted_table import print_fitted
+
+#: short headers for the requests table (its legend says what they mean), so that it fits 80 columns
+_HEADERS = {
+    "request_id": "request",
+    "mean_log_prob": "lp mean",
+    "min_log_prob": "lp min",
+    "span_ms": "span ms",
+    "ttft_ms": "ttft ms",
+    "itl_p50_ms": "itl p50",
+}
+_LEGEND = (
+    "lp: log-prob of the sampled tokens (nats); span: first to last token; id: where the request id "
+    "came from; ttft: time to first token; itl p50: median inter-token latency (ms)"
+)
 
 
 def _row(table: Table, *cells: object) -> None:
@@ -19,9 +35,9 @@ def _row(table: Table, *cells: object) -> None:
     table.add_row(*[text(c) for c in cells])
 
 
-def print_report(path: Path, *, console: Console | None = None) -> None:
+def print_report(path: Path, *, console: Console | None = None, anomalies: bool = False) -> None:
     """The recording's header, then per-request, GPU-kernel and step-latency tables (each only when
-    the recording holds such rows)."""
+    the recording holds such rows), then with `anomalies` what the anomaly detectors found."""
     con = console or Console()
     r = open_recording(path)
     tokens, steps = r.tokens(), r.steps()
@@ -67,12 +83,9 @@ def print_report(path: Path, *, console: Console | None = None) -> None:
                 on="request_id",
                 how="left",
             )
-        t = Table(title="requests")
-        for c in per_req.columns:
-            t.add_column(c)
-        for row in per_req.iter_rows():
-            _row(t, *[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row])
-        con.print(t)
+        headers = [_HEADERS.get(c, c) for c in per_req.columns]
+        cells = [[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row] for row in per_req.iter_rows()]
+        print_fitted(con, "requests", headers, cells, legend=_LEGEND)
     kernels = r.kernels()
     if kernels.height:
         k_us = (pl.col("end_ns") - pl.col("start_ns")) / 1e3
@@ -83,19 +96,15 @@ def print_report(path: Path, *, console: Console | None = None) -> None:
             .head(10)
         )
         joined = kernels.filter(pl.col("step_id").is_not_null()).height
-        kt = Table(title=f"GPU kernels ({kernels.height}, {joined} joined to a step)")
-        for c in top.columns:
-            kt.add_column(c)
-        for row in top.iter_rows():
-            _row(kt, *[f"{v:.1f}" if isinstance(v, float) else str(v) for v in row])
-        con.print(kt)
+        cells = [[f"{v:.1f}" if isinstance(v, float) else str(v) for v in row] for row in top.iter_rows()]
+        print_fitted(con, f"GPU kernels ({kernels.height}, {joined} joined to a step)", top.columns, cells)
     if steps.height:
         dur = ((steps["t_end_ns"] - steps["t_start_ns"]) / 1e6).drop_nulls()
-        lat = Table(title="steps (ms)")
-        for c in ("phase", "steps", "p50", "p99"):
-            lat.add_column(c)
+        lat = []
         for phase in ("prefill", "decode"):
             d = dur.filter(steps["phase"] == phase)
             if len(d):
-                _row(lat, phase, str(len(d)), f"{d.quantile(0.5):.3f}", f"{d.quantile(0.99):.3f}")
-        con.print(lat)
+                lat.append([phase, str(len(d)), f"{d.quantile(0.5):.3f}", f"{d.quantile(0.99):.3f}"])
+        print_fitted(con, "steps (ms)", ["phase", "steps", "p50", "p99"], lat)
+    if anomalies:
+        print_anomalies(con, r)

@@ -1,0 +1,70 @@
+"""Detector over step timing: steps far slower than the recording's usual step of their phase."""
+
+from __future__ import annotations
+
+import polars as pl
+
+from sparseety_prof.store.anomalies import common
+
+#: a slow step: its duration (per token, for prompt steps, whose cost grows with their size) is
+#: SLOW_Z robust standard deviations above the phase's median (sigma floored at SLOW_SIGMA_FLOOR
+#: of the median, so a very steady engine does not flag jitter) and at least SLOW_RATIO times it,
+#: among at least SLOW_MIN_STEPS steps of that phase
+SLOW_Z = 6.0
+SLOW_SIGMA_FLOOR = 0.1
+SLOW_RATIO = 2.0
+SLOW_MIN_STEPS = 8
+
+
+def slow_steps(
+    steps: pl.DataFrame,
+    tokens: pl.DataFrame,
+    *,
+    z: float = SLOW_Z,
+    sigma_floor: float = SLOW_SIGMA_FLOOR,
+    ratio: float = SLOW_RATIO,
+    min_steps: int = SLOW_MIN_STEPS,
+) -> pl.DataFrame:
+    """Score: the step's cost in robust standard deviations above its phase's median. The anomaly
+    names the first token the step produced (a step that produced none is reported without one)."""
+    ms = (pl.col("t_end_ns") - pl.col("t_start_ns")) / 1e6
+    cost = (
+        pl.when(pl.col("phase") == "prefill")
+        .then(ms / pl.max_horizontal(pl.col("n_tokens"), 1))
+        .otherwise(ms)
+    )
+    df = (
+        steps.filter(pl.col("t_end_ns").is_not_null() & pl.col("t_start_ns").is_not_null())
+        .with_columns(ms.alias("ms"), cost.alias("cost"))
+        .filter(pl.len().over("phase") >= min_steps)
+    )
+    if df.is_empty():
+        return common.empty()
+    med = pl.col("cost").median().over("phase")
+    mad = (pl.col("cost") - med).abs().median().over("phase")
+    sigma = pl.max_horizontal(mad * common.MAD_TO_SIGMA, med * sigma_floor)
+    df = (
+        df.with_columns(((pl.col("cost") - med) / sigma).alias("score"), med.alias("usual"))
+        .filter((pl.col("score") >= z) & (pl.col("cost") >= ratio * pl.col("usual")))
+        .join(
+            tokens.sort("t_end_ns")
+            .group_by("step_id")
+            .agg(pl.col("request_id", "seq_id", "decode_order").first()),
+            on="step_id",
+            how="left",
+        )
+        .sort("step_id")
+    )
+    rows = [
+        {
+            **r,
+            "kind": "slow_step",
+            "decode_order_end": r["decode_order"],
+            "reason": f"{r['phase']} step {r['step_id']} took {r['ms']:.2f} ms"
+            + (f" ({r['n_tokens']} tokens)" if r["phase"] == "prefill" else "")
+            + f", {r['cost'] / r['usual']:.1f}x the usual {r['usual']:.2f} ms"
+            + (" per token" if r["phase"] == "prefill" else ""),
+        }
+        for r in df.iter_rows(named=True)
+    ]
+    return common.frame(rows)
