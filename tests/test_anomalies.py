@@ -17,7 +17,7 @@ from rich.console import Console
 
 import sparseety_prof
 from sparseety_prof.store import anomalies, schema
-from sparseety_prof.store.recording import RecordingWriter
+from sparseety_prof.store.recording_writer import RecordingWriter
 from sparseety_prof.views.report import print_report
 
 N_TOKENS = 60

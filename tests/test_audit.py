@@ -17,7 +17,7 @@ from conftest import run_cli
 
 import sparseety_prof
 from sparseety_prof.store import schema
-from sparseety_prof.store.recording import RecordingWriter
+from sparseety_prof.store.recording_writer import RecordingWriter
 from sparseety_prof.store.redaction_levels import Redaction, parse_layers, parse_levels, redact_frame
 from sparseety_prof.views.audit import estimators as est
 from sparseety_prof.views.audit.attack import audit
@@ -280,7 +280,7 @@ def test_diff_refuses_recordings_without_token_ids(tmp_path: Path) -> None:
     """A diff pairs and compares tokens: with the ids redacted every pair would look equal."""
     from test_recording import tokens_frame
 
-    from sparseety_prof.store.recording import RecordingWriter
+    from sparseety_prof.store.recording_writer import RecordingWriter
 
     for name, redact in (("plain", ()), ("ids", ("ids",))):
         with RecordingWriter(tmp_path / name, {}, redact=redact) as w:

@@ -16,7 +16,7 @@ from conftest import run_cli
 from rich.console import Console
 
 from sparseety_prof.store import recording, schema
-from sparseety_prof.store.recording import RecordingWriter
+from sparseety_prof.store.recording_writer import RecordingWriter
 from sparseety_prof.views.diff import Tolerances, compare, diff_recordings, render, result_json
 
 VOCAB = ["▁The", "▁cat", "▁sat", "▁on", "▁the", "▁mat", ".", "\n", "▁It", "▁was", "▁warm", "▁and"]

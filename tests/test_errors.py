@@ -88,7 +88,7 @@ def test_truncated_segment(tmp_path: Path) -> None:
     import polars as pl
 
     from sparseety_prof.store import schema
-    from sparseety_prof.store.recording import RecordingWriter
+    from sparseety_prof.store.recording_writer import RecordingWriter
 
     w = RecordingWriter(tmp_path / "rec", {"note": "test"})
     w.append("steps", pl.DataFrame(schema=schema.STEPS))

@@ -19,7 +19,7 @@ from test_recording import META, steps_frame, tokens_frame
 import sparseety_prof
 from sparseety_prof import cli
 from sparseety_prof.store import schema
-from sparseety_prof.store.recording import RecordingWriter
+from sparseety_prof.store.recording_writer import RecordingWriter
 from sparseety_prof.views.export import perfetto, token_events
 
 LAYERS = {"moe": [1, 3], "ffn": [0, 1], "attn": [0, 1]}

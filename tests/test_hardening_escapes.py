@@ -37,7 +37,8 @@ from sparseety_prof.errors import ProfError
 from sparseety_prof.session import snapshot
 from sparseety_prof.session.snapshot import server_props
 from sparseety_prof.store import schema
-from sparseety_prof.store.recording import META_FILE, RecordingWriter
+from sparseety_prof.store.recording import META_FILE
+from sparseety_prof.store.recording_writer import RecordingWriter
 
 # ------------------------------------------------------------------ /props of a hostile server
 Handler = Callable[[BaseHTTPRequestHandler], None]

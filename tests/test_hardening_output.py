@@ -21,7 +21,8 @@ from sparseety_prof.commands.exit_codes import CHECK_FAILED, EXIT_CODES_HELP
 from sparseety_prof.errors import RecordingWriteError, UsageError
 from sparseety_prof.store import schema
 from sparseety_prof.store.output_dir import check_output_path
-from sparseety_prof.store.recording import META_FILE, RecordingWriter
+from sparseety_prof.store.recording import META_FILE
+from sparseety_prof.store.recording_writer import RecordingWriter
 
 NOBODY = 65534  # an unused uid/gid: stands for "the user who ran sudo" or for another local user
 META = {"pid": 4242, "note": "hardening"}

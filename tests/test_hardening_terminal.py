@@ -31,7 +31,7 @@ from test_diff import request, tokens, write
 import sparseety_prof
 from sparseety_prof.checks import Check
 from sparseety_prof.store import schema
-from sparseety_prof.store.recording import RecordingWriter
+from sparseety_prof.store.recording_writer import RecordingWriter
 from sparseety_prof.terminal_text import json_dumps, line, markup, text, visible
 from sparseety_prof.views.diff import diff_recordings, render
 from sparseety_prof.views.live import LiveState

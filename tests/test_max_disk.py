@@ -12,7 +12,7 @@ import pytest
 from conftest import Engine, Recorder, run_cli
 
 import sparseety_prof
-from sparseety_prof.store import recording
+from sparseety_prof.store import recording, recording_writer
 
 PROMPTS = ["hello the expert router", "one two three four", "the sparse decode sample", "what is the time"]
 
@@ -47,9 +47,12 @@ def test_recording_stays_within_max_disk_and_keeps_the_latest_tokens_exactly(
     r = sparseety_prof.open(out)
     assert r.complete
     rotation = r.meta["rotation"]
-    assert rotation["max_disk_bytes"] == recording.MIN_MAX_DISK and rotation["segments_removed"] > 0
+    assert rotation["max_disk_bytes"] == recording_writer.MIN_MAX_DISK and rotation["segments_removed"] > 0
     largest = max(p.stat().st_size for p in out.rglob("part-*.parquet"))
-    assert peak <= recording.MIN_MAX_DISK + largest and _disk_bytes(out) <= recording.MIN_MAX_DISK + largest
+    assert (
+        peak <= recording_writer.MIN_MAX_DISK + largest
+        and _disk_bytes(out) <= recording_writer.MIN_MAX_DISK + largest
+    )
     tokens = r.tokens()
     generated = sum(len(ids) for ids in truth)
     assert tokens.height + rotation["rows_removed"].get("tokens", 0) == generated  # counted, not lost

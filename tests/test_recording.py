@@ -12,8 +12,10 @@ from polars.testing import assert_frame_equal
 
 import sparseety_prof
 from sparseety_prof.errors import CorruptRecording, UsageError
-from sparseety_prof.store import recording, schema
-from sparseety_prof.store.recording import META_FILE, RecordingWriter, sudo_owner
+from sparseety_prof.store import recording, recording_writer, schema
+from sparseety_prof.store.output_dir import sudo_owner
+from sparseety_prof.store.recording import META_FILE
+from sparseety_prof.store.recording_writer import RecordingWriter
 
 
 # ------------------------------------------------------------------ record builders
@@ -459,7 +461,7 @@ def _disk_bytes(root: Path) -> int:
 
 
 def test_max_disk_keeps_the_newest_rows_within_the_budget(tmp_path: Path) -> None:
-    budget = recording.MIN_MAX_DISK
+    budget = recording_writer.MIN_MAX_DISK
     rec_path = tmp_path / "rec"
     peak, total = 0, 0
     with RecordingWriter(rec_path, {"run": 1}, segment_rows=500, max_disk=budget) as w:
@@ -484,7 +486,7 @@ def test_max_disk_keeps_the_newest_rows_within_the_budget(tmp_path: Path) -> Non
 
 def test_a_segment_left_behind_by_a_kill_during_rotation_is_ignored(tmp_path: Path) -> None:
     rec_path = tmp_path / "rec"
-    with RecordingWriter(rec_path, {}, segment_rows=500, max_disk=recording.MIN_MAX_DISK) as w:
+    with RecordingWriter(rec_path, {}, segment_rows=500, max_disk=recording_writer.MIN_MAX_DISK) as w:
         for i in range(120):
             w.append("tokens", tokens_frame(500, start=i * 500))
             w.flush()

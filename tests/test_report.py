@@ -7,7 +7,7 @@ from pathlib import Path
 from conftest import run_cli
 
 from sparseety_prof.store import schema
-from sparseety_prof.store.recording import RecordingWriter
+from sparseety_prof.store.recording_writer import RecordingWriter
 
 
 def _recording(path: Path) -> None:

@@ -126,7 +126,8 @@ def options_from(args: argparse.Namespace) -> Options:
     from sparseety_prof.errors import UsageError
     from sparseety_prof.session.options import Options
     from sparseety_prof.store.output_dir import check_output_path, sudo_owner
-    from sparseety_prof.store.recording import META_FILE, MIN_MAX_DISK
+    from sparseety_prof.store.recording import META_FILE
+    from sparseety_prof.store.recording_writer import MIN_MAX_DISK
     from sparseety_prof.store.redaction_levels import redaction_from_flags
     from sparseety_prof.store.rotation import parse_size
 

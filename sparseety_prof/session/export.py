@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sparseety_prof.session import redaction
-from sparseety_prof.store import recording, schema
+from sparseety_prof.store import recording, recording_writer, schema
 from sparseety_prof.store.output_dir import sudo_owner
 
 # keys RecordingWriter writes itself (copied from the source they would be refused)
@@ -43,7 +43,7 @@ def export_redacted(
         meta = _text_redacted_meta(meta)
     meta["exported_from"] = {"complete": rec.complete, "created_unix_ms": rec.meta.get("created_unix_ms")}
     frames = {t: rec.table(t) for t in schema.TABLES}  # read (and checked) before anything is written
-    with recording.RecordingWriter(
+    with recording_writer.RecordingWriter(
         dst, meta, owner=sudo_owner(), redact_text=text, redact=all_levels, redact_layers=all_layers
     ) as writer:
         for table, df in frames.items():

@@ -35,7 +35,8 @@ from sparseety_prof.session.sched import ConsumerSched
 from sparseety_prof.session.snapshot import engine_environment, host_info, process_info
 from sparseety_prof.store import schema
 from sparseety_prof.store.buffers import ColumnBuffer, FlushSchedule
-from sparseety_prof.store.recording import RecordingWriter, sudo_owner
+from sparseety_prof.store.output_dir import sudo_owner
+from sparseety_prof.store.recording_writer import RecordingWriter
 from sparseety_prof.terminal_text import line as terminal_line
 
 DRAIN_INTERVAL_S = 0.5  # consumer batches: fewer, larger frames cost less CPU per token

@@ -19,60 +19,35 @@ Recordings hold secrets (token text, and routing/mask traces from which prompts 
 recovered), so every file is 0600 and every directory the writer creates 0700 whatever the
 umask, and when the profiler runs under sudo they are handed to the invoking user (``owner``).
 Files are created through an open directory, never through a symlink (store/output_dir.py).
+
+This module is the format and its reader; the writer is store/recording_writer.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
-import threading
-import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import polars as pl
 
-from sparseety_prof.errors import CorruptRecording, RecordingWriteError, UsageError
+from sparseety_prof.errors import CorruptRecording, UsageError
 from sparseety_prof.store import redaction_levels, schema
-from sparseety_prof.store.output_dir import DIR_MODE, FILE_MODE, OutputDir, sudo_owner
-from sparseety_prof.store.rotation import DiskBudget, Segment
 
-__all__ = [
-    "DIR_MODE",
-    "FILE_MODE",
-    "FORMAT",
-    "META_FILE",
-    "Recording",
-    "RecordingWriter",
-    "open",
-    "sudo_owner",
-]
+__all__ = ["FORMAT", "META_FILE", "Recording", "open", "schema_diff", "segment_name"]
 
 FORMAT = "sparseety-prof-recording"
 META_FILE = "meta.json"
-DEFAULT_SEGMENT_ROWS = 50_000
-# Disk room held from the start for the last meta.json, freed when a write fails or at close.
-_RESERVE_FILE = ".space-reserve"
-_RESERVE_MIN = 64 * 1024
-#: the smallest --max-disk: room for meta.json, its reserve and a few segments of every table
-MIN_MAX_DISK = 1 << 20
-_RESERVE_PER_META_BYTE = 4  # the final meta.json is larger than the first; it is written beside it
 
 _SKIP_HINT = "; open the recording with skip_damaged=True to read the rest"
 _SEGMENT_RE = re.compile(r"^part-(\d{6})\.parquet$")
-#: Keys the writer owns; callers may not set them through meta/update_meta/close.
-_RESERVED_META = frozenset(
-    {"format", "schema_version", "complete", "redacted", "redaction", "tables", "write_error", "rotation"}
-)
 
 # Column roles. Names come from the schema; these only say which schema column plays which role.
 # (Candidates for schema.py itself, e.g. schema.TEXT_COLUMNS / schema.SORT_KEYS.)
-_TEXT_COLUMNS: dict[str, tuple[str, ...]] = {"tokens": ("token_text",)}
+TEXT_COLUMNS: dict[str, tuple[str, ...]] = {"tokens": ("token_text",)}
 _SORT_KEYS: dict[str, tuple[str, ...]] = {
     "tokens": ("t_end_ns", "seq_id"),
     "steps": ("step_id",),
@@ -81,7 +56,7 @@ _SORT_KEYS: dict[str, tuple[str, ...]] = {
     "requests": ("t_started_ns", "seq_id"),
     "kernels": ("launch_ns", "correlation_id"),
 }
-for _table, _cols in (*_TEXT_COLUMNS.items(), *_SORT_KEYS.items()):
+for _table, _cols in (*TEXT_COLUMNS.items(), *_SORT_KEYS.items()):
     _missing = [c for c in _cols if c not in schema.TABLES[_table]]
     if _missing:  # pragma: no cover - guards against a schema rename
         raise ImportError(f"recording: columns {_missing} are not in schema.TABLES[{_table!r}]")
@@ -91,11 +66,7 @@ def segment_name(index: int) -> str:
     return f"part-{index:06d}.parquet"
 
 
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
-def _schema_diff(table: str, got: Mapping[str, pl.DataType]) -> str:
+def schema_diff(table: str, got: Mapping[str, pl.DataType]) -> str:
     """Human-readable difference between a frame's schema and the table's; '' when identical."""
     want = schema.TABLES[table]
     problems = []
@@ -111,331 +82,6 @@ def _schema_diff(table: str, got: Mapping[str, pl.DataType]) -> str:
     if not problems and list(got) != list(want):
         problems.append(f"columns out of order {list(got)} (expected {list(want)})")
     return "; ".join(problems)
-
-
-class RecordingWriter:
-    """Writes one recording directory. Thread-safe; meant to be fed by the consumer thread.
-
-    Parameters
-    ----------
-    path
-        The recording directory. Created (mode 0700, missing parents too); an existing directory
-        must be empty, a real directory (not a symlink), and is left with its mode and owner
-        (see `output_dir.OutputDir.create`).
-    meta
-        Run metadata (JSON-serialisable; anything else is stored as ``str()``).
-    owner
-        ``(uid, gid)`` to chown every file and every directory it creates to (see `sudo_owner`).
-    segment_rows
-        Rows buffered per table before a segment is written.
-    redact_text
-        Store token text as nulls (the column stays) and record ``"redacted": true``.
-    max_disk
-        Bytes the recording may hold on disk; beyond them the oldest segments are removed
-        (store/rotation.py) and counted in ``"rotation"``. None: no limit.
-    redact, redact_layers
-        Redaction levels (store/redaction_levels.py: ids, routing, sparsity, masks) applied to
-        every row before it is buffered, the per-layer ones on `redact_layers` only when given
-        (meta's "layers" maps the tokens table's per-layer lists); meta.json's ``"redaction"``
-        says what was applied (with the expert load per layer when routing is redacted).
-
-    A write that fails (disk full, I/O error) does not raise: the writer stops writing rows,
-    counts every row it is given from then on as not written, and `close` records
-    ``"complete": false`` with the reason (`write_error`). The caller decides what to do.
-    """
-
-    def __init__(
-        self,
-        path: Path,
-        meta: Mapping[str, Any],
-        *,
-        owner: tuple[int, int] | None = None,
-        segment_rows: int = DEFAULT_SEGMENT_ROWS,
-        redact_text: bool = False,
-        redact: Iterable[str] = (),
-        redact_layers: Iterable[int] | None = None,
-        compression: Literal["zstd", "lz4", "snappy", "uncompressed"] = "zstd",
-        max_disk: int | None = None,
-    ) -> None:
-        if segment_rows < 1:
-            raise ValueError(f"segment_rows must be >= 1, got {segment_rows}")
-        reserved = _RESERVED_META & set(meta)
-        if reserved:
-            raise ValueError(f"meta keys {sorted(reserved)} are set by the writer")
-        self.path = Path(path)
-        self.owner = owner
-        self.segment_rows = segment_rows
-        self.redact_text = redact_text
-        layers = meta.get("layers")
-        self.redaction = redaction_levels.Redaction(
-            frozenset(redact),
-            None if redact_layers is None else frozenset(redact_layers),
-            {k: v for k, v in layers.items() if isinstance(v, list)} if isinstance(layers, dict) else {},
-        )
-        self._expert_load = redaction_levels.ExpertLoad() if "routing" in self.redaction.levels else None
-        self._compression = compression
-        self._lock = threading.Lock()
-        self._buffers: dict[str, list[pl.DataFrame]] = {t: [] for t in schema.TABLES}
-        self._buffered: dict[str, int] = dict.fromkeys(schema.TABLES, 0)
-        self._segments: dict[str, int] = dict.fromkeys(schema.TABLES, 0)  # next segment index
-        self._first: dict[str, int] = dict.fromkeys(schema.TABLES, 0)  # oldest segment on disk
-        self._rows: dict[str, int] = dict.fromkeys(schema.TABLES, 0)  # rows in segments on disk
-        self._budget = DiskBudget(max_disk) if max_disk is not None else None
-        self._meta_bytes = 0
-        self._not_written: dict[str, int] = dict.fromkeys(schema.TABLES, 0)
-        #: Why writing stopped (disk full, I/O error), or None while every write succeeded.
-        self.write_error: str | None = None
-        self._closed = False
-        self._dir = OutputDir.create(self.path, META_FILE, owner)
-        self._table_dirs: dict[str, OutputDir] = {}
-        self._meta: dict[str, Any] = {
-            "format": FORMAT,
-            "schema_version": schema.SCHEMA_VERSION,
-            "complete": False,
-            "redacted": redact_text,
-            "redaction": self.redaction.to_meta(),
-            "created_unix_ms": _now_ms(),
-            **meta,
-        }
-        with self._lock:
-            try:
-                size = self._write_meta()
-            except Exception as e:
-                self._dir.close()
-                raise RecordingWriteError(f"cannot write {self.path / META_FILE}: {_reason(e)}") from None
-            self._reserve_bytes = max(_RESERVE_MIN, _RESERVE_PER_META_BYTE * size)
-            self._dir.reserve(_RESERVE_FILE, self._reserve_bytes)
-
-    # ------------------------------------------------------------------ public API
-    @property
-    def meta(self) -> dict[str, Any]:
-        with self._lock:
-            return dict(self._meta)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def rows_written(self, table: str) -> int:
-        """Rows of `table` already in segments on disk (buffered rows not included)."""
-        return self._rows[table]
-
-    def rows_not_written(self) -> dict[str, int]:
-        """Rows per table given to the writer but lost to a write error."""
-        with self._lock:
-            return dict(self._not_written)
-
-    def failure(self) -> RecordingWriteError | None:
-        """The one-line error to end with when a write failed (None when none did)."""
-        if self.write_error is None:
-            return None
-        lost, kept = sum(self.rows_not_written().values()), sum(self._rows.values())
-        return RecordingWriteError(
-            f"recording stopped: {self.write_error}; {lost} rows were not written, the {kept} written "
-            f"before are readable ({META_FILE} says complete: false)"
-        )
-
-    def append(self, table: str, df: pl.DataFrame) -> None:
-        """Buffer rows of `table`; writes a segment each time `segment_rows` rows are buffered.
-
-        Raises ValueError when the frame's columns or dtypes are not exactly the table's schema.
-        """
-        if table not in schema.TABLES:
-            raise ValueError(f"unknown table {table!r}; tables are {sorted(schema.TABLES)}")
-        diff = _schema_diff(table, df.schema)
-        if diff:
-            raise ValueError(f"frame does not match the {table} schema: {diff}")
-        with self._lock:
-            self._check_open()
-            if df.height == 0:
-                return
-            if self.write_error is not None:
-                self._not_written[table] += df.height
-                return
-            if self.redact_text:
-                df = df.with_columns(
-                    pl.lit(None, dtype=schema.TABLES[table][c]).alias(c) for c in _TEXT_COLUMNS.get(table, ())
-                )
-            if self._expert_load is not None and table == "routes":
-                self._expert_load.add(df)
-            df = self.redaction.frame(table, df)
-            self._buffers[table].append(df)
-            self._buffered[table] += df.height
-            if self._buffered[table] >= self.segment_rows:
-                self._flush_table(table, full_only=True)
-
-    def flush(self) -> None:
-        """Write every buffered row to disk now (one segment per table that has rows)."""
-        with self._lock:
-            self._check_open()
-            self._flush_all()
-
-    def update_meta(self, **kv: Any) -> None:
-        """Merge `kv` into the metadata and rewrite meta.json."""
-        self._check_reserved(kv)
-        with self._lock:
-            self._check_open()
-            self._meta.update(kv)
-            if self.write_error is None:
-                self._store_meta()
-
-    def close(self, *, complete: bool = True, **final_meta: Any) -> None:
-        """Flush, merge `final_meta` (end time, loss counters...) and mark the recording complete
-        (unless `complete` is False, or a write failed). A second call does nothing."""
-        self._check_reserved(final_meta)
-        with self._lock:
-            if self._closed:
-                return
-            self._flush_all()
-            self._meta.update(final_meta)
-            self._meta.setdefault("closed_unix_ms", _now_ms())
-            lost = sum(self._not_written.values())
-            if isinstance(self._meta.get("losses"), dict):
-                self._meta["losses"] = {**self._meta["losses"], "rows_not_written": lost}
-            elif lost:
-                self._meta["losses"] = {"rows_not_written": lost}
-            self._meta["complete"] = complete and self.write_error is None
-            self._dir.release(_RESERVE_FILE)  # its room is for this last meta.json
-            self._store_meta()
-            self._closed = True
-            for d in (*self._table_dirs.values(), self._dir):
-                d.close()
-
-    def __enter__(self) -> RecordingWriter:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        # Keep what was captured, but do not claim completeness after an exception.
-        self.close(complete=exc_type is None)
-
-    # ------------------------------------------------------------------ internals
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError(f"recording {self.path} is closed")
-
-    @staticmethod
-    def _check_reserved(kv: Mapping[str, Any]) -> None:
-        reserved = _RESERVED_META & set(kv)
-        if reserved:
-            raise ValueError(f"meta keys {sorted(reserved)} are set by the writer")
-
-    def _write_meta(self) -> int:
-        """Rewrite meta.json (atomically); returns its size. Raises what the file system raises."""
-        self._meta["tables"] = {
-            t: {"rows": self._rows[t], "segments": self._segments[t] - self._first[t]}
-            | ({"first_segment": self._first[t]} if self._budget is not None else {})
-            for t in schema.TABLES
-        }
-        if self._budget is not None:
-            self._meta["rotation"] = self._budget.to_meta()
-        if self._expert_load is not None:
-            self._meta["redaction"] = {**self._meta["redaction"], "expert_load": self._expert_load.to_meta()}
-        if self.write_error is not None:
-            self._meta["write_error"] = {
-                "reason": self.write_error,
-                "rows_not_written": dict(self._not_written),
-            }
-        data = (json.dumps(self._meta, indent=2, sort_keys=True, default=str) + "\n").encode()
-        self._dir.write_atomic(META_FILE, lambda f: f.write(data))
-        self._meta_bytes = len(data)
-        return len(data)
-
-    def _store_meta(self) -> None:
-        """Rewrite meta.json; a failure stops the recording's writes (see `_fail`)."""
-        try:
-            self._write_meta()
-        except Exception as e:
-            if self.write_error is None:
-                self._fail(f"writing {self.path / META_FILE}", e)
-
-    def _fail(self, what: str, e: BaseException) -> None:
-        """Stop writing rows: every buffered row is lost, and so is every row appended later.
-        meta.json is rewritten once more (complete: false, with the reason) in the room the
-        reserve held; if even that fails, it keeps its last state, which says complete: false."""
-        self.write_error = f"{what}: {_reason(e)}"
-        for t in schema.TABLES:
-            self._not_written[t] += self._buffered[t]
-            self._buffers[t], self._buffered[t] = [], 0
-        self._meta["complete"] = False
-        self._dir.release(_RESERVE_FILE)
-        with contextlib.suppress(Exception):  # still full: meta.json keeps complete: false
-            self._write_meta()
-
-    def _flush_all(self) -> None:
-        if self.write_error is not None:
-            return
-        wrote = False
-        for table in schema.TABLES:
-            wrote |= self._flush_table(table, full_only=False)
-        if wrote and self.write_error is None:
-            self._store_meta()
-
-    def _flush_table(self, table: str, *, full_only: bool) -> bool:
-        """Write buffered rows as segments of at most `segment_rows` rows. With `full_only`, a
-        remainder smaller than a segment stays buffered. Returns whether anything was written."""
-        if self._buffered[table] == 0 or self.write_error is not None:
-            return False
-        df = pl.concat(self._buffers[table], how="vertical", rechunk=False)
-        self._buffers[table], self._buffered[table] = [], 0
-        offset, wrote = 0, False
-        while offset < df.height:
-            n = min(self.segment_rows, df.height - offset)
-            if full_only and n < self.segment_rows:
-                break
-            try:
-                self._write_segment(table, df.slice(offset, n))
-            except Exception as e:
-                self._not_written[table] += df.height - offset
-                self._fail(f"writing {self.path / table / segment_name(self._segments[table])}", e)
-                return wrote
-            offset += n
-            wrote = True
-        if offset < df.height:
-            rest = df.slice(offset)
-            self._buffers[table], self._buffered[table] = [rest], rest.height
-        if wrote and full_only:
-            self._store_meta()
-        return wrote
-
-    def _write_segment(self, table: str, df: pl.DataFrame) -> None:
-        d = self._table_dirs.get(table)
-        if d is None:
-            d = self._table_dirs[table] = self._dir.subdir(table)
-        # encoded in memory, then written as bytes: a full disk then fails in our own write, with
-        # its errno (polars reports it as a bare "transport error")
-        buf = io.BytesIO()
-        df.write_parquet(buf, compression=self._compression)
-        data = buf.getbuffer()
-        d.write_atomic(segment_name(self._segments[table]), lambda f: f.write(data))
-        self._segments[table] += 1
-        self._rows[table] += df.height
-        if self._budget is not None:
-            seg = Segment(table, self._segments[table] - 1, len(data), df.height)
-            self._rotate(self._budget.added(seg, overhead=self._meta_bytes + self._reserve_bytes))
-
-    def _rotate(self, victims: list[Segment]) -> None:
-        """Remove the oldest segments the disk budget gave up. meta.json moves each table's first
-        segment past them BEFORE the files go: a recorder killed in between leaves an old segment
-        the loader ignores, never a gap it would call damage."""
-        if not victims:
-            return
-        for seg in victims:
-            self._first[seg.table] = seg.index + 1
-            self._rows[seg.table] -= seg.rows
-        self._write_meta()
-        for seg in victims:
-            self._table_dirs[seg.table].remove(segment_name(seg.index))
-
-
-def _reason(e: BaseException) -> str:
-    """One line saying why a write failed ("No space left on device", not a polars traceback)."""
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    _, sep, io_reason = text.partition("underlying IO error: ")  # polars wraps the OSError
-    return re.sub(r" \(os error \d+\)$", "", io_reason) if sep else text
 
 
 class Recording:
@@ -596,7 +242,7 @@ def _read_segment(table: str, path: Path) -> pl.DataFrame:
         raise CorruptRecording(
             f"{path} is not a readable Parquet segment: it is truncated or damaged ({reason})"
         ) from None
-    diff = _schema_diff(table, df.schema)
+    diff = schema_diff(table, df.schema)
     if diff:
         raise CorruptRecording(f"{path} does not match the {table} table schema: {diff}")
     return df
