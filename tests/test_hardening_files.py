@@ -588,3 +588,43 @@ def test_library_swapped_after_inspect_gets_no_uprobe(tmp_path: Path) -> None:
         b.cleanup()
         p.kill()
         p.wait()
+
+
+@pytest.mark.root
+def test_model_pinned_by_name_when_the_mapping_links_are_closed_to_the_recorder(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    """A recorder given CAP_BPF and CAP_PERFMON but not CAP_SYS_ADMIN (or CAP_CHECKPOINT_RESTORE)
+    may not open /proc/PID/map_files: it still reads the model, pinned at its first open."""
+    setpriv = shutil.which("setpriv")
+    assert setpriv, "setpriv (util-linux) is part of the base system"
+    served = tmp_path / "model.gguf"
+    shutil.copy(models["moe"], served)
+    p = subprocess.Popen([PY, "-c", _HOLDER, str(served), "mapped"], stdout=subprocess.PIPE, text=True)
+    code = f"""
+from sparseety_prof.capture import target as tg
+from sparseety_prof.capture.gguf_info import sha256_file
+from sparseety_prof.session.attach import pin_model
+t = tg.inspect({p.pid})
+try:
+    open(t.models[0].source, "rb")
+    print("links open")
+except PermissionError:
+    print("links closed")
+with pin_model(t) as pinned:
+    print(sha256_file(pinned))
+"""
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        r = subprocess.run(
+            [setpriv, "--inh-caps=-all", "--bounding-set=-sys_admin,-checkpoint_restore", PY, "-c", code],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == ["links", "closed", sha256_file(models["moe"])]
+    finally:
+        p.kill()
+        p.wait()

@@ -80,7 +80,12 @@ def pin_model(t: tg.Target, model: Path | None = None) -> PinnedFile:
         )
     m = t.models[0]
     try:
-        return PinnedFile(m.path, source=m.source)
+        try:
+            return PinnedFile(m.path, source=m.source)
+        except PermissionError:
+            # /proc/PID/map_files needs CAP_SYS_ADMIN (or CAP_CHECKPOINT_RESTORE), which a recorder
+            # given only CAP_BPF and CAP_PERFMON lacks: pinned at this first open of the name instead
+            return PinnedFile(m.path)
     except OSError as e:
         raise NotAnEngine(
             f"cannot open the model file PID {t.pid} holds ({m.path}): {e.strerror or e}"
