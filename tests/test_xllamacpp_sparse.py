@@ -6,17 +6,14 @@ request's prompt ids, then the ids the server generated, one at a time."""
 
 from __future__ import annotations
 
-import bisect
-import json
 import signal
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import polars as pl
 import pytest
 from conftest import ENGINES, Engine, Recorder, align_server_probs, free_port, http_post
+from routing_oracle import compare, oracle_routes, read_trace, routes_by_request
 
 import sparseety_prof
 
@@ -64,25 +61,6 @@ def oracle(models: dict[str, Path], tmp_path: Path) -> Iterator[Engine]:
     )
     yield e
     e.close()
-
-
-Key = tuple[int, int]  # (position, layer)
-
-
-def oracle_routes(lines: list[dict[str, Any]], n_items: int) -> list[dict[Key, dict[str, Any]]]:
-    """Per teacher-forced item, (position, layer) -> ids/weights/probs from the trace's moe lines."""
-    evals = {r["eval"]: r for r in lines if r["kind"] == "eval"}
-    out: list[dict[Key, dict[str, Any]]] = [{} for _ in range(n_items)]
-    for r in lines:
-        if r["kind"] != "moe":
-            continue
-        assert r["positions"] is not None, r
-        item = evals[r["eval"]]["item"]
-        for i, pos in enumerate(r["positions"]):
-            key = (pos, r["layer"])
-            assert key not in out[item], (item, key)
-            out[item][key] = {"ids": r["ids"][i], "weights": r["weights"][i], "probs": r["probs"][i]}
-    return out
 
 
 def test_server_routing_agrees_with_teacher_forced_oracle(
@@ -157,11 +135,7 @@ def test_server_routing_agrees_with_teacher_forced_oracle(
         assert routes[col].null_count() == 0, col
     bounds = order["last_step"].to_list()
     assert routes["step_id"].max() <= bounds[-1]
-    recorded: list[dict[Key, dict[str, Any]]] = [{} for _ in PROMPTS]
-    for row in routes.iter_rows(named=True):
-        k, key = bisect.bisect_left(bounds, row["step_id"]), (row["pos"], row["layer"])
-        assert key not in recorded[k], ("row recorded twice", k, key)
-        recorded[k][key] = row
+    recorded = routes_by_request(routes, bounds)
 
     # exactly the rows the server computed: the prompt from where its cache stopped (timings.prompt_n
     # rows evaluated), every generated token but the last (sampled, never evaluated); the last layer's
@@ -195,56 +169,23 @@ def test_server_routing_agrees_with_teacher_forced_oracle(
     oracle.send({"teacher_force": items})
     forced = oracle.read(timeout=120)["results"]
     assert [f["ids"] for f in forced] == [a["tokens"] for a in answers]
-    lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
-    assert lines[0]["kind"] == "meta" and lines[0]["flash_attn"] and lines[0]["logits_all"]
-    assert not [x for x in lines if x["kind"] == "error"]
+    lines = read_trace(tmp_path / "trace.jsonl")
+    assert lines[0]["flash_attn"]
     truth = oracle_routes(lines, len(PROMPTS))
-    k_used = lines[0]["n_expert_used"]
-
-    # ---- compare every (position, layer) both have. A routing difference flips the hidden state of
-    # that position from its layer on, so pairs (pos' >= pos, layer' > layer) after a difference are
-    # not comparable in the strict sense: they count for the agreement rate but need not be ties.
-    # (Layers <= layer of later positions see the same keys and values and stay comparable.)
-    n = agree = downstream = 0
-    ties: list[tuple[int, int, int, list[int], list[int], float]] = []
-    for k in range(len(PROMPTS)):
-        flip_layer = None  # lowest layer of a difference so far in this request
-        common = sorted(set(recorded[k]) & set(truth[k]))
-        assert len(common) == len(recorded[k])  # the oracle computes every row (logits_all)
-        for pos, layer in common:
-            row, want = recorded[k][(pos, layer)], truth[k][(pos, layer)]
-            ids, probs = list(row["expert_ids"]), np.array(row["router_probs"], dtype=np.float64)
-            assert len(ids) == k_used and probs.shape == (lines[0]["n_expert"],)
-            # the recorded ids are the top-k of the recorded probabilities of the same row
-            assert np.sort(probs)[::-1][:k_used].tolist() == probs[ids].tolist(), row
-            n += 1
-            after_flip = flip_layer is not None and layer > flip_layer
-            downstream += after_flip
-            if ids == want["ids"]:
-                agree += 1
-                if not after_flip:
-                    np.testing.assert_allclose(row["expert_weights"], want["weights"], atol=WEIGHT_TOL)
-                    np.testing.assert_allclose(probs, want["probs"], atol=PROB_TOL)
-                continue
-            if not after_flip:
-                # allowed only where the experts that swapped ranks are a near tie in the recording
-                # (for the usual swap of the k-th and (k+1)-th expert: sorted probs[k-1] - probs[k])
-                gap = max(
-                    abs(float(probs[a]) - float(probs[b]))
-                    for a, b in zip(ids, want["ids"], strict=True)
-                    if a != b
-                )
-                assert gap <= TIE_TOL, (
-                    f"request {k} position {pos} layer {layer}: recorded experts {ids} "
-                    f"(weights {row['expert_weights']}), oracle {want['ids']} (weights {want['weights']}); "
-                    f"recorded router probabilities {probs.round(6).tolist()} differ by {gap:.3g} > {TIE_TOL}"
-                )
-                ties.append((k, pos, layer, ids, want["ids"], gap))
-            flip_layer = layer if flip_layer is None else min(flip_layer, layer)
-    rate = agree / n
-    print(
-        f"routing agreement {rate:.4f} over {n} (position, layer) pairs; "
-        f"near-tie differences {ties}; {downstream} pairs after a difference"
+    agreement = compare(
+        recorded,
+        truth,
+        k_used=lines[0]["n_expert_used"],
+        n_expert=lines[0]["n_expert"],
+        weight_tol=WEIGHT_TOL,
+        prob_tol=PROB_TOL,
+        tie_tol=TIE_TOL,
     )
-    assert n >= len(PROMPTS) * N_PREDICT * len(moe_layers) * 0.9
-    assert rate >= MIN_AGREEMENT, f"routing agreement {rate:.4f} over {n} pairs, ties {ties}"
+    print(
+        f"routing agreement {agreement.rate:.4f} over {agreement.pairs} (position, layer) pairs; "
+        f"near-tie differences {agreement.ties}; {agreement.downstream} pairs after a difference"
+    )
+    assert agreement.pairs >= len(PROMPTS) * N_PREDICT * len(moe_layers) * 0.9
+    assert agreement.rate >= MIN_AGREEMENT, (
+        f"routing agreement {agreement.rate:.4f} over {agreement.pairs} pairs, ties {agreement.ties}"
+    )
