@@ -598,6 +598,31 @@ def test_sample_of_a_decode_before_the_attach_is_counted_apart() -> None:
     assert c.counters.samples_before_first_step == 1 and c.counters.samples_unresolved == 0
 
 
+def test_server_sample_never_handed_to_a_slot_stays_with_its_request() -> None:
+    """A request running before the attach (no launch seen) whose last sample gets no
+    process_token call, then a task launched on the same slot: the sample is emitted when the
+    next micro-batch begins, still with the request it was sampled for, and the earlier samples
+    of that request stay one request (they once split into one request per token)."""
+    from sparseety_prof.correlate.serving import ServingTracker
+
+    s = Script()
+    for k, (fed, pos) in enumerate(((5, 2), (9, 3), (4, 4))):
+        s.decode([fed], [pos])
+        s.sample((9, 4, 6)[k], idx=0)  # none of them handed to a slot
+    s.small(ev.EV_SLOT_LAUNCH, 0, 77)  # a new task on slot 0
+    s.decode([1, 2, 3], [0, 1, 2])
+    s.sample(8, idx=-1)
+    s.small(ev.EV_SLOT_TOKEN, 0, 8)
+    c = Correlator(pid=1, n_vocab=N_VOCAB, wall_offset_ns=0, slot_tokens=True, serving=ServingTracker(pid=1))
+    c.feed(decode_records(s.recs, 1024))
+    tok = c.take_tables()["tokens"]
+    assert tok["token_id"] == [9, 4, 6, 8] and tok["logits_pos"] == [2, 3, 4, 2]
+    rids = tok["request_id"]
+    assert rids[0] == rids[1] == rids[2] != rids[3] and rids[3] == "task-1-77"
+    assert tok["decode_order"][3] == 0
+    assert c.counters.samples_unresolved == 0 and c.counters.slot_tokens_unresolved == 0
+
+
 def test_server_sample_never_handed_to_a_slot_keeps_its_own_decode() -> None:
     """llama-server: a sample waits for the process_token call that names its slot. When none
     comes, it is emitted at the next sample, after another decode has run: it must still be the

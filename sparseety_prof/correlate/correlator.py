@@ -227,6 +227,12 @@ class Correlator:
         if self.serving is not None and not self.server_check.done:
             self.server_check.on_ubatch(step.seq.tolist())
         self.open_steps[tid] = step
+        if self.slot_tokens:
+            # a sample still waiting for the process_token call that names its slot gets none
+            # now: llama-server hands out every sampled token before its next decode. Emitted
+            # before this micro-batch is segmented, it stays with the request it was sampled for
+            # (a task launched on its slot since takes the slot's next rows, not that token).
+            self.requests.flush_deferred(tid)
         clears = self.pending_clears.pop(tid, [])
         self.requests.segment(c, step, clears)
         c.rows.extend([None] * step.row_offset)  # batch positions whose rows were not copied
