@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -109,13 +110,13 @@ def profiled(
 
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
-    _wait_quiet(rec.pid, settle)
+    wait_quiet(rec.pid, settle)
     # a few forward passes first: the recorder learns which layers apply which attention mask
     # and then detaches the per-layer probes (one-time start-up work, like the BPF compile)
     engine.run(WARMUP_TOKENS)
     if mode == "full":
         detached.wait(settle)
-    _wait_quiet(rec.pid, settle)
+    wait_quiet(rec.pid, settle)
     times = engine.run(tokens)
     rec.send_signal(signal.SIGINT)
     rec.wait(timeout=120)
@@ -126,22 +127,24 @@ def profiled(
     return times, meta
 
 
-def _cpu_s(pid: int) -> float:
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of a running process, in seconds."""
     f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / 100  # utime + stime, clock ticks of 10 ms
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _wait_quiet(pid: int, limit: float) -> None:
+def wait_quiet(pid: int, limit: float) -> float:
     """Wait until the recorder's start-up work (model sha256, first drains) is over: its CPU time
-    grows by less than 10 ms in 300 ms, or `limit` seconds pass."""
+    grows by less than 10 ms in 300 ms, or `limit` seconds pass. Returns its CPU time then."""
     deadline = time.monotonic() + limit
-    prev = _cpu_s(pid)
+    prev = process_cpu_s(pid)
     while time.monotonic() < deadline:
         time.sleep(0.3)
-        cur = _cpu_s(pid)
+        cur = process_cpu_s(pid)
         if cur - prev <= 0.01:
-            return
+            return cur
         prev = cur
+    return prev
 
 
 def tps(times: list[int]) -> float:

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the model generator and the test engi
 
 from make_models import make_model  # noqa: E402
 
-from scripts.bench_overhead import SPARSE_LOSSES, EngineProc, bootstrap_median_ci  # noqa: E402
+from scripts.bench_overhead import SPARSE_LOSSES, EngineProc, bootstrap_median_ci, wait_quiet  # noqa: E402
 
 ENGINES = ROOT / "tests" / "engines"
 # prompts of different lengths: prompt processing is part of the load
@@ -205,11 +205,6 @@ def _free_port() -> int:
 
 
 # ------------------------------------------------------------------ the recorder
-def _cpu_s(pid: int) -> float:
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class Recording:
     """`sparseety-prof record` on the engine, attached before the load; its CPU split at attach."""
 
@@ -226,7 +221,7 @@ class Recording:
         else:
             raise RuntimeError(f"recorder failed ({self.p.wait()}): {''.join(self.lines)}")
         # start-up (BPF compile, model sha256 and weight scan) is attach cost, not per-token cost
-        self.attach_cpu_s = _settled_cpu(self.p.pid)
+        self.attach_cpu_s = wait_quiet(self.p.pid, 30.0)
         self._reader = threading.Thread(target=self._drain_stderr, daemon=True)
         self._reader.start()
 
@@ -252,19 +247,6 @@ class Recording:
             "attach_cpu_s": self.attach_cpu_s,
             "peak_rss_mib": ru.ru_maxrss / 1024,
         }
-
-
-def _settled_cpu(pid: int, limit: float = 30.0) -> float:
-    """The recorder's CPU once its start-up work is over (< 10 ms of CPU in 300 ms)."""
-    deadline = time.monotonic() + limit
-    prev = _cpu_s(pid)
-    while time.monotonic() < deadline:
-        time.sleep(0.3)
-        cur = _cpu_s(pid)
-        if cur - prev <= 0.01:
-            return cur
-        prev = cur
-    return prev
 
 
 # ------------------------------------------------------------------ pairs
