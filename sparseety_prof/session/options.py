@@ -48,6 +48,7 @@ class Progress:
     ring_fill_peak: float = 0.0  # largest share of the ring one drain found filled
     drain_gap_max_ms: float = 0.0  # longest time between two drains (the consumer waited for CPU)
     escalations: int = 0  # times the consumer left SCHED_IDLE because the ring was filling
+    rss_bytes: int = 0  # the recorder's resident memory at the last drain
 
     def counters(self) -> dict[str, float]:
         return {

@@ -11,11 +11,12 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 
 from sparseety_prof import __version__
 from sparseety_prof.capture import target as tg
@@ -32,6 +33,7 @@ from sparseety_prof.session import metadata
 from sparseety_prof.session.attach import attach
 from sparseety_prof.session.options import Options, Progress
 from sparseety_prof.session.sched import ConsumerSched
+from sparseety_prof.session.sinks import FrameSink, SinkFanout
 from sparseety_prof.session.snapshot import engine_environment, host_info, process_info
 from sparseety_prof.store import schema
 from sparseety_prof.store.buffers import ColumnBuffer, FlushSchedule
@@ -53,8 +55,11 @@ class Recorder:
         *,
         on_update: Callable[[dict[str, list[Any]], dict[str, list[Any]], Progress], None] | None = None,
         log: Callable[[str], None] | None = None,
+        sinks: Sequence[FrameSink] = (),
     ) -> None:
         self.opts = opts
+        self._sink_list = list(sinks)
+        self._sinks: SinkFanout | None = None
         self.on_update = on_update
         self._rows = ColumnBuffer()
         sink = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -116,6 +121,7 @@ class Recorder:
                 if gpu is not None:
                     gpu.close()
                 raise
+        self._sinks = self._open_sinks()
         hp = a.model.hyperparameters
         corr = self._corr = Correlator(
             pid=opts.pid,
@@ -229,27 +235,49 @@ class Recorder:
             if gpu is not None:
                 final["gpu"] = gpu.meta()
                 gpu.close()
+            for table, df in self._rows.take_all():  # rows of drains before an error
+                self._emit(writer, table, df)
+            if self._sinks is not None and self._sink_list:
+                final["sinks"] = self._sinks.close({**self.meta, **final})
             self.meta.update(final)
             if writer is not None:
-                for table, df in self._rows.take_all():  # rows of drains before an error
-                    writer.append(table, df)
                 writer.close(complete=error is None, **final)
         if error is not None:
             raise error
         _raise_write_failure(writer)
         return self.meta
 
+    def _open_sinks(self) -> SinkFanout:
+        opts = self.opts
+        return SinkFanout(
+            self._sink_list,
+            self.meta,
+            redact_text=opts.redact_text,
+            redact=opts.redact,
+            redact_layers=opts.redact_layers,
+            log=self.log,
+        )
+
     def _keep_durable(self, writer: RecordingWriter | None, flush: FlushSchedule, drained_at: float) -> None:
-        """Flush on schedule (a SIGKILL then loses only the last flush interval); after a write
-        error (disk full), stop: the writer keeps count of what is lost."""
-        if writer is None:
+        """Flush on schedule (a SIGKILL then loses only the last flush interval; sinks get rows
+        no older than that either); after a write error (disk full), stop: the writer keeps count
+        of what is lost."""
+        if writer is None and not self._sinks:
             return
         if flush.due(drained_at):
             for table, df in self._rows.take_all():
-                writer.append(table, df)
-            writer.flush()
-        if writer.write_error is not None:
+                self._emit(writer, table, df)
+            if writer is not None:
+                writer.flush()
+        if writer is not None and writer.write_error is not None:
             self.stop("write error")
+
+    def _emit(self, writer: RecordingWriter | None, table: str, df: pl.DataFrame) -> None:
+        """One frame of rows to the recording and to every sink."""
+        if writer is not None:
+            writer.append(table, df)
+        if self._sinks:
+            self._sinks.take(table, df)
 
     def _maybe_detach_attention_ops(self, corr: Correlator, sess: Session) -> None:
         """Once the layer -> mask map is learned (attention_map), the soft_max / flash-attention
@@ -289,6 +317,7 @@ class Recorder:
         writer = None
         if opts.out is not None:
             writer = _open_writer(opts, opts.out, self.meta)
+        self._sinks = self._open_sinks()
         self.log(f"sparseety-prof: attached to PID {opts.pid} (GPU only: {len(gpu.rings)} CUPTI ring(s))")
         start_unix_ms = time.time_ns() // 1_000_000
         deadline = time.monotonic() + opts.duration if opts.duration else None
@@ -304,8 +333,8 @@ class Recorder:
                 final = stop or self._stop.is_set()
                 for table, cols in gpu.poll(final=final).items():
                     df = schema.frame(table, cols)
-                    if writer is not None and df.height:
-                        writer.append(table, df)
+                    if df.height:
+                        self._emit(writer, table, df)
                     if table == "steps":
                         self.progress.steps += df.height
                 self.progress.cpu_s = _cpu_s() - self._cpu0
@@ -326,6 +355,8 @@ class Recorder:
                 "bpf_compile_s": 0.0,
             }
             gpu.close()
+            if self._sink_list:
+                final_meta["sinks"] = self._sinks.close({**self.meta, **final_meta})
             self.meta.update(final_meta)
             if writer is not None:
                 writer.close(complete=error is None, **final_meta)
@@ -353,11 +384,11 @@ class Recorder:
         tables = corr.take_tables(final=final)
         tok, steps = tables["tokens"], tables["steps"]
         gpu_tables = self._poll_gpu(gpu, steps, final=final)
-        if writer is not None:
+        if writer is not None or self._sinks:
             rows = self._rows
             for table, cols in (*tables.items(), *gpu_tables.items()):
                 for df in rows.add(table, cols, final=final):
-                    writer.append(table, df)
+                    self._emit(writer, table, df)
         p = self.progress
         p.records = tracker.seen
         p.seq_gaps = tracker.gaps
@@ -370,6 +401,9 @@ class Recorder:
             # how far behind the engine the consumer is: both clocks are CLOCK_MONOTONIC
             p.lag_ms = (time.monotonic_ns() - int(str(tok["t_end_ns"][-1]))) / 1e6
         p.cpu_s = _cpu_s() - self._cpu0
+        p.rss_bytes = _rss_bytes()
+        if self._sinks:
+            self._sinks.drained(p)
         if self.on_update is not None:
             self.on_update(tok, steps, p)
 
@@ -403,6 +437,18 @@ def _raise_write_failure(writer: RecordingWriter | None) -> None:
 def _cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def _rss_bytes() -> int:
+    """The recorder's resident memory now (one small read of /proc/self/statm)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE_BYTES
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 def _alive(pid: int) -> bool:

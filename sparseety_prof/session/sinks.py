@@ -1,0 +1,106 @@
+"""Where the consumer's rows go besides the recording: a metrics endpoint, a trace exporter.
+
+A sink is fed the same frames the recording is written from, as that recording would store them
+(redaction applied), and the consumer's progress after every drain. The consumer is the one
+thread that keeps the ring from overflowing, so a sink must return at once: whatever it does
+with a frame that takes time (a network send, a scrape) happens on its own thread behind a
+bounded queue, and what that queue cannot hold is dropped and counted by the sink, never waited
+for. A sink that raises is switched off (and says so in meta), the recording goes on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import polars as pl
+
+from sparseety_prof.session.options import Progress
+from sparseety_prof.store import redaction_levels, schema
+from sparseety_prof.store.recording import TEXT_COLUMNS
+
+
+class FrameSink(Protocol):
+    """What the recorder feeds; see the module docstring for the rules a sink keeps."""
+
+    name: str
+
+    def open(self, meta: Mapping[str, Any]) -> None:
+        """Once attached, before the first frame: the recording's meta (engine, model, layers)."""
+
+    def take(self, table: str, df: pl.DataFrame) -> None:
+        """Rows of `table` (schema.TABLES[table] columns); returns at once."""
+
+    def drained(self, progress: Progress) -> None:
+        """After every drain: counters of the session so far; returns at once."""
+
+    def close(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        """At detach, with the final meta (losses, counts): send what is left within a bounded
+        time, stop threads, and say what was sent and dropped (stored under meta "sinks")."""
+
+
+class SinkFanout:
+    """Feeds every sink, redacting rows first as the recording does (--redact-text, --redact
+    levels and layers), and switches off a sink that fails."""
+
+    def __init__(
+        self,
+        sinks: Sequence[FrameSink],
+        meta: Mapping[str, Any],
+        *,
+        redact_text: bool,
+        redact: frozenset[str],
+        redact_layers: frozenset[int] | None,
+        log: Callable[[str], None],
+    ) -> None:
+        layers = meta.get("layers")
+        self._redaction = redaction_levels.Redaction(
+            redact,
+            redact_layers,
+            {k: v for k, v in layers.items() if isinstance(v, list)} if isinstance(layers, dict) else {},
+        )
+        self._redact_text = redact_text
+        self._log = log
+        self._live: list[FrameSink] = []
+        self._failed: dict[str, str] = {}
+        for s in sinks:
+            self._call(s, s.open, meta)
+            if s.name not in self._failed:
+                self._live.append(s)
+
+    def __bool__(self) -> bool:
+        return bool(self._live)
+
+    def take(self, table: str, df: pl.DataFrame) -> None:
+        if not self._live or df.height == 0:
+            return
+        if self._redact_text:
+            df = df.with_columns(
+                pl.lit(None, dtype=schema.TABLES[table][c]).alias(c) for c in TEXT_COLUMNS.get(table, ())
+            )
+        df = self._redaction.frame(table, df)
+        for s in list(self._live):
+            self._call(s, s.take, table, df)
+
+    def drained(self, progress: Progress) -> None:
+        for s in list(self._live):
+            self._call(s, s.drained, progress)
+
+    def close(self, meta: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """Each sink's own account, and the error of any sink switched off."""
+        out: dict[str, dict[str, Any]] = {name: {"error": err} for name, err in self._failed.items()}
+        for s in self._live:
+            try:
+                out[s.name] = s.close(meta)
+            except Exception as e:
+                out[s.name] = {"error": f"{type(e).__name__}: {e}"}
+        self._live.clear()
+        return out
+
+    def _call(self, sink: FrameSink, fn: Callable[..., object], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # a sink's bug or dead endpoint must not end the recording
+            self._failed[sink.name] = f"{type(e).__name__}: {e}"
+            if sink in self._live:
+                self._live.remove(sink)
+            self._log(f"sparseety-prof: {sink.name} switched off: {self._failed[sink.name]}")
