@@ -116,6 +116,7 @@ def test_roundtrip_preserves_rows_dtypes_lists_and_nulls(tmp_path: Path) -> None
         "masks": {"rows": 0, "segments": 0},
         "requests": {"rows": 0, "segments": 0},
         "kernels": {"rows": 0, "segments": 0},
+        "aggregates": {"rows": 0, "segments": 0},
     }
     assert dict(rec.tokens().schema) == schema.TOKENS
     assert dict(rec.steps().schema) == schema.STEPS

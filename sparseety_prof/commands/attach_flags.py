@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sparseety_prof.correlate.serving import DEFAULT_HEADER
+from sparseety_prof.session.policy import POLICIES
 
 if TYPE_CHECKING:
     from sparseety_prof.session.options import Options
@@ -53,6 +54,23 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         help="keep the recording within SIZE on disk (e.g. 500M, 2G): beyond it the oldest segments "
         "are removed, so that it holds the latest stretch of the run; the rows removed are counted "
         "in meta.json (rotation), apart from losses (default: no limit)",
+    )
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="full",
+        help="what the recording keeps: full (default) every row; aggregate only the always-on "
+        "aggregates and the requests table (the per-token and per-step rows are counted in meta.json "
+        "policy, apart from losses); metrics and exporters (--metrics-port, --otlp) see every row "
+        "whatever the policy",
+    )
+    p.add_argument(
+        "--aggregate-interval",
+        type=int,
+        default=10,
+        metavar="SECONDS",
+        help="length of the buckets of the always-on aggregates table (expert load, sparsity, "
+        "log-prob and step-latency histograms; default 10)",
     )
     p.add_argument("--model", type=Path, default=None, help="model file, when the engine has none mapped")
     p.add_argument(
@@ -144,6 +162,8 @@ def options_from(args: argparse.Namespace) -> Options:
             raise UsageError(f"--max-disk must be at least {MIN_MAX_DISK >> 20} MiB, got {args.max_disk}")
         if args.output is None:
             raise UsageError("--max-disk needs -o (it bounds the recording on disk)")
+    if args.aggregate_interval < 1:
+        raise UsageError(f"--aggregate-interval must be at least 1 second, got {args.aggregate_interval}")
     if args.output is not None:
         check_output_path(args.output, META_FILE, sudo_owner())  # refused before anything is attached
     if args.mode == "tokens":
@@ -177,4 +197,6 @@ def options_from(args: argparse.Namespace) -> Options:
         moe_read=getattr(args, "moe_read", "auto"),
         discover_layout=getattr(args, "discover_layout", False),
         discover_timeout=getattr(args, "discover_timeout", 120.0),
+        policy=args.policy,
+        aggregate_s=args.aggregate_interval,
     )

@@ -32,10 +32,12 @@ from sparseety_prof.gpu.shm_ring import RingError
 from sparseety_prof.session import metadata
 from sparseety_prof.session.attach import attach
 from sparseety_prof.session.options import Options, Progress
+from sparseety_prof.session.policy import RowPolicy
 from sparseety_prof.session.sched import ConsumerSched
 from sparseety_prof.session.sinks import FrameSink, SinkFanout
 from sparseety_prof.session.snapshot import engine_environment, host_info, process_info
 from sparseety_prof.store import schema
+from sparseety_prof.store.aggregates import Aggregator
 from sparseety_prof.store.buffers import ColumnBuffer, FlushSchedule
 from sparseety_prof.store.output_dir import sudo_owner
 from sparseety_prof.store.recording_writer import RecordingWriter
@@ -60,6 +62,8 @@ class Recorder:
         self.opts = opts
         self._sink_list = list(sinks)
         self._sinks: SinkFanout | None = None
+        self._policy = RowPolicy(opts.policy)
+        self._aggregates: Aggregator | None = None
         self.on_update = on_update
         self._rows = ColumnBuffer()
         sink = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -122,6 +126,7 @@ class Recorder:
                     gpu.close()
                 raise
         self._sinks = self._open_sinks()
+        self._aggregates = _aggregator(opts, self.meta)
         hp = a.model.hyperparameters
         corr = self._corr = Correlator(
             pid=opts.pid,
@@ -237,6 +242,12 @@ class Recorder:
                 gpu.close()
             for table, df in self._rows.take_all():  # rows of drains before an error
                 self._emit(writer, table, df)
+            self._store_aggregates(writer, final=True)
+            final["policy"] = self._policy.to_meta()
+            final["aggregates"] = {
+                "bucket_s": opts.aggregate_s,
+                "left_out": sorted(self._aggregates.leave_out) if self._aggregates else [],
+            }
             if self._sinks is not None and self._sink_list:
                 final["sinks"] = self._sinks.close({**self.meta, **final})
             self.meta.update(final)
@@ -267,17 +278,29 @@ class Recorder:
         if flush.due(drained_at):
             for table, df in self._rows.take_all():
                 self._emit(writer, table, df)
+            self._store_aggregates(writer, final=False)
             if writer is not None:
                 writer.flush()
         if writer is not None and writer.write_error is not None:
             self.stop("write error")
 
     def _emit(self, writer: RecordingWriter | None, table: str, df: pl.DataFrame) -> None:
-        """One frame of rows to the recording and to every sink."""
-        if writer is not None:
+        """One frame of rows to the aggregates and the sinks (all of them), and to the recording
+        (what the policy keeps)."""
+        if self._aggregates is not None:
+            self._aggregates.add(table, df)
+        if writer is not None and self._policy.keeps(table, df.height):
             writer.append(table, df)
         if self._sinks:
             self._sinks.take(table, df)
+
+    def _store_aggregates(self, writer: RecordingWriter | None, *, final: bool) -> None:
+        """The aggregates of buckets now closed (all of them at the end) into the recording."""
+        if self._aggregates is None or writer is None:
+            return
+        rows = self._aggregates.take(None if final else time.time_ns() // 1_000_000)
+        if rows.height:
+            writer.append("aggregates", rows)
 
     def _maybe_detach_attention_ops(self, corr: Correlator, sess: Session) -> None:
         """Once the layer -> mask map is learned (attention_map), the soft_max / flash-attention
@@ -418,6 +441,23 @@ def _open_writer(opts: Options, out: Path, meta: dict[str, Any]) -> RecordingWri
         redact=opts.redact,
         redact_layers=opts.redact_layers,
         max_disk=opts.max_disk,
+    )
+
+
+def _aggregator(opts: Options, meta: dict[str, Any]) -> Aggregator:
+    """The always-on aggregates, less what the redaction levels remove from the rows (routing: the
+    per-bucket expert load; sparsity: the ratio histograms)."""
+    leave_out = set()
+    if "routing" in opts.redact:
+        leave_out.add("expert_load")
+    if "sparsity" in opts.redact:
+        leave_out.update({"act_zero_ratio", "act_below_ratio"})
+    layers = meta.get("layers")
+    return Aggregator(
+        {k: v for k, v in layers.items() if isinstance(v, list)} if isinstance(layers, dict) else {},
+        bucket_s=opts.aggregate_s,
+        grace_s=max(10.0, 2 * opts.flush_interval),
+        leave_out=leave_out,
     )
 
 

@@ -55,6 +55,7 @@ _SORT_KEYS: dict[str, tuple[str, ...]] = {
     "masks": ("step_id", "row", "layer"),
     "requests": ("t_started_ns", "seq_id"),
     "kernels": ("launch_ns", "correlation_id"),
+    "aggregates": ("bucket_unix_ms", "metric", "layer", "bin"),
 }
 for _table, _cols in (*TEXT_COLUMNS.items(), *_SORT_KEYS.items()):
     _missing = [c for c in _cols if c not in schema.TABLES[_table]]
@@ -156,6 +157,11 @@ class Recording:
     def kernels(self) -> pl.DataFrame:
         """GPU kernel executions joined to their steps (schema.KERNELS); empty without the GPU path."""
         return self.table("kernels")
+
+    def aggregates(self) -> pl.DataFrame:
+        """Always-on counts per wall-clock bucket (schema.AGGREGATES): expert load, sparsity,
+        log-prob and step-latency histograms, kept whatever the policy dropped of the rows."""
+        return self.table("aggregates")
 
     def anomalies(self) -> pl.DataFrame:
         """What the anomaly detectors (store/anomalies/) find in the tokens and steps, as

@@ -153,6 +153,55 @@ KERNELS: dict[str, pl.DataType] = {
     "buffer_captured": pl.Boolean(),  # a watched argument buffer was copied for this launch
 }
 
+#: Always-on aggregates (session/aggregates.py), whatever a policy keeps of the rows: per wall-clock
+#: bucket, counts of one metric in bins. Long form, so that a model with many layers and experts
+#: costs rows, not columns: (bucket, metric, layer, bin) -> count.
+AGGREGATES: dict[str, pl.DataType] = {
+    "bucket_unix_ms": pl.Int64(),  # start of the bucket, wall clock (tokens' ts_unix_ms, steps' ts_unix_ms)
+    "bucket_s": pl.Int32(),  # its length
+    "metric": pl.String(),  # one of AGGREGATE_METRICS
+    "layer": pl.Int32(),  # model layer for the per-layer metrics, else null
+    "bin": pl.Int32(),  # expert id (expert_load), or the index of the bin in AGGREGATE_EDGES[metric]
+    "count": pl.Int64(),
+}
+#: metric -> what is counted. Token metrics are over the rows that produced a token (tokens table);
+#: step_ms over every micro-batch (steps table).
+AGGREGATE_METRICS: dict[str, str] = {
+    "tokens": "tokens sampled (bin 0)",
+    "expert_load": "selections of expert `bin` in `layer` by token rows",
+    "act_zero_ratio": "token rows whose exact-zero activation ratio in `layer` falls in bin",
+    "act_below_ratio": "token rows whose below-threshold activation ratio in `layer` falls in bin",
+    "log_prob": "tokens whose log-prob falls in bin",
+    "step_ms": "micro-batches whose duration (ms) falls in bin",
+}
+#: Histogram bin edges: bin i holds edges[i] <= x < edges[i + 1] (the last bin includes its top
+#: edge; values below the first edge go to bin 0, above the last to the last bin).
+_RATIO_EDGES = tuple(round(i * 0.05, 2) for i in range(21))
+AGGREGATE_EDGES: dict[str, tuple[float, ...]] = {
+    "act_zero_ratio": _RATIO_EDGES,
+    "act_below_ratio": _RATIO_EDGES,
+    "log_prob": (
+        -50.0,
+        -20.0,
+        -15.0,
+        -10.0,
+        -8.0,
+        -6.0,
+        -5.0,
+        -4.0,
+        -3.0,
+        -2.0,
+        -1.5,
+        -1.0,
+        -0.5,
+        -0.25,
+        -0.1,
+        -0.01,
+        0.0,
+    ),
+    "step_ms": (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0, 1e9),
+}
+
 TABLES: dict[str, dict[str, pl.DataType]] = {
     "tokens": TOKENS,
     "steps": STEPS,
@@ -160,6 +209,7 @@ TABLES: dict[str, dict[str, pl.DataType]] = {
     "masks": MASKS,
     "requests": REQUESTS,
     "kernels": KERNELS,
+    "aggregates": AGGREGATES,
 }
 
 #: What each redaction level (`--redact LEVEL`, store/redaction_levels.py) does to which columns:

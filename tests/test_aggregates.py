@@ -1,0 +1,156 @@
+"""The always-on aggregates (store/aggregates.py) and `--policy aggregate`: counts per bucket equal
+to the rows they fold, whether handed out at once or bucket by bucket; on a real engine, the
+aggregates of a recording that kept every row equal those counted independently from its rows, and
+a recording under the aggregate policy keeps the same counts while its dropped rows are counted."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from conftest import Engine, Recorder
+
+import sparseety_prof
+from sparseety_prof.store import schema
+from sparseety_prof.store.aggregates import Aggregator, combine
+
+PROMPTS = ["hello the expert router", "one two three four", "the sparse decode sample"]
+LAYERS = {"moe": [1, 3, 5], "ffn": [0, 1, 3, 5]}
+
+
+def _random_tokens(n: int, seed: int) -> pl.DataFrame:
+    rng = np.random.default_rng(seed)
+    cols: schema.Columns = {c: [None] * n for c in schema.TOKENS}
+    cols["ts_unix_ms"] = [int(x) for x in np.sort(rng.integers(0, 60_000, n))]
+    cols["log_prob"] = [float(x) for x in -rng.exponential(2.0, n)]
+    cols["expert_ids"] = [
+        [[int(e) for e in rng.choice(8, 2, replace=False)] for _ in LAYERS["moe"]] for _ in range(n)
+    ]
+    cols["act_zero_ratio"] = [[float(x) for x in rng.random(len(LAYERS["ffn"]))] for _ in range(n)]
+    return schema.frame("tokens", cols)
+
+
+def _count_by_hand(
+    tokens: pl.DataFrame, bucket_s: int, layers: dict[str, list[int]]
+) -> dict[tuple[int, str, int | None, int], int]:
+    """The same counts with plain loops, for comparison."""
+    out: dict[tuple[int, str, int | None, int], int] = {}
+
+    def add(key: tuple[int, str, int | None, int]) -> None:
+        out[key] = out.get(key, 0) + 1
+
+    lp_edges = schema.AGGREGATE_EDGES["log_prob"]
+    ratio_edges = schema.AGGREGATE_EDGES["act_zero_ratio"]
+    for row in tokens.iter_rows(named=True):
+        b = row["ts_unix_ms"] // (bucket_s * 1000) * bucket_s * 1000
+        add((b, "tokens", None, 0))
+        lp = row["log_prob"]
+        if lp is not None:
+            add((b, "log_prob", None, max(0, min(len(lp_edges) - 2, sum(e <= lp for e in lp_edges) - 1))))
+        for i, ids in enumerate(row["expert_ids"] or []):
+            for e in ids or []:
+                add((b, "expert_load", layers["moe"][i], e))
+        for i, r in enumerate(row["act_zero_ratio"] or []):
+            if r is not None:
+                bin_ = max(0, min(len(ratio_edges) - 2, sum(e <= r for e in ratio_edges) - 1))
+                add((b, "act_zero_ratio", layers["ffn"][i], bin_))
+    return out
+
+
+def _as_dict(rows: pl.DataFrame) -> dict[tuple[int, str, int | None, int], int]:
+    return {
+        (b, m, lay, bi): c
+        for b, m, lay, bi, c in combine(rows)
+        .select("bucket_unix_ms", "metric", "layer", "bin", "count")
+        .iter_rows()
+    }
+
+
+def test_aggregates_equal_the_counts_of_their_rows() -> None:
+    tokens = _random_tokens(500, seed=1)
+    agg = Aggregator(LAYERS, bucket_s=10)
+    agg.add("tokens", tokens)
+    rows = agg.take()
+    assert dict(rows.schema) == schema.AGGREGATES
+    assert _as_dict(rows) == _count_by_hand(tokens, 10, LAYERS)
+
+
+def test_buckets_handed_out_as_they_close_add_up_to_the_same_counts() -> None:
+    tokens = _random_tokens(400, seed=2)
+    agg = Aggregator(LAYERS, bucket_s=5, grace_s=2)
+    parts = []
+    for chunk in tokens.iter_slices(37):  # frames arrive in pieces, some late for their bucket
+        agg.add("tokens", chunk.sample(fraction=1.0, shuffle=True, seed=3))
+        now = int(chunk["ts_unix_ms"].cast(pl.Int64).max())  # type: ignore[arg-type]
+        parts.append(agg.take(now))
+        for p in parts[-1].iter_rows(named=True):  # only closed buckets are handed out
+            assert p["bucket_unix_ms"] + 5000 + 2000 <= now
+    parts.append(agg.take())
+    assert _as_dict(pl.concat(parts)) == _count_by_hand(tokens, 5, LAYERS)
+
+
+def test_steps_give_a_latency_histogram() -> None:
+    cols: schema.Columns = {c: [None] * 4 for c in schema.STEPS}
+    cols.update(
+        ts_unix_ms=[0, 100, 11_000, 11_500],
+        t_start_ns=[0, 0, 0, 0],
+        t_end_ns=[300_000, 3_000_000, 3_100_000, 10**12],
+    )
+    agg = Aggregator({}, bucket_s=10)
+    agg.add("steps", schema.frame("steps", cols))
+    got = _as_dict(agg.take())
+    edges = schema.AGGREGATE_EDGES["step_ms"]
+    three_ms = next(i for i in range(len(edges) - 1) if edges[i] <= 3.0 < edges[i + 1])
+    assert got == {
+        (0, "step_ms", None, 0): 1,  # 0.3 ms
+        (0, "step_ms", None, three_ms): 1,
+        (10_000, "step_ms", None, three_ms): 1,
+        (10_000, "step_ms", None, len(edges) - 2): 1,  # beyond the last edge: the last bin
+    }
+
+
+@pytest.mark.root
+@pytest.mark.engine
+def test_aggregate_policy_keeps_the_counts_of_a_full_recording_and_counts_what_it_dropped(
+    llama_engine: Engine, tmp_path: Path
+) -> None:
+    full, agg_only = tmp_path / "full", tmp_path / "agg"
+    a = Recorder(llama_engine.pid, full, "--aggregate-interval", "1")
+    b = Recorder(llama_engine.pid, agg_only, "--policy", "aggregate", "--aggregate-interval", "1")
+    truth = [r["ids"] for r in llama_engine.generate(PROMPTS * 2, max_tokens=24)]
+    for rec in (a, b):
+        rc, err = rec.stop(signal.SIGINT)
+        assert rc == 0, err
+    rf, ra = sparseety_prof.open(full), sparseety_prof.open(agg_only)
+    generated = sum(len(ids) for ids in truth)
+    tokens = rf.tokens()
+    assert tokens.height == generated
+    # the full recording's aggregates are its rows, counted independently
+    layers = {k: v for k, v in rf.meta["layers"].items() if isinstance(v, list)}
+    got = _as_dict(rf.aggregates())
+    counted = {"tokens", "log_prob", "expert_load", "act_zero_ratio"}
+    assert {k: v for k, v in got.items() if k[1] in counted} == _count_by_hand(tokens, 1, layers)
+    assert _summed(got, ("tokens",)) == {("tokens", None, 0): generated}
+    assert _summed(got, ("expert_load",)) and _summed(got, ("act_zero_ratio",))  # the model is sparse
+    assert sum(v for k, v in got.items() if k[1] == "step_ms") == rf.steps().height
+    # the aggregate-only recording: no rows but the requests, the same counts, the drops counted
+    assert ra.tokens().height == 0 and ra.steps().height == 0 and ra.routes().height == 0
+    assert ra.meta["policy"]["rows_dropped"]["tokens"] == generated
+    assert ra.meta["policy"]["rows_dropped"]["routes"] == rf.routes().height
+    assert ra.meta["losses"]["seq_gaps"] == 0 and ra.meta["losses"]["kernel_drops"] == 0
+    for metric in ("tokens", "log_prob", "expert_load", "act_zero_ratio", "act_below_ratio", "step_ms"):
+        assert _summed(_as_dict(ra.aggregates()), (metric,)) == _summed(got, (metric,)), metric
+
+
+def _summed(
+    d: dict[tuple[int, str, int | None, int], int], metrics: tuple[str, ...]
+) -> dict[tuple[str, int | None, int], int]:
+    """Counts summed over the buckets (two recorders' clocks may put a row in adjacent buckets)."""
+    out: dict[tuple[str, int | None, int], int] = {}
+    for (_b, m, lay, bi), c in d.items():
+        if m in metrics:
+            out[(m, lay, bi)] = out.get((m, lay, bi), 0) + c
+    return out
