@@ -153,6 +153,7 @@ class Session:
     compile_s: float = 0.0
     logits_chunk: int = 1024
     moe: MoePlan = field(default_factory=MoePlan)  # where the MoE probes read (as compiled)
+    ring_pages: int = RING_BUFFER_PAGES  # size of the ring buffer the probes write to
     _closed: bool = False
 
     def counters(self) -> dict[str, int]:
@@ -214,6 +215,7 @@ def compile_and_attach(
     capture: Capture | None = None,
     skip: frozenset[str] = frozenset(),
     moe: MoePlan | None = None,
+    ring_pages: int = RING_BUFFER_PAGES,
 ) -> Session:
     if build.ubatch is None:
         raise ValueError("compile_and_attach needs a llama_ubatch layout (from the table or discovery)")
@@ -239,7 +241,7 @@ def compile_and_attach(
         *moe.cflags(),
         f"-DN_VOCAB={n_vocab}",
         f"-DLOGITS_CHUNK={logits_chunk_for(n_vocab)}",
-        f"-DRB_PAGES={RING_BUFFER_PAGES}",
+        f"-DRB_PAGES={ring_pages}",
         *(["-DHAVE_TASK_STORAGE"] if task_storage_usable() else []),
         "-Wno-macro-redefined",
     ]
@@ -257,7 +259,12 @@ def compile_and_attach(
             f"kernel headers and BCC"
         ) from None
     sess = Session(
-        bpf=b, pid=pid, compile_s=time.monotonic() - t0, logits_chunk=logits_chunk_for(n_vocab), moe=moe
+        bpf=b,
+        pid=pid,
+        compile_s=time.monotonic() - t0,
+        logits_chunk=logits_chunk_for(n_vocab),
+        moe=moe,
+        ring_pages=ring_pages,
     )
     if http_reads:  # TRACEPOINT_PROBEs attach when the program loads
         tp = "syscalls:sys_{enter,exit}_{recvfrom,read}"
@@ -453,7 +460,7 @@ class RingReader:
         }
         page = mmap.PAGESIZE
         fd = sess.bpf["events"].map_fd
-        self._size = RING_BUFFER_PAGES * page
+        self._size = sess.ring_pages * page
         try:
             self._cons_mm = mmap.mmap(fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
             self._prod_mm = mmap.mmap(fd, page + 2 * self._size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page)

@@ -27,7 +27,7 @@ class DrainIndex:
     """kinds[i], group[i], row[i]: the i-th record in sequence-number order, its layout and its
     index in that layout's array."""
 
-    __slots__ = ("_cols", "_fast", "_rows", "arrays", "group", "kinds", "row")
+    __slots__ = ("_cols", "_fast", "_rows", "arrays", "group", "kinds", "row", "seqs")
 
     def __init__(self, batch: EventBatch) -> None:
         self.arrays = batch.groups()
@@ -36,12 +36,14 @@ class DrainIndex:
         self._cols: dict[tuple[int, str], list[Any]] = {}
         self._fast: FastColumns | None = None
         if not present:
+            self.seqs: np.ndarray = np.empty(0, np.uint64)
             self.kinds: list[int] = []
             self.group: list[int] = []
             self.row: list[int] = []
             return
         seq = np.concatenate([a["seq"] for _, a in present])
         order = np.argsort(seq, kind="stable")
+        self.seqs = seq[order]  # sequence numbers, ascending
         self.kinds = np.concatenate([a["kind"] for _, a in present])[order].tolist()
         self.group = np.concatenate([np.full(len(a), g, dtype=np.int8) for g, a in present])[order].tolist()
         self.row = np.concatenate([np.arange(len(a)) for _, a in present])[order].tolist()

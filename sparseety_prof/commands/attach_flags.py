@@ -65,6 +65,15 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         "whatever the policy",
     )
     p.add_argument(
+        "--ring-mb",
+        type=int,
+        default=64,
+        metavar="MIB",
+        help="size of the ring buffer the probes write into, a power of two (default 64: a burst of "
+        "full capture with a 32k vocabulary fills about 40 MB/s while the consumer waits for CPU); "
+        "what does not fit is counted as kernel_drops",
+    )
+    p.add_argument(
         "--aggregate-interval",
         type=int,
         default=10,
@@ -162,6 +171,8 @@ def options_from(args: argparse.Namespace) -> Options:
             raise UsageError(f"--max-disk must be at least {MIN_MAX_DISK >> 20} MiB, got {args.max_disk}")
         if args.output is None:
             raise UsageError("--max-disk needs -o (it bounds the recording on disk)")
+    if not 1 <= args.ring_mb <= 1024 or args.ring_mb & (args.ring_mb - 1):
+        raise UsageError(f"--ring-mb must be a power of two from 1 to 1024, got {args.ring_mb}")
     if args.aggregate_interval < 1:
         raise UsageError(f"--aggregate-interval must be at least 1 second, got {args.aggregate_interval}")
     if args.output is not None:
@@ -198,5 +209,6 @@ def options_from(args: argparse.Namespace) -> Options:
         discover_layout=getattr(args, "discover_layout", False),
         discover_timeout=getattr(args, "discover_timeout", 120.0),
         policy=args.policy,
+        ring_mb=args.ring_mb,
         aggregate_s=args.aggregate_interval,
     )

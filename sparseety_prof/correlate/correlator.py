@@ -64,6 +64,7 @@ class Correlator:
         self.server_check = ServerLayoutCheck()  # fed only when serving
         self.slot_tokens = slot_tokens
         self.ctxs: dict[int, CtxState] = {}  # by context pointer
+        self._last_seq: int | None = None  # highest record sequence number fed so far
         self.open_steps: dict[int, Step] = {}  # by tid
         self.pending_clears: dict[int, list[tuple[int, int]]] = {}  # by tid: (seq, p0)
         self.next_step_id = 0
@@ -89,16 +90,31 @@ class Correlator:
     _fast_step = fast_step
 
     # ------------------------------------------------------------------ public
-    def feed(self, batch: ev.EventBatch) -> None:
+    def records_lost(self) -> None:
+        """Records were lost before the next batch (ring full, sequence gap): every sequence
+        known so far may have run steps never seen, so a request seen next on one of them
+        mid-way is partial, as one running at attach is."""
+        for c in self.ctxs.values():
+            c.unsure.update(c.seqs)
+
+    def feed(self, batch: ev.EventBatch, *, losses_seen: bool = False) -> None:
         """Consume one drained batch. Records are processed in sequence-number order: the
         micro-batches of one-row decode steps by `_fast_step`, every other record by its
-        handler, as a dict (DrainIndex.record)."""
+        handler, as a dict (DrainIndex.record). Once records have been lost (`losses_seen`),
+        each hole in the sequence numbers marks where the sequences may have missed steps."""
         idx = DrainIndex(batch)
+        holes = self._holes(idx.seqs) if losses_seen else []
+        hole = holes.pop(0) if holes else -1
+        if len(idx.seqs):
+            self._last_seq = max(self._last_seq or 0, int(idx.seqs[-1]))
         # the aggregate records' values, all at once (see agg_rows_batch)
         pre = agg_rows_batch(batch.step_agg, self.layers) if len(batch.step_agg) else None
         self._agg_pre = dict(zip(batch.step_agg["seq"].tolist(), pre, strict=True)) if pre else {}
         kinds, n, i = idx.kinds, len(idx), 0
         while i < n:
+            if 0 <= hole <= i:  # records were lost just before this one
+                self.records_lost()
+                hole = holes.pop(0) if holes else -1
             kind = kinds[i]
             if kind == ev.EV_UBATCH:
                 nxt = self._fast_step(idx, i)
@@ -124,6 +140,17 @@ class Correlator:
             for smp in c.sampling.values():
                 smp.chunks = {k: np.array(v) for k, v in smp.chunks.items()}
         self.requests.keep_deferred()
+
+    def _holes(self, seqs: np.ndarray) -> list[int]:
+        """Indices of the records (in sequence order) that follow missing sequence numbers,
+        since the last batch too. A record still in flight on another CPU looks missing as
+        well: marking a sequence unsure errs on the safe side (partial, never a false start)."""
+        if len(seqs) == 0:
+            return []
+        at = (np.flatnonzero(np.diff(seqs) > 1) + 1).tolist()
+        if self._last_seq is not None and int(seqs[0]) > self._last_seq + 1:
+            at.insert(0, 0)
+        return at
 
     def take_tables(self, *, final: bool = False) -> Tables:
         """The rows produced since the last call, by table: tokens, steps, routes, masks and

@@ -126,6 +126,8 @@ def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
     st.next_input_pending = None
     st.expect_token = None
     st.max_pos = max(st.max_pos, pos)
+    if c.unsure:
+        c.unsure.discard(seq)  # it continued: nothing of it was lost
     c.rows, c.outputs = [(step, 0)], [(step, 0)]
     # _on_step_agg
     if pre is not None:

@@ -33,6 +33,8 @@ from sparseety_prof.store.schema import (
     Columns,
 )
 
+_LOST = "records_lost"  # requests.end_reason: records were lost after its last token seen
+
 
 @dataclass
 class _Deferred:
@@ -110,11 +112,13 @@ class RequestTokens:
             first = int(rows[0])
             tok, pos = int(step.token[first]), int(step.pos[first])
             st = c.seqs.get(seq)
+            unsure = seq in c.unsure
+            c.unsure.discard(seq)
             launch = self.serving.slots.get(seq) if self.serving is not None else None
             if launch is not None and (st is None or launch.serial > st.launch_serial):
                 # the server launched a task on this slot since: a new request, whatever the
                 # positions say (a cached prompt prefix makes a new request look continued)
-                self.new_request(c, seq, step, rows, launch=launch)
+                self.new_request(c, seq, step, rows, launch=launch, old_end=_LOST if unsure else None)
                 continue
             cleared = st is not None and any(cs in (-1, seq) and p0 <= st.max_pos for cs, p0 in clears)
             # In a truncated micro-batch the sequence's first rows may be among those not copied:
@@ -133,11 +137,13 @@ class RequestTokens:
                 st.expect_token = None
                 st.max_pos = max(st.max_pos, int(step.pos[rows].max()))
                 continue
-            # A new request. Seen for the first time since attach as a lone token past position 0,
-            # it was most likely already running: partial (a prefix-cache hit that leaves a single
-            # prompt token to evaluate looks the same; partial errs on the safe side).
-            partial = st is None and len(rows) == 1 and pos > 0
-            self.new_request(c, seq, step, rows, partial=partial)
+            # A new request. Seen for the first time since attach (or since records were lost) as a
+            # lone token past position 0, it was most likely already running: partial (a
+            # prefix-cache hit that leaves a single prompt token to evaluate looks the same;
+            # partial errs on the safe side).
+            partial = (st is None or unsure) and len(rows) == 1 and pos > 0
+            # the request it replaces may have run on in steps the records of were lost
+            self.new_request(c, seq, step, rows, partial=partial, old_end=_LOST if unsure else None)
 
     def new_request(
         self,
@@ -148,10 +154,11 @@ class RequestTokens:
         *,
         partial: bool = False,
         launch: Launch | None = None,
+        old_end: str | None = None,
     ) -> None:
         old = c.seqs.get(seq)
         if old is not None:
-            self.finish_request(old, None)
+            self.finish_request(old, old_end)
         c.requests += 1
         if launch is not None:
             rid, src, serial = launch.request_id, launch.id_source, launch.serial

@@ -95,6 +95,9 @@ class CtxState:
     # that ran before the probes were in (attach boundary), not one the recording lost
     ubatches_seen: int = 0
     seqs: dict[int, SeqState] = field(default_factory=dict)
+    # sequences that may have run steps the consumer never saw (records were lost since their
+    # last step): a lone token past position 0 there is a request seen mid-way, not a new one
+    unsure: set[int] = field(default_factory=set)
     requests: int = 0
     sampling: dict[int, SampleState] = field(default_factory=dict)  # by tid
 

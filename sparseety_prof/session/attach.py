@@ -3,6 +3,7 @@ compile and attach the probes. Nothing here runs on the engine's hot path."""
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -151,7 +152,14 @@ def _attach_probes(
             + (f"; the table's failed: {tensor_check.table_failure}" if tensor_check.table_failure else "")
         )
     sess = compile_and_attach(
-        opts.pid, where, build, len(vocab), capture=opts.capture, skip=opts.skip_probes, moe=plan
+        opts.pid,
+        where,
+        build,
+        len(vocab),
+        capture=opts.capture,
+        skip=opts.skip_probes,
+        moe=plan,
+        ring_pages=opts.ring_mb * (1 << 20) // mmap.PAGESIZE,
     )
     return Attached(
         t, build, model, model_file, vocab, sess, where, layers, layers_found, discovery, tensor_check

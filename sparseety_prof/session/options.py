@@ -31,6 +31,7 @@ class Options:
     moe_read: str = "auto"
     discover_layout: bool = False  # learn the llama_ubatch layout on live data even if the table has it
     discover_timeout: float = 120.0  # seconds to wait for forward passes to learn a layout from
+    ring_mb: int = 64  # the ring buffer the probes write to (a power of two; kernel memory, locked)
     policy: str = "full"  # what the recording keeps (session/policy.py)
     aggregate_s: int = 10  # bucket of the always-on aggregates table
 

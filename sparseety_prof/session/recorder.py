@@ -5,6 +5,7 @@ decoding, correlation, statistics and Parquet writing all happen here, in the co
 from __future__ import annotations
 
 import gc
+import mmap
 import os
 import resource
 import signal
@@ -20,7 +21,7 @@ import polars as pl
 
 from sparseety_prof import __version__
 from sparseety_prof.capture import target as tg
-from sparseety_prof.capture.bpf_loader import ATTENTION_OPS, RING_BUFFER_PAGES, RingReader, Session, is_server
+from sparseety_prof.capture.bpf_loader import ATTENTION_OPS, RingReader, Session, is_server
 from sparseety_prof.capture.events import SeqTracker, decode_groups
 from sparseety_prof.capture.gguf_info import sha256_file
 from sparseety_prof.capture.weight_sparsity import analyze as analyze_weights
@@ -44,7 +45,6 @@ from sparseety_prof.store.recording_writer import RecordingWriter
 from sparseety_prof.terminal_text import line as terminal_line
 
 DRAIN_INTERVAL_S = 0.5  # consumer batches: fewer, larger frames cost less CPU per token
-RING_BYTES = RING_BUFFER_PAGES * 4096
 HASH_STALL_S = 30.0  # close gives up on the model's sha256 after this long without progress
 
 
@@ -185,7 +185,8 @@ class Recorder:
                 self._stop.wait(flush.wait_s(DRAIN_INTERVAL_S))
                 records = reader.take(sched.on_backlog)
                 now = time.monotonic()
-                sched.after_drain(sum(len(b) for b in records.values()) / RING_BYTES, (now - t_prev) * 1e3)
+                filled = sum(len(b) for b in records.values()) / (a.session.ring_pages * mmap.PAGESIZE)
+                sched.after_drain(filled, (now - t_prev) * 1e3)
                 t_prev = now
                 self._consume(records, corr, tracker, writer, a.session, gpu=gpu)
                 self._keep_durable(writer, flush, now)
@@ -402,8 +403,9 @@ class Recorder:
     ) -> None:
         batch = decode_groups(records, sess.logits_chunk)
         tracker.update(batch.seqs(), final=final)
+        drops = (counters or sess.counters())["kernel_drops"]
         if len(batch):
-            corr.feed(batch)
+            corr.feed(batch, losses_seen=drops > 0 or tracker.gaps > 0)
         tables = corr.take_tables(final=final)
         tok, steps = tables["tokens"], tables["steps"]
         gpu_tables = self._poll_gpu(gpu, steps, final=final)
@@ -415,7 +417,7 @@ class Recorder:
         p = self.progress
         p.records = tracker.seen
         p.seq_gaps = tracker.gaps
-        p.kernel_drops = (counters or sess.counters())["kernel_drops"]
+        p.kernel_drops = drops
         p.steps += len(steps.get("step_id", []))
         n_tok = len(tok.get("token_id", []))
         p.tokens += n_tok

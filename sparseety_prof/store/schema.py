@@ -124,7 +124,9 @@ REQUESTS: dict[str, pl.DataType] = {
     "itl_p99_ms": pl.Float64(),
     "prompt_tokens": pl.Int32(),  # prompt rows the engine computed for it (cached prefix excluded)
     "output_tokens": pl.Int32(),
-    "end_reason": pl.String(),  # "eos", "released" (slot released), "detached", or null
+    # "eos", "released" (slot released), "detached", "records_lost" (records were lost after its
+    # last token seen: it may have gone on), or null
+    "end_reason": pl.String(),
     "partial": pl.Boolean(),  # already running when the profiler attached
     "pid": pl.Int32(),
 }
