@@ -53,6 +53,7 @@ from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.gguf_info import Vocab, read_model_info, read_tensor_infos
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate.correlator import Correlator
+from sparseety_prof.correlate.server_layout_check import VERIFY_LAUNCHES, VERIFY_POSTS
 from sparseety_prof.correlate.serving import ServingTracker, parse_request_head
 from sparseety_prof.correlate.verification import VERIFY_UBATCHES
 from sparseety_prof.errors import CorruptRecording, ProfError, UnsupportedEngineBuild, UsageError
@@ -259,6 +260,9 @@ def test_fuzz_bpf_ring_records_through_the_correlator() -> None:
         if verified:  # an engine that passed the checks of its first records, then sends garbage
             corr.counters.verified_ubatches = VERIFY_UBATCHES
             corr.counters.verified_sparse = VERIFY_UBATCHES
+            # the server structs are verified on their own first records (server_layout_check)
+            corr.server_check.posts_verified = VERIFY_POSTS
+            corr.server_check.launches_verified = VERIFY_LAUNCHES
         try:
             corr.feed(batch)
             corr.take_tables()
