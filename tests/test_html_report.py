@@ -30,7 +30,9 @@ HOSTILE = [
     "</title><svg onload=alert(3)>",
     "\"'><iframe src=https://evil.example/></iframe>",
     "<!-- ]]> &amp; &lt;b&gt;",
+    "bidi\u202e\x1b[2J<u>",  # hidden characters are spelled out, as in the terminal
 ]
+SHOWN = {"bidi\u202e\x1b[2J<u>": "bidi\\u202e\\x1b[2J<u>"}
 HOSTILE_META = {
     "pid": 4242,
     "engine": {"name": "<script>alert('engine')</script>", "version": "</style>"},
@@ -95,20 +97,26 @@ def test_hostile_text_stays_text_in_the_browser(tmp_path: Path) -> None:
     t = tokens_frame(40)
     t = t.with_columns(
         pl.Series("request_id", [f"<b>req{s}</b><script>alert(0)</script>" for s in t["seq_id"].to_list()]),
-        pl.Series("token_text", [HOSTILE[i % len(HOSTILE)] for i in range(t.height)]),
+        pl.Series(
+            "token_text", [HOSTILE[(i // 2) % len(HOSTILE)] for i in range(t.height)]
+        ),  # all in each request
     )
     rec = _write(tmp_path / "rec", t, steps_frame(20), HOSTILE_META)
     out, _, dom = render_and_open(rec, "hostile")
     # what the recording holds is shown as text, exactly
     shown = [r[2] for r in dom.table("tokens")]
     want = t.filter(pl.col("request_id") == "<b>req0</b><script>alert(0)</script>")
-    assert sorted(shown) == sorted(want["token_text"].to_list())
+    assert sorted(shown) == sorted(SHOWN.get(s, s) for s in want["token_text"].to_list())
     page_text = "".join(x for texts in dom.text.values() for x in texts)
-    for s in [*HOSTILE, "<script>alert('engine')</script>", "</title><script>alert('model')</script>"]:
+    for s in [
+        *(SHOWN.get(s, s) for s in HOSTILE),
+        "<script>alert('engine')</script>",
+        "</title><script>alert('model')</script>",
+    ]:
         assert s in page_text
     assert dom.tags.count("style") == 1 and dom.tags.count("title") >= 1
     raw = out.read_bytes()
-    assert raw.isascii()
+    assert raw.isascii() and b"\x1b" not in raw and b"\x00" not in raw
 
 
 def test_the_page_fetches_nothing_and_runs_no_script(tmp_path: Path) -> None:

@@ -19,6 +19,9 @@ from sparseety_prof.views.html_report.svg import esc, num
 CSP = "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'"
 #: request ids listed for --request
 REQUESTS_LISTED = 20
+#: MoE layers whose experts per token are drawn (each a plot of tokens x experts; the change map
+#: above them covers every layer)
+DETAIL_LAYERS = 8
 
 CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222;background:#fff}
@@ -157,7 +160,10 @@ def _routing(d: ReportData, levels: list[str]) -> str:
         label="routing changes per layer",
     )
     detail: list[str] = []
-    for i, layer in enumerate(layers):
+    # at most DETAIL_LAYERS of them, spread evenly from the first MoE layer to the last
+    shown = sorted({round(k * (n_layers - 1) / max(1, DETAIL_LAYERS - 1)) for k in range(DETAIL_LAYERS)})
+    for i in shown if n_layers > DETAIL_LAYERS else range(n_layers):
+        layer = layers[i]
         marks = [
             (j, e)
             for j, t in enumerate(sets)
@@ -178,6 +184,10 @@ def _routing(d: ReportData, levels: list[str]) -> str:
     note = (
         f"request {visible_short(d.request)}: each cell is how much a layer's expert set changed from the "
         "previous token (Jaccard distance: 0 = the same experts, 1 = none in common)"
+    ) + (
+        f"; the experts chosen are drawn for {DETAIL_LAYERS} of the {n_layers} MoE layers, spread evenly"
+        if n_layers > DETAIL_LAYERS
+        else ""
     )
     return _panel("routing", title, grid + "".join(detail), note)
 

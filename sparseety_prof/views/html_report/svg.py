@@ -23,7 +23,10 @@ LEVELS = 10  # colour bins of the path-per-colour charts
 def esc(value: object) -> str:
     """Text from anywhere, safe in HTML text and in a double- or single-quoted attribute: hidden
     characters (controls, bidi overrides) spelled out, then &, <, >, " and ' escaped."""
-    return html.escape(visible(value), quote=True)
+    s = str(value)
+    if not (s.isascii() and s.isprintable()):  # printable ASCII has nothing to spell out (fast path)
+        s = visible(s)
+    return html.escape(s, quote=True)
 
 
 def num(v: float) -> str:
