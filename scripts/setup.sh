@@ -32,7 +32,8 @@ if [ "$(id -u)" != 0 ]; then
 fi
 
 # 1. Debian packages. The PyPI package called "bcc" is an unrelated project: BCC comes from Debian.
-pkgs=(python3-bpfcc libbpfcc linux-headers-amd64 binutils gcc libc6-dev curl tmux)
+# chromium: the tests open `report --html` pages in it headless (tests/headless_chromium.py).
+pkgs=(python3-bpfcc libbpfcc linux-headers-amd64 binutils gcc libc6-dev curl tmux chromium)
 if ! dpkg -s "${pkgs[@]}" >/dev/null 2>&1; then
   step "1/6 installing ${pkgs[*]}"
   timed apt_retry update -qq

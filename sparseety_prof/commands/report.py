@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+
+from sparseety_prof.errors import UsageError
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -15,11 +18,46 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="also list what the anomaly detectors find (repetition loops, log-prob collapse, routing "
         "collapse and jumps, sparsity spikes, attention-coverage collapse, slow steps, load imbalance)",
     )
+    rp.add_argument(
+        "--html",
+        type=Path,
+        metavar="FILE",
+        help="write one self-contained HTML page instead (charts, anomalies, the per-token table; opens "
+        "without network); FILE is created owner-only and an existing FILE is refused unless --force",
+    )
+    rp.add_argument(
+        "--request",
+        metavar="ID",
+        help="with --html: the request whose tokens the page shows (default: the longest)",
+    )
+    rp.add_argument("--force", action="store_true", help="with --html: replace FILE if it exists")
     rp.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.html is not None:
+        return _html(args)
+    if args.request is not None or args.force:
+        raise UsageError("--request and --force go with --html FILE")
     from sparseety_prof.views.report import print_report
 
     print_report(args.recording, anomalies=args.anomalies)
+    return 0
+
+
+def _html(args: argparse.Namespace) -> int:
+    from sparseety_prof.store import recording
+    from sparseety_prof.store.output_dir import sudo_owner
+    from sparseety_prof.store.output_file import check_new_file, new_file
+    from sparseety_prof.terminal_text import line
+    from sparseety_prof.views.html_report import write_html
+
+    check_new_file(args.html, force=args.force)
+    rec = recording.open(args.recording)
+    for table in ("tokens", "steps", "routes"):
+        rec.table(table)  # read (and checked) before the output is created
+    with new_file(args.html, force=args.force, owner=sudo_owner()) as out:
+        shown = write_html(rec, out, request=args.request)
+    what = f"request {shown}" if shown is not None else "no tokens"
+    print(line(f"sparseety-prof: wrote {args.html} (HTML report, {what})"), file=sys.stderr)
     return 0
