@@ -1,24 +1,45 @@
 """The live terminal view of `attach`: an update side that folds the consumer's new rows into a
-small state, an immutable Snapshot of it, and `render(snapshot)`, a pure function tested at
-fixed widths."""
+small state, an immutable Snapshot of it, and `render(snapshot, settings, width)`, a pure function
+tested at fixed widths. The view settings (paused, which request, which panels) change by key
+(sparseety_prof/views/live_keys.py) and are applied by `apply_key`, pure too."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import polars as pl
 from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from sparseety_prof.store import anomalies, schema
 from sparseety_prof.terminal_text import text as safe_text
 
 RATE_WINDOW_NS = 5_000_000_000  # tokens/s and steps/s over the last 5 s
 MAX_REQUESTS = 6  # requests shown, newest last
-MAX_TOKENS_PER_REQUEST = 48  # tail of each request's token stream
+MAX_TOKENS_PER_REQUEST = 48  # tail of each request's token stream: also the heat map's window
+#: heat map shades by a cell's selections / the busiest cell's; "·" is an expert never chosen
+HEAT_SHADES = "░▒▓█"
+JUMP_MARK, SPIKE_MARK = "↯", "◆"
+#: the token columns the anomaly detectors read to mark tokens
+_MARK_COLUMNS = ("request_id", "seq_id", "decode_order", "step_id", "expert_ids", "act_zero_ratio")
+
+
+@dataclass(frozen=True)
+class TokenView:
+    text: str
+    log_prob: float | None
+    experts: tuple[tuple[int, ...], ...] | None = None  # per MoE layer
+    zero: tuple[float | None, ...] | None = None  # act_zero_ratio per FFN layer
+    below: tuple[float | None, ...] | None = None  # act_below_ratio per FFN layer
+    jump: bool = False  # the routing_jump detector flags it
+    spike: bool = False  # the sparsity_spike detector flags it (any layer)
 
 
 @dataclass(frozen=True)
@@ -26,7 +47,7 @@ class RequestView:
     request_id: str
     n_tokens: int
     partial: bool
-    tokens: tuple[tuple[str, float | None], ...]  # (text, log_prob), the tail of the stream
+    tokens: tuple[TokenView, ...]  # the tail of the stream
 
 
 @dataclass(frozen=True)
@@ -48,19 +69,82 @@ class Snapshot:
     seq_gaps: int
     logits_incomplete: int
     requests: tuple[RequestView, ...]
+    moe_layers: tuple[int, ...] | None = None  # model layer of each element of expert_ids
+    ffn_layers: tuple[int, ...] | None = None  # ... of act_zero_ratio / act_below_ratio
+    n_experts: int | None = None  # the model's expert count, when known
+
+
+@dataclass(frozen=True)
+class ViewSettings:
+    """What the operator chose with keys: frozen display, the request in focus (None: the newest)
+    and which panels show."""
+
+    paused: bool = False
+    selected: str | None = None
+    heat: bool = True
+    sparsity: bool = True
+    tokens: bool = True
+
+
+#: key -> action; Tab and space are the other spellings of n and p
+KEYS = {"p": "pause", " ": "pause", "n": "next", "\t": "next", "h": "heat", "s": "sparsity", "t": "tokens"}
+QUIT_KEY = "q"
+
+
+def apply_key(v: ViewSettings, key: str, request_ids: Sequence[str]) -> ViewSettings:
+    """The settings after `key` (unknown keys change nothing); `n` cycles through `request_ids`
+    (the requests shown, oldest first) starting from the one in focus."""
+    action = KEYS.get(key)
+    if action == "pause":
+        return replace(v, paused=not v.paused)
+    if action == "heat":
+        return replace(v, heat=not v.heat)
+    if action == "sparsity":
+        return replace(v, sparsity=not v.sparsity)
+    if action == "tokens":
+        return replace(v, tokens=not v.tokens)
+    if action == "next" and request_ids:
+        current = focused(v, request_ids)
+        i = request_ids.index(current) if current in request_ids else -1
+        return replace(v, selected=request_ids[(i + 1) % len(request_ids)])
+    return v
+
+
+def focused(v: ViewSettings, request_ids: Sequence[str]) -> str | None:
+    """The request in focus: the chosen one while it is shown, else the newest."""
+    if v.selected in request_ids:
+        return v.selected
+    return request_ids[-1] if request_ids else None
+
+
+def _tuple_or_none(value: Any, cast: type) -> tuple[Any, ...] | None:
+    return None if value is None else tuple(None if x is None else cast(x) for x in value)
 
 
 class LiveState:
     """Folded state the snapshots are made from; fed by the consumer thread only."""
 
-    def __init__(self, *, pid: int, engine: str, model: str, recording: str | None) -> None:
+    def __init__(
+        self,
+        *,
+        pid: int,
+        engine: str,
+        model: str,
+        recording: str | None,
+        layers: Mapping[str, Any] | None = None,
+        n_experts: int | None = None,
+    ) -> None:
         self.pid, self.engine, self.model, self.recording = pid, engine, model, recording
+        self.layers = layers if isinstance(layers, Mapping) else {}
+        self.n_experts = n_experts if n_experts else None
         self.tokens = 0
         self.steps = 0
         self._token_times: deque[int] = deque()
         self._step_times: deque[int] = deque()
         self._step_ms: deque[float] = deque(maxlen=2000)
-        self._requests: dict[str, list[Any]] = {}  # id -> [n, partial, deque[(text, lp)]]
+        # id -> [n, partial, deque[(TokenView, {column: value} for the detectors)]]
+        self._requests: dict[str, list[Any]] = {}
+        self._marks: tuple[int, set[tuple[str, int]], set[tuple[str, int]]] = (-1, set(), set())
         self.counters: dict[str, float] = {}
 
     def update(
@@ -74,6 +158,10 @@ class LiveState:
                 self._step_times.append(int(t1))
                 self._step_ms.append((int(t1) - int(t0)) / 1e6)
         n = len(tokens.get("token_id", []))
+
+        def col(name: str) -> list[Any]:
+            return tokens.get(name) or [None] * n
+
         for i in range(n):
             self.tokens += 1
             t_end = tokens["t_end_ns"][i]
@@ -90,8 +178,40 @@ class LiveState:
                 while len(self._requests) > MAX_REQUESTS:  # dicts keep insertion order: oldest first
                     del self._requests[next(iter(self._requests))]
             req[0] += 1
-            text = tokens.get("token_text", [None] * n)[i]
-            req[2].append((text if text is not None else f"<{tokens['token_id'][i]}>", tokens["log_prob"][i]))
+            text = col("token_text")[i]
+            experts = col("expert_ids")[i]
+            view = TokenView(
+                text=text if text is not None else f"<{tokens['token_id'][i]}>",
+                log_prob=tokens["log_prob"][i],
+                experts=None if experts is None else tuple(tuple(int(e) for e in x or ()) for x in experts),
+                zero=_tuple_or_none(col("act_zero_ratio")[i], float),
+                below=_tuple_or_none(col("act_below_ratio")[i], float),
+            )
+            req[2].append((view, {c: col(c)[i] for c in _MARK_COLUMNS}))
+
+    def _flagged(self) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
+        """(request, decode order) of the tokens shown that the routing_jump and sparsity_spike
+        detectors flag, run over those tokens alone; recomputed only when tokens came in."""
+        if self._marks[0] == self.tokens:
+            return self._marks[1], self._marks[2]
+        rows = [r for _, _, toks in self._requests.values() for _, r in toks]
+        jumps: set[tuple[str, int]] = set()
+        spikes: set[tuple[str, int]] = set()
+        if rows:
+            df = pl.DataFrame(
+                {c: [r[c] for r in rows] for c in _MARK_COLUMNS},
+                schema={c: schema.TOKENS[c] for c in _MARK_COLUMNS},
+                strict=False,
+            )
+            meta = {"layers": dict(self.layers)}
+            for found, into in (
+                (anomalies.routing_jumps(df, meta), jumps),
+                (anomalies.sparsity_spikes(df, meta), spikes),
+            ):
+                for rid, a, b in found.select("request_id", "decode_order", "decode_order_end").iter_rows():
+                    into.update((rid, d) for d in range(a, b + 1))
+        self._marks = (self.tokens, jumps, spikes)
+        return jumps, spikes
 
     def snapshot(self, now_ns: int, elapsed_s: float) -> Snapshot:
         """The state at `now_ns`; rates over the last RATE_WINDOW_NS, or since the start if shorter."""
@@ -101,6 +221,13 @@ class LiveState:
         window = min(RATE_WINDOW_NS / 1e9, max(elapsed_s, 1e-9))
         ms = np.array(self._step_ms) if self._step_ms else None
         c = self.counters
+        jumps, spikes = self._flagged()
+
+        def marked(view: TokenView, row: dict[str, Any]) -> TokenView:
+            key = (str(row["request_id"]), row["decode_order"])
+            return replace(view, jump=key in jumps, spike=key in spikes)
+
+        moe, ffn = self.layers.get("moe"), self.layers.get("ffn")
         return Snapshot(
             pid=self.pid,
             engine=self.engine,
@@ -119,9 +246,12 @@ class LiveState:
             seq_gaps=int(c.get("seq_gaps", 0)),
             logits_incomplete=int(c.get("logits_incomplete", 0)),
             requests=tuple(
-                RequestView(rid, n, partial, tuple(toks))
+                RequestView(rid, n, partial, tuple(marked(v, r) for v, r in toks))
                 for rid, (n, partial, toks) in self._requests.items()
             ),
+            moe_layers=tuple(int(x) for x in moe) if isinstance(moe, list) else None,
+            ffn_layers=tuple(int(x) for x in ffn) if isinstance(ffn, list) else None,
+            n_experts=self.n_experts,
         )
 
 
@@ -142,8 +272,12 @@ def _fmt_ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f} ms"
 
 
-def render(s: Snapshot) -> RenderableType:
-    """Stats panel, the newest requests' token tails shaded by log-prob, and the legend."""
+def _labels(layers: tuple[int, ...] | None, n: int) -> list[str]:
+    """Row labels: the model layer of each list element (the element's index without a layer map)."""
+    return [f"L{layers[i] if layers is not None and i < len(layers) else i}" for i in range(n)]
+
+
+def _stats(s: Snapshot, v: ViewSettings) -> RenderableType:
     stats = Table.grid(padding=(0, 2), expand=True)
     for _ in range(4):
         stats.add_column()
@@ -161,23 +295,153 @@ def render(s: Snapshot) -> RenderableType:
     )
     # engine, model and path come from the target or the operator: Text, never markup
     title = safe_text(f"sparseety-prof · PID {s.pid} · {s.engine} · {s.model}")
+    if v.paused:
+        title.append(" · PAUSED", style="bold yellow")
     subtitle = safe_text(f"recording to {s.recording}" if s.recording else "not recording (use -o DIR)")
-    parts: list[RenderableType] = [Panel(stats, title=title, subtitle=subtitle, title_align="left")]
-    if not s.requests:
-        parts.append(Text("waiting for tokens ...", style="dim"))
+    return Panel(stats, title=title, subtitle=subtitle, title_align="left")
+
+
+def _panel_title(what: str, r: RequestView) -> Text:
+    t = Text(f"{what} · ")
+    t.append(safe_text(r.request_id, "bold cyan"))
+    t.append(f" · last {len(r.tokens)} tokens")
+    return t
+
+
+def heat_map(r: RequestView, n_experts: int | None, moe_layers: tuple[int, ...] | None, width: int) -> Panel:
+    """Rows: MoE layers; columns: experts (several per column when they do not fit `width`);
+    each cell shaded by how often the request's last tokens selected it."""
+    routed = [t.experts for t in r.tokens if t.experts]
+    title = _panel_title("expert load", r)
+    if not routed:
+        return Panel(
+            Text("no routing in these tokens (dense model, --mode tokens or redacted)", style="dim"),
+            title=title,
+            title_align="left",
+        )
+    n_layers = max(len(e) for e in routed)
+    seen = max((x for e in routed for layer in e for x in layer), default=-1) + 1
+    total = max(n_experts or 0, seen)
+    labels = _labels(moe_layers, n_layers)
+    label_w = max(len(x) for x in labels) + 1
+    room = max(width - 4 - label_w, 8)  # 4: the panel's borders and padding
+    per_col = max(1, math.ceil(total / room))
+    n_cols = math.ceil(total / per_col)
+    cell_w = 1 if per_col > 1 else max(1, min(3, room // n_cols))
+    counts = np.zeros((n_layers, n_cols), dtype=np.int64)
+    for e in routed:
+        for li, chosen in enumerate(e):
+            for x in chosen:
+                if 0 <= x < total:
+                    counts[li, x // per_col] += 1
+    top = int(counts.max()) or 1
+    body = Text(no_wrap=True, overflow="crop")
+    if cell_w >= 2:  # expert ids over the columns, right-aligned in each cell
+        body.append(" " * label_w + "".join(f"{c:>{cell_w - 1}} " for c in range(n_cols)), "dim")
+        body.append("\n")
+    for li, label in enumerate(labels):
+        body.append(f"{label:<{label_w}}", "bold")
+        for c in counts[li]:
+            # with room, a space between cells keeps neighbouring experts apart
+            fill, gap = (cell_w - 1, " ") if cell_w >= 2 else (1, "")
+            if c == 0:
+                body.append("·".ljust(fill) + gap, "dim")
+            else:
+                ch = HEAT_SHADES[min(len(HEAT_SHADES) - 1, int(c * len(HEAT_SHADES) / (top + 1)))]
+                body.append(ch * fill + gap, "cyan")
+        body.append("\n")
+    columns = f"experts 0-{total - 1}" + (f", {per_col} per column" if per_col > 1 else ", one per column")
+    body.append(f"{columns}; · none {HEAT_SHADES} up to {top} selections", "dim")
+    return Panel(body, title=title, title_align="left")
+
+
+def _bar(value: float | None, w: int) -> Text:
+    if value is None or value != value:  # null or NaN
+        return Text("-".ljust(w + 5), "dim")
+    filled = round(max(0.0, min(1.0, value)) * w)
+    return Text("█" * filled, "magenta") + Text("░" * (w - filled), "dim") + Text(f" {value:>4.0%}")
+
+
+def _mean(rows: list[tuple[float | None, ...]], i: int) -> float | None:
+    vals = [x[i] for x in rows if i < len(x) and x[i] is not None and x[i] == x[i]]
+    return sum(vals) / len(vals) if vals else None  # type: ignore[arg-type]
+
+
+def sparsity(r: RequestView, ffn_layers: tuple[int, ...] | None, width: int) -> Panel:
+    """Per FFN layer, the mean act_zero_ratio and act_below_ratio of the request's last tokens."""
+    zero = [t.zero for t in r.tokens if t.zero is not None]
+    below = [t.below for t in r.tokens if t.below is not None]
+    title = _panel_title("sparsity", r)
+    if not zero and not below:
+        return Panel(
+            Text("no activation sparsity in these tokens", style="dim"), title=title, title_align="left"
+        )
+    n_layers = max(len(x) for x in zero + below)
+    labels = _labels(ffn_layers, n_layers)
+    label_w = max(len(x) for x in labels) + 1
+    bar_w = max(4, min(24, (width - 4 - label_w - len("zero  below ") - 10) // 2))
+    body = Text(no_wrap=True, overflow="crop")
+    for i, label in enumerate(labels):
+        body.append(f"{label:<{label_w}}", "bold")
+        body.append("zero ")
+        body.append(_bar(_mean(zero, i), bar_w))
+        body.append("  below ")
+        body.append(_bar(_mean(below, i), bar_w))
+        body.append("\n")
+    body.append("zero: activations exactly 0; below: |x| < meta act_threshold", "dim")
+    return Panel(body, title=title, title_align="left")
+
+
+def _token_lines(s: Snapshot, current: str | None) -> list[RenderableType]:
+    lines: list[RenderableType] = []
     for r in s.requests:
-        line = Text()
+        line = Text("▶ " if r.request_id == current else "  ", style="bold")
         line.append(safe_text(r.request_id, "bold cyan"))
         line.append(f" {r.n_tokens} tok{' (partial)' if r.partial else ''}: ", style="cyan")
-        for text, lp in r.tokens:
-            line.append(safe_text(text.replace("\n", "⏎"), shade(lp)))
-        parts.append(line)
-    parts.append(
+        for t in r.tokens:
+            if t.jump:
+                line.append(JUMP_MARK, "bold magenta")
+            if t.spike:
+                line.append(SPIKE_MARK, "bold magenta")
+            line.append(safe_text(t.text.replace("\n", "⏎"), shade(t.log_prob)))
+        lines.append(line)
+    lines.append(
         Text("log-prob: ", style="dim")
         + Text("≥-0.5 ", style="green")
         + Text("≥-2 ", style="yellow")
         + Text("≥-5 ", style="bold red")
         + Text("<-5", style="bold white on red")
-        + Text("   Ctrl-C to detach", style="dim")
+        + Text(f"   {JUMP_MARK} routing jump  {SPIKE_MARK} sparsity spike", style="bold magenta")
+    )
+    return lines
+
+
+def render(s: Snapshot, v: ViewSettings | None = None, width: int = 80) -> RenderableType:
+    """Stats panel; for the request in focus the expert-load heat map and sparsity per layer; the
+    newest requests' token tails shaded by log-prob with the detectors' marks; the keys."""
+    v = v or ViewSettings()
+    current = focused(v, [r.request_id for r in s.requests])
+    req = next((r for r in s.requests if r.request_id == current), None)
+    parts: list[RenderableType] = [_stats(s, v)]
+    if req is None:
+        parts.append(Text("waiting for tokens ...", style="dim"))
+    else:
+        if v.heat:
+            parts.append(heat_map(req, s.n_experts, s.moe_layers, width))
+        if v.sparsity:
+            parts.append(sparsity(req, s.ffn_layers, width))
+        if v.tokens:
+            parts.extend(_token_lines(s, current))
+
+    def key(k: str, what: str, on: bool = True) -> Text:
+        return Text(k, style="bold") + Text(f" {what}  ", style="" if on else "dim")
+
+    parts.append(
+        key("p", "resume" if v.paused else "pause")
+        + key("n", "next request")
+        + key("h", "heat map", v.heat)
+        + key("s", "sparsity", v.sparsity)
+        + key("t", "tokens", v.tokens)
+        + key("q", "quit")
     )
     return Group(*parts)
