@@ -291,3 +291,52 @@ def test_key_reader_ignores_a_stdin_that_is_no_terminal() -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_many_layers_are_merged_to_fit_the_height() -> None:
+    """48 MoE/FFN layers in a 40-line terminal: consecutive layers share rows, all of them shown."""
+    n_layers, n = 48, 12
+    zero = [[(li % 10) / 10 + 0.001 * t for li in range(n_layers)] for t in range(n)]
+    st = LiveState(
+        pid=1,
+        engine="e",
+        model="m",
+        recording=None,
+        layers={"moe": list(range(n_layers)), "ffn": list(range(n_layers))},
+        n_experts=8,
+    )
+    st.update(
+        {
+            "request_id": ["r"] * n,
+            "seq_id": [0] * n,
+            "decode_order": list(range(n)),
+            "step_id": list(range(n)),
+            "token_id": list(range(n)),
+            "log_prob": [-1.0] * n,
+            "partial": [False] * n,
+            "t_end_ns": list(range(n)),
+            "expert_ids": [[[li % 8, (li + 1) % 8] for li in range(n_layers)] for _ in range(n)],
+            "act_zero_ratio": zero,
+            "act_below_ratio": zero,
+        },
+        {},
+        {},
+    )
+    s = st.snapshot(n, 1.0)
+    unlimited = _text(80, s=s)
+    assert all(f"│ L{li} " in unlimited for li in range(n_layers))
+    for width in (80, 120):
+        buf = io.StringIO()
+        Console(file=buf, width=width, color_system=None).print(render(s, ViewSettings(), width, 40))
+        lines = buf.getvalue().splitlines()
+        assert len(lines) <= 40 and all(len(line) <= width for line in lines)
+        heat = [ln for ln in lines if re.match(r"│ L\d+-\d+ +[·░▒▓█]", ln)]
+        bars = [ln for ln in lines if re.match(r"│ L\d+-\d+ +zero ", ln)]
+        assert heat and len(heat) == len(bars)
+        spans = [tuple(map(int, re.findall(r"L(\d+)-(\d+)", ln)[0])) for ln in bars]
+        per = spans[0][1] - spans[0][0] + 1
+        assert f"{per} layers per row" in buf.getvalue()
+        assert [a for a, _ in spans] == list(range(0, n_layers, per)) and spans[-1][1] == n_layers - 1
+        for (a, b), ln in zip(spans, bars, strict=True):
+            mean = sum(z[li] for z in zero for li in range(a, b + 1)) / (n * (b - a + 1))
+            assert re.search(rf"zero [█░]+ +{mean:.0%}", ln), (ln, mean)

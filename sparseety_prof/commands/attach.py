@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
     def redraw() -> None:
         if shown:
-            live.update(render(shown[0], view[0], console.width), refresh=True)
+            live.update(render(shown[0], view[0], console.width, console.height), refresh=True)
 
     def on_update(tok: dict, steps: dict, p: Progress) -> None:
         if not state:

@@ -121,6 +121,42 @@ def _tuple_or_none(value: Any, cast: type) -> tuple[Any, ...] | None:
     return None if value is None else tuple(None if x is None else cast(x) for x in value)
 
 
+def _column(name: str, values: list[Any]) -> pl.Series:
+    """A detector input column. Nested lists of one shape (every token the same layers and top-k)
+    go through numpy: polars builds nested lists from Python objects element by element, 100x slower
+    on a model of 48 layers x top-8."""
+    dtype = schema.TOKENS[name]
+    if isinstance(dtype, pl.List) and values and all(v is not None for v in values):
+        try:
+            arr = np.array(values, dtype=np.float32 if dtype.inner == pl.Float32 else np.int32)
+        except (ValueError, TypeError):  # ragged, or nulls inside
+            arr = None
+        depth = 2 if isinstance(dtype.inner, pl.List) else 1
+        if arr is not None and arr.ndim == depth + 1 and arr.size:
+            return pl.Series(name, arr).cast(dtype)
+    return pl.Series(name, values, dtype=dtype, strict=False)
+
+
+def _detect_marks(
+    rows: list[dict[str, Any]], layers: Mapping[str, Any]
+) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
+    """The routing_jump and sparsity_spike detectors with their default thresholds over `rows`
+    (token columns of _MARK_COLUMNS): the (request, decode order) of each token they flag."""
+    jumps: set[tuple[str, int]] = set()
+    spikes: set[tuple[str, int]] = set()
+    if not rows:
+        return jumps, spikes
+    df = pl.DataFrame([_column(c, [r[c] for r in rows]) for c in _MARK_COLUMNS])
+    meta = {"layers": dict(layers)}
+    for found, into in (
+        (anomalies.routing_jumps(df, meta), jumps),
+        (anomalies.sparsity_spikes(df, meta), spikes),
+    ):
+        for rid, first, last in found.select("request_id", "decode_order", "decode_order_end").iter_rows():
+            into.update((rid, d) for d in range(first, last + 1))
+    return jumps, spikes
+
+
 class LiveState:
     """Folded state the snapshots are made from; fed by the consumer thread only."""
 
@@ -144,7 +180,8 @@ class LiveState:
         self._step_ms: deque[float] = deque(maxlen=2000)
         # id -> [n, partial, deque[(TokenView, {column: value} for the detectors)]]
         self._requests: dict[str, list[Any]] = {}
-        self._marks: tuple[int, set[tuple[str, int]], set[tuple[str, int]]] = (-1, set(), set())
+        # id -> (tokens seen when computed, jumps, spikes): the detectors' marks per request
+        self._marks: dict[str, tuple[int, set[tuple[str, int]], set[tuple[str, int]]]] = {}
         self.counters: dict[str, float] = {}
 
     def update(
@@ -191,26 +228,19 @@ class LiveState:
 
     def _flagged(self) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
         """(request, decode order) of the tokens shown that the routing_jump and sparsity_spike
-        detectors flag, run over those tokens alone; recomputed only when tokens came in."""
-        if self._marks[0] == self.tokens:
-            return self._marks[1], self._marks[2]
-        rows = [r for _, _, toks in self._requests.values() for _, r in toks]
+        detectors flag, each request's run over its own tokens on screen (so their baselines are
+        those tokens); recomputed only for the requests that got tokens since the last call."""
         jumps: set[tuple[str, int]] = set()
         spikes: set[tuple[str, int]] = set()
-        if rows:
-            df = pl.DataFrame(
-                {c: [r[c] for r in rows] for c in _MARK_COLUMNS},
-                schema={c: schema.TOKENS[c] for c in _MARK_COLUMNS},
-                strict=False,
-            )
-            meta = {"layers": dict(self.layers)}
-            for found, into in (
-                (anomalies.routing_jumps(df, meta), jumps),
-                (anomalies.sparsity_spikes(df, meta), spikes),
-            ):
-                for rid, a, b in found.select("request_id", "decode_order", "decode_order_end").iter_rows():
-                    into.update((rid, d) for d in range(a, b + 1))
-        self._marks = (self.tokens, jumps, spikes)
+        marks = {}
+        for rid, (n, _, toks) in self._requests.items():
+            got = self._marks.get(rid)
+            if got is None or got[0] != n:
+                got = (n, *_detect_marks([r for _, r in toks], self.layers))
+            marks[rid] = got
+            jumps |= got[1]
+            spikes |= got[2]
+        self._marks = marks  # requests no longer shown drop out
         return jumps, spikes
 
     def snapshot(self, now_ns: int, elapsed_s: float) -> Snapshot:
@@ -272,9 +302,17 @@ def _fmt_ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f} ms"
 
 
-def _labels(layers: tuple[int, ...] | None, n: int) -> list[str]:
-    """Row labels: the model layer of each list element (the element's index without a layer map)."""
-    return [f"L{layers[i] if layers is not None and i < len(layers) else i}" for i in range(n)]
+def _row_groups(layers: tuple[int, ...] | None, n: int, max_rows: int | None) -> list[tuple[str, list[int]]]:
+    """Rows of a per-layer panel: (label, list elements) with the model layer of each element as
+    label (its index without a layer map); more elements than `max_rows` are merged into runs of
+    consecutive layers, labelled first-last."""
+
+    def name(i: int) -> int:
+        return layers[i] if layers is not None and i < len(layers) else i
+
+    per = max(1, math.ceil(n / max_rows)) if max_rows else 1
+    groups = [list(range(i, min(i + per, n))) for i in range(0, n, per)]
+    return [(f"L{name(g[0])}" + (f"-{name(g[-1])}" if len(g) > 1 else ""), g) for g in groups]
 
 
 def _stats(s: Snapshot, v: ViewSettings) -> RenderableType:
@@ -308,9 +346,32 @@ def _panel_title(what: str, r: RequestView) -> Text:
     return t
 
 
-def heat_map(r: RequestView, n_experts: int | None, moe_layers: tuple[int, ...] | None, width: int) -> Panel:
-    """Rows: MoE layers; columns: experts (several per column when they do not fit `width`);
-    each cell shaded by how often the request's last tokens selected it."""
+def _layer_expert_pairs(routed: list[tuple[tuple[int, ...], ...]]) -> np.ndarray:
+    """(layer index, expert id) of every selection in `routed` (per token, per layer, the experts),
+    as an (n, 2) array; negative ids (never an expert) left out."""
+    try:  # every token the same layers and top-k: one array, no Python loop over the selections
+        arr = np.array(routed, dtype=np.int64)
+    except ValueError:
+        arr = None
+    if arr is not None and arr.ndim == 3:
+        layer = np.broadcast_to(np.arange(arr.shape[1])[None, :, None], arr.shape)
+        pairs = np.stack([layer.ravel(), arr.ravel()], axis=1)
+    else:
+        flat = [(li, x) for e in routed for li, chosen in enumerate(e) for x in chosen]
+        pairs = np.array(flat, dtype=np.int64).reshape(-1, 2)
+    return pairs[pairs[:, 1] >= 0]
+
+
+def heat_map(
+    r: RequestView,
+    n_experts: int | None,
+    moe_layers: tuple[int, ...] | None,
+    width: int,
+    max_rows: int | None = None,
+) -> Panel:
+    """Rows: MoE layers (several per row beyond `max_rows`); columns: experts (several per column
+    when they do not fit `width`); each cell shaded by how often the request's last tokens selected
+    it."""
     routed = [t.experts for t in r.tokens if t.experts]
     title = _panel_title("expert load", r)
     if not routed:
@@ -320,39 +381,42 @@ def heat_map(r: RequestView, n_experts: int | None, moe_layers: tuple[int, ...] 
             title_align="left",
         )
     n_layers = max(len(e) for e in routed)
-    seen = max((x for e in routed for layer in e for x in layer), default=-1) + 1
-    total = max(n_experts or 0, seen)
-    labels = _labels(moe_layers, n_layers)
-    label_w = max(len(x) for x in labels) + 1
+    pairs = _layer_expert_pairs(routed)
+    total = max(n_experts or 0, int(pairs[:, 1].max()) + 1 if len(pairs) else 0, 1)
+    rows = _row_groups(moe_layers, n_layers, max_rows)
+    label_w = max(len(label) for label, _ in rows) + 1
     room = max(width - 4 - label_w, 8)  # 4: the panel's borders and padding
     per_col = max(1, math.ceil(total / room))
     n_cols = math.ceil(total / per_col)
     cell_w = 1 if per_col > 1 else max(1, min(3, room // n_cols))
-    counts = np.zeros((n_layers, n_cols), dtype=np.int64)
-    for e in routed:
-        for li, chosen in enumerate(e):
-            for x in chosen:
-                if 0 <= x < total:
-                    counts[li, x // per_col] += 1
+    by_layer = np.zeros((n_layers, n_cols), dtype=np.int64)
+    np.add.at(by_layer, (pairs[:, 0], pairs[:, 1] // per_col), 1)
+    counts = np.stack([by_layer[g].sum(axis=0) for _, g in rows])
     top = int(counts.max()) or 1
     body = Text(no_wrap=True, overflow="crop")
     if cell_w >= 2:  # expert ids over the columns, right-aligned in each cell
         body.append(" " * label_w + "".join(f"{c:>{cell_w - 1}} " for c in range(n_cols)), "dim")
         body.append("\n")
-    for li, label in enumerate(labels):
+    # with room, a space between cells keeps neighbouring experts apart
+    fill, gap = (cell_w - 1, " ") if cell_w >= 2 else (1, "")
+    for li, (label, _) in enumerate(rows):
         body.append(f"{label:<{label_w}}", "bold")
-        for c in counts[li]:
-            # with room, a space between cells keeps neighbouring experts apart
-            fill, gap = (cell_w - 1, " ") if cell_w >= 2 else (1, "")
-            if c == 0:
-                body.append("·".ljust(fill) + gap, "dim")
-            else:
-                ch = HEAT_SHADES[min(len(HEAT_SHADES) - 1, int(c * len(HEAT_SHADES) / (top + 1)))]
-                body.append(ch * fill + gap, "cyan")
+        # the row as one span (shade by character): a span per cell makes a 48x128 map slow to draw
+        cells = [
+            "·".ljust(fill) + gap
+            if c == 0
+            else HEAT_SHADES[min(len(HEAT_SHADES) - 1, int(c * len(HEAT_SHADES) / (top + 1)))] * fill + gap
+            for c in counts[li]
+        ]
+        body.append("".join(cells), "cyan")
         body.append("\n")
     columns = f"experts 0-{total - 1}" + (f", {per_col} per column" if per_col > 1 else ", one per column")
-    body.append(f"{columns}; · none {HEAT_SHADES} up to {top} selections", "dim")
-    return Panel(body, title=title, title_align="left")
+    if len(rows) < n_layers:
+        columns += f", {len(rows[0][1])} layers per row"
+    body.rstrip()
+    # the legend wraps where the map crops: it must be read whole
+    legend = Text(f"{columns}; · none, {HEAT_SHADES} up to {top} selections", "dim")
+    return Panel(Group(body, legend), title=title, title_align="left")
 
 
 def _bar(value: float | None, w: int) -> Text:
@@ -362,13 +426,17 @@ def _bar(value: float | None, w: int) -> Text:
     return Text("█" * filled, "magenta") + Text("░" * (w - filled), "dim") + Text(f" {value:>4.0%}")
 
 
-def _mean(rows: list[tuple[float | None, ...]], i: int) -> float | None:
-    vals = [x[i] for x in rows if i < len(x) and x[i] is not None and x[i] == x[i]]
-    return sum(vals) / len(vals) if vals else None  # type: ignore[arg-type]
+def _mean(rows: list[tuple[float | None, ...]], elements: list[int]) -> float | None:
+    """Mean over the tokens and the given list elements (layers), nulls and NaNs left out."""
+    vals = [v for x in rows for i in elements if i < len(x) and (v := x[i]) is not None and v == v]
+    return sum(vals) / len(vals) if vals else None
 
 
-def sparsity(r: RequestView, ffn_layers: tuple[int, ...] | None, width: int) -> Panel:
-    """Per FFN layer, the mean act_zero_ratio and act_below_ratio of the request's last tokens."""
+def sparsity(
+    r: RequestView, ffn_layers: tuple[int, ...] | None, width: int, max_rows: int | None = None
+) -> Panel:
+    """Per FFN layer (several per row beyond `max_rows`), the mean act_zero_ratio and
+    act_below_ratio of the request's last tokens."""
     zero = [t.zero for t in r.tokens if t.zero is not None]
     below = [t.below for t in r.tokens if t.below is not None]
     title = _panel_title("sparsity", r)
@@ -377,16 +445,16 @@ def sparsity(r: RequestView, ffn_layers: tuple[int, ...] | None, width: int) -> 
             Text("no activation sparsity in these tokens", style="dim"), title=title, title_align="left"
         )
     n_layers = max(len(x) for x in zero + below)
-    labels = _labels(ffn_layers, n_layers)
-    label_w = max(len(x) for x in labels) + 1
+    rows = _row_groups(ffn_layers, n_layers, max_rows)
+    label_w = max(len(label) for label, _ in rows) + 1
     bar_w = max(4, min(24, (width - 4 - label_w - len("zero  below ") - 10) // 2))
     body = Text(no_wrap=True, overflow="crop")
-    for i, label in enumerate(labels):
+    for label, elements in rows:
         body.append(f"{label:<{label_w}}", "bold")
         body.append("zero ")
-        body.append(_bar(_mean(zero, i), bar_w))
+        body.append(_bar(_mean(zero, elements), bar_w))
         body.append("  below ")
-        body.append(_bar(_mean(below, i), bar_w))
+        body.append(_bar(_mean(below, elements), bar_w))
         body.append("\n")
     body.append("zero: activations exactly 0; below: |x| < meta act_threshold", "dim")
     return Panel(body, title=title, title_align="left")
@@ -416,9 +484,29 @@ def _token_lines(s: Snapshot, current: str | None) -> list[RenderableType]:
     return lines
 
 
-def render(s: Snapshot, v: ViewSettings | None = None, width: int = 80) -> RenderableType:
+def _rows_left(s: Snapshot, v: ViewSettings, width: int, height: int | None) -> int | None:
+    """How many layer rows each shown per-layer panel may take for the whole view to fit `height`
+    lines (None: no limit): what the stats panel, the token streams, the footer and the panels'
+    frames leave, shared by the panels shown."""
+    panels = int(v.heat) + int(v.sparsity)
+    if height is None or not panels:
+        return None
+    used = 7 + 1 + 1  # stats panel, keys, the line the terminal keeps for the cursor
+    if v.tokens:
+        for r in s.requests:  # each stream wraps: its length in cells over the width
+            n = 2 + len(r.request_id) + 20 + sum(len(t.text) + t.jump + t.spike for t in r.tokens)
+            used += math.ceil(n / max(width, 1))
+        used += 1  # their legend
+    used += 4 * int(v.heat) + 3 * int(v.sparsity)  # frames, column ids and legends
+    return max(2, (height - used) // panels)
+
+
+def render(
+    s: Snapshot, v: ViewSettings | None = None, width: int = 80, height: int | None = None
+) -> RenderableType:
     """Stats panel; for the request in focus the expert-load heat map and sparsity per layer; the
-    newest requests' token tails shaded by log-prob with the detectors' marks; the keys."""
+    newest requests' token tails shaded by log-prob with the detectors' marks; the keys. With a
+    `height`, the per-layer panels merge consecutive layers into rows so that the view fits it."""
     v = v or ViewSettings()
     current = focused(v, [r.request_id for r in s.requests])
     req = next((r for r in s.requests if r.request_id == current), None)
@@ -426,10 +514,11 @@ def render(s: Snapshot, v: ViewSettings | None = None, width: int = 80) -> Rende
     if req is None:
         parts.append(Text("waiting for tokens ...", style="dim"))
     else:
+        max_rows = _rows_left(s, v, width, height)
         if v.heat:
-            parts.append(heat_map(req, s.n_experts, s.moe_layers, width))
+            parts.append(heat_map(req, s.n_experts, s.moe_layers, width, max_rows))
         if v.sparsity:
-            parts.append(sparsity(req, s.ffn_layers, width))
+            parts.append(sparsity(req, s.ffn_layers, width, max_rows))
         if v.tokens:
             parts.extend(_token_lines(s, current))
 
