@@ -123,8 +123,8 @@ def _tuple_or_none(value: Any, cast: type) -> tuple[Any, ...] | None:
 
 def _column(name: str, values: list[Any]) -> pl.Series:
     """A detector input column. Nested lists of one shape (every token the same layers and top-k)
-    go through numpy: polars builds nested lists from Python objects element by element, 100x slower
-    on a model of 48 layers x top-8."""
+    go through numpy: polars builds nested lists from Python objects element by element (6 requests
+    x 48 tokens of a 48-layer top-8 model: 0.4 s that way, about 15 ms this way, 2-core VM)."""
     dtype = schema.TOKENS[name]
     if isinstance(dtype, pl.List) and values and all(v is not None for v in values):
         try:
@@ -220,7 +220,9 @@ class LiveState:
             view = TokenView(
                 text=text if text is not None else f"<{tokens['token_id'][i]}>",
                 log_prob=tokens["log_prob"][i],
-                experts=None if experts is None else tuple(tuple(int(e) for e in x or ()) for x in experts),
+                experts=None
+                if experts is None
+                else tuple(tuple(int(e) for e in (() if x is None else x)) for x in experts),
                 zero=_tuple_or_none(col("act_zero_ratio")[i], float),
                 below=_tuple_or_none(col("act_below_ratio")[i], float),
             )
