@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import io
 import os
+import pty
 import re
+import signal
 import termios
 import time
 from pathlib import Path
@@ -340,3 +342,40 @@ def test_many_layers_are_merged_to_fit_the_height() -> None:
         for (a, b), ln in zip(spans, bars, strict=True):
             mean = sum(z[li] for z in zero for li in range(a, b + 1)) / (n * (b - a + 1))
             assert re.search(rf"zero [█░]+ +{mean:.0%}", ln), (ln, mean)
+
+
+def test_key_reader_leaves_the_terminal_alone_in_the_background() -> None:
+    """A background job (`attach ... &`) must not touch its terminal: setting it would stop it
+    (SIGTTOU). Child on a pty as its controlling terminal; grandchild in another process group."""
+    pid, master = pty.fork()
+    if pid == 0:  # the child: session leader, the pty its controlling terminal
+        code = 1
+        try:
+            tty_in = os.fdopen(0, "r", closefd=False)  # the pty (sys.stdin is pytest's stand-in)
+            g = os.fork()
+            if g == 0:
+                os.setpgid(0, 0)  # a process group that is not the terminal's foreground one
+                with KeyReader(lambda _k: None, tty_in) as keys:
+                    os._exit(10 if keys.active else 0)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                done, status = os.waitpid(g, os.WNOHANG | os.WUNTRACED)
+                if done:
+                    code = 2 if os.WIFSTOPPED(status) else os.waitstatus_to_exitcode(status)
+                    if os.WIFSTOPPED(status):
+                        os.kill(g, signal.SIGKILL)
+                    break
+                time.sleep(0.01)
+            else:
+                os.kill(g, signal.SIGKILL)
+                code = 3
+            with KeyReader(lambda _k: None, tty_in) as keys:  # the foreground one does read keys
+                code = code if keys.active else 4
+        finally:
+            os._exit(code)
+    try:
+        _, status = os.waitpid(pid, 0)
+        # 0: inactive in the background and not stopped, active in the foreground
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        os.close(master)

@@ -1,6 +1,6 @@
 """Keys for the live view: stdin read one key at a time (cbreak mode: no Enter needed, Ctrl-C
-still a signal) on a thread, only when stdin is a terminal; the terminal's settings come back on
-exit, exceptions included."""
+still a signal) on a thread, only when stdin is a terminal we are in the foreground of; the
+terminal's settings come back on exit, exceptions included."""
 
 from __future__ import annotations
 
@@ -13,6 +13,15 @@ from types import TracebackType
 from typing import IO, Any
 
 POLL_S = 0.1  # how often the reader looks whether it should stop
+
+
+def _foreground(fd: int) -> bool:
+    """Whether our process group is the terminal's foreground one (True for a terminal that is
+    not our controlling terminal: job control, and its stop signals, only concern that one)."""
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return True
 
 
 class KeyReader:
@@ -32,10 +41,12 @@ class KeyReader:
     def __enter__(self) -> KeyReader:
         try:
             fd = self.stream.fileno()
-            tty_in = os.isatty(fd)
+            # a job in the background (`attach ... &`) that set or read its terminal would be
+            # stopped (SIGTTOU, SIGTTIN): keys only for the foreground
+            usable = os.isatty(fd) and _foreground(fd)
         except (AttributeError, OSError, ValueError):  # closed, redirected or a pseudo-file
             return self
-        if not tty_in:
+        if not usable:
             return self
         import termios
         import tty
