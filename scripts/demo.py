@@ -64,13 +64,19 @@ def next_steps(out: Path, request: str) -> list[str]:
     html = any("--html" in a.option_strings for a in sub.choices["report"]._actions)
     rec = str(out)
     cmds = [
-        ("sparseety-prof report $REC --anomalies", "what the anomaly detectors find, tokens around"),
+        (
+            '.venv/bin/sparseety-prof report "$REC" --anomalies',
+            "what the anomaly detectors find, tokens around",
+        ),
         *(
-            [("sparseety-prof report $REC --html report.html", "heat maps, routing, sparsity")]
+            [('.venv/bin/sparseety-prof report "$REC" --html report.html', "heat maps, routing, sparsity")]
             if html
             else []
         ),
-        ("sparseety-prof export $REC --format perfetto -o trace.json", "open it in ui.perfetto.dev"),
+        (
+            '.venv/bin/sparseety-prof export "$REC" --format perfetto -o trace.json',
+            "open it in ui.perfetto.dev",
+        ),
     ]
     # the path once, in a shell variable: the commands stay within 80 columns
     lines = ["where to look next:", f"  REC={shlex.quote(rec)}", *(f"  {c}\n      {why}" for c, why in cmds)]

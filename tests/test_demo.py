@@ -1,17 +1,18 @@
 """The demo's last screen (scripts/demo.py final_screen) on a real recording: one request's tokens
 with the experts and sparsity of every layer as recorded, at 80 columns, and where to look next
-(whose Polars lines run)."""
+(whose commands and Polars lines run)."""
 
 from __future__ import annotations
 
 import io
 import re
+import shlex
 import sys
 from pathlib import Path
 
 import polars as pl
 import pytest
-from conftest import ROOT, Engine, Recorder
+from conftest import ROOT, Engine, Recorder, run_cli
 from rich.console import Console
 
 import sparseety_prof
@@ -54,7 +55,15 @@ def test_last_screen_shows_the_recorded_decisions(llama_engine: Engine, tmp_path
 
     unwrapped = screen.replace("\n", "")  # a long path folds at 80 columns
     assert f"REC={out}" in unwrapped and f"r = sparseety_prof.open('{out}')" in unwrapped
-    assert "report $REC --anomalies" in screen and "export $REC --format perfetto" in screen
+    assert 'report "$REC" --anomalies' in screen and 'export "$REC" --format perfetto' in screen
+    # the commands shown run on the recording, as pasted from the repository root
+    commands = [ln.strip() for ln in screen.splitlines() if ln.strip().startswith(".venv/bin/sparseety-prof")]
+    assert len(commands) >= 2
+    for cmd in commands:
+        args = shlex.split(cmd.replace('"$REC"', shlex.quote(str(out))))[1:]
+        args = [str(tmp_path / a) if a.endswith((".json", ".html")) else a for a in args]
+        done = run_cli(*args)
+        assert done.returncode == 0, (cmd, done.stderr)
     env = {"sparseety_prof": sparseety_prof, "pl": pl, "r": r}
     for _, code in demo.POLARS_LINES:
         line = code.format(request=first)
