@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,11 +17,15 @@ import time
 import urllib.request
 from pathlib import Path
 
+from rich.console import Console
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "tests"))  # the model generator lives with the tests
 from make_models import make_model  # noqa: E402
+
+from sparseety_prof.views.decisions import Row  # noqa: E402
 
 PROMPTS = ["hello the expert router", "the sparse decode sample", "one two three"]
 
@@ -38,6 +43,71 @@ def start(cmd: list[str]) -> tuple[subprocess.Popen[str], dict[str, object]]:
         if line.startswith("{"):
             return p, json.loads(line)
     raise SystemExit(f"engine failed to start: {' '.join(cmd)}")
+
+
+#: Polars lines shown at the end of the demo, with what each gives ({request}: the request shown);
+#: tests run each against a recording
+POLARS_LINES = (
+    ("one request's tokens", "r.tokens().filter(pl.col('request_id') == {request!r})"),
+    ("expert load per layer", "r.routes().explode('expert_ids').group_by('layer', 'expert_ids').len()"),
+    ("what the anomaly detectors find, as a frame", "r.anomalies()"),
+)
+
+
+def next_steps(out: Path, request: str) -> list[str]:
+    """Where to look next: the commands and Python lines that go further into the recording (the
+    HTML report only where this checkout's `report` has it)."""
+    from sparseety_prof.commands import report
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    report.add_parser(sub)
+    html = any("--html" in a.option_strings for a in sub.choices["report"]._actions)
+    rec = str(out)
+    cmds = [
+        (
+            '.venv/bin/sparseety-prof report "$REC" --anomalies',
+            "what the anomaly detectors find, tokens around",
+        ),
+        *(
+            [('.venv/bin/sparseety-prof report "$REC" --html report.html', "heat maps, routing, sparsity")]
+            if html
+            else []
+        ),
+        (
+            '.venv/bin/sparseety-prof export "$REC" --format perfetto -o trace.json',
+            "open it in ui.perfetto.dev",
+        ),
+    ]
+    # the path once, in a shell variable: the commands stay within 80 columns
+    lines = ["where to look next:", f"  REC={shlex.quote(rec)}", *(f"  {c}\n      {why}" for c, why in cmds)]
+    lines += [
+        "  in Python (more in sparseety_prof/views/examples.py):",
+        "    import sparseety_prof, polars as pl",
+    ]
+    lines.append(f"    r = sparseety_prof.open({rec!r})")
+    for why, code in POLARS_LINES:
+        lines += [f"    # {why}", "    " + code.format(request=request)]
+    return lines
+
+
+def final_screen(out: Path, console: Console | None = None) -> list[Row]:
+    """The demo's last screen: one request's tokens with their experts and sparsity per layer, and
+    where to look next; returns the decision rows shown."""
+    import sparseety_prof
+    from sparseety_prof.terminal_text import line
+    from sparseety_prof.views.decisions import first_request, print_decisions
+
+    con = console or Console()
+    rec = sparseety_prof.open(out)
+    tokens = rec.tokens()
+    request = first_request(tokens)
+    if request is None:
+        con.print("no request was recorded from its start", style="bold red")
+        return []
+    rows = print_decisions(con, tokens, rec.meta, request)
+    for text in next_steps(out, request):
+        con.print(line(text), markup=False, highlight=False)
+    return rows
 
 
 def main() -> int:
@@ -88,20 +158,10 @@ def main() -> int:
         eng.wait()
     if rec.returncode != 0:
         return rec.returncode
-    import polars as pl
-
-    import sparseety_prof
     from sparseety_prof.views.report import print_report
 
     print_report(a.out)
-    t = sparseety_prof.open(a.out).tokens()
-    with pl.Config(tbl_rows=12, tbl_cols=10, tbl_width_chars=140):
-        print(
-            t.select("request_id", "decode_order", "pos", "token_id", "token_text", "log_prob", "phase").head(
-                12
-            )
-        )
-    log(f"recording: {a.out}  (open it with sparseety_prof.open(path).tokens())")
+    final_screen(a.out)
     return 0
 
 

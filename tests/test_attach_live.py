@@ -28,7 +28,10 @@ def test_attach_shows_live_tokens_and_records(llama_engine: Engine, tmp_path: Pa
     assert shutil.which("tmux"), "tmux is installed by scripts/setup.sh"
     session = f"sp{llama_engine.pid}"
     out = tmp_path / "rec"
-    cmd = " ".join([*CLI, "attach", "--pid", str(llama_engine.pid), "-o", str(out)])
+    # the pane's own size, not LINES/COLUMNS inherited from whoever runs the tests (Rich prefers them)
+    cmd = " ".join(
+        ["env -u LINES -u COLUMNS", *CLI, "attach", "--pid", str(llama_engine.pid), "-o", str(out)]
+    )
     _tmux("new-session", "-d", "-s", session, "-x", "120", "-y", "40", "-c", str(ROOT), f"{cmd}; sleep 60")
     try:
         deadline = time.monotonic() + 60

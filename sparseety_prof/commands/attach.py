@@ -22,6 +22,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    import threading
     import time
 
     from rich.console import Console
@@ -31,31 +32,60 @@ def run(args: argparse.Namespace) -> int:
     from sparseety_prof.session.options import Progress
     from sparseety_prof.session.recorder import Recorder, install_signal_handlers
     from sparseety_prof.terminal_text import line
-    from sparseety_prof.views.live import LiveState, render
+    from sparseety_prof.views.live import QUIT_KEY, LiveState, Snapshot, ViewSettings, apply_key, render
+    from sparseety_prof.views.live_keys import KeyReader
 
     opts = options_from(args)
     console = Console(stderr=True)
     live = Live(console=console, refresh_per_second=4, auto_refresh=False, transient=False)
     state: list[LiveState] = []
+    # the consumer thread brings snapshots, the key thread settings: one lock orders the redraws
+    lock = threading.Lock()
+    view = [ViewSettings()]
+    latest: list[Snapshot] = []  # the newest snapshot
+    shown: list[Snapshot] = []  # the one on screen (the newest unless paused)
     t0 = time.monotonic()
+
+    def redraw() -> None:
+        if shown:
+            live.update(render(shown[0], view[0], console.width, console.height), refresh=True)
 
     def on_update(tok: dict, steps: dict, p: Progress) -> None:
         if not state:
             eng, model = rec.meta.get("engine") or {}, rec.meta.get("model") or {}
+            hp = model.get("hyperparameters") or {}
             state.append(
                 LiveState(
                     pid=args.pid,
                     engine=f"{eng.get('name', '?')} {eng.get('version', '')}".strip(),
                     model=str(model.get("path", "?")).rsplit("/", 1)[-1],
                     recording=str(args.output) if args.output else None,
+                    layers=rec.meta.get("layers"),
+                    n_experts=hp.get("expert_count") if isinstance(hp.get("expert_count"), int) else None,
                 )
             )
         state[0].update(tok, steps, p.counters())
-        live.update(render(state[0].snapshot(time.monotonic_ns(), time.monotonic() - t0)), refresh=True)
+        snap = state[0].snapshot(time.monotonic_ns(), time.monotonic() - t0)
+        with lock:
+            latest[:] = [snap]
+            if not view[0].paused:
+                shown[:] = [snap]
+                redraw()
+
+    def on_key(key: str) -> None:
+        if key == QUIT_KEY:
+            rec.stop("q pressed")  # the same clean stop as Ctrl-C: the recording is closed complete
+            return
+        with lock:
+            ids = [r.request_id for r in shown[0].requests] if shown else []
+            view[0] = apply_key(view[0], key, ids)
+            if not view[0].paused and latest:
+                shown[:] = latest
+            redraw()
 
     rec = Recorder(opts, on_update=on_update, log=lambda s: console.print(s, markup=False, highlight=False))
     install_signal_handlers(rec)
-    with live:
+    with live, KeyReader(on_key):
         meta = rec.run()
     console.print(line(summary_line(meta)), markup=False, highlight=False)
     return 0
