@@ -1,0 +1,365 @@
+"""Every anomaly detector on recordings of real llama.cpp engines (llama-cpp-python in-process,
+tests/engines/llama_engine.py) made to contain its anomaly, and on clean recordings of the same
+model: the detector fires at the planted request, decode order and layer, and nowhere else.
+
+The anomalies are planted by what the engine is fed (tokens forced through a logits processor, so
+the raw logits and log-probs stay the model's), by the model (tests/make_models.py presets
+"planted", "loud_context" and "swa") or by stalling the engine process:
+
+- logprob_collapse: the least likely token forced four times in a row
+- sparsity_spike: the "planted" model's token with an all-zero embedding (layer 0 sees only the
+  embedding, so every activation of layer 0 is exactly 0 for its row)
+- routing_collapse: ten distinct tokens forced whose layer-0 experts (a function of the token in the
+  "planted" model, computed here from the GGUF weights) are the same
+- load_imbalance: a long request of tokens that all route to one expert in layer 0
+- routing_jump: the "loud_context" model's loud token, whose own row is routed by the token while
+  every other row is routed by the prefix
+- attention_collapse: the sliding-window model decoding past twice its window
+- slow_step: the engine stopped (SIGSTOP) for STALL_S at a time, its steps measured against the
+  stall windows taken here
+
+The repetition loop's real-engine test is in tests/test_anomalies.py. Greedy decoding of these
+random models loops, so repetition loops are left out of the comparisons here. The engine runs
+SCHED_FIFO while it is recorded, so that the other processes of a shared CI machine cannot preempt
+it: the stalls are then the only thing that makes a step slow."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import polars as pl
+import pytest
+from conftest import ENGINES, Engine, Recorder
+from make_models import PRESETS, SPACE, build_vocab, make_model
+
+import sparseety_prof
+
+pytestmark = [pytest.mark.root, pytest.mark.engine]
+
+PROMPTS = ["hello the expert router", "one two three", "what is the time"]
+#: llama-cpp-python keeps the KV cache of a prompt it evaluated last: the same prompt again would start
+#: with a single-row step, a request the profiler sees as joined mid-way. Each batch's first prompt
+#: differs from the one before it.
+LONG_PROMPT = "token expert router decode"
+N_TOKENS = 40
+#: where the plants go (decode orders of the forced tokens)
+LEAST_AT = range(20, 24)
+ZERO_AT = 20
+SAME_SET_AT = range(16, 26)
+LOUD_AT = 20
+IMBALANCE_TOKENS = 160
+STALL_S = 0.05
+STALLS = 12
+#: kinds each comparison ignores: the loops greedy decoding makes (tested in test_anomalies.py)
+LOOPS = ("repetition_loop",)
+
+
+@dataclass
+class Run:
+    """A recording and the engine's own account of it: results in request order, request ids."""
+
+    path: Path
+    results: list[dict[str, Any]]
+    request_ids: list[str]
+    found: pl.DataFrame
+    steps: pl.DataFrame
+
+    def where(self, kind: str) -> list[tuple[Any, ...]]:
+        return [
+            tuple(r)
+            for r in self.found.filter(pl.col("kind") == kind)
+            .select("request_id", "decode_order", "decode_order_end", "layer")
+            .iter_rows()
+        ]
+
+    def kinds(self) -> set[str]:
+        return set(self.found.filter(~pl.col("kind").is_in(LOOPS))["kind"].to_list())
+
+
+Batch = tuple[list[str], int, list[dict[str, Any]] | None]
+
+
+def realtime(pid: int) -> None:
+    """SCHED_FIFO for every thread of the engine (root), so no ordinary process preempts it."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setscheduler(int(tid), os.SCHED_FIFO, os.sched_param(1))
+
+
+def record(
+    engine: Engine, out: Path, batches: list[Batch], during: Callable[[threading.Event], None] | None = None
+) -> Run:
+    """Record `batches` (prompts, max_tokens, force plans) generated greedily in turn; `during`
+    runs in a thread while they generate, until the event is set."""
+    rec = Recorder(engine.pid, out)
+    done = threading.Event()
+    side = threading.Thread(target=during, args=(done,)) if during else None
+    if side:
+        side.start()
+    results: list[dict[str, Any]] = []
+    try:
+        for prompts, max_tokens, force in batches:
+            engine.send(
+                {"prompts": prompts, "max_tokens": max_tokens, "temp": 0.0, "seed": 1, "force": force}
+            )
+            results += engine.read(timeout=600)["results"]
+    finally:
+        done.set()
+        if side:
+            side.join()
+    rc, err = rec.stop(signal.SIGINT)
+    assert rc == 0, err
+    r = sparseety_prof.open(out)
+    tokens = r.tokens()
+    order = tokens.group_by("request_id").agg(pl.col("t_end_ns").min()).sort("t_end_ns")["request_id"]
+    assert len(order) == len(results)
+    # the recording holds what the engine generated, request by request
+    for request_id, want in zip(order, results, strict=True):
+        got = tokens.filter(pl.col("request_id") == request_id).sort("decode_order")["token_id"].to_list()
+        assert got == want["ids"], request_id
+    return Run(out, results, order.to_list(), r.anomalies(), r.steps())
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], tuple[Engine, Path]]]:
+    """One engine process per preset, started on first use (SCHED_FIFO) and closed at the end."""
+    d = tmp_path_factory.mktemp("planted")
+    started: dict[str, tuple[Engine, Path]] = {}
+
+    def get(preset: str) -> tuple[Engine, Path]:
+        if preset not in started:
+            model = make_model(d / f"{preset}.gguf", preset)
+            e = Engine([str(ENGINES / "llama_engine.py"), str(model)])
+            realtime(e.pid)
+            started[preset] = (e, model)
+        return started[preset]
+
+    yield get
+    for e, _ in started.values():
+        e.close()
+
+
+# ---------------------------------------------------------------- the "planted" model
+
+
+def layer0_experts(model: Path) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    """Per token id, the "planted" model's layer-0 experts (sorted) and the router's margin between
+    the last chosen and the first unchosen expert. Layer 0's attention output is zero, so its FFN
+    input is the RMS-normed embedding (norm weights 1): the router sees the token alone."""
+    tensors = {t.name: np.array(t.data, dtype=np.float64) for t in gguf.GGUFReader(str(model)).tensors}
+    emb, router = tensors["token_embd.weight"], tensors["blk.0.ffn_gate_inp.weight"]
+    normed = emb / np.sqrt((emb**2).mean(axis=1, keepdims=True) + 1e-5)
+    logits = normed @ router.T
+    k = PRESETS["planted"].n_expert_used
+    ranked = np.argsort(-logits, axis=1)
+    top = np.sort(logits, axis=1)[:, ::-1]
+    return [tuple(sorted(int(e) for e in row[:k])) for row in ranked], top[:, k - 1] - top[:, k]
+
+
+@dataclass
+class Planted:
+    clean: Run
+    planted: Run
+    same_set: list[int]  # the tokens forced at SAME_SET_AT
+    imbalance_expert: int
+    experts: list[tuple[int, ...]]
+
+
+@pytest.fixture(scope="module")
+def planted(
+    engines: Callable[[str], tuple[Engine, Path]], tmp_path_factory: pytest.TempPathFactory
+) -> Planted:
+    engine, model = engines("planted")
+    experts, margin = layer0_experts(model)
+    vocab = build_vocab()
+    zero = vocab.tokens.index(SPACE + "sparse")
+    # ordinary word and character pieces whose layer-0 choice is clear (no near tie)
+    usable = [
+        i
+        for i in range(len(vocab.tokens))
+        if vocab.types[i] == gguf.TokenType.NORMAL and i != zero and margin[i] > 0.1
+    ]
+    rng = np.random.default_rng(5)
+    by_set: dict[tuple[int, ...], list[int]] = {}
+    for i in usable:
+        by_set.setdefault(experts[i], []).append(i)
+    biggest = max(by_set, key=lambda s: len(by_set[s]))
+    same_set = [int(x) for x in rng.choice(by_set[biggest], len(SAME_SET_AT), replace=False)]
+
+    def varied(pool: list[int], n: int) -> list[int]:
+        """n distinct tokens of `pool`, each with other layer-0 experts than the one before."""
+        out: list[int] = []
+        for t in rng.permutation(pool):
+            if not out or experts[int(t)] != experts[out[-1]]:
+                out.append(int(t))
+            if len(out) == n:
+                return out
+        raise AssertionError("pool too small")
+
+    others = [i for i in usable if experts[i] != biggest]
+    around = varied(others, N_TOKENS - len(SAME_SET_AT))
+    collapse_plan = around[: SAME_SET_AT.start] + same_set + around[SAME_SET_AT.start :]
+    busy = biggest[0]
+    imbalance_plan = varied([i for i in usable if busy in experts[i]], IMBALANCE_TOKENS)
+
+    def plan(ids: list[int] | dict[int, Any]) -> dict[str, Any]:
+        return {str(d): t for d, t in (ids.items() if isinstance(ids, dict) else enumerate(ids))}
+
+    force = [
+        plan(dict.fromkeys(LEAST_AT, "least")),
+        plan({ZERO_AT: zero}),
+        plan(collapse_plan),
+    ]
+    d = tmp_path_factory.mktemp("planted-recordings")
+    both = [(PROMPTS, N_TOKENS), ([LONG_PROMPT], IMBALANCE_TOKENS)]
+    clean = record(engine, d / "clean", [(p, n, None) for p, n in both])
+    planted = record(
+        engine,
+        d / "planted",
+        [(PROMPTS, N_TOKENS, force), ([LONG_PROMPT], IMBALANCE_TOKENS, [plan(imbalance_plan)])],
+    )
+    # the engine returned what was forced
+    assert planted.results[2]["ids"] == collapse_plan and planted.results[3]["ids"] == imbalance_plan
+    assert planted.results[1]["ids"][ZERO_AT] == zero
+    return Planted(clean, planted, same_set, busy, experts)
+
+
+def test_logprob_collapse_is_found_where_the_least_likely_tokens_were_forced(planted: Planted) -> None:
+    run = planted.planted
+    lp = run.results[0]["log_probs"]
+    assert max(lp[d] for d in LEAST_AT) < min(np.median(lp) - 5, -10)  # the engine's own log-probs
+    assert run.where("logprob_collapse") == [(run.request_ids[0], LEAST_AT.start, LEAST_AT[-1], None)]
+    assert "logprob_collapse" not in planted.clean.kinds()
+
+
+def test_sparsity_spike_is_found_in_layer_0_of_the_zero_embedding_tokens_row(planted: Planted) -> None:
+    run = planted.planted
+    # the token's row is the next one: its logits came from the forward pass that read the token
+    assert run.where("sparsity_spike") == [(run.request_ids[1], ZERO_AT + 1, ZERO_AT + 1, 0)]
+    row = (
+        sparseety_prof.open(run.path)
+        .tokens()
+        .filter((pl.col("request_id") == run.request_ids[1]) & (pl.col("decode_order") == ZERO_AT + 1))
+    )
+    assert row["act_zero_ratio"][0][0] == 1.0
+    assert "sparsity_spike" not in planted.clean.kinds()
+
+
+def test_routing_collapse_is_found_where_the_forced_tokens_share_their_layer_0_experts(
+    planted: Planted,
+) -> None:
+    run = planted.planted
+    # rows SAME_SET_AT + 1 read the forced tokens: their layer-0 experts, as the GGUF weights say
+    tokens = sparseety_prof.open(run.path).tokens().filter(pl.col("request_id") == run.request_ids[2])
+    layer0 = tokens.sort("decode_order")["expert_ids"].to_list()
+    ids = run.results[2]["ids"]
+    for d in range(1, len(ids)):
+        assert tuple(sorted(layer0[d][0])) == planted.experts[ids[d - 1]], d
+    first, last = SAME_SET_AT.start + 1, SAME_SET_AT[-1] + 1
+    assert run.where("routing_collapse") == [(run.request_ids[2], first, last, 0)]
+    assert "routing_collapse" not in planted.clean.kinds()
+
+
+def test_load_imbalance_is_found_in_layer_0_whose_busy_expert_the_long_request_favoured(
+    planted: Planted,
+) -> None:
+    run = planted.planted
+    found = run.found.filter(pl.col("kind") == "load_imbalance")
+    assert found["layer"].to_list() == [0]
+    assert f"expert {planted.imbalance_expert} took" in found["reason"][0]
+    assert "load_imbalance" not in planted.clean.kinds()
+
+
+def test_the_planted_recording_holds_only_the_planted_anomalies(planted: Planted) -> None:
+    """Each plant makes its own anomaly and no other (slow steps included: the engine is realtime)."""
+    assert planted.planted.kinds() == {
+        "logprob_collapse",
+        "sparsity_spike",
+        "routing_collapse",
+        "load_imbalance",
+    }
+    assert planted.clean.kinds() == set()
+
+
+# ---------------------------------------------------------------- routing jump
+
+
+def test_routing_jumps_into_and_out_of_the_loud_token(
+    engines: Callable[[str], tuple[Engine, Path]], tmp_path: Path
+) -> None:
+    engine, _ = engines("loud_context")
+    loud = build_vocab().tokens.index(SPACE + "expert")
+    clean = record(engine, tmp_path / "clean", [(PROMPTS, N_TOKENS, None)])
+    force = [{}, {str(LOUD_AT): loud}, {}]
+    run = record(engine, tmp_path / "planted", [(PROMPTS, N_TOKENS, force)])
+    assert run.results[1]["ids"][LOUD_AT] == loud
+    # the loud token's own row (the next one) is routed by the token; the row after it by the prefix
+    rid = run.request_ids[1]
+    assert run.where("routing_jump") == [
+        (rid, LOUD_AT + 1, LOUD_AT + 1, None),
+        (rid, LOUD_AT + 2, LOUD_AT + 2, None),
+    ]
+    assert clean.where("routing_jump") == []
+
+
+# ---------------------------------------------------------------- attention coverage
+
+
+def test_attention_collapse_is_found_in_the_sliding_window_layers_past_twice_the_window(
+    engines: Callable[[str], tuple[Engine, Path]], tmp_path: Path
+) -> None:
+    engine, _ = engines("swa")
+    preset = PRESETS["swa"]
+    window = preset.n_swa
+    within = record(engine, tmp_path / "within", [(PROMPTS, 2 * window - 8, None)])
+    run = record(engine, tmp_path / "past", [(PROMPTS, 3 * window, None)])
+    want = []
+    for rid, res in zip(run.request_ids, run.results, strict=True):
+        n_prompt = len(res["prompt_tokens"])
+        # a token row at decode order d sees n_prompt + d cells; a window layer attends `window` of
+        # them, half the request's start (all) once the sequence holds 2 * window cells
+        first = 2 * window - n_prompt
+        assert 8 < first < len(res["ids"]) - 2
+        want += [(rid, first, len(res["ids"]) - 1, layer) for layer in preset.swa_layers]
+    assert sorted(run.where("attention_collapse")) == sorted(want)
+    assert within.where("attention_collapse") == []
+
+
+# ---------------------------------------------------------------- slow steps
+
+
+def test_slow_steps_are_found_where_the_engine_was_stopped(
+    engines: Callable[[str], tuple[Engine, Path]], tmp_path: Path
+) -> None:
+    engine, _ = engines("swa")
+    windows: list[tuple[int, int]] = []
+
+    def stall(done: threading.Event) -> None:
+        rng = np.random.default_rng(3)
+        while len(windows) < STALLS and not done.wait(float(rng.uniform(0.005, 0.02))):
+            t0 = time.monotonic_ns()  # CLOCK_MONOTONIC, as the recording's step times
+            os.kill(engine.pid, signal.SIGSTOP)
+            time.sleep(STALL_S)
+            t1 = time.monotonic_ns()
+            os.kill(engine.pid, signal.SIGCONT)
+            windows.append((t0, t1))
+
+    run = record(engine, tmp_path / "stalled", [([LONG_PROMPT], 600, None)], during=stall)
+    assert len(windows) == STALLS, "the request ended before every stall"
+    # a step the engine was stopped in was still running when it was continued (t1 is taken before
+    # SIGCONT; a stopped engine starts no step, and one that ended before the stop took effect
+    # ended before t1)
+    spans = pl.any_horizontal(*[(pl.col("t_start_ns") < t1) & (pl.col("t_end_ns") > t1) for _, t1 in windows])
+    stalled = run.steps.filter(spans)["step_id"].to_list()
+    assert stalled, "no stall landed inside a step"
+    found = run.found.filter(pl.col("kind") == "slow_step")
+    assert sorted(found["step_id"].to_list()) == sorted(stalled)
+    assert run.kinds() - {"slow_step", "attention_collapse"} == set()
