@@ -21,7 +21,9 @@ the raw logits and log-probs stay the model's), by the model (tests/make_models.
 The repetition loop's real-engine test is in tests/test_anomalies.py. Greedy decoding of these
 random models loops, so repetition loops are left out of the comparisons here. The engine runs
 SCHED_FIFO while it is recorded, so that the other processes of a shared CI machine cannot preempt
-it: the stalls are then the only thing that makes a step slow."""
+it; the kernel still can (interrupts, the 5% of each second realtime tasks leave to others), and on
+a loaded 2-core VM a step of ~1 ms was flagged in about one run in five. Such a step is really slow,
+so the tests allow slow steps shorter than NOISE_MS, a fifth of a stall, and no other."""
 
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ LOUD_AT = 20
 IMBALANCE_TOKENS = 160
 STALL_S = 0.05
 STALLS = 12
+NOISE_MS = STALL_S * 1e3 / 5
 #: kinds each comparison ignores: the loops greedy decoding makes (tested in test_anomalies.py)
 LOOPS = ("repetition_loop",)
 
@@ -80,6 +83,19 @@ class Run:
             .select("request_id", "decode_order", "decode_order_end", "layer")
             .iter_rows()
         ]
+
+    def slow_ms(self) -> list[float]:
+        """Durations of the steps the slow-step detector flagged."""
+        ids = self.found.filter(pl.col("kind") == "slow_step")["step_id"]
+        return (
+            (
+                self.steps.filter(pl.col("step_id").is_in(ids.implode())).select(
+                    (pl.col("t_end_ns") - pl.col("t_start_ns")) / 1e6
+                )
+            )
+            .to_series()
+            .to_list()
+        )
 
     def kinds(self) -> set[str]:
         return set(self.found.filter(~pl.col("kind").is_in(LOOPS))["kind"].to_list())
@@ -279,14 +295,16 @@ def test_load_imbalance_is_found_in_layer_0_whose_busy_expert_the_long_request_f
 
 
 def test_the_planted_recording_holds_only_the_planted_anomalies(planted: Planted) -> None:
-    """Each plant makes its own anomaly and no other (slow steps included: the engine is realtime)."""
-    assert planted.planted.kinds() == {
+    """Each plant makes its own anomaly and no other; steps are slow only by the kernel's doing."""
+    for run in (planted.planted, planted.clean):
+        assert all(ms < NOISE_MS for ms in run.slow_ms()), run.slow_ms()
+    assert planted.planted.kinds() - {"slow_step"} == {
         "logprob_collapse",
         "sparsity_spike",
         "routing_collapse",
         "load_imbalance",
     }
-    assert planted.clean.kinds() == set()
+    assert planted.clean.kinds() - {"slow_step"} == set()
 
 
 # ---------------------------------------------------------------- routing jump
@@ -295,19 +313,20 @@ def test_the_planted_recording_holds_only_the_planted_anomalies(planted: Planted
 def test_routing_jumps_into_and_out_of_the_loud_token(
     engines: Callable[[str], tuple[Engine, Path]], tmp_path: Path
 ) -> None:
+    """The loud token is forced in the second request; the first and third are clean."""
     engine, _ = engines("loud_context")
     loud = build_vocab().tokens.index(SPACE + "expert")
-    clean = record(engine, tmp_path / "clean", [(PROMPTS, N_TOKENS, None)])
     force = [{}, {str(LOUD_AT): loud}, {}]
-    run = record(engine, tmp_path / "planted", [(PROMPTS, N_TOKENS, force)])
-    assert run.results[1]["ids"][LOUD_AT] == loud
+    run = record(engine, tmp_path / "rec", [(PROMPTS, N_TOKENS, force)])
+    assert (
+        run.results[1]["ids"][LOUD_AT] == loud and loud not in run.results[0]["ids"] + run.results[2]["ids"]
+    )
     # the loud token's own row (the next one) is routed by the token; the row after it by the prefix
     rid = run.request_ids[1]
     assert run.where("routing_jump") == [
         (rid, LOUD_AT + 1, LOUD_AT + 1, None),
         (rid, LOUD_AT + 2, LOUD_AT + 2, None),
     ]
-    assert clean.where("routing_jump") == []
 
 
 # ---------------------------------------------------------------- attention coverage
@@ -316,21 +335,22 @@ def test_routing_jumps_into_and_out_of_the_loud_token(
 def test_attention_collapse_is_found_in_the_sliding_window_layers_past_twice_the_window(
     engines: Callable[[str], tuple[Engine, Path]], tmp_path: Path
 ) -> None:
+    """The same prompts decoded within twice the window (clean), then past it."""
     engine, _ = engines("swa")
     preset = PRESETS["swa"]
     window = preset.n_swa
-    within = record(engine, tmp_path / "within", [(PROMPTS, 2 * window - 8, None)])
-    run = record(engine, tmp_path / "past", [(PROMPTS, 3 * window, None)])
+    run = record(engine, tmp_path / "rec", [(PROMPTS, 2 * window - 8, None), (PROMPTS, 3 * window, None)])
     want = []
-    for rid, res in zip(run.request_ids, run.results, strict=True):
+    for rid, res in zip(run.request_ids[len(PROMPTS) :], run.results[len(PROMPTS) :], strict=True):
         n_prompt = len(res["prompt_tokens"])
         # a token row at decode order d sees n_prompt + d cells; a window layer attends `window` of
         # them, half the request's start (all) once the sequence holds 2 * window cells
         first = 2 * window - n_prompt
         assert 8 < first < len(res["ids"]) - 2
         want += [(rid, first, len(res["ids"]) - 1, layer) for layer in preset.swa_layers]
+    for res in run.results[: len(PROMPTS)]:
+        assert len(res["prompt_tokens"]) + len(res["ids"]) < 2 * window  # the clean ones stay within
     assert sorted(run.where("attention_collapse")) == sorted(want)
-    assert within.where("attention_collapse") == []
 
 
 # ---------------------------------------------------------------- slow steps
@@ -360,6 +380,8 @@ def test_slow_steps_are_found_where_the_engine_was_stopped(
     spans = pl.any_horizontal(*[(pl.col("t_start_ns") < t1) & (pl.col("t_end_ns") > t1) for _, t1 in windows])
     stalled = run.steps.filter(spans)["step_id"].to_list()
     assert stalled, "no stall landed inside a step"
-    found = run.found.filter(pl.col("kind") == "slow_step")
-    assert sorted(found["step_id"].to_list()) == sorted(stalled)
+    found = run.found.filter(pl.col("kind") == "slow_step")["step_id"].to_list()
+    assert set(stalled) <= set(found)
+    extra = run.steps.filter(pl.col("step_id").is_in(set(found) - set(stalled)))
+    assert ((extra["t_end_ns"] - extra["t_start_ns"]) < NOISE_MS * 1e6).all(), extra
     assert run.kinds() - {"slow_step", "attention_collapse"} == set()

@@ -624,9 +624,9 @@ def main() -> None:
             lps: list[float] = []
             times: list[int] = []  # when each token reached the caller (for the overhead benchmark)
             temp = float(cmd.get("temp", 0.0))
-            forced = forcing(len(toks), plan)
+            forcer = forcing(len(toks), plan)
             for t in llm.generate(
-                toks, top_k=1 if temp == 0 else 40, temp=temp, reset=True, logits_processor=forced
+                toks, top_k=1 if temp == 0 else 40, temp=temp, reset=True, logits_processor=forcer
             ):
                 times.append(time.perf_counter_ns())
                 ids.append(int(t))
