@@ -30,8 +30,8 @@ def slow_steps(
 
     A step whose shape (rows, output rows) differs from its context's previous step is measured only
     against other such steps: llama.cpp builds and allocates a new compute graph for it, so the
-    first decode step of every request costs about twice the steady ones (measured on the test
-    models, tests/test_anomalies_planted.py) and would otherwise be flagged in every clean run."""
+    first decode step of every request costs more than the steady ones (about twice on the test
+    models) and would otherwise be flagged in clean runs."""
     ms = (pl.col("t_end_ns") - pl.col("t_start_ns")) / 1e6
     cost = (
         pl.when(pl.col("phase") == "prefill")
@@ -75,7 +75,8 @@ def slow_steps(
             "reason": f"{r['phase']} step {r['step_id']} took {r['ms']:.2f} ms"
             + (f" ({r['n_tokens']} tokens)" if r["phase"] == "prefill" else "")
             + f", {r['cost'] / r['usual']:.1f}x the usual {r['usual']:.2f} ms"
-            + (" per token" if r["phase"] == "prefill" else ""),
+            + (" per token" if r["phase"] == "prefill" else "")
+            + (" of steps with a new shape" if r["reshaped"] else ""),
         }
         for r in df.iter_rows(named=True)
     ]
