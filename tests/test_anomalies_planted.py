@@ -86,16 +86,9 @@ class Run:
 
     def slow_ms(self) -> list[float]:
         """Durations of the steps the slow-step detector flagged."""
-        ids = self.found.filter(pl.col("kind") == "slow_step")["step_id"]
-        return (
-            (
-                self.steps.filter(pl.col("step_id").is_in(ids.implode())).select(
-                    (pl.col("t_end_ns") - pl.col("t_start_ns")) / 1e6
-                )
-            )
-            .to_series()
-            .to_list()
-        )
+        ids = self.found.filter(pl.col("kind") == "slow_step")["step_id"].implode()
+        flagged = self.steps.filter(pl.col("step_id").is_in(ids))
+        return ((flagged["t_end_ns"] - flagged["t_start_ns"]) / 1e6).to_list()
 
     def kinds(self) -> set[str]:
         return set(self.found.filter(~pl.col("kind").is_in(LOOPS))["kind"].to_list())
@@ -187,6 +180,7 @@ class Planted:
     same_set: list[int]  # the tokens forced at SAME_SET_AT
     imbalance_expert: int
     experts: list[tuple[int, ...]]
+    zero: int  # the token with the all-zero embedding
 
 
 @pytest.fixture(scope="module")
@@ -226,13 +220,14 @@ def planted(
     busy = biggest[0]
     imbalance_plan = varied([i for i in usable if busy in experts[i]], IMBALANCE_TOKENS)
 
-    def plan(ids: list[int] | dict[int, Any]) -> dict[str, Any]:
-        return {str(d): t for d, t in (ids.items() if isinstance(ids, dict) else enumerate(ids))}
+    def plan(at: dict[int, Any]) -> dict[str, Any]:
+        """The engine's "force" plan: decode order (a string, as JSON keys are) -> token."""
+        return {str(d): t for d, t in at.items()}
 
     force = [
         plan(dict.fromkeys(LEAST_AT, "least")),
         plan({ZERO_AT: zero}),
-        plan(collapse_plan),
+        plan(dict(enumerate(collapse_plan))),
     ]
     d = tmp_path_factory.mktemp("planted-recordings")
     both = [(PROMPTS, N_TOKENS), ([LONG_PROMPT], IMBALANCE_TOKENS)]
@@ -240,12 +235,15 @@ def planted(
     planted = record(
         engine,
         d / "planted",
-        [(PROMPTS, N_TOKENS, force), ([LONG_PROMPT], IMBALANCE_TOKENS, [plan(imbalance_plan)])],
+        [
+            (PROMPTS, N_TOKENS, force),
+            ([LONG_PROMPT], IMBALANCE_TOKENS, [plan(dict(enumerate(imbalance_plan)))]),
+        ],
     )
     # the engine returned what was forced
     assert planted.results[2]["ids"] == collapse_plan and planted.results[3]["ids"] == imbalance_plan
     assert planted.results[1]["ids"][ZERO_AT] == zero
-    return Planted(clean, planted, same_set, busy, experts)
+    return Planted(clean, planted, same_set, busy, experts, zero)
 
 
 def test_logprob_collapse_is_found_where_the_least_likely_tokens_were_forced(planted: Planted) -> None:
@@ -279,6 +277,7 @@ def test_routing_collapse_is_found_where_the_forced_tokens_share_their_layer_0_e
     ids = run.results[2]["ids"]
     for d in range(1, len(ids)):
         assert tuple(sorted(layer0[d][0])) == planted.experts[ids[d - 1]], d
+    assert len({planted.experts[t] for t in planted.same_set}) == 1
     first, last = SAME_SET_AT.start + 1, SAME_SET_AT[-1] + 1
     assert run.where("routing_collapse") == [(run.request_ids[2], first, last, 0)]
     assert "routing_collapse" not in planted.clean.kinds()
@@ -288,9 +287,25 @@ def test_load_imbalance_is_found_in_layer_0_whose_busy_expert_the_long_request_f
     planted: Planted,
 ) -> None:
     run = planted.planted
+    # layer 0's experts of every token row, from the ids the engine read (the prompt's last token,
+    # then each token but the last) and the GGUF weights; the zero-embedding token's row is a tie of
+    # all experts, left to the recording
+    counts = np.zeros(PRESETS["planted"].n_expert)
+    tokens = sparseety_prof.open(run.path).tokens()
+    for rid, res in zip(run.request_ids, run.results, strict=True):
+        read = [res["prompt_tokens"][-1], *res["ids"][:-1]]
+        recorded = tokens.filter(pl.col("request_id") == rid).sort("decode_order")["expert_ids"].to_list()
+        for token, layers in zip(read, recorded, strict=True):
+            if token == planted.zero:
+                counts[layers[0]] += 1
+                continue
+            assert tuple(sorted(layers[0])) == planted.experts[token]
+            counts[list(planted.experts[token])] += 1
     found = run.found.filter(pl.col("kind") == "load_imbalance")
     assert found["layer"].to_list() == [0]
+    assert int(counts.argmax()) == planted.imbalance_expert
     assert f"expert {planted.imbalance_expert} took" in found["reason"][0]
+    assert found["score"][0] == pytest.approx(counts.max() / counts.mean())
     assert "load_imbalance" not in planted.clean.kinds()
 
 
