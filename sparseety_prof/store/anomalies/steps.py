@@ -30,8 +30,8 @@ def slow_steps(
 
     A step whose shape (rows, output rows) differs from its context's previous step is measured only
     against other such steps: llama.cpp builds and allocates a new compute graph for it, so the
-    first decode step of every request costs more than the steady ones (about twice on the test
-    models) and would otherwise be flagged in clean runs."""
+    first decode step of every request costs more than the steady ones (1.3-2x on the test
+    models, tests/test_anomalies_planted.py) and would otherwise be flagged in clean runs."""
     ms = (pl.col("t_end_ns") - pl.col("t_start_ns")) / 1e6
     cost = (
         pl.when(pl.col("phase") == "prefill")
