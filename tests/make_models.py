@@ -26,6 +26,12 @@ Presets:
                 embeddings x0.02, every layer attends uniformly to the prefix (attn_q zero) and its
                 attention output x4, so each router sees mostly the running mean of the prompt
                 (audit: near chance)                                      (4 layers, d128, f32)
+  planted       token_routed's layer 0 (attention output zero) with 8 experts top-2, and the token
+                "▁sparse" with an all-zero embedding (layer 0's FFN input for it is exactly 0, so
+                are all its activations): anomalies are planted by the tokens a test forces
+                (tests/test_anomalies_planted.py)                         (4 layers, d128, f32)
+  loud_context  context_routed, except the token "▁expert" has an embedding 1000x the others': the
+                row of that token is routed by the token, the rest by the prefix (4 layers, d128, f32)
   bench         Mixtral-style MoE big enough that decode costs a few ms/token, vocab >= 32,000
                 (8 layers, d512, 8 heads / 4 kv heads, 8 experts x ff1024, top-2, f16)
 
@@ -157,6 +163,12 @@ class Preset:
     #: "random" (drawn weights), "token" (layer 0's routing is a function of the token alone) or
     #: "context" (routing dominated by the prefix, nearly independent of the token): see the presets
     routing: str = "random"
+    #: a vocabulary piece whose embedding is all zero (a pruned embedding row): with routing "token"
+    #: layer 0's FFN input for it is exactly zero, so every activation of that layer is exactly 0
+    zero_token: str = ""
+    #: a vocabulary piece whose embedding is 1000x the others' under routing "context" (20x the usual
+    #: full scale): its own position is routed by the token, not the prefix
+    loud_token: str = ""
     description: str = ""
 
     # Hyper-parameters that the engine fixes per arch (not read from the GGUF), for consumers that
@@ -229,6 +241,25 @@ PRESETS: dict[str, Preset] = {
         n_expert_used=2,
         routing="context",
         description="MoE whose routing follows the running mean of the prefix, not the token",
+    ),
+    "planted": Preset(
+        arch="llama",
+        n_expert=8,
+        n_expert_used=2,
+        routing="token",
+        zero_token=SPACE + "sparse",
+        description="token_routed's layer 0 with 8 experts top-2, and the token '▁sparse' with an all-zero "
+        "embedding: anomalies planted by the tokens fed (tests/test_anomalies_planted.py)",
+    ),
+    "loud_context": Preset(
+        arch="llama",
+        n_ff=64,
+        n_expert=8,
+        n_expert_used=2,
+        routing="context",
+        loud_token=SPACE + "expert",
+        description="context_routed, but the token '▁expert' has an embedding 1000x the others': its "
+        "routing jumps",
     ),
     "bench": Preset(
         arch="llama",
@@ -431,6 +462,10 @@ def _check(p: Preset, dtype: str, prune: Prune | None) -> None:
         raise ValueError("arch olmo2 is dense (its loader has no expert tensors)")
     if p.routing not in ("random", "token", "context") or (p.routing != "random" and not p.n_expert):
         raise ValueError(f"routing {p.routing!r} needs experts and is one of random, token, context")
+    if p.zero_token and p.routing != "token":
+        raise ValueError("zero_token needs routing 'token' (layer 0 must see the embedding alone)")
+    if p.loud_token and p.routing != "context":
+        raise ValueError("loud_token needs routing 'context' (the only one that scales embeddings down)")
     if p.n_swa and p.arch != "olmo2":
         # other archs here either ignore the key or (smallthinker) force their own window
         raise ValueError(f"n_swa needs arch olmo2, not {p.arch}")
@@ -529,7 +564,12 @@ def _write_gguf(
 
     # "context": embeddings small next to the attention output, so the residual stream (and every
     # router) holds mostly the prefix mean; the draws are the same, only scaled
-    weight("token_embd.weight", draw(n_vocab, D, scale=0.02 if p.routing == "context" else 1.0))
+    embd = draw(n_vocab, D, scale=0.02 if p.routing == "context" else 1.0)
+    if p.zero_token:
+        embd[vocab.tokens.index(p.zero_token)] = 0.0
+    if p.loud_token:
+        embd[vocab.tokens.index(p.loud_token)] *= np.float32(1000.0)  # 20x the usual full scale
+    weight("token_embd.weight", embd)
     norm("output_norm.weight", D)
     weight("output.weight", draw(n_vocab, D, scale=4.0 / float(np.sqrt(D))))
     for i in range(p.n_layer):

@@ -229,6 +229,35 @@ def test_slow_step_is_found_with_the_token_it_produced() -> None:
     assert found["step_id"][0] == N_TOKENS + 22 and "12.00 ms" in found["reason"][0]
 
 
+def _reshaping_steps(first_decode_ms: list[float]) -> pl.DataFrame:
+    """Ten requests on one context: a 5-row prompt step, then 20 one-row decode steps of 1 ms, the
+    first of which (a new graph shape for llama.cpp) takes first_decode_ms[request]."""
+    cols: dict[str, list[object]] = {c: [] for c in ("step_id", "ctx_id", "t_start_ns", "t_end_ns", "phase")}
+    cols["n_tokens"], cols["n_outputs"] = [], []
+    for r, first in enumerate(first_decode_ms):
+        for t in range(21):
+            ms = 5.0 if t == 0 else first if t == 1 else 1.0
+            step = r * 21 + t
+            cols["step_id"].append(step)
+            cols["ctx_id"].append(0)
+            cols["t_start_ns"].append(step * 100_000_000)
+            cols["t_end_ns"].append(step * 100_000_000 + int(ms * 1e6))
+            cols["phase"].append("prefill" if t == 0 else "decode")
+            cols["n_tokens"].append(5 if t == 0 else 1)
+            cols["n_outputs"].append(1)
+    return schema.frame("steps", cols, absent=schema.STEPS.keys() - cols.keys())
+
+
+def test_slow_steps_compare_a_new_graph_shape_with_its_kind() -> None:
+    """The first decode step after a prompt step costs more in every request (llama.cpp builds a
+    new graph for it): not slow against the steady decode steps, only against its own kind."""
+    tokens = schema.empty("tokens")
+    assert anomalies.slow_steps(_reshaping_steps([2.5] * 10), tokens).is_empty()
+    found = anomalies.slow_steps(_reshaping_steps([2.5] * 9 + [12.0]), tokens)
+    assert found["step_id"].to_list() == [9 * 21 + 1]
+    assert "the usual 2.50 ms of steps with a new shape" in found["reason"][0]
+
+
 def test_load_imbalance_is_found_in_the_layer_that_favours_one_expert() -> None:
     f = Fixture()
     rng = np.random.default_rng(3)

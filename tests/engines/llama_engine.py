@@ -10,6 +10,10 @@ Protocol on stdin/stdout (one JSON object per line):
                                "times_ns": [...], "t_request_ns": t}, ...]}
                (times_ns: when each token reached the caller; t_request_ns: when the prompt's
                processing began; both time.perf_counter_ns, CLOCK_MONOTONIC)
+               optional "force": [{decode order: token id or "least"}, ...] (one dict per prompt,
+               keys as strings): at those decode orders the sampler may return only that token
+               ("least": the least likely token of the raw logits row), through a logits processor
+               ahead of the greedy sampler, so the raw logits (and log_probs) stay the model's
   test sends   {"teacher_force": [{"prompt_ids": [...], "ids": [...]}, ...]}
   engine prints {"results": [{"prompt_tokens": [...], "ids": [...], "log_probs": [...]}, ...]}
   test sends   {"exit": true}  (or closes stdin)
@@ -101,7 +105,7 @@ import llama_cpp
 import llama_cpp.llama_cpp as C
 import numpy as np
 import numpy.typing as npt
-from llama_cpp import Llama
+from llama_cpp import Llama, LogitsProcessorList
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -527,6 +531,24 @@ def teacher_force(llm: Llama, prompt_ids: Sequence[int], ids: Sequence[int]) -> 
     return lps
 
 
+def forcing(n_prompt: int, plan: dict[str, int | str]) -> LogitsProcessorList | None:
+    """A logits processor that leaves only the planned token at the planned decode orders (it sees
+    the evaluated ids, prompt and tokens so far, and the logits row in token id order)."""
+    if not plan:
+        return None
+
+    def force(input_ids: npt.NDArray[np.intc], scores: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        want = plan.get(str(len(input_ids) - n_prompt))
+        if want is None:
+            return scores
+        token = int(np.argmin(scores)) if want == "least" else int(want)
+        out = np.full_like(scores, -np.inf)
+        out[token] = 0.0
+        return out
+
+    return LogitsProcessorList([force])
+
+
 def ggml_version() -> str:
     """What ggml_version() of the loaded library returns (libllama's symbol lookup reaches the
     libggml-base it links; the bindings do not wrap the function)."""
@@ -591,7 +613,8 @@ def main() -> None:
         if trace is not None:
             trace.start_request()
         results: list[dict[str, Any]] = []
-        for prompt in cmd.get("prompts", []):
+        plans = cmd.get("force") or [{} for _ in cmd.get("prompts", [])]
+        for prompt, plan in zip(cmd.get("prompts", []), plans, strict=True):
             t_request = time.perf_counter_ns()  # the request's start, for time to first token
             llm.set_seed(int(cmd.get("seed", 1)))
             toks = llm.tokenize(prompt.encode())
@@ -601,7 +624,10 @@ def main() -> None:
             lps: list[float] = []
             times: list[int] = []  # when each token reached the caller (for the overhead benchmark)
             temp = float(cmd.get("temp", 0.0))
-            for t in llm.generate(toks, top_k=1 if temp == 0 else 40, temp=temp, reset=True):
+            forcer = forcing(len(toks), plan)
+            for t in llm.generate(
+                toks, top_k=1 if temp == 0 else 40, temp=temp, reset=True, logits_processor=forcer
+            ):
                 times.append(time.perf_counter_ns())
                 ids.append(int(t))
                 if not a.no_logits_all:

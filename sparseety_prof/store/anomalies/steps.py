@@ -9,7 +9,7 @@ from sparseety_prof.store.anomalies import common
 #: a slow step: its duration (per token, for prompt steps, whose cost grows with their size) is
 #: SLOW_Z robust standard deviations above the phase's median (sigma floored at SLOW_SIGMA_FLOOR
 #: of the median, so a very steady engine does not flag jitter) and at least SLOW_RATIO times it,
-#: among at least SLOW_MIN_STEPS steps of that phase
+#: among at least SLOW_MIN_STEPS steps of that phase and shape change (see slow_steps)
 SLOW_Z = 6.0
 SLOW_SIGMA_FLOOR = 0.1
 SLOW_RATIO = 2.0
@@ -26,22 +26,34 @@ def slow_steps(
     min_steps: int = SLOW_MIN_STEPS,
 ) -> pl.DataFrame:
     """Score: the step's cost in robust standard deviations above its phase's median. The anomaly
-    names the first token the step produced (a step that produced none is reported without one)."""
+    names the first token the step produced (a step that produced none is reported without one).
+
+    A step whose shape (rows, output rows) differs from its context's previous step is measured only
+    against other such steps: llama.cpp builds and allocates a new compute graph for it, so the
+    first decode step of every request costs more than the steady ones (1.3-2x on the test
+    models, tests/test_anomalies_planted.py) and would otherwise be flagged in clean runs."""
     ms = (pl.col("t_end_ns") - pl.col("t_start_ns")) / 1e6
     cost = (
         pl.when(pl.col("phase") == "prefill")
         .then(ms / pl.max_horizontal(pl.col("n_tokens"), 1))
         .otherwise(ms)
     )
+    shape = pl.struct(pl.col("n_tokens"), pl.col("n_outputs"))
+    group = ("phase", "reshaped")
     df = (
         steps.filter(pl.col("t_end_ns").is_not_null() & pl.col("t_start_ns").is_not_null())
-        .with_columns(ms.alias("ms"), cost.alias("cost"))
-        .filter(pl.len().over("phase") >= min_steps)
+        .sort("t_start_ns")
+        .with_columns(
+            ms.alias("ms"),
+            cost.alias("cost"),
+            (shape != shape.shift(1).over("ctx_id")).fill_null(True).alias("reshaped"),
+        )
+        .filter(pl.len().over(group) >= min_steps)
     )
     if df.is_empty():
         return common.empty()
-    med = pl.col("cost").median().over("phase")
-    mad = (pl.col("cost") - med).abs().median().over("phase")
+    med = pl.col("cost").median().over(group)
+    mad = (pl.col("cost") - med).abs().median().over(group)
     sigma = pl.max_horizontal(mad * common.MAD_TO_SIGMA, med * sigma_floor)
     df = (
         df.with_columns(((pl.col("cost") - med) / sigma).alias("score"), med.alias("usual"))
@@ -63,7 +75,8 @@ def slow_steps(
             "reason": f"{r['phase']} step {r['step_id']} took {r['ms']:.2f} ms"
             + (f" ({r['n_tokens']} tokens)" if r["phase"] == "prefill" else "")
             + f", {r['cost'] / r['usual']:.1f}x the usual {r['usual']:.2f} ms"
-            + (" per token" if r["phase"] == "prefill" else ""),
+            + (" per token" if r["phase"] == "prefill" else "")
+            + (" of steps with a new shape" if r["reshaped"] else ""),
         }
         for r in df.iter_rows(named=True)
     ]
