@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from sparseety_prof.commands.attach_flags import add_attach_flags, options_from
+from sparseety_prof.commands.dataset_flag import add_dataset_flag, check_dataset_flag, collect_recording
 from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
 
 
@@ -18,6 +19,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_attach_flags(
         at, output_help="also record to this directory (created; must be empty)", output_required=False
     )
+    add_dataset_flag(at)
     at.set_defaults(func=run)
 
 
@@ -33,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from sparseety_prof.terminal_text import line
     from sparseety_prof.views.live import LiveState, render
 
+    check_dataset_flag(args)
     opts = options_from(args)
     console = Console(stderr=True)
     live = Live(console=console, refresh_per_second=4, auto_refresh=False, transient=False)
@@ -58,4 +61,4 @@ def run(args: argparse.Namespace) -> int:
     with live:
         meta = rec.run()
     console.print(line(summary_line(meta)), markup=False, highlight=False)
-    return 0
+    return collect_recording(args)
