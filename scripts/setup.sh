@@ -32,7 +32,8 @@ if [ "$(id -u)" != 0 ]; then
 fi
 
 # 1. Debian packages. The PyPI package called "bcc" is an unrelated project: BCC comes from Debian.
-pkgs=(python3-bpfcc libbpfcc linux-headers-amd64 binutils gcc libc6-dev curl tmux)
+# default-jre-headless: Java for PySpark, which tests/test_dataset_engines.py uses to read a dataset.
+pkgs=(python3-bpfcc libbpfcc linux-headers-amd64 binutils gcc libc6-dev curl tmux default-jre-headless)
 if ! dpkg -s "${pkgs[@]}" >/dev/null 2>&1; then
   step "1/6 installing ${pkgs[*]}"
   timed apt_retry update -qq
