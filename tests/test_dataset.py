@@ -17,13 +17,15 @@ from typing import Any
 
 import polars as pl
 import pytest
+from conftest import ROOT
 from polars.testing import assert_frame_equal
 from test_recording import steps_frame, tokens_frame
 
 import sparseety_prof
 from sparseety_prof import cli
-from sparseety_prof.commands.exit_codes import COLLECT_REFUSED
-from sparseety_prof.store import schema
+from sparseety_prof.commands.exit_codes import CHECK_FAILED, COLLECT_REFUSED, EXIT_CODES_HELP
+from sparseety_prof.errors import ProfError
+from sparseety_prof.store import dataset, schema
 from sparseety_prof.store.dataset import MANIFEST
 from sparseety_prof.store.dataset_partition import MAX_VALUE_CHARS, sanitise
 from sparseety_prof.store.recording import META_FILE
@@ -171,12 +173,17 @@ def test_a_damaged_or_hostile_recording_is_refused_and_the_others_collected(
     extra = make_recording(tmp_path / "extra", meta("host-e"))
     tokens = pl.read_parquet(extra / "tokens" / "part-000000.parquet").with_columns(secret=pl.lit(1))
     tokens.write_parquet(extra / "tokens" / "part-000000.parquet")
+    wrong_type = make_recording(tmp_path / "wrong-type", meta("host-g"))
+    steps = pl.read_parquet(wrong_type / "steps" / "part-000000.parquet")
+    steps.with_columns(pl.lit("abc").alias("n_tokens")).write_parquet(
+        wrong_type / "steps" / "part-000000.parquet"
+    )
     not_json = make_recording(tmp_path / "not-json", meta("host-f"))
     (not_json / META_FILE).write_text("{")
     missing = tmp_path / "no-such-recording"
     dest = tmp_path / "ds"
 
-    rc = collect(truncated, good, unclosed, linked, extra, not_json, missing, dest)
+    rc = collect(truncated, good, unclosed, linked, extra, wrong_type, not_json, missing, dest)
     err = capsys.readouterr().err
     assert rc == COLLECT_REFUSED == 11
     refused = {
@@ -184,14 +191,17 @@ def test_a_damaged_or_hostile_recording_is_refused_and_the_others_collected(
         for line in err.splitlines()
         if "refused /" in line
     }
-    assert set(refused) == {str(p) for p in (truncated, unclosed, linked, extra, not_json, missing)}
+    assert set(refused) == {
+        str(p) for p in (truncated, unclosed, linked, extra, wrong_type, not_json, missing)
+    }
     assert "not a readable Parquet segment" in refused[str(truncated)]
     assert "was not closed" in refused[str(unclosed)]
     assert "not a plain file" in refused[str(linked)]
     assert "'secret'" in refused[str(extra)]
+    assert "steps" in refused[str(wrong_type)] and "abc" in refused[str(wrong_type)]
     assert "not valid JSON" in refused[str(not_json)]
     assert "does not exist" in refused[str(missing)]
-    assert "1 collected, 0 already there, 6 refused" in err
+    assert "1 collected, 0 already there, 7 refused" in err
     assert [e["source"] for e in manifest(dest)["recordings"]] == [str(good)]
     # nothing of a refused recording is left where a reader looks, not even a staged file
     assert all(
@@ -240,3 +250,32 @@ def test_dataset_flag_needs_a_recording_directory(capsys: pytest.CaptureFixture[
     assert cli.main(["attach", "--pid", "1", "--dataset", str(tmp_path / "ds")]) == 2
     assert "give the recording's directory with -o" in capsys.readouterr().err
     assert not (tmp_path / "ds").exists()
+
+
+def test_the_refusal_exit_code_is_its_own_and_documented() -> None:
+    classes: list[type[ProfError]] = [ProfError, *_subclasses(ProfError)]
+    codes = {c.exit_code for c in classes}
+    assert COLLECT_REFUSED not in codes | {0, CHECK_FAILED}
+    assert f"  {COLLECT_REFUSED} collect: some recordings were refused" in EXIT_CODES_HELP
+    assert (
+        f"| {COLLECT_REFUSED} | `collect`: some recordings were refused" in (ROOT / "README.md").read_text()
+    )
+
+
+def _subclasses(cls: type[ProfError]) -> list[type[ProfError]]:
+    return [s for c in cls.__subclasses__() for s in (c, *_subclasses(c))]
+
+
+@pytest.mark.root
+def test_under_sudo_every_file_and_folder_made_is_the_sudo_users(tmp_path: Path) -> None:
+    nobody = 65534
+    a = make_recording(tmp_path / "a", meta("host-a"))
+    dest = tmp_path / "ds"
+    report = dataset.collect([a], dest, owner=(nobody, nobody))
+    assert len(report.collected) == 1 and not report.refused
+    made = [dest, *dest.rglob("*")]
+    assert len(made) > len(schema.TABLES) * 5  # the folders of each partition level, and the files
+    for p in made:
+        st = p.lstat()
+        assert (st.st_uid, st.st_gid) == (nobody, nobody), p
+        assert stat.S_IMODE(st.st_mode) == (0o700 if p.is_dir() else 0o600), p

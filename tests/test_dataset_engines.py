@@ -107,6 +107,11 @@ def spark(fleet: Fleet) -> Iterator[SparkSql]:
         .config("spark.ui.enabled", "false")
         .config("spark.sql.shuffle.partitions", "1")
         .config("spark.sql.sources.partitionColumnTypeInference.enabled", "false")
+        # start-up and compilation dominate such small queries: C1-only JIT, no whole-stage code
+        # generation and no adaptive re-planning keep Spark's part of the module short
+        .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1")
+        .config("spark.sql.codegen.wholeStage", "false")
+        .config("spark.sql.adaptive.enabled", "false")
         .getOrCreate()
     )
     for table in ("routes", "requests", "tokens"):

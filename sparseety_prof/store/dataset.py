@@ -115,7 +115,9 @@ def _open_source(src: Path) -> tuple[recording.Recording, str]:
     rec = recording.open(src)
     meta_path = rec.path / recording.META_FILE
     meta_bytes = _read_regular(meta_path)
-    if json.loads(meta_bytes) != rec.meta:
+    # the id must be of the meta.json that was parsed: read it again after, and compare
+    rec = recording.open(src)
+    if _read_regular(meta_path) != meta_bytes:
         raise CorruptRecording(f"{meta_path} changed while it was being read: is it still recording?")
     if not rec.complete:
         raise CorruptRecording(
@@ -159,7 +161,9 @@ def _collect_one(
             except OSError as e:
                 raise UsageError(f"cannot write {out.path / rel}: {e.strerror}") from None
             except BaseException as e:  # polars errors and panics on a hostile segment
-                raise CorruptRecording(f"{rec.path / table}: {_reason(e)}") from None
+                raise CorruptRecording(
+                    f"{rec.path / table} does not fit the {table} table's schema: {_reason(e)}"
+                ) from None
             rows[table] = int(height)
         for f in staged:
             f.publish()
