@@ -33,7 +33,8 @@ fi
 
 # 1. Debian packages. The PyPI package called "bcc" is an unrelated project: BCC comes from Debian.
 # chromium: the tests open `report --html` pages in it headless (tests/headless_chromium.py).
-pkgs=(python3-bpfcc libbpfcc linux-headers-amd64 binutils gcc libc6-dev curl tmux chromium)
+# default-jre-headless: Java for PySpark, which tests/test_dataset_engines.py uses to read a dataset.
+pkgs=(python3-bpfcc libbpfcc linux-headers-amd64 binutils gcc libc6-dev curl tmux chromium default-jre-headless)
 if ! dpkg -s "${pkgs[@]}" >/dev/null 2>&1; then
   step "1/6 installing ${pkgs[*]}"
   timed apt_retry update -qq

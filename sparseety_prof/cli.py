@@ -14,6 +14,7 @@ from sparseety_prof.commands import (
     audit,
     build_cupti,
     check,
+    collect,
     diff,
     doctor,
     export,
@@ -38,6 +39,7 @@ COMMANDS = (
     audit,
     redact,
     export,
+    collect,
 )  # in the order --help lists them
 
 

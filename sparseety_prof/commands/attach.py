@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from sparseety_prof.commands.attach_flags import add_attach_flags, options_from
+from sparseety_prof.commands.dataset_flag import add_dataset_flag, check_dataset_flag, collect_recording
 from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
 
 
@@ -18,6 +19,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_attach_flags(
         at, output_help="also record to this directory (created; must be empty)", output_required=False
     )
+    add_dataset_flag(at)
     at.set_defaults(func=run)
 
 
@@ -35,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from sparseety_prof.views.live import QUIT_KEY, LiveState, Snapshot, ViewSettings, apply_key, render
     from sparseety_prof.views.live_keys import KeyReader
 
+    check_dataset_flag(args)
     opts = options_from(args)
     console = Console(stderr=True)
     live = Live(console=console, refresh_per_second=4, auto_refresh=False, transient=False)
@@ -88,4 +91,4 @@ def run(args: argparse.Namespace) -> int:
     with live, KeyReader(on_key):
         meta = rec.run()
     console.print(line(summary_line(meta)), markup=False, highlight=False)
-    return 0
+    return collect_recording(args)

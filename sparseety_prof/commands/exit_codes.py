@@ -6,6 +6,8 @@ EXIT_CODES_HELP = """exit codes:
   2  usage error          5  missing privileges     8  BPF unavailable (BCC, headers, kernel)
   9  check: a capture layer lost the request id
   10 the recording could not be written (disk full, I/O error): meta.json says complete: false
+  11 collect: some recordings were refused (each is named); the others were collected
 """
 
 CHECK_FAILED = 9  # `check`: the request id did not reach every capture layer
+COLLECT_REFUSED = 11  # `collect`: at least one recording was refused (the rest were collected)

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from sparseety_prof.commands.attach_flags import add_attach_flags, options_from
+from sparseety_prof.commands.dataset_flag import add_dataset_flag, check_dataset_flag, collect_recording
 from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
 
 
@@ -17,6 +18,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_attach_flags(r, output_help="recording directory (created; must be empty)", output_required=True)
+    add_dataset_flag(r)
     r.add_argument("--skip-probe", action="append", help=argparse.SUPPRESS)
     r.set_defaults(func=run)
 
@@ -26,8 +28,9 @@ def run(args: argparse.Namespace) -> int:
     from sparseety_prof.session.recorder import Recorder, install_signal_handlers
     from sparseety_prof.terminal_text import line
 
+    check_dataset_flag(args)
     rec = Recorder(options_from(args))
     install_signal_handlers(rec)
     meta = rec.run()
     print(line(summary_line(meta)), file=sys.stderr)
-    return 0
+    return collect_recording(args)

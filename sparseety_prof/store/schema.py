@@ -214,6 +214,26 @@ TABLES: dict[str, dict[str, pl.DataType]] = {
     "aggregates": AGGREGATES,
 }
 
+#: Datasets (`collect`, store/dataset.py): every table of many recordings as one Hive-partitioned
+#: Parquet dataset. Each file holds a table's columns plus DATASET_COLUMNS; the partition columns are
+#: the folder names (host=../date=../engine=../model=..), not stored in the files.
+RECORDING_ID = "recording_id"
+DATASET_COLUMNS: dict[str, pl.DataType] = {
+    RECORDING_ID: pl.String(),  # which recording the row came from (the manifest's "id")
+}
+#: The partition keys, outermost first: the host the recording was made on, the UTC date it started,
+#: the engine's name and the model's name, all from its meta.json (sanitised: store/dataset_partition.py).
+DATASET_PARTITIONS: tuple[str, ...] = ("host", "date", "engine", "model")
+for _name in (*DATASET_COLUMNS, *DATASET_PARTITIONS):
+    if any(_name in _t for _t in TABLES.values()):  # pragma: no cover - guards against a clash
+        raise ImportError(f"schema: dataset column {_name!r} is also a column of a recording table")
+
+
+def dataset_table(table: str) -> dict[str, pl.DataType]:
+    """The columns and dtypes of `table` in a dataset's files: DATASET_COLUMNS, then the table's."""
+    return {**DATASET_COLUMNS, **TABLES[table]}
+
+
 #: What each redaction level (`--redact LEVEL`, store/redaction_levels.py) does to which columns:
 #: "null" columns are stored as nulls (the column stays, the schema is unchanged), "coarsen" columns
 #: keep their values rounded to REDACT_SPARSITY_STEP. The text column (--redact-text) is separate.

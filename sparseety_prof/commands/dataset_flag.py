@@ -1,0 +1,43 @@
+"""`record/attach --dataset DEST`: the recording, once closed, is collected into the dataset DEST
+(as `collect DIR DEST` would), so a fleet of recorders fills one dataset without a separate
+step. The recording directory stays where -o put it: the dataset is a copy in its own layout."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from sparseety_prof.errors import UsageError
+
+
+def add_dataset_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dataset",
+        type=Path,
+        default=None,
+        metavar="DEST",
+        help="when the recording closes, collect it into the Parquet dataset DEST (see `collect`)",
+    )
+
+
+def check_dataset_flag(args: argparse.Namespace) -> None:
+    """Refuse --dataset without a recording to collect, or with a DEST `collect` would refuse,
+    before anything is attached."""
+    if args.dataset is None:
+        return
+    if args.output is None:
+        raise UsageError("--dataset collects the recording: give the recording's directory with -o as well")
+    from sparseety_prof.store.dataset import MANIFEST
+    from sparseety_prof.store.dataset_dir import check_dest
+    from sparseety_prof.store.output_dir import sudo_owner
+
+    check_dest(args.dataset, MANIFEST, sudo_owner())
+
+
+def collect_recording(args: argparse.Namespace) -> int:
+    """Collect the closed recording into --dataset DEST (0 when none was asked for)."""
+    if args.dataset is None:
+        return 0
+    from sparseety_prof.commands.collect import collect_into
+
+    return collect_into([args.output], args.dataset)
