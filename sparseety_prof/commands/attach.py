@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sparseety_prof.commands.attach_flags import add_attach_flags, options_from
+from sparseety_prof.commands.attach_flags import add_attach_flags, options_from, sinks_from
 from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
 
 
@@ -53,7 +53,10 @@ def run(args: argparse.Namespace) -> int:
         state[0].update(tok, steps, p.counters())
         live.update(render(state[0].snapshot(time.monotonic_ns(), time.monotonic() - t0)), refresh=True)
 
-    rec = Recorder(opts, on_update=on_update, log=lambda s: console.print(s, markup=False, highlight=False))
+    def log(s: str) -> None:
+        console.print(line(s), markup=False, highlight=False)
+
+    rec = Recorder(opts, on_update=on_update, log=log, sinks=sinks_from(args, log))
     install_signal_handlers(rec)
     with live:
         meta = rec.run()
