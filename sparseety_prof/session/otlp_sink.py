@@ -74,8 +74,8 @@ def shown_url(url: str) -> str:
 
 
 class _CountingExporter(SpanExporter):
-    """The OTLP exporter, counting what it sent and what failed; once the sink closes and a send
-    has failed (the collector is down), it stops trying so that close stays bounded."""
+    """The OTLP exporter, counting what it sent and what failed; once the sink closes, a failed
+    send (the collector is down) ends the sending, so that close stays bounded."""
 
     def __init__(self, inner: SpanExporter) -> None:
         self.inner = inner
@@ -85,16 +85,18 @@ class _CountingExporter(SpanExporter):
         self.closing = False
         self.gave_up = False
         self.fail_fast = False  # export --otlp: the first failed send ends the sending
+        self.last_failed = False
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        if self.gave_up or ((self.closing or self.fail_fast) and self.failed):
+        if self.gave_up or (self.closing and self.last_failed) or (self.fail_fast and self.failed):
             return SpanExportResult.FAILURE  # not attempted: counted as dropped
         self.requests += 1
         result = self.inner.export(spans)
-        if result is SpanExportResult.SUCCESS:
-            self.sent += len(spans)
-        else:
+        self.last_failed = result is not SpanExportResult.SUCCESS
+        if self.last_failed:
             self.failed += len(spans)
+        else:
+            self.sent += len(spans)
         return result
 
     def shutdown(self) -> None:
@@ -177,6 +179,7 @@ class OtlpSink:
         self._provider = TracerProvider(
             resource=Resource.create(_resource_attributes(meta)),
             span_limits=SpanLimits(max_events=MAX_EVENTS_PER_SPAN),
+            shutdown_on_exit=False,  # close() shuts it down, within its bound; never again at exit
         )
         self._provider.add_span_processor(self._processor)
 
