@@ -265,3 +265,66 @@ def test_bad_otlp_flags_are_usage_errors(tmp_path: Path, args: tuple[str, ...], 
     assert not (tmp_path / "rec").exists()
     q = run_cli("export", str(tmp_path), *args)
     assert q.returncode == 2 and message in q.stderr, q.stderr
+
+
+def _tokens_frame(request_id: str, t_end: list[int]) -> pl.DataFrame:
+    n = len(t_end)
+    cols: dict[str, list[Any]] = {c: [None] * n for c in schema.TOKENS}
+    cols.update(
+        request_id=[request_id] * n,
+        ctx_id=[0] * n,
+        seq_id=[0] * n,
+        decode_order=list(range(n)),
+        token_id=[100 + i for i in range(n)],
+        token_text=[f"tok{i}" for i in range(n)],
+        log_prob=[-0.5 * (i + 1) for i in range(n)],
+        t_end_ns=t_end,
+        expert_ids=[[[i, 7], [3, 4]] for i in range(n)],
+        act_zero_ratio=[[0.5, 0.25]] * n,
+    )
+    return schema.frame("tokens", cols)
+
+
+def test_spans_carry_rows_as_stored_and_wait_for_their_tokens() -> None:
+    """Through the recorder's fan-out with --redact-text: the token events carry ids but no text; a
+    requests frame handed over before its tokens frame (one flush) still gets their summary."""
+    from sparseety_prof.session.sinks import SinkFanout
+
+    receiver = OtlpReceiver()
+    try:
+        sink = OtlpSink(receiver.url, token_event_rate=1.0, wall_offset_ns=5_000)
+        meta = {"model": {"name": "m"}, "engine": {"name": "e"}}
+        fan = SinkFanout([sink], meta, redact_text=True, redact=frozenset(), redact_layers=None, log=print)
+        req = _requests_frame(1, 1_000_000)
+        fan.take("requests", req.with_columns(pl.lit("r0").alias("request_id")))
+        fan.take("tokens", _tokens_frame("r0", [1_000_010, 1_000_300, 1_000_500]))
+        fan.drained(Progress())
+        acc = fan.close({})["otlp"]
+    finally:
+        receiver.close()
+    assert acc["sent"] == 1 and acc["requests_without_tokens"] == 0 and acc["tokens_of_no_request"] == 0
+    (span,) = receiver.spans
+    a = span["attributes"]
+    assert span["start_ns"] == 1_000_000 + 5_000 and span["end_ns"] == 1_000_500 + 5_000
+    assert a["sparseety.tokens_recorded"] == 3
+    assert a["sparseety.log_prob.mean"] == pytest.approx(-1.0) and a["sparseety.log_prob.min"] == -1.5
+    assert a["sparseety.act_zero_ratio.mean"] == pytest.approx(0.375)
+    assert a["sparseety.experts.distinct_per_layer"] == [4, 2]  # {0, 1, 2, 7} and {3, 4}
+    assert [e[1] for e in span["events"]] == [1_005_010, 1_005_300, 1_005_500]
+    assert [e[2]["sparseety.token.id"] for e in span["events"]] == [100, 101, 102]
+    assert all("sparseety.token.text" not in e[2] for e in span["events"])
+
+
+def test_token_events_are_the_same_tokens_however_the_rows_are_framed() -> None:
+    """Rate 0.25 of 12 tokens: 3 events, evenly spaced, alike in one frame (export) or three (live)."""
+    from sparseety_prof.session.otlp_spans import TokenSummaries
+
+    rows = _tokens_frame("r0", [1_000 * (i + 1) for i in range(12)])
+    whole, parts = TokenSummaries(0.25), TokenSummaries(0.25)
+    whole.add(rows, 0)
+    for lo, hi in ((0, 5), (5, 6), (6, 12)):
+        parts.add(rows.slice(lo, hi - lo), 0)
+    a, b = whole.pop("r0", 0, 0), parts.pop("r0", 0, 0)
+    assert a is not None and b is not None
+    assert [e[2]["sparseety.token.decode_order"] for e in a.events] == [3, 7, 11]
+    assert a.events == b.events and a.tokens == b.tokens == 12
