@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sparseety_prof.commands.attach_flags import add_attach_flags, options_from
+from sparseety_prof.commands.attach_flags import add_attach_flags, options_from, sinks_from
 from sparseety_prof.commands.dataset_flag import add_dataset_flag, check_dataset_flag, collect_recording
 from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
 
@@ -86,7 +86,10 @@ def run(args: argparse.Namespace) -> int:
                 shown[:] = latest
             redraw()
 
-    rec = Recorder(opts, on_update=on_update, log=lambda s: console.print(s, markup=False, highlight=False))
+    def log(s: str) -> None:
+        console.print(line(s), markup=False, highlight=False)
+
+    rec = Recorder(opts, on_update=on_update, log=log, sinks=sinks_from(args, log))
     install_signal_handlers(rec)
     with live, KeyReader(on_key):
         meta = rec.run()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,7 @@ from sparseety_prof.session.policy import POLICIES
 
 if TYPE_CHECKING:
     from sparseety_prof.session.options import Options
+    from sparseety_prof.session.sinks import FrameSink
 
 
 def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_required: bool) -> None:
@@ -145,6 +147,51 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         help=f"HTTP servers: header whose value becomes request_id (default {DEFAULT_HEADER}); "
         "requests without it get generated ids",
     )
+    p.add_argument(
+        "--otlp",
+        default=None,
+        metavar="URL",
+        help="also send each request as an OpenTelemetry span (GenAI conventions) to this OTLP/HTTP "
+        "collector, e.g. http://localhost:4318 (/v1/traces is added to a URL with no path); a "
+        "collector that is slow or down costs dropped spans, counted in meta.json (README: OpenTelemetry)",
+    )
+    p.add_argument(
+        "--otlp-token-events",
+        type=float,
+        default=0.0,
+        metavar="RATE",
+        help="with --otlp: also attach this share (0..1) of each request's tokens as span events "
+        "(default 0; at most 128 per span)",
+    )
+    p.add_argument(
+        "--otlp-steps",
+        action="store_true",
+        help="with --otlp: also send one span per micro-batch (step)",
+    )
+
+
+def sinks_from(args: argparse.Namespace, log: Callable[[str], None]) -> list[FrameSink]:
+    """The sinks the flags ask for (--otlp); UsageError for a bad URL or rate."""
+    from sparseety_prof.errors import UsageError
+
+    if args.otlp is None:
+        if args.otlp_token_events or args.otlp_steps:
+            raise UsageError("--otlp-token-events and --otlp-steps need --otlp URL")
+        return []
+    if not 0.0 <= args.otlp_token_events <= 1.0:
+        raise UsageError(f"--otlp-token-events must be within 0..1, got {args.otlp_token_events}")
+    try:
+        from sparseety_prof.session.otlp_sink import OtlpSink, traces_url
+    except ImportError as e:
+        raise UsageError(
+            f"--otlp needs the OpenTelemetry SDK ({e}): pip install 'sparseety-prof[otlp]'"
+        ) from None
+
+    try:
+        traces_url(args.otlp)
+    except ValueError as e:
+        raise UsageError(f"--otlp: {e}") from None
+    return [OtlpSink(args.otlp, token_event_rate=args.otlp_token_events, steps=args.otlp_steps, log=log)]
 
 
 def options_from(args: argparse.Namespace) -> Options:

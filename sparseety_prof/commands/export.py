@@ -1,4 +1,5 @@
-"""`export DIR --format perfetto|jsonl -o FILE`: a recording for other tools."""
+"""`export DIR --format perfetto|jsonl -o FILE` or `export DIR --otlp URL`: a recording for
+other tools."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ Write the recording DIR to FILE for other tools:
 Times are the recording's CLOCK_MONOTONIC; token text stays null where the recording was made
 with --redact-text. FILE is created owner-only (0600); an existing FILE is refused unless --force.
 The export holds what the recording holds (token text, routing): see README, Privacy.
+
+With --otlp URL instead, each request is sent as an OpenTelemetry span to that OTLP/HTTP
+collector, the spans `record --otlp` sends live (README: OpenTelemetry).
 """
 
 
@@ -32,13 +36,34 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     e.add_argument("recording", type=Path, metavar="DIR", help="the recording to export")
-    e.add_argument("--format", required=True, choices=FORMATS, help="perfetto or jsonl")
-    e.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="the file to write")
+    e.add_argument("--format", choices=FORMATS, help="perfetto or jsonl")
+    e.add_argument("-o", "--output", type=Path, metavar="FILE", help="the file to write")
     e.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    e.add_argument(
+        "--otlp", default=None, metavar="URL", help="send the requests as spans to this OTLP/HTTP collector"
+    )
+    e.add_argument(
+        "--otlp-token-events",
+        type=float,
+        default=0.0,
+        metavar="RATE",
+        help="with --otlp: this share (0..1) of each request's tokens as span events (default 0)",
+    )
+    e.add_argument("--otlp-steps", action="store_true", help="with --otlp: one span per step too")
     e.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from sparseety_prof.errors import UsageError
+
+    if args.otlp is not None:
+        if args.format is not None or args.output is not None:
+            raise UsageError("export: --otlp sends spans; it takes no --format or -o")
+        return _send_otlp(args)
+    if args.otlp_token_events or args.otlp_steps:
+        raise UsageError("--otlp-token-events and --otlp-steps need --otlp URL")
+    if args.format is None or args.output is None:
+        raise UsageError("export: --format and -o FILE are needed (or --otlp URL)")
     from sparseety_prof.store import recording
     from sparseety_prof.store.output_dir import sudo_owner
     from sparseety_prof.store.output_file import check_new_file, new_file
@@ -60,4 +85,37 @@ def run(args: argparse.Namespace) -> int:
         else:
             what = f"{write_jsonl(rec, out)} tokens"
     print(line(f"sparseety-prof: wrote {args.output} ({args.format}: {what})"), file=sys.stderr)
+    return 0
+
+
+def _send_otlp(args: argparse.Namespace) -> int:
+    from sparseety_prof.errors import UsageError
+    from sparseety_prof.store import recording
+    from sparseety_prof.terminal_text import line
+
+    try:
+        from sparseety_prof.session.otlp_sink import traces_url
+        from sparseety_prof.views.export.otlp import send_recording
+    except ImportError as e:
+        raise UsageError(
+            f"--otlp needs the OpenTelemetry SDK ({e}): pip install 'sparseety-prof[otlp]'"
+        ) from None
+
+    if not 0.0 <= args.otlp_token_events <= 1.0:
+        raise UsageError(f"--otlp-token-events must be within 0..1, got {args.otlp_token_events}")
+    try:
+        traces_url(args.otlp)
+    except ValueError as e:
+        raise UsageError(f"--otlp: {e}") from None
+    rec = recording.open(args.recording)
+    acc = send_recording(rec, args.otlp, token_event_rate=args.otlp_token_events, steps=args.otlp_steps)
+    spans = sum(acc["spans"].values())
+    msg = f"sparseety-prof: sent {acc['sent']} of {spans} spans to {acc['endpoint']}"
+    if acc["sent"] < spans:
+        print(
+            line(f"{msg}; not sent: {acc.get('last_problem') or 'the collector did not take them'}"),
+            file=sys.stderr,
+        )
+        return 1
+    print(line(msg), file=sys.stderr)
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sparseety_prof.commands.attach_flags import add_attach_flags, options_from
+from sparseety_prof.commands.attach_flags import add_attach_flags, options_from, sinks_from
 from sparseety_prof.commands.dataset_flag import add_dataset_flag, check_dataset_flag, collect_recording
 from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
 
@@ -29,7 +29,12 @@ def run(args: argparse.Namespace) -> int:
     from sparseety_prof.terminal_text import line
 
     check_dataset_flag(args)
-    rec = Recorder(options_from(args))
+    opts = options_from(args)
+
+    def log(s: str) -> None:
+        print(line(s), file=sys.stderr, flush=True)
+
+    rec = Recorder(opts, sinks=sinks_from(args, log))
     install_signal_handlers(rec)
     meta = rec.run()
     print(line(summary_line(meta)), file=sys.stderr)
