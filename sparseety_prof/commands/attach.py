@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sparseety_prof.commands.attach_flags import add_attach_flags, options_from
+from sparseety_prof.commands.attach_flags import add_attach_flags, late_attach_from, options_from
 from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
 
 
@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     opts = options_from(args)
     console = Console(stderr=True)
+    late_attach_from(args, lambda s: console.print(line(s), markup=False, highlight=False))
     live = Live(console=console, refresh_per_second=4, auto_refresh=False, transient=False)
     state: list[LiveState] = []
     t0 = time.monotonic()

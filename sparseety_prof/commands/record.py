@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sparseety_prof.commands.attach_flags import add_attach_flags, options_from
+from sparseety_prof.commands.attach_flags import add_attach_flags, late_attach_from, options_from
 from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
 
 
@@ -26,7 +26,9 @@ def run(args: argparse.Namespace) -> int:
     from sparseety_prof.session.recorder import Recorder, install_signal_handlers
     from sparseety_prof.terminal_text import line
 
-    rec = Recorder(options_from(args))
+    opts = options_from(args)
+    late_attach_from(args, lambda s: print(line(s), file=sys.stderr, flush=True))
+    rec = Recorder(opts)
     install_signal_handlers(rec)
     meta = rec.run()
     print(line(summary_line(meta)), file=sys.stderr)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sparseety_prof.gpu.correlate import KernelCorrelator
+from sparseety_prof.gpu.late_attach import NOT_SEEN
 from sparseety_prof.gpu.records import HostStep, LaunchApi, MemcpyActivity, RingCounters
 from sparseety_prof.gpu.shm_ring import (
     RingError,
@@ -132,6 +133,11 @@ class GpuCapture:
             "errors": c.errors[:20],
             "correlator": self.correlator.counters,
             "estimated_clock_offset_ns": self.correlator.estimated_clock_offset_ns,
+            "late_attach": [
+                {"ring": str(r.path), "attached_mono_ns": r.header.start_mono_ns, "not_seen": NOT_SEEN}
+                for r in self.rings
+                if r.header.late_attach
+            ],
         }
 
     def close(self) -> None:
