@@ -22,6 +22,7 @@ from conftest import CLI, PY, ROOT, run_cli
 
 from sparseety_prof.errors import InjectionRefused, NotAnEngine, PtraceNotPermitted
 from sparseety_prof.gpu import late_attach as la
+from sparseety_prof.gpu import ptrace_call
 from sparseety_prof.gpu.shm_ring import find_rings
 from sparseety_prof.store import recording
 
@@ -47,7 +48,7 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def start_target(
-    build: Path, iterations: int = ITERATIONS, prefix: tuple[str, ...] = ()
+    build: Path, iterations: int = ITERATIONS, prefix: tuple[str, ...] = (), period_ms: int = PERIOD_MS
 ) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARSEETY_", "CUDA_INJECTION"))}
     p = subprocess.Popen(
@@ -56,7 +57,7 @@ def start_target(
             str(build / "late_target"),
             str(build / "cuda" / "libcuda.so.1"),
             str(iterations),
-            str(PERIOD_MS),
+            str(period_ms),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -330,3 +331,38 @@ def test_settings_text_refuses_what_the_library_would_misread() -> None:
         la.settings_text({"SPARSEETY_WATCH": "a\nSPARSEETY_SHM_NAME=x"})
     with pytest.raises(InjectionRefused):
         la.settings_text({"LD_PRELOAD": "/tmp/x.so"})
+
+
+@pytest.mark.root
+def test_call_restores_a_thread_stopped_in_user_code(build: Path) -> None:
+    """The hard case for restoring: a thread stopped in the middle of arithmetic whose values live
+    in general-purpose and vector registers (late_target's spin mode), made to call libc's strtod
+    (which returns in xmm0) 30 times. Its output equals an untouched run's."""
+    n = 40
+    ref = start_target(build, iterations=n, period_ms=0)
+    target = start_target(build, iterations=n, period_ms=0)
+    calls = in_user_code = 0
+    try:
+        maps = la.read_maps(target.pid)
+        libc = la._mapped_file(maps, la._LIBC)
+        assert libc is not None
+        strtod = la._symbol_address(target.pid, libc, ("strtod",))
+        assert strtod is not None
+        while calls < 30 and target.poll() is None:
+            th = ptrace_call.StoppedThread(target.pid, target.pid)
+            try:
+                in_user_code += not th.in_syscall
+                r = th.call(strtod, [b"3.25\0", 0], timeout=5)
+                assert r.seconds < 5
+                calls += 1
+            finally:
+                th.restore_and_detach()
+            time.sleep(0.03)
+        out, _ = target.communicate(timeout=60)
+        ref_out, _ = ref.communicate(timeout=60)
+    finally:
+        for p in (target, ref):
+            p.kill()
+            p.wait()
+    assert calls == 30 and in_user_code >= 20, (calls, in_user_code)
+    assert target.returncode == 0 and out == ref_out and len(out.splitlines()) == n

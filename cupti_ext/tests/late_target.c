@@ -5,6 +5,8 @@
  * ptrace while it runs; tests/test_late_attach.py then checks that the launches after the attach
  * reach the recording and that stdout is byte-equal to a run nobody attached to.
  *   late_target LIBCUDA ITERATIONS PERIOD_MS
+ * PERIOD_MS 0: no sleeping and no launches, only arithmetic kept in registers (general purpose and
+ * vector) between the prints, so that a thread stopped by ptrace is almost always in user code.
  * stdout: "ready <pid>", then per iteration "i checksum" (deterministic, from values kept in
  * callee-saved registers and the stack across the sleep, where the attach stops the thread);
  * stderr: per iteration "launch i <corr> <kernel name> <1 if CUPTI saw it>". */
@@ -30,6 +32,25 @@ static uint64_t mono(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+static int spin(int n) {
+    printf("ready %d\n", (int)getpid());
+    fflush(stdout);
+    uint64_t a = 88172645463325252ull, b = 0;
+    double x = 1.0, y = 0.5, z = 0.25, w = 0.125;
+    for (int i = 0; i < n; i++) {
+        for (int j = 0; j < 4000000; j++) { /* xorshift and a few dependent FP chains */
+            a ^= a << 13, a ^= a >> 7, a ^= a << 17;
+            b += a >> 60;
+            x = x * 0.9999999 + 1e-7, y = y * 0.9999998 + x * 1e-8;
+            z = z * 0.9999997 + y * 1e-8, w = w * 0.9999996 + z * 1e-8;
+        }
+        printf("%d %016llx %llu %.17g %.17g %.17g %.17g\n", i, (unsigned long long)a, (unsigned long long)b, x, y, z,
+               w);
+        fflush(stdout);
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc != 4) {
         fprintf(stderr, "usage: late_target LIBCUDA ITERATIONS PERIOD_MS\n");
@@ -48,6 +69,7 @@ int main(int argc, char **argv) {
         return 3;
     }
     int n = atoi(argv[2]);
+    if (atoi(argv[3]) == 0) return spin(n);
     struct timespec period = {0, (long)atoi(argv[3]) * 1000000L};
     printf("ready %d\n", (int)getpid());
     fflush(stdout);

@@ -4,9 +4,9 @@ into the kernel correlator, fed with the host steps the uprobes found, and hands
 like the host correlator.
 
 Used by the recorder when `find_rings(pid)` finds a ring that the engine (or one of its workers)
-maps, i.e. when it was started with `sparseety-prof launch` (CUDA_INJECTION64_PATH). A ring that
-turns out damaged while being read is dropped and named in the metadata's errors: the recording
-goes on.
+maps, i.e. when it was started with `sparseety-prof launch` (CUDA_INJECTION64_PATH) or received
+the library by `--late-attach`. A ring that turns out damaged while being read is dropped and named
+in the metadata's errors: the recording goes on.
 """
 
 from __future__ import annotations

@@ -181,10 +181,9 @@ def _symbol_address(pid: int, lib: Mapping, names: tuple[str, ...]) -> int | Non
             f"{lib.path} on disk is not the file PID {pid} mapped (replaced since, e.g. by an upgrade)"
         )
     syms = elf_symbols(path)
-    addr = next(
-        (syms[k][0] for n in names for k in (n, f"{n}@@GLIBC_2.34", f"{n}@@GLIBC_PRIVATE") if k in syms),
-        None,
-    )
+    # nm -D names versioned symbols `name@@VERSION` (the default one) and `name@VERSION`
+    by_name = {k.split("@", 1)[0]: v for k, v in sorted(syms.items(), key=lambda kv: "@@" in kv[0])}
+    addr = next((by_name[n][0] for n in names if n in by_name), None)
     if addr is None:
         return None
     first_load = min(vaddr for vaddr, _off, _size in load_segments(path)) & ~0xFFF
