@@ -5,6 +5,8 @@
  * ptrace while it runs; tests/test_late_attach.py then checks that the launches after the attach
  * reach the recording and that stdout is byte-equal to a run nobody attached to.
  *   late_target LIBCUDA ITERATIONS PERIOD_MS
+ * ITERATIONS 0: until stdin reaches end of file (checked before each iteration), so that a test
+ * decides when it ends (after its recorders attached), however slowly they start.
  * PERIOD_MS 0: no sleeping and no launches, only arithmetic kept in registers (general purpose and
  * vector) between the prints, so that a thread stopped by ptrace is almost always in user code.
  * stdout: "ready <pid>", then per iteration "i checksum" (deterministic, from values kept in
@@ -12,6 +14,7 @@
  * stderr: per iteration "launch i <corr> <kernel name> <1 if CUPTI saw it>". */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <poll.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -75,7 +78,10 @@ int main(int argc, char **argv) {
     fflush(stdout);
     uint64_t sum = 1469598103934665603ull; /* FNV-1a over the iterations */
     double acc = 1.0;
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; n == 0 || i < n; i++) {
+        struct pollfd in = {0, POLLIN, 0};
+        char c;
+        if (n == 0 && poll(&in, 1, 0) == 1 && read(0, &c, 1) <= 0) break;
         nanosleep(&period, NULL);
         uint32_t corr = 1000u + (uint32_t)i;
         const char *name = NAMES[i % 3];

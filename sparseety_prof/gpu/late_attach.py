@@ -32,7 +32,7 @@ from sparseety_prof.capture.untrusted_files import in_foreign_mount_ns
 from sparseety_prof.errors import InjectionRefused, MissingPrivileges, NoSuchProcess, PtraceNotPermitted
 from sparseety_prof.gpu import ptrace_call
 from sparseety_prof.gpu.launch import find_libcupti
-from sparseety_prof.gpu.shm_ring import find_rings
+from sparseety_prof.gpu.shm_ring import descendants, find_rings
 
 RUN_DIR = Path("/run/sparseety-prof")
 #: the library's settings (cupti_ext/README.md) a late attach takes from sparseety-prof's own
@@ -80,13 +80,12 @@ class Mapping:
 
 @dataclass
 class LateAttach:
-    """What happened: `injected` (the library was loaded now), `rings` found afterwards,
-    `message` for the user."""
+    """What happened: `injected` (the library was loaded now into at least one process), `rings`
+    found afterwards, `message` for the user."""
 
     injected: bool
     message: str
     rings: list[str] = field(default_factory=list)
-    settings: dict[str, str] = field(default_factory=dict)
 
 
 def read_maps(pid: int) -> list[Mapping]:
@@ -284,25 +283,53 @@ def late_attach(
     log: Callable[[str], None],
     run_dir: Path = RUN_DIR,
 ) -> LateAttach:
-    """Make sure `pid` publishes to a CUPTI ring: use its ring when it has one; load the library
-    when it is a CUDA process without one; say so and do nothing when it is not a CUDA process."""
+    """Make sure `pid` and those of its descendants that are CUDA processes (vLLM/SGLang run the
+    GPU in worker processes) publish to CUPTI rings: a process with a ring keeps it, one that maps
+    libcuda without one receives the library; nothing happens when none of them is a CUDA
+    process. A refusal stops at the process refused (those before it keep their library)."""
     check_process(pid)
     check_ptrace_allowed(pid)
     maps = read_maps(pid)
-    rings = [str(r.path) for r in find_rings(pid)]
-    if rings:
-        return LateAttach(False, f"PID {pid} already publishes to a CUPTI ring ({rings[0]}): using it", rings)
-    _check_x86_64(pid)
-    libc = _mapped_file(maps, _LIBC)
-    if libc is None:
+    if _mapped_file(maps, _LIBC) is None and not find_rings(pid):
         raise InjectionRefused(
             f"PID {pid} maps no libc.so.6 (statically linked, or not glibc): it has no dlopen to load the "
             "library with; run without --late-attach to record what the eBPF probes see"
         )
-    cuda = _mapped_file(maps, _LIBCUDA)
-    if cuda is None:
+    with_ring = {r.pid for r in find_rings(pid)}
+    cuda_procs: list[tuple[int, list[Mapping]]] = []
+    for q in descendants(pid):
+        try:
+            m = maps if q == pid else read_maps(q)
+        except NoSuchProcess:
+            continue
+        if q not in with_ring and _mapped_file(m, _LIBCUDA) is not None:
+            cuda_procs.append((q, m))
+    if not cuda_procs:
+        if with_ring:
+            pids = ", ".join(map(str, sorted(with_ring)))
+            return LateAttach(False, f"PID(s) {pids} already publish to a CUPTI ring: using it")
         return LateAttach(
-            False, f"PID {pid} has no libcuda loaded (not a CUDA process): no GPU side to record"
+            False,
+            f"PID {pid} has no libcuda loaded (not a CUDA process, nor its children): no GPU side to record",
+        )
+    lib = install_library(library, run_dir)
+    states = [_inject(q, m, lib, settings, log) for q, m in cuda_procs]
+    return LateAttach(True, "; ".join(states), [str(r.path) for r in find_rings(pid)])
+
+
+def _inject(
+    pid: int, maps: list[Mapping], lib: Path, settings: dict[str, str], log: Callable[[str], None]
+) -> str:
+    """Load `lib` into the CUDA process `pid` and call its entry point; the outcome in words."""
+    if _tracer_pid(pid):
+        raise PtraceNotPermitted(
+            f"PID {pid} is already traced by PID {_tracer_pid(pid)} (a debugger?): detach it first"
+        )
+    _check_x86_64(pid)
+    libc, cuda = _mapped_file(maps, _LIBC), _mapped_file(maps, _LIBCUDA)
+    if libc is None or cuda is None:
+        raise InjectionRefused(
+            f"PID {pid} maps libcuda but no libc.so.6: it has no dlopen to load the library with"
         )
     if in_foreign_mount_ns(pid):
         raise InjectionRefused(
@@ -322,7 +349,6 @@ def late_attach(
     elif (wheel := find_libcupti()) is not None:  # as `launch` does
         given.setdefault("SPARSEETY_CUPTI_PATH", str(wheel))
     text = settings_text(given)
-    lib = install_library(library, run_dir)
 
     t0 = time.monotonic()
     th = _stopped_thread(pid, maps)
@@ -337,17 +363,16 @@ def late_attach(
         if entry is None:
             raise InjectionRefused(f"{lib} loaded into PID {pid} but {ENTRY} is not found in it")
         rc = th.call(entry, [text], timeout=CALL_TIMEOUT_S).value
-        rc = rc - 2**64 if rc >= 2**63 else rc
     except ptrace_call.CallFailed as e:
         raise InjectionRefused(f"the call into PID {pid} failed: {e}") from None
     except ptrace_call.PtraceFailed as e:
         raise InjectionRefused(f"ptrace on PID {pid} failed: {e.strerror}") from None
     finally:
         th.restore_and_detach()
-    stopped_ms = (time.monotonic() - t0) * 1e3
-    rc32 = rc & 0xFFFFFFFF
-    rc32 = rc32 - 2**32 if rc32 >= 2**31 else rc32  # an int return: only eax is defined
-    rings = [str(r.path) for r in find_rings(pid)]
+    held_ms = (time.monotonic() - t0) * 1e3
+    rc32 = rc & 0xFFFFFFFF  # an int return: only eax is defined
+    rc32 = rc32 - 2**32 if rc32 >= 2**31 else rc32
+    rings = [str(r.path) for r in find_rings(pid) if r.pid == pid]
     if rc32 == -1 or not rings:
         raise InjectionRefused(
             f"the library loaded into PID {pid} could not create its ring (its stderr says why)"
@@ -356,9 +381,9 @@ def late_attach(
         1: "CUPTI subscribed",
         0: "CUPTI not subscribed (the ring's errors say why)",
         2: "it was already initialised",
-    }
+    }.get(rc32, f"returned {rc32}")
     log(
-        f"sparseety-prof: late attach to PID {pid} (thread {th.tid} held {stopped_ms:.1f} ms): "
-        f"{lib.name} loaded, {state.get(rc32, f'returned {rc32}')}, ring {rings[0]}. Not seen: {NOT_SEEN}."
+        f"sparseety-prof: late attach to PID {pid} (thread {th.tid} held {held_ms:.1f} ms): "
+        f"{lib.name} loaded, {state}, ring {rings[0]}. Not seen: {NOT_SEEN}."
     )
-    return LateAttach(True, state.get(rc32, str(rc32)), rings, given)
+    return f"PID {pid}: {state}"
