@@ -179,6 +179,12 @@ def _symbol_address(pid: int, lib: Mapping, names: tuple[str, ...]) -> int | Non
         raise InjectionRefused(
             f"{lib.path} on disk is not the file PID {pid} mapped (replaced since, e.g. by an upgrade)"
         )
+    offset = _symbol_offset(path, names)
+    return None if offset is None else lib.start + offset
+
+
+def _symbol_offset(path: Path, names: tuple[str, ...]) -> int | None:
+    """Offset of the first of `names` from the library's load address (its offset-0 mapping)."""
     syms = elf_symbols(path)
     # nm -D names versioned symbols `name@@VERSION` (the default one) and `name@VERSION`
     by_name = {k.split("@", 1)[0]: v for k, v in sorted(syms.items(), key=lambda kv: "@@" in kv[0])}
@@ -186,7 +192,7 @@ def _symbol_address(pid: int, lib: Mapping, names: tuple[str, ...]) -> int | Non
     if addr is None:
         return None
     first_load = min(vaddr for vaddr, _off, _size in load_segments(path)) & ~0xFFF
-    return lib.start - first_load + addr
+    return addr - first_load
 
 
 def install_library(library: Path, run_dir: Path = RUN_DIR) -> Path:
@@ -349,6 +355,9 @@ def _inject(
     elif (wheel := find_libcupti()) is not None:  # as `launch` does
         given.setdefault("SPARSEETY_CUPTI_PATH", str(wheel))
     text = settings_text(given)
+    entry_offset = _symbol_offset(lib, (ENTRY,))  # read now: nm is slow, the thread waits for nothing
+    if entry_offset is None:
+        raise InjectionRefused(f"{lib} has no {ENTRY}: rebuild it (`sparseety-prof build-cupti`)")
 
     t0 = time.monotonic()
     th = _stopped_thread(pid, maps)
@@ -359,10 +368,9 @@ def _inject(
             why = th.read_cstring(err) if err else "unknown error"
             raise InjectionRefused(f"dlopen of {lib} in PID {pid} failed: {why}")
         loaded = _mapped_file(read_maps(pid), re.compile(re.escape(str(lib)) + "$"))
-        entry = _symbol_address(pid, loaded, (ENTRY,)) if loaded is not None else None
-        if entry is None:
-            raise InjectionRefused(f"{lib} loaded into PID {pid} but {ENTRY} is not found in it")
-        rc = th.call(entry, [text], timeout=CALL_TIMEOUT_S).value
+        if loaded is None:
+            raise InjectionRefused(f"dlopen of {lib} in PID {pid} returned, but the library is not mapped")
+        rc = th.call(loaded.start + entry_offset, [text], timeout=CALL_TIMEOUT_S).value
     except ptrace_call.CallFailed as e:
         raise InjectionRefused(f"the call into PID {pid} failed: {e}") from None
     except ptrace_call.PtraceFailed as e:
