@@ -58,10 +58,12 @@ mv -f "$OUT/libsparseety_cupti.so.tmp" "$OUT/libsparseety_cupti.so"
   -o "$OUT/libcuda_stub.so" "$T/cuda_stub.c" -L"$OUT" -lcupti_stub -Wl,-rpath,'$ORIGIN'
 "$CC" "${CFLAGS[@]}" -o "$OUT/driver" "$T/driver.c" -L"$OUT" -lcuda_stub -lcupti_stub \
   -Wl,-rpath,'$ORIGIN' -ldl
+# A running "CUDA process" for late attach: dlopens a stub libcuda, launches, prints checksums.
+"$CC" "${CFLAGS[@]}" -o "$OUT/late_target" "$T/late_target.c" -ldl
 
-exported=$(nm -D --defined-only "$OUT/libsparseety_cupti.so" | awk '$2 ~ /^[TtWw]$/ {print $3}')
-if [ "$exported" != "InitializeInjection" ]; then
-  echo "cupti_ext/build.sh: libsparseety_cupti.so exports more than InitializeInjection: $exported" >&2
+exported=$(nm -D --defined-only "$OUT/libsparseety_cupti.so" | awk '$2 ~ /^[TtWw]$/ {print $3}' | sort | tr '\n' ' ')
+if [ "$exported" != "InitializeInjection SparseetyLateAttach " ]; then
+  echo "cupti_ext/build.sh: libsparseety_cupti.so must export InitializeInjection and SparseetyLateAttach only: $exported" >&2
   exit 1
 fi
 echo "$OUT/libsparseety_cupti.so"

@@ -50,3 +50,17 @@ class RecordingWriteError(ProfError):
     readable; meta.json says complete: false, why, and how many rows were not written."""
 
     exit_code = 10
+
+
+class PtraceNotPermitted(ProfError):
+    """Late attach: the kernel does not let us ptrace the target (Yama ptrace_scope, no
+    CAP_SYS_PTRACE, another tracer already attached)."""
+
+    exit_code = 12
+
+
+class InjectionRefused(ProfError):
+    """Late attach: the target cannot take the injection library (statically linked, no dlopen in
+    its libc, another mount namespace, not x86_64, or its dlopen/initialisation failed)."""
+
+    exit_code = 13

@@ -11,9 +11,11 @@ from conftest import ENGINES, Engine, run_cli, run_cli_without_capabilities
 from sparseety_prof.errors import (
     BpfUnavailable,
     CorruptRecording,
+    InjectionRefused,
     MissingPrivileges,
     NoSuchProcess,
     NotAnEngine,
+    PtraceNotPermitted,
     RecordingWriteError,
     UnsupportedEngineBuild,
     UsageError,
@@ -30,6 +32,8 @@ def test_exit_codes_are_distinct() -> None:
         CorruptRecording,
         BpfUnavailable,
         RecordingWriteError,
+        PtraceNotPermitted,
+        InjectionRefused,
     ]
     codes = [c.exit_code for c in classes]
     assert len(set(codes)) == len(codes) and 0 not in codes and 1 not in codes

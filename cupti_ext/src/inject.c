@@ -49,6 +49,11 @@ static struct {
 } cfg;
 
 static CUpti_SubscriberHandle g_sub;
+/* Late attach (SparseetyLateAttach): the settings arrive as text, "KEY=VALUE" entries separated
+ * by NUL once parsed; the running engine's environment has none of ours and must not be read. */
+static int g_late;
+static char g_settings[16384];
+static size_t g_settings_len;
 static int g_initialized;
 static pthread_t g_flush_thread;
 static int g_flush_started;
@@ -80,8 +85,20 @@ static const char *cupti_error_name(CUptiResult r) {
         }                                                                                                 \
     } while (0)
 
+HIDDEN const char *setting(const char *name) {
+    if (!g_late) return getenv(name);
+    size_t nl = strlen(name);
+    for (size_t i = 0; i < g_settings_len;) {
+        const char *e = g_settings + i;
+        size_t el = strlen(e);
+        if (el > nl && strncmp(e, name, nl) == 0 && e[nl] == '=') return e + nl + 1;
+        i += el + 1;
+    }
+    return NULL;
+}
+
 static uint64_t env_u64(const char *name, uint64_t dflt) {
-    const char *v = getenv(name);
+    const char *v = setting(name);
     if (v == NULL || *v == '\0') return dflt;
     char *end;
     errno = 0;
@@ -524,7 +541,7 @@ static void *sym(void *lib, const char *name, bool required, char *missing, size
 }
 
 static int load_cupti(void) {
-    const char *path = getenv("SPARSEETY_CUPTI_PATH");
+    const char *path = setting("SPARSEETY_CUPTI_PATH");
     void *lib = NULL;
     if (path != NULL && *path) {
         lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
@@ -559,7 +576,7 @@ static int load_cupti(void) {
 }
 
 static void load_cuda(void) {
-    const char *path = getenv("SPARSEETY_CUDA_PATH"); /* tests point this at a stub */
+    const char *path = setting("SPARSEETY_CUDA_PATH"); /* tests point this at a stub */
     void *lib = NULL;
     if (path != NULL && *path) {
         lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
@@ -593,10 +610,10 @@ static void load_cuda(void) {
 
 static void load_watches(void) {
     char err[256];
-    const char *spec = getenv("SPARSEETY_WATCH");
+    const char *spec = setting("SPARSEETY_WATCH");
     if (spec != NULL && *spec && watch_parse(spec, cfg.watches, WATCH_MAX, &cfg.nwatch, err, sizeof err) != 0)
         report_error(ERRK_NONE, EINVAL, "SPARSEETY_WATCH: %s", err);
-    const char *file = getenv("SPARSEETY_WATCH_FILE");
+    const char *file = setting("SPARSEETY_WATCH_FILE");
     if (file == NULL || !*file) return;
     FILE *fp = fopen(file, "r");
     if (fp == NULL) {
@@ -616,7 +633,7 @@ static void init(void) {
     uint64_t cap = floor_pow2(env_u64("SPARSEETY_RING_BYTES", 64ull << 20));
     if (cap < 4096) cap = 4096;
     if (cap > (1ull << 30)) cap = 1ull << 30;
-    if (ring_create(cap, err, sizeof err) != 0) {
+    if (ring_create(cap, g_late ? RING_FLAG_LATE_ATTACH : 0, err, sizeof err) != 0) {
         fprintf(stderr, LOG_PREFIX "no shared-memory ring, profiling off: %s\n", err);
         return;
     }
@@ -675,11 +692,35 @@ fail:
     return;
 }
 
+static int g_once;
+
 __attribute__((visibility("default"))) int InitializeInjection(void) {
-    static int once;
-    if (__atomic_exchange_n(&once, 1, __ATOMIC_ACQ_REL)) return 1;
+    if (__atomic_exchange_n(&g_once, 1, __ATOMIC_ACQ_REL)) return 1;
     tls_busy = 1;
     init();
     tls_busy = 0;
     return 1; /* always: the engine must run whatever happened here */
+}
+
+/* Late attach: `sparseety-prof attach --late-attach` dlopens this library into a running CUDA
+ * process with ptrace and calls this on the thread it stopped, with the settings as
+ * "KEY=VALUE\n" text (SPARSEETY_* names, as in the environment of a launch). cuptiSubscribe and
+ * activity tracing work in a process whose CUDA is already initialised; what ran before this call
+ * is not seen (sparseety_prof/gpu/late_attach.py says what). Returns 1: ring created and CUPTI
+ * subscribed; 0: ring created but CUPTI not (why is an ERROR record in the ring); -1: no ring;
+ * 2: the library was already initialised in this process (its ring, if any, is in use). */
+__attribute__((visibility("default"))) int SparseetyLateAttach(const char *settings) {
+    if (__atomic_exchange_n(&g_once, 1, __ATOMIC_ACQ_REL)) return 2;
+    size_t n = settings != NULL ? strnlen(settings, sizeof g_settings - 1) : 0;
+    memcpy(g_settings, settings != NULL ? settings : "", n);
+    g_settings[n] = '\0';
+    for (size_t i = 0; i < n; i++)
+        if (g_settings[i] == '\n') g_settings[i] = '\0';
+    g_settings_len = n;
+    g_late = 1;
+    tls_busy = 1;
+    init();
+    tls_busy = 0;
+    if (!ring_active()) return -1;
+    return g_initialized ? 1 : 0;
 }

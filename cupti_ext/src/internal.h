@@ -22,7 +22,9 @@ HIDDEN uint32_t current_tid(void);
 extern HIDDEN __thread int tls_busy;
 
 /* ---- ring (ring.c) ---- */
-HIDDEN int ring_create(uint64_t capacity, char *err, size_t errlen);
+HIDDEN int ring_create(uint64_t capacity, uint32_t flags, char *err, size_t errlen);
+/* A SPARSEETY_* setting: the late-attach settings text when given, else the environment. */
+HIDDEN const char *setting(const char *name);
 HIDDEN bool ring_active(void);
 HIDDEN void ring_disable_after_fork(void);
 /* Reserve a record of `len` bytes (header included; padded to 8). NULL: no room (counted in

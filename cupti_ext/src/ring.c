@@ -45,7 +45,7 @@ static uint64_t timespec_ns(clockid_t c) {
 }
 
 static void make_name(char *out, size_t outlen) {
-    const char *env = getenv("SPARSEETY_SHM_NAME");
+    const char *env = setting("SPARSEETY_SHM_NAME");
     char pid[16];
     snprintf(pid, sizeof pid, "%d", (int)getpid());
     if (env == NULL || env[0] == '\0') {
@@ -66,7 +66,7 @@ static void make_name(char *out, size_t outlen) {
     out[o] = '\0';
 }
 
-HIDDEN int ring_create(uint64_t capacity, char *err, size_t errlen) {
+HIDDEN int ring_create(uint64_t capacity, uint32_t flags, char *err, size_t errlen) {
     make_name(g_name, sizeof g_name);
     /* A file left by a dead process with the same pid (or a test's name) is stale: replace it. */
     shm_unlink(g_name);
@@ -102,6 +102,7 @@ HIDDEN int ring_create(uint64_t capacity, char *err, size_t errlen) {
     g_hdr->capacity = capacity;
     g_hdr->pid = (uint32_t)getpid();
     g_hdr->clock_domain = RING_CLOCK_CUPTI_DEFAULT;
+    g_hdr->flags = flags;
     g_hdr->start_mono_ns = now_mono_ns();
     g_hdr->calib_realtime_ns = timespec_ns(CLOCK_REALTIME);
     g_hdr->calib_mono_ns = timespec_ns(CLOCK_MONOTONIC);

@@ -12,6 +12,9 @@
 #define RING_VERSION 1u
 #define RING_HEADER_SIZE 4096u /* the data area starts page-aligned */
 
+/* ring_header.flags bits */
+#define RING_FLAG_LATE_ATTACH 1u /* loaded into a running process (ptrace + dlopen), not at cuInit */
+
 enum ring_clock_domain {
     RING_CLOCK_CUPTI_DEFAULT = 0, /* timestamp callback not registered: CUPTI's own clock (realtime) */
     RING_CLOCK_MONOTONIC = 1,     /* CUPTI stamps activity with our CLOCK_MONOTONIC callback */
@@ -43,7 +46,7 @@ struct ring_header {
     uint64_t calib_realtime_ns; /* 40: CLOCK_REALTIME ...                         */
     uint64_t calib_mono_ns;     /* 48: ... and CLOCK_MONOTONIC read back to back at init */
     uint32_t finished;          /* 56: 1 once the producer flushed at exit */
-    uint32_t flags;             /* 60: reserved, 0 */
+    uint32_t flags;             /* 60: RING_FLAG_* bits, set before the magic */
     uint64_t write_head;        /* 64: bytes reserved by producers since start (monotonic) */
     uint8_t pad0[56];
     uint64_t read_tail;         /* 128: bytes consumed by the reader (monotonic), own cache line */

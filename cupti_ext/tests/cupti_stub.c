@@ -152,7 +152,8 @@ API int stub_cupti_call(int domain, int cbid, const void *params, const char *sy
     return 1;
 }
 
-API void stub_cupti_deliver(const void *records, size_t bytes, size_t dropped) {
+API int stub_cupti_deliver(const void *records, size_t bytes, size_t dropped) {
+    if (req_cb == NULL || done_cb == NULL) return 0; /* nobody asked for activity: CUPTI keeps none */
     uint8_t *buf = NULL;
     size_t size = 0, maxrec = 0;
     req_cb(&buf, &size, &maxrec);
@@ -160,6 +161,7 @@ API void stub_cupti_deliver(const void *records, size_t bytes, size_t dropped) {
     memcpy(buf, records, bytes);
     __atomic_store_n(&dropped_pending, dropped, __ATOMIC_RELAXED);
     done_cb(NULL, 0, buf, size, bytes);
+    return 1;
 }
 
 API uint64_t stub_cupti_timestamp(void) { return ts_cb ? ts_cb() : 0; }

@@ -15,8 +15,9 @@ struct stub_func {
  * Returns 1 when fired. `retval` is the call's return code seen at exit. */
 int stub_cupti_call(int domain, int cbid, const void *params, const char *symbol, uint32_t corr, void *ctx,
                     int retval);
-/* Hand `bytes` of activity records to the library as one completed buffer. */
-void stub_cupti_deliver(const void *records, size_t bytes, size_t dropped);
+/* Hand `bytes` of activity records to the library as one completed buffer; 0 (nothing done)
+ * while no buffer callbacks are registered. */
+int stub_cupti_deliver(const void *records, size_t bytes, size_t dropped);
 /* The registered timestamp callback's value, 0 when none. */
 uint64_t stub_cupti_timestamp(void);
 /* Calls made so far, ';'-separated: subscribe, timestamp, register, enable:<kind>, cb:<dom>:<cbid>, flush:<flag>. */

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sparseety_prof.commands.attach_flags import add_attach_flags, options_from, sinks_from
+from sparseety_prof.commands.attach_flags import add_attach_flags, late_attach_from, options_from, sinks_from
 from sparseety_prof.commands.dataset_flag import add_dataset_flag, check_dataset_flag, collect_recording
 from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
 
@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     check_dataset_flag(args)
     opts = options_from(args)
     console = Console(stderr=True)
+    late_attach_from(args, lambda s: console.print(line(s), markup=False, highlight=False))
     live = Live(console=console, refresh_per_second=4, auto_refresh=False, transient=False)
     state: list[LiveState] = []
     # the consumer thread brings snapshots, the key thread settings: one lock orders the redraws

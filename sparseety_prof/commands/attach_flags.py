@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -168,6 +169,7 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         action="store_true",
         help="with --otlp: also send one span per micro-batch (step)",
     )
+    add_late_attach_flags(p)
 
 
 def sinks_from(args: argparse.Namespace, log: Callable[[str], None]) -> list[FrameSink]:
@@ -192,6 +194,44 @@ def sinks_from(args: argparse.Namespace, log: Callable[[str], None]) -> list[Fra
     except ValueError as e:
         raise UsageError(f"--otlp: {e}") from None
     return [OtlpSink(args.otlp, token_event_rate=args.otlp_token_events, steps=args.otlp_steps, log=log)]
+
+
+def add_late_attach_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--late-attach",
+        action="store_true",
+        help="GPU: if the process is a running CUDA process started without `sparseety-prof launch`, "
+        "load the CUPTI injection library into it now (ptrace + dlopen, x86_64; README: GPU path)",
+    )
+    p.add_argument(
+        "--watch",
+        metavar="SPEC",
+        default=None,
+        help="with --late-attach: watched kernels, as `launch --watch` ('name_substring:arg:dtype:rule;...')",
+    )
+
+
+def late_attach_from(args: argparse.Namespace, log: Callable[[str], None]) -> None:
+    """--late-attach: give the target a CUPTI ring before the recorder looks for one."""
+    from sparseety_prof.errors import UsageError
+    from sparseety_prof.gpu.late_attach import SETTINGS, late_attach
+    from sparseety_prof.gpu.launch import library_path
+
+    if not args.late_attach:
+        if args.watch is not None:
+            raise UsageError(
+                "--watch needs --late-attach (for a new process: `sparseety-prof launch --watch`)"
+            )
+        return
+    lib = library_path()
+    if not lib.is_file():
+        raise UsageError(f"the CUPTI injection library {lib} is not built: run `sparseety-prof build-cupti`")
+    settings = {k: v for k, v in os.environ.items() if k in SETTINGS}
+    if args.watch:
+        settings["SPARSEETY_WATCH"] = args.watch
+    result = late_attach(args.pid, lib, settings, log=log)
+    if not result.injected:
+        log(f"sparseety-prof: {result.message}")
 
 
 def options_from(args: argparse.Namespace) -> Options:

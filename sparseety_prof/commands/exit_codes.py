@@ -7,6 +7,8 @@ EXIT_CODES_HELP = """exit codes:
   9  check: a capture layer lost the request id
   10 the recording could not be written (disk full, I/O error): meta.json says complete: false
   11 collect: some recordings were refused (each is named); the others were collected
+  12 --late-attach: ptrace not permitted (Yama ptrace_scope, no CAP_SYS_PTRACE, already traced)
+  13 --late-attach: the target cannot load the library (static, other mount namespace, dlopen failed)
 """
 
 CHECK_FAILED = 9  # `check`: the request id did not reach every capture layer

@@ -4,9 +4,9 @@ into the kernel correlator, fed with the host steps the uprobes found, and hands
 like the host correlator.
 
 Used by the recorder when `find_rings(pid)` finds a ring that the engine (or one of its workers)
-maps, i.e. when it was started with `sparseety-prof launch` (CUDA_INJECTION64_PATH). A ring that
-turns out damaged while being read is dropped and named in the metadata's errors: the recording
-goes on.
+maps, i.e. when it was started with `sparseety-prof launch` (CUDA_INJECTION64_PATH) or received
+the library by `--late-attach`. A ring that turns out damaged while being read is dropped and named
+in the metadata's errors: the recording goes on.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sparseety_prof.gpu.correlate import KernelCorrelator
+from sparseety_prof.gpu.late_attach import NOT_SEEN
 from sparseety_prof.gpu.records import HostStep, LaunchApi, MemcpyActivity, RingCounters
 from sparseety_prof.gpu.shm_ring import (
     RingError,
@@ -132,6 +133,11 @@ class GpuCapture:
             "errors": c.errors[:20],
             "correlator": self.correlator.counters,
             "estimated_clock_offset_ns": self.correlator.estimated_clock_offset_ns,
+            "late_attach": [
+                {"ring": str(r.path), "attached_mono_ns": r.header.start_mono_ns, "not_seen": NOT_SEEN}
+                for r in self.rings
+                if r.header.late_attach
+            ],
         }
 
     def close(self) -> None:

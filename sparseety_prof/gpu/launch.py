@@ -1,8 +1,9 @@
 """`sparseety-prof launch [options] -- <engine command>`: start an engine with the CUPTI injection
 library, so that `sparseety-prof attach --pid N` can later drain its GPU ring.
 
-CUPTI has no attach-by-PID: the library must be named in CUDA_INJECTION64_PATH when the engine
-starts (child processes such as vLLM/SGLang workers inherit it). Standard library only.
+CUPTI has no attach-by-PID: the library is named in CUDA_INJECTION64_PATH when the engine starts
+(child processes such as vLLM/SGLang workers inherit it), or loaded into a running process with
+ptrace by `--late-attach` (gpu/late_attach.py). Standard library only.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Header::
     0   u64 magic "SPKCUPTI"        8  u32 version (1)      12 u32 header_size (4096)
     16  u64 capacity                24 u32 pid              28 u32 clock_domain (0 CUPTI default, 1 monotonic)
     32  u64 start_mono_ns           40 u64 calib_realtime_ns  48 u64 calib_mono_ns
-    56  u32 finished                60 u32 flags
+    56  u32 finished                60 u32 flags (bit 0: late attach)
     64  u64 write_head (producers)  128 u64 read_tail (this reader)
     192 u64 counters[10]: activity_dropped, ring_dropped, buffers_skipped_sampling,
         buffers_skipped_budget, buffers_failed, callback_ns, launches_seen, graph_launches,
@@ -100,6 +100,7 @@ VERSION = 1
 HEADER_SIZE = 4096
 CLOCK_CUPTI_DEFAULT = 0
 CLOCK_MONOTONIC = 1
+FLAG_LATE_ATTACH = 1  # header flags bit: loaded by a late attach (ring_format.h RING_FLAG_LATE_ATTACH)
 #: rings larger than this are refused (the library's default is 64 MiB)
 MAX_CAPACITY = 1 << 30
 #: bytes read per drain (more when the first record is larger); the rest waits for the next drain
@@ -156,6 +157,13 @@ class RingHeader:
     start_mono_ns: int
     calib_realtime_ns: int
     calib_mono_ns: int
+    flags: int = 0  # FLAG_* bits
+
+    @property
+    def late_attach(self) -> bool:
+        """The library was loaded into the running process (`--late-attach`), not at its cuInit:
+        `start_mono_ns` is the attach time, nothing before it is in the ring."""
+        return bool(self.flags & FLAG_LATE_ATTACH)
 
 
 class ShmRing:
@@ -213,7 +221,8 @@ class ShmRing:
             raise RingError(f"{self.path}: corrupt header (header_size {header_size}, capacity {capacity})")
         if size < header_size + capacity:
             raise RingError(f"{self.path}: truncated ({size} bytes, header says {header_size + capacity})")
-        self.header = RingHeader(version, capacity, pid, clock, *fields[6:9])
+        start, calib_rt, calib_mono, _finished, flags = fields[6:11]
+        self.header = RingHeader(version, capacity, pid, clock, start, calib_rt, calib_mono, flags)
         self._cap = capacity
         self._tail = self._u64(_OFF_TAIL)
 
