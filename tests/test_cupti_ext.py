@@ -6,6 +6,7 @@ sparseety_prof/gpu/shm_ring.py and checked field by field. Also the reader on da
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -461,6 +462,45 @@ def test_graph_rows_through_the_python_side(graph_run: GraphRun) -> None:
         n0, n1 = sorted(n for cc, n in g.wrote if cc == corr)
         expected |= {(replay_step, 0): g.wrote[(corr, n0)], (replay_step, 1): g.wrote[(corr, n1)]}
     assert got == {key: [v[i * 2 : i * 2 + 2] for i in range(4)] for key, v in expected.items()}
+
+
+def test_gpu_check_graph_analysis_on_the_stub_run(
+    graph_run: GraphRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scripts/gpu_check.py's graph analysis (what decides the GPU run) applied to the stub run:
+    the kernel's own log of each replay stands for PyTorch's static top-k tensors."""
+    from sparseety_prof.gpu import records as records_mod
+
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", ROOT / "scripts" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.setitem(sys.modules, "records", records_mod)
+    monkeypatch.setattr(gpu_check, "KERNEL", "topk_graph_kernel")
+    monkeypatch.setattr(gpu_check, "LAYERS", 2)
+    replays = {c for c, n in graph_run.wrote if n}
+    expected = b"".join(
+        array("i", graph_run.wrote[key]).tobytes() for key in sorted(k for k in graph_run.wrote if k[1])
+    )
+    (tmp_path / "topk.bin").write_bytes(expected)
+    info = {"replays": len(replays), "pointers": [[1, 2], [3, 4]]}
+    res = gpu_check.analyse_graphs(graph_run.records, tmp_path, info)
+    assert res["graph_topk_equal"] and res["graph_node_ids_match"] and res["graph_new_pointers"]
+    assert (
+        res["graph_watched_buffers"],
+        res["graph_watched_expected"],
+        res["graph_topk_mismatched_copies"],
+    ) == (
+        20,
+        20,
+        0,
+    )
+    (tmp_path / "topk.bin").write_bytes(expected[:-1] + bytes([expected[-1] ^ 1]))  # one id off
+    res = gpu_check.analyse_graphs(graph_run.records, tmp_path, info)
+    assert not res["graph_topk_equal"] and res["graph_topk_mismatched_copies"] == 1
+    first = next(r for r in graph_run.records if isinstance(r, WatchedBuffer) and r.graph_node_id)
+    lost = gpu_check.analyse_graphs([r for r in graph_run.records if r is not first], tmp_path, info)
+    assert not lost["graph_node_ids_match"] and lost["graph_watched_buffers"] == 19
 
 
 # ---------------------------------------------------------------- the reader on damaged rings
