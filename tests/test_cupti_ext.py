@@ -534,6 +534,14 @@ def write_ring(
         ({"data": struct.pack("<IHH", 12, 2, 0) + bytes(8)}, "corrupt record"),
         ({"data": struct.pack("<IHH", 16, 2, 0) + bytes(8)}, "too short"),
         ({"data": struct.pack("<IHH", 16, 2, 0) + bytes(8), "head": 8}, "corrupt record"),
+        (  # a graph replay's buffer must name its node: without it, it would join no kernel
+            {
+                "data": struct.pack("<IHH", 96, 6, 0)
+                + struct.pack("<QIIIIIIQ4Q", 1, 1, 1, 0, 5, 1, 0, 0, 0, 0, 0, 0)
+                + bytes(16)
+            },
+            "has no node id",
+        ),
     ],
 )
 def test_reader_rejects_damaged_rings_clearly(tmp_path: Path, kwargs: dict[str, int], message: str) -> None:
