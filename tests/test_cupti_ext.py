@@ -351,8 +351,8 @@ class GraphRun:
     instantiation; B: captured again with new buffers and instantiated anew, 3 replays; C: new
     buffers moved into B's executable with cuGraphExecUpdate, 3 replays), read back from the ring."""
 
-    def __init__(self, build: Path, shm_name: str) -> None:
-        env = env_for(build, shm_name, SPARSEETY_WATCH=GRAPH_WATCH)
+    def __init__(self, build: Path, shm_name: str, **extra_env: str) -> None:
+        env = env_for(build, shm_name, SPARSEETY_WATCH=GRAPH_WATCH, **extra_env)
         r = subprocess.run(
             [str(build / "driver"), "graphs"], env=env, capture_output=True, text=True, timeout=60
         )
@@ -426,6 +426,20 @@ def test_graph_replays_copy_what_each_replay_wrote_and_follow_new_pointers(graph
         and len({tuple(n) for n in nodes_by_launch[4:]}) == 1
     )
     assert nodes_by_launch[0] != nodes_by_launch[4]
+
+
+def test_graph_resolved_from_the_clones_when_instantiation_names_no_source_graph(
+    build: Path, shm_name: str
+) -> None:
+    """Should GRAPHEXEC_CREATED come without its source graph, the original nodes the
+    instantiation reported as cloned are read instead: the same copies (graph id unknown: 0)."""
+    g = GraphRun(build, shm_name, STUB_CUDA_EXEC_CREATED_WITHOUT_GRAPH="1")
+    assert g.counters.errors == [] and (g.syncs, g.violations) == (0, 0)
+    watched = {(w.correlation_id, w.graph_node_id): w for w in by_type(g.records, WatchedBuffer)}
+    assert set(watched) == set(g.wrote) and len(watched) == 22
+    for key, values in g.wrote.items():
+        assert watched[key].data == array("i", values).tobytes()
+        assert watched[key].graph_id == 0
 
 
 def test_graph_rows_through_the_python_side(graph_run: GraphRun) -> None:

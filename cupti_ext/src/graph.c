@@ -15,8 +15,10 @@
  * GRAPHEXEC_CREATE_STARTING and GRAPHEXEC_CREATED on the instantiating thread), and kernel activity
  * records of a replay carry the clone's id (cuptiGetGraphNodeId): that id is what a copy is tagged
  * with, so it joins the kernel row it belongs to. Without a CLONED report the source node's id is
- * used. */
+ * used. Should GRAPHEXEC_CREATED come without its source graph, the nodes are the originals of the
+ * clones reported during that instantiation. */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -93,6 +95,35 @@ static const char *kernel_name(const CUDA_KERNEL_NODE_PARAMS *p) {
     return NULL;
 }
 
+/* The nodes of `graph` (calloc'ed, *num of them), or, without a graph, the original nodes the
+ * running instantiation reported as cloned, in report order. NULL with *num = 0 when there are none;
+ * NULL with *num = 1 on a failure (reported). */
+static CUgraphNode *list_nodes(CUgraph graph, size_t *num) {
+    *num = 0;
+    if (graph == NULL) { /* GRAPHEXEC_CREATED without its source graph: the clones' originals */
+        if (tls_nclones == 0) return NULL;
+        CUgraphNode *nodes = calloc(tls_nclones, sizeof *nodes);
+        if (nodes == NULL) return *num = 1, NULL;
+        for (size_t i = 0; i < tls_nclones; i++) nodes[i] = tls_clones[i].original;
+        *num = tls_nclones;
+        return nodes;
+    }
+    CUresult r = cu.GraphGetNodes(graph, NULL, num);
+    if (r != CUDA_SUCCESS) {
+        report_error(ERRK_GRAPH_READ, (int)r, "cuGraphGetNodes failed: %s; this graph's watched kernels are not "
+                     "copied", cu_error_name(r));
+        return *num = 1, NULL;
+    }
+    if (*num == 0) return NULL;
+    CUgraphNode *nodes = calloc(*num, sizeof *nodes);
+    if (nodes == NULL || (r = cu.GraphGetNodes(graph, nodes, num)) != CUDA_SUCCESS) {
+        report_error(ERRK_GRAPH_READ, (int)r, "cannot read the nodes of a CUDA graph: %s", cu_error_name(r));
+        free(nodes);
+        return *num = 1, NULL;
+    }
+    return nodes;
+}
+
 /* The watched kernel nodes of `graph`, their arguments evaluated now. -1 when the graph could not be
  * read (reported); 0 with *n = 0 when nothing in it is watched. */
 static int resolve(CUgraph graph, int nwatch, struct watch *watches, struct graph_watch **out, int *n) {
@@ -100,21 +131,15 @@ static int resolve(CUgraph graph, int nwatch, struct watch *watches, struct grap
     *n = 0;
     if (cu.GraphGetNodes == NULL || cu.GraphNodeGetType == NULL || cu.GraphKernelNodeGetParams == NULL) return -1;
     size_t num = 0;
-    CUresult r = cu.GraphGetNodes(graph, NULL, &num);
-    if (r != CUDA_SUCCESS) {
-        report_error(ERRK_GRAPH_READ, (int)r, "cuGraphGetNodes failed: %s; this graph's watched kernels are not "
-                     "copied", cu_error_name(r));
-        return -1;
-    }
-    if (num == 0) return 0;
-    CUgraphNode *nodes = calloc(num, sizeof *nodes);
+    CUgraphNode *nodes = list_nodes(graph, &num);
+    if (nodes == NULL) return num == 0 ? 0 : -1;
     struct graph_watch *gw = calloc(num, sizeof *gw);
-    if (nodes == NULL || gw == NULL || (r = cu.GraphGetNodes(graph, nodes, &num)) != CUDA_SUCCESS) {
-        report_error(ERRK_GRAPH_READ, (int)r, "cannot read the nodes of a CUDA graph: %s", cu_error_name(r));
+    if (gw == NULL) {
+        report_error(ERRK_GRAPH_READ, ENOMEM, "out of memory reading a CUDA graph");
         free(nodes);
-        free(gw);
         return -1;
     }
+    CUresult r;
     unsigned ordinal = 0;
     for (size_t i = 0; i < num; i++) {
         CUgraphNodeType type;
@@ -180,7 +205,7 @@ HIDDEN void graph_exec_destroyed(CUgraphExec exec) {
 
 HIDDEN void graph_exec_created(CUgraph graph, CUgraphExec exec, int nwatch, struct watch *watches) {
     tls_instantiating = 0;
-    if (exec == NULL || graph == NULL) return;
+    if (exec == NULL) return;
     graph_exec_destroyed(exec); /* a stale entry of a recycled handle */
     struct graph_watch *nodes;
     int n;
@@ -188,7 +213,7 @@ HIDDEN void graph_exec_created(CUgraph graph, CUgraphExec exec, int nwatch, stru
     tls_nclones = 0;
     if (rc != 0 || n == 0) return;
     uint32_t graph_id = 0;
-    if (cupti_graph.GetGraphId != NULL) cupti_graph.GetGraphId(graph, &graph_id);
+    if (graph != NULL && cupti_graph.GetGraphId != NULL) cupti_graph.GetGraphId(graph, &graph_id);
     pthread_mutex_lock(&g_mu);
     struct graph_exec_entry *slot = find(NULL);
     if (slot == NULL && g_nexec < GRAPH_EXECS) slot = &g_execs[g_nexec++];

@@ -418,6 +418,7 @@ API CUresult cuGraphInstantiateWithFlags(CUgraphExec *exec, CUgraph graph, unsig
     e->n = g->n;
     *exec = (CUgraphExec)(void *)e;
     gd.graphExec = *exec;
+    if (getenv("STUB_CUDA_EXEC_CREATED_WITHOUT_GRAPH") != NULL) gd.graph = NULL; /* the library's fallback */
     stub_cupti_resource(CUPTI_CBID_RESOURCE_GRAPHEXEC_CREATED, (void *)0x1, &gd);
     return CUDA_SUCCESS;
 }
