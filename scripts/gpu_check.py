@@ -235,6 +235,9 @@ def graph_child(steps: int, out: Path) -> None:
     tokens = torch.arange(BATCH, device=dev) % VOCAB
     replays = 0
     for phase_steps in (steps // 2, steps - steps // 2):
+        # The previous graph (and its memory pool) lives on until this capture is instantiated, so
+        # the new static tensors cannot reuse its addresses: the copies must follow new pointers.
+        # Rebinding `graph` then destroys the previous executable graph.
         graph, static_tokens, static_out, static_ids = capture(tokens)
         pointers.append([t.data_ptr() for t in static_ids])
         for _ in range(phase_steps):
@@ -244,8 +247,7 @@ def graph_child(steps: int, out: Path) -> None:
             tokens.tolist()  # the sampled ids reach the host: the step's end, as in a serving loop
             static_tokens.copy_(tokens)
             replays += 1
-        del graph  # the executable graph is destroyed; the next phase's has new pointers
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
     with open(out / "topk.bin", "wb") as f:
         for t in kept:
             f.write(t.cpu().numpy().tobytes())
@@ -411,15 +413,22 @@ def analyse_graphs(records: list[Any], out: Path, info: dict[str, Any]) -> dict[
     }
 
 
+def driver_version(proc_version: str) -> str | None:
+    """The driver version from /proc/driver/nvidia/version's first line ("... Kernel Module
+    570.133.20 ..." or "... Open Kernel Module for x86_64  570.133.20 ...")."""
+    lines = proc_version.splitlines()
+    if not lines:
+        return None
+    m = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9]+(?:\.[0-9]+)+)", lines[0])
+    return m.group(1) if m else lines[0].strip() or None
+
+
 def machine_facts(torch: Any) -> dict[str, Any]:
     """Date, driver and device of this run, for the results file."""
-    driver = None
     try:
-        first = Path("/proc/driver/nvidia/version").read_text().splitlines()[0]
-        m = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9.]+)", first)
-        driver = m.group(1) if m else first.strip()
-    except (OSError, IndexError):
-        pass
+        driver = driver_version(Path("/proc/driver/nvidia/version").read_text())
+    except OSError:
+        driver = None
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "driver": driver,

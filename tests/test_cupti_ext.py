@@ -641,6 +641,25 @@ def test_gpu_check_fails_fast_and_clearly_without_gpu() -> None:
     assert time.monotonic() - t < 60
 
 
+def test_gpu_check_reads_the_driver_version_and_names_its_result_file(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("gpu_check_facts", ROOT / "scripts" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    open_module = (
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.133.20  Release Build  (dvs@U16)\n"
+        "GCC version:  gcc version 12.3.0\n"
+    )
+    legacy = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n"
+    assert gpu_check.driver_version(open_module) == "570.133.20"
+    assert gpu_check.driver_version(legacy) == "535.104.05"
+    assert gpu_check.driver_version("") is None
+    report = {"date": "2026-12-01T09:55:00+00:00", "device": "NVIDIA H200", "ok": True}
+    path = gpu_check.write_results(report, tmp_path / "results")
+    assert path.name == "2026-12-01T095500Z-nvidia-h200.json"
+    assert json.loads(path.read_text()) == report
+
+
 def test_reader_loads_by_file_path_without_the_package(tmp_path: Path) -> None:
     # As scripts/gpu_check.py does on a machine without polars: records.py, untrusted_files.py, then
     # shm_ring.py by path.
