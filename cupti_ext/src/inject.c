@@ -682,6 +682,8 @@ static void load_cuda(void) {
     *(void **)&cu.GraphNodeGetType = sym(lib, "cuGraphNodeGetType", false, missing, sizeof missing);
     *(void **)&cu.GraphKernelNodeGetParams = sym(lib, "cuGraphKernelNodeGetParams_v2", false, missing, sizeof missing);
     *(void **)&cu.KernelGetName = sym(lib, "cuKernelGetName", false, missing, sizeof missing);
+    *(void **)&cu.ThreadExchangeStreamCaptureMode =
+        sym(lib, "cuThreadExchangeStreamCaptureMode", false, missing, sizeof missing);
     if (missing[0]) {
         report_error(ERRK_NONE, -1, "libcuda lacks %s; watched buffers are not captured", missing);
         memset(&cu, 0, sizeof cu);

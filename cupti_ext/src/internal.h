@@ -80,6 +80,7 @@ struct cuda_api {
     CUresult (*GraphNodeGetType)(CUgraphNode node, CUgraphNodeType *type);
     CUresult (*GraphKernelNodeGetParams)(CUgraphNode node, CUDA_KERNEL_NODE_PARAMS *p); /* _v2 */
     CUresult (*KernelGetName)(const char **name, CUkernel k);
+    CUresult (*ThreadExchangeStreamCaptureMode)(CUstreamCaptureMode *mode);
 };
 extern HIDDEN struct cuda_api cu;
 HIDDEN const char *cu_error_name(CUresult r);

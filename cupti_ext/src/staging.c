@@ -140,7 +140,14 @@ static bool ensure_init(CUcontext ctx) {
         return st == 2;
     }
     void *p = NULL;
+    /* A global-mode stream capture anywhere in the process forbids "potentially unsafe" calls such
+     * as cuMemAllocHost on every thread that has not switched itself to relaxed mode, and the call
+     * would invalidate that capture: this thread switches for the one allocation. */
+    CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    bool relaxed = cu.ThreadExchangeStreamCaptureMode != NULL &&
+                   cu.ThreadExchangeStreamCaptureMode(&mode) == CUDA_SUCCESS;
     CUresult r = cu.MemAllocHost != NULL ? cu.MemAllocHost(&p, g_size) : CUDA_ERROR_NOT_FOUND;
+    if (relaxed) cu.ThreadExchangeStreamCaptureMode(&mode); /* back to the thread's own mode */
     if (r != CUDA_SUCCESS || p == NULL) {
         report_error(ERRK_STAGING_INIT, (int)r, "cuMemAllocHost(%zu) for the staging area failed: %s; "
                      "watched buffers are not captured", g_size, cu_error_name(r));

@@ -62,7 +62,8 @@ static struct stub_stream *stream_of(CUstream s) {
     if (s == CU_STREAM_PER_THREAD || s == CU_STREAM_LEGACY) return &per_thread_stream;
     return (struct stub_stream *)(void *)s;
 }
-static int any_capture(void) { return legacy_stream.capture != NULL || per_thread_stream.capture != NULL; }
+static int captures_active; /* streams capturing (global mode; the stub knows no other), atomic */
+static int any_capture(void) { return __atomic_load_n(&captures_active, __ATOMIC_ACQUIRE) > 0; }
 
 static uint64_t mono(void) {
     struct timespec ts;
@@ -167,8 +168,19 @@ static struct op *kernel_op(struct stub_func *f, void **params, uint32_t corr, u
     return o;
 }
 
+/* This thread's capture interaction mode (cuThreadExchangeStreamCaptureMode); global by default. */
+static __thread CUstreamCaptureMode thread_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
+
+API CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode) {
+    CUstreamCaptureMode old = thread_mode;
+    thread_mode = *mode;
+    *mode = old;
+    return CUDA_SUCCESS;
+}
+
 API CUresult cuMemAllocHost_v2(void **pp, size_t n) {
-    if (any_capture()) { /* a global-mode capture forbids it */
+    /* a global-mode capture forbids it to every thread not in relaxed mode, and is invalidated */
+    if (any_capture() && thread_mode != CU_STREAM_CAPTURE_MODE_RELAXED) {
         __atomic_fetch_add(&capture_violations, 1, __ATOMIC_RELAXED);
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     }
@@ -310,6 +322,7 @@ API CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode) {
     st->capture = calloc(1, sizeof *st->capture);
     if (st->capture == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
     st->capture->id = __atomic_fetch_add(&next_graph_id, 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&captures_active, 1, __ATOMIC_RELEASE);
     return CUDA_SUCCESS;
 }
 
@@ -318,6 +331,7 @@ API CUresult cuStreamEndCapture(CUstream s, CUgraph *g) {
     if (st->capture == NULL) return CUDA_ERROR_ILLEGAL_STATE;
     *g = (CUgraph)(void *)st->capture;
     st->capture = NULL;
+    __atomic_fetch_sub(&captures_active, 1, __ATOMIC_RELEASE);
     return CUDA_SUCCESS;
 }
 

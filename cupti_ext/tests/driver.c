@@ -285,10 +285,18 @@ static int scenario_graphs(void) {
     CUstream s;
     cuStreamCreate(&s, 0);
     int step = 0;
-    /* an eager step first (step 0): the library's staging area exists before any capture */
+    /* An eager step first (step 0), while another stream of this thread is being captured in
+     * global mode: the library's one-time pinned allocation (at this first watched launch) must not
+     * break that capture. */
+    CUstream side;
+    cuStreamCreate(&side, 0);
+    if (cuStreamBeginCapture_v2(side, CU_STREAM_CAPTURE_MODE_GLOBAL) != CUDA_SUCCESS) abort();
     uint64_t t0 = mono();
     moe_step(s, ids_a, cnt_a);
     printf("step %d %d %llu %llu\n", step++, (int)gettid(), (unsigned long long)t0, (unsigned long long)mono());
+    CUgraph empty;
+    if (cuStreamEndCapture(side, &empty) != CUDA_SUCCESS) abort();
+    cuGraphDestroy(empty);
     /* A: captured, instantiated, the source graph destroyed at once (as torch does), replayed */
     CUgraph ga = capture(s, ids_a, cnt_a);
     CUgraphExec ea;
