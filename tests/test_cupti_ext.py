@@ -349,7 +349,8 @@ class GraphRun:
     """driver's `graphs` scenario under the stubs: an MoE step launched eagerly once, then captured
     and replayed as a CUDA graph (A: 4 replays, its source graph destroyed right after
     instantiation; B: captured again with new buffers and instantiated anew, 3 replays; C: new
-    buffers moved into B's executable with cuGraphExecUpdate, 3 replays), read back from the ring."""
+    buffers moved into B's executable with cuGraphExecUpdate, 3 replays; D: layer 0's node given a
+    new buffer with cuGraphExecKernelNodeSetParams, 2 replays), read back from the ring."""
 
     def __init__(self, build: Path, shm_name: str, **extra_env: str) -> None:
         env = env_for(build, shm_name, SPARSEETY_WATCH=GRAPH_WATCH, **extra_env)
@@ -399,14 +400,14 @@ def test_graph_replays_copy_what_each_replay_wrote_and_follow_new_pointers(graph
     graph_launches = sorted(
         r.correlation_id for r in by_type(g.records, LaunchApi) if r.api == "cuGraphLaunch"
     )
-    assert len(graph_launches) == 10 == g.counters.graph_launches
+    assert len(graph_launches) == 12 == g.counters.graph_launches
     topk_runs = {(k.correlation_id, k.graph_node_id): k for k in kernels if k.name == GRAPH_TOPK}
-    # 2 eager launches + 2 watched nodes x 10 replays, each logged by the kernel as it ran
-    assert set(g.wrote) == set(topk_runs) and len(g.wrote) == 22
+    # 2 eager launches + 2 watched nodes x 12 replays, each logged by the kernel as it ran
+    assert set(g.wrote) == set(topk_runs) and len(g.wrote) == 26
     assert {c for c, n in g.wrote if n} == set(graph_launches)
 
     watched = {(w.correlation_id, w.graph_node_id): w for w in by_type(g.records, WatchedBuffer)}
-    assert len(watched) == len(by_type(g.records, WatchedBuffer)) == 22 == g.raw["buffers_copied"]
+    assert len(watched) == len(by_type(g.records, WatchedBuffer)) == 26 == g.raw["buffers_copied"]
     for key, values in g.wrote.items():
         w = watched[key]
         assert w.data == array("i", values).tobytes(), key  # byte-equal to what this very run wrote
@@ -416,10 +417,11 @@ def test_graph_replays_copy_what_each_replay_wrote_and_follow_new_pointers(graph
     per_node: dict[int, set[bytes]] = {}
     for (_, node), w in watched.items():
         per_node.setdefault(node, set()).add(w.data)
-    assert sorted(len(v) for n, v in per_node.items() if n) == [4, 4, 6, 6]
-    # Re-instantiated with new buffers (B) and updated with new ones (C): the executable's node ids
-    # stay through the update, the copies follow the new pointers (the values above are the new
-    # buffers' own: stale pointers would show the previous phase's last ids).
+    assert sorted(len(v) for n, v in per_node.items() if n) == [4, 4, 8, 8]
+    # Re-instantiated with new buffers (B), updated with new ones (C), one node given a new buffer
+    # (D): the executable's node ids stay through the updates, the copies follow the new pointers
+    # (the values above are the new buffers' own: stale pointers would show the previous phase's
+    # last ids).
     nodes_by_launch = [sorted(n for c, n in g.wrote if c == corr) for corr in graph_launches]
     assert (
         len({tuple(n) for n in nodes_by_launch[:4]}) == 1
@@ -436,7 +438,7 @@ def test_graph_resolved_from_the_clones_when_instantiation_names_no_source_graph
     g = GraphRun(build, shm_name, STUB_CUDA_EXEC_CREATED_WITHOUT_GRAPH="1")
     assert g.counters.errors == [] and (g.syncs, g.violations) == (0, 0)
     watched = {(w.correlation_id, w.graph_node_id): w for w in by_type(g.records, WatchedBuffer)}
-    assert set(watched) == set(g.wrote) and len(watched) == 22
+    assert set(watched) == set(g.wrote) and len(watched) == 26
     for key, values in g.wrote.items():
         assert watched[key].data == array("i", values).tobytes()
         assert watched[key].graph_id == 0
@@ -454,7 +456,7 @@ def test_graph_rows_through_the_python_side(graph_run: GraphRun) -> None:
     k = tables["kernels"]
     rows = [dict(zip(k, vals, strict=True)) for vals in zip(*k.values(), strict=True)]
     graph_rows = [r for r in rows if r["graph_id"] is not None]
-    assert len(graph_rows) == 30  # 10 replays x 3 nodes
+    assert len(graph_rows) == 36  # 12 replays x 3 nodes
     launches = sorted({r["correlation_id"] for r in graph_rows})
     for r in graph_rows:
         step = 1 + launches.index(r["correlation_id"])  # step 0 is the eager one
@@ -505,8 +507,8 @@ def test_gpu_check_graph_analysis_on_the_stub_run(
         res["graph_watched_expected"],
         res["graph_topk_mismatched_copies"],
     ) == (
-        20,
-        20,
+        24,
+        24,
         0,
     )
     (tmp_path / "topk.bin").write_bytes(expected[:-1] + bytes([expected[-1] ^ 1]))  # one id off
@@ -514,7 +516,7 @@ def test_gpu_check_graph_analysis_on_the_stub_run(
     assert not res["graph_topk_equal"] and res["graph_topk_mismatched_copies"] == 1
     first = next(r for r in graph_run.records if isinstance(r, WatchedBuffer) and r.graph_node_id)
     lost = gpu_check.analyse_graphs([r for r in graph_run.records if r is not first], tmp_path, info)
-    assert not lost["graph_node_ids_match"] and lost["graph_watched_buffers"] == 19
+    assert not lost["graph_node_ids_match"] and lost["graph_watched_buffers"] == 23
 
 
 # ---------------------------------------------------------------- the reader on damaged rings

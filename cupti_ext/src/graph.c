@@ -32,6 +32,7 @@ struct graph_watch { /* one watched kernel node of an executable graph */
     const struct watch *w;
     unsigned kernel_ordinal; /* position among the graph's kernel nodes: cuGraphExecUpdate keeps it */
     uint64_t node_id;
+    uint64_t source_node_id; /* the node instantiated: cuGraphExecKernelNodeSetParams names it */
     CUdeviceptr src;
     uint64_t bytes;
     uint64_t shape[WATCH_MAX_DIMS];
@@ -172,6 +173,7 @@ static int resolve(CUgraph graph, int nwatch, struct watch *watches, struct grap
         e->w = w;
         e->kernel_ordinal = k;
         e->node_id = node_id_of(nodes[i]);
+        if (cupti_graph.GetGraphNodeId != NULL) cupti_graph.GetGraphNodeId(nodes[i], &e->source_node_id);
         snprintf(e->name, sizeof e->name, "%s", name);
         (*n)++;
     }
@@ -237,9 +239,12 @@ HIDDEN void graph_exec_updated(CUgraphExec exec, CUgraph graph, int nwatch, stru
     pthread_mutex_lock(&g_mu);
     struct graph_exec_entry *e = find(exec);
     if (e != NULL) {
-        for (int i = 0; i < n; i++) /* keep the executable's node ids */
+        for (int i = 0; i < n; i++) /* keep the executable's node ids (and the ones it was made from) */
             for (int j = 0; j < e->n; j++)
-                if (e->nodes[j].kernel_ordinal == fresh[i].kernel_ordinal) fresh[i].node_id = e->nodes[j].node_id;
+                if (e->nodes[j].kernel_ordinal == fresh[i].kernel_ordinal) {
+                    fresh[i].node_id = e->nodes[j].node_id;
+                    fresh[i].source_node_id = e->nodes[j].source_node_id;
+                }
         struct graph_watch *old = e->nodes;
         e->nodes = fresh;
         e->n = n;
@@ -250,6 +255,52 @@ HIDDEN void graph_exec_updated(CUgraphExec exec, CUgraph graph, int nwatch, stru
     free(fresh);
     if (e == NULL && n > 0) report_error(ERRK_GRAPH_TABLE, -1, "cuGraphExecUpdate of an executable graph "
                                          "instantiated before the library saw it: its watched kernels are not copied");
+}
+
+/* cuGraphExecKernelNodeSetParams succeeded: the executable's node instantiated from `node` runs with
+ * `p` from now on. Only a node already watched is followed (its copy reads the new pointer); a node
+ * that becomes watched only through new parameters is reported and not copied. */
+HIDDEN void graph_exec_node_set(CUgraphExec exec, CUgraphNode node, const CUDA_KERNEL_NODE_PARAMS *p, int nwatch,
+                                struct watch *watches) {
+    uint64_t source_id = 0;
+    if (exec == NULL || node == NULL || p == NULL || cupti_graph.GetGraphNodeId == NULL ||
+        cupti_graph.GetGraphNodeId(node, &source_id) != CUPTI_SUCCESS)
+        return;
+    const char *name = kernel_name(p);
+    struct watch *w = watch_match(watches, nwatch, name);
+    struct graph_watch fresh = {0};
+    char err[256] = "";
+    int ok = 0;
+    if (w != NULL && p->kernelParams != NULL) {
+        struct launch_geom g = {{p->gridDimX, p->gridDimY, p->gridDimZ}, {p->blockDimX, p->blockDimY, p->blockDimZ},
+                                p->kernelParams, p->func};
+        ok = watch_eval(w, &g, fresh.shape, &fresh.bytes, &fresh.src, err, sizeof err) == 0;
+    }
+    int found = 0;
+    pthread_mutex_lock(&g_mu);
+    struct graph_exec_entry *e = find(exec);
+    for (int j = 0; e != NULL && j < e->n; j++) {
+        struct graph_watch *gw = &e->nodes[j];
+        if (gw->source_node_id != source_id) continue;
+        found = 1;
+        if (ok) {
+            gw->w = w, gw->src = fresh.src, gw->bytes = fresh.bytes;
+            memcpy(gw->shape, fresh.shape, sizeof gw->shape);
+            snprintf(gw->name, sizeof gw->name, "%s", name);
+        } else { /* no longer watched, or its rule cannot be evaluated: no copy */
+            e->nodes[j] = e->nodes[--e->n];
+        }
+        break;
+    }
+    pthread_mutex_unlock(&g_mu);
+    if (w != NULL && !ok) {
+        ring_count(CTR_BUFFERS_FAILED, 1);
+        report_error(ERRK_WATCH_PARAM, -1, "watched graph node %s after cuGraphExecKernelNodeSetParams: %s",
+                     w->pattern, p->kernelParams == NULL ? "arguments through `extra`" : err);
+    } else if (w != NULL && !found) {
+        report_error(ERRK_GRAPH_TABLE, -1, "a graph node became watched through cuGraphExecKernelNodeSetParams "
+                     "(%s): not copied", w->pattern);
+    }
 }
 
 /* After a successful launch of `exec` on `stream`: one staging copy per watched node, in node order,

@@ -106,7 +106,7 @@ static uint64_t floor_pow2(uint64_t x) {
 /* ---------------------------------------------------------------- API callbacks */
 
 enum api_kind { K_NONE, K_DRV_LAUNCH, K_DRV_LAUNCH_EX, K_RT_LAUNCH, K_RT_LAUNCH_EX, K_DRV_GRAPH, K_RT_GRAPH,
-                K_DRV_MEMCPY, K_RT_MEMCPY, K_DRV_GRAPH_UPDATE };
+                K_DRV_MEMCPY, K_RT_MEMCPY, K_DRV_GRAPH_UPDATE, K_DRV_GRAPH_NODE_SET };
 struct api_info {
     CUpti_CallbackDomain domain;
     CUpti_CallbackId cbid;
@@ -126,6 +126,7 @@ static const struct api_info APIS[] = {
     DRV(cuGraphLaunch_ptsz, K_DRV_GRAPH, 1),
     /* not a launch: an executable graph takes new kernel arguments (graph.c) */
     DRV(cuGraphExecUpdate_v2, K_DRV_GRAPH_UPDATE, 0),
+    DRV(cuGraphExecKernelNodeSetParams_v2, K_DRV_GRAPH_NODE_SET, 0),
     DRV(cuMemcpyDtoH_v2, K_DRV_MEMCPY, 0),
     DRV(cuMemcpyDtoH_v2_ptds, K_DRV_MEMCPY, 1),
     DRV(cuMemcpyDtoHAsync_v2, K_DRV_MEMCPY, 0),
@@ -446,6 +447,12 @@ static void CUPTIAPI on_api(void *userdata, CUpti_CallbackDomain domain, CUpti_C
             if (ok && cfg.nwatch > 0) {
                 const cuGraphExecUpdate_v2_params *p = cb->functionParams;
                 graph_exec_updated(p->hGraphExec, p->hGraph, cfg.nwatch, cfg.watches);
+            }
+            break;
+        case K_DRV_GRAPH_NODE_SET:
+            if (ok && cfg.nwatch > 0) {
+                const cuGraphExecKernelNodeSetParams_v2_params *p = cb->functionParams;
+                graph_exec_node_set(p->hGraphExec, p->hNode, p->nodeParams, cfg.nwatch, cfg.watches);
             }
             break;
         case K_RT_MEMCPY:

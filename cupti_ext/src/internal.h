@@ -155,6 +155,8 @@ HIDDEN void graph_node_cloned(CUgraphNode original, CUgraphNode clone);
 HIDDEN void graph_exec_created(CUgraph graph, CUgraphExec exec, int nwatch, struct watch *watches);
 HIDDEN void graph_exec_updated(CUgraphExec exec, CUgraph graph, int nwatch, struct watch *watches);
 HIDDEN void graph_exec_destroyed(CUgraphExec exec);
+HIDDEN void graph_exec_node_set(CUgraphExec exec, CUgraphNode node, const CUDA_KERNEL_NODE_PARAMS *p, int nwatch,
+                                struct watch *watches);
 HIDDEN void graph_launched(CUgraphExec exec, CUstream stream, CUcontext ctx, uint32_t correlation_id,
                            uint64_t launch_ns);
 

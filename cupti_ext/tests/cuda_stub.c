@@ -39,6 +39,7 @@ static int copies, host_allocs, syncs, capture_violations;
 #define MAX_NODES 16
 struct stub_node {
     uint64_t id; /* first: cuptiGetGraphNodeId */
+    uint64_t source_id; /* executables' nodes: the id of the node instantiated */
     struct stub_func *f;
     unsigned grid[3], block[3];
     unsigned char args[MAX_NODES * 8 * 8]; /* the node's own copies of the argument values */
@@ -345,6 +346,7 @@ static struct stub_node *node_copy(const struct stub_node *from, struct stub_fun
     struct stub_node *n = calloc(1, sizeof *n);
     if (n == NULL) abort();
     n->id = __atomic_fetch_add(&next_node_id, 1, __ATOMIC_RELAXED);
+    n->source_id = from ? from->id : 0;
     n->f = from ? from->f : f;
     n->grid[0] = from ? from->grid[0] : gx, n->grid[1] = n->grid[2] = 1;
     n->block[0] = from ? from->block[0] : bx, n->block[1] = n->block[2] = 1;
@@ -453,9 +455,9 @@ API CUresult cuGraphExecUpdate_v2(CUgraphExec exec, CUgraph graph, CUgraphExecUp
             if (g->nodes[i]->f != e->nodes[i]->f) r = CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE;
         }
         for (int i = 0; r == CUDA_SUCCESS && i < g->n; i++) {
-            uint64_t id = e->nodes[i]->id;
+            uint64_t id = e->nodes[i]->id, source = e->nodes[i]->source_id;
             struct stub_node *fresh = node_copy(g->nodes[i], NULL, 0, 0, NULL);
-            fresh->id = id;
+            fresh->id = id, fresh->source_id = source;
             free(e->nodes[i]);
             e->nodes[i] = fresh;
         }
@@ -463,6 +465,31 @@ API CUresult cuGraphExecUpdate_v2(CUgraphExec exec, CUgraph graph, CUgraphExecUp
     if (info != NULL) info->result = r == CUDA_SUCCESS ? CU_GRAPH_EXEC_UPDATE_SUCCESS : CU_GRAPH_EXEC_UPDATE_ERROR;
     stub_cupti_api(DRV, CUPTI_DRIVER_TRACE_CBID_cuGraphExecUpdate_v2, &p, NULL, corr, (void *)0x1, CUPTI_API_EXIT,
                    (int)r, &scratch);
+    return r;
+}
+
+/* `node` is a node of the graph `exec` was instantiated from; its clone in `exec` takes `p`. */
+API CUresult cuGraphExecKernelNodeSetParams_v2(CUgraphExec exec, CUgraphNode node, const CUDA_KERNEL_NODE_PARAMS *p) {
+    struct stub_graph *e = (struct stub_graph *)(void *)exec;
+    struct stub_node *src = (struct stub_node *)(void *)node;
+    cuGraphExecKernelNodeSetParams_v2_params cp = {exec, node, p};
+    uint32_t corr = stub_cupti_next_correlation();
+    uint64_t scratch = 0;
+    stub_cupti_api(DRV, CUPTI_DRIVER_TRACE_CBID_cuGraphExecKernelNodeSetParams_v2, &cp, NULL, corr, (void *)0x1,
+                   CUPTI_API_ENTER, 0, &scratch);
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+    for (int i = 0; i < e->n; i++) {
+        struct stub_node *n = e->nodes[i];
+        if (n->source_id != src->id || (struct stub_func *)(void *)p->func != n->f) continue;
+        size_t off = 0;
+        for (int k = 0; k < n->f->nparams && k < 8; k++) {
+            memcpy(n->args + off, p->kernelParams[k], n->f->sizes[k]);
+            off += (n->f->sizes[k] + 7) & ~(size_t)7;
+        }
+        r = CUDA_SUCCESS;
+    }
+    stub_cupti_api(DRV, CUPTI_DRIVER_TRACE_CBID_cuGraphExecKernelNodeSetParams_v2, &cp, NULL, corr, (void *)0x1,
+                   CUPTI_API_EXIT, (int)r, &scratch);
     return r;
 }
 

@@ -280,8 +280,8 @@ static void replay(CUgraphExec e, CUstream s, int n, int *step) {
 }
 
 static int scenario_graphs(void) {
-    static int32_t ids_a[2][NTOK * TOPK], ids_b[2][NTOK * TOPK], ids_c[2][NTOK * TOPK];
-    static int32_t cnt_a[2] = {0, 1000}, cnt_b[2] = {100, 1100}, cnt_c[2] = {200, 1200};
+    static int32_t ids_a[2][NTOK * TOPK], ids_b[2][NTOK * TOPK], ids_c[2][NTOK * TOPK], ids_d[NTOK * TOPK];
+    static int32_t cnt_a[2] = {0, 1000}, cnt_b[2] = {100, 1100}, cnt_c[2] = {200, 1200}, cnt_d = 300;
     CUstream s;
     cuStreamCreate(&s, 0);
     int step = 0;
@@ -308,7 +308,6 @@ static int scenario_graphs(void) {
     CUgraphExec eb;
     cuGraphInstantiateWithFlags(&eb, gb, 0);
     cuGraphExecDestroy(ea);
-    cuGraphDestroy(gb);
     replay(eb, s, 3, &step);
     /* C: a third capture with new buffers moved into B's executable by cuGraphExecUpdate */
     CUgraph gc = capture(s, ids_c, cnt_c);
@@ -316,6 +315,20 @@ static int scenario_graphs(void) {
     if (cuGraphExecUpdate_v2(eb, gc, &info) != CUDA_SUCCESS) abort();
     cuGraphDestroy(gc);
     replay(eb, s, 3, &step);
+    /* D: layer 0's node of B's executable gets a new buffer with cuGraphExecKernelNodeSetParams
+     * (the node named is the one of the graph B was instantiated from) */
+    CUgraphNode nodes[3];
+    size_t nn = 3;
+    cuGraphGetNodes(gb, nodes, &nn);
+    CUDA_KERNEL_NODE_PARAMS kp;
+    cuGraphKernelNodeGetParams_v2(nodes[0], &kp);
+    int32_t ntok = NTOK, k = TOPK;
+    CUdeviceptr d = (CUdeviceptr)(uintptr_t)ids_d, c = (CUdeviceptr)(uintptr_t)&cnt_d;
+    void *params[4] = {&d, &ntok, &k, &c};
+    kp.kernelParams = params;
+    if (cuGraphExecKernelNodeSetParams_v2(eb, nodes[0], &kp) != CUDA_SUCCESS) abort();
+    cuGraphDestroy(gb);
+    replay(eb, s, 2, &step);
     stub_cuda_device_idle(); /* the engine's own wait, not a CUDA call of the library */
     usleep(50000);
     printf("syncs %d violations %d\n", stub_cuda_syncs(), stub_cuda_capture_violations());
