@@ -43,7 +43,7 @@ fi
 
 mkdir -p "$OUT"
 CFLAGS=(-std=gnu11 -O2 -g -fPIC -Wall -Wextra -Werror -pthread "${INC[@]}")
-SRC=("$HERE"/src/ring.c "$HERE"/src/watch.c "$HERE"/src/staging.c "$HERE"/src/inject.c)
+SRC=("$HERE"/src/ring.c "$HERE"/src/watch.c "$HERE"/src/staging.c "$HERE"/src/graph.c "$HERE"/src/inject.c)
 T="$HERE/tests"
 
 # The injection library: everything hidden except InitializeInjection; no undefined symbols.
@@ -66,4 +66,15 @@ if [ "$exported" != "InitializeInjection SparseetyLateAttach " ]; then
   echo "cupti_ext/build.sh: libsparseety_cupti.so must export InitializeInjection and SparseetyLateAttach only: $exported" >&2
   exit 1
 fi
+# Watched copies never wait for the device. The library reaches libcuda only through names it
+# dlsym's, so it cannot call a synchronising entry point (cuStreamSynchronize, cuCtxSynchronize,
+# cuEventSynchronize, cudaDeviceSynchronize, ...) whose name is not in the binary.
+# (The strings are in .rodata; debug info also names the CUPTI callback ids, which is not a call.)
+objcopy -O binary --only-section=.rodata "$OUT/libsparseety_cupti.so" "$OUT/rodata.tmp"
+if grep -a -q 'Synchronize' "$OUT/rodata.tmp" || ! grep -a -q 'cuMemcpyDtoHAsync_v2' "$OUT/rodata.tmp"; then
+  rm -f "$OUT/rodata.tmp"
+  echo "cupti_ext/build.sh: libsparseety_cupti.so names a Synchronize entry point: it must never wait for the device" >&2
+  exit 1
+fi
+rm -f "$OUT/rodata.tmp"
 echo "$OUT/libsparseety_cupti.so"

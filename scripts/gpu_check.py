@@ -11,17 +11,28 @@ kernel `topk_hist_kernel`, copied after every launch, and the same ids through a
 launched with <<<>>>, the runtime-API path); after one discarded warm-up run, 5 rounds
 with the modes in rotating order, tokens/s reported per run and as medians. The ring is drained
 directly while each child runs.
-Prints one JSON object; exit 0 when every check passed, 1 when one failed, 2 when the machine
-cannot run the check at all (no GPU, no torch, library not built). The CUDA C++ kernel is built
+Then the same decode step captured as a `torch.cuda.CUDAGraph` and replayed (mode "graphs", once):
+the watched Triton kernel is a node of the graph, so its top-k ids are copied after every replay
+from the pointers the library resolved when the graph was instantiated; half-way the step is
+captured again into a new graph (new static tensors: new pointers) and the first graph is dropped.
+Every replay's copies must be byte-equal to PyTorch's static top-k tensors of that replay, and
+each copy's (correlation id, graph node id) must be that of a kernel record of the watched kernel.
+
+Prints one JSON object and writes it to `--results` (default results/gpu_check/, one file per run
+named by date and device, with the date, driver and device in it); exit 0 when every check passed,
+1 when one failed, 2 when the machine cannot run the check at all (no GPU, no torch, library not
+built). The CUDA C++ kernel is built
 once with torch's load_inline (nvcc, ~1 min); where that fails the other checks still run.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -65,6 +76,7 @@ torch::Tensor copy_ids(torch::Tensor ids) {
 """
 HIDDEN, EXPERTS, TOPK, LAYERS, BATCH, VOCAB, FFN = 1024, 16, 2, 4, 8, 4096, 512
 WARMUP = 10
+RESULTS = ROOT / "results" / "gpu_check"
 
 if HAVE_TRITON:
 
@@ -109,6 +121,20 @@ def runtime_ext(build_dir: Path) -> Any:
     )
 
 
+def make_model(torch: Any, dev: Any) -> tuple[Any, Any, list[tuple[Any, Any, Any]]]:
+    """Embedding, vocab head and per layer (router, w1, w2): the same weights in every child."""
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape: int) -> Any:
+        return (torch.randn(*shape, generator=g, device=dev) * 0.05).to(torch.bfloat16)
+
+    emb, head = rnd(VOCAB, HIDDEN), rnd(HIDDEN, VOCAB)
+    layers = [
+        (rnd(HIDDEN, EXPERTS), rnd(EXPERTS, HIDDEN, FFN), rnd(EXPERTS, FFN, HIDDEN)) for _ in range(LAYERS)
+    ]
+    return emb, head, layers
+
+
 def child(steps: int, out: Path, ext_dir: Path | None) -> None:
     import torch
 
@@ -116,16 +142,8 @@ def child(steps: int, out: Path, ext_dir: Path | None) -> None:
 
     t_begin = time.monotonic_ns()
     dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
     bf = torch.bfloat16
-
-    def rnd(*shape: int) -> Any:
-        return (torch.randn(*shape, generator=g, device=dev) * 0.05).to(bf)
-
-    emb, head = rnd(VOCAB, HIDDEN), rnd(HIDDEN, VOCAB)
-    layers = [
-        (rnd(HIDDEN, EXPERTS), rnd(EXPERTS, HIDDEN, FFN), rnd(EXPERTS, FFN, HIDDEN)) for _ in range(LAYERS)
-    ]
+    emb, head, layers = make_model(torch, dev)
     hist = torch.zeros(EXPERTS, dtype=torch.int32, device=dev)
     tokens = torch.arange(BATCH, device=dev) % VOCAB
     kept: list[Any] = []
@@ -170,6 +188,79 @@ def child(steps: int, out: Path, ext_dir: Path | None) -> None:
     (out / "child.json").write_text(json.dumps(info))
 
 
+def graph_child(steps: int, out: Path) -> None:
+    """The decode step as a CUDA graph: captured once, replayed `steps // 2` times, captured again
+    into a new graph (new static tensors, so new pointers; the first graph is then dropped) and
+    replayed for the rest. After each replay the static top-k tensors are cloned on the same
+    stream: those clones are PyTorch's ids of that replay, in layer order."""
+    import torch
+
+    t_begin = time.monotonic_ns()
+    dev = torch.device("cuda")
+    bf = torch.bfloat16
+    emb, head, layers = make_model(torch, dev)
+    hist = torch.zeros(EXPERTS, dtype=torch.int32, device=dev)
+
+    def step(tokens: Any, topk_out: list[Any]) -> Any:
+        x = emb[tokens]
+        for router, w1, w2 in layers:
+            probs = torch.softmax((x @ router).float(), dim=-1)
+            weights, ids = torch.topk(probs, TOPK, dim=-1)
+            topk_ids = ids.to(torch.int32).contiguous()
+            n = topk_ids.numel()
+            topk_hist_kernel[(triton.cdiv(n, 128),)](topk_ids, hist, n, BLOCK=128)
+            topk_out.append(topk_ids)
+            h = torch.einsum("bh,bkhf->bkf", x, w1[ids.flatten()].view(BATCH, TOPK, HIDDEN, FFN))
+            h = torch.nn.functional.silu(h)
+            y = torch.einsum("bkf,bkfh->bkh", h, w2[ids.flatten()].view(BATCH, TOPK, FFN, HIDDEN))
+            x = x + (y * weights.to(bf).unsqueeze(-1)).sum(1)
+        return torch.argmax((x @ head).float(), dim=-1)
+
+    def capture(tokens: Any) -> tuple[Any, Any, Any, list[Any]]:
+        static_tokens = tokens.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture: Triton compiles here
+            for _ in range(3):
+                step(static_tokens, [])
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        static_ids: list[Any] = []
+        with torch.cuda.graph(graph):
+            static_out = step(static_tokens, static_ids)
+        return graph, static_tokens, static_out, static_ids
+
+    kept: list[Any] = []
+    pointers: list[list[int]] = []
+    tokens = torch.arange(BATCH, device=dev) % VOCAB
+    replays = 0
+    for phase_steps in (steps // 2, steps - steps // 2):
+        # The previous graph (and its memory pool) lives on until this capture is instantiated, so
+        # the new static tensors cannot reuse its addresses: the copies must follow new pointers.
+        # Rebinding `graph` then destroys the previous executable graph.
+        graph, static_tokens, static_out, static_ids = capture(tokens)
+        pointers.append([t.data_ptr() for t in static_ids])
+        for _ in range(phase_steps):
+            graph.replay()
+            kept.extend(t.clone() for t in static_ids)
+            tokens = static_out.clone()
+            tokens.tolist()  # the sampled ids reach the host: the step's end, as in a serving loop
+            static_tokens.copy_(tokens)
+            replays += 1
+    torch.cuda.synchronize()
+    with open(out / "topk.bin", "wb") as f:
+        for t in kept:
+            f.write(t.cpu().numpy().tobytes())
+    info = {
+        "pid": os.getpid(),
+        "replays": replays,
+        "pointers": pointers,
+        "t_begin": t_begin,
+        "t_end": time.monotonic_ns(),
+    }
+    (out / "child.json").write_text(json.dumps(info))
+
+
 # ---------------------------------------------------------------- parent
 
 
@@ -181,6 +272,7 @@ def run_mode(
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARSEETY_", "CUDA_INJECTION64"))}
     if mode != "off":
         watch = (WATCH + (f";{RT_WATCH}" if ext_dir is not None else "")) if mode == "buffers" else None
+        watch = WATCH if mode == "graphs" else watch
         env = launch.build_env(env, LIB, watch=watch, flush_ms=50)
         env["SPARSEETY_SHM_NAME"] = "sparseety-gpucheck.{pid}"
     p0 = time.monotonic_ns()
@@ -194,8 +286,9 @@ def run_mode(
         os.sched_setaffinity(0, child_cores)
 
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--child", "--steps", str(steps), "--out", str(out)]
-        + (["--ext", str(ext_dir)] if ext_dir is not None else []),
+        [sys.executable, __file__, "--graph-child" if mode == "graphs" else "--child"]
+        + ["--steps", str(steps), "--out", str(out)]
+        + (["--ext", str(ext_dir)] if ext_dir is not None and mode != "graphs" else []),
         env=env,
         preexec_fn=pin,
     )
@@ -218,7 +311,8 @@ def run_mode(
     if proc.returncode != 0:
         return result
     info = json.loads((out / "child.json").read_text())
-    result["tokens_per_s"] = round(info["tokens_per_s"], 1)
+    if "tokens_per_s" in info:
+        result["tokens_per_s"] = round(info["tokens_per_s"], 1)
     if mode == "off":
         return result
     if ring is None:
@@ -226,6 +320,8 @@ def run_mode(
         return result
     records += ring.drain()
     result |= analyse(records, ring, shm_ring, p0, p1, out if mode == "buffers" else None)
+    if mode == "graphs":
+        result |= analyse_graphs(records, out, info)
     ring.close()
     ring_path.unlink(missing_ok=True)
     return result
@@ -283,9 +379,84 @@ def analyse(
     return res
 
 
+def analyse_graphs(records: list[Any], out: Path, info: dict[str, Any]) -> dict[str, Any]:
+    """The graph replays' copies against PyTorch's static top-k tensors of each replay."""
+    rec = sys.modules["records"]
+    graph_watched = sorted(
+        (r for r in records if isinstance(r, rec.WatchedBuffer) and r.graph_node_id),
+        key=lambda w: (w.correlation_id, w.graph_node_id),  # replay order, then capture (layer) order
+    )
+    watched_kernels = {
+        (k.correlation_id, k.graph_node_id)
+        for k in records
+        if isinstance(k, rec.KernelActivity) and k.graph_id and KERNEL in k.name
+    }
+    copied = [(w.correlation_id, w.graph_node_id) for w in graph_watched]
+    expected = (out / "topk.bin").read_bytes()
+    per_copy = len(expected) // max(info["replays"] * LAYERS, 1)
+    got = b"".join(w.data for w in graph_watched)
+    mismatched = sum(
+        1 for i, w in enumerate(graph_watched) if w.data != expected[i * per_copy : (i + 1) * per_copy]
+    )
+    phases = info["pointers"]
+    return {
+        "graph_replays": info["replays"],
+        "graph_watched_buffers": len(graph_watched),
+        "graph_watched_expected": info["replays"] * LAYERS,
+        "graph_topk_equal": got == expected,
+        "graph_topk_mismatched_copies": mismatched,
+        # every copy is tagged with the node id of a kernel record of the watched kernel, and every
+        # such kernel execution has its copy
+        "graph_node_ids_match": sorted(copied) == sorted(watched_kernels) and len(set(copied)) == len(copied),
+        "graph_ids": sorted({w.graph_id for w in graph_watched}),
+        "graph_new_pointers": len(phases) == 2 and not set(phases[0]) & set(phases[1]),
+    }
+
+
+def driver_version(proc_version: str) -> str | None:
+    """The driver version from /proc/driver/nvidia/version's first line ("... Kernel Module
+    570.133.20 ..." or "... Open Kernel Module for x86_64  570.133.20 ...")."""
+    lines = proc_version.splitlines()
+    if not lines:
+        return None
+    m = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9]+(?:\.[0-9]+)+)", lines[0])
+    return m.group(1) if m else lines[0].strip() or None
+
+
+def machine_facts(torch: Any) -> dict[str, Any]:
+    """Date, driver and device of this run, for the results file."""
+    try:
+        driver = driver_version(Path("/proc/driver/nvidia/version").read_text())
+    except OSError:
+        driver = None
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "driver": driver,
+        "device": torch.cuda.get_device_name(0),
+        "cuda_runtime": torch.version.cuda,
+    }
+
+
+def write_results(report: dict[str, Any], results: Path) -> Path:
+    """The report as results/gpu_check/<date>-<device>.json (kept in the repository)."""
+    results.mkdir(parents=True, exist_ok=True)
+    stamp = str(report["date"]).replace(":", "").replace("+0000", "Z")
+    device = re.sub(r"[^A-Za-z0-9]+", "-", str(report["device"])).strip("-").lower()
+    path = results / f"{stamp}-{device}.json"
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--graph-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--graph-steps", type=int, default=200, help="CUDA graph replays in the graphs mode (default 200)"
+    )
+    ap.add_argument(
+        "--results", type=Path, default=RESULTS, help=f"folder for the JSON result (default {RESULTS})"
+    )
     ap.add_argument("--steps", type=int, default=1000, help="decode steps timed per run (default 1000)")
     ap.add_argument("--rounds", type=int, default=5, help="runs of each mode, in rotating order (default 5)")
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -298,6 +469,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         child(args.steps, args.out, args.ext)
+        return 0
+    if args.graph_child:
+        graph_child(args.steps, args.out)
         return 0
 
     if not (Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia").exists()):
@@ -320,7 +494,7 @@ def main() -> int:
 
     import tempfile
 
-    report: dict[str, Any] = {
+    report: dict[str, Any] = machine_facts(torch) | {
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "libcupti": str(libcupti) if libcupti else None,
@@ -348,6 +522,9 @@ def main() -> int:
                 runs[mode].append(
                     run_mode(mode, args.steps, Path(tmp) / f"{mode}-{r}", shm_ring, launch, ext_dir)
                 )
+        print("gpu_check: CUDA graph replays", file=sys.stderr, flush=True)
+        graphs = run_mode("graphs", args.graph_steps, Path(tmp) / "graphs", shm_ring, launch)
+        report["graphs"] = graphs
     for mode in modes:
         report[mode] = runs[mode][-1] | {"tokens_per_s_runs": [x.get("tokens_per_s") for x in runs[mode]]}
     speed = {m: statistics.median(x.get("tokens_per_s", 0.0) for x in runs[m]) for m in modes}
@@ -378,9 +555,19 @@ def main() -> int:
     }
     if ext_dir is not None:  # the runtime-API launch path of the watch
         checks["runtime_topk_equal"] = all(x.get("runtime_topk_equal") for x in runs["buffers"])
+    checks |= {
+        "graphs_ran": graphs.get("exit_code") == 0 and graphs.get("injection_fired") is True,
+        "graph_topk_equal": graphs.get("graph_topk_equal") is True
+        and graphs.get("graph_watched_buffers") == graphs.get("graph_watched_expected"),
+        "graph_node_ids_match": graphs.get("graph_node_ids_match") is True,
+        "graph_new_pointers": graphs.get("graph_new_pointers") is True,
+        "graph_no_errors": not graphs.get("errors")
+        and graphs.get("counters", {}).get("buffers_failed", 1) == 0,
+    }
     report["checks"] = checks
     report["ok"] = all(checks.values())
     print(json.dumps(report, indent=1, default=str))
+    print(f"gpu_check: written to {write_results(report, args.results)}", file=sys.stderr)
     return 0 if report["ok"] else 1
 
 

@@ -6,6 +6,7 @@ sparseety_prof/gpu/shm_ring.py and checked field by field. Also the reader on da
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -27,7 +28,8 @@ import pytest
 from conftest import MappingProcess
 
 from sparseety_prof.gpu import launch as launch_mod
-from sparseety_prof.gpu.records import KernelActivity, LaunchApi, MemcpyActivity, WatchedBuffer
+from sparseety_prof.gpu.correlate import KernelCorrelator
+from sparseety_prof.gpu.records import HostStep, KernelActivity, LaunchApi, MemcpyActivity, WatchedBuffer
 from sparseety_prof.gpu.shm_ring import (
     CLOCK_CUPTI_DEFAULT,
     CLOCK_MONOTONIC,
@@ -337,6 +339,186 @@ def test_timestamp_callback_refused_reader_converts_clock(build: Path, shm_name:
     )
 
 
+# ---------------------------------------------------------------- CUDA graphs
+
+GRAPH_WATCH = "topk_graph_kernel:0:int32:arg1,arg2"
+GRAPH_TOPK = "_ZN4vllm17topk_graph_kernelEPiiiS0_"
+
+
+class GraphRun:
+    """driver's `graphs` scenario under the stubs: an MoE step launched eagerly once, then captured
+    and replayed as a CUDA graph (A: 4 replays, its source graph destroyed right after
+    instantiation; B: captured again with new buffers and instantiated anew, 3 replays; C: new
+    buffers moved into B's executable with cuGraphExecUpdate, 3 replays; D: layer 0's node given a
+    new buffer with cuGraphExecKernelNodeSetParams, 2 replays), read back from the ring."""
+
+    def __init__(self, build: Path, shm_name: str, **extra_env: str) -> None:
+        env = env_for(build, shm_name, SPARSEETY_WATCH=GRAPH_WATCH, **extra_env)
+        r = subprocess.run(
+            [str(build / "driver"), "graphs"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 0, f"driver graphs exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
+        self.stdout = r.stdout
+        # what the "kernel" wrote, logged by the kernel itself as it ran on the stub device:
+        # (correlation id, graph node id) -> int32 values
+        self.wrote: dict[tuple[int, int], list[int]] = {}
+        self.steps: list[tuple[int, int, int, int]] = []  # the engine's own step windows around each replay
+        for line in r.stdout.splitlines():
+            f = line.split()
+            if f[0] == "wrote":
+                key = (int(f[1]), int(f[2]))
+                assert key not in self.wrote
+                self.wrote[key] = [int(v) for v in f[3].split(",")]
+            elif f[0] == "step":
+                self.steps.append((int(f[1]), int(f[2]), int(f[3]), int(f[4])))
+            elif f[0] == "syncs":
+                self.syncs, self.violations = int(f[1]), int(f[3])
+        with ShmRing(Path("/dev/shm") / shm_name) as ring:
+            self.records = ring.drain()
+            self.counters = ring.counters()
+            self.raw = ring.raw_counters()
+            self.pid = ring.header.pid
+
+
+@pytest.fixture(scope="module")
+def graph_run(build: Path) -> Iterator[GraphRun]:
+    name = f"sparseety-test-{uuid.uuid4().hex[:12]}"
+    try:
+        yield GraphRun(build, name)
+    finally:
+        Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def test_graph_replays_copy_what_each_replay_wrote_and_follow_new_pointers(graph_run: GraphRun) -> None:
+    g = graph_run
+    assert g.counters.errors == [] and g.counters.buffers_failed == 0
+    # The library never waited for the device (no synchronize call of any kind reached the stub
+    # libcuda), and nothing of it was enqueued on a stream while that stream was being captured.
+    assert (g.syncs, g.violations) == (0, 0)
+
+    kernels = by_type(g.records, KernelActivity)
+    graph_launches = sorted(
+        r.correlation_id for r in by_type(g.records, LaunchApi) if r.api == "cuGraphLaunch"
+    )
+    assert len(graph_launches) == 12 == g.counters.graph_launches
+    topk_runs = {(k.correlation_id, k.graph_node_id): k for k in kernels if k.name == GRAPH_TOPK}
+    # 2 eager launches + 2 watched nodes x 12 replays, each logged by the kernel as it ran
+    assert set(g.wrote) == set(topk_runs) and len(g.wrote) == 26
+    assert {c for c, n in g.wrote if n} == set(graph_launches)
+
+    watched = {(w.correlation_id, w.graph_node_id): w for w in by_type(g.records, WatchedBuffer)}
+    assert len(watched) == len(by_type(g.records, WatchedBuffer)) == 26 == g.raw["buffers_copied"]
+    for key, values in g.wrote.items():
+        w = watched[key]
+        assert w.data == array("i", values).tobytes(), key  # byte-equal to what this very run wrote
+        assert (w.kernel, w.arg_index, w.dtype, w.shape) == (GRAPH_TOPK, 0, "int32", (4, 2))
+        assert w.graph_id == topk_runs[key].graph_id  # 0 for the eager launches
+    # Every replay wrote other ids, and each copy has its own replay's.
+    per_node: dict[int, set[bytes]] = {}
+    for (_, node), w in watched.items():
+        per_node.setdefault(node, set()).add(w.data)
+    assert sorted(len(v) for n, v in per_node.items() if n) == [4, 4, 8, 8]
+    # Re-instantiated with new buffers (B), updated with new ones (C), one node given a new buffer
+    # (D): the executable's node ids stay through the updates, the copies follow the new pointers
+    # (the values above are the new buffers' own: stale pointers would show the previous phase's
+    # last ids).
+    nodes_by_launch = [sorted(n for c, n in g.wrote if c == corr) for corr in graph_launches]
+    assert (
+        len({tuple(n) for n in nodes_by_launch[:4]}) == 1
+        and len({tuple(n) for n in nodes_by_launch[4:]}) == 1
+    )
+    assert nodes_by_launch[0] != nodes_by_launch[4]
+
+
+def test_graph_resolved_from_the_clones_when_instantiation_names_no_source_graph(
+    build: Path, shm_name: str
+) -> None:
+    """Should GRAPHEXEC_CREATED come without its source graph, the original nodes the
+    instantiation reported as cloned are read instead: the same copies (graph id unknown: 0)."""
+    g = GraphRun(build, shm_name, STUB_CUDA_EXEC_CREATED_WITHOUT_GRAPH="1")
+    assert g.counters.errors == [] and (g.syncs, g.violations) == (0, 0)
+    watched = {(w.correlation_id, w.graph_node_id): w for w in by_type(g.records, WatchedBuffer)}
+    assert set(watched) == set(g.wrote) and len(watched) == 26
+    for key, values in g.wrote.items():
+        assert watched[key].data == array("i", values).tobytes()
+        assert watched[key].graph_id == 0
+
+
+def test_graph_rows_through_the_python_side(graph_run: GraphRun) -> None:
+    """The correlator with the engine's own step windows (step 0 eager, then one per replay): each
+    replay's kernels join their step by the graph launch's thread and time; only the watched nodes
+    say buffer_captured; routes carry the ids each replay wrote, layer 0 and 1 in capture order."""
+    g = graph_run
+    c = KernelCorrelator()
+    c.add_steps(HostStep(n, tid, t0, t1, g.pid) for n, tid, t0, t1 in g.steps)
+    c.add(g.records)
+    tables = c.flush(final=True)
+    k = tables["kernels"]
+    rows = [dict(zip(k, vals, strict=True)) for vals in zip(*k.values(), strict=True)]
+    graph_rows = [r for r in rows if r["graph_id"] is not None]
+    assert len(graph_rows) == 36  # 12 replays x 3 nodes
+    launches = sorted({r["correlation_id"] for r in graph_rows})
+    for r in graph_rows:
+        step = 1 + launches.index(r["correlation_id"])  # step 0 is the eager one
+        assert (r["step_id"], r["join"], r["api"]) == (step, "thread", "cuGraphLaunch")
+        assert r["graph_node_id"] is not None
+        assert r["buffer_captured"] is (r["name"] == GRAPH_TOPK)
+    routes = tables["routes"]
+    got: dict[tuple[int, int], list[list[int]]] = {}
+    for route_step, row, layer, ids in zip(
+        routes["step_id"], routes["row"], routes["layer"], routes["expert_ids"], strict=True
+    ):
+        assert isinstance(route_step, int) and isinstance(layer, int) and isinstance(ids, list)
+        got.setdefault((route_step, layer), []).append(ids)
+        assert row == len(got[(route_step, layer)]) - 1
+    eager = sorted(key for key in g.wrote if key[1] == 0)
+    assert [r["step_id"] for r in rows if (r["correlation_id"], 0) in eager] == [0, 0]
+    expected = {(0, layer): g.wrote[key] for layer, key in enumerate(eager)}
+    for replay_step, corr in enumerate(launches, start=1):
+        n0, n1 = sorted(n for cc, n in g.wrote if cc == corr)
+        expected |= {(replay_step, 0): g.wrote[(corr, n0)], (replay_step, 1): g.wrote[(corr, n1)]}
+    assert got == {key: [v[i * 2 : i * 2 + 2] for i in range(4)] for key, v in expected.items()}
+
+
+def test_gpu_check_graph_analysis_on_the_stub_run(
+    graph_run: GraphRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scripts/gpu_check.py's graph analysis (what decides the GPU run) applied to the stub run:
+    the kernel's own log of each replay stands for PyTorch's static top-k tensors."""
+    from sparseety_prof.gpu import records as records_mod
+
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", ROOT / "scripts" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.setitem(sys.modules, "records", records_mod)
+    monkeypatch.setattr(gpu_check, "KERNEL", "topk_graph_kernel")
+    monkeypatch.setattr(gpu_check, "LAYERS", 2)
+    replays = {c for c, n in graph_run.wrote if n}
+    expected = b"".join(
+        array("i", graph_run.wrote[key]).tobytes() for key in sorted(k for k in graph_run.wrote if k[1])
+    )
+    (tmp_path / "topk.bin").write_bytes(expected)
+    info = {"replays": len(replays), "pointers": [[1, 2], [3, 4]]}
+    res = gpu_check.analyse_graphs(graph_run.records, tmp_path, info)
+    assert res["graph_topk_equal"] and res["graph_node_ids_match"] and res["graph_new_pointers"]
+    assert (
+        res["graph_watched_buffers"],
+        res["graph_watched_expected"],
+        res["graph_topk_mismatched_copies"],
+    ) == (
+        24,
+        24,
+        0,
+    )
+    (tmp_path / "topk.bin").write_bytes(expected[:-1] + bytes([expected[-1] ^ 1]))  # one id off
+    res = gpu_check.analyse_graphs(graph_run.records, tmp_path, info)
+    assert not res["graph_topk_equal"] and res["graph_topk_mismatched_copies"] == 1
+    first = next(r for r in graph_run.records if isinstance(r, WatchedBuffer) and r.graph_node_id)
+    lost = gpu_check.analyse_graphs([r for r in graph_run.records if r is not first], tmp_path, info)
+    assert not lost["graph_node_ids_match"] and lost["graph_watched_buffers"] == 23
+
+
 # ---------------------------------------------------------------- the reader on damaged rings
 
 
@@ -368,6 +550,14 @@ def write_ring(
         ({"data": struct.pack("<IHH", 12, 2, 0) + bytes(8)}, "corrupt record"),
         ({"data": struct.pack("<IHH", 16, 2, 0) + bytes(8)}, "too short"),
         ({"data": struct.pack("<IHH", 16, 2, 0) + bytes(8), "head": 8}, "corrupt record"),
+        (  # a graph replay's buffer must name its node: without it, it would join no kernel
+            {
+                "data": struct.pack("<IHH", 96, 6, 0)
+                + struct.pack("<QIIIIIIQ4Q", 1, 1, 1, 0, 5, 1, 0, 0, 0, 0, 0, 0)
+                + bytes(16)
+            },
+            "has no node id",
+        ),
     ],
 )
 def test_reader_rejects_damaged_rings_clearly(tmp_path: Path, kwargs: dict[str, int], message: str) -> None:
@@ -451,6 +641,25 @@ def test_gpu_check_fails_fast_and_clearly_without_gpu() -> None:
     assert r.returncode != 0
     assert "gpu_check:" in r.stderr and ("no GPU" in r.stderr or "torch" in r.stderr), r.stderr
     assert time.monotonic() - t < 60
+
+
+def test_gpu_check_reads_the_driver_version_and_names_its_result_file(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("gpu_check_facts", ROOT / "scripts" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    open_module = (
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.133.20  Release Build  (dvs@U16)\n"
+        "GCC version:  gcc version 12.3.0\n"
+    )
+    legacy = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n"
+    assert gpu_check.driver_version(open_module) == "570.133.20"
+    assert gpu_check.driver_version(legacy) == "535.104.05"
+    assert gpu_check.driver_version("") is None
+    report = {"date": "2026-12-01T09:55:00+00:00", "device": "NVIDIA H200", "ok": True}
+    path = gpu_check.write_results(report, tmp_path / "results")
+    assert path.name == "2026-12-01T095500Z-nvidia-h200.json"
+    assert json.loads(path.read_text()) == report
 
 
 def test_reader_loads_by_file_path_without_the_package(tmp_path: Path) -> None:

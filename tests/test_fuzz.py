@@ -275,7 +275,17 @@ def test_fuzz_bpf_ring_records_through_the_correlator() -> None:
 
 # ------------------------------------------------------------------ CUPTI shm ring
 REC_TYPES = st.sampled_from(
-    [sr.REC_KERNEL, sr.REC_LAUNCH_API, sr.REC_MEMCPY, sr.REC_WATCHED_BUFFER, sr.REC_ERROR, sr.REC_PAD, 0, 9]
+    [
+        sr.REC_KERNEL,
+        sr.REC_LAUNCH_API,
+        sr.REC_MEMCPY,
+        sr.REC_WATCHED_BUFFER,
+        sr.REC_WATCHED_GRAPH_BUFFER,
+        sr.REC_ERROR,
+        sr.REC_PAD,
+        0,
+        9,
+    ]
 )
 CAPACITY = 4096
 

@@ -123,7 +123,7 @@ static uint64_t floor_pow2(uint64_t x) {
 /* ---------------------------------------------------------------- API callbacks */
 
 enum api_kind { K_NONE, K_DRV_LAUNCH, K_DRV_LAUNCH_EX, K_RT_LAUNCH, K_RT_LAUNCH_EX, K_DRV_GRAPH, K_RT_GRAPH,
-                K_DRV_MEMCPY, K_RT_MEMCPY };
+                K_DRV_MEMCPY, K_RT_MEMCPY, K_DRV_GRAPH_UPDATE, K_DRV_GRAPH_NODE_SET };
 struct api_info {
     CUpti_CallbackDomain domain;
     CUpti_CallbackId cbid;
@@ -141,6 +141,9 @@ static const struct api_info APIS[] = {
     DRV(cuLaunchKernelEx_ptsz, K_DRV_LAUNCH_EX, 1),
     DRV(cuGraphLaunch, K_DRV_GRAPH, 0),
     DRV(cuGraphLaunch_ptsz, K_DRV_GRAPH, 1),
+    /* not a launch: an executable graph takes new kernel arguments (graph.c) */
+    DRV(cuGraphExecUpdate_v2, K_DRV_GRAPH_UPDATE, 0),
+    DRV(cuGraphExecKernelNodeSetParams_v2, K_DRV_GRAPH_NODE_SET, 0),
     DRV(cuMemcpyDtoH_v2, K_DRV_MEMCPY, 0),
     DRV(cuMemcpyDtoH_v2_ptds, K_DRV_MEMCPY, 1),
     DRV(cuMemcpyDtoHAsync_v2, K_DRV_MEMCPY, 0),
@@ -194,6 +197,16 @@ static void write_launch(const struct api_info *a, const char *name, uint32_t co
     ring_commit(h, len);
 }
 
+/* Resource callbacks that follow CUDA graphs: instantiation (and the node clones it makes) and
+ * destruction of executable graphs. */
+static const CUpti_CallbackId RESOURCE_CBIDS[] = {
+    CUPTI_CBID_RESOURCE_GRAPHEXEC_CREATE_STARTING,
+    CUPTI_CBID_RESOURCE_GRAPHNODE_CLONED,
+    CUPTI_CBID_RESOURCE_GRAPHEXEC_CREATED,
+    CUPTI_CBID_RESOURCE_GRAPHEXEC_DESTROY_STARTING,
+};
+#define NRESOURCE (sizeof RESOURCE_CBIDS / sizeof RESOURCE_CBIDS[0])
+
 static bool budget_take(uint64_t now, uint64_t bytes) {
     uint64_t ws = __atomic_load_n(&g_budget_window_ns, __ATOMIC_RELAXED);
     if (now - ws >= 1000000000ull &&
@@ -233,6 +246,36 @@ static struct watch *lookup_watch(const void *key, const char *name_or_null, CUf
     tls_wcache[i].w = w;
     tls_wcache[i].valid = 1;
     return w;
+}
+
+HIDDEN bool watch_admit(struct watch *w, uint64_t now_ns, uint64_t bytes) {
+    uint64_t n = __atomic_fetch_add(&w->seen, 1, __ATOMIC_RELAXED);
+    if (cfg.sample_every > 1 && n % cfg.sample_every != 0) {
+        ring_count(CTR_BUFFERS_SKIPPED_SAMPLING, 1);
+        return false;
+    }
+    if (bytes == 0) return false; /* an empty buffer (e.g. no tokens): nothing to copy */
+    if (!budget_take(now_ns, bytes)) {
+        ring_count(CTR_BUFFERS_SKIPPED_BUDGET, 1);
+        return false;
+    }
+    return true;
+}
+
+/* A launch on a capturing stream does not run: it becomes a node of the graph being captured. A
+ * copy enqueued there would be captured into the engine's graph (and cuMemAllocHost is forbidden
+ * during a global-mode capture), so nothing is enqueued; the node is resolved at instantiation.
+ * cuStreamIsCapturing is a plain query, allowed during capture. When it fails, nothing is copied. */
+static bool stream_capturing(CUstream stream) {
+    if (cu.StreamIsCapturing == NULL) return false;
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUresult r = cu.StreamIsCapturing(stream, &st);
+    if (r != CUDA_SUCCESS) {
+        report_error(ERRK_CAPTURE_QUERY, (int)r, "cuStreamIsCapturing failed: %s; that launch is not copied",
+                     cu_error_name(r));
+        return true;
+    }
+    return st != CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
 static void handle_watch(const struct api_info *a, const CUpti_CallbackData *cb, uint64_t exit_ns) {
@@ -295,6 +338,8 @@ static void handle_watch(const struct api_info *a, const CUpti_CallbackData *cb,
     if (name == NULL && f != NULL && cu.FuncGetName != NULL && cu.FuncGetName(&name, f) != CUDA_SUCCESS) name = NULL;
     if (name == NULL) name = w->pattern;
 
+    if (stream == NULL && a->ptsz) stream = CU_STREAM_PER_THREAD;
+    if (stream_capturing(stream)) return; /* becomes a graph node: copied at each replay (graph.c) */
     uint64_t n = __atomic_fetch_add(&w->seen, 1, __ATOMIC_RELAXED);
     if (cfg.sample_every > 1 && n % cfg.sample_every != 0) {
         ring_count(CTR_BUFFERS_SKIPPED_SAMPLING, 1);
@@ -313,7 +358,6 @@ static void handle_watch(const struct api_info *a, const CUpti_CallbackData *cb,
         ring_count(CTR_BUFFERS_SKIPPED_BUDGET, 1);
         return;
     }
-    if (stream == NULL && a->ptsz) stream = CU_STREAM_PER_THREAD;
     q.stream = stream;
     staging_enqueue(&q);
 }
@@ -332,6 +376,34 @@ static uint64_t graph_exec_id(const struct api_info *a, const CUpti_CallbackData
     return id;
 }
 
+/* After a successful graph launch: the copies of its watched kernel nodes (graph.c). */
+static void handle_graph_watch(const struct api_info *a, const CUpti_CallbackData *cb, uint64_t exit_ns) {
+    CUgraphExec ge;
+    CUstream stream;
+    if (a->kind == K_DRV_GRAPH) {
+        const cuGraphLaunch_params *p = cb->functionParams;
+        ge = p->hGraph, stream = p->hStream;
+    } else {
+        const cudaGraphLaunch_v10000_params *p = cb->functionParams;
+        ge = (CUgraphExec)p->graphExec, stream = (CUstream)p->stream;
+    }
+    if (stream == NULL && a->ptsz) stream = CU_STREAM_PER_THREAD;
+    if (ge == NULL || stream_capturing(stream)) return; /* a graph launched into a capture runs later, elsewhere */
+    graph_launched(ge, stream, cb->context, cb->correlationId, exit_ns);
+}
+
+static void on_resource(CUpti_CallbackId cbid, const CUpti_ResourceData *rd) {
+    const CUpti_GraphData *g = rd != NULL ? rd->resourceDescriptor : NULL;
+    if (g == NULL || cfg.nwatch == 0) return;
+    switch (cbid) {
+    case CUPTI_CBID_RESOURCE_GRAPHEXEC_CREATE_STARTING: graph_exec_create_starting(); break;
+    case CUPTI_CBID_RESOURCE_GRAPHNODE_CLONED: graph_node_cloned(g->originalNode, g->node); break;
+    case CUPTI_CBID_RESOURCE_GRAPHEXEC_CREATED: graph_exec_created(g->graph, g->graphExec, cfg.nwatch, cfg.watches); break;
+    case CUPTI_CBID_RESOURCE_GRAPHEXEC_DESTROY_STARTING: graph_exec_destroyed(g->graphExec); break;
+    default: break;
+    }
+}
+
 static bool rt_memcpy_is_dtoh(const struct api_info *a, const CUpti_CallbackData *cb) {
     enum cudaMemcpyKind k;
     if (a->cbid == CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy_v3020)
@@ -345,6 +417,15 @@ static bool rt_memcpy_is_dtoh(const struct api_info *a, const CUpti_CallbackData
 
 static void CUPTIAPI on_api(void *userdata, CUpti_CallbackDomain domain, CUpti_CallbackId cbid, const void *data) {
     (void)userdata;
+    if (domain == CUPTI_CB_DOMAIN_RESOURCE) {
+        if (tls_busy) return;
+        uint64_t t = now_mono_ns();
+        tls_busy = 1;
+        on_resource(cbid, data);
+        tls_busy = 0;
+        ring_count(CTR_CALLBACK_NS, now_mono_ns() - t);
+        return;
+    }
     const CUpti_CallbackData *cb = data;
     if (cb == NULL) return;
     const struct api_info *a = api_lookup(domain, cbid);
@@ -361,7 +442,7 @@ static void CUPTIAPI on_api(void *userdata, CUpti_CallbackDomain domain, CUpti_C
     }
     uint64_t t0 = now_mono_ns();
     tls_busy = 1;
-    bool rt_launch = a->kind == K_RT_LAUNCH || a->kind == K_RT_LAUNCH_EX;
+    bool rt_launch = a->kind == K_RT_LAUNCH || a->kind == K_RT_LAUNCH_EX || a->kind == K_RT_GRAPH;
     if (cb->callbackSite == CUPTI_API_ENTER) {
         /* correlationData is CUPTI's per-call scratch shared by the enter and exit callbacks. */
         if (cb->correlationData != NULL) *cb->correlationData = t0;
@@ -375,6 +456,21 @@ static void CUPTIAPI on_api(void *userdata, CUpti_CallbackDomain domain, CUpti_C
         case K_RT_GRAPH:
             ring_count(CTR_GRAPH_LAUNCHES, 1);
             write_launch(a, a->name, cb->correlationId, enter, t0, ok ? graph_exec_id(a, cb) : 0);
+            /* the runtime's graph launch goes through the driver's: copy once */
+            if (ok && cfg.nwatch > 0 && (a->kind == K_RT_GRAPH || tls_runtime_depth == 0))
+                handle_graph_watch(a, cb, t0);
+            break;
+        case K_DRV_GRAPH_UPDATE:
+            if (ok && cfg.nwatch > 0) {
+                const cuGraphExecUpdate_v2_params *p = cb->functionParams;
+                graph_exec_updated(p->hGraphExec, p->hGraph, cfg.nwatch, cfg.watches);
+            }
+            break;
+        case K_DRV_GRAPH_NODE_SET:
+            if (ok && cfg.nwatch > 0) {
+                const cuGraphExecKernelNodeSetParams_v2_params *p = cb->functionParams;
+                graph_exec_node_set(p->hGraphExec, p->hNode, p->nodeParams, cfg.nwatch, cfg.watches);
+            }
             break;
         case K_RT_MEMCPY:
             if (rt_memcpy_is_dtoh(a, cb)) write_launch(a, a->name, cb->correlationId, enter, t0, 0);
@@ -568,6 +664,8 @@ static int load_cupti(void) {
         sym(lib, "cuptiActivityGetNumDroppedRecords", true, missing, sizeof missing);
     *(void **)&cupti.GetResultString = sym(lib, "cuptiGetResultString", true, missing, sizeof missing);
     *(void **)&cupti.GetGraphExecId = sym(lib, "cuptiGetGraphExecId", false, missing, sizeof missing);
+    *(void **)&cupti_graph.GetGraphNodeId = sym(lib, "cuptiGetGraphNodeId", false, missing, sizeof missing);
+    *(void **)&cupti_graph.GetGraphId = sym(lib, "cuptiGetGraphId", false, missing, sizeof missing);
     if (missing[0]) {
         report_error(ERRK_NONE, -1, "libcupti lacks %s: too old (CUDA 13 needed)", missing);
         return -1;
@@ -602,6 +700,14 @@ static void load_cuda(void) {
     *(void **)&cu.CtxSetCurrent = sym(lib, "cuCtxSetCurrent", true, missing, sizeof missing);
     *(void **)&cu.GetErrorName = sym(lib, "cuGetErrorName", true, missing, sizeof missing);
     *(void **)&cu.FuncGetParamInfo = sym(lib, "cuFuncGetParamInfo", false, missing, sizeof missing);
+    /* optional: CUDA graphs are followed only with all of these */
+    *(void **)&cu.StreamIsCapturing = sym(lib, "cuStreamIsCapturing", false, missing, sizeof missing);
+    *(void **)&cu.GraphGetNodes = sym(lib, "cuGraphGetNodes", false, missing, sizeof missing);
+    *(void **)&cu.GraphNodeGetType = sym(lib, "cuGraphNodeGetType", false, missing, sizeof missing);
+    *(void **)&cu.GraphKernelNodeGetParams = sym(lib, "cuGraphKernelNodeGetParams_v2", false, missing, sizeof missing);
+    *(void **)&cu.KernelGetName = sym(lib, "cuKernelGetName", false, missing, sizeof missing);
+    *(void **)&cu.ThreadExchangeStreamCaptureMode =
+        sym(lib, "cuThreadExchangeStreamCaptureMode", false, missing, sizeof missing);
     if (missing[0]) {
         report_error(ERRK_NONE, -1, "libcuda lacks %s; watched buffers are not captured", missing);
         memset(&cu, 0, sizeof cu);
@@ -677,6 +783,10 @@ static void init(void) {
     CUPTI_CHECK(cupti.ActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY), "cuptiActivityEnable(MEMCPY)");
     for (size_t i = 0; i < NAPIS; i++)
         CUPTI_CHECK(cupti.EnableCallback(1, g_sub, APIS[i].domain, APIS[i].cbid), "cuptiEnableCallback");
+    if (cfg.nwatch > 0) /* graphs matter only for watched kernels (their timings come as activity) */
+        for (size_t i = 0; i < NRESOURCE; i++)
+            CUPTI_CHECK(cupti.EnableCallback(1, g_sub, CUPTI_CB_DOMAIN_RESOURCE, RESOURCE_CBIDS[i]),
+                        "cuptiEnableCallback(RESOURCE)");
     g_initialized = 1;
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);

@@ -57,6 +57,9 @@ enum error_key { /* keys for report_error: one report each */
     ERRK_WATCH_SIZE,
     ERRK_WATCH_NAME,
     ERRK_GRAPH_ID,
+    ERRK_GRAPH_READ,
+    ERRK_GRAPH_TABLE,
+    ERRK_CAPTURE_QUERY,
     ERRK_KEY_COUNT
 };
 
@@ -73,6 +76,13 @@ struct cuda_api {
     CUresult (*FuncGetParamInfo)(CUfunction f, size_t index, size_t *offset, size_t *size);
     CUresult (*CtxSetCurrent)(CUcontext ctx);
     CUresult (*GetErrorName)(CUresult r, const char **s);
+    /* CUDA graphs (graph.c) and stream capture; optional: without them graphs are not watched */
+    CUresult (*StreamIsCapturing)(CUstream s, CUstreamCaptureStatus *status);
+    CUresult (*GraphGetNodes)(CUgraph g, CUgraphNode *nodes, size_t *n);
+    CUresult (*GraphNodeGetType)(CUgraphNode node, CUgraphNodeType *type);
+    CUresult (*GraphKernelNodeGetParams)(CUgraphNode node, CUDA_KERNEL_NODE_PARAMS *p); /* _v2 */
+    CUresult (*KernelGetName)(const char **name, CUkernel k);
+    CUresult (*ThreadExchangeStreamCaptureMode)(CUstreamCaptureMode *mode);
 };
 extern HIDDEN struct cuda_api cu;
 HIDDEN const char *cu_error_name(CUresult r);
@@ -123,11 +133,33 @@ struct staging_request {
     CUcontext ctx;
     uint64_t shape[WATCH_MAX_DIMS];
     uint64_t bytes;
+    uint32_t graph_id;      /* graph replays: CUPTI's id of the graph the executable came from ... */
+    uint64_t graph_node_id; /* ... and of the kernel node (0: an eager launch) */
 };
 HIDDEN void staging_configure(size_t staging_bytes);
 /* Called at API exit of a watched launch: enqueue the copy + event on the launch's stream. */
 HIDDEN void staging_enqueue(const struct staging_request *r);
 /* Publish what completed, waiting at most timeout_ms (at exit only). */
 HIDDEN void staging_shutdown(unsigned timeout_ms);
+
+/* ---- sampling and byte budget of watched copies (inject.c) ---- */
+/* True when this watched launch is to be copied; a skip is counted. */
+HIDDEN bool watch_admit(struct watch *w, uint64_t now_ns, uint64_t bytes);
+
+/* ---- watched kernels inside CUDA graphs (graph.c) ---- */
+struct cupti_graph_api {
+    CUptiResult (*GetGraphNodeId)(CUgraphNode node, uint64_t *id);
+    CUptiResult (*GetGraphId)(CUgraph graph, uint32_t *id);
+};
+extern HIDDEN struct cupti_graph_api cupti_graph;
+HIDDEN void graph_exec_create_starting(void);
+HIDDEN void graph_node_cloned(CUgraphNode original, CUgraphNode clone);
+HIDDEN void graph_exec_created(CUgraph graph, CUgraphExec exec, int nwatch, struct watch *watches);
+HIDDEN void graph_exec_updated(CUgraphExec exec, CUgraph graph, int nwatch, struct watch *watches);
+HIDDEN void graph_exec_destroyed(CUgraphExec exec);
+HIDDEN void graph_exec_node_set(CUgraphExec exec, CUgraphNode node, const CUDA_KERNEL_NODE_PARAMS *p, int nwatch,
+                                struct watch *watches);
+HIDDEN void graph_launched(CUgraphExec exec, CUstream stream, CUcontext ctx, uint32_t correlation_id,
+                           uint64_t launch_ns);
 
 #endif

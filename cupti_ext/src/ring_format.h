@@ -71,6 +71,7 @@ enum rec_type {
     REC_MEMCPY = 3,
     REC_WATCHED_BUFFER = 4,
     REC_ERROR = 5,
+    REC_WATCHED_GRAPH_BUFFER = 6, /* a watched buffer of a CUDA graph replay (readers that predate it skip it) */
 };
 
 /* REC_KERNEL payload; the kernel name (name_len bytes, no NUL) follows. */
@@ -115,6 +116,14 @@ struct rec_watched {
     uint64_t shape[WATCH_MAX_DIMS];
 };
 
+/* REC_WATCHED_GRAPH_BUFFER payload: struct rec_watched (correlation_id: the cuGraphLaunch's), then
+ * these 16 bytes, then the kernel name padded to 8 and the data as in REC_WATCHED_BUFFER. */
+struct rec_watched_graph {
+    uint64_t graph_node_id; /* CUPTI's id of the executable graph's node: the kernel record's graphNodeId */
+    uint32_t graph_id;      /* CUPTI's id of the graph it was instantiated from */
+    uint32_t reserved;
+};
+
 /* REC_ERROR payload; the message (text_len bytes, UTF-8) follows. */
 struct rec_error {
     int32_t code; /* CUptiResult / CUresult / errno, or -1 */
@@ -136,5 +145,6 @@ _Static_assert(sizeof(struct rec_launch_api) == 48, "launch record");
 _Static_assert(sizeof(struct rec_memcpy) == 48, "memcpy record");
 _Static_assert(sizeof(struct rec_watched) == 72, "watched record");
 _Static_assert(sizeof(struct rec_error) == 8, "error record");
+_Static_assert(sizeof(struct rec_watched_graph) == 16, "watched graph record");
 
 #endif

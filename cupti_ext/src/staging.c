@@ -28,6 +28,8 @@ struct slot {
     uint32_t correlation_id, tid, arg_index, dtype, ndim;
     uint64_t launch_ns, bytes;
     uint64_t shape[WATCH_MAX_DIMS];
+    uint32_t graph_id;
+    uint64_t graph_node_id; /* 0: an eager launch */
     char name[NAME_MAX_COPY];
 };
 
@@ -52,8 +54,10 @@ static void unlock(void) { __atomic_store_n(&g_lock, 0u, __ATOMIC_RELEASE); }
 static void publish(struct slot *s) {
     size_t name_len = strnlen(s->name, sizeof s->name);
     size_t name_pad = (name_len + 7) & ~(size_t)7;
-    size_t len = sizeof(struct rec_header) + sizeof(struct rec_watched) + name_pad + s->bytes;
-    struct rec_header *h = ring_reserve(REC_WATCHED_BUFFER, len);
+    bool graph = s->graph_node_id != 0;
+    size_t extra = graph ? sizeof(struct rec_watched_graph) : 0;
+    size_t len = sizeof(struct rec_header) + sizeof(struct rec_watched) + extra + name_pad + s->bytes;
+    struct rec_header *h = ring_reserve(graph ? REC_WATCHED_GRAPH_BUFFER : REC_WATCHED_BUFFER, len);
     if (h == NULL) return; /* counted as ring_dropped */
     struct rec_watched *w = (struct rec_watched *)(h + 1);
     w->launch_ns = s->launch_ns;
@@ -66,6 +70,13 @@ static void publish(struct slot *s) {
     w->data_len = s->bytes;
     memcpy(w->shape, s->shape, sizeof w->shape);
     uint8_t *p = (uint8_t *)(w + 1);
+    if (graph) {
+        struct rec_watched_graph *g = (struct rec_watched_graph *)p;
+        g->graph_node_id = s->graph_node_id;
+        g->graph_id = s->graph_id;
+        g->reserved = 0;
+        p += sizeof *g;
+    }
     memcpy(p, s->name, name_len);
     memcpy(p + name_pad, g_pinned + (s->start % g_size), s->bytes);
     ring_commit(h, len);
@@ -129,7 +140,14 @@ static bool ensure_init(CUcontext ctx) {
         return st == 2;
     }
     void *p = NULL;
+    /* A global-mode stream capture anywhere in the process forbids "potentially unsafe" calls such
+     * as cuMemAllocHost on every thread that has not switched itself to relaxed mode, and the call
+     * would invalidate that capture: this thread switches for the one allocation. */
+    CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    bool relaxed = cu.ThreadExchangeStreamCaptureMode != NULL &&
+                   cu.ThreadExchangeStreamCaptureMode(&mode) == CUDA_SUCCESS;
     CUresult r = cu.MemAllocHost != NULL ? cu.MemAllocHost(&p, g_size) : CUDA_ERROR_NOT_FOUND;
+    if (relaxed) cu.ThreadExchangeStreamCaptureMode(&mode); /* back to the thread's own mode */
     if (r != CUDA_SUCCESS || p == NULL) {
         report_error(ERRK_STAGING_INIT, (int)r, "cuMemAllocHost(%zu) for the staging area failed: %s; "
                      "watched buffers are not captured", g_size, cu_error_name(r));
@@ -196,6 +214,8 @@ HIDDEN void staging_enqueue(const struct staging_request *q) {
     s->launch_ns = q->launch_ns;
     s->bytes = q->bytes;
     memcpy(s->shape, q->shape, sizeof s->shape);
+    s->graph_id = q->graph_id;
+    s->graph_node_id = q->graph_node_id;
     snprintf(s->name, sizeof s->name, "%s", q->kernel_name);
 
     uint32_t final = S_FAILED;

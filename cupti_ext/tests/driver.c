@@ -22,10 +22,10 @@
 #define DRV CUPTI_CB_DOMAIN_DRIVER_API
 #define RT CUPTI_CB_DOMAIN_RUNTIME_API
 
-static struct stub_func gemm = {"gemm_kernel_bf16", 3, {8, 8, 4}};
-static struct stub_func topk = {"topk_hist_kernel", 3, {8, 4, 4}};
-static struct stub_func bad = {"bad_kernel", 3, {8, 4, 4}};
-static struct stub_func kernel_handle = {NULL, 0, {0}}, kernel_handle2 = {NULL, 0, {0}}; /* CUkernel-like */
+static struct stub_func gemm = {"gemm_kernel_bf16", 3, {8, 8, 4}, NULL};
+static struct stub_func topk = {"topk_hist_kernel", 3, {8, 4, 4}, NULL};
+static struct stub_func bad = {"bad_kernel", 3, {8, 4, 4}, NULL};
+static struct stub_func kernel_handle = {NULL, 0, {0}, NULL}, kernel_handle2 = {NULL, 0, {0}, NULL}; /* CUkernel-like */
 static char rt_elementwise, rt_moe; /* host stub addresses of the runtime kernels */
 static pthread_barrier_t start_line;
 
@@ -217,9 +217,130 @@ static int scenario_fail(void) {
     return 0;
 }
 
+/* ---- CUDA graphs: an MoE decode step captured once and replayed. The "kernel" topk_graph writes
+ * ids[ntok][k] from a step counter it keeps in device memory (so every replay writes other ids)
+ * and logs what it wrote, with the correlation id and graph node id it ran under; the test
+ * compares each watched copy with that log. */
+#define NTOK 4
+#define TOPK 2
+static pthread_mutex_t wrote_mu = PTHREAD_MUTEX_INITIALIZER;
+static char wrote_log[1 << 16];
+
+static void topk_graph_body(void **params) {
+    int32_t *ids = (int32_t *)(uintptr_t)*(CUdeviceptr *)params[0];
+    int32_t ntok = *(int32_t *)params[1], k = *(int32_t *)params[2];
+    int32_t *counter = (int32_t *)(uintptr_t)*(CUdeviceptr *)params[3];
+    int32_t step = (*counter)++;
+    uint32_t corr;
+    uint64_t node;
+    stub_cuda_current_kernel(&corr, &node);
+    pthread_mutex_lock(&wrote_mu);
+    size_t l = strlen(wrote_log);
+    l += (size_t)snprintf(wrote_log + l, sizeof wrote_log - l, "wrote %u %llu ", corr, (unsigned long long)node);
+    for (int j = 0; j < ntok * k; j++) {
+        ids[j] = (step * 17 + j * 5) % 64;
+        l += (size_t)snprintf(wrote_log + l, sizeof wrote_log - l, "%d%s", ids[j], j + 1 < ntok * k ? "," : "\n");
+    }
+    pthread_mutex_unlock(&wrote_mu);
+}
+static void gemm_graph_body(void **params) { (void)params; }
+static struct stub_func topk_graph = {"_ZN4vllm17topk_graph_kernelEPiiiS0_", 4, {8, 4, 4, 8}, topk_graph_body};
+static struct stub_func gemm_graph = {"gemm_graph_kernel", 1, {8}, gemm_graph_body};
+
+/* One decode step's work on stream s: router top-k (layer 0), an expert GEMM, router top-k (layer 1). */
+static void moe_step(CUstream s, int32_t ids[2][NTOK * TOPK], int32_t counters[2]) {
+    int32_t ntok = NTOK, k = TOPK;
+    CUdeviceptr x = 0;
+    void *gp[1] = {&x};
+    for (int layer = 0; layer < 2; layer++) {
+        CUdeviceptr d = (CUdeviceptr)(uintptr_t)ids[layer], c = (CUdeviceptr)(uintptr_t)&counters[layer];
+        void *params[4] = {&d, &ntok, &k, &c};
+        cuLaunchKernel((CUfunction)(void *)&topk_graph, 1, 1, 1, 32, 1, 1, 0, s, params, NULL);
+        if (layer == 0) cuLaunchKernel((CUfunction)(void *)&gemm_graph, 1, 1, 1, 32, 1, 1, 0, s, gp, NULL);
+    }
+}
+
+static CUgraph capture(CUstream s, int32_t ids[2][NTOK * TOPK], int32_t counters[2]) {
+    CUgraph g = NULL;
+    if (cuStreamBeginCapture_v2(s, CU_STREAM_CAPTURE_MODE_GLOBAL) != CUDA_SUCCESS) abort();
+    moe_step(s, ids, counters);
+    if (cuStreamEndCapture(s, &g) != CUDA_SUCCESS) abort();
+    return g;
+}
+
+/* Replays back to back (the host never waits for the device), each inside a host step window the
+ * "engine" reads itself: step <n> <tid> <t_start> <t_end>. */
+static void replay(CUgraphExec e, CUstream s, int n, int *step) {
+    for (int i = 0; i < n; i++) {
+        uint64_t t0 = mono();
+        if (cuGraphLaunch(e, s) != CUDA_SUCCESS) abort();
+        uint64_t t1 = mono();
+        printf("step %d %d %llu %llu\n", (*step)++, (int)gettid(), (unsigned long long)t0, (unsigned long long)t1);
+    }
+}
+
+static int scenario_graphs(void) {
+    static int32_t ids_a[2][NTOK * TOPK], ids_b[2][NTOK * TOPK], ids_c[2][NTOK * TOPK], ids_d[NTOK * TOPK];
+    static int32_t cnt_a[2] = {0, 1000}, cnt_b[2] = {100, 1100}, cnt_c[2] = {200, 1200}, cnt_d = 300;
+    CUstream s;
+    cuStreamCreate(&s, 0);
+    int step = 0;
+    /* An eager step first (step 0), while another stream of this thread is being captured in
+     * global mode: the library's one-time pinned allocation (at this first watched launch) must not
+     * break that capture. */
+    CUstream side;
+    cuStreamCreate(&side, 0);
+    if (cuStreamBeginCapture_v2(side, CU_STREAM_CAPTURE_MODE_GLOBAL) != CUDA_SUCCESS) abort();
+    uint64_t t0 = mono();
+    moe_step(s, ids_a, cnt_a);
+    printf("step %d %d %llu %llu\n", step++, (int)gettid(), (unsigned long long)t0, (unsigned long long)mono());
+    CUgraph empty;
+    if (cuStreamEndCapture(side, &empty) != CUDA_SUCCESS) abort();
+    cuGraphDestroy(empty);
+    /* A: captured, instantiated, the source graph destroyed at once (as torch does), replayed */
+    CUgraph ga = capture(s, ids_a, cnt_a);
+    CUgraphExec ea;
+    cuGraphInstantiateWithFlags(&ea, ga, 0);
+    cuGraphDestroy(ga);
+    replay(ea, s, 4, &step);
+    /* B: captured again with new buffers and instantiated anew; the old executable destroyed */
+    CUgraph gb = capture(s, ids_b, cnt_b);
+    CUgraphExec eb;
+    cuGraphInstantiateWithFlags(&eb, gb, 0);
+    cuGraphExecDestroy(ea);
+    replay(eb, s, 3, &step);
+    /* C: a third capture with new buffers moved into B's executable by cuGraphExecUpdate */
+    CUgraph gc = capture(s, ids_c, cnt_c);
+    CUgraphExecUpdateResultInfo info;
+    if (cuGraphExecUpdate_v2(eb, gc, &info) != CUDA_SUCCESS) abort();
+    cuGraphDestroy(gc);
+    replay(eb, s, 3, &step);
+    /* D: layer 0's node of B's executable gets a new buffer with cuGraphExecKernelNodeSetParams
+     * (the node named is the one of the graph B was instantiated from) */
+    CUgraphNode nodes[3];
+    size_t nn = 3;
+    cuGraphGetNodes(gb, nodes, &nn);
+    CUDA_KERNEL_NODE_PARAMS kp;
+    cuGraphKernelNodeGetParams_v2(nodes[0], &kp);
+    int32_t ntok = NTOK, k = TOPK;
+    CUdeviceptr d = (CUdeviceptr)(uintptr_t)ids_d, c = (CUdeviceptr)(uintptr_t)&cnt_d;
+    void *params[4] = {&d, &ntok, &k, &c};
+    kp.kernelParams = params;
+    if (cuGraphExecKernelNodeSetParams_v2(eb, nodes[0], &kp) != CUDA_SUCCESS) abort();
+    cuGraphDestroy(gb);
+    replay(eb, s, 2, &step);
+    stub_cuda_device_idle(); /* the engine's own wait, not a CUDA call of the library */
+    usleep(50000);
+    printf("syncs %d violations %d\n", stub_cuda_syncs(), stub_cuda_capture_violations());
+    pthread_mutex_lock(&wrote_mu);
+    fputs(wrote_log, stdout);
+    pthread_mutex_unlock(&wrote_mu);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: driver main|limits|handles|ringfull|fail\n");
+        fprintf(stderr, "usage: driver main|limits|handles|ringfull|fail|graphs\n");
         return 2;
     }
     const char *path = getenv("CUDA_INJECTION64_PATH");
@@ -238,6 +359,7 @@ int main(int argc, char **argv) {
     else if (strcmp(argv[1], "handles") == 0) rc = scenario_handles();
     else if (strcmp(argv[1], "ringfull") == 0) rc = scenario_ringfull();
     else if (strcmp(argv[1], "fail") == 0) rc = scenario_fail();
+    else if (strcmp(argv[1], "graphs") == 0) rc = scenario_graphs();
     fflush(stdout);
     return rc;
 }

@@ -85,7 +85,7 @@ int main(int argc, char **argv) {
         nanosleep(&period, NULL);
         uint32_t corr = 1000u + (uint32_t)i;
         const char *name = NAMES[i % 3];
-        struct stub_func f = {name, 0, {0}};
+        struct stub_func f = {name, 0, {0}, NULL};
         cuLaunchKernel_params p = {(CUfunction)(void *)&f, 4, 1, 1, 64, 1, 1, 0, NULL, NULL, NULL};
         int seen = call(CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel, &p, name, corr,
                         (void *)0x1, 0);

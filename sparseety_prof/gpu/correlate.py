@@ -56,7 +56,11 @@ every layer is MoE and every watched launch was copied (sampling or budget skips
 Because a late buffer would renumber layers, a step's routes are emitted once the step is older
 than the horizon (or at the final flush); buffers for a step already emitted are dropped and
 counted. A watched-buffer copy is recognised by its correlation id: the injection library must
-issue the staging copy under the kernel's correlation id for rule 3 to ignore it.
+issue the staging copy under the kernel's correlation id for rule 3 to ignore it. Buffers of CUDA
+graph replays carry the graph launch's correlation id, shared by every kernel of the replay, and
+the graph node id of their kernel: a buffer belongs to the kernel with both ids (`buffer_captured`
+is per node), and its layer order within a replay is the node id order (nodes are numbered in
+creation, i.e. capture, order).
 """
 
 from __future__ import annotations
@@ -209,9 +213,12 @@ class KernelCorrelator:
         self._pending: dict[int, _Pending] = {}
         self._pending_corr: dict[int, int] = {}
         self._seq = 0
-        self._buffers: dict[tuple[int, int], _Buffer] = {}
+        # A kernel is (correlation id, graph node id): the kernels of one CUDA graph replay share
+        # the graph launch's correlation id and differ by node (0 for eager launches).
+        self._buffers: dict[tuple[int, int, int], _Buffer] = {}  # (corr, node, arg_index)
         self._buffer_corr: dict[int, None] = {}  # correlation ids with a watched buffer (bounded)
-        self._emitted: dict[int, tuple[int | None, bool]] = {}  # corr -> (step_id, buffer_captured)
+        self._captured: dict[tuple[int, int], None] = {}  # kernels with a watched buffer (bounded)
+        self._emitted: dict[tuple[int, int], tuple[int | None, bool]] = {}  # -> (step_id, buffer_captured)
         self._offsets: deque[int] = deque(maxlen=_OFFSET_SAMPLES)
         # gpu_step mode
         self._closes: list[_Close] = []
@@ -303,9 +310,10 @@ class KernelCorrelator:
 
     def _add_buffer(self, b: WatchedBuffer) -> None:
         self._host_now = max(self._host_now, b.launch_ns)
-        self._buffers[(b.correlation_id, b.arg_index)] = _Buffer(b, self._now())
+        self._buffers[(b.correlation_id, b.graph_node_id, b.arg_index)] = _Buffer(b, self._now())
         self._buffer_corr[b.correlation_id] = None
-        done = self._emitted.get(b.correlation_id)
+        self._captured[(b.correlation_id, b.graph_node_id)] = None
+        done = self._emitted.get((b.correlation_id, b.graph_node_id))
         if done is not None and not done[1]:
             self._counts["buffers_after_kernel_row"] += 1
         if len(self._buffers) > self.max_pending:
@@ -313,6 +321,8 @@ class KernelCorrelator:
             self._counts["state_overflow"] += 1
         if len(self._buffer_corr) > self.max_pending:
             del self._buffer_corr[next(iter(self._buffer_corr))]
+        if len(self._captured) > self.max_pending:
+            del self._captured[next(iter(self._captured))]
 
     # ---- output
 
@@ -409,7 +419,7 @@ class KernelCorrelator:
                 tid, t = launch.tid, launch.enter_ns
             s = self._thread_step(tid, t) if tid and t else None
             if s is None:
-                done = self._emitted.get(w.correlation_id)
+                done = self._emitted.get((w.correlation_id, w.graph_node_id))
                 s = self._step_by_id.get(done[0]) if done is not None and done[0] is not None else None
             if s is None:
                 if final or b.arrived_ns < cutoff:
@@ -445,7 +455,7 @@ class KernelCorrelator:
         ready: list[tuple[int, WatchedBuffer]] = []
         for bkey, b in list(self._buffers.items()):
             w = b.buf
-            done = self._emitted.get(w.correlation_id)
+            done = self._emitted.get((w.correlation_id, w.graph_node_id))
             if done is not None and done[0] is not None:
                 n = gpu_step_index(done[0])
             elif w.correlation_id in self._pending_corr and not final:
@@ -527,9 +537,9 @@ class KernelCorrelator:
         elif p.start is not None and p.start < launch.enter_ns:
             c["causality_violations"] += 1
             self._offsets.append(p.start - launch.enter_ns)
-        captured = k.correlation_id in self._buffer_corr
+        captured = (k.correlation_id, k.graph_node_id) in self._captured
         if k.correlation_id:
-            self._emitted[k.correlation_id] = (step_id, captured)
+            self._emitted[(k.correlation_id, k.graph_node_id)] = (step_id, captured)
             if len(self._emitted) > self.max_pending:
                 del self._emitted[next(iter(self._emitted))]
         pid = launch.pid if launch is not None and launch.pid else step_pid

@@ -158,6 +158,7 @@ class KernelRows:
                 sw[1].kernel,
                 sw[1].arg_index,
                 sw[1].correlation_id,
+                sw[1].graph_node_id,  # one graph replay: its nodes in capture order
             )
         )
         malformed = 0

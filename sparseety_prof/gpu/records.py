@@ -71,6 +71,11 @@ class WatchedBuffer:
     data: bytes
     tid: int = 0
     launch_ns: int = 0
+    # A CUDA graph replay: every kernel of one replay has the graph launch's correlation id, so the
+    # node (CUPTI's graphNodeId of the executable graph's node, as on the kernel record) tells which
+    # kernel the buffer belongs to. 0 for eager launches.
+    graph_id: int = 0
+    graph_node_id: int = 0
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,9 @@ Record payloads (after the 8-byte header):
   u8 copy_kind, src_kind, dst_kind, flags`` (48 bytes).
 - WATCHED_BUFFER (4): ``u64 launch_ns; u32 correlation_id, tid, arg_index, dtype, ndim, name_len;
   u64 data_len; u64 shape[4]`` (72 bytes), the kernel name padded to 8, then the data.
+- WATCHED_GRAPH_BUFFER (6): a watched buffer of a CUDA graph replay: the 72 bytes of WATCHED_BUFFER
+  (correlation_id: the graph launch's), then ``u64 graph_node_id; u32 graph_id, reserved``, then
+  the name and data as there. Readers that predate it skip it.
 - ERROR (5): ``i32 code; u32 text_len`` then the UTF-8 text.
 - PAD (0x50): no payload; skipped.
 
@@ -109,6 +112,7 @@ DRAIN_WINDOW = 64 << 20
 MAX_RECORDS_PER_DRAIN = 500_000
 
 REC_KERNEL, REC_LAUNCH_API, REC_MEMCPY, REC_WATCHED_BUFFER, REC_ERROR, REC_PAD = 1, 2, 3, 4, 5, 0x50
+REC_WATCHED_GRAPH_BUFFER = 6
 
 _HDR = struct.Struct("<QIIQIIQQQII")  # magic .. flags (64 bytes)
 _OFF_CLOCK, _OFF_FINISHED, _OFF_HEAD, _OFF_TAIL, _OFF_COUNTERS = 28, 56, 64, 128, 192
@@ -118,6 +122,7 @@ _KERNEL = struct.Struct("<QQQIIII3i3iIIII")
 _LAUNCH = struct.Struct("<QQQIIIHBBII")
 _MEMCPY = struct.Struct("<QQQIIIIIBBBB")
 _WATCHED = struct.Struct("<QIIIIIIQ4Q")
+_WATCHED_GRAPH = struct.Struct("<QII")  # graph_node_id, graph_id, reserved: after _WATCHED
 _ERROR = struct.Struct("<iI")
 
 _DTYPES = {
@@ -433,18 +438,33 @@ class ShmRing:
                     stream,
                     graph,
                 )
-            if rtype == REC_WATCHED_BUFFER:
+            if rtype in (REC_WATCHED_BUFFER, REC_WATCHED_GRAPH_BUFFER):
                 f = _WATCHED.unpack_from(p)
                 launch_ns, corr, tid, arg, dtype, ndim, name_len, data_len = f[:8]
                 if ndim > 4 or dtype not in _DTYPES:
                     raise RingError(f"{self.path}: corrupt watched buffer at offset {off}")
-                name = _text(p, _WATCHED.size, name_len)
-                start = _WATCHED.size + (name_len + 7) // 8 * 8
+                name_at, node, graph = _WATCHED.size, 0, 0
+                if rtype == REC_WATCHED_GRAPH_BUFFER:
+                    node, graph, _ = _WATCHED_GRAPH.unpack_from(p, name_at)
+                    name_at += _WATCHED_GRAPH.size
+                    if node == 0:
+                        raise RingError(f"{self.path}: graph watched buffer at offset {off} has no node id")
+                name = _text(p, name_at, name_len)
+                start = name_at + (name_len + 7) // 8 * 8
                 data = p[start : start + data_len]
                 if len(data) != data_len:
                     raise RingError(f"{self.path}: watched buffer at offset {off} is truncated")
                 return WatchedBuffer(
-                    corr, name, arg, _DTYPES[dtype][0], tuple(f[8 : 8 + ndim]), data, tid, launch_ns
+                    corr,
+                    name,
+                    arg,
+                    _DTYPES[dtype][0],
+                    tuple(f[8 : 8 + ndim]),
+                    data,
+                    tid,
+                    launch_ns,
+                    graph_id=graph,
+                    graph_node_id=node,
                 )
             if rtype == REC_ERROR:
                 code, text_len = _ERROR.unpack_from(p)
