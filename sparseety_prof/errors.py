@@ -50,3 +50,10 @@ class RecordingWriteError(ProfError):
     readable; meta.json says complete: false, why, and how many rows were not written."""
 
     exit_code = 10
+
+
+class MetricsEndpointError(ProfError):
+    """--metrics-port cannot be served (port in use, address not on this host): refused before
+    attaching."""
+
+    exit_code = 11

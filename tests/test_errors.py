@@ -11,6 +11,7 @@ from conftest import ENGINES, Engine, run_cli, run_cli_without_capabilities
 from sparseety_prof.errors import (
     BpfUnavailable,
     CorruptRecording,
+    MetricsEndpointError,
     MissingPrivileges,
     NoSuchProcess,
     NotAnEngine,
@@ -30,6 +31,7 @@ def test_exit_codes_are_distinct() -> None:
         CorruptRecording,
         BpfUnavailable,
         RecordingWriteError,
+        MetricsEndpointError,
     ]
     codes = [c.exit_code for c in classes]
     assert len(set(codes)) == len(codes) and 0 not in codes and 1 not in codes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sparseety_prof.commands.attach_flags import add_attach_flags, options_from
+from sparseety_prof.commands.attach_flags import add_attach_flags, metrics_sink_from, options_from
 from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
 
 
@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from sparseety_prof.views.live import LiveState, render
 
     opts = options_from(args)
+    metrics = metrics_sink_from(args, opts)
     console = Console(stderr=True)
     live = Live(console=console, refresh_per_second=4, auto_refresh=False, transient=False)
     state: list[LiveState] = []
@@ -53,9 +54,18 @@ def run(args: argparse.Namespace) -> int:
         state[0].update(tok, steps, p.counters())
         live.update(render(state[0].snapshot(time.monotonic_ns(), time.monotonic() - t0)), refresh=True)
 
-    rec = Recorder(opts, on_update=on_update, log=lambda s: console.print(s, markup=False, highlight=False))
+    rec = Recorder(
+        opts,
+        on_update=on_update,
+        log=lambda s: console.print(s, markup=False, highlight=False),
+        sinks=[metrics] if metrics else [],
+    )
     install_signal_handlers(rec)
-    with live:
-        meta = rec.run()
+    try:
+        with live:
+            meta = rec.run()
+    finally:
+        if metrics is not None:
+            metrics.stop()  # a failed attach never reached the sinks' close
     console.print(line(summary_line(meta)), markup=False, highlight=False)
     return 0

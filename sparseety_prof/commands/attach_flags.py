@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from sparseety_prof.correlate.serving import DEFAULT_HEADER
 
 if TYPE_CHECKING:
+    from sparseety_prof.session.metrics_sink import PrometheusSink
     from sparseety_prof.session.options import Options
 
 
@@ -118,6 +119,33 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         help=f"HTTP servers: header whose value becomes request_id (default {DEFAULT_HEADER}); "
         "requests without it get generated ids",
     )
+    add_metrics_flags(p)
+
+
+def add_metrics_flags(p: argparse.ArgumentParser) -> None:
+    """--metrics-port and what goes with it (README: Prometheus)."""
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve Prometheus metrics on this port (expert load, sparsity, log-prob and step latency "
+        "histograms, tokens, requests, losses, the recorder's CPU and memory; README: Prometheus)",
+    )
+    p.add_argument(
+        "--metrics-bind",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="address the metrics endpoint listens on (default 127.0.0.1: expert load over time is "
+        "routing, which recovers tokens, so it is as sensitive as the prompts; widen it on purpose)",
+    )
+    p.add_argument(
+        "--metrics-experts",
+        choices=("per-expert", "aggregate"),
+        default="per-expert",
+        help="per-expert (default): a selection counter per MoE layer and expert (layers x experts "
+        "series); aggregate: only per-layer imbalance gauges, no expert label",
+    )
 
 
 def options_from(args: argparse.Namespace) -> Options:
@@ -177,4 +205,23 @@ def options_from(args: argparse.Namespace) -> Options:
         moe_read=getattr(args, "moe_read", "auto"),
         discover_layout=getattr(args, "discover_layout", False),
         discover_timeout=getattr(args, "discover_timeout", 120.0),
+    )
+
+
+def metrics_sink_from(args: argparse.Namespace, opts: Options) -> PrometheusSink | None:
+    """The metrics endpoint asked for with --metrics-port, already listening (so that a port in
+    use is refused before attaching), or None."""
+    from sparseety_prof.errors import UsageError
+    from sparseety_prof.session.metrics_sink import PrometheusSink
+
+    if args.metrics_port is None:
+        return None
+    if not 0 < args.metrics_port < 65536:
+        raise UsageError(f"--metrics-port must be a port number (1-65535), got {args.metrics_port}")
+    return PrometheusSink(
+        args.metrics_bind,
+        args.metrics_port,
+        experts=args.metrics_experts,
+        redact=opts.redact,
+        redact_layers=opts.redact_layers,
     )

@@ -6,6 +6,7 @@ EXIT_CODES_HELP = """exit codes:
   2  usage error          5  missing privileges     8  BPF unavailable (BCC, headers, kernel)
   9  check: a capture layer lost the request id
   10 the recording could not be written (disk full, I/O error): meta.json says complete: false
+  11 --metrics-port cannot be served (port in use, address not on this host)
 """
 
 CHECK_FAILED = 9  # `check`: the request id did not reach every capture layer

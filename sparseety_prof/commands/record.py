@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sparseety_prof.commands.attach_flags import add_attach_flags, options_from
+from sparseety_prof.commands.attach_flags import add_attach_flags, metrics_sink_from, options_from
 from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
 
 
@@ -26,8 +26,14 @@ def run(args: argparse.Namespace) -> int:
     from sparseety_prof.session.recorder import Recorder, install_signal_handlers
     from sparseety_prof.terminal_text import line
 
-    rec = Recorder(options_from(args))
+    opts = options_from(args)
+    metrics = metrics_sink_from(args, opts)
+    rec = Recorder(opts, sinks=[metrics] if metrics else [])
     install_signal_handlers(rec)
-    meta = rec.run()
+    try:
+        meta = rec.run()
+    finally:
+        if metrics is not None:
+            metrics.stop()  # a failed attach never reached the sinks' close
     print(line(summary_line(meta)), file=sys.stderr)
     return 0
