@@ -2,19 +2,24 @@
 the metrics sink's take() costs the consumer per token on a real recording.
 
     .venv/bin/python scripts/metrics_figures.py series
-    .venv/bin/python scripts/metrics_figures.py take REC [--tokens-per-frame N] [--repeat N]
+    sudo .venv/bin/python scripts/metrics_figures.py take [REC] [--tokens-per-frame N...] [--repeat N]
 
 `take` feeds the recording's tokens, steps, routes and requests rows to a PrometheusSink (bound
 on a free local port, never scraped) in frames of about N tokens' rows, as the recorder does
-every flush interval, and times the take() calls alone: the median over --repeat passes.
+every flush interval, and times the take() calls alone, in CPU time of the calling thread (what
+the consumer pays; on a busy machine wall time also counts the waits for a core): the median
+over --repeat passes. Without REC it first records the tests' MoE model (tests/make_models.py)
+generating 12 prompts of 48 tokens, as root (the recorder attaches eBPF uprobes).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import signal
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,9 +86,9 @@ def take_cost(path: Path, tokens_per_frame: int, repeat: int) -> str:
             spent = 0
             for frame in frames:
                 for table, df in frame:
-                    t0 = time.perf_counter_ns()
+                    t0 = time.thread_time_ns()
                     sink.take(table, df)
-                    spent += time.perf_counter_ns() - t0
+                    spent += time.thread_time_ns() - t0
             passes.append(spent)
         finally:
             sink.stop()
@@ -99,19 +104,42 @@ def take_cost(path: Path, tokens_per_frame: int, repeat: int) -> str:
     return f"{path}: {what}, {framing}; take() median of {repeat}: {cost}"
 
 
+def record_sample(out: Path) -> Path:
+    """A recording of the tests' MoE model on the tests' llama-cpp-python engine (needs root)."""
+    sys.path.insert(0, str(ROOT / "tests"))  # the model generator and the engine helpers live there
+    from conftest import ENGINES, Engine, Recorder
+    from make_models import make_model
+
+    model = make_model(out / "moe.gguf", "moe")
+    engine = Engine([str(ENGINES / "llama_engine.py"), str(model)])
+    try:
+        recorder = Recorder(engine.pid, out / "rec")
+        prompts = ["the expert router of a sparse model", "one two three four five", "hello there"] * 4
+        engine.generate(prompts, max_tokens=48)
+        rc, err = recorder.stop(signal.SIGINT)
+        if rc != 0:
+            raise SystemExit(f"the recorder failed ({rc}): {err}")
+    finally:
+        engine.close()
+    return out / "rec"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
     sub.add_parser("series", help="series per model size (markdown table)")
     t = sub.add_parser("take", help="take() cost per token on a recording")
-    t.add_argument("recording", type=Path)
-    t.add_argument("--tokens-per-frame", type=int, default=100)
+    t.add_argument("recording", type=Path, nargs="?", help="default: record the tests' MoE model first")
+    t.add_argument("--tokens-per-frame", type=int, nargs="+", default=[20, 100, 500])
     t.add_argument("--repeat", type=int, default=20)
     args = ap.parse_args()
     if args.what == "series":
         print(series_table())
     else:
-        print(take_cost(args.recording, args.tokens_per_frame, args.repeat))
+        with tempfile.TemporaryDirectory() as tmp:
+            rec = args.recording or record_sample(Path(tmp))
+            for n in args.tokens_per_frame:
+                print(take_cost(rec, n, args.repeat))
 
 
 if __name__ == "__main__":

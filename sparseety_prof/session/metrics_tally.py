@@ -91,6 +91,13 @@ def _layer_index(layers: Sequence[int]) -> np.ndarray:
     return index
 
 
+def _ints(values: np.ndarray, null: int) -> np.ndarray:
+    """Integers from a polars column as numpy gives it (float with NaN where it had nulls)."""
+    if values.dtype.kind == "f":
+        values = np.nan_to_num(values, nan=null)
+    return values.astype(np.int64)
+
+
 def _lookup(index: np.ndarray, layer: np.ndarray) -> np.ndarray:
     """The row of each model layer in `layer` (-1 for one not counted, whatever its value)."""
     inside = (layer >= 0) & (layer < index.size)
@@ -145,12 +152,13 @@ class MetricsTally:
                 self._tokens += df.height
                 self._nll.add(np.zeros(df.height, np.int64), nll)
         elif table == "steps":
-            seconds = (df["t_end_ns"] - df["t_start_ns"]).to_numpy().astype(np.float64) / 1e9
+            seconds = (df["t_end_ns"].to_numpy() - df["t_start_ns"].to_numpy()) / 1e9  # NaN when null
+            names = df["phase"].to_numpy()  # str or None
             phase = np.full(df.height, -1, np.int64)
             for i, name in enumerate(PHASES):
-                phase[(df["phase"] == name).fill_null(False).to_numpy()] = i
+                phase[names == name] = i
             with self._lock:
-                self._steps.add(phase, seconds)
+                self._steps.add(phase, seconds.astype(np.float64, copy=False))
         elif table == "requests":
             with self._lock:
                 self._requests += df.height
@@ -163,12 +171,12 @@ class MetricsTally:
         flat_pos = flat_ids = routed = None
         if self.moe_layers:
             ids = df["expert_ids"]
-            lens = ids.list.len().fill_null(0).to_numpy().astype(np.int64)
+            # (polars' fill_null costs ~0.3 ms a call here: nulls are handled in numpy instead)
+            lens = _ints(ids.list.len().to_numpy(), 0)
             moe = _lookup(self._moe_index, layer)
             routed = moe[(moe >= 0) & (lens > 0)]
             # exactly `lens` values per row: a null list gives none, a null id inside one is -1
-            flat_ids = ids.explode(empty_as_null=False, keep_nulls=False).fill_null(-1).to_numpy()
-            flat_ids = flat_ids.astype(np.int64)
+            flat_ids = _ints(ids.explode(empty_as_null=False, keep_nulls=False).to_numpy(), -1)
             flat_pos = np.repeat(moe, lens)
             ok = (flat_pos >= 0) & (flat_ids >= 0) & (flat_ids < self.n_expert)
             flat_pos, flat_ids = flat_pos[ok], flat_ids[ok]
