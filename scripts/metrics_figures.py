@@ -1,5 +1,6 @@
-"""The README's Prometheus figures: the series --metrics-port exposes per model size, and what
-the metrics sink's take() costs the consumer per token on a real recording.
+"""The README's Prometheus figures: the series --metrics-port exposes per model size and the CPU
+one scrape of them costs, and what the metrics sink's take() costs the consumer per token on a
+real recording.
 
     .venv/bin/python scripts/metrics_figures.py series
     sudo .venv/bin/python scripts/metrics_figures.py take [REC] [--tokens-per-frame N...] [--repeat N]
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 import polars as pl
+from prometheus_client import generate_latest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -42,14 +44,40 @@ MODELS: tuple[tuple[str, int, int, int], ...] = (
 )
 
 
+def scrape_cpu_ms(n_layers: int, n_moe: int, n_expert: int, experts: str, repeat: int = 5) -> float:
+    """CPU time (ms) of one scrape of an endpoint for this model: the families built and
+    formatted as prometheus_client's server does (generate_latest), median of `repeat`."""
+    sink = PrometheusSink("127.0.0.1", 0, experts=experts)
+    try:
+        sink.open(
+            {
+                "layers": {"moe": list(range(n_layers - n_moe, n_layers)), "ffn": list(range(n_layers))},
+                "capture": {"routes": True, "activations": True},
+                "model": {"hyperparameters": {"expert_count": n_expert}},
+            }
+        )
+        spent = []
+        for _ in range(repeat):
+            t0 = time.thread_time_ns()
+            generate_latest(sink.registry)
+            spent.append(time.thread_time_ns() - t0)
+    finally:
+        sink.stop()
+    return statistics.median(spent) / 1e6
+
+
 def series_table() -> str:
     lines = [
-        "| model | layers (MoE) x experts | series, per-expert | series, aggregate |",
-        "| --- | --- | --- | --- |",
+        "| model | layers (MoE) x experts | series, per-expert | CPU per scrape "
+        "| series, aggregate | CPU per scrape |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, layers, moe, experts in MODELS:
-        per, agg = (series_count(moe, experts, layers, mode) for mode in (PER_EXPERT, AGGREGATE))
-        lines.append(f"| {name} | {layers} ({moe}) x {experts} | {per} | {agg} |")
+        cells = [
+            f"{series_count(moe, experts, layers, mode)} | {scrape_cpu_ms(layers, moe, experts, mode):.0f} ms"
+            for mode in (PER_EXPERT, AGGREGATE)
+        ]
+        lines.append(f"| {name} | {layers} ({moe}) x {experts} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ rate() see no series appear or vanish, and the count can be planned for."""
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -77,7 +78,8 @@ class PrometheusSink:
         self._routing_redacted = "routing" in redact
         self._redact_layers = redact_layers
         self._tally: MetricsTally | None = None
-        self.scrapes = 0
+        self.scrapes = 0  # answered, counted under _scrape_lock (the server answers in threads)
+        self._scrape_lock = threading.Lock()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
         try:
@@ -126,6 +128,10 @@ class PrometheusSink:
             self._thread.join(timeout=5)
         self._server.server_close()
 
+    def count_scrape(self) -> None:
+        with self._scrape_lock:
+            self.scrapes += 1
+
     def snapshot(self) -> Snapshot | None:
         return None if self._tally is None else self._tally.snapshot()
 
@@ -136,7 +142,7 @@ class _Collector(Collector):
 
     def collect(self) -> Iterator[Any]:
         snap = self._sink.snapshot()
-        self._sink.scrapes += 1
+        self._sink.count_scrape()
         if snap is None:  # not attached yet: nothing is known
             return
         yield from families(snap, self._sink.experts)

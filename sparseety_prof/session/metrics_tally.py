@@ -55,8 +55,10 @@ class Histograms:
         if not label.size:
             return
         n_labels, width = self.counts.shape
-        # the first bound >= the value: Prometheus buckets count values "le" their bound
-        bucket = np.searchsorted(np.asarray(self.bounds), value, side="left")
+        # the first bound >= the value: Prometheus buckets count values "le" their bound. The
+        # bounds take the values' precision: a ratio stored as float32 0.3 (a --redact sparsity
+        # grid point) is above the float64 0.3, and belongs in the 0.3 bucket all the same
+        bucket = np.searchsorted(np.asarray(self.bounds, dtype=value.dtype), value, side="left")
         self.counts += np.bincount(label * width + bucket, minlength=n_labels * width).reshape(
             n_labels, width
         )
@@ -166,8 +168,8 @@ class MetricsTally:
     def _add_routes(self, df: pl.DataFrame) -> None:
         layer = df["layer"].to_numpy().astype(np.int64)
         ffn = _lookup(self._ffn_index, layer)
-        zero = df["act_zero_ratio"].to_numpy().astype(np.float64)
-        below = df["act_below_ratio"].to_numpy().astype(np.float64)
+        zero = df["act_zero_ratio"].to_numpy()  # float32 as stored, NaN where null
+        below = df["act_below_ratio"].to_numpy()
         flat_pos = flat_ids = routed = None
         if self.moe_layers:
             ids = df["expert_ids"]
