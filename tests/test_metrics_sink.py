@@ -196,6 +196,31 @@ def test_redacted_routing_exposes_no_expert_load_for_its_layers() -> None:
     assert "sparseety_activation_zero_ratio_bucket" in got  # sparsity stays
 
 
+def test_a_model_file_claiming_too_many_experts_gets_no_endpoint() -> None:
+    """The expert count comes from the target's model file: past the bounds, open() refuses
+    (the fan-out then switches the sink off) and the port is closed, nothing allocated."""
+    sink = PrometheusSink("127.0.0.1", 0)
+    huge = {**META, "model": {"hyperparameters": {"expert_count": 10**9}}}
+    with pytest.raises(ValueError, match="1000000000 experts"):
+        sink.open(huge)
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", sink.port), timeout=5):
+        pass
+    sink = PrometheusSink("127.0.0.1", 0, experts=AGGREGATE)
+    many_layers = {**META, "layers": {"moe": list(range(9000)), "ffn": list(range(9000))}}
+    with pytest.raises(ValueError, match="9000 MoE layers"):
+        sink.open(many_layers)
+    # a layer number no model has costs no table as large as it
+    sink = PrometheusSink("127.0.0.1", 0)
+    try:
+        sink.open({**META, "layers": {"moe": [1, 2**40], "ffn": [1, 2**40]}})
+        sink.take("routes", _routes(np.random.default_rng(1), 2))
+        got = _scrape(sink)
+    finally:
+        sink.stop()
+    assert {dict(k)["layer"] for k in got["sparseety_moe_rows_total"]} == {"1", str(2**40)}
+    assert got["sparseety_moe_rows_total"][(("layer", "1"),)] == 2
+
+
 def test_series_count_grows_with_layers_times_experts() -> None:
     small = series_count(24, 8, 24, PER_EXPERT)
     assert series_count(24, 16, 24, PER_EXPERT) - small == 24 * 8

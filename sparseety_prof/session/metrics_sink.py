@@ -42,6 +42,12 @@ AGGREGATE = "aggregate"
 EXPERT_MODES: tuple[str, ...] = (PER_EXPERT, AGGREGATE)
 DEFAULT_BIND = "127.0.0.1"
 PREFIX = "sparseety"
+#: The label sets come from the engine's model file, which the target controls (README: Threat
+#: model): an expert count or layer list no model has would make the endpoint (and the totals
+#: behind it) as large as the file says. The largest public MoE models have 512 experts and
+#: ~100 layers; beyond these bounds the endpoint refuses rather than grows.
+MAX_EXPERTS = 4096
+MAX_SERIES = 200_000
 
 #: series of the families whose size does not depend on the model: token NLL and step latency
 #: histograms (buckets, +Inf, sum and count), tokens, requests, losses, CPU, memory and lag
@@ -98,6 +104,21 @@ class PrometheusSink:
         if self._routing_redacted:  # its rows carry no experts: count none rather than zeros
             moe = (meta.get("layers") or {}).get("moe") or ()
             redacted = frozenset(int(x) for x in moe) if self._redact_layers is None else self._redact_layers
+        layers, hp = meta.get("layers") or {}, (meta.get("model") or {}).get("hyperparameters") or {}
+        n_expert, n_moe, n_ffn = (
+            int(hp.get("expert_count") or 0),
+            len(layers.get("moe") or ()),
+            len(layers.get("ffn") or ()),
+        )
+        series = series_count(n_moe, n_expert, n_ffn, self.experts)
+        if n_expert > MAX_EXPERTS or series > MAX_SERIES:
+            self.stop()  # switched off by the fan-out: serve nothing rather than an empty endpoint
+            fits = self.experts == PER_EXPERT and n_expert <= MAX_EXPERTS
+            hint = ": try --metrics-experts aggregate" if fits else ""
+            raise ValueError(
+                f"the model's {n_moe} MoE layers x {n_expert} experts and {n_ffn} FFN layers would be "
+                f"{series} series (at most {MAX_SERIES}, and {MAX_EXPERTS} experts){hint}"
+            )
         self._tally = MetricsTally.from_meta(meta, routing_redacted=redacted)
 
     def take(self, table: str, df: pl.DataFrame) -> None:

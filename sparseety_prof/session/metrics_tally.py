@@ -86,13 +86,6 @@ class Snapshot:
     progress: dict[str, float] = field(default_factory=dict)
 
 
-def _layer_index(layers: Sequence[int]) -> np.ndarray:
-    """model layer -> its row in the per-layer arrays (-1: not counted)."""
-    index = np.full(max(layers, default=-1) + 1, -1, np.int64)
-    index[list(layers)] = np.arange(len(layers))
-    return index
-
-
 def _ints(values: np.ndarray, null: int) -> np.ndarray:
     """Integers from a polars column as numpy gives it (float with NaN where it had nulls)."""
     if values.dtype.kind == "f":
@@ -100,12 +93,20 @@ def _ints(values: np.ndarray, null: int) -> np.ndarray:
     return values.astype(np.int64)
 
 
-def _lookup(index: np.ndarray, layer: np.ndarray) -> np.ndarray:
-    """The row of each model layer in `layer` (-1 for one not counted, whatever its value)."""
-    inside = (layer >= 0) & (layer < index.size)
-    out = np.full(layer.shape, -1, np.int64)
-    out[inside] = index[layer[inside]]
-    return out
+class LayerIndex:
+    """model layer -> its row in the per-layer arrays, for a column of layers at once (-1: a
+    layer not counted). A sorted search rather than a table indexed by layer: the layer numbers
+    come from the target's model file, and a table would be as large as the largest of them."""
+
+    def __init__(self, layers: Sequence[int]) -> None:
+        self._sorted = np.asarray(sorted(layers), np.int64)
+        self._row = np.argsort(np.asarray(layers, np.int64), kind="stable")  # sorted position -> row
+
+    def rows(self, layer: np.ndarray) -> np.ndarray:
+        if not self._sorted.size:
+            return np.full(layer.shape, -1, np.int64)
+        pos = np.minimum(np.searchsorted(self._sorted, layer), self._sorted.size - 1)
+        return np.where(self._sorted[pos] == layer, self._row[pos], -1)
 
 
 class MetricsTally:
@@ -113,8 +114,8 @@ class MetricsTally:
         self.moe_layers = tuple(moe_layers) if n_expert > 0 else ()
         self.n_expert = n_expert if self.moe_layers else 0
         self.ffn_layers = tuple(ffn_layers)
-        self._moe_index = _layer_index(self.moe_layers)
-        self._ffn_index = _layer_index(self.ffn_layers)
+        self._moe_index = LayerIndex(self.moe_layers)
+        self._ffn_index = LayerIndex(self.ffn_layers)
         self._lock = threading.Lock()
         self._selections = np.zeros((len(self.moe_layers), self.n_expert), np.int64)
         self._moe_rows = np.zeros(len(self.moe_layers), np.int64)
@@ -167,7 +168,7 @@ class MetricsTally:
 
     def _add_routes(self, df: pl.DataFrame) -> None:
         layer = df["layer"].to_numpy().astype(np.int64)
-        ffn = _lookup(self._ffn_index, layer)
+        ffn = self._ffn_index.rows(layer)
         zero = df["act_zero_ratio"].to_numpy()  # float32 as stored, NaN where null
         below = df["act_below_ratio"].to_numpy()
         flat_pos = flat_ids = routed = None
@@ -175,7 +176,7 @@ class MetricsTally:
             ids = df["expert_ids"]
             # (polars' fill_null costs ~0.3 ms a call here: nulls are handled in numpy instead)
             lens = _ints(ids.list.len().to_numpy(), 0)
-            moe = _lookup(self._moe_index, layer)
+            moe = self._moe_index.rows(layer)
             routed = moe[(moe >= 0) & (lens > 0)]
             # exactly `lens` values per row: a null list gives none, a null id inside one is -1
             flat_ids = _ints(ids.explode(empty_as_null=False, keep_nulls=False).to_numpy(), -1)
