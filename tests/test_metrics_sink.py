@@ -15,10 +15,12 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
-from conftest import run_cli
+from conftest import free_port, run_cli
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparseety_prof.errors import MetricsEndpointError
+from sparseety_prof.cli import build_parser
+from sparseety_prof.commands.attach_flags import metrics_sink_from, options_from
+from sparseety_prof.errors import MetricsEndpointError, UsageError
 from sparseety_prof.session.metrics_sink import AGGREGATE, PER_EXPERT, PrometheusSink, series_count
 from sparseety_prof.session.metrics_tally import NLL_BUCKETS, SPARSITY_BUCKETS
 from sparseety_prof.session.options import Progress
@@ -244,3 +246,25 @@ def test_a_port_in_use_is_refused_before_attaching(tmp_path: Path) -> None:
     assert not (tmp_path / "rec").exists()
     r = run_cli("attach", "--pid", str(os.getpid()), "--metrics-port", "1", "--metrics-bind", "192.0.2.1")
     assert r.returncode == MetricsEndpointError.exit_code, r.stderr
+
+
+def test_record_and_attach_flags_make_the_sink() -> None:
+    p = build_parser()
+    for cmd in ("record", "attach"):
+        port = free_port()
+        args = p.parse_args(
+            [cmd, "--pid", "7", "-o", "rec", "--metrics-port", str(port), "--metrics-experts", "aggregate"]
+        )
+        sink = metrics_sink_from(args, options_from(args))
+        assert sink is not None
+        try:
+            assert (sink.host, sink.port, sink.experts) == ("127.0.0.1", port, AGGREGATE)
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass  # listening before anything is attached
+        finally:
+            sink.stop()
+        args = p.parse_args([cmd, "--pid", "7", "-o", "rec"])
+        assert metrics_sink_from(args, options_from(args)) is None
+        args = p.parse_args([cmd, "--pid", "7", "-o", "rec", "--metrics-port", "70000"])
+        with pytest.raises(UsageError, match="--metrics-port"):
+            metrics_sink_from(args, options_from(args))
