@@ -34,11 +34,20 @@ fi
 # 1. Debian packages. The PyPI package called "bcc" is an unrelated project: BCC comes from Debian.
 # chromium: the tests open `report --html` pages in it headless (tests/headless_chromium.py).
 # default-jre-headless: Java for PySpark, which tests/test_dataset_engines.py uses to read a dataset.
-pkgs=(python3-bpfcc libbpfcc linux-headers-amd64 binutils gcc libc6-dev curl tmux chromium default-jre-headless)
+# prometheus: the real server tests/test_metrics_prometheus.py scrapes --metrics-port with; the
+# test runs the binary itself (temporary config and storage), so its service is not needed.
+pkgs=(python3-bpfcc libbpfcc linux-headers-amd64 binutils gcc libc6-dev curl tmux chromium default-jre-headless
+      prometheus)
 if ! dpkg -s "${pkgs[@]}" >/dev/null 2>&1; then
   step "1/6 installing ${pkgs[*]}"
+  had_prometheus=$(dpkg -s prometheus >/dev/null 2>&1 && echo yes || true)
   timed apt_retry update -qq
   timed apt_retry install -y -qq --no-install-recommends "${pkgs[@]}" >/dev/null
+  # the package enables a service listening on every interface (:9090): not wanted on an engine
+  # host; one the machine already ran is left as it was
+  if [ -z "$had_prometheus" ] && [ -d /run/systemd/system ]; then
+    systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+  fi
 else
   step "1/6 Debian packages present"
 fi

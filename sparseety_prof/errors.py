@@ -64,3 +64,10 @@ class InjectionRefused(ProfError):
     its libc, another mount namespace, not x86_64, or its dlopen/initialisation failed)."""
 
     exit_code = 13
+
+
+class MetricsEndpointError(ProfError):
+    """--metrics-port cannot be served (port in use, address not on this host): refused before
+    attaching."""
+
+    exit_code = 14

@@ -12,6 +12,7 @@ from sparseety_prof.errors import (
     BpfUnavailable,
     CorruptRecording,
     InjectionRefused,
+    MetricsEndpointError,
     MissingPrivileges,
     NoSuchProcess,
     NotAnEngine,
@@ -34,6 +35,7 @@ def test_exit_codes_are_distinct() -> None:
         RecordingWriteError,
         PtraceNotPermitted,
         InjectionRefused,
+        MetricsEndpointError,
     ]
     codes = [c.exit_code for c in classes]
     assert len(set(codes)) == len(codes) and 0 not in codes and 1 not in codes

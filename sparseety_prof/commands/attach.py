@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from sparseety_prof.commands.attach_flags import add_attach_flags, late_attach_from, options_from, sinks_from
+from sparseety_prof.commands.attach_flags import (
+    add_attach_flags,
+    late_attach_from,
+    metrics_sink_from,
+    options_from,
+    sinks_from,
+)
 from sparseety_prof.commands.dataset_flag import add_dataset_flag, check_dataset_flag, collect_recording
 from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
 
@@ -40,7 +46,12 @@ def run(args: argparse.Namespace) -> int:
     check_dataset_flag(args)
     opts = options_from(args)
     console = Console(stderr=True)
-    late_attach_from(args, lambda s: console.print(line(s), markup=False, highlight=False))
+
+    def log(s: str) -> None:
+        console.print(line(s), markup=False, highlight=False)
+
+    sinks = sinks_from(args, log)
+    metrics = metrics_sink_from(args, opts)  # the port is bound (or refused) before attaching
     live = Live(console=console, refresh_per_second=4, auto_refresh=False, transient=False)
     state: list[LiveState] = []
     # the consumer thread brings snapshots, the key thread settings: one lock orders the redraws
@@ -87,12 +98,14 @@ def run(args: argparse.Namespace) -> int:
                 shown[:] = latest
             redraw()
 
-    def log(s: str) -> None:
-        console.print(line(s), markup=False, highlight=False)
-
-    rec = Recorder(opts, on_update=on_update, log=log, sinks=sinks_from(args, log))
-    install_signal_handlers(rec)
-    with live, KeyReader(on_key):
-        meta = rec.run()
+    try:
+        late_attach_from(args, log)
+        rec = Recorder(opts, on_update=on_update, log=log, sinks=[*sinks, metrics] if metrics else sinks)
+        install_signal_handlers(rec)
+        with live, KeyReader(on_key):
+            meta = rec.run()
+    finally:
+        if metrics is not None:
+            metrics.stop()  # a failed attach never reached the sinks' close
     console.print(line(summary_line(meta)), markup=False, highlight=False)
     return collect_recording(args)

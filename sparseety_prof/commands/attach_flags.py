@@ -12,6 +12,7 @@ from sparseety_prof.correlate.serving import DEFAULT_HEADER
 from sparseety_prof.session.policy import POLICIES
 
 if TYPE_CHECKING:
+    from sparseety_prof.session.metrics_sink import PrometheusSink
     from sparseety_prof.session.options import Options
     from sparseety_prof.session.sinks import FrameSink
 
@@ -170,6 +171,7 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         help="with --otlp: also send one span per micro-batch (step)",
     )
     add_late_attach_flags(p)
+    add_metrics_flags(p)
 
 
 def sinks_from(args: argparse.Namespace, log: Callable[[str], None]) -> list[FrameSink]:
@@ -232,6 +234,32 @@ def late_attach_from(args: argparse.Namespace, log: Callable[[str], None]) -> No
     result = late_attach(args.pid, lib, settings, log=log)
     if not result.injected:
         log(f"sparseety-prof: {result.message}")
+
+
+def add_metrics_flags(p: argparse.ArgumentParser) -> None:
+    """--metrics-port and what goes with it (README: Prometheus)."""
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve Prometheus metrics on this port (expert load, sparsity, log-prob and step latency "
+        "histograms, tokens, requests, losses, the recorder's CPU and memory; README: Prometheus)",
+    )
+    p.add_argument(
+        "--metrics-bind",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="address the metrics endpoint listens on (default 127.0.0.1: expert load over time is "
+        "routing, which recovers tokens, so it is as sensitive as the prompts; widen it on purpose)",
+    )
+    p.add_argument(
+        "--metrics-experts",
+        choices=("per-expert", "aggregate"),
+        default="per-expert",
+        help="per-expert (default): a selection counter per MoE layer and expert (layers x experts "
+        "series); aggregate: only per-layer imbalance gauges, no expert label",
+    )
 
 
 def options_from(args: argparse.Namespace) -> Options:
@@ -298,4 +326,23 @@ def options_from(args: argparse.Namespace) -> Options:
         policy=args.policy,
         ring_mb=args.ring_mb,
         aggregate_s=args.aggregate_interval,
+    )
+
+
+def metrics_sink_from(args: argparse.Namespace, opts: Options) -> PrometheusSink | None:
+    """The metrics endpoint asked for with --metrics-port, already listening (so that a port in
+    use is refused before attaching), or None."""
+    from sparseety_prof.errors import UsageError
+    from sparseety_prof.session.metrics_sink import PrometheusSink
+
+    if args.metrics_port is None:
+        return None
+    if not 0 < args.metrics_port < 65536:
+        raise UsageError(f"--metrics-port must be a port number (1-65535), got {args.metrics_port}")
+    return PrometheusSink(
+        args.metrics_bind,
+        args.metrics_port,
+        experts=args.metrics_experts,
+        redact=opts.redact,
+        redact_layers=opts.redact_layers,
     )

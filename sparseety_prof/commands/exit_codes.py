@@ -9,6 +9,7 @@ EXIT_CODES_HELP = """exit codes:
   11 collect: some recordings were refused (each is named); the others were collected
   12 --late-attach: ptrace not permitted (Yama ptrace_scope, no CAP_SYS_PTRACE, already traced)
   13 --late-attach: the target cannot load the library (static, other mount namespace, dlopen failed)
+  14 --metrics-port cannot be served (port in use, address not on this host)
 """
 
 CHECK_FAILED = 9  # `check`: the request id did not reach every capture layer

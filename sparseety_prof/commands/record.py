@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sparseety_prof.commands.attach_flags import add_attach_flags, late_attach_from, options_from, sinks_from
+from sparseety_prof.commands.attach_flags import (
+    add_attach_flags,
+    late_attach_from,
+    metrics_sink_from,
+    options_from,
+    sinks_from,
+)
 from sparseety_prof.commands.dataset_flag import add_dataset_flag, check_dataset_flag, collect_recording
 from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
 
@@ -34,9 +40,15 @@ def run(args: argparse.Namespace) -> int:
     def log(s: str) -> None:
         print(line(s), file=sys.stderr, flush=True)
 
-    late_attach_from(args, log)
-    rec = Recorder(opts, sinks=sinks_from(args, log))
-    install_signal_handlers(rec)
-    meta = rec.run()
+    sinks = sinks_from(args, log)
+    metrics = metrics_sink_from(args, opts)  # the port is bound (or refused) before attaching
+    try:
+        late_attach_from(args, log)
+        rec = Recorder(opts, sinks=[*sinks, metrics] if metrics else sinks)
+        install_signal_handlers(rec)
+        meta = rec.run()
+    finally:
+        if metrics is not None:
+            metrics.stop()  # a failed attach never reached the sinks' close
     print(line(summary_line(meta)), file=sys.stderr)
     return collect_recording(args)

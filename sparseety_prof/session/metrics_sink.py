@@ -1,0 +1,291 @@
+"""`--metrics-port`: the recording's rows as a Prometheus endpoint (README "Prometheus").
+
+A FrameSink (session/sinks.py) that keeps running totals (session/metrics_tally.py) and serves
+them from prometheus_client's HTTP server thread, on a registry of its own (the library's
+global default registry would add its process and GC collectors, and anything else imported in
+this process). The families are built at scrape time from a copy of the totals, by a custom
+collector: a frame then costs the consumer a few numpy additions, whatever the scrape rate.
+
+The series are fixed at attach by the model (see series_count): every MoE layer and expert and
+every FFN layer is exposed from the first scrape, at zero until counted, so dashboards and
+rate() see no series appear or vanish, and the count can be planned for."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import polars as pl
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from sparseety_prof.errors import MetricsEndpointError
+from sparseety_prof.session.metrics_tally import (
+    LOSS_KINDS,
+    NLL_BUCKETS,
+    PHASES,
+    SPARSITY_BUCKETS,
+    STEP_BUCKETS,
+    Histograms,
+    MetricsTally,
+    Snapshot,
+)
+from sparseety_prof.session.options import Progress
+
+PER_EXPERT = "per-expert"
+AGGREGATE = "aggregate"
+EXPERT_MODES: tuple[str, ...] = (PER_EXPERT, AGGREGATE)
+DEFAULT_BIND = "127.0.0.1"
+PREFIX = "sparseety"
+#: The label sets come from the engine's model file, which the target controls (README: Threat
+#: model): an expert count or layer list no model has would make the endpoint (and the totals
+#: behind it) as large as the file says. The largest public MoE models have 512 experts and
+#: ~100 layers; beyond these bounds the endpoint refuses rather than grows.
+MAX_EXPERTS = 4096
+MAX_SERIES = 200_000
+
+#: series of the families whose size does not depend on the model: token NLL and step latency
+#: histograms (buckets, +Inf, sum and count), tokens, requests, losses, CPU, memory and lag
+FIXED_SERIES = (len(NLL_BUCKETS) + 3) + len(PHASES) * (len(STEP_BUCKETS) + 3) + 2 + len(LOSS_KINDS) + 3
+
+
+def series_count(n_moe_layers: int, n_expert: int, n_ffn_layers: int, experts: str) -> int:
+    """Series the endpoint exposes for a model: per MoE layer a rows counter and two imbalance
+    gauges (plus one counter per expert with per-expert), per FFN layer two sparsity histograms,
+    and FIXED_SERIES."""
+    per_moe_layer = 3 + (n_expert if experts == PER_EXPERT else 0)
+    per_ffn_layer = 2 * (len(SPARSITY_BUCKETS) + 3)
+    return n_moe_layers * per_moe_layer + n_ffn_layers * per_ffn_layer + FIXED_SERIES
+
+
+class PrometheusSink:
+    """Binds its port when made (so that a port in use is refused before attaching); serves
+    until close()."""
+
+    name = "prometheus"
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        experts: str = PER_EXPERT,
+        redact: frozenset[str] = frozenset(),
+        redact_layers: frozenset[int] | None = None,
+    ) -> None:
+        if experts not in EXPERT_MODES:
+            raise ValueError(f"experts must be one of {EXPERT_MODES}, got {experts!r}")
+        self.experts = experts
+        self._routing_redacted = "routing" in redact
+        self._redact_layers = redact_layers
+        self._tally: MetricsTally | None = None
+        self.scrapes = 0  # answered, counted under _scrape_lock (the server answers in threads)
+        self._scrape_lock = threading.Lock()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:  # in use, an address not on this host, a name that does not resolve
+            raise MetricsEndpointError(
+                f"cannot serve metrics on {host}:{port}: {e.strerror or e} "
+                "(choose another --metrics-port or --metrics-bind)"
+            ) from None
+        self.host = host
+        self.port = int(self._server.server_port)
+
+    # ---------------------------------------------------------------- FrameSink
+    def open(self, meta: Mapping[str, Any]) -> None:
+        redacted: frozenset[int] | None = None
+        if self._routing_redacted:  # its rows carry no experts: count none rather than zeros
+            moe = (meta.get("layers") or {}).get("moe") or ()
+            redacted = frozenset(int(x) for x in moe) if self._redact_layers is None else self._redact_layers
+        layers, hp = meta.get("layers") or {}, (meta.get("model") or {}).get("hyperparameters") or {}
+        n_expert, n_moe, n_ffn = (
+            int(hp.get("expert_count") or 0),
+            len(layers.get("moe") or ()),
+            len(layers.get("ffn") or ()),
+        )
+        series = series_count(n_moe, n_expert, n_ffn, self.experts)
+        if n_expert > MAX_EXPERTS or series > MAX_SERIES:
+            self.stop()  # switched off by the fan-out: serve nothing rather than an empty endpoint
+            fits = self.experts == PER_EXPERT and n_expert <= MAX_EXPERTS
+            hint = ": try --metrics-experts aggregate" if fits else ""
+            raise ValueError(
+                f"the model's {n_moe} MoE layers x {n_expert} experts and {n_ffn} FFN layers would be "
+                f"{series} series (at most {MAX_SERIES}, and {MAX_EXPERTS} experts){hint}"
+            )
+        self._tally = MetricsTally.from_meta(meta, routing_redacted=redacted)
+
+    def take(self, table: str, df: pl.DataFrame) -> None:
+        if self._tally is not None:
+            self._tally.add(table, df)
+
+    def drained(self, progress: Progress) -> None:
+        if self._tally is not None:
+            self._tally.drained(progress)
+
+    def close(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        self.stop()
+        t = self._tally
+        return {
+            "address": f"{self.host}:{self.port}",
+            "experts": self.experts,
+            "series": series_count(len(t.moe_layers), t.n_expert, len(t.ffn_layers), self.experts)
+            if t
+            else 0,
+            "expert_layers": list(t.moe_layers) if t else [],
+            "scrapes": self.scrapes,
+        }
+
+    def stop(self) -> None:
+        """Stop serving (idempotent): the port is free when this returns."""
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join(timeout=5)
+        self._server.server_close()
+
+    def count_scrape(self) -> None:
+        with self._scrape_lock:
+            self.scrapes += 1
+
+    def snapshot(self) -> Snapshot | None:
+        return None if self._tally is None else self._tally.snapshot()
+
+
+class _Collector(Collector):
+    def __init__(self, sink: PrometheusSink) -> None:
+        self._sink = sink
+
+    def collect(self) -> Iterator[Any]:
+        snap = self._sink.snapshot()
+        self._sink.count_scrape()
+        if snap is None:  # not attached yet: nothing is known
+            return
+        yield from families(snap, self._sink.experts)
+
+
+def _name(base: str) -> str:
+    return f"{PREFIX}_{base}"
+
+
+def families(snap: Snapshot, experts: str) -> list[Any]:
+    """The metric families of one snapshot (exposition order)."""
+    layers = [str(x) for x in snap.moe_layers]
+    out: list[Any] = []
+    if experts == PER_EXPERT:
+        sel = CounterMetricFamily(
+            _name("expert_selections"),
+            "Times the router selected the expert, per MoE layer, over every row the engine computed "
+            "(prompt rows included)",
+            labels=["layer", "expert"],
+        )
+        expert_names = [str(e) for e in range(snap.n_expert)]
+        for i, layer in enumerate(layers):
+            for e, name in enumerate(expert_names):
+                sel.add_metric([layer, name], float(snap.selections[i, e]))
+        out.append(sel)
+    rows = CounterMetricFamily(
+        _name("moe_rows"),
+        "Rows routed on the MoE layer (selections / rows = experts per row)",
+        labels=["layer"],
+    )
+    top = GaugeMetricFamily(
+        _name("expert_load_max_share"),
+        "Largest share of the layer's selections one expert took since attach (NaN before any)",
+        labels=["layer"],
+    )
+    imbalance = GaugeMetricFamily(
+        _name("expert_load_imbalance"),
+        "Most selected expert's count over the mean count of the model's experts since attach "
+        "(1 = balanced; NaN before any)",
+        labels=["layer"],
+    )
+    for i, layer in enumerate(layers):
+        counts = snap.selections[i]
+        total = int(counts.sum())
+        rows.add_metric([layer], float(snap.moe_rows[i]))
+        top.add_metric([layer], float(counts.max()) / total if total else math.nan)
+        imbalance.add_metric([layer], float(counts.max()) / (total / counts.size) if total else math.nan)
+    out += [rows, top, imbalance]
+    ffn = [str(x) for x in snap.ffn_layers]
+    for base, hist, what in (
+        ("activation_zero_ratio", snap.zero_ratio, "exact zeros"),
+        ("activation_below_ratio", snap.below_ratio, "values with |x| below the recording's act_threshold"),
+    ):
+        out.append(
+            _histogram(
+                _name(base),
+                f"Share of {what} in a row's FFN activation, per FFN layer (per expert run for MoE layers)",
+                "layer",
+                ffn,
+                hist,
+            )
+        )
+    out.append(
+        _histogram(
+            _name("token_nll"),
+            "Negative log-prob (nats) of each sampled token under the raw logits; "
+            "exp(rate(_sum) / rate(_count)) is the perplexity",
+            None,
+            [],
+            snap.nll,
+        )
+    )
+    out.append(
+        _histogram(
+            _name("step_seconds"),
+            "Duration of a forward pass (micro-batch)",
+            "phase",
+            list(PHASES),
+            snap.step_seconds,
+        )
+    )
+    out.append(_counter("tokens", "Tokens sampled (rate() gives tokens per second)", snap.tokens))
+    out.append(_counter("requests", "Requests seen to their end (or to detach)", snap.requests))
+    p = snap.progress
+    if p:
+        losses = CounterMetricFamily(
+            _name("losses"), "What the recording missed so far, by kind (README: Losses)", labels=["kind"]
+        )
+        for kind in LOSS_KINDS:
+            losses.add_metric([kind], p[kind])
+        out.append(losses)
+        out.append(_counter("profiler_cpu_seconds", "CPU time of the recorder since attach", p["cpu_s"]))
+        out.append(
+            GaugeMetricFamily(
+                _name("profiler_resident_memory_bytes"),
+                "Resident memory of the recorder",
+                value=p["rss_bytes"],
+            )
+        )
+        out.append(
+            GaugeMetricFamily(
+                _name("profiler_lag_seconds"),
+                "How far behind the engine the recorder's last drain was",
+                value=p["lag_ms"] / 1e3,
+            )
+        )
+    return out
+
+
+def _counter(base: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(_name(base), doc, value=float(value))
+
+
+def _histogram(
+    name: str, doc: str, label: str | None, values: list[str], hist: Histograms
+) -> HistogramMetricFamily:
+    fam = HistogramMetricFamily(name, doc, labels=[label] if label else None)
+    bounds = [floatToGoString(b) for b in hist.bounds] + ["+Inf"]
+    cumulative = np.cumsum(hist.counts, axis=1)
+    label_sets = [[v] for v in values] if label else [[]]
+    for i, labels in enumerate(label_sets):
+        fam.add_metric(
+            labels, list(zip(bounds, (float(c) for c in cumulative[i]), strict=True)), float(hist.sums[i])
+        )
+    return fam
