@@ -101,7 +101,14 @@ def _state() -> LiveState:
                 "t_start_ns": [t0 + i * 100_000_000 for i in range(n)],
                 "t_end_ns": [t0 + i * 100_000_000 + 2_000_000 for i in range(n)],
             },
-            {"cpu_s": 0.5, "lag_ms": 12.0, "kernel_drops": 0, "seq_gaps": 2, "logits_incomplete": 0},
+            {
+                "cpu_s": 0.5,
+                "lag_ms": 12.0,
+                "rss_bytes": 160 << 20,
+                "kernel_drops": 0,
+                "seq_gaps": 2,
+                "logits_incomplete": 0,
+            },
         )
     return st
 

@@ -57,6 +57,7 @@ class Progress:
         return {
             "cpu_s": self.cpu_s,
             "lag_ms": self.lag_ms,
+            "rss_bytes": self.rss_bytes,
             "kernel_drops": self.kernel_drops,
             "seq_gaps": self.seq_gaps,
             "logits_incomplete": self.logits_incomplete,

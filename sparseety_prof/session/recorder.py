@@ -220,6 +220,7 @@ class Recorder:
                 **metadata.outcome(a, opts, corr),
                 "counts": {"tokens": self.progress.tokens, "steps": self.progress.steps},
                 "profiler_cpu_s": round(self.progress.cpu_s, 3),
+                "profiler_memory": _memory_meta(),
                 "consumer": sched.meta(),
                 "bpf_compile_s": round(a.session.compile_s, 3),
             }
@@ -479,6 +480,22 @@ def _raise_write_failure(writer: RecordingWriter | None) -> None:
 def _cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def _memory_meta() -> dict[str, int]:
+    """The recorder's own memory at close: its peak resident size (the BPF compile is usually
+    it: BCC's LLVM), and what is resident now, anonymous (its heap: rows, state) and file-backed
+    (shared libraries' pages)."""
+    out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("RssAnon", "RssFile"):
+                    out[f"{key[3:].lower()}_rss_bytes"] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
 
 
 def _rss_bytes() -> int:

@@ -65,6 +65,7 @@ class Snapshot:
     step_p99_ms: float | None
     cpu_s: float
     lag_ms: float
+    rss_bytes: int
     kernel_drops: int
     seq_gaps: int
     logits_incomplete: int
@@ -274,6 +275,7 @@ class LiveState:
             step_p99_ms=float(np.percentile(ms, 99)) if ms is not None else None,
             cpu_s=float(c.get("cpu_s", 0.0)),
             lag_ms=float(c.get("lag_ms", 0.0)),
+            rss_bytes=int(c.get("rss_bytes", 0)),
             kernel_drops=int(c.get("kernel_drops", 0)),
             seq_gaps=int(c.get("seq_gaps", 0)),
             logits_incomplete=int(c.get("logits_incomplete", 0)),
@@ -326,6 +328,7 @@ def _stats(s: Snapshot, v: ViewSettings) -> RenderableType:
     stats.add_row("tokens", str(s.tokens), "steps", str(s.steps))
     cpu_pct = 100 * s.cpu_s / s.elapsed_s if s.elapsed_s > 0 else 0.0
     stats.add_row("profiler CPU", f"{s.cpu_s:.2f} s ({cpu_pct:.1f}%)", "lag", f"{s.lag_ms:.0f} ms")
+    stats.add_row("profiler mem", f"{s.rss_bytes / 2**20:.0f} MiB resident", "", "")
     loss_style = "bold red" if (s.kernel_drops or s.seq_gaps or s.logits_incomplete) else "green"
     stats.add_row(
         "drops",
