@@ -30,6 +30,7 @@ import http.client
 import json
 import os
 import signal
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -208,10 +209,10 @@ def _free_port() -> int:
 class Recording:
     """`sparseety-prof record` on the engine, attached before the load; its CPU split at attach."""
 
-    def __init__(self, pid: int, out: Path, mode: str) -> None:
+    def __init__(self, pid: int, out: Path, mode: str, extra: list[str]) -> None:
         cmd = [sys.executable, "-m", "sparseety_prof.cli", "record", "--pid", str(pid), "-o", str(out)]
         self.out = out
-        self.p = subprocess.Popen([*cmd, "--mode", mode], stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        self.p = subprocess.Popen([*cmd, "--mode", mode, *extra], stderr=subprocess.PIPE, text=True, cwd=ROOT)
         assert self.p.stderr is not None
         self.lines: list[str] = []
         for line in self.p.stderr:
@@ -268,7 +269,9 @@ def bench(
                 if which == "A":
                     sides["A"] = eng.load(a.seconds, a.tokens)
                 else:
-                    rec = Recording(eng.pid, tmp / f"{eng.name}-{clients}-{mode}-{i}", mode)
+                    rec = Recording(
+                        eng.pid, tmp / f"{eng.name}-{clients}-{mode}-{i}", mode, shlex.split(a.record_args)
+                    )
                     sides["B"] = eng.load(a.seconds, a.tokens)
                     rec_out = rec.stop()
             pa, pb = sides["A"], sides["B"]
@@ -298,7 +301,7 @@ def bench(
     out: dict[str, Any] = {
         "engine": eng.name,
         "clients": clients,
-        "mode": mode,
+        "mode": mode + (f" {a.record_args}" if a.record_args else ""),
         "pairs": a.pairs,
         "seconds": a.seconds,
         "threads": a.threads,
@@ -325,6 +328,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="engine threads")
     ap.add_argument("--mode", nargs="+", default=["full"], choices=["full", "tokens"])
     ap.add_argument("--model", default="bench", help="tests/make_models.py preset (default: bench)")
+    ap.add_argument(
+        "--record-args",
+        default="",
+        metavar="ARGS",
+        help="more options for the recorder, e.g. '--policy aggregate' or '--metrics-port 9464 --otlp URL'",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args()
     if os.geteuid() != 0:
