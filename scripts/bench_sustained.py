@@ -29,8 +29,8 @@ import argparse
 import http.client
 import json
 import os
-import signal
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
