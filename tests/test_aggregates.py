@@ -141,8 +141,11 @@ def test_aggregate_policy_keeps_the_counts_of_a_full_recording_and_counts_what_i
     assert ra.meta["policy"]["rows_dropped"]["tokens"] == generated
     assert ra.meta["policy"]["rows_dropped"]["routes"] == rf.routes().height
     assert ra.meta["losses"]["seq_gaps"] == 0 and ra.meta["losses"]["kernel_drops"] == 0
-    for metric in ("tokens", "log_prob", "expert_load", "act_zero_ratio", "act_below_ratio", "step_ms"):
+    for metric in ("tokens", "log_prob", "expert_load", "act_zero_ratio", "act_below_ratio"):
         assert _summed(_as_dict(ra.aggregates()), (metric,)) == _summed(got, (metric,)), metric
+    # each recorder times the steps with probes of its own: a step near a bin edge may fall on
+    # either side, so only the number of steps is the same
+    assert sum(_summed(_as_dict(ra.aggregates()), ("step_ms",)).values()) == rf.steps().height
 
 
 def _summed(
