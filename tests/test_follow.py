@@ -3,15 +3,18 @@ engine restart (engine A records, exits; engine B under the same name is re-atta
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import secrets
+import shutil
 import signal
 import stat
 import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
@@ -20,6 +23,9 @@ from conftest import CLI, ENGINES, PY, ROOT, Engine, bpf_prog_ids
 import sparseety_prof
 from sparseety_prof.capture.process_match import Candidate, ProcessRule, matching_processes
 from sparseety_prof.cli import main
+from sparseety_prof.errors import NotAnEngine
+from sparseety_prof.session.follow import Follower
+from sparseety_prof.session.options import Options
 
 # Runs a script under a process name of our choosing (prctl PR_SET_NAME), as setproctitle does:
 # a Python engine is otherwise named "python3", like every other Python on the machine.
@@ -122,19 +128,98 @@ def test_rule_finds_a_real_process_by_its_name(tmp_path: Path) -> None:
         child.wait()
 
 
+# ---------------------------------------------------------------- the follow loop, on a fake /proc
+
+
+class _FakeRecorder:
+    """Stands in for session.recorder.Recorder: PID 100 is never an engine; any other PID is
+    "recorded" until it leaves the fake /proc (the engine exits)."""
+
+    def __init__(self, opts: Options, proc: Path, attempts: list[tuple[int, float]]) -> None:
+        self.opts, self.proc = opts, proc
+        self.attached = threading.Event()
+        self.meta: dict[str, Any] = {}
+        self._stop = threading.Event()
+        attempts.append((opts.pid, time.monotonic()))
+
+    def stop(self, reason: str) -> None:
+        self.meta["stop_reason"] = reason
+        self._stop.set()
+
+    def run(self) -> dict[str, Any]:
+        if self.opts.pid == 100:
+            raise NotAnEngine("PID 100 maps no llama.cpp library")
+        self.attached.set()
+        self.meta.update(start_unix_ms=1, counts={"tokens": 7})
+        while not self._stop.wait(0.05):
+            if not (self.proc / str(self.opts.pid)).exists():
+                self.meta["stop_reason"] = "target exited"
+                break
+        self.meta["end_unix_ms"] = 2
+        return self.meta
+
+
+def test_a_process_that_never_becomes_an_engine_does_not_hold_back_a_newer_one(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    uid = os.getuid()
+    _fake_process(proc, 100, "llama-server", uid, uid, start=10)  # oldest: refused again and again
+    attempts: list[tuple[int, float]] = []
+    logs: list[str] = []
+    follower = Follower(
+        ProcessRule("llama-server", uid),
+        Options(pid=0, out=tmp_path / "follow"),
+        lambda o: _FakeRecorder(o, proc, attempts),  # type: ignore[arg-type,return-value]
+        logs.append,
+        proc=proc,
+    )
+    runner = threading.Thread(target=follower.run)
+    runner.start()
+    try:
+        time.sleep(4.0)  # PID 100 is retried meanwhile, less and less often
+        alone = list(attempts)
+        _fake_process(proc, 200, "llama-server", uid, uid, start=20)
+        deadline = time.monotonic() + 20
+        while not any("attaching" in x and "PID 200" in x for x in logs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        shutil.rmtree(proc / "200")  # the engine exits
+        while not any("PID 200 exited" in x for x in logs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _fake_process(proc, 300, "llama-server", uid, uid, start=30)  # ... and is started again
+        while len(follower.recordings) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        follower.stop("SIGINT")
+        runner.join(timeout=10)
+    index = json.loads((tmp_path / "follow" / "follow.json").read_text())
+    assert [(r["n"], r["pid"], r["dir"], r["stop_reason"]) for r in index["recordings"]] == [
+        (1, 200, "1-200", "target exited"),
+        (2, 300, "2-300", "SIGINT"),
+    ]
+    assert index["stop_reason"] == "SIGINT"
+    # the refused process: said once, retried from 0.5 s apart to at most 5 s, never more often
+    assert sum("PID 100 not attachable yet" in x for x in logs) == 1
+    gaps = [b - a for (_, a), (_, b) in itertools.pairwise(alone)]
+    assert {pid for pid, _ in alone} == {100} and len(gaps) >= 2, alone
+    assert all(0.45 <= g <= 5.5 for g in gaps) and gaps == sorted(gaps), gaps
+
+
 # ---------------------------------------------------------------- following an engine that restarts
 
 
 class _Follower:
-    """`sparseety-prof record --follow NAME -o DIR` as a child process; stderr read as it comes."""
+    """`sparseety-prof record|attach --follow NAME -o DIR` as a child process; stderr read as it
+    comes (attach's live view draws there too, wide enough that no message is wrapped)."""
 
-    def __init__(self, name: str, out: Path) -> None:
+    def __init__(self, command: str, name: str, out: Path) -> None:
         self.proc = subprocess.Popen(
-            [*CLI, "record", "--follow", name, "-o", str(out)],
+            [*CLI, command, "--follow", name, "-o", str(out)],
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
             cwd=ROOT,
+            env={**os.environ, "COLUMNS": "400"},
         )
         self.lines: list[str] = []
         self._cond = threading.Condition()
@@ -209,11 +294,14 @@ def _requests(tokens: pl.DataFrame) -> list[list[int]]:
 
 @pytest.mark.root
 @pytest.mark.engine
-def test_follow_records_each_run_of_a_restarted_engine(models: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", ["record", "attach"])
+def test_follow_records_each_run_of_a_restarted_engine(
+    command: str, models: dict[str, Path], tmp_path: Path
+) -> None:
     name = "spf-" + secrets.token_hex(4)  # no other process on the machine has it
     out = tmp_path / "follow"
     engine_args = ["-c", NAMED, name, str(ENGINES / "llama_engine.py"), str(models["moe"])]
-    follower = _Follower(name, out)
+    follower = _Follower(command, name, out)
     engines: list[Engine] = []
     try:
         follower.wait_for(f"waiting for a process named {name!r}")
