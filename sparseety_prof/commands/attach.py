@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from sparseety_prof.commands.attach_flags import (
     add_attach_flags,
+    follow_rule_from,
     late_attach_from,
     metrics_sink_from,
     options_from,
@@ -36,14 +38,16 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
+    from sparseety_prof.session.follow import Follower, install_follow_signal_handlers
     from sparseety_prof.session.metadata import summary_line
-    from sparseety_prof.session.options import Progress
+    from sparseety_prof.session.options import Options, Progress
     from sparseety_prof.session.recorder import Recorder, install_signal_handlers
     from sparseety_prof.terminal_text import line
     from sparseety_prof.views.live import QUIT_KEY, LiveState, Snapshot, ViewSettings, apply_key, render
     from sparseety_prof.views.live_keys import KeyReader
 
     check_dataset_flag(args)
+    rule = follow_rule_from(args)
     opts = options_from(args)
     console = Console(stderr=True)
 
@@ -65,16 +69,19 @@ def run(args: argparse.Namespace) -> int:
         if shown:
             live.update(render(shown[0], view[0], console.width, console.height), refresh=True)
 
+    recorders: list[Recorder] = []  # the one attached now (--follow: a new one per process)
+
     def on_update(tok: dict, steps: dict, p: Progress) -> None:
+        rec = recorders[-1]
         if not state:
             eng, model = rec.meta.get("engine") or {}, rec.meta.get("model") or {}
             hp = model.get("hyperparameters") or {}
             state.append(
                 LiveState(
-                    pid=args.pid,
+                    pid=rec.opts.pid,
                     engine=f"{eng.get('name', '?')} {eng.get('version', '')}".strip(),
                     model=str(model.get("path", "?")).rsplit("/", 1)[-1],
-                    recording=str(args.output) if args.output else None,
+                    recording=str(rec.opts.out) if rec.opts.out else None,
                     layers=rec.meta.get("layers"),
                     n_experts=hp.get("expert_count") if isinstance(hp.get("expert_count"), int) else None,
                 )
@@ -87,9 +94,18 @@ def run(args: argparse.Namespace) -> int:
                 shown[:] = [snap]
                 redraw()
 
+    def make_recorder(o: Options) -> Recorder:
+        state.clear()  # a new process: its own engine, model and counts on screen
+        recorders.append(
+            Recorder(o, on_update=on_update, log=log, sinks=[*sinks, metrics] if metrics else sinks)
+        )
+        return recorders[-1]
+
+    stopper: list[Callable[[str], None]] = []
+
     def on_key(key: str) -> None:
         if key == QUIT_KEY:
-            rec.stop("q pressed")  # the same clean stop as Ctrl-C: the recording is closed complete
+            stopper[0]("q pressed")  # the same clean stop as Ctrl-C: the recording is closed complete
             return
         with lock:
             ids = [r.request_id for r in shown[0].requests] if shown else []
@@ -98,9 +114,18 @@ def run(args: argparse.Namespace) -> int:
                 shown[:] = latest
             redraw()
 
+    if rule is not None:
+        follower = Follower(rule, opts, make_recorder, log, on_recorded=lambda m: log(summary_line(m)))
+        stopper.append(follower.stop)
+        install_follow_signal_handlers(follower)
+        with live, KeyReader(on_key):
+            follower.run()
+        log(follower.summary())
+        return 0
     try:
         late_attach_from(args, log)
-        rec = Recorder(opts, on_update=on_update, log=log, sinks=[*sinks, metrics] if metrics else sinks)
+        rec = make_recorder(opts)
+        stopper.append(rec.stop)
         install_signal_handlers(rec)
         with live, KeyReader(on_key):
             meta = rec.run()

@@ -12,13 +12,30 @@ from sparseety_prof.correlate.serving import DEFAULT_HEADER
 from sparseety_prof.session.policy import POLICIES
 
 if TYPE_CHECKING:
+    from sparseety_prof.capture.process_match import ProcessRule
     from sparseety_prof.session.metrics_sink import PrometheusSink
     from sparseety_prof.session.options import Options
     from sparseety_prof.session.sinks import FrameSink
 
 
 def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_required: bool) -> None:
-    p.add_argument("--pid", type=int, required=True, help="process id of the running engine")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--pid", type=int, help="process id of the running engine")
+    target.add_argument(
+        "--follow",
+        metavar="NAME",
+        default=None,
+        help="wait for a process whose name (/proc/PID/comm, as `pgrep -x` matches it) is NAME, record "
+        "it, and when it exits wait for the next one (a restart): one recording per process under -o "
+        "DIR, listed in DIR/follow.json (README: Following a restarting engine)",
+    )
+    p.add_argument(
+        "--follow-user",
+        metavar="USER",
+        default=None,
+        help="with --follow: follow processes of this user (name or id) instead of your own; a "
+        "process name proves nothing: any user can start a program with that name",
+    )
     p.add_argument("-o", "--output", type=Path, required=output_required, default=None, help=output_help)
     p.add_argument("--duration", type=float, default=None, help="detach after this many seconds")
     p.add_argument(
@@ -306,7 +323,7 @@ def options_from(args: argparse.Namespace) -> Options:
         except ValueError as e:
             raise UsageError(str(e)) from None
     return Options(
-        pid=args.pid,
+        pid=args.pid if args.pid is not None else 0,  # --follow: each attach sets the PID it found
         out=args.output,
         duration=args.duration,
         flush_interval=args.flush_interval,
@@ -346,3 +363,48 @@ def metrics_sink_from(args: argparse.Namespace, opts: Options) -> PrometheusSink
         redact=opts.redact,
         redact_layers=opts.redact_layers,
     )
+
+
+def follow_rule_from(args: argparse.Namespace) -> ProcessRule | None:
+    """The processes --follow NAME means (capture/process_match.py), or None for --pid; UsageError
+    for a name no process can have, or a flag that needs one fixed PID."""
+    from sparseety_prof.capture.process_match import COMM_MAX, ProcessRule
+    from sparseety_prof.errors import UsageError
+    from sparseety_prof.store.output_dir import sudo_owner
+
+    if args.follow is None:
+        if args.follow_user is not None:
+            raise UsageError("--follow-user needs --follow NAME")
+        return None
+    name = args.follow
+    if not name or name != name.strip() or "\n" in name:
+        raise UsageError(f"--follow needs a process name (as /proc/PID/comm shows it), got {name!r}")
+    if len(name.encode()) > COMM_MAX:
+        raise UsageError(
+            f"--follow {name!r}: the kernel keeps at most {COMM_MAX} bytes of a process name, so no "
+            f"process is named that; give the first {COMM_MAX} (what `ps -o comm` shows)"
+        )
+    for flag, given in (
+        ("--late-attach", args.late_attach),
+        ("--metrics-port", args.metrics_port is not None),
+        ("--otlp", args.otlp is not None),
+        ("--dataset", getattr(args, "dataset", None) is not None),
+    ):
+        if given:
+            raise UsageError(f"{flag} is not available with --follow (it serves one process): use --pid")
+    owner = sudo_owner()
+    uid = _user_id(args.follow_user) if args.follow_user is not None else owner[0] if owner else os.getuid()
+    return ProcessRule(name=name, uid=uid)
+
+
+def _user_id(user: str) -> int:
+    import pwd
+
+    from sparseety_prof.errors import UsageError
+
+    if user.isdigit():
+        return int(user)
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        raise UsageError(f"--follow-user: no user named {user!r}") from None

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from sparseety_prof.commands.attach_flags import (
     add_attach_flags,
+    follow_rule_from,
     late_attach_from,
     metrics_sink_from,
     options_from,
@@ -14,6 +17,10 @@ from sparseety_prof.commands.attach_flags import (
 )
 from sparseety_prof.commands.dataset_flag import add_dataset_flag, check_dataset_flag, collect_recording
 from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
+
+if TYPE_CHECKING:
+    from sparseety_prof.capture.process_match import ProcessRule
+    from sparseety_prof.session.options import Options
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -35,10 +42,14 @@ def run(args: argparse.Namespace) -> int:
     from sparseety_prof.terminal_text import line
 
     check_dataset_flag(args)
+    rule = follow_rule_from(args)
     opts = options_from(args)
 
     def log(s: str) -> None:
         print(line(s), file=sys.stderr, flush=True)
+
+    if rule is not None:
+        return follow(rule, opts, log)
 
     sinks = sinks_from(args, log)
     metrics = metrics_sink_from(args, opts)  # the port is bound (or refused) before attaching
@@ -52,3 +63,22 @@ def run(args: argparse.Namespace) -> int:
             metrics.stop()  # a failed attach never reached the sinks' close
     print(line(summary_line(meta)), file=sys.stderr)
     return collect_recording(args)
+
+
+def follow(rule: ProcessRule, opts: Options, log: Callable[[str], None]) -> int:
+    """--follow NAME: one recording per process of that name, until stopped (session/follow.py)."""
+    from sparseety_prof.session.follow import Follower, install_follow_signal_handlers
+    from sparseety_prof.session.metadata import summary_line
+    from sparseety_prof.session.recorder import Recorder
+
+    def make_recorder(o: Options) -> Recorder:
+        return Recorder(o, log=log)
+
+    def log_summary(meta: dict[str, Any]) -> None:
+        log(summary_line(meta))
+
+    follower = Follower(rule, opts, make_recorder, log, on_recorded=log_summary)
+    install_follow_signal_handlers(follower)
+    follower.run()
+    log(follower.summary())
+    return 0

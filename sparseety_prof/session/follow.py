@@ -1,0 +1,274 @@
+"""`record/attach --follow NAME`: wait for a process of that name, record it until it exits, then
+wait for the next one (the engine restarted) and record that, until stopped or --duration ends.
+
+Each attach is an ordinary Recorder run (session/recorder.py, unchanged) writing its own complete
+recording DIR/<n>-<pid>; DIR/follow.json lists them. Which processes match is
+capture/process_match.py's rule (exact name, same user). A matching process is often found
+before it is an engine (it has not loaded llama.cpp or its model yet): the attach is refused as
+"not an engine" and retried while the process lives, from every 0.5 s up to every 5 s, so a
+long-lived process of that name that never becomes an engine costs little and does not keep a
+newer one from being followed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from sparseety_prof.capture.process_match import Candidate, ProcessRule, matching_processes
+from sparseety_prof.errors import NoSuchProcess, NotAnEngine, UnsupportedEngineBuild
+from sparseety_prof.session.options import Options
+from sparseety_prof.session.recorder import Recorder
+from sparseety_prof.store.output_dir import OutputDir, sudo_owner
+
+__all__ = ["FOLLOW_FILE", "Follower", "install_follow_signal_handlers"]
+
+FOLLOW_FILE = "follow.json"
+POLL_S = 0.5  # one pass over /proc this often while waiting
+RETRY_MAX_S = 5.0  # a process refused again and again is retried at most this rarely
+TARGET_EXITED = "target exited"  # Recorder's stop reason when the engine goes away: follow on
+# refusals that may pass once the process has finished starting (libraries, model, graph)
+NOT_READY = (NotAnEngine, UnsupportedEngineBuild)
+
+
+@dataclass
+class _Retry:
+    at: float = 0.0  # monotonic time of the next attempt
+    wait_s: float = POLL_S
+    said: str = ""  # the refusal last logged (each new one is shown once)
+
+
+class Follower:
+    """The follow loop. `run()` blocks until stopped; `stop()` may be called from any thread
+    (signal handlers, the live view's q key)."""
+
+    def __init__(
+        self,
+        rule: ProcessRule,
+        opts: Options,
+        make_recorder: Callable[[Options], Recorder],
+        log: Callable[[str], None],
+        *,
+        on_recorded: Callable[[dict[str, Any]], None] | None = None,
+        proc: Path = Path("/proc"),
+    ) -> None:
+        self.rule = rule
+        self.opts = opts  # the template of every attach: pid, out and duration are set per attach
+        self.make_recorder = make_recorder
+        self.log = log
+        self.on_recorded = on_recorded  # each closed recording's meta (the summary line)
+        self.proc = proc
+        self.recordings: list[dict[str, Any]] = []
+        self.stop_reason = ""
+        self._stop = threading.Event()
+        # re-entrant: a signal handler runs stop() on the main thread, which may hold it already
+        self._lock = threading.RLock()
+        self._current: Recorder | None = None
+        self._niceness = os.getpriority(os.PRIO_PROCESS, 0)  # restored after each run
+        self._folder: OutputDir | None = None  # DIR, open while following (None without -o)
+        self._started = 0
+
+    def stop(self, reason: str) -> None:
+        with self._lock:
+            if not self._stop.is_set():
+                self.stop_reason = reason
+                self._stop.set()
+            if self._current is not None:
+                self._current.stop(reason)
+
+    def run(self) -> list[dict[str, Any]]:
+        """Follow until stopped; the recordings made (as follow.json lists them). A failure that
+        is not the target's (privileges, BPF, a full disk) ends the loop and is raised, after
+        follow.json says so."""
+        out = self.opts.out
+        self._folder = OutputDir.create(out, FOLLOW_FILE, sudo_owner()) if out is not None else None
+        self._started = _now_ms()
+        deadline = time.monotonic() + self.opts.duration if self.opts.duration else None
+        retries: dict[Candidate, _Retry] = {}
+        try:
+            self._save()
+            self.log(
+                f"sparseety-prof: waiting for a process named {self.rule.name!r} of user id {self.rule.uid}"
+            )
+            while not self._stop.is_set():
+                if deadline is not None and time.monotonic() >= deadline:
+                    self.stop("duration reached")
+                    break
+                cand = self._next(retries)
+                if cand is None:
+                    self._stop.wait(POLL_S)
+                    continue
+                entry = self._record(cand, retries, deadline)
+                if entry is None:
+                    continue  # refused for now, or gone: keep waiting
+                if entry["stop_reason"] == TARGET_EXITED and not self._stop.is_set():
+                    self.log(f"sparseety-prof: PID {cand.pid} exited; waiting for {self.rule.name!r} again")
+                elif not self._stop.is_set():
+                    self.stop(entry["stop_reason"])  # duration reached, write error: the run's end is ours
+        except BaseException as e:
+            if not self.stop_reason:
+                self.stop_reason = type(e).__name__
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                self._save(ended=True)
+            if self._folder is not None:
+                self._folder.close()
+        return self.recordings
+
+    def summary(self) -> str:
+        return (
+            f"sparseety-prof: followed {self.rule.name!r}: {len(self.recordings)} recording(s); "
+            f"stopped: {self.stop_reason}"
+        )
+
+    def _next(self, retries: dict[Candidate, _Retry]) -> Candidate | None:
+        """The oldest matching process not waiting for a retry."""
+        live = matching_processes(self.rule, self.proc, exclude=os.getpid())
+        for gone in retries.keys() - set(live):
+            del retries[gone]
+        now = time.monotonic()
+        return next((c for c in live if c not in retries or retries[c].at <= now), None)
+
+    def _record(
+        self, cand: Candidate, retries: dict[Candidate, _Retry], deadline: float | None
+    ) -> dict[str, Any] | None:
+        """One Recorder run on `cand`: its follow.json entry once it ended, or None when the
+        process could not be attached (not ready: retried later; gone)."""
+        n = len(self.recordings) + 1
+        name = f"{n}-{cand.pid}"
+        opts = replace(
+            self.opts,
+            pid=cand.pid,
+            out=self.opts.out / name if self.opts.out is not None else None,
+            duration=max(0.1, deadline - time.monotonic()) if deadline is not None else None,
+        )
+        if cand not in retries:
+            self.log(f"sparseety-prof: PID {cand.pid} is named {self.rule.name!r}: attaching")
+        rec = self.make_recorder(opts)
+        with self._lock:
+            if self._stop.is_set():
+                return None
+            self._current = rec
+        entry: dict[str, Any] = {
+            "n": n,
+            "pid": cand.pid,
+            "dir": name if self.opts.out is not None else None,
+            "start_unix_ms": None,
+            "end_unix_ms": None,
+            "stop_reason": None,  # null while it records
+            "tokens": None,
+        }
+        ended = threading.Event()
+        lister = threading.Thread(target=self._list_once_attached, args=(rec, entry, ended), daemon=True)
+        lister.start()
+        try:
+            meta = rec.run()
+        except NOT_READY as e:
+            if rec.attached.is_set():
+                self._close_entry(entry, rec.meta, type(e).__name__)
+                raise
+            self._retry_later(cand, retries, str(e))
+            return None
+        except NoSuchProcess:
+            self.log(f"sparseety-prof: PID {cand.pid} exited before it could be attached")
+            return None
+        except BaseException as e:
+            if rec.attached.is_set() or rec.meta:
+                self._close_entry(entry, rec.meta, type(e).__name__)
+            raise
+        finally:
+            ended.set()
+            lister.join()
+            with self._lock:
+                self._current = None
+            _restore_priority(self._niceness)  # each Recorder run lowers this thread's priority
+            gc.unfreeze()  # the Recorder froze its session's objects: let them go with it
+            gc.collect()
+        retries.pop(cand, None)
+        if self.on_recorded is not None:
+            self.on_recorded(meta)
+        entry["tokens"] = (meta.get("counts") or {}).get("tokens")
+        self._close_entry(entry, meta, meta.get("stop_reason") or "")
+        return entry
+
+    def _list_once_attached(self, rec: Recorder, entry: dict[str, Any], ended: threading.Event) -> None:
+        """List the recording in follow.json as soon as it is attached (still recording), so
+        that a follower killed outright leaves its last recording listed too."""
+        while not ended.is_set():
+            if rec.attached.wait(0.2):
+                with self._lock:
+                    entry["start_unix_ms"] = _now_ms()
+                    self.recordings.append(entry)
+                    with contextlib.suppress(OSError):
+                        self._save()
+                return
+
+    def _close_entry(self, entry: dict[str, Any], meta: dict[str, Any], reason: str) -> None:
+        with self._lock:
+            entry["start_unix_ms"] = meta.get("start_unix_ms") or entry["start_unix_ms"]
+            entry["end_unix_ms"] = meta.get("end_unix_ms") or _now_ms()
+            entry["stop_reason"] = reason
+            if not any(e is entry for e in self.recordings):
+                self.recordings.append(entry)
+            self._save()
+
+    def _retry_later(self, cand: Candidate, retries: dict[Candidate, _Retry], why: str) -> None:
+        r = retries.setdefault(cand, _Retry())
+        if why != r.said:
+            self.log(f"sparseety-prof: PID {cand.pid} not attachable yet ({why}); retrying while it runs")
+            r.said = why
+        r.at = time.monotonic() + r.wait_s
+        r.wait_s = min(RETRY_MAX_S, r.wait_s * 2)
+
+    def _save(self, *, ended: bool = False) -> None:
+        """follow.json, rewritten whole (owner-only; never half-written: OutputDir.write_atomic)."""
+        if self._folder is None:
+            return
+        with self._lock:
+            doc = {
+                "follow": {"name": self.rule.name, "match": "comm", "uid": self.rule.uid},
+                "start_unix_ms": self._started,
+                "end_unix_ms": _now_ms() if ended else None,
+                "stop_reason": self.stop_reason if ended else None,
+                "recordings": self.recordings,
+            }
+            data = json.dumps(doc, indent=1).encode() + b"\n"
+            self._folder.write_atomic(FOLLOW_FILE, lambda f: f.write(data))
+
+
+def _times(meta: dict[str, Any]) -> dict[str, Any]:
+    return {"start_unix_ms": meta.get("start_unix_ms"), "end_unix_ms": meta.get("end_unix_ms")}
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _restore_priority(niceness: int) -> None:
+    """Back to the priority the follow began with: each Recorder run adds --nice to this thread's
+    niceness (os.nice) and may leave it at SCHED_IDLE; unrestored, the second run would start at
+    twice --nice. Raising a priority again needs root (CAP_SYS_NICE); without it, it stays low."""
+    with contextlib.suppress(OSError):
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, niceness)
+
+
+def install_follow_signal_handlers(follower: Follower) -> None:
+    """Ctrl-C, SIGTERM, SIGHUP: the recording being made is closed complete, and the follow ends."""
+
+    def handler(signum: int, _frame: object) -> None:
+        follower.stop(signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
