@@ -338,9 +338,52 @@ static int scenario_graphs(void) {
     return 0;
 }
 
+/* One launch of a kernel named on the command line, as `driver launch SYMBOL GRIDX ARG...`, each
+ * ARG `p` (a pointer to the id buffer), `i32:V`, `i64:V` (a size_t) or `b:V` (a bool): the layout
+ * of an engine's kernel, to check a watch preset's rule against it. The kernel is launched twice:
+ * through cuLaunchKernel (corr 1: the library checks the indices and sizes with
+ * cuFuncGetParamInfo) and through cudaLaunchKernel under the same symbol (corr 2: the runtime
+ * path of <<<>>> launches, unchecked). The buffer holds bytes (i * 37 + 11) % 256. */
+static int scenario_launch(int argc, char **argv) {
+    static unsigned char buf[1 << 20];
+    static int32_t i32[16];
+    static int64_t i64[16];
+    static unsigned char b[16];
+    if (argc < 4 || argc - 4 > 16) {
+        fprintf(stderr, "usage: driver launch SYMBOL GRIDX ARG... (at most 16 ARGs)\n");
+        return 2;
+    }
+    for (size_t i = 0; i < sizeof buf; i++) buf[i] = (unsigned char)((i * 37 + 11) % 256);
+    CUdeviceptr dptr = (CUdeviceptr)(uintptr_t)buf;
+    struct stub_func f = {argv[2], argc - 4, {0}, NULL};
+    void *params[16];
+    for (int i = 0; i < f.nparams; i++) {
+        const char *a = argv[4 + i];
+        if (strcmp(a, "p") == 0) {
+            params[i] = &dptr, f.sizes[i] = sizeof dptr;
+        } else if (strncmp(a, "i32:", 4) == 0) {
+            i32[i] = (int32_t)strtol(a + 4, NULL, 10), params[i] = &i32[i], f.sizes[i] = 4;
+        } else if (strncmp(a, "i64:", 4) == 0) {
+            i64[i] = strtoll(a + 4, NULL, 10), params[i] = &i64[i], f.sizes[i] = 8;
+        } else if (strncmp(a, "b:", 2) == 0) {
+            b[i] = (unsigned char)atoi(a + 2), params[i] = &b[i], f.sizes[i] = 1;
+        } else {
+            fprintf(stderr, "driver launch: bad argument '%s'\n", a);
+            return 2;
+        }
+    }
+    unsigned gx = (unsigned)strtoul(argv[3], NULL, 10);
+    cuLaunchKernel_params p = {(CUfunction)(void *)&f, gx, 1, 1, 128, 1, 1, 0, NULL, params, NULL};
+    stub_cupti_call(DRV, CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel, &p, NULL, 1, (void *)0x1, 0);
+    cudaLaunchKernel_v7000_params rp = {(void *)&rt_moe, {gx, 1, 1}, {128, 1, 1}, params, 0, NULL};
+    stub_cupti_call(RT, CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_v7000, &rp, argv[2], 2, (void *)0x1, 0);
+    usleep(20000);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: driver main|limits|handles|ringfull|fail|graphs\n");
+        fprintf(stderr, "usage: driver main|limits|handles|ringfull|fail|graphs|launch\n");
         return 2;
     }
     const char *path = getenv("CUDA_INJECTION64_PATH");
@@ -360,6 +403,7 @@ int main(int argc, char **argv) {
     else if (strcmp(argv[1], "ringfull") == 0) rc = scenario_ringfull();
     else if (strcmp(argv[1], "fail") == 0) rc = scenario_fail();
     else if (strcmp(argv[1], "graphs") == 0) rc = scenario_graphs();
+    else if (strcmp(argv[1], "launch") == 0) rc = scenario_launch(argc, argv);
     fflush(stdout);
     return rc;
 }
