@@ -54,11 +54,24 @@ static void watched_drv(int i, uint32_t corr, int retval) {
     drv_launch(&topk, params, corr, retval);
 }
 
+/* The "engine"'s own step windows, read on its own clock around each STEP_LAUNCHES launches of a
+ * thread: step <id> <tid> <t_start> <t_end>. The tests join against these, not against times
+ * taken from the ring. */
+#define STEP_LAUNCHES 50
+static void step_window(int i, int first_id, uint64_t *t0) {
+    if (i % STEP_LAUNCHES == 0) *t0 = mono();
+    if (i % STEP_LAUNCHES == STEP_LAUNCHES - 1)
+        printf("step %d %d %llu %llu\n", first_id + i / STEP_LAUNCHES, (int)gettid(), (unsigned long long)*t0,
+               (unsigned long long)mono());
+}
+
 static void *driver_thread(void *arg) {
     (void)arg;
+    uint64_t t0 = 0;
     pthread_barrier_wait(&start_line);
     for (int i = 0; i < N_PER_THREAD; i++) {
         uint32_t corr = 100000u + (uint32_t)i;
+        if (i % STEP_LAUNCHES == 0) step_window(i, 0, &t0);
         if (i % 10 == 0) {
             watched_drv(i, corr, 0);
         } else {
@@ -67,6 +80,7 @@ static void *driver_thread(void *arg) {
             void *params[3] = {&a, &a, &n};
             drv_launch(&gemm, params, corr, 0);
         }
+        if (i % STEP_LAUNCHES == STEP_LAUNCHES - 1) step_window(i, 0, &t0);
     }
     return NULL;
 }
@@ -74,9 +88,11 @@ static void *driver_thread(void *arg) {
 static void *runtime_thread(void *arg) {
     (void)arg;
     static int64_t data[N_PER_THREAD][6];
+    uint64_t t0 = 0;
     pthread_barrier_wait(&start_line);
     for (int i = 0; i < N_PER_THREAD; i++) {
         uint32_t corr = 200000u + (uint32_t)i;
+        if (i % STEP_LAUNCHES == 0) step_window(i, 100, &t0);
         int watched = i % 10 == 0;
         for (int j = 0; j < 6; j++) data[i][j] = (int64_t)i * 13 + j;
         CUdeviceptr dptr = (CUdeviceptr)(uintptr_t)data[i];
@@ -85,6 +101,7 @@ static void *runtime_thread(void *arg) {
                                            {3, 1, 1}, {64, 1, 1}, args, 0, NULL};
         const char *sym = watched ? "_ZN4vllm28moe_align_block_size_kernelIlEEvPKT_" : "elementwise_add";
         stub_cupti_call(RT, CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_v7000, &p, sym, corr, (void *)0x1, 0);
+        if (i % STEP_LAUNCHES == STEP_LAUNCHES - 1) step_window(i, 100, &t0);
     }
     return NULL;
 }
@@ -151,8 +168,10 @@ static int scenario_main(void) {
     pthread_join(a, NULL);
     pthread_join(b, NULL);
 
+    uint64_t t0 = mono();
     cuGraphLaunch_params g = {(CUgraphExec)(uintptr_t)77, NULL};
     stub_cupti_call(DRV, CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch, &g, NULL, 300000, (void *)0x1, 0);
+    printf("step 200 %d %llu %llu\n", (int)gettid(), (unsigned long long)t0, (unsigned long long)mono());
     cuMemcpyDtoHAsync_v2_params c = {NULL, 0, 64, NULL};
     stub_cupti_call(DRV, CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoHAsync_v2, &c, NULL, 300001, (void *)0x1, 0);
     cudaMemcpyAsync_v3020_params h2d = {NULL, NULL, 64, cudaMemcpyHostToDevice, NULL};
