@@ -5,10 +5,12 @@ GpuCapture, joined to host steps, and land in the kernels / routes / steps table
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import stat
 import subprocess
+from array import array
 from pathlib import Path
 
 import polars as pl
@@ -21,6 +23,8 @@ from sparseety_prof.gpu.capture import GpuCapture
 from sparseety_prof.gpu.records import KernelActivity
 from sparseety_prof.gpu.shm_ring import SHM_PREFIX, ShmRing
 from sparseety_prof.store import schema
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def ring_copy(src: Path, dst: Path) -> list[object]:
@@ -109,3 +113,25 @@ def test_record_gpu_only_process(build: Path, shm_name: str, tmp_path: Path) -> 
     assert steps.height >= 1 and (steps["step_id"] < 0).all()
     assert rec.meta["gpu"]["join_mode"] == "gpu_step"
     assert stat.S_IMODE(os.stat(tmp_path / "rec" / "kernels").st_mode) == 0o700
+
+    # scripts/gpu_check.py's table analysis (what decides its launch / late-attach cases on a GPU)
+    # on this recording: the driver thread's 30 watched launches (i = 0, 10, ..., 290; int32 [4][2],
+    # value (i*31 + j*7) % 64) all precede the one device-to-host copy, so they are one GPU step
+    # of 30 layers; only launch 0 has a kernel record.
+    spec = importlib.util.spec_from_file_location("gpu_check_tables", ROOT / "scripts" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    ids = array("i", [(i * 31 + j * 7) % 64 for i in range(0, 300, 10) for j in range(8)]).tobytes()
+    res = gpu_check.analyse_tables(tmp_path / "rec", ids, 30, 4, 2, "topk_hist_kernel")
+    assert res["routes_equal"] and res["routes_first_mismatch"] is None
+    assert (res["routes_rows"], res["routes_rows_expected"], res["routes_steps"]) == (120, 120, 1)
+    assert res["routes_layers_per_step"] == [30]
+    assert (res["watched_kernel_rows"], res["watched_kernels_captured"]) == (1, 1)
+    assert res["watched_kernel_joins"] == ["gpu_step"] and res["watched_kernel_steps_match"]
+    assert res["gpu_meta"]["join_mode"] == "gpu_step"
+    off = bytearray(ids)
+    off[4 * (7 * 8 + 2 * 2 + 1)] ^= 1  # layer 7, row 2, second id: one id off
+    res = gpu_check.analyse_tables(tmp_path / "rec", bytes(off), 30, 4, 2, "topk_hist_kernel")
+    assert not res["routes_equal"] and res["routes_first_mismatch"] == 7 * 4 + 2
+    assert not gpu_check.tables_ok(res, 1)
