@@ -34,11 +34,13 @@ once with torch's load_inline (nvcc, ~1 min); where that fails the other checks 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -282,7 +284,8 @@ def tables_child(steps: int, out: Path) -> None:
     emb, head, layers = make_model(torch, dev)
     hist = torch.zeros(EXPERTS, dtype=torch.int32, device=dev)
     torch.cuda.synchronize()
-    (out / "ready").write_text(str(os.getpid()))
+    (out / "ready.tmp").write_text(str(os.getpid()))
+    os.replace(out / "ready.tmp", out / "ready")  # whole, or not there
     deadline = time.monotonic() + 120
     while not (out / "go").exists():
         if time.monotonic() > deadline:
@@ -513,6 +516,7 @@ def run_tables(case: str, steps: int, tmp: Path, env: dict[str, str]) -> dict[st
     engine_log = open(tmp / "engine.log", "w")  # noqa: SIM115 (closed in the finally below)
     engine = subprocess.Popen(argv, env=env, stdout=engine_log, stderr=engine_log, text=True)
     rec_proc: subprocess.Popen[str] | None = None
+    pid = ""
     log = tmp / "record.log"
     try:
         wait_for(lambda: (tmp / "ready").exists() or engine.poll() is not None, 120, "ready loop")
@@ -538,6 +542,9 @@ def run_tables(case: str, steps: int, tmp: Path, env: dict[str, str]) -> dict[st
         result["error"] = str(e)
         rec_rc = None
     finally:
+        if engine.poll() is None and pid:
+            with contextlib.suppress(ProcessLookupError):  # under `launch`, the loop is its child
+                os.kill(int(pid), signal.SIGKILL)
         for p in (engine, rec_proc):
             if p is not None and p.poll() is None:
                 p.kill()
@@ -660,6 +667,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
                 f"sparseety-prof record --pid <loop> --late-attach --watch {TABLES_WATCH} -o <dir>",
             ],
             "python_deps": os.environ.get("SPARSEETY_GPU_CHECK_PYDEPS") or "the interpreter's own",
+            "pythonpath": os.environ.get("PYTHONPATH", ""),
         },
         "results": str(args.results),
     }

@@ -661,8 +661,9 @@ def test_gpu_check_dry_run_and_help_need_no_gpu(tmp_path: Path) -> None:
         shutil.copy(ROOT / "scripts" / name, repo / "scripts" / name)
     (repo / "build").mkdir()
     pkg = tmp_path / "pkg"
-    (pkg / "packed_marker").mkdir(parents=True)
-    (pkg / "packed_marker" / "__init__.py").write_text("")
+    (pkg / "main" / "packed_marker").mkdir(parents=True)
+    (pkg / "main" / "packed_marker" / "__init__.py").write_text("")
+    (pkg / "numpy").mkdir()
     subprocess.run(
         ["tar", "-cJf", str(repo / "build" / "gpu_pydeps.tar.xz"), "-C", str(pkg), "."], check=True
     )
@@ -684,6 +685,10 @@ def test_gpu_check_dry_run_and_help_need_no_gpu(tmp_path: Path) -> None:
         assert plan["tables"]["python_deps"] == "the interpreter's own"
     else:
         assert plan["tables"]["python_deps"] == "build/gpu_pydeps.tar.xz (polars-test.dist-info)"
+        unpacked = plan["tables"]["pythonpath"].split(":")
+        assert Path(unpacked[0]).name == "main" and unpacked[0].startswith("/tmp/sparseety-gpucheck-deps.")
+        has_numpy = subprocess.run([bare, "-c", "import numpy"], capture_output=True).returncode == 0
+        assert (len(unpacked) > 1 and Path(unpacked[1]).name == "numpy") is not has_numpy
     assert not list(Path("/tmp").glob("sparseety-gpucheck-deps.*"))  # unpacked for the run only
 
 
