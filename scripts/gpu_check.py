@@ -18,6 +18,12 @@ captured again into a new graph (new static tensors: new pointers) and the first
 Every replay's copies must be byte-equal to PyTorch's static top-k tensors of that replay, and
 each copy's (correlation id, graph node id) must be that of a kernel record of the watched kernel.
 
+Then the Python-tables cases, through the project's own commands (they need polars and rich, which
+gpu_check.sh brings from build/gpu_pydeps.tar.xz where the machine lacks them, and root): the eager
+loop started under `sparseety-prof launch --watch`, recorded by `sparseety-prof record` (GPU only),
+and started without injection, recorded by `sparseety-prof record --late-attach --watch`; each
+recording's `routes` and `kernels` tables are checked against PyTorch's top-k tensors of every step.
+
 Prints one JSON object and writes it to `--results` (default results/gpu_check/, one file per run
 named by date and device, with the date, driver and device in it); exit 0 when every check passed,
 1 when one failed, 2 when the machine cannot run the check at all (no GPU, no torch, library not
@@ -28,15 +34,18 @@ once with torch's load_inline (nvcc, ~1 min); where that fails the other checks 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import time
+from array import array
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -75,6 +84,8 @@ torch::Tensor copy_ids(torch::Tensor ids) {
 }
 """
 HIDDEN, EXPERTS, TOPK, LAYERS, BATCH, VOCAB, FFN = 1024, 16, 2, 4, 8, 4096, 512
+# The Python-tables cases need (rows, k) buffers to get `routes`: the same pointer, shaped by constants
+TABLES_WATCH = f"{KERNEL}:0:int32:{BATCH},{TOPK}"
 WARMUP = 10
 RESULTS = ROOT / "results" / "gpu_check"
 
@@ -261,6 +272,49 @@ def graph_child(steps: int, out: Path) -> None:
     (out / "child.json").write_text(json.dumps(info))
 
 
+def tables_child(steps: int, out: Path) -> None:
+    """The eager decode loop for the Python-tables cases: the model is put on the GPU (the process
+    is a CUDA process from here on, which late attach needs), `ready` says so with the pid, and the
+    loop starts only once the parent has `record` attached and touched `go`, so every step is
+    recorded. PyTorch's own top-k tensors of every step and layer go to topk.bin."""
+    import torch
+
+    dev = torch.device("cuda")
+    bf = torch.bfloat16
+    emb, head, layers = make_model(torch, dev)
+    hist = torch.zeros(EXPERTS, dtype=torch.int32, device=dev)
+    torch.cuda.synchronize()
+    (out / "ready.tmp").write_text(str(os.getpid()))
+    os.replace(out / "ready.tmp", out / "ready")  # whole, or not there
+    deadline = time.monotonic() + 120
+    while not (out / "go").exists():
+        if time.monotonic() > deadline:
+            raise SystemExit("gpu_check tables child: no `go` within 120 s")
+        time.sleep(0.01)
+    tokens = torch.arange(BATCH, device=dev) % VOCAB
+    kept: list[Any] = []
+    for _ in range(steps):
+        x = emb[tokens]
+        for router, w1, w2 in layers:
+            probs = torch.softmax((x @ router).float(), dim=-1)
+            weights, ids = torch.topk(probs, TOPK, dim=-1)
+            topk_ids = ids.to(torch.int32).contiguous()
+            n = topk_ids.numel()
+            topk_hist_kernel[(triton.cdiv(n, 128),)](topk_ids, hist, n, BLOCK=128)
+            kept.append(topk_ids.clone())
+            h = torch.einsum("bh,bkhf->bkf", x, w1[ids.flatten()].view(BATCH, TOPK, HIDDEN, FFN))
+            h = torch.nn.functional.silu(h)
+            y = torch.einsum("bkf,bkfh->bkh", h, w2[ids.flatten()].view(BATCH, TOPK, FFN, HIDDEN))
+            x = x + (y * weights.to(bf).unsqueeze(-1)).sum(1)
+        tokens = torch.argmax((x @ head).float(), dim=-1)
+        tokens.tolist()  # the one device-to-host copy of a step: GPU-only `record` closes steps on it
+    torch.cuda.synchronize()
+    with open(out / "topk.bin", "wb") as f:
+        for t in kept:
+            f.write(t.cpu().numpy().tobytes())
+    (out / "child.json").write_text(json.dumps({"pid": os.getpid(), "steps": steps}))
+
+
 # ---------------------------------------------------------------- parent
 
 
@@ -413,6 +467,151 @@ def analyse_graphs(records: list[Any], out: Path, info: dict[str, Any]) -> dict[
     }
 
 
+def cli_env(pythonpath: str | None) -> dict[str, str]:
+    """The environment the project's own CLI runs in here: this checkout first on PYTHONPATH, then
+    the dependencies gpu_check.sh unpacked (if any), no injection settings of ours."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARSEETY_", "CUDA_INJECTION64"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), pythonpath) if p)
+    return env
+
+
+def python_tables_missing(env: dict[str, str]) -> str | None:
+    """Why the project's Python side cannot run with this interpreter (None when it can)."""
+    r = subprocess.run(
+        [sys.executable, "-c", "import polars, rich, sparseety_prof.cli"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return None if r.returncode == 0 else r.stderr.strip().splitlines()[-1][-300:]
+
+
+def wait_for(pred: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout_s:.0f} s")
+        time.sleep(0.02)
+
+
+def run_tables(case: str, steps: int, tmp: Path, env: dict[str, str]) -> dict[str, Any]:
+    """One Python-tables case through the project's own commands. "launch": the loop started under
+    `sparseety-prof launch --watch`, then `sparseety-prof record --pid N -o DIR` (GPU only).
+    "late_attach": the loop started without injection, then `sparseety-prof record --pid N
+    --late-attach --watch ... -o DIR`. The recording's tables are checked against PyTorch's ids.
+    About 25 s each on an H200: torch import and CUDA start-up ~10 s, `record` start-up and the
+    attach ~5 s, the steps < 1 s, writing and reading the recording ~5 s."""
+    tmp.mkdir(parents=True)
+    rec = tmp / "rec"
+    cli = [sys.executable, "-m", "sparseety_prof.cli"]
+    loop = [sys.executable, __file__, "--tables-child", "--steps", str(steps), "--out", str(tmp)]
+    if case == "launch":
+        argv = [*cli, "launch", "--watch", TABLES_WATCH, "--flush-ms", "50", "--", *loop]
+        record = [*cli, "record", "--pid", "{pid}", "-o", str(rec)]
+    else:
+        argv = loop
+        record = [*cli, "record", "--pid", "{pid}", "--late-attach", "--watch", TABLES_WATCH, "-o", str(rec)]
+    result: dict[str, Any] = {"commands": [" ".join(argv[2:] if case == "launch" else ["<loop>"])]}
+    engine_log = open(tmp / "engine.log", "w")  # noqa: SIM115 (closed in the finally below)
+    engine = subprocess.Popen(argv, env=env, stdout=engine_log, stderr=engine_log, text=True)
+    rec_proc: subprocess.Popen[str] | None = None
+    pid = ""
+    log = tmp / "record.log"
+    try:
+        wait_for(lambda: (tmp / "ready").exists() or engine.poll() is not None, 120, "ready loop")
+        if engine.poll() is not None:
+            return result | {
+                "exit_code": engine.returncode,
+                "engine_log": (tmp / "engine.log").read_text()[-1500:],
+            }
+        pid = (tmp / "ready").read_text().strip()
+        cmd = [a.replace("{pid}", pid) for a in record]
+        result["commands"].append(" ".join(cmd[2:]))
+        with open(log, "w") as f:
+            rec_proc = subprocess.Popen(cmd, env=env, stderr=f, stdout=f, text=True)
+        wait_for(
+            lambda: "attached to PID" in log.read_text() or rec_proc is None or rec_proc.poll() is not None,
+            90,
+            "`record` attached",
+        )
+        (tmp / "go").touch()
+        engine.wait(timeout=120)
+        rec_rc = rec_proc.wait(timeout=120)
+    except (TimeoutError, subprocess.TimeoutExpired) as e:
+        result["error"] = str(e)
+        rec_rc = None
+    finally:
+        if engine.poll() is None and pid:
+            with contextlib.suppress(ProcessLookupError):  # under `launch`, the loop is its child
+                os.kill(int(pid), signal.SIGKILL)
+        for p in (engine, rec_proc):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        engine_log.close()
+    result |= {
+        "exit_code": engine.returncode,
+        "record_exit_code": rec_rc,
+        "record_log": log.read_text()[-1500:] if log.exists() else "",
+        "engine_log": (tmp / "engine.log").read_text()[-1500:],
+    }
+    if engine.returncode != 0 or rec_rc != 0 or not (tmp / "topk.bin").exists():
+        return result
+    return result | analyse_tables(rec, (tmp / "topk.bin").read_bytes(), LAYERS, BATCH, TOPK, KERNEL)
+
+
+def analyse_tables(rec_dir: Path, topk: bytes, layers: int, rows: int, k: int, kernel: str) -> dict[str, Any]:
+    """A GPU-only recording's `routes` and `kernels` against the engine's own int32 top-k ids
+    (`topk`: per step, per layer, rows x k, in launch order). Routes of a step are its watched
+    launches in order (layer = ordinal); GPU step ids count down from -1, so chronological order is
+    by descending step id."""
+    import polars as pl
+
+    import sparseety_prof
+
+    r = sparseety_prof.open(rec_dir)
+    routes = r.routes().sort(["step_id", "layer", "row"], descending=[True, False, False])
+    kernels = r.kernels()
+    per_step = layers * rows * k
+    n_steps = len(topk) // (4 * per_step)
+    expected = [
+        list(array("i", topk[i * 4 * k : (i + 1) * 4 * k])) for i in range(len(topk) // (4 * k))
+    ]  # one list per (step, layer, row)
+    got = [list(ids) for ids in routes["expert_ids"].to_list()]
+    step_ids = routes["step_id"].unique().to_list()
+    layers_per_step = routes.group_by("step_id").agg(pl.col("layer").n_unique().alias("n"))["n"].to_list()
+    first_bad = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
+    watched = kernels.filter(kernels["name"].str.contains(kernel, literal=True))
+    return {
+        "routes_rows": routes.height,
+        "routes_rows_expected": len(expected),
+        "routes_steps": len(step_ids),
+        "routes_steps_expected": n_steps,
+        "routes_layers_per_step": sorted(set(layers_per_step)),
+        "routes_equal": got == expected,
+        "routes_first_mismatch": first_bad,
+        "kernels_rows": kernels.height,
+        "watched_kernel_rows": watched.height,
+        "watched_kernels_captured": int(watched["buffer_captured"].sum()),
+        "watched_kernel_joins": sorted(set(watched["join"].drop_nulls().to_list())),
+        # every watched kernel is in the step its routes rows are in
+        "watched_kernel_steps_match": sorted(watched["step_id"].drop_nulls().unique().to_list())
+        == sorted(step_ids),
+        "gpu_meta": {k2: v for k2, v in r.meta.get("gpu", {}).items() if k2 in ("join_mode", "late_attach")},
+    }
+
+
+def tables_ok(res: dict[str, Any], steps: int) -> bool:
+    return (
+        res.get("routes_equal") is True
+        and res.get("routes_steps") == steps
+        and res.get("watched_kernel_rows") == steps * LAYERS == res.get("watched_kernels_captured")
+        and res.get("watched_kernel_joins") == ["gpu_step"]
+        and res.get("watched_kernel_steps_match") is True
+    )
+
+
 def driver_version(proc_version: str) -> str | None:
     """The driver version from /proc/driver/nvidia/version's first line ("... Kernel Module
     570.133.20 ..." or "... Open Kernel Module for x86_64  570.133.20 ...")."""
@@ -447,6 +646,49 @@ def write_results(report: dict[str, Any], results: Path) -> Path:
     return path
 
 
+def plan(args: argparse.Namespace) -> dict[str, Any]:
+    """What a run does, for --dry-run (and the smoke test): no GPU, torch or polars needed."""
+    return {
+        "library": str(LIB),
+        "library_built": LIB.is_file(),
+        "eager_modes": ["off", "kernels", "buffers"],
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "graph_replays": args.graph_steps,
+        "watch": WATCH,
+        "tables": {
+            "steps": args.tables_steps,
+            "launch": [
+                f"sparseety-prof launch --watch {TABLES_WATCH} --flush-ms 50 -- <loop>",
+                "sparseety-prof record --pid <loop> -o <dir>",
+            ],
+            "late_attach": [
+                "<loop> (no injection)",
+                f"sparseety-prof record --pid <loop> --late-attach --watch {TABLES_WATCH} -o <dir>",
+            ],
+            "python_deps": os.environ.get("SPARSEETY_GPU_CHECK_PYDEPS") or "the interpreter's own",
+            "pythonpath": os.environ.get("PYTHONPATH", ""),
+        },
+        "results": str(args.results),
+    }
+
+
+def run_all_tables(steps: int, tmp: Path) -> dict[str, Any]:
+    """Both Python-tables cases, or why they cannot run on this machine."""
+    env = cli_env(os.environ.get("PYTHONPATH"))
+    deps = os.environ.get("SPARSEETY_GPU_CHECK_PYDEPS") or "the interpreter's own"
+    missing = python_tables_missing(env)
+    if missing is not None:
+        return {"python_deps": deps, "not_run": f"the project's Python side does not import here: {missing}"}
+    if os.geteuid() != 0:
+        return {"python_deps": deps, "not_run": "`record` (and late attach) need root here"}
+    out: dict[str, Any] = {"python_deps": deps}
+    for case in ("launch", "late_attach"):
+        print(f"gpu_check: Python tables, {case}", file=sys.stderr, flush=True)
+        out[case] = run_tables(case, steps, tmp / case, env)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -459,6 +701,18 @@ def main() -> int:
     )
     ap.add_argument("--steps", type=int, default=1000, help="decode steps timed per run (default 1000)")
     ap.add_argument("--rounds", type=int, default=5, help="runs of each mode, in rotating order (default 5)")
+    ap.add_argument("--tables-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--tables-steps",
+        type=int,
+        default=50,
+        help="decode steps of each Python-tables case (launch, late attach; default 50)",
+    )
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the cases and the sparseety-prof commands they run, as JSON, and exit (no GPU needed)",
+    )
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--ext", type=Path, help=argparse.SUPPRESS)
     ap.add_argument(
@@ -472,6 +726,12 @@ def main() -> int:
         return 0
     if args.graph_child:
         graph_child(args.steps, args.out)
+        return 0
+    if args.tables_child:
+        tables_child(args.steps, args.out)
+        return 0
+    if args.dry_run:
+        print(json.dumps(plan(args), indent=1))
         return 0
 
     if not (Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia").exists()):
@@ -525,6 +785,7 @@ def main() -> int:
         print("gpu_check: CUDA graph replays", file=sys.stderr, flush=True)
         graphs = run_mode("graphs", args.graph_steps, Path(tmp) / "graphs", shm_ring, launch)
         report["graphs"] = graphs
+        report["tables"] = tables = run_all_tables(args.tables_steps, Path(tmp) / "tables")
     for mode in modes:
         report[mode] = runs[mode][-1] | {"tokens_per_s_runs": [x.get("tokens_per_s") for x in runs[mode]]}
     speed = {m: statistics.median(x.get("tokens_per_s", 0.0) for x in runs[m]) for m in modes}
@@ -564,6 +825,10 @@ def main() -> int:
         "graph_no_errors": not graphs.get("errors")
         and graphs.get("counters", {}).get("buffers_failed", 1) == 0,
     }
+    # The project's own launch / record / late attach and its Python tables; not run (and so not
+    # passed) where the machine's Python cannot import the project or record lacks root.
+    for case in ("launch", "late_attach"):
+        checks[f"tables_{case}"] = tables_ok(tables.get(case, {}), args.tables_steps)
     report["checks"] = checks
     report["ok"] = all(checks.values())
     print(json.dumps(report, indent=1, default=str))

@@ -643,6 +643,55 @@ def test_gpu_check_fails_fast_and_clearly_without_gpu() -> None:
     assert time.monotonic() - t < 60
 
 
+def test_gpu_check_dry_run_and_help_need_no_gpu(tmp_path: Path) -> None:
+    """--dry-run names the project's own commands of the Python-tables cases; gpu_check.sh puts a
+    packed dependency folder on PYTHONPATH (and says so) only where the interpreter lacks polars.
+    The interpreter here is a bare python3 without polars, like a GPU machine's might be."""
+    bare = shutil.which("python3", path="/usr/bin:/bin")
+    assert bare is not None
+    has_polars = subprocess.run([bare, "-c", "import polars"], capture_output=True).returncode == 0
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--help"], capture_output=True, text=True
+    )
+    assert r.returncode == 0 and "--tables-steps" in r.stdout and "--dry-run" in r.stdout
+    # a stand-in for build/gpu_pydeps.tar.xz in a copy of the scripts: a module the run can import
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("gpu_check.sh", "gpu_check.py"):
+        shutil.copy(ROOT / "scripts" / name, repo / "scripts" / name)
+    (repo / "build").mkdir()
+    pkg = tmp_path / "pkg"
+    (pkg / "main" / "packed_marker").mkdir(parents=True)
+    (pkg / "main" / "packed_marker" / "__init__.py").write_text("")
+    (pkg / "numpy").mkdir()
+    subprocess.run(
+        ["tar", "-cJf", str(repo / "build" / "gpu_pydeps.tar.xz"), "-C", str(pkg), "."], check=True
+    )
+    (repo / "build" / "gpu_pydeps.tar.xz.versions").write_text("polars-test.dist-info")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SPARSEETY_GPU_CHECK_PYDEPS")}
+    r = subprocess.run(
+        ["bash", str(repo / "scripts" / "gpu_check.sh"), "--dry-run", "--tables-steps", "7"],
+        env=env | {"PYTHON": bare},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["tables"]["steps"] == 7
+    assert plan["tables"]["launch"][1] == "sparseety-prof record --pid <loop> -o <dir>"
+    assert "--late-attach --watch topk_hist_kernel:0:int32:8,2" in plan["tables"]["late_attach"][1]
+    if has_polars:
+        assert plan["tables"]["python_deps"] == "the interpreter's own"
+    else:
+        assert plan["tables"]["python_deps"] == "build/gpu_pydeps.tar.xz (polars-test.dist-info)"
+        unpacked = plan["tables"]["pythonpath"].split(":")
+        assert Path(unpacked[0]).name == "main" and unpacked[0].startswith("/tmp/sparseety-gpucheck-deps.")
+        has_numpy = subprocess.run([bare, "-c", "import numpy"], capture_output=True).returncode == 0
+        assert (len(unpacked) > 1 and Path(unpacked[1]).name == "numpy") is not has_numpy
+    assert not list(Path("/tmp").glob("sparseety-gpucheck-deps.*"))  # unpacked for the run only
+
+
 def test_gpu_check_reads_the_driver_version_and_names_its_result_file(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("gpu_check_facts", ROOT / "scripts" / "gpu_check.py")
     assert spec is not None and spec.loader is not None

@@ -5,9 +5,12 @@ GpuCapture, joined to host steps, and land in the kernels / routes / steps table
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import stat
+import subprocess
+from array import array
 from pathlib import Path
 
 import polars as pl
@@ -17,9 +20,11 @@ from test_cupti_ext import WATCH, build, env_for, run_driver, shm_name  # noqa: 
 
 import sparseety_prof
 from sparseety_prof.gpu.capture import GpuCapture
-from sparseety_prof.gpu.records import KernelActivity, LaunchApi
+from sparseety_prof.gpu.records import KernelActivity
 from sparseety_prof.gpu.shm_ring import SHM_PREFIX, ShmRing
 from sparseety_prof.store import schema
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def ring_copy(src: Path, dst: Path) -> list[object]:
@@ -32,45 +37,51 @@ def ring_copy(src: Path, dst: Path) -> list[object]:
         dst.unlink(missing_ok=True)
 
 
-def test_capture_joins_kernels_and_buffers_to_host_steps(build: Path, shm_name: str) -> None:  # noqa: F811
-    run_driver(build, "main", env_for(build, shm_name, SPARSEETY_WATCH=WATCH))
+def test_capture_joins_kernels_and_buffers_to_the_engines_own_steps(build: Path, shm_name: str) -> None:  # noqa: F811
+    """The steps come from the "engine" (driver.c prints the windows it read on its own clock
+    around each 50 launches of a thread, and one around the graph launch of the main thread), and
+    the expected step of every kernel and buffer from its loop index, not from the ring's times."""
+    r = subprocess.run(
+        [str(build / "driver"), "main"],
+        env=env_for(build, shm_name, SPARSEETY_WATCH=WATCH),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    windows = [line.split()[1:] for line in r.stdout.splitlines() if line.startswith("step ")]
+    steps: dict[str, list[object]] = {"step_id": [], "tid": [], "t_start_ns": [], "t_end_ns": []}
+    for fields in windows:
+        for col, v in zip(steps, fields, strict=True):
+            steps[col].append(int(v))
+    # driver thread: steps 0-5, runtime thread: steps 100-105 (50 launches each), main thread: 200
+    assert sorted(steps["step_id"]) == [*range(6), *range(100, 106), 200]  # type: ignore[type-var]
     path = Path("/dev/shm") / shm_name
     recs = ring_copy(path, Path("/dev/shm") / f"{shm_name}-peek")
-    launches = [r for r in recs if isinstance(r, LaunchApi)]
-    kernels = [r for r in recs if isinstance(r, KernelActivity)]
-    # one host step per launching thread, around all of its launches
-    tids = sorted({r.tid for r in launches})
-    steps = {"step_id": [], "tid": [], "t_start_ns": [], "t_end_ns": []}  # type: dict[str, list[object]]
-    for i, tid in enumerate(tids):
-        mine = [r for r in launches if r.tid == tid]
-        steps["step_id"].append(10 + i)
-        steps["tid"].append(tid)
-        steps["t_start_ns"].append(min(r.enter_ns for r in mine) - 1)
-        steps["t_end_ns"].append(max(r.exit_ns for r in mine) + 1)
-    step_of_tid = dict(zip(tids, steps["step_id"], strict=True))
+    kernels = [x for x in recs if isinstance(x, KernelActivity)]
     gpu = GpuCapture.open(pid=1, paths=[path])
     assert gpu is not None
     gpu.add_steps(steps)
     out = {t: schema.frame(t, cols) for t, cols in gpu.poll(final=True).items()}
     k = out["kernels"]
     assert k.height == len(kernels) == 4
-    launch_of = {r.correlation_id: r for r in launches}
-    for row in k.iter_rows(named=True):
-        la = launch_of[row["correlation_id"]]
-        assert row["join"] == "thread" and row["step_id"] == step_of_tid[la.tid] and row["tid"] == la.tid
+    # launch i of the driver thread (correlation id 100000 + i) is in its step i // 50
+    want = {100000: 0, 100001: 0, 100002: 0, 300000: 200}
+    got = {row["correlation_id"]: (row["step_id"], row["join"]) for row in k.iter_rows(named=True)}
+    assert got == {corr: (step, "thread") for corr, step in want.items()}
     graph = k.filter(pl.col("graph_id") == 77).row(0, named=True)
     assert graph["graph_node_id"] == 5 and graph["api"] == "cuGraphLaunch"
-    # watched top-k buffers of the driver thread: int32 [4][2], value (i*31 + j*7) % 64 for
-    # launch i = 0, 10, 20, ... in launch order = layer order within the step
-    routes = out["routes"].sort("layer", "row")
-    drv_step = step_of_tid[
-        next(r.tid for r in launches if r.api == "cuLaunchKernel" and r.correlation_id < 300000)
-    ]
-    drv_routes = routes.filter(pl.col("step_id") == drv_step)
-    assert drv_routes.height == 30 * 4
-    for row in drv_routes.iter_rows(named=True):
-        i = row["layer"] * 10
+    # watched top-k buffers of the driver thread: launch i = 0, 10, ..., 290, int32 [4][2] with
+    # value (i*31 + j*7) % 64: step i // 50, layer (i % 50) // 10 (its order among the step's
+    # watched launches). The runtime thread's buffers are 1-D: captured, but no routes rows.
+    routes = out["routes"]
+    assert routes.height == 30 * 4
+    for row in routes.iter_rows(named=True):
+        i = row["step_id"] * 50 + row["layer"] * 10
         assert row["expert_ids"] == [(i * 31 + (2 * row["row"] + j) * 7) % 64 for j in range(2)]
+    assert sorted(set(zip(routes["step_id"], routes["layer"], strict=True))) == [
+        (i // 50, (i % 50) // 10) for i in range(0, 300, 10)
+    ]
     meta = gpu.meta()
     assert meta["join_mode"] == "host" and meta["ring"]["ring_dropped"] == 0 and meta["errors"] == []
     gpu.close()
@@ -102,3 +113,25 @@ def test_record_gpu_only_process(build: Path, shm_name: str, tmp_path: Path) -> 
     assert steps.height >= 1 and (steps["step_id"] < 0).all()
     assert rec.meta["gpu"]["join_mode"] == "gpu_step"
     assert stat.S_IMODE(os.stat(tmp_path / "rec" / "kernels").st_mode) == 0o700
+
+    # scripts/gpu_check.py's table analysis (what decides its launch / late-attach cases on a GPU)
+    # on this recording: the driver thread's 30 watched launches (i = 0, 10, ..., 290; int32 [4][2],
+    # value (i*31 + j*7) % 64) all precede the one device-to-host copy, so they are one GPU step
+    # of 30 layers; only launch 0 has a kernel record.
+    spec = importlib.util.spec_from_file_location("gpu_check_tables", ROOT / "scripts" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    ids = array("i", [(i * 31 + j * 7) % 64 for i in range(0, 300, 10) for j in range(8)]).tobytes()
+    res = gpu_check.analyse_tables(tmp_path / "rec", ids, 30, 4, 2, "topk_hist_kernel")
+    assert res["routes_equal"] and res["routes_first_mismatch"] is None
+    assert (res["routes_rows"], res["routes_rows_expected"], res["routes_steps"]) == (120, 120, 1)
+    assert res["routes_layers_per_step"] == [30]
+    assert (res["watched_kernel_rows"], res["watched_kernels_captured"]) == (1, 1)
+    assert res["watched_kernel_joins"] == ["gpu_step"] and res["watched_kernel_steps_match"]
+    assert res["gpu_meta"]["join_mode"] == "gpu_step"
+    off = bytearray(ids)
+    off[4 * (7 * 8 + 2 * 2 + 1)] ^= 1  # layer 7, row 2, second id: one id off
+    res = gpu_check.analyse_tables(tmp_path / "rec", bytes(off), 30, 4, 2, "topk_hist_kernel")
+    assert not res["routes_equal"] and res["routes_first_mismatch"] == 7 * 4 + 2
+    assert not gpu_check.tables_ok(res, 1)

@@ -58,11 +58,14 @@ class Trace:
         self.kernels.append(k)
         return la, k
 
-    def watched(self, tid: int, t: int, ids: list[list[int]], name: str = "moe_align") -> KernelActivity:
+    def watched(
+        self, tid: int, t: int, ids: list[list[int]], name: str = "moe_align", dtype: str = "int32"
+    ) -> KernelActivity:
         la, k = self.launch(tid, t, name)
-        data = b"".join(struct.pack(f"<{len(r)}i", *r) for r in ids)
+        code = {"int32": "i", "uint32": "I", "int64": "q"}[dtype]
+        data = b"".join(struct.pack(f"<{len(r)}{code}", *r) for r in ids)
         self.other.append(
-            WatchedBuffer(la.correlation_id, name, 0, "int32", (len(ids), len(ids[0])), data, tid, t)
+            WatchedBuffer(la.correlation_id, name, 0, dtype, (len(ids), len(ids[0])), data, tid, t)
         )
         return k
 
@@ -322,15 +325,16 @@ def test_two_threads_stepping_at_once_each_kernel_on_its_own_threads_step() -> N
     assert all(r["tid"] == 7 + r["step_id"] % 2 for r in rows.values())
 
 
-def test_watched_topk_buffers_become_routes_rows_in_launch_order() -> None:
+@pytest.mark.parametrize("dtype", ["int32", "uint32", "int64"])  # the index types of vLLM's top-k kernels
+def test_watched_topk_buffers_become_routes_rows_in_launch_order(dtype: str) -> None:
     tr = Trace()
     tr.step(0, 7, T0, T0 + MS)
     tr.step(1, 7, T0 + MS + 10_000, T0 + 2 * MS)
     ids0 = [[[3, 1], [0, 2]], [[5, 4], [6, 7]], [[1, 0], [2, 3]]]  # layer 0, 1, 2 of step 0: 2 rows, k=2
     ids1 = [[[7, 6], [5, 4]], [[0, 1], [2, 3]]]
-    w0 = [tr.watched(7, T0 + 100_000 + i * 200_000, ids) for i, ids in enumerate(ids0)]
+    w0 = [tr.watched(7, T0 + 100_000 + i * 200_000, ids, dtype=dtype) for i, ids in enumerate(ids0)]
     tr.launch(7, T0 + 150_000, "attn")  # not watched
-    w1 = [tr.watched(7, T0 + MS + 100_000 + i * 200_000, ids) for i, ids in enumerate(ids1)]
+    w1 = [tr.watched(7, T0 + MS + 100_000 + i * 200_000, ids, dtype=dtype) for i, ids in enumerate(ids1)]
     recs = tr.records()
     random.Random(3).shuffle(recs)
     c = KernelCorrelator(horizon_ns=HORIZON)
@@ -365,11 +369,18 @@ def test_malformed_and_unjoinable_buffers_are_counted() -> None:
     bad = WatchedBuffer(k.correlation_id, "moe_align", 2, "int32", (1, 3), b"\0" * 8, 7, T0 + 100_000)
     mask = WatchedBuffer(k.correlation_id, "moe_align", 3, "uint8", (4,), b"\1\0\1\0", 7, T0 + 100_000)
     lost = WatchedBuffer(999, "moe_align", 0, "int32", (1, 2), b"\0" * 8)  # no tid, time or launch
+    # a rule that points at the wrong buffer (another revision of the engine): no expert ids
+    huge = WatchedBuffer(
+        k.correlation_id, "moe_align", 4, "int64", (1, 2), struct.pack("<2q", 1, 2**40), 7, T0 + 100_000
+    )
+    high = WatchedBuffer(
+        k.correlation_id, "moe_align", 5, "uint32", (1, 2), struct.pack("<2I", 2**31, 1), 7, T0 + 100_000
+    )
     c = KernelCorrelator(horizon_ns=HORIZON)
-    out = run(c, [[*tr.records(), bad, mask, lost]], tr.steps)
+    out = run(c, [[*tr.records(), bad, mask, lost, huge, high]], tr.steps)
     assert out["routes"].select("step_id", "row", "layer", "expert_ids").rows() == [(0, 0, 0, [1, 2])]
     cnt = c.counters
-    assert (cnt["buffers_malformed"], cnt["buffers_unjoined"], cnt["routes_rows"]) == (1, 1, 1)
+    assert (cnt["buffers_malformed"], cnt["buffers_unjoined"], cnt["routes_rows"]) == (3, 1, 1)
 
 
 def test_buffer_after_its_kernel_row_is_counted() -> None:

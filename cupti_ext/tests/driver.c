@@ -54,11 +54,24 @@ static void watched_drv(int i, uint32_t corr, int retval) {
     drv_launch(&topk, params, corr, retval);
 }
 
+/* The "engine"'s own step windows, read on its own clock around each STEP_LAUNCHES launches of a
+ * thread: step <id> <tid> <t_start> <t_end>. The tests join against these, not against times
+ * taken from the ring. */
+#define STEP_LAUNCHES 50
+static void step_window(int i, int first_id, uint64_t *t0) {
+    if (i % STEP_LAUNCHES == 0) *t0 = mono();
+    if (i % STEP_LAUNCHES == STEP_LAUNCHES - 1)
+        printf("step %d %d %llu %llu\n", first_id + i / STEP_LAUNCHES, (int)gettid(), (unsigned long long)*t0,
+               (unsigned long long)mono());
+}
+
 static void *driver_thread(void *arg) {
     (void)arg;
+    uint64_t t0 = 0;
     pthread_barrier_wait(&start_line);
     for (int i = 0; i < N_PER_THREAD; i++) {
         uint32_t corr = 100000u + (uint32_t)i;
+        if (i % STEP_LAUNCHES == 0) step_window(i, 0, &t0);
         if (i % 10 == 0) {
             watched_drv(i, corr, 0);
         } else {
@@ -67,6 +80,7 @@ static void *driver_thread(void *arg) {
             void *params[3] = {&a, &a, &n};
             drv_launch(&gemm, params, corr, 0);
         }
+        if (i % STEP_LAUNCHES == STEP_LAUNCHES - 1) step_window(i, 0, &t0);
     }
     return NULL;
 }
@@ -74,9 +88,11 @@ static void *driver_thread(void *arg) {
 static void *runtime_thread(void *arg) {
     (void)arg;
     static int64_t data[N_PER_THREAD][6];
+    uint64_t t0 = 0;
     pthread_barrier_wait(&start_line);
     for (int i = 0; i < N_PER_THREAD; i++) {
         uint32_t corr = 200000u + (uint32_t)i;
+        if (i % STEP_LAUNCHES == 0) step_window(i, 100, &t0);
         int watched = i % 10 == 0;
         for (int j = 0; j < 6; j++) data[i][j] = (int64_t)i * 13 + j;
         CUdeviceptr dptr = (CUdeviceptr)(uintptr_t)data[i];
@@ -85,6 +101,7 @@ static void *runtime_thread(void *arg) {
                                            {3, 1, 1}, {64, 1, 1}, args, 0, NULL};
         const char *sym = watched ? "_ZN4vllm28moe_align_block_size_kernelIlEEvPKT_" : "elementwise_add";
         stub_cupti_call(RT, CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_v7000, &p, sym, corr, (void *)0x1, 0);
+        if (i % STEP_LAUNCHES == STEP_LAUNCHES - 1) step_window(i, 100, &t0);
     }
     return NULL;
 }
@@ -151,8 +168,10 @@ static int scenario_main(void) {
     pthread_join(a, NULL);
     pthread_join(b, NULL);
 
+    uint64_t t0 = mono();
     cuGraphLaunch_params g = {(CUgraphExec)(uintptr_t)77, NULL};
     stub_cupti_call(DRV, CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch, &g, NULL, 300000, (void *)0x1, 0);
+    printf("step 200 %d %llu %llu\n", (int)gettid(), (unsigned long long)t0, (unsigned long long)mono());
     cuMemcpyDtoHAsync_v2_params c = {NULL, 0, 64, NULL};
     stub_cupti_call(DRV, CUPTI_DRIVER_TRACE_CBID_cuMemcpyDtoHAsync_v2, &c, NULL, 300001, (void *)0x1, 0);
     cudaMemcpyAsync_v3020_params h2d = {NULL, NULL, 64, cudaMemcpyHostToDevice, NULL};
@@ -338,9 +357,52 @@ static int scenario_graphs(void) {
     return 0;
 }
 
+/* One launch of a kernel named on the command line, as `driver launch SYMBOL GRIDX ARG...`, each
+ * ARG `p` (a pointer to the id buffer), `i32:V`, `i64:V` (a size_t) or `b:V` (a bool): the layout
+ * of an engine's kernel, to check a watch preset's rule against it. The kernel is launched twice:
+ * through cuLaunchKernel (corr 1: the library checks the indices and sizes with
+ * cuFuncGetParamInfo) and through cudaLaunchKernel under the same symbol (corr 2: the runtime
+ * path of <<<>>> launches, unchecked). The buffer holds bytes (i * 37 + 11) % 256. */
+static int scenario_launch(int argc, char **argv) {
+    static unsigned char buf[1 << 20];
+    static int32_t i32[16];
+    static int64_t i64[16];
+    static unsigned char b[16];
+    if (argc < 4 || argc - 4 > 16) {
+        fprintf(stderr, "usage: driver launch SYMBOL GRIDX ARG... (at most 16 ARGs)\n");
+        return 2;
+    }
+    for (size_t i = 0; i < sizeof buf; i++) buf[i] = (unsigned char)((i * 37 + 11) % 256);
+    CUdeviceptr dptr = (CUdeviceptr)(uintptr_t)buf;
+    struct stub_func f = {argv[2], argc - 4, {0}, NULL};
+    void *params[16];
+    for (int i = 0; i < f.nparams; i++) {
+        const char *a = argv[4 + i];
+        if (strcmp(a, "p") == 0) {
+            params[i] = &dptr, f.sizes[i] = sizeof dptr;
+        } else if (strncmp(a, "i32:", 4) == 0) {
+            i32[i] = (int32_t)strtol(a + 4, NULL, 10), params[i] = &i32[i], f.sizes[i] = 4;
+        } else if (strncmp(a, "i64:", 4) == 0) {
+            i64[i] = strtoll(a + 4, NULL, 10), params[i] = &i64[i], f.sizes[i] = 8;
+        } else if (strncmp(a, "b:", 2) == 0) {
+            b[i] = (unsigned char)atoi(a + 2), params[i] = &b[i], f.sizes[i] = 1;
+        } else {
+            fprintf(stderr, "driver launch: bad argument '%s'\n", a);
+            return 2;
+        }
+    }
+    unsigned gx = (unsigned)strtoul(argv[3], NULL, 10);
+    cuLaunchKernel_params p = {(CUfunction)(void *)&f, gx, 1, 1, 128, 1, 1, 0, NULL, params, NULL};
+    stub_cupti_call(DRV, CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel, &p, NULL, 1, (void *)0x1, 0);
+    cudaLaunchKernel_v7000_params rp = {(void *)&rt_moe, {gx, 1, 1}, {128, 1, 1}, params, 0, NULL};
+    stub_cupti_call(RT, CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_v7000, &rp, argv[2], 2, (void *)0x1, 0);
+    usleep(20000);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: driver main|limits|handles|ringfull|fail|graphs\n");
+        fprintf(stderr, "usage: driver main|limits|handles|ringfull|fail|graphs|launch\n");
         return 2;
     }
     const char *path = getenv("CUDA_INJECTION64_PATH");
@@ -360,6 +422,7 @@ int main(int argc, char **argv) {
     else if (strcmp(argv[1], "ringfull") == 0) rc = scenario_ringfull();
     else if (strcmp(argv[1], "fail") == 0) rc = scenario_fail();
     else if (strcmp(argv[1], "graphs") == 0) rc = scenario_graphs();
+    else if (strcmp(argv[1], "launch") == 0) rc = scenario_launch(argc, argv);
     fflush(stdout);
     return rc;
 }

@@ -10,7 +10,7 @@
 struct stub_func {
     const char *name;
     int nparams;
-    size_t sizes[8];
+    size_t sizes[16]; /* the stub's own launches and graph nodes copy at most 8 */
     void (*body)(void **params);
 };
 

@@ -216,6 +216,8 @@ def sinks_from(args: argparse.Namespace, log: Callable[[str], None]) -> list[Fra
 
 
 def add_late_attach_flags(p: argparse.ArgumentParser) -> None:
+    from sparseety_prof.gpu.launch import add_preset_flag
+
     p.add_argument(
         "--late-attach",
         action="store_true",
@@ -228,6 +230,7 @@ def add_late_attach_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --late-attach: watched kernels, as `launch --watch` ('name_substring:arg:dtype:rule;...')",
     )
+    add_preset_flag(p)
 
 
 def late_attach_from(args: argparse.Namespace, log: Callable[[str], None]) -> None:
@@ -235,19 +238,25 @@ def late_attach_from(args: argparse.Namespace, log: Callable[[str], None]) -> No
     from sparseety_prof.errors import UsageError
     from sparseety_prof.gpu.late_attach import SETTINGS, late_attach
     from sparseety_prof.gpu.launch import library_path
+    from sparseety_prof.gpu.presets import watch_spec
+    from sparseety_prof.gpu.watch_rules import WatchSpecError
 
     if not args.late_attach:
-        if args.watch is not None:
+        if args.watch is not None or args.preset:
             raise UsageError(
-                "--watch needs --late-attach (for a new process: `sparseety-prof launch --watch`)"
+                "--watch and --preset need --late-attach (for a new process: `sparseety-prof launch --watch`)"
             )
         return
+    try:
+        watch = watch_spec(args.watch, args.preset)
+    except WatchSpecError as e:
+        raise UsageError(f"--watch/--preset: {e}") from None
     lib = library_path()
     if not lib.is_file():
         raise UsageError(f"the CUPTI injection library {lib} is not built: run `sparseety-prof build-cupti`")
     settings = {k: v for k, v in os.environ.items() if k in SETTINGS}
-    if args.watch:
-        settings["SPARSEETY_WATCH"] = args.watch
+    if watch:
+        settings["SPARSEETY_WATCH"] = watch
     result = late_attach(args.pid, lib, settings, log=log)
     if not result.injected:
         log(f"sparseety-prof: {result.message}")

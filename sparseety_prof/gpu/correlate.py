@@ -48,7 +48,7 @@ Causality says a kernel cannot start before its launch API entered; each violati
 as `clock_offset_ns`. Only a device clock *behind* the host is detectable this way; one ahead looks
 like queueing latency. Output `start_ns`/`end_ns` are the corrected values.
 
-Watched buffers. A 2-D int32/int64 `WatchedBuffer` (n_rows, k) of top-k expert ids becomes `routes`
+Watched buffers. A 2-D int32/uint32/int64 `WatchedBuffer` (n_rows, k) of top-k expert ids becomes `routes`
 rows of its step: row = i, expert_ids = row i, and layer = the index of this launch among the
 watched launches of the same (kernel, arg_index) in that step, in launch order (correlation ids
 increase in launch order). That is the MoE-layer ordinal, which equals the model layer only when

@@ -14,7 +14,8 @@ from sparseety_prof.store import schema
 if TYPE_CHECKING:
     import polars as pl
 
-_ID_CODES = {"int32": "i", "int64": "q"}
+_ID_CODES = {"int32": "i", "uint32": "I", "int64": "q"}  # vLLM's top-k kernels write any of the three
+_ID_MIN, _ID_MAX = -(2**31), 2**31 - 1  # routes.expert_ids is Int32: anything else is not an expert id
 
 # The GPU sees kernels and buffers, not batches. Its routes rows have no sequence, position, gate
 # weights or activation values; its steps (closed by a device-to-host copy) no batch contents.
@@ -194,7 +195,8 @@ def _sorted(cols: schema.Columns, keys: tuple[str, ...]) -> schema.Columns:
 
 
 def _decode_ids(w: WatchedBuffer) -> list[int] | None:
-    """The ids of a 2-D int32/int64 buffer, row-major; None when it is not one (or is malformed)."""
+    """The ids of a 2-D int32/uint32/int64 buffer, row-major; None when it is not one, or is
+    malformed: the wrong size, or an id outside Int32 (a rule that reads the wrong buffer)."""
     code = _ID_CODES.get(w.dtype)
     if code is None or len(w.shape) != 2:
         return None
@@ -204,7 +206,10 @@ def _decode_ids(w: WatchedBuffer) -> list[int] | None:
     a.frombytes(w.data)
     if sys.byteorder == "big":
         a.byteswap()  # CUDA devices and their hosts are little-endian
-    return a.tolist()
+    ids = a.tolist()
+    if ids and (min(ids) < _ID_MIN or max(ids) > _ID_MAX):
+        return None
+    return ids
 
 
 def summarize(kernels: pl.DataFrame) -> pl.DataFrame:

@@ -19,6 +19,8 @@ from types import FrameType
 from typing import Any
 
 from sparseety_prof.capture.resources import CUPTI_LIBRARY
+from sparseety_prof.gpu.presets import PRESETS, watch_spec
+from sparseety_prof.gpu.watch_rules import WatchSpecError
 
 __all__ = ["add_arguments", "build_env", "find_libcupti", "launch", "library_path", "run"]
 
@@ -142,6 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "block.x|y|z joined by '*'; ',' separates dimensions)",
     )
     parser.add_argument("--watch-file", metavar="FILE", help="the same entries, one per line, '#' comments")
+    add_preset_flag(parser)
     parser.add_argument(
         "--sample-every", type=int, metavar="N", help="copy every Nth watched launch (default 1)"
     )
@@ -156,9 +159,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- <engine command and arguments>")
 
 
+def add_preset_flag(parser: argparse.ArgumentParser) -> None:
+    """--preset, shared by `launch` and `record`/`attach --late-attach`."""
+    parser.add_argument(
+        "--preset",
+        action="append",
+        choices=sorted(PRESETS),
+        help="watch the fused-MoE routing kernels of this engine (repeatable; after the --watch entries, "
+        "which win where both match; README: GPU path, Presets)",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `launch` from the options parsed by a parser that `add_arguments` set up."""
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
-    return launch(command, **{name: getattr(args, name) for name in SETTINGS})
+    settings = {name: getattr(args, name) for name in SETTINGS}
+    try:
+        settings["watch"] = watch_spec(args.watch, args.preset)
+    except WatchSpecError as e:
+        print(f"sparseety-prof launch: --watch/--preset: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return launch(command, **settings)
