@@ -235,3 +235,24 @@ def test_anomaly_keeps_a_log_prob_collapse_and_the_steps_around_it() -> None:
 def test_bad_policies_are_refused_with_what_is_wrong(specs: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check(specs)
+
+
+def test_policy_flags_reach_the_options_and_bad_ones_are_usage_errors() -> None:
+    from sparseety_prof.cli import build_parser
+    from sparseety_prof.commands.attach_flags import options_from
+    from sparseety_prof.errors import UsageError
+
+    p = build_parser()
+    base = ["record", "--pid", "7", "-o", "rec"]
+    o = options_from(
+        p.parse_args([*base, "--policy", "head:0.1", "--policy", "anomaly", "--policy-window", "8M"])
+    )
+    assert (o.policy, o.policy_window) == (("head:0.1", "anomaly"), 8 << 20)
+    assert options_from(p.parse_args(base)).policy == ("full",)
+    for bad, message in (
+        (["--policy", "tail:2"], "--policy: tail:Q"),
+        (["--policy-window", "9Q"], "--policy-window"),
+    ):
+        with pytest.raises(UsageError, match=message) as e:
+            options_from(p.parse_args([*base, *bad]))
+        assert e.value.exit_code == 2

@@ -303,9 +303,12 @@ def options_from(args: argparse.Namespace) -> Options:
 
     try:
         policy = check_policy(args.policy or ["full"])
-        policy_window = parse_size(args.policy_window)
     except ValueError as e:
         raise UsageError(f"--policy: {e}") from None
+    try:
+        policy_window = parse_size(args.policy_window)
+    except ValueError as e:
+        raise UsageError(f"--policy-window: {e}") from None
     if args.aggregate_interval < 1:
         raise UsageError(f"--aggregate-interval must be at least 1 second, got {args.aggregate_interval}")
     if args.output is not None:

@@ -30,7 +30,7 @@ def check(specs: Sequence[str]) -> tuple[str, ...]:
     """The `--policy` values, checked (ValueError with what is wrong)."""
     specs = tuple(specs) or ("full",)
     if "full" in specs and len(specs) > 1:
-        raise ValueError("--policy full keeps every row: it cannot be combined with another policy")
+        raise ValueError("full keeps every row: it cannot be combined with another policy")
     request_verdicts.parse([s for s in specs if s not in _DROPPED_TABLES])
     return specs
 
