@@ -167,7 +167,7 @@ def test_tail_keeps_the_slow_request_and_the_warmup() -> None:
     tail = Tail(0.9)
     want = set()
     for req in ended.to_dicts():
-        if tail.keeps_at_end(req, pl.DataFrame()):
+        if tail.keeps_at_end(req):
             want.add(req["request_id"])
     check_rows(sim, written, want, pol)
     assert len(want) < 20

@@ -140,7 +140,7 @@ def test_tail_and_anomaly_keep_the_planted_requests_and_drop_the_ordinary_ones(r
     # tail's verdicts, recomputed from the recording's own requests rows in the order they ended
     tail = Tail(0.9)
     reqs = rec.requests().sort("t_last_token_ns")
-    by_tail = {r["request_id"] for r in reqs.to_dicts() if tail.keeps_at_end(r, pl.DataFrame())}
+    by_tail = {r["request_id"] for r in reqs.to_dicts() if tail.keeps_at_end(r)}
     assert runs.slow in by_tail
     assert kept == by_tail | {runs.collapse}
     ordinary_after_warmup = [r for r in runs.ids[TAIL_WARMUP:] if r not in (runs.slow, runs.collapse)]

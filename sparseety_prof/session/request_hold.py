@@ -19,12 +19,11 @@ Tables that are not per request (requests, kernels, aggregates) pass through."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import polars as pl
 
-from sparseety_prof.session.request_verdicts import Anomaly, Verdict
+from sparseety_prof.session.request_verdicts import Anomaly, Head, Tail, Verdict
 
 HELD_TABLES = ("tokens", "steps", "routes", "masks")
 #: the anomaly policy keeps the steps rows this many steps either side of a detector firing
@@ -42,7 +41,8 @@ class RequestHold:
     def __init__(self, verdicts: list[Verdict], *, max_bytes: int = DEFAULT_WINDOW_BYTES) -> None:
         self.verdicts = verdicts
         self.max_bytes = max_bytes
-        self._at_end = [v for v in verdicts if not v.at_start]
+        self._at_start = [v for v in verdicts if isinstance(v, Head)]
+        self._at_end = [v for v in verdicts if isinstance(v, Tail | Anomaly)]
         self._pending: dict[str, list[pl.DataFrame]] = {t: [] for t in HELD_TABLES}
         self._bytes: int = 0
         self._ended: list[dict[str, Any]] = []  # requests rows not yet judged
@@ -87,8 +87,7 @@ class RequestHold:
         tokens = frames.get("tokens")
         if tokens is not None:
             self._learn(tokens)
-        for req in self._ended:
-            self._judge(req, tokens)
+        self._judge(self._ended, tokens)
         self._ended = []
         out = self._resolve(frames)
         while self._bytes > self.max_bytes or (final and self._bytes):
@@ -120,37 +119,46 @@ class RequestHold:
     def _start(self, rid: str) -> None:
         if rid in self._decision:
             return
-        starts = [v for v in self.verdicts if v.at_start]
-        kept = [v.keeps_at_start(rid) for v in starts]  # type: ignore[union-attr]
-        for v, k in zip(starts, kept, strict=True):
+        kept = [v.keeps_at_start(rid) for v in self._at_start]
+        for v, k in zip(self._at_start, kept, strict=True):
             self.judged[v.name]["kept" if k else "dropped"] += 1
         if any(kept):
             self._decide(rid, True)
         elif not self._at_end:
             self._decide(rid, False)
 
-    def _judge(self, req: Mapping[str, Any], tokens: pl.DataFrame | None) -> None:
-        """A request ended: the end policies' verdicts (tail sees every request, so that its
-        quantile is over all of them; the others only a request still undecided)."""
-        rid = req["request_id"]
-        if rid is None:
-            return
-        self._start(rid)
-        undecided = rid not in self._decision
+    def _judge(self, ended: list[dict[str, Any]], tokens: pl.DataFrame | None) -> None:
+        """Requests ended, in the order they ended: the end policies' verdicts. Tail sees every
+        request, so that its quantile is over all of them; anomaly only those still undecided
+        (a request kept at its start or on overflow has its tokens written already)."""
+        ended = [r for r in ended if r["request_id"] is not None]
+        for req in ended:
+            self._start(req["request_id"])
+        undecided = [r["request_id"] for r in ended if r["request_id"] not in self._decision]
         mine = (
-            tokens.filter(pl.col("request_id") == rid) if tokens is not None and undecided else pl.DataFrame()
+            tokens.filter(pl.col("request_id").is_in(undecided))
+            if tokens is not None and undecided
+            else pl.DataFrame()
         )
-        keep = False
-        for v in self._at_end:
-            if not undecided and isinstance(v, Anomaly):
-                continue  # already kept at its start or on overflow: its tokens are written
-            k = v.keeps_at_end(req, mine)  # type: ignore[union-attr]
-            self.judged[v.name]["kept" if k else "dropped"] += 1
-            keep = keep or k
-            if k and isinstance(v, Anomaly):
-                self._keep_around += [(s - STEPS_AROUND, s + STEPS_AROUND) for s in v.fired_steps]
-        if undecided:
-            self._decide(rid, keep)
+        fired = {v.name: v.fire(mine) for v in self._at_end if isinstance(v, Anomaly) and undecided}
+        pending = set(undecided)
+        for req in ended:
+            rid = req["request_id"]
+            keep = False
+            for v in self._at_end:
+                if isinstance(v, Anomaly):
+                    if rid not in pending:
+                        continue
+                    steps = fired[v.name].get(rid)
+                    k = steps is not None
+                    self._keep_around += [(s - STEPS_AROUND, s + STEPS_AROUND) for s in steps or ()]
+                else:
+                    k = v.keeps_at_end(req)
+                self.judged[v.name]["kept" if k else "dropped"] += 1
+                keep = keep or k
+            if rid in pending:
+                pending.discard(rid)
+                self._decide(rid, keep)
 
     def _decide(self, rid: str, kept: bool) -> None:
         self._decision[rid] = kept

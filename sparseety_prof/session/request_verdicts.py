@@ -42,8 +42,6 @@ class Head:
     """Keeps a request when its id falls below RATE: a share RATE of the requests, the same ones
     when the same ids come again."""
 
-    at_start = True
-
     def __init__(self, rate: float) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"head:RATE needs 0 <= RATE <= 1, got {rate}")
@@ -70,8 +68,6 @@ class Tail:
     """Keeps a request whose latency (request_latency_ms) is above the running quantile Q of the
     requests that ended before it (the last TAIL_HISTORY of them; the first TAIL_WARMUP are kept)."""
 
-    at_start = False
-
     def __init__(self, q: float) -> None:
         if not 0.0 < q < 1.0:
             raise ValueError(f"tail:Q needs 0 < Q < 1, got {q}")
@@ -80,7 +76,7 @@ class Tail:
         self._recent: deque[float] = deque()
         self._sorted: list[float] = []
 
-    def keeps_at_end(self, req: Mapping[str, Any], tokens: pl.DataFrame) -> bool:
+    def keeps_at_end(self, req: Mapping[str, Any]) -> bool:
         lat = request_latency_ms(req)
         if lat is None:
             return False  # no token: nothing of it to keep but its requests row, kept anyway
@@ -100,9 +96,10 @@ class Tail:
 
 class Anomaly:
     """Keeps a request in which one of `kinds` of detectors fires on its tokens; the steps where
-    they fired are handed to the hold, which keeps the steps rows around them."""
-
-    at_start = False
+    they fired are handed to the hold, which keeps the steps rows around them. The detectors run
+    once over the tokens of every request that ended since the last flush (one polars pass each,
+    not one per request); their baselines are per request (log-prob, routing jumps), or per layer
+    over those requests together (sparsity spikes), as over a recording."""
 
     def __init__(self, kinds: tuple[str, ...], meta: Mapping[str, Any] | None) -> None:
         unknown = [k for k in kinds if k not in REQUEST_DETECTORS]
@@ -114,21 +111,19 @@ class Anomaly:
         self.name = "anomaly" if kinds == tuple(REQUEST_DETECTORS) else "anomaly:" + ",".join(kinds)
         self.kinds = kinds
         self.meta = meta
-        self.fired_steps: list[int] = []  # steps of the last request's firings
         self.fired: dict[str, int] = {}  # detector -> requests it fired in
 
-    def keeps_at_end(self, req: Mapping[str, Any], tokens: pl.DataFrame) -> bool:
-        self.fired_steps = []
-        fired = False
+    def fire(self, tokens: pl.DataFrame) -> dict[str, list[int]]:
+        """Request id -> the steps where a detector fired in it, for the requests where one did."""
+        out: dict[str, list[int]] = {}
         if tokens.is_empty():
-            return False
+            return out
         for kind in self.kinds:
-            found = REQUEST_DETECTORS[kind](tokens, self.meta)
-            if found.height:
-                fired = True
+            found = REQUEST_DETECTORS[kind](tokens, self.meta).filter(pl.col("request_id").is_not_null())
+            for rid, steps in found.group_by("request_id").agg(pl.col("step_id").drop_nulls()).iter_rows():
                 self.fired[kind] = self.fired.get(kind, 0) + 1
-                self.fired_steps += [int(s) for s in found["step_id"].drop_nulls()]
-        return fired
+                out.setdefault(rid, []).extend(int(x) for x in steps)
+        return out
 
 
 Verdict = Head | Tail | Anomaly
