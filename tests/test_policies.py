@@ -181,6 +181,12 @@ def test_policies_combine_as_any() -> None:
     kept = set(head["tokens"]["request_id"]) | set(tail["tokens"]["request_id"])
     assert set(both["tokens"]["request_id"]) == kept
     check_rows(sim, both, kept, pol)
+    # each policy's own verdicts, counted once per request
+    n_head = len(set(head["tokens"]["request_id"]))
+    n_tail = len(set(tail["tokens"]["request_id"]))
+    by_policy = pol.to_meta()["by_policy"]
+    assert by_policy["head:0.2"] == {"kept": n_head, "dropped": 40 - n_head}
+    assert by_policy["tail:0.95"] == {"kept": n_tail, "dropped": 40 - n_tail}
 
 
 def test_a_full_window_keeps_the_oldest_undecided_requests_early_and_counts_them() -> None:

@@ -47,6 +47,7 @@ class RequestHold:
         self._bytes: int = 0
         self._ended: list[dict[str, Any]] = []  # requests rows not yet judged
         self._decision: dict[str, bool] = {}  # request id -> kept
+        self._started: set[str] = set()  # requests the head policies have judged
         # (ctx, seq) -> [last token step so far, request id], in order
         self._ranges: dict[tuple[int, int], list[list[Any]]] = {}
         self._keep_around: list[tuple[int, int]] = []  # step ranges the anomaly policy keeps
@@ -117,8 +118,9 @@ class RequestHold:
                 self._start(rid)
 
     def _start(self, rid: str) -> None:
-        if rid in self._decision:
+        if rid in self._started or rid in self._decision:
             return
+        self._started.add(rid)
         kept = [v.keeps_at_start(rid) for v in self._at_start]
         for v, k in zip(self._at_start, kept, strict=True):
             self.judged[v.name]["kept" if k else "dropped"] += 1
@@ -298,6 +300,7 @@ class RequestHold:
         live = {r[1] for rs in self._ranges.values() for r in rs}
         if len(self._decision) > 4 * len(live) + 1024:
             self._decision = {k: v for k, v in self._decision.items() if k in live}
+            self._started &= live
         self._keep_around = self._keep_around[-64:]
 
     def meta(self) -> dict[str, Any]:
