@@ -148,6 +148,7 @@ def test_tail_and_anomaly_keep_the_planted_requests_and_drop_the_ordinary_ones(r
     assert share <= 0.1 + 4 * sqrt(0.1 * 0.9 / len(ordinary_after_warmup))
     assert meta["requests"] == {"kept": len(kept), "dropped": len(runs.ids) - len(kept)}
     assert meta["by_policy"]["anomaly:logprob_collapse"]["kept"] == 1
+    assert meta["by_policy"]["tail:0.9"] == {"kept": len(by_tail), "dropped": len(runs.ids) - len(by_tail)}
     assert meta["rows_dropped"]["tokens"] == runs.full.tokens().height - rec.tokens().height
     assert rec.routes().height == _rows_of(runs, rec, "routes", kept)
     assert meta["window"]["overflow_requests"] == 0
