@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sparseety_prof.correlate.serving import DEFAULT_HEADER
-from sparseety_prof.session.policy import POLICIES
 
 if TYPE_CHECKING:
     from sparseety_prof.capture.process_match import ProcessRule
@@ -78,12 +77,24 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
     )
     p.add_argument(
         "--policy",
-        choices=POLICIES,
-        default="full",
-        help="what the recording keeps: full (default) every row; aggregate only the always-on "
-        "aggregates and the requests table (the per-token and per-step rows are counted in meta.json "
-        "policy, apart from losses); metrics and exporters (--metrics-port, --otlp) see every row "
-        "whatever the policy",
+        action="append",
+        default=None,
+        metavar="POLICY",
+        help="what the recording keeps, repeatable (a request is kept when any policy keeps it): full "
+        "(default) every row; aggregate only the always-on aggregates and the requests table; head:RATE "
+        "the requests whose id hashes below RATE (decided at their start, the same ids in every run); "
+        "tail:Q the requests whose time per output token is above the running Q quantile; "
+        "anomaly[:KIND,...] the requests in which an anomaly detector fires, and the steps around it. "
+        "The aggregates and the requests table are kept whatever the policy; what it drops is counted "
+        "in meta.json policy, apart from losses; metrics and exporters (--metrics-port, --otlp) see every "
+        "row whatever the policy",
+    )
+    p.add_argument(
+        "--policy-window",
+        default="64M",
+        metavar="SIZE",
+        help="memory the rows of undecided requests may hold under tail and anomaly policies (default "
+        "64M); beyond it the oldest undecided requests are kept early, counted in meta.json policy.window",
     )
     p.add_argument(
         "--ring-mb",
@@ -314,6 +325,16 @@ def options_from(args: argparse.Namespace) -> Options:
             raise UsageError("--max-disk needs -o (it bounds the recording on disk)")
     if not 1 <= args.ring_mb <= 1024 or args.ring_mb & (args.ring_mb - 1):
         raise UsageError(f"--ring-mb must be a power of two from 1 to 1024, got {args.ring_mb}")
+    from sparseety_prof.session.policy import check as check_policy
+
+    try:
+        policy = check_policy(args.policy or ["full"])
+    except ValueError as e:
+        raise UsageError(f"--policy: {e}") from None
+    try:
+        policy_window = parse_size(args.policy_window)
+    except ValueError as e:
+        raise UsageError(f"--policy-window: {e}") from None
     if args.aggregate_interval < 1:
         raise UsageError(f"--aggregate-interval must be at least 1 second, got {args.aggregate_interval}")
     if args.output is not None:
@@ -349,7 +370,8 @@ def options_from(args: argparse.Namespace) -> Options:
         moe_read=getattr(args, "moe_read", "auto"),
         discover_layout=getattr(args, "discover_layout", False),
         discover_timeout=getattr(args, "discover_timeout", 120.0),
-        policy=args.policy,
+        policy=policy,
+        policy_window=policy_window,
         ring_mb=args.ring_mb,
         aggregate_s=args.aggregate_interval,
     )

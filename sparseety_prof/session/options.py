@@ -32,7 +32,8 @@ class Options:
     discover_layout: bool = False  # learn the llama_ubatch layout on live data even if the table has it
     discover_timeout: float = 120.0  # seconds to wait for forward passes to learn a layout from
     ring_mb: int = 64  # the ring buffer the probes write to (a power of two; kernel memory, locked)
-    policy: str = "full"  # what the recording keeps (session/policy.py)
+    policy: tuple[str, ...] = ("full",)  # what the recording keeps (session/policy.py), any of them
+    policy_window: int = 64 << 20  # bytes of rows the per-request policies hold until decided
     aggregate_s: int = 10  # bucket of the always-on aggregates table
 
 

@@ -1,27 +1,45 @@
-"""What a recording keeps of the rows the consumer makes (`--policy`).
+"""What a recording keeps of the rows the consumer makes (`--policy`, repeatable).
 
 `full` keeps every row. `aggregate` keeps the always-on aggregates (store/aggregates.py) and the
 requests table, one row per request, and drops the per-token and per-step rows: the mode to stay
-attached for days. What a policy drops is counted per table in meta.json "policy", apart from
-"losses" (rows the profiler failed to capture). Metrics endpoints and exporters (session/sinks.py)
-are fed every row whatever the policy: the policy decides what is stored."""
+attached for days. The per-request policies, `head:RATE`, `tail:Q` and `anomaly[:KINDS]`
+(session/request_verdicts.py), keep the rows of the requests any of them keeps, and the aggregates
+and the requests table whatever they decide (`aggregate` among them changes nothing). What a policy
+drops is counted per table in meta.json "policy", apart from "losses" (rows the profiler failed to
+capture). Metrics endpoints and exporters (session/sinks.py) are fed every row whatever the
+policy: the policy decides what is stored."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-POLICIES: tuple[str, ...] = ("full", "aggregate")
+import polars as pl
+
+from sparseety_prof.session import request_verdicts
+from sparseety_prof.session.request_hold import DEFAULT_WINDOW_BYTES, RequestHold
+
+POLICIES: tuple[str, ...] = ("full", "aggregate", "head:RATE", "tail:Q", "anomaly[:KINDS]")
 _DROPPED_TABLES: dict[str, frozenset[str]] = {
     "full": frozenset(),
     "aggregate": frozenset({"tokens", "steps", "routes", "masks", "kernels"}),
 }
 
 
+def check(specs: Sequence[str]) -> tuple[str, ...]:
+    """The `--policy` values, checked (ValueError with what is wrong)."""
+    specs = tuple(specs) or ("full",)
+    if "full" in specs and len(specs) > 1:
+        raise ValueError("full keeps every row: it cannot be combined with another policy")
+    request_verdicts.parse([s for s in specs if s not in _DROPPED_TABLES])
+    return specs
+
+
 class RowPolicy:
     """Decides per frame of rows whether the recording stores it, and counts what it drops."""
 
     def __init__(self, name: str) -> None:
-        if name not in POLICIES:
+        if name not in _DROPPED_TABLES:
             raise ValueError(f"unknown policy {name!r}; policies are {', '.join(POLICIES)}")
         self.name = name
         self._drops = _DROPPED_TABLES[name]
@@ -35,3 +53,49 @@ class RowPolicy:
 
     def to_meta(self) -> dict[str, Any]:
         return {"name": self.name, "rows_dropped": dict(sorted(self.rows_dropped.items()))}
+
+
+class RecordingPolicy:
+    """Every `--policy` value together: frames in, the frames to store out."""
+
+    def __init__(
+        self,
+        specs: Sequence[str],
+        meta: Mapping[str, Any] | None = None,
+        *,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+    ) -> None:
+        self.specs = check(specs)
+        per_request = [s for s in self.specs if s not in _DROPPED_TABLES]
+        self._rows = RowPolicy(self.specs[0] if not per_request else "full")
+        self.hold = (
+            RequestHold(request_verdicts.parse(per_request, meta), max_bytes=window_bytes)
+            if per_request
+            else None
+        )
+
+    @property
+    def per_request(self) -> bool:
+        return self.hold is not None
+
+    def take(self, table: str, df: pl.DataFrame) -> list[tuple[str, pl.DataFrame]]:
+        """A frame the consumer made: what of it to store now."""
+        if self.hold is not None:
+            out = self.hold.add(table, df)
+            return [] if out is None else [(table, out)]
+        return [(table, df)] if self._rows.keeps(table, df.height) else []
+
+    def settle(self, *, final: bool = False) -> list[tuple[str, pl.DataFrame]]:
+        """The held rows decided since the last call (every frame of the requests that ended must
+        have been taken)."""
+        return self.hold.settle(final=final) if self.hold is not None else []
+
+    def to_meta(self) -> dict[str, Any]:
+        name = "+".join(self.specs)
+        if self.hold is None:
+            return {**self._rows.to_meta(), "name": name}
+        return {
+            "name": name,
+            "rows_dropped": dict(sorted(self.hold.rows_dropped.items())),
+            **self.hold.meta(),
+        }

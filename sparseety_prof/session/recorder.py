@@ -33,7 +33,7 @@ from sparseety_prof.gpu.shm_ring import RingError
 from sparseety_prof.session import metadata
 from sparseety_prof.session.attach import attach
 from sparseety_prof.session.options import Options, Progress
-from sparseety_prof.session.policy import RowPolicy
+from sparseety_prof.session.policy import RecordingPolicy
 from sparseety_prof.session.sched import ConsumerSched
 from sparseety_prof.session.sinks import FrameSink, SinkFanout
 from sparseety_prof.session.snapshot import engine_environment, host_info, process_info
@@ -62,7 +62,7 @@ class Recorder:
         self.opts = opts
         self._sink_list = list(sinks)
         self._sinks: SinkFanout | None = None
-        self._policy = RowPolicy(opts.policy)
+        self._policy = RecordingPolicy(opts.policy, window_bytes=opts.policy_window)
         self._aggregates: Aggregator | None = None
         self.on_update = on_update
         self._rows = ColumnBuffer()
@@ -115,6 +115,8 @@ class Recorder:
             os.nice(opts.nice)
         wall_offset = time.time_ns() - time.monotonic_ns()
         self.meta = metadata.run_metadata(a, opts)
+        # the anomaly policy's detectors read the layer map
+        self._policy = RecordingPolicy(opts.policy, self.meta, window_bytes=opts.policy_window)
         writer = None
         if opts.out is not None:
             try:
@@ -244,6 +246,7 @@ class Recorder:
                 gpu.close()
             for table, df in self._rows.take_all():  # rows of drains before an error
                 self._emit(writer, table, df)
+            self._settle(writer, final=True)
             self._store_aggregates(writer, final=True)
             final["policy"] = self._policy.to_meta()
             final["aggregates"] = {
@@ -280,6 +283,7 @@ class Recorder:
         if flush.due(drained_at):
             for table, df in self._rows.take_all():
                 self._emit(writer, table, df)
+            self._settle(writer, final=False)
             self._store_aggregates(writer, final=False)
             if writer is not None:
                 writer.flush()
@@ -291,10 +295,18 @@ class Recorder:
         (what the policy keeps)."""
         if self._aggregates is not None:
             self._aggregates.add(table, df)
-        if writer is not None and self._policy.keeps(table, df.height):
-            writer.append(table, df)
+        if writer is not None:
+            for kept_table, kept in self._policy.take(table, df):
+                writer.append(kept_table, kept)
         if self._sinks:
             self._sinks.take(table, df)
+
+    def _settle(self, writer: RecordingWriter | None, *, final: bool) -> None:
+        """The rows the per-request policies decided since the last flush, to the recording. Called
+        after a flush's frames (the requests rows among them) have all been emitted."""
+        if writer is not None:
+            for table, df in self._policy.settle(final=final):
+                writer.append(table, df)
 
     def _store_aggregates(self, writer: RecordingWriter | None, *, final: bool) -> None:
         """The aggregates of buckets now closed (all of them at the end) into the recording."""
@@ -380,6 +392,8 @@ class Recorder:
                 "bpf_compile_s": 0.0,
             }
             gpu.close()
+            self._settle(writer, final=True)
+            final_meta["policy"] = self._policy.to_meta()
             if self._sink_list:
                 final_meta["sinks"] = self._sinks.close({**self.meta, **final_meta})
             self.meta.update(final_meta)

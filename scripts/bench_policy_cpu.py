@@ -1,0 +1,116 @@
+"""The recorder's own CPU per generated token under each `--policy`, on a real engine.
+
+    sudo .venv/bin/python scripts/bench_policy_cpu.py [--repeats 2] [--requests 16] [--tokens 48]
+
+llama-cpp-python on the `bench` model of tests/make_models.py (32,000-entry vocabulary), one engine
+thread. For each policy, in interleaved rounds: `sparseety-prof record --policy ...` is attached,
+its one-time start-up work (BPF compile, model sha256, attention-map learning on a few warm-up
+tokens) is let finish, then `--requests` requests of `--tokens` tokens are generated (prompts
+alternate, so each is a request of its own) and the recorder is stopped. The figure is the
+recorder's CPU time (user + system) from after the start-up work to its exit, close included,
+divided by the tokens generated in that window. Prints a table (median and range per policy)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))  # the model generator lives with the tests
+from bench_overhead import EngineProc, process_cpu_s, wait_quiet  # noqa: E402
+from make_models import make_model  # noqa: E402
+
+PROMPTS = ["hello the expert router decode sample", "one two three four five", "the sparse decode"]
+POLICIES = [
+    ["full"],
+    ["aggregate"],
+    ["head:0.1"],
+    ["tail:0.99"],
+    ["anomaly"],
+    ["head:0.1", "tail:0.99", "anomaly"],
+]
+
+
+def generate(engine: EngineProc, prompts: list[str], tokens: int) -> int:
+    """Generated tokens."""
+    assert engine.p.stdin is not None
+    engine.p.stdin.write(json.dumps({"prompts": prompts, "max_tokens": tokens}) + "\n")
+    engine.p.stdin.flush()
+    return sum(len(r["ids"]) for r in engine._read()["results"])
+
+
+def one(engine: EngineProc, policy: list[str], out: Path, requests: int, tokens: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "sparseety_prof.cli", "record", "--pid", str(engine.pid), "-o", str(out)]
+    for p in policy:
+        cmd += ["--policy", p]
+    rec = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert rec.stderr is not None
+    for line in rec.stderr:
+        if "attached to PID" in line:
+            break
+    else:
+        raise RuntimeError(f"recorder failed: {rec.wait()}")
+    generate(engine, [PROMPTS[2]], 8)  # warm-up: the attention-map learning and probe detach
+    wait_quiet(rec.pid, 10.0)
+    cpu0 = process_cpu_s(rec.pid)
+    n = generate(engine, [PROMPTS[i % 2] for i in range(requests)], tokens)
+    rec.send_signal(signal.SIGINT)
+    _, status, usage = os.wait4(rec.pid, 0)
+    rec.returncode = os.waitstatus_to_exitcode(status)
+    rest = rec.stderr.read()
+    if rec.returncode != 0:
+        raise RuntimeError(rest)
+    meta = json.loads((out / "meta.json").read_text())
+    cpu = usage.ru_utime + usage.ru_stime - cpu0
+    return {
+        "policy": "+".join(policy),
+        "tokens": n,
+        "cpu_s": cpu,
+        "us_per_token": cpu / n * 1e6,
+        "meta": meta,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=48)
+    a = ap.parse_args()
+    model = make_model(ROOT / "models" / "bench.gguf", "bench")
+    engine = EngineProc(model, threads=1)
+    got: dict[str, list[dict[str, Any]]] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="sparseety-policy-cpu-") as tmp:
+            for r in range(a.repeats):
+                order = POLICIES if r % 2 == 0 else POLICIES[::-1]
+                for i, policy in enumerate(order):
+                    res = one(engine, policy, Path(tmp) / f"{r}-{i}", a.requests, a.tokens)
+                    got.setdefault(res["policy"], []).append(res)
+                    print(
+                        f"[policy-cpu] {res['policy']}: {res['us_per_token']:.0f} µs/token", file=sys.stderr
+                    )
+    finally:
+        engine.close()
+    print("| policy | recorder CPU per token (median) | range | tokens per run | requests kept / dropped |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, runs in got.items():
+        us = sorted(x["us_per_token"] for x in runs)
+        kept = runs[-1]["meta"]["policy"].get("requests", {})
+        print(
+            f"| {name} | {us[len(us) // 2]:.0f} µs | {us[0]:.0f}-{us[-1]:.0f} µs | {runs[-1]['tokens']} | "
+            f"{kept.get('kept', '-')} / {kept.get('dropped', '-')} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

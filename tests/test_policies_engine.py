@@ -1,0 +1,154 @@
+"""The per-request policies on a real llama.cpp engine (llama-cpp-python in-process,
+tests/engines/llama_engine.py), three recorders attached at once: `full` (the reference),
+`head:0.3`, and `tail:0.9` combined with `anomaly:logprob_collapse`. The requests are ordinary ones,
+one planted slow request (the engine sleeps TOKEN_DELAY_S between its tokens: its process is slow,
+as a stalled engine would be) and one planted log-prob collapse (the least likely token forced at
+four decode orders). The planted requests must be kept, the ordinary ones dropped at the stated
+rate; every kept request's token ids equal the engine's, and what was dropped is counted."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from math import sqrt
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+from conftest import ENGINES, Engine, Recorder
+from test_anomalies_planted import realtime
+
+import sparseety_prof
+from sparseety_prof.session.request_verdicts import TAIL_WARMUP, Tail, head_fraction
+
+pytestmark = [pytest.mark.root, pytest.mark.engine]
+
+#: consecutive prompts differ (llama-cpp-python would reuse the cached prompt of the one before)
+PROMPTS = ["hello the expert router", "one two three four", "the sparse decode sample"]
+N_ORDINARY = 45
+N_TOKENS = 24
+TOKEN_DELAY_S = 0.015  # the slow request: about 0.35 s more over its tokens
+LEAST_AT = range(10, 14)
+HEAD_RATE = 0.3
+
+
+@dataclass
+class Runs:
+    full: Any
+    head: Any
+    tail_anomaly: Any
+    results: list[dict[str, Any]]  # the engine's, in request order
+    ids: list[str]  # request ids in the same order (from the full recording)
+    slow: str
+    collapse: str
+
+
+@pytest.fixture(scope="module")
+def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    d = tmp_path_factory.mktemp("policies")
+    engine = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
+    # SCHED_FIFO, so that the other processes of a shared machine (the three recorders among them)
+    # do not make the engine's latency drift over the run: a running quantile assumes it does not
+    realtime(engine.pid)
+    try:
+        recs = {
+            "full": Recorder(engine.pid, d / "full"),
+            "head": Recorder(engine.pid, d / "head", "--policy", f"head:{HEAD_RATE}"),
+            "tail_anomaly": Recorder(
+                engine.pid, d / "ta", "--policy", "tail:0.9", "--policy", "anomaly:logprob_collapse"
+            ),
+        }
+        prompts = [PROMPTS[i % 3] for i in range(N_ORDINARY)]
+        results = _generate(engine, prompts[:20])
+        results += _generate(engine, [PROMPTS[1]], token_delay=TOKEN_DELAY_S)  # the slow one
+        results += _generate(engine, prompts[21:30])
+        results += _generate(engine, [PROMPTS[2]], force=[{str(i): "least" for i in LEAST_AT}])
+        results += _generate(engine, prompts[31:])
+        for rec in recs.values():
+            rc, err = rec.stop(signal.SIGINT)
+            assert rc == 0, err
+        opened = {k: sparseety_prof.open(d / ("ta" if k == "tail_anomaly" else k)) for k in recs}
+        tokens = opened["full"].tokens()
+        ids = (
+            tokens.group_by("request_id")
+            .agg(pl.col("t_end_ns").min())
+            .sort("t_end_ns")["request_id"]
+            .to_list()
+        )
+        assert len(ids) == len(results)
+        yield Runs(opened["full"], opened["head"], opened["tail_anomaly"], results, ids, ids[20], ids[30])
+    finally:
+        engine.close()
+
+
+def _generate(engine: Engine, prompts: list[str], **extra: Any) -> list[dict[str, Any]]:
+    engine.send({"prompts": prompts, "max_tokens": N_TOKENS, "temp": 0.0, "seed": 1, **extra})
+    return list(engine.read(timeout=600)["results"])
+
+
+def _kept_ids_match_the_engine(runs: Runs, rec: Any) -> set[str]:
+    """The requests a recording kept; each one's token ids are the engine's, in order."""
+    tokens = rec.tokens()
+    kept = set(tokens["request_id"].unique())
+    engine_ids = dict(zip(runs.ids, (r["ids"] for r in runs.results), strict=True))
+    for rid in kept:
+        got = tokens.filter(pl.col("request_id") == rid).sort("decode_order")["token_id"].to_list()
+        assert got == engine_ids[rid], rid
+    return kept
+
+
+def _rows_of(runs: Runs, rec: Any, table: str, kept: set[str]) -> int:
+    """Rows of `table` in the full recording that belong to the kept requests: one sequence, so a
+    request owns the steps after the previous request's last token step up to its own."""
+    last = runs.full.tokens().group_by("request_id").agg(pl.col("step_id").max())
+    bounds = dict(last.iter_rows())
+    n = 0
+    prev = -1
+    for rid in runs.ids:
+        if rid in kept:
+            steps = runs.full.table(table)["step_id"]
+            n += int(((steps > prev) & (steps <= bounds[rid])).sum())
+        prev = bounds[rid]
+    return n
+
+
+def test_head_keeps_the_hashed_share_with_all_their_rows_and_counts_the_rest(runs: Runs) -> None:
+    kept = _kept_ids_match_the_engine(runs, runs.head)
+    want = {rid for rid in runs.ids if head_fraction(rid) < HEAD_RATE}
+    assert kept == want
+    n = len(runs.ids)
+    assert abs(len(kept) / n - HEAD_RATE) <= 4 * sqrt(HEAD_RATE * (1 - HEAD_RATE) / n)  # binomial bound
+    meta = runs.head.meta["policy"]
+    assert meta["requests"] == {"kept": len(kept), "dropped": n - len(kept)}
+    full_tokens = runs.full.tokens().height
+    assert meta["rows_dropped"]["tokens"] == full_tokens - runs.head.tokens().height
+    for table in ("routes", "steps"):
+        assert runs.head.table(table).height == _rows_of(runs, runs.head, table, kept), table
+        assert meta["rows_dropped"][table] == runs.full.table(table).height - runs.head.table(table).height
+    assert runs.head.requests().height == n  # one row per request whatever the policy
+    assert runs.head.meta["losses"]["seq_gaps"] == 0 and runs.head.meta["losses"]["kernel_drops"] == 0
+
+
+def test_tail_and_anomaly_keep_the_planted_requests_and_drop_the_ordinary_ones(runs: Runs) -> None:
+    rec = runs.tail_anomaly
+    kept = _kept_ids_match_the_engine(runs, rec)
+    assert runs.slow in kept and runs.collapse in kept
+    meta = rec.meta["policy"]
+    assert meta["anomalies_fired"] == {"logprob_collapse": 1}
+    # tail's verdicts, recomputed from the recording's own requests rows in the order they ended
+    tail = Tail(0.9)
+    reqs = rec.requests().sort("t_last_token_ns")
+    by_tail = {r["request_id"] for r in reqs.to_dicts() if tail.keeps_at_end(r)}
+    assert runs.slow in by_tail
+    assert kept == by_tail | {runs.collapse}
+    ordinary_after_warmup = [r for r in runs.ids[TAIL_WARMUP:] if r not in (runs.slow, runs.collapse)]
+    share = len(set(ordinary_after_warmup) & kept) / len(ordinary_after_warmup)
+    assert share <= 0.1 + 4 * sqrt(0.1 * 0.9 / len(ordinary_after_warmup))
+    assert meta["requests"] == {"kept": len(kept), "dropped": len(runs.ids) - len(kept)}
+    assert meta["by_policy"]["anomaly:logprob_collapse"]["kept"] == 1
+    assert meta["by_policy"]["tail:0.9"] == {"kept": len(by_tail), "dropped": len(runs.ids) - len(by_tail)}
+    assert meta["rows_dropped"]["tokens"] == runs.full.tokens().height - rec.tokens().height
+    assert rec.routes().height == _rows_of(runs, rec, "routes", kept)
+    assert meta["window"]["overflow_requests"] == 0
