@@ -362,7 +362,7 @@ def test_call_restores_a_thread_stopped_in_user_code(build: Path) -> None:
     """The hard case for restoring: a thread stopped in the middle of arithmetic whose values live
     in general-purpose and vector registers (late_target's spin mode), made to call libc's strtod
     (which returns in xmm0) 30 times. Its output equals an untouched run's."""
-    n = 40
+    n = 400  # long enough for 30 calls on a quiet machine (an iteration takes ~10 ms there)
     ref = start_target(build, iterations=n, period_ms=0)
     target = start_target(build, iterations=n, period_ms=0)
     calls = in_user_code = 0
