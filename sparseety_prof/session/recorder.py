@@ -41,6 +41,7 @@ from sparseety_prof.store import schema
 from sparseety_prof.store.aggregates import Aggregator
 from sparseety_prof.store.buffers import ColumnBuffer, FlushSchedule
 from sparseety_prof.store.output_dir import sudo_owner
+from sparseety_prof.store.recording import list_layers
 from sparseety_prof.store.recording_writer import RecordingWriter
 from sparseety_prof.terminal_text import line as terminal_line
 
@@ -469,9 +470,8 @@ def _aggregator(opts: Options, meta: dict[str, Any]) -> Aggregator:
         leave_out.add("expert_load")
     if "sparsity" in opts.redact:
         leave_out.update({"act_zero_ratio", "act_below_ratio"})
-    layers = meta.get("layers")
     return Aggregator(
-        {k: v for k, v in layers.items() if isinstance(v, list)} if isinstance(layers, dict) else {},
+        list_layers(meta),
         bucket_s=opts.aggregate_s,
         grace_s=max(10.0, 2 * opts.flush_interval),
         leave_out=leave_out,

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 import polars as pl
 
 from sparseety_prof.session.options import Progress
-from sparseety_prof.store import redaction_levels, schema
-from sparseety_prof.store.recording import TEXT_COLUMNS
+from sparseety_prof.store import redaction_levels
+from sparseety_prof.store.recording import list_layers, without_text
 
 
 class FrameSink(Protocol):
@@ -52,12 +52,7 @@ class SinkFanout:
         redact_layers: frozenset[int] | None,
         log: Callable[[str], None],
     ) -> None:
-        layers = meta.get("layers")
-        self._redaction = redaction_levels.Redaction(
-            redact,
-            redact_layers,
-            {k: v for k, v in layers.items() if isinstance(v, list)} if isinstance(layers, dict) else {},
-        )
+        self._redaction = redaction_levels.Redaction(redact, redact_layers, list_layers(meta))
         self._redact_text = redact_text
         self._log = log
         self._live: list[FrameSink] = []
@@ -74,9 +69,7 @@ class SinkFanout:
         if not self._live or df.height == 0:
             return
         if self._redact_text:
-            df = df.with_columns(
-                pl.lit(None, dtype=schema.TABLES[table][c]).alias(c) for c in TEXT_COLUMNS.get(table, ())
-            )
+            df = without_text(table, df)
         df = self._redaction.frame(table, df)
         for s in list(self._live):
             self._call(s, s.take, table, df)

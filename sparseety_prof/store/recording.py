@@ -37,7 +37,16 @@ import polars as pl
 from sparseety_prof.errors import CorruptRecording, UsageError
 from sparseety_prof.store import redaction_levels, schema
 
-__all__ = ["FORMAT", "META_FILE", "Recording", "open", "schema_diff", "segment_name"]
+__all__ = [
+    "FORMAT",
+    "META_FILE",
+    "Recording",
+    "list_layers",
+    "open",
+    "schema_diff",
+    "segment_name",
+    "without_text",
+]
 
 FORMAT = "sparseety-prof-recording"
 META_FILE = "meta.json"
@@ -48,6 +57,22 @@ _SEGMENT_RE = re.compile(r"^part-(\d{6})\.parquet$")
 # Column roles. Names come from the schema; these only say which schema column plays which role.
 # (Candidates for schema.py itself, e.g. schema.TEXT_COLUMNS / schema.SORT_KEYS.)
 TEXT_COLUMNS: dict[str, tuple[str, ...]] = {"tokens": ("token_text",)}
+
+
+def without_text(table: str, df: pl.DataFrame) -> pl.DataFrame:
+    """`df` (rows of `table`) with its text columns stored as nulls (--redact-text)."""
+    return df.with_columns(
+        pl.lit(None, dtype=schema.TABLES[table][c]).alias(c) for c in TEXT_COLUMNS.get(table, ())
+    )
+
+
+def list_layers(meta: Mapping[str, Any]) -> dict[str, list[int]]:
+    """meta.json "layers": which model layer each element of the tokens table's per-layer lists
+    is, by kind (moe, ffn, attn); {} when the recording has none."""
+    layers = meta.get("layers")
+    return {k: v for k, v in layers.items() if isinstance(v, list)} if isinstance(layers, dict) else {}
+
+
 _SORT_KEYS: dict[str, tuple[str, ...]] = {
     "tokens": ("t_end_ns", "seq_id"),
     "steps": ("step_id",),

@@ -22,7 +22,14 @@ import polars as pl
 from sparseety_prof.errors import RecordingWriteError
 from sparseety_prof.store import redaction_levels, schema
 from sparseety_prof.store.output_dir import OutputDir
-from sparseety_prof.store.recording import FORMAT, META_FILE, TEXT_COLUMNS, schema_diff, segment_name
+from sparseety_prof.store.recording import (
+    FORMAT,
+    META_FILE,
+    list_layers,
+    schema_diff,
+    segment_name,
+    without_text,
+)
 from sparseety_prof.store.rotation import DiskBudget, Segment
 
 DEFAULT_SEGMENT_ROWS = 50_000
@@ -95,11 +102,10 @@ class RecordingWriter:
         self.owner = owner
         self.segment_rows = segment_rows
         self.redact_text = redact_text
-        layers = meta.get("layers")
         self.redaction = redaction_levels.Redaction(
             frozenset(redact),
             None if redact_layers is None else frozenset(redact_layers),
-            {k: v for k, v in layers.items() if isinstance(v, list)} if isinstance(layers, dict) else {},
+            list_layers(meta),
         )
         self._expert_load = redaction_levels.ExpertLoad() if "routing" in self.redaction.levels else None
         self._compression = compression
@@ -182,9 +188,7 @@ class RecordingWriter:
                 self._not_written[table] += df.height
                 return
             if self.redact_text:
-                df = df.with_columns(
-                    pl.lit(None, dtype=schema.TABLES[table][c]).alias(c) for c in TEXT_COLUMNS.get(table, ())
-                )
+                df = without_text(table, df)
             if self._expert_load is not None and table == "routes":
                 self._expert_load.add(df)
             df = self.redaction.frame(table, df)
