@@ -198,6 +198,9 @@ class Recorder:
             stderr=subprocess.PIPE,
             text=True,
             cwd=ROOT,
+            # a recorder that hangs is sent SIGABRT before it is killed (wait): its threads'
+            # stacks then reach stderr, and the failing test's message
+            env={**os.environ, "PYTHONFAULTHANDLER": "1"},
         )
         self.banner = self._wait_attached()
         # the rest of stderr, read as it comes (wait_for looks at it while the recorder runs)
@@ -247,8 +250,12 @@ class Recorder:
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.send_signal(signal.SIGABRT)  # the stacks of where it hangs (faulthandler)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         self._reader.join(timeout=10)
         if self.proc.stdout is not None:
             self.proc.stdout.read()

@@ -28,6 +28,7 @@ from sparseety_prof.capture.process_match import Candidate, ProcessRule, matchin
 from sparseety_prof.errors import NoSuchProcess, NotAnEngine, UnsupportedEngineBuild
 from sparseety_prof.session.options import Options
 from sparseety_prof.session.recorder import Recorder
+from sparseety_prof.session.stop_flag import StopFlag
 from sparseety_prof.store.output_dir import OutputDir, sudo_owner
 
 __all__ = ["FOLLOW_FILE", "Follower", "install_follow_signal_handlers"]
@@ -69,7 +70,7 @@ class Follower:
         self.proc = proc
         self.recordings: list[dict[str, Any]] = []
         self.stop_reason = ""
-        self._stop = threading.Event()
+        self._stop = StopFlag()  # set by signal handlers: threading.Event would deadlock there
         # re-entrant: a signal handler runs stop() on the main thread, which may hold it already
         self._lock = threading.RLock()
         self._current: Recorder | None = None

@@ -37,6 +37,7 @@ from sparseety_prof.session.policy import RecordingPolicy
 from sparseety_prof.session.sched import ConsumerSched
 from sparseety_prof.session.sinks import FrameSink, SinkFanout
 from sparseety_prof.session.snapshot import engine_environment, host_info, process_info
+from sparseety_prof.session.stop_flag import StopFlag
 from sparseety_prof.store import schema
 from sparseety_prof.store.aggregates import Aggregator
 from sparseety_prof.store.buffers import ColumnBuffer, FlushSchedule
@@ -71,7 +72,7 @@ class Recorder:
         # messages carry target strings (model path, build, layer details): shown, never obeyed
         self.log: Callable[[str], None] = lambda s: sink(terminal_line(s))
         self.progress = Progress()
-        self._stop = threading.Event()
+        self._stop = StopFlag()  # set by signal handlers: threading.Event would deadlock there
         self.stop_reason = ""
         self.meta: dict[str, Any] = {}
         self._corr: Correlator | None = None
