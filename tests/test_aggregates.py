@@ -92,6 +92,19 @@ def test_buckets_handed_out_as_they_close_add_up_to_the_same_counts() -> None:
     assert _as_dict(pl.concat(parts)) == _count_by_hand(tokens, 5, LAYERS)
 
 
+def test_rows_waiting_to_be_counted_are_bounded_and_counted_alike() -> None:
+    """Rows are counted when a bucket of theirs closes, or once FOLD_ROWS of them wait: a run
+    whose buckets never close in time (a long grace) still holds at most FOLD_ROWS raw rows."""
+    tokens = _random_tokens(400, seed=4)
+    agg = Aggregator(LAYERS, bucket_s=5, grace_s=3600)
+    agg.FOLD_ROWS = 50
+    for chunk in tokens.iter_slices(23):
+        agg.add("tokens", chunk)
+        assert agg._raw_rows < 50
+        assert agg.take(int(chunk["ts_unix_ms"].cast(pl.Int64).max())).height == 0  # type: ignore[arg-type]
+    assert _as_dict(agg.take()) == _count_by_hand(tokens, 5, LAYERS)
+
+
 def test_steps_give_a_latency_histogram() -> None:
     cols: schema.Columns = {c: [None] * 4 for c in schema.STEPS}
     cols.update(

@@ -17,6 +17,11 @@ import polars as pl
 from sparseety_prof.store import schema
 
 _KEYS = ["bucket_unix_ms", "metric", "layer", "bin"]
+# the columns each aggregated table is counted from
+_COUNTED = {
+    "tokens": ("ts_unix_ms", "log_prob", "expert_ids", "act_zero_ratio", "act_below_ratio"),
+    "steps": ("ts_unix_ms", "t_start_ns", "t_end_ns"),
+}
 
 
 class Aggregator:
@@ -38,25 +43,38 @@ class Aggregator:
         self.grace_ms = int(grace_s * 1000)
         self.leave_out = frozenset(leave_out)
         self._layers = {k: list(v) for k, v in layers.items()}
-        self._pending: list[pl.DataFrame] = []
+        self._pending: list[pl.DataFrame] = []  # counts folded so far (schema.AGGREGATES rows)
+        # Rows not counted yet, (table, the columns counted): counting has a fixed cost per call
+        # (a dozen group-bys), so rows wait here until a bucket of theirs closes, or until
+        # FOLD_ROWS of them wait, instead of being counted at every flush.
+        self._raw: list[tuple[str, pl.DataFrame]] = []
+        self._raw_rows = 0
+        self._raw_first_ms: int | None = None  # the earliest ts_unix_ms among them
+
+    #: rows waiting to be counted at most (bounds the memory they hold at high token rates)
+    FOLD_ROWS = 20_000
 
     def add(self, table: str, df: pl.DataFrame) -> None:
         """Count the rows of a tokens or steps frame (other tables are not aggregated)."""
-        if df.height == 0:
+        if df.height == 0 or table not in _COUNTED:
             return
-        if table == "tokens":
-            parts = self._token_counts(df)
-        elif table == "steps":
-            parts = [self._histogram(df, "step_ms", (pl.col("t_end_ns") - pl.col("t_start_ns")) / 1e6)]
-        else:
-            return
-        self._pending.extend(p for p in parts if p.height)
-        if len(self._pending) > 64:  # keep the pending list short: fold it now and then
-            self._pending = [combine(pl.concat(self._pending))]
+        wanted = [c for c in _COUNTED[table] if c in df.columns]
+        got = df.select(wanted)  # the frame's own buffers, not a copy
+        first = got["ts_unix_ms"].min()
+        if isinstance(first, int):
+            self._raw_first_ms = first if self._raw_first_ms is None else min(self._raw_first_ms, first)
+        self._raw.append((table, got))
+        self._raw_rows += got.height
+        if self._raw_rows >= self.FOLD_ROWS:
+            self._fold()
 
     def take(self, now_unix_ms: int | None = None) -> pl.DataFrame:
         """The counts of buckets that ended more than `grace_s` before `now_unix_ms` (every
         bucket when None: at the end of the recording), as schema.AGGREGATES rows."""
+        if now_unix_ms is None or (
+            self._raw_first_ms is not None and self._closed_by(self._raw_first_ms, now_unix_ms)
+        ):
+            self._fold()
         if not self._pending:
             return schema.empty("aggregates")
         counts = combine(pl.concat(self._pending))
@@ -64,8 +82,30 @@ class Aggregator:
             self._pending = []
             return counts
         closed = pl.col("bucket_unix_ms") + self.bucket_s * 1000 + self.grace_ms <= now_unix_ms
-        self._pending = [counts.filter(~closed)] if counts.filter(~closed).height else []
+        still_open = counts.filter(~closed)
+        self._pending = [still_open] if still_open.height else []
         return counts.filter(closed)
+
+    def _closed_by(self, ts_unix_ms: int, now_unix_ms: int) -> bool:
+        """Whether the bucket of `ts_unix_ms` is handed out at `now_unix_ms`."""
+        ms = self.bucket_s * 1000
+        return (ts_unix_ms // ms) * ms + ms + self.grace_ms <= now_unix_ms
+
+    def _fold(self) -> None:
+        """Count the waiting rows into the pending counts."""
+        raw, self._raw, self._raw_rows, self._raw_first_ms = self._raw, [], 0, None
+        for table in _COUNTED:
+            frames = [df for t, df in raw if t == table]
+            if not frames:
+                continue
+            df = pl.concat(frames) if len(frames) > 1 else frames[0]
+            if table == "tokens":
+                parts = self._token_counts(df)
+            else:
+                parts = [self._histogram(df, "step_ms", (pl.col("t_end_ns") - pl.col("t_start_ns")) / 1e6)]
+            self._pending.extend(p for p in parts if p.height)
+        if len(self._pending) > 64:  # keep the pending list short: fold it now and then
+            self._pending = [combine(pl.concat(self._pending))]
 
     # ---------------------------------------------------------------- per metric
     def _token_counts(self, df: pl.DataFrame) -> list[pl.DataFrame]:
