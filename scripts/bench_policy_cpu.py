@@ -1,9 +1,12 @@
 """The recorder's own CPU per generated token under each `--policy`, on a real engine.
 
     sudo .venv/bin/python scripts/bench_policy_cpu.py [--repeats 2] [--requests 16] [--tokens 48]
+        [--threads 1] [--compare OPTIONS [OPTIONS ...]]
 
-llama-cpp-python on the `bench` model of tests/make_models.py (32,000-entry vocabulary), one engine
-thread. For each policy, in interleaved rounds: `sparseety-prof record --policy ...` is attached,
+llama-cpp-python on the `bench` model of tests/make_models.py (32,000-entry vocabulary), `--threads`
+engine threads. With `--compare`, the same for each set of recorder options given (e.g.
+`--compare '--flush-interval 2' '--flush-interval 10'`) instead of each policy. For each policy,
+in interleaved rounds: `sparseety-prof record --policy ...` is attached,
 its one-time start-up work (BPF compile, model sha256, attention-map learning on a few warm-up
 tokens) is let finish, then `--requests` requests of `--tokens` tokens are generated (prompts
 alternate, so each is a request of its own) and the recorder is stopped. The figure is the
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -48,9 +52,10 @@ def generate(engine: EngineProc, prompts: list[str], tokens: int) -> int:
 
 
 def one(engine: EngineProc, policy: list[str], out: Path, requests: int, tokens: int) -> dict[str, Any]:
+    """`policy`: --policy values, or (with --compare) one string of recorder options."""
     cmd = [sys.executable, "-m", "sparseety_prof.cli", "record", "--pid", str(engine.pid), "-o", str(out)]
     for p in policy:
-        cmd += ["--policy", p]
+        cmd += shlex.split(p) if p.startswith("-") else ["--policy", p]
     rec = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     assert rec.stderr is not None
     for line in rec.stderr:
@@ -84,14 +89,24 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=1, help="engine threads")
+    ap.add_argument(
+        "--compare",
+        nargs="+",
+        default=None,
+        metavar="OPTIONS",
+        help="compare these recorder option sets instead of the policies, e.g. "
+        "--compare '--flush-interval 2' '--flush-interval 10'",
+    )
     a = ap.parse_args()
+    variants = [[c] for c in a.compare] if a.compare else POLICIES
     model = make_model(ROOT / "models" / "bench.gguf", "bench")
-    engine = EngineProc(model, threads=1)
+    engine = EngineProc(model, threads=a.threads)
     got: dict[str, list[dict[str, Any]]] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="sparseety-policy-cpu-") as tmp:
             for r in range(a.repeats):
-                order = POLICIES if r % 2 == 0 else POLICIES[::-1]
+                order = variants if r % 2 == 0 else variants[::-1]
                 for i, policy in enumerate(order):
                     res = one(engine, policy, Path(tmp) / f"{r}-{i}", a.requests, a.tokens)
                     got.setdefault(res["policy"], []).append(res)
@@ -100,6 +115,7 @@ def main() -> int:
                     )
     finally:
         engine.close()
+    print(f"{a.threads} engine thread(s), {a.repeats} interleaved runs of {a.requests} x {a.tokens} tokens")
     print("| policy | recorder CPU per token (median) | range | tokens per run | requests kept / dropped |")
     print("| --- | --- | --- | --- | --- |")
     for name, runs in got.items():

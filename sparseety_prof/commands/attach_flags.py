@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sparseety_prof.correlate.serving import DEFAULT_HEADER
+from sparseety_prof.session.options import FLUSH_INTERVAL_S
 
 if TYPE_CHECKING:
     from sparseety_prof.capture.process_match import ProcessRule
@@ -62,10 +63,11 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
     p.add_argument(
         "--flush-interval",
         type=float,
-        default=2.0,
+        default=FLUSH_INTERVAL_S,
         metavar="SECONDS",
         help="write the rows gathered to disk at least this often, so that a recorder killed "
-        "outright (SIGKILL, power cut) loses at most this much (default 2)",
+        f"outright (SIGKILL, power cut) loses at most this much (default {FLUSH_INTERVAL_S:g}); "
+        "metrics and OTLP exporters get rows at the same pace",
     )
     p.add_argument(
         "--max-disk",
