@@ -1,7 +1,7 @@
 """Overhead of staying attached under sustained load, with everything the profiler does counted.
 
     sudo .venv/bin/python scripts/bench_sustained.py [--engine llama-cpp-python server]
-        [--clients 1 4] [--seconds 60] [--pairs 6] [--mode full tokens] [--json FILE]
+        [--clients 1 4] [--seconds 60] [--pairs 6] [--mode full tokens] [--contend N] [--json FILE]
 
 Each A/B pair runs the same load twice on one warm engine: A plain, B with `sparseety-prof record`
 attached BEFORE the load starts and stopped (SIGINT, then its close: last drains, Parquet writes,
@@ -250,6 +250,27 @@ class Recording:
         }
 
 
+class Contenders:
+    """`n` processes that spin on the CPU at the default priority for the whole benchmark, both
+    sides of every pair: the engine and the recorder share the cores with someone else, as on a
+    busy host (the recorder, at nice 10, gets what is left; the ring must absorb the wait or
+    count what it cannot)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> Contenders:
+        for _ in range(self.n):
+            self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
 # ------------------------------------------------------------------ pairs
 def bench(
     engine_cls: type, model: Path, a: argparse.Namespace, clients: int, mode: str, tmp: Path
@@ -299,9 +320,12 @@ def bench(
     finally:
         eng.close()
     out: dict[str, Any] = {
+        "contend": a.contend,
         "engine": eng.name,
         "clients": clients,
-        "mode": mode + (f" {a.record_args}" if a.record_args else ""),
+        "mode": mode
+        + (f" {a.record_args}" if a.record_args else "")
+        + (f" (+{a.contend} spinning processes)" if a.contend else ""),
         "pairs": a.pairs,
         "seconds": a.seconds,
         "threads": a.threads,
@@ -334,13 +358,20 @@ def main() -> int:
         metavar="ARGS",
         help="more options for the recorder, e.g. '--policy aggregate' or '--metrics-port 9464 --otlp URL'",
     )
+    ap.add_argument(
+        "--contend",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N more processes spinning on the CPU during the whole run (losses under contention)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root: the recorder attaches eBPF uprobes")
     model = make_model(ROOT / "models" / f"{a.model}.gguf", a.model)
     results = []
-    with tempfile.TemporaryDirectory(prefix="sparseety-sustained-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="sparseety-sustained-") as tmp, Contenders(a.contend):
         for name in a.engine:
             cls = LlamaCppPython if name == "llama-cpp-python" else Server
             for clients in [1] if name == "llama-cpp-python" else a.clients:
