@@ -128,9 +128,11 @@ def profiled(
 
 
 def process_cpu_s(pid: int) -> float:
-    """utime + stime of a running process, in seconds."""
+    """utime + stime of a running process, in seconds, with those of the children it has reaped
+    (the recorder runs nm and c++filt while it attaches): wait4's rusage at its exit counts them
+    too, so a window taken as "wait4's figure minus this one" must subtract them as well."""
     f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_quiet(pid: int, limit: float) -> float:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 from sparseety_prof.session.options import Options, Progress
 from sparseety_prof.session.sched import ConsumerSched as _ConsumerSched
+from sparseety_prof.session.sched_slice import set_thread_slice, thread_slice_us
 
 
 def run_in_thread(fn: object) -> None:
@@ -50,15 +53,66 @@ def test_escalates_to_nice_0_while_the_ring_fills_and_relaxes_after() -> None:
             "ring_fill_peak": 0.3,
             "drain_gap_max_ms": 900.0,
             "escalations": 1,
+            "slice_us_asked": 0,
+            "slice_us": None,
         }
 
     run_in_thread(body)
 
 
+def _custom_slices() -> bool:
+    """Whether this kernel keeps a fair thread's custom slice (EEVDF, Linux 6.12 and later)."""
+    got: list[int | None] = []
+
+    def probe() -> None:
+        tid = threading.get_native_id()
+        got.append(thread_slice_us(tid) if set_thread_slice(tid, 300) else None)
+
+    run_in_thread(probe)
+    return got == [300]
+
+
+@pytest.mark.root
+def test_the_consumer_takes_the_slice_it_is_given_and_keeps_it_through_escalation() -> None:
+    if not _custom_slices():
+        pytest.skip(f"kernel {os.uname().release} keeps no custom slice for SCHED_OTHER (Linux 6.12+ does)")
+
+    def body() -> None:
+        tid = threading.get_native_id()
+        default = thread_slice_us(tid)
+        assert default is not None and default > 100  # the kernel's own, about 1-3 ms
+        s = _ConsumerSched(Options(pid=1, out=None, nice=10, slice_us=100), Progress())
+        assert thread_slice_us(tid) == 100
+        s.on_backlog(0.9)  # niceness changes keep it
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 0 and thread_slice_us(tid) == 100
+        s.after_drain(0.0, 1.0)
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 10 and thread_slice_us(tid) == 100
+        assert s.meta()["slice_us"] == 100
+        # out of range: clamped to the kernel's bounds; 0 gives the kernel's default back
+        assert set_thread_slice(tid, 5) and thread_slice_us(tid) == 100
+        assert set_thread_slice(tid, 0) and thread_slice_us(tid) == default
+
+    def kernel_default() -> None:
+        tid = threading.get_native_id()
+        default = thread_slice_us(tid)
+        s = _ConsumerSched(Options(pid=1, out=None, nice=10), Progress())  # the default: the kernel's
+        assert thread_slice_us(tid) == default and s.meta()["slice_us"] is None
+
+    def idle() -> None:
+        tid = threading.get_native_id()
+        s = _ConsumerSched(Options(pid=1, out=None, nice=10, sched="idle", slice_us=100), Progress())
+        assert not s.slice_set  # SCHED_IDLE has no slice to ask for
+        s.on_backlog(0.9)  # escalated to SCHED_OTHER: the short slice comes with it
+        assert os.sched_getscheduler(tid) == os.SCHED_OTHER and thread_slice_us(tid) == 100
+
+    for fn in (body, kernel_default, idle):
+        run_in_thread(fn)
+
+
 @pytest.mark.root
 def test_idle_policy_leaves_sched_idle_while_escalated() -> None:
     def body() -> None:
-        s = _ConsumerSched(Options(pid=1, out=None, nice=10, sched="idle"), Progress())
+        s = _ConsumerSched(Options(pid=1, out=None, nice=10, sched="idle", slice_us=100), Progress())
         assert os.sched_getscheduler(0) == os.SCHED_IDLE
         s.on_backlog(0.9)
         assert os.sched_getscheduler(0) == os.SCHED_OTHER
@@ -96,3 +150,10 @@ def test_rows_gathered_over_drains_become_one_frame_per_frame_rows() -> None:
     [(table, df)] = buf.take_all()
     assert table == "steps" and df["step_id"].to_list() == [9]
     assert buf.take_all() == []
+
+
+@pytest.mark.parametrize("value", ["-1", "50", "100001"])
+def test_a_slice_the_kernel_would_not_grant_is_a_usage_error(tmp_path: Path, value: str) -> None:
+    r = run_cli("record", "--pid", "1", "-o", str(tmp_path / "rec"), "--slice-us", value)
+    assert r.returncode == 2 and "--slice-us must be 0" in r.stderr
+    assert not (tmp_path / "rec").exists()

@@ -8,12 +8,16 @@ from pathlib import Path
 
 from sparseety_prof.capture.options import Capture
 from sparseety_prof.correlate.serving import DEFAULT_HEADER
+from sparseety_prof.session.memory_budget import DEFAULT_MAX_MEMORY
 
 #: default --flush-interval, seconds. Each flush writes a segment per table (Parquet, two fsyncs)
 #: and rewrites meta.json: at 2 s, as it was, that fixed cost was a sixth of the recorder's CPU
 #: per token on sustained load and 5 files every 2 s. A recorder killed outright (SIGKILL, power
 #: cut) loses at most this much; Ctrl-C, SIGTERM and SIGHUP lose nothing.
 FLUSH_INTERVAL_S = 10.0
+#: default --slice-us: 0, the kernel's own slice. The shortest one (100 µs) was measured worse
+#: (README, "Usage"): EEVDF runs a short-slice thread sooner, so it preempts the engine more often
+SLICE_US = 0
 
 
 @dataclass
@@ -30,6 +34,7 @@ class Options:
     skip_probes: frozenset[str] = frozenset()  # for tests: disable a probe point on purpose
     nice: int = 10  # consumer priority once attached: the engine's threads win any contention
     sched: str = "nice"  # "nice": compete at `nice`; "idle": SCHED_IDLE, escalating when the ring fills
+    slice_us: int = SLICE_US  # the consumer's CPU slice at SCHED_OTHER (session/sched_slice.py); 0: kernel's
     request_header: str = DEFAULT_HEADER  # HTTP header carrying the client's request id
     capture: Capture = field(default_factory=Capture)  # sparse decisions to capture
     # where MoE values are read: "auto" = at the weighted multiply where the graph allows; "ops" =
@@ -40,6 +45,7 @@ class Options:
     ring_mb: int = 64  # the ring buffer the probes write to (a power of two; kernel memory, locked)
     policy: tuple[str, ...] = ("full",)  # what the recording keeps (session/policy.py), any of them
     policy_window: int = 64 << 20  # bytes of rows the per-request policies hold until decided
+    max_memory: int | None = DEFAULT_MAX_MEMORY  # the consumer's anonymous memory (session/memory_budget.py)
     aggregate_s: int = 10  # bucket of the always-on aggregates table
 
 

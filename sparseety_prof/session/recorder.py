@@ -32,6 +32,7 @@ from sparseety_prof.gpu.capture import GpuCapture
 from sparseety_prof.gpu.shm_ring import RingError
 from sparseety_prof.session import metadata
 from sparseety_prof.session.attach import attach
+from sparseety_prof.session.memory_budget import PRESSURE_GAP_S, MemoryBudget, anon_bytes, trim_heap
 from sparseety_prof.session.options import Options, Progress
 from sparseety_prof.session.policy import RecordingPolicy
 from sparseety_prof.session.sched import ConsumerSched
@@ -183,6 +184,7 @@ class Recorder:
         error: BaseException | None = None
         sched = ConsumerSched(opts, self.progress)
         flush = FlushSchedule(opts.flush_interval)
+        budget = MemoryBudget(opts.max_memory)
         try:
             t_prev = time.monotonic()
             while not self._stop.is_set():
@@ -194,6 +196,7 @@ class Recorder:
                 t_prev = now
                 self._consume(records, corr, tracker, writer, a.session, gpu=gpu)
                 self._keep_durable(writer, flush, now)
+                self._watch_memory(writer, budget, now)
                 self._maybe_detach_attention_ops(corr, a.session)
                 if deadline is not None and time.monotonic() >= deadline:
                     self.stop("duration reached")
@@ -224,7 +227,7 @@ class Recorder:
                 **metadata.outcome(a, opts, corr),
                 "counts": {"tokens": self.progress.tokens, "steps": self.progress.steps},
                 "profiler_cpu_s": round(self.progress.cpu_s, 3),
-                "profiler_memory": _memory_meta(),
+                "profiler_memory": {**_memory_meta(), "budget": budget.meta()},
                 "consumer": sched.meta(),
                 "bpf_compile_s": round(a.session.compile_s, 3),
             }
@@ -283,14 +286,34 @@ class Recorder:
         if writer is None and not self._sinks:
             return
         if flush.due(drained_at):
-            for table, df in self._rows.take_all():
-                self._emit(writer, table, df)
-            self._settle(writer, final=False)
-            self._store_aggregates(writer, final=False)
-            if writer is not None:
-                writer.flush()
+            self._flush_now(writer)
         if writer is not None and writer.write_error is not None:
             self.stop("write error")
+
+    def _flush_now(self, writer: RecordingWriter | None) -> None:
+        """The rows gathered since the last flush to the aggregates, the sinks and the recording."""
+        for table, df in self._rows.take_all():
+            self._emit(writer, table, df)
+        self._settle(writer, final=False)
+        self._store_aggregates(writer, final=False)
+        if writer is not None:
+            writer.flush()
+
+    def _watch_memory(self, writer: RecordingWriter | None, budget: MemoryBudget, now: float) -> None:
+        """Above --max-memory: the gathered rows go out now, and the freed heap back to the kernel
+        (memory_budget.py)."""
+        if not budget.pressed(anon_bytes(), now):
+            return
+        self._flush_now(writer)
+        trim_heap()
+        anon = anon_bytes()
+        if not budget.relieved(anon) and budget.over_after_flush == 1:
+            assert budget.limit is not None
+            self.log(
+                f"sparseety-prof: --max-memory {budget.limit >> 20} MiB is below what the recorder holds "
+                f"with its rows written out ({anon >> 20} MiB anonymous): it writes them out every "
+                f"{PRESSURE_GAP_S:g} s while it stays above (counted in meta.json profiler_memory.budget)"
+            )
 
     def _emit(self, writer: RecordingWriter | None, table: str, df: pl.DataFrame) -> None:
         """One frame of rows to the aggregates and the sinks (all of them), and to the recording

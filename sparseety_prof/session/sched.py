@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 from sparseety_prof.session.options import Options, Progress
+from sparseety_prof.session.sched_slice import set_thread_slice, thread_slice_us
 
 
 class ConsumerSched:
@@ -18,7 +19,8 @@ class ConsumerSched:
     holds about 1.5 s of tokens: when one drain finds the ring filling (ESCALATE_FILL), the consumer
     takes the engine's own priority (nice 0, SCHED_OTHER) until it has caught up (RELAX_FILL):
     losing records is worse than taking a few percent of the engine's time. Escalations are
-    counted in meta.json ("consumer")."""
+    counted in meta.json ("consumer"). With `--slice-us`, it asks for that CPU slice while it runs
+    as SCHED_OTHER (sched_slice.py)."""
 
     ESCALATE_FILL = 0.5
     RELAX_FILL = 0.1
@@ -29,8 +31,16 @@ class ConsumerSched:
         self.nice = opts.nice
         self.tid = threading.get_native_id()
         self.escalated = False
+        self.slice_us = opts.slice_us
+        self.slice_set = False
         if self.mode == "idle":
             self._policy(os.SCHED_IDLE)
+        else:
+            self._short_slice()
+
+    def _short_slice(self) -> None:
+        if self.slice_us:
+            self.slice_set = set_thread_slice(self.tid, self.slice_us) or self.slice_set
 
     def _policy(self, policy: int) -> None:
         with contextlib.suppress(OSError):
@@ -49,6 +59,7 @@ class ConsumerSched:
         self.progress.escalations += 1
         if self.mode == "idle":
             self._policy(os.SCHED_OTHER)
+            self._short_slice()
         self._niceness(0)
 
     def after_drain(self, fill: float, gap_ms: float) -> None:
@@ -71,4 +82,7 @@ class ConsumerSched:
             "ring_fill_peak": round(p.ring_fill_peak, 4),
             "drain_gap_max_ms": round(p.drain_gap_max_ms, 1),
             "escalations": p.escalations,
+            "slice_us_asked": self.slice_us,
+            # what the kernel held at the end (its default where no slice was set or kept)
+            "slice_us": thread_slice_us(self.tid) if self.slice_set else None,
         }
