@@ -100,6 +100,9 @@ def main() -> int:
                 "last": anon[-1] / 1024 if anon else None,
             },
             "anon_under_budget": bool(anon) and max(anon) / 1024 <= BUDGET_MIB,
+            # how the drains went (ring fill peak, longest gap, escalations, pace) and the budget's account
+            "consumer": meta.get("consumer"),
+            "memory_budget": meta.get("profiler_memory", {}).get("budget"),
             "recording_bytes": sum(p.stat().st_size for p in (Path(tmp) / "rec").rglob("*") if p.is_file()),
         }
     print(json.dumps(result, indent=2))

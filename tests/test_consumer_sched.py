@@ -1,5 +1,6 @@
-"""The consumer's CPU policy: low priority while it keeps up, the engine's priority (nice 0) while
-more than half the ring is pending, back once caught up; SCHED_IDLE with --sched idle."""
+"""The consumer's CPU policy: low priority while it keeps up, the engine's priority (nice 0) once a
+drain finds more of the ring filled than its pace allows for, back once drains have found it
+nearly empty for a while; SCHED_IDLE with --sched idle; drains sooner when the ring fills fast."""
 
 from __future__ import annotations
 
@@ -40,12 +41,17 @@ def test_escalates_to_nice_0_while_the_ring_fills_and_relaxes_after() -> None:
         s = _ConsumerSched(Options(pid=1, out=None, nice=10), p)
         s.on_backlog(0.2)
         assert os.getpriority(os.PRIO_PROCESS, tid) == 10 and p.escalations == 0
-        s.on_backlog(0.6)  # half the ring pending: take the engine's priority
+        s.on_backlog(0.4)  # more pending than the pace allows for: take the engine's priority
         assert os.getpriority(os.PRIO_PROCESS, tid) == 0 and p.escalations == 1
-        s.after_drain(0.3, 900.0)  # not caught up yet
+        s.after_drain(0.3, 900.0, now=100.0)  # not caught up yet
         assert os.getpriority(os.PRIO_PROCESS, tid) == 0
-        s.after_drain(0.02, 500.0)  # caught up: back to --nice
-        assert os.getpriority(os.PRIO_PROCESS, tid) == 10
+        s.after_drain(0.02, 500.0, now=101.0)  # caught up, but only just
+        s.after_drain(0.2, 500.0, now=102.0)  # and behind again: the calm starts over
+        s.after_drain(0.02, 500.0, now=103.0)
+        s.after_drain(0.02, 500.0, now=103.0 + s.RELAX_HOLD_S - 0.5)
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 0
+        s.after_drain(0.02, 500.0, now=103.0 + s.RELAX_HOLD_S)  # calm long enough: back to --nice
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 10 and p.escalations == 1
         assert p.ring_fill_peak == 0.3 and p.drain_gap_max_ms == 900.0
         assert s.meta() == {
             "sched": "nice",
@@ -53,6 +59,7 @@ def test_escalates_to_nice_0_while_the_ring_fills_and_relaxes_after() -> None:
             "ring_fill_peak": 0.3,
             "drain_gap_max_ms": 900.0,
             "escalations": 1,
+            "drain_wait_min_ms": 500.0,
             "slice_us_asked": 0,
             "slice_us": None,
         }
@@ -85,7 +92,8 @@ def test_the_consumer_takes_the_slice_it_is_given_and_keeps_it_through_escalatio
         assert thread_slice_us(tid) == 100
         s.on_backlog(0.9)  # niceness changes keep it
         assert os.getpriority(os.PRIO_PROCESS, tid) == 0 and thread_slice_us(tid) == 100
-        s.after_drain(0.0, 1.0)
+        s.after_drain(0.0, 1.0, now=1.0)
+        s.after_drain(0.0, 1.0, now=1.0 + s.RELAX_HOLD_S)
         assert os.getpriority(os.PRIO_PROCESS, tid) == 10 and thread_slice_us(tid) == 100
         assert s.meta()["slice_us"] == 100
         # out of range: clamped to the kernel's bounds; 0 gives the kernel's default back
@@ -116,7 +124,9 @@ def test_idle_policy_leaves_sched_idle_while_escalated() -> None:
         assert os.sched_getscheduler(0) == os.SCHED_IDLE
         s.on_backlog(0.9)
         assert os.sched_getscheduler(0) == os.SCHED_OTHER
-        s.after_drain(0.0, 500.0)
+        s.after_drain(0.0, 500.0, now=10.0)
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+        s.after_drain(0.0, 500.0, now=10.0 + s.RELAX_HOLD_S)
         assert os.sched_getscheduler(0) == os.SCHED_IDLE
 
     run_in_thread(body)
@@ -157,3 +167,17 @@ def test_a_slice_the_kernel_would_not_grant_is_a_usage_error(tmp_path: Path, val
     r = run_cli("record", "--pid", "1", "-o", str(tmp_path / "rec"), "--slice-us", value)
     assert r.returncode == 2 and "--slice-us must be 0" in r.stderr
     assert not (tmp_path / "rec").exists()
+
+
+def test_drains_come_sooner_when_the_ring_fills_fast() -> None:
+    s = _ConsumerSched(Options(pid=1, out=None, nice=0), Progress(), drain_s=0.5)
+    assert s.wait_s == 0.5
+    s.after_drain(0.01, 500.0)  # an ordinary rate: a quarter of the ring is seconds away
+    assert s.wait_s == 0.5
+    s.after_drain(1.0, 400.0)  # the whole ring in 400 ms: a quarter of it in 100 ms
+    assert s.wait_s == pytest.approx(0.1)
+    s.after_drain(0.9, 10.0)  # faster than any pause is worth: the shortest
+    assert s.wait_s == s.MIN_WAIT_S
+    s.after_drain(0.0, 20.0)  # nothing came: back to the longest pause
+    assert s.wait_s == 0.5
+    assert s.meta()["drain_wait_min_ms"] == s.MIN_WAIT_S * 1e3

@@ -47,7 +47,7 @@ from sparseety_prof.store.recording import list_layers
 from sparseety_prof.store.recording_writer import RecordingWriter
 from sparseety_prof.terminal_text import line as terminal_line
 
-DRAIN_INTERVAL_S = 0.5  # consumer batches: fewer, larger frames cost less CPU per token
+DRAIN_INTERVAL_S = 0.5  # the longest pause between drains: fewer, larger ones cost less CPU per token
 HASH_STALL_S = 30.0  # close gives up on the model's sha256 after this long without progress
 
 
@@ -182,13 +182,13 @@ class Recorder:
         )
         deadline = time.monotonic() + opts.duration if opts.duration else None
         error: BaseException | None = None
-        sched = ConsumerSched(opts, self.progress)
+        sched = ConsumerSched(opts, self.progress, DRAIN_INTERVAL_S)
         flush = FlushSchedule(opts.flush_interval)
         budget = MemoryBudget(opts.max_memory)
         try:
             t_prev = time.monotonic()
             while not self._stop.is_set():
-                self._stop.wait(flush.wait_s(DRAIN_INTERVAL_S))
+                self._stop.wait(flush.wait_s(sched.wait_s))
                 records = reader.take(sched.on_backlog)
                 now = time.monotonic()
                 filled = sum(len(b) for b in records.values()) / (a.session.ring_pages * mmap.PAGESIZE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from typing import Any
 
 from sparseety_prof.session.options import Options, Progress
@@ -12,25 +13,41 @@ from sparseety_prof.session.sched_slice import set_thread_slice, thread_slice_us
 
 
 class ConsumerSched:
-    """Where the consumer's CPU comes from. It runs at a low priority (`--nice`, default 10), or
-    with `--sched idle` as SCHED_IDLE (only CPU the engine leaves idle), so that the engine's
-    threads win contention. A low priority can starve it for seconds while the engine keeps every
-    core busy (the live view and meta.json show the longest gap, `drain_gap_max_ms`), and the ring
-    holds about 1.5 s of tokens: when one drain finds the ring filling (ESCALATE_FILL), the consumer
-    takes the engine's own priority (nice 0, SCHED_OTHER) until it has caught up (RELAX_FILL):
-    losing records is worse than taking a few percent of the engine's time. Escalations are
-    counted in meta.json ("consumer"). With `--slice-us`, it asks for that CPU slice while it runs
-    as SCHED_OTHER (sched_slice.py)."""
+    """Where the consumer's CPU comes from, and when it drains. It runs at a low priority
+    (`--nice`, default 10), or with `--sched idle` as SCHED_IDLE (only CPU the engine leaves idle),
+    so that the engine's threads win contention. It drains every `drain_s`, or sooner when the ring
+    fills fast (PACE_FILL). A low priority can starve it while the engine keeps every core busy
+    (meta.json shows the longest gap between drains, `drain_gap_max_ms`): when a drain finds more of
+    the ring filled than the pace allows for (ESCALATE_FILL), the consumer did not get the CPU to
+    keep up, and it takes the engine's own priority (nice 0, SCHED_OTHER) until drains have found
+    the ring nearly empty (RELAX_FILL) for RELAX_HOLD_S: losing records is worse than taking a few
+    percent of the engine's time, and a consumer that relaxed at once would fall behind again.
+    Escalations are counted in meta.json ("consumer"). With `--slice-us`, it asks for that CPU slice
+    while it runs as SCHED_OTHER (sched_slice.py)."""
 
-    ESCALATE_FILL = 0.5
+    # Pace: at the rate the last drain saw, the next one should find at most this share of the
+    # ring filled, so a burst has room before the escalation and before any loss. At ordinary
+    # rates (a 32k vocabulary: ~130 KiB per token, a few hundred tokens/s) that is more than
+    # `drain_s` away; a small model at thousands of tokens/s fills the ring in about a second.
+    PACE_FILL = 0.25
+    MIN_WAIT_S = 0.02
+    # Measured on a small MoE at ~2,000 tokens/s on 2 saturated cores: at nice 10 the consumer gets
+    # about a tenth of a core and needs a fifth, so the drain that first finds half the ring filled
+    # (the threshold this was) takes longer, at that priority, than the rest of the ring lasts.
+    ESCALATE_FILL = 0.35
     RELAX_FILL = 0.1
+    RELAX_HOLD_S = 5.0
 
-    def __init__(self, opts: Options, progress: Progress) -> None:
+    def __init__(self, opts: Options, progress: Progress, drain_s: float = 0.5) -> None:
         self.progress = progress
+        self.drain_s = drain_s
+        self.wait_s = drain_s  # before the next drain (after_drain sets it)
+        self.wait_min_s = drain_s
         self.mode = opts.sched
         self.nice = opts.nice
         self.tid = threading.get_native_id()
         self.escalated = False
+        self._calm_since: float | None = None  # escalated: since when drains found the ring calm
         self.slice_us = opts.slice_us
         self.slice_set = False
         if self.mode == "idle":
@@ -62,13 +79,28 @@ class ConsumerSched:
             self._short_slice()
         self._niceness(0)
 
-    def after_drain(self, fill: float, gap_ms: float) -> None:
+    def after_drain(self, fill: float, gap_ms: float, now: float | None = None) -> None:
+        """After a drain that found `fill` of the ring filled, `gap_ms` after the one before (at
+        `now`, time.monotonic): the priority for what follows, and how long to wait before the
+        next drain (`wait_s`)."""
+        now = time.monotonic() if now is None else now
+        self.wait_s = self.drain_s
+        if fill > 0 and gap_ms > 0:
+            self.wait_s = min(self.drain_s, max(self.MIN_WAIT_S, self.PACE_FILL * gap_ms / 1e3 / fill))
+            self.wait_min_s = min(self.wait_min_s, self.wait_s)
         p = self.progress
         p.ring_fill_peak = max(p.ring_fill_peak, fill)
         p.drain_gap_max_ms = max(p.drain_gap_max_ms, gap_ms)
         if not self.escalated and fill > self.ESCALATE_FILL:
             self._escalate()
-        elif self.escalated and fill < self.RELAX_FILL:
+        if not self.escalated:
+            return
+        if fill >= self.RELAX_FILL:
+            self._calm_since = None
+        elif self._calm_since is None:
+            self._calm_since = now
+        elif now - self._calm_since >= self.RELAX_HOLD_S:
+            self._calm_since = None
             self.escalated = False
             self._niceness(self.nice)
             if self.mode == "idle":
@@ -82,6 +114,7 @@ class ConsumerSched:
             "ring_fill_peak": round(p.ring_fill_peak, 4),
             "drain_gap_max_ms": round(p.drain_gap_max_ms, 1),
             "escalations": p.escalations,
+            "drain_wait_min_ms": round(self.wait_min_s * 1e3, 1),  # the shortest pause the pace chose
             "slice_us_asked": self.slice_us,
             # what the kernel held at the end (its default where no slice was set or kept)
             "slice_us": thread_slice_us(self.tid) if self.slice_set else None,
