@@ -282,6 +282,7 @@ def bench(
     losses = records = tokens = 0
     try:
         eng.load(min(10.0, a.seconds), a.tokens)  # warm-up: weights paged in, allocator settled
+        consumer: list[dict[str, Any]] = []
         for i in range(a.pairs):
             order = ("A", "B") if i % 2 == 0 else ("B", "A")
             sides: dict[str, Side] = {}
@@ -312,10 +313,13 @@ def bench(
             losses += ring_lost + sum(int(lz.get(k, 0)) for k in SPARSE_LOSSES)
             records += int(lz["records_produced"])
             tokens += n_rec
+            cons = meta.get("consumer", {})
+            consumer.append(cons)
             print(
                 f"  {eng.name} clients={clients} mode={mode} pair {i + 1}/{a.pairs}: tokens/s ratio "
                 f"{rows['tps'][-1]:.4f}, {pb.tokens} tokens in B ({n_rec} recorded), recorder "
-                f"{rows['cpu_us_per_token'][-1]:.0f} µs CPU/token",
+                f"{rows['cpu_us_per_token'][-1]:.0f} µs CPU/token, {cons.get('escalations')} escalation(s), "
+                f"ring peak {cons.get('ring_fill_peak')}, longest gap {cons.get('drain_gap_max_ms')} ms",
                 file=sys.stderr,
             )
     finally:
@@ -333,6 +337,7 @@ def bench(
         "losses": losses,
         "records": records,
         "recorded_tokens": tokens,
+        "consumer": consumer,  # per pair: meta.json's account of how the drains went
     }
     for k, v in rows.items():
         x = np.array(v)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,49 @@ def test_drains_come_sooner_when_the_ring_fills_fast() -> None:
     s.after_drain(0.0, 20.0)  # nothing came: back to the longest pause
     assert s.wait_s == 0.5
     assert s.meta()["drain_wait_min_ms"] == s.MIN_WAIT_S * 1e3
+
+
+@pytest.mark.root  # the watch takes nice 0 back, and raises the consumer to it
+def test_the_ring_watch_escalates_a_consumer_busy_elsewhere() -> None:
+    """The watch's thread sees the ring fill while the consumer's thread is busy (here: sleeping
+    at nice 10 without draining) and raises the consumer's priority from outside."""
+    pending = [0.05]
+    done = threading.Event()
+    seen: dict[str, object] = {}
+
+    def consumer() -> None:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, 10)
+        p = Progress()
+        s = _ConsumerSched(Options(pid=1, out=None, nice=10), p)
+        watch = s.watch(lambda: pending[0])
+        try:
+            time.sleep(0.3)  # a calm ring: nothing changes
+            seen["calm"] = (os.getpriority(os.PRIO_PROCESS, tid), p.escalations)
+            pending[0] = 0.6  # filling while this thread does something else
+            deadline = time.monotonic() + 5
+            while not s.escalated and time.monotonic() < deadline:
+                time.sleep(0.01)
+            seen["filling"] = (os.getpriority(os.PRIO_PROCESS, tid), p.escalations, watch.readings > 0)
+        finally:
+            watch.close()
+            done.set()
+
+    run_in_thread(consumer)
+    assert done.is_set()
+    assert seen["calm"] == (10, 0)
+    assert seen["filling"] == (0, 1, True)
+
+
+def test_the_ring_watch_stops_when_the_ring_is_gone() -> None:
+    from sparseety_prof.session.ring_watch import RingWatch
+
+    calls: list[float] = []
+
+    def gone() -> float:
+        raise ValueError("mmap closed or invalid")
+
+    w = RingWatch(gone, calls.append)
+    w._thread.join(timeout=5)
+    assert not w._thread.is_alive() and calls == [] and w.readings == 0
+    w.close()  # closing a watch that stopped by itself is fine

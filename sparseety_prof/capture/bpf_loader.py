@@ -471,6 +471,12 @@ class RingReader:
         self._data_addr = self._data.ctypes.data
         self._page = page
 
+    def pending_share(self) -> float:
+        """The share of the ring produced but not yet drained: two reads of the ring's memory, safe
+        from another thread than the one that drains (ring_watch.py)."""
+        prod = struct.unpack_from("<Q", self._prod_mm, 0)[0]
+        return float(max(0, prod - self._cons.value) / self._size)
+
     def take(self, on_backlog: Callable[[float], None] | None = None) -> dict[int, np.ndarray]:
         """Drain the ring up to where the producer was when called: {record size: the records
         back to back}. The arrays are valid until the next take(). `on_backlog` is told the share

@@ -185,6 +185,7 @@ class Recorder:
         sched = ConsumerSched(opts, self.progress, DRAIN_INTERVAL_S)
         flush = FlushSchedule(opts.flush_interval)
         budget = MemoryBudget(opts.max_memory)
+        watch = sched.watch(reader.pending_share)
         try:
             t_prev = time.monotonic()
             while not self._stop.is_set():
@@ -205,6 +206,7 @@ class Recorder:
         except BaseException as e:
             error = e
         finally:
+            watch.close()
             rest = reader.stop()
             counters = a.session.counters()
             counters["program_misses"] = a.session.program_misses()  # before close: read off the fds

@@ -6,9 +6,11 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sparseety_prof.session.options import Options, Progress
+from sparseety_prof.session.ring_watch import RingWatch
 from sparseety_prof.session.sched_slice import set_thread_slice, thread_slice_us
 
 
@@ -35,8 +37,11 @@ class ConsumerSched:
     # about a tenth of a core and needs a fifth, so the drain that first finds half the ring filled
     # (the threshold this was) takes longer, at that priority, than the rest of the ring lasts.
     ESCALATE_FILL = 0.35
-    RELAX_FILL = 0.1
-    RELAX_HOLD_S = 5.0
+    # Relaxing: drains that find less than the pace aims for are keeping up. A fixed tenth of the
+    # ring (what this was) is more than a 32k-vocabulary model fills at its ordinary rate between
+    # two drains 0.5 s apart: a consumer escalated once then kept nice 0 for the rest of the run.
+    RELAX_FILL = 0.2
+    RELAX_HOLD_S = 1.0
 
     def __init__(self, opts: Options, progress: Progress, drain_s: float = 0.5) -> None:
         self.progress = progress
@@ -48,6 +53,9 @@ class ConsumerSched:
         self.tid = threading.get_native_id()
         self.escalated = False
         self._calm_since: float | None = None  # escalated: since when drains found the ring calm
+        # the ring watch's thread escalates too: one change of priority at a time (never taken in a
+        # signal handler)
+        self._lock = threading.Lock()
         self.slice_us = opts.slice_us
         self.slice_set = False
         if self.mode == "idle":
@@ -61,15 +69,22 @@ class ConsumerSched:
 
     def _policy(self, policy: int) -> None:
         with contextlib.suppress(OSError):
-            os.sched_setscheduler(0, policy, os.sched_param(0))  # this thread: the consumer
+            os.sched_setscheduler(self.tid, policy, os.sched_param(0))  # the consumer's thread
 
     def _niceness(self, value: int) -> None:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, self.tid, value)  # Linux: a TID sets one thread
 
     def on_backlog(self, backlog: float) -> None:
-        if not self.escalated and backlog > self.ESCALATE_FILL:
-            self._escalate()
+        """The share of the ring pending, seen while draining or by the ring watch's thread."""
+        with self._lock:
+            if not self.escalated and backlog > self.ESCALATE_FILL:
+                self._escalate()
+
+    def watch(self, pending: Callable[[], float]) -> RingWatch:
+        """Watch the backlog from a thread at the engine's priority (ring_watch.py); the caller
+        closes it before the ring goes away."""
+        return RingWatch(pending, self.on_backlog)
 
     def _escalate(self) -> None:
         self.escalated = True
@@ -84,6 +99,10 @@ class ConsumerSched:
         `now`, time.monotonic): the priority for what follows, and how long to wait before the
         next drain (`wait_s`)."""
         now = time.monotonic() if now is None else now
+        with self._lock:
+            self._after_drain(fill, gap_ms, now)
+
+    def _after_drain(self, fill: float, gap_ms: float, now: float) -> None:
         self.wait_s = self.drain_s
         if fill > 0 and gap_ms > 0:
             self.wait_s = min(self.drain_s, max(self.MIN_WAIT_S, self.PACE_FILL * gap_ms / 1e3 / fill))

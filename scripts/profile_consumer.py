@@ -1,0 +1,157 @@
+"""Where the recorder's CPU goes, per generated token, on a real engine: a sampling profile of the
+consumer (py-spy) split by stage.
+
+    sudo .venv/bin/python scripts/profile_consumer.py [--requests 96] [--tokens 64] [--threads 1]
+        [--record-args '...'] [--raw FILE]
+
+llama-cpp-python on the `bench` model of tests/make_models.py (32,000-entry vocabulary, 8 MoE
+layers). `sparseety-prof record` is attached, its start-up work let finish, then py-spy samples it
+(without pausing it: --nonblocking) while `--requests` requests of `--tokens` tokens are generated
+and the recorder is stopped and closes. py-spy is installed under build/py-spy from PyPI when it is
+not on PATH.
+
+Prints the recorder's CPU per token over that window (close included, as bench_policy_cpu.py
+counts it) and a table: each stage's share of the samples in which the recorder was not waiting,
+and that share of the CPU per token. A sample counts as waiting when it is in the pause between
+drains, or in the probes' detach at close (the kernel waits for running probes to finish there:
+wall time, not CPU). Samples are wall-clock, so a stage that waits in a system call is overstated;
+the shares of pure computation are what this is for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))
+from bench_overhead import EngineProc, process_cpu_s, wait_quiet  # noqa: E402
+from bench_policy_cpu import PROMPTS, generate  # noqa: E402
+from make_models import make_model  # noqa: E402
+
+PYSPY_DIR = ROOT / "build" / "py-spy"
+
+# (stage, the first frame in a sample's stack that puts it there), checked in this order: the first
+# match wins, so a finer stage comes before the one that contains it
+STAGES: list[tuple[str, str]] = [
+    ("waiting between drains", "StopFlag.wait"),
+    ("probes' detach at close (waiting)", "Session.close"),
+    ("ring walk (copy out of the ring)", "RingReader.take"),
+    ("logits statistics (C)", "PendingStats.fill"),
+    ("aggregate records, per drain (numpy)", "agg_rows_batch"),
+    ("one-row decode steps (fast path)", "fast_step ("),
+    ("record handlers (prompts, first tokens)", "Correlator.feed"),
+    ("token, step, request rows", "Correlator.take_tables"),
+    ("frames from rows (Polars)", "ColumnBuffer.add"),
+    ("flushes: Parquet segments, meta.json", "_keep_durable"),
+    ("aggregates, policy, sinks", "Recorder._emit"),
+    ("decode of record groups", "decode_groups"),
+    ("rest of a drain", "Recorder._consume"),
+]
+IDLE = {"waiting between drains", "probes' detach at close (waiting)"}
+
+
+def py_spy() -> str:
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    exe = PYSPY_DIR / "bin" / "py-spy"
+    if not exe.exists():
+        print("[profile] installing py-spy into build/py-spy (PyPI)", file=sys.stderr)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--target", str(PYSPY_DIR), "py-spy"],
+            check=True,
+        )
+    return str(exe)
+
+
+def stage_of(stack: list[str]) -> str:
+    for name, marker in STAGES:
+        if any(marker in frame for frame in stack):
+            return name
+    return "other (exit, start of close, meta.json)"
+
+
+def read_raw(path: Path) -> Counter[str]:
+    """py-spy's raw (collapsed) output: `frame;frame;... count` per line, outermost frame first."""
+    counts: Counter[str] = Counter()
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if stack and n.isdigit():
+            counts[stage_of(stack.split(";"))] += int(n)
+    return counts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1, help="engine threads")
+    ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    ap.add_argument("--record-args", default="", help="extra recorder options, e.g. '--policy aggregate'")
+    ap.add_argument("--raw", type=Path, default=None, help="keep py-spy's raw samples here")
+    a = ap.parse_args()
+    spy_exe = py_spy()
+    model = make_model(ROOT / "models" / "bench.gguf", "bench")
+    engine = EngineProc(model, threads=a.threads)
+    try:
+        with tempfile.TemporaryDirectory(prefix="sparseety-profile-") as tmp:
+            raw = a.raw or Path(tmp) / "samples.txt"
+            cmd = [sys.executable, "-m", "sparseety_prof.cli", "record", "--pid", str(engine.pid)]
+            cmd += ["-o", str(Path(tmp) / "rec"), *shlex.split(a.record_args)]
+            rec = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+            assert rec.stderr is not None
+            for line in rec.stderr:
+                if "attached to PID" in line:
+                    break
+            else:
+                raise RuntimeError(f"recorder failed: {rec.wait()}")
+            generate(engine, [PROMPTS[2]], 8)  # warm-up: attention-map learning, probe detach
+            wait_quiet(rec.pid, 10.0)
+            spy_cmd = [spy_exe, "record", "-p", str(rec.pid), "-r", str(a.rate), "--nonblocking"]
+            spy = subprocess.Popen(
+                [*spy_cmd, "-f", "raw", "-o", str(raw)],
+                env={**os.environ, "PYTHONPATH": str(PYSPY_DIR)},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            time.sleep(1.0)  # py-spy attached
+            cpu0 = process_cpu_s(rec.pid)
+            n = generate(engine, [PROMPTS[i % 2] for i in range(a.requests)], a.tokens)
+            rec.send_signal(signal.SIGINT)
+            rest = rec.stderr.read()
+            _, status, usage = os.wait4(rec.pid, 0)
+            rec.returncode = os.waitstatus_to_exitcode(status)
+            if rec.returncode != 0:
+                raise RuntimeError(f"recorder exited {rec.returncode}: {rest}")
+            spy.wait(timeout=60)
+            cpu_us = (usage.ru_utime + usage.ru_stime - cpu0) / n * 1e6
+            counts = read_raw(raw)
+    finally:
+        engine.close()
+    busy = {k: v for k, v in counts.items() if k not in IDLE}
+    total = sum(busy.values())
+    print(
+        f"{n} tokens ({a.requests} requests x {a.tokens}, {a.threads} engine thread(s)"
+        f"{', ' + a.record_args if a.record_args else ''}): recorder CPU {cpu_us:.0f} µs/token "
+        f"(attached, after start-up, to exit); {total} busy samples"
+    )
+    print("| stage | share of busy samples | ≈ µs per token |")
+    print("| --- | --- | --- |")
+    for name, v in sorted(busy.items(), key=lambda kv: -kv[1]):
+        print(f"| {name} | {v / total * 100:.1f}% | {v / total * cpu_us:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
