@@ -23,15 +23,21 @@ PRESSURE_GAP_S = 2.0
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
-def anon_bytes() -> int:
-    """The calling process's resident anonymous memory (statm: resident - shared), one small read;
-    0 when /proc cannot say."""
+def resident_bytes() -> tuple[int, int]:
+    """The calling process's resident memory and its anonymous part (statm: resident - shared),
+    from one small read; zeros when /proc cannot say."""
     try:
         with open("/proc/self/statm") as f:
             fields = f.read().split()
-        return (int(fields[1]) - int(fields[2])) * _PAGE_BYTES
+        resident, shared = int(fields[1]), int(fields[2])
     except (OSError, ValueError, IndexError):
-        return 0
+        return 0, 0
+    return resident * _PAGE_BYTES, (resident - shared) * _PAGE_BYTES
+
+
+def anon_bytes() -> int:
+    """The calling process's resident anonymous memory (resident_bytes)."""
+    return resident_bytes()[1]
 
 
 def trim_heap() -> None:

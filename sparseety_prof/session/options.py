@@ -65,6 +65,7 @@ class Progress:
     drain_gap_max_ms: float = 0.0  # longest time between two drains (the consumer waited for CPU)
     escalations: int = 0  # times the consumer left SCHED_IDLE because the ring was filling
     rss_bytes: int = 0  # the recorder's resident memory at the last drain
+    anon_bytes: int = 0  # and its anonymous part (what --max-memory bounds)
 
     def counters(self) -> dict[str, float]:
         return {

@@ -32,7 +32,13 @@ from sparseety_prof.gpu.capture import GpuCapture
 from sparseety_prof.gpu.shm_ring import RingError
 from sparseety_prof.session import metadata
 from sparseety_prof.session.attach import attach
-from sparseety_prof.session.memory_budget import PRESSURE_GAP_S, MemoryBudget, anon_bytes, trim_heap
+from sparseety_prof.session.memory_budget import (
+    PRESSURE_GAP_S,
+    MemoryBudget,
+    anon_bytes,
+    resident_bytes,
+    trim_heap,
+)
 from sparseety_prof.session.options import Options, Progress
 from sparseety_prof.session.policy import RecordingPolicy
 from sparseety_prof.session.sched import ConsumerSched
@@ -304,7 +310,7 @@ class Recorder:
     def _watch_memory(self, writer: RecordingWriter | None, budget: MemoryBudget, now: float) -> None:
         """Above --max-memory: the gathered rows go out now, and the freed heap back to the kernel
         (memory_budget.py)."""
-        if not budget.pressed(anon_bytes(), now):
+        if not budget.pressed(self.progress.anon_bytes, now):  # read by this drain's _consume
             return
         self._flush_now(writer)
         trim_heap()
@@ -468,7 +474,7 @@ class Recorder:
             # how far behind the engine the consumer is: both clocks are CLOCK_MONOTONIC
             p.lag_ms = (time.monotonic_ns() - int(str(tok["t_end_ns"][-1]))) / 1e6
         p.cpu_s = _cpu_s() - self._cpu0
-        p.rss_bytes = _rss_bytes()
+        p.rss_bytes, p.anon_bytes = resident_bytes()
         if self._sinks:
             self._sinks.drained(p)
         if self.on_update is not None:
@@ -536,18 +542,6 @@ def _memory_meta() -> dict[str, int]:
     except (OSError, ValueError, IndexError):
         pass
     return out
-
-
-def _rss_bytes() -> int:
-    """The recorder's resident memory now (one small read of /proc/self/statm)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE_BYTES
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 def _alive(pid: int) -> bool:

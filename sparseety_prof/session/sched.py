@@ -22,7 +22,7 @@ class ConsumerSched:
     (meta.json shows the longest gap between drains, `drain_gap_max_ms`): when a drain finds more of
     the ring filled than the pace allows for (ESCALATE_FILL), the consumer did not get the CPU to
     keep up, and it takes the engine's own priority (nice 0, SCHED_OTHER) until drains have found
-    the ring nearly empty (RELAX_FILL) for RELAX_HOLD_S: losing records is worse than taking a few
+    less than RELAX_FILL of it filled for RELAX_HOLD_S: losing records is worse than taking a few
     percent of the engine's time, and a consumer that relaxed at once would fall behind again.
     Escalations are counted in meta.json ("consumer"). With `--slice-us`, it asks for that CPU slice
     while it runs as SCHED_OTHER (sched_slice.py)."""
@@ -61,9 +61,9 @@ class ConsumerSched:
         if self.mode == "idle":
             self._policy(os.SCHED_IDLE)
         else:
-            self._short_slice()
+            self._apply_slice()
 
-    def _short_slice(self) -> None:
+    def _apply_slice(self) -> None:
         if self.slice_us:
             self.slice_set = set_thread_slice(self.tid, self.slice_us) or self.slice_set
 
@@ -91,7 +91,7 @@ class ConsumerSched:
         self.progress.escalations += 1
         if self.mode == "idle":
             self._policy(os.SCHED_OTHER)
-            self._short_slice()
+            self._apply_slice()
         self._niceness(0)
 
     def after_drain(self, fill: float, gap_ms: float, now: float | None = None) -> None:
