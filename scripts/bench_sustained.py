@@ -283,6 +283,7 @@ def bench(
     try:
         eng.load(min(10.0, a.seconds), a.tokens)  # warm-up: weights paged in, allocator settled
         consumer: list[dict[str, Any]] = []
+        stage_s: dict[str, float] = {}  # the consumer's CPU by stage, summed over the pairs
         for i in range(a.pairs):
             order = ("A", "B") if i % 2 == 0 else ("B", "A")
             sides: dict[str, Side] = {}
@@ -315,6 +316,8 @@ def bench(
             tokens += n_rec
             cons = meta.get("consumer", {})
             consumer.append(cons)
+            for k, v in cons.get("cpu_s_by_stage", {}).items():
+                stage_s[k] = stage_s.get(k, 0.0) + float(v)
             print(
                 f"  {eng.name} clients={clients} mode={mode} pair {i + 1}/{a.pairs}: tokens/s ratio "
                 f"{rows['tps'][-1]:.4f}, {pb.tokens} tokens in B ({n_rec} recorded), recorder "
@@ -338,12 +341,30 @@ def bench(
         "records": records,
         "recorded_tokens": tokens,
         "consumer": consumer,  # per pair: meta.json's account of how the drains went
+        # over all pairs: CPU µs per recorded token, by stage (meta.json consumer.cpu_s_by_stage)
+        "cpu_us_per_token_by_stage": {k: v / max(tokens, 1) * 1e6 for k, v in stage_s.items()},
     }
     for k, v in rows.items():
         x = np.array(v)
         lo, hi = bootstrap_median_ci(x)
         out[k] = {"median": float(np.median(x)), "ci95": [lo, hi], "values": v}
     return out
+
+
+def print_stages(results: list[dict[str, Any]]) -> None:
+    """Where the recorder's CPU went, per recorded token, by stage (its own thread's CPU clock:
+    session/stage_cpu.py), over all the pairs of each configuration."""
+    by = [r for r in results if r["cpu_us_per_token_by_stage"]]
+    if not by:
+        return
+    names = list(by[0]["cpu_us_per_token_by_stage"])
+    print()
+    print("| engine | clients | mode | " + " | ".join(names) + " | sum |")
+    print("| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- |")
+    for r in by:
+        st = r["cpu_us_per_token_by_stage"]
+        cells = " | ".join(f"{st.get(k, 0.0):.0f}" for k in names)
+        print(f"| {r['engine']} | {r['clients']} | {r['mode']} | {cells} | {sum(st.values()):.0f} µs |")
 
 
 def main() -> int:
@@ -402,6 +423,7 @@ def main() -> int:
             f"| {r['cpu_us_per_token']['median']:.0f} µs | {r['attach_cpu_s']['median']:.1f} s "
             f"| {r['rss']['median']:.0f} MiB | {r['losses']} of {r['records']} records |"
         )
+    print_stages(results)
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -21,6 +21,7 @@ the shares of pure computation are what this is for.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -45,6 +46,8 @@ PYSPY_DIR = ROOT / "build" / "py-spy"
 # match wins, so a finer stage comes before the one that contains it
 STAGES: list[tuple[str, str]] = [
     ("waiting between drains", "StopFlag.wait"),
+    ("ring watch's pause between reads (waiting)", "Event.wait"),
+    ("ring watch (reads the ring's positions)", "RingWatch._run"),
     ("probes' detach at close (waiting)", "Session.close"),
     ("ring walk (copy out of the ring)", "RingReader.take"),
     ("logits statistics (C)", "PendingStats.fill"),
@@ -58,7 +61,11 @@ STAGES: list[tuple[str, str]] = [
     ("decode of record groups", "decode_groups"),
     ("rest of a drain", "Recorder._consume"),
 ]
-IDLE = {"waiting between drains", "probes' detach at close (waiting)"}
+IDLE = {
+    "waiting between drains",
+    "ring watch's pause between reads (waiting)",
+    "probes' detach at close (waiting)",
+}
 
 
 def py_spy() -> str:
@@ -137,6 +144,7 @@ def main() -> int:
             spy.wait(timeout=60)
             cpu_us = (usage.ru_utime + usage.ru_stime - cpu0) / n * 1e6
             counts = read_raw(raw)
+            meta = json.loads((Path(tmp) / "rec" / "meta.json").read_text())
     finally:
         engine.close()
     busy = {k: v for k, v in counts.items() if k not in IDLE}
@@ -150,6 +158,15 @@ def main() -> int:
     print("| --- | --- | --- |")
     for name, v in sorted(busy.items(), key=lambda kv: -kv[1]):
         print(f"| {name} | {v / total * 100:.1f}% | {v / total * cpu_us:.0f} |")
+    # the same run on the consumer thread's CPU clock (session/stage_cpu.py): CPU, not wall time
+    by_stage = meta.get("consumer", {}).get("cpu_s_by_stage", {})
+    n_rec = max(int(meta["counts"]["tokens"]), 1)
+    print(f"\nmeta.json consumer.cpu_s_by_stage, from the first drain on, per recorded token ({n_rec}):")
+    print("| stage | µs per token |")
+    print("| --- | --- |")
+    for name, v in by_stage.items():
+        print(f"| {name} | {v / n_rec * 1e6:.0f} |")
+    print(f"| sum | {sum(by_stage.values()) / n_rec * 1e6:.0f} |")
     return 0
 
 

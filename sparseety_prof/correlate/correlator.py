@@ -152,6 +152,11 @@ class Correlator:
             at.insert(0, 0)
         return at
 
+    @property
+    def logits_cpu_s(self) -> float:
+        """CPU time spent on the logits rows' statistics so far, in take_tables (PendingStats)."""
+        return self.requests.stats.cpu_s
+
     def take_tables(self, *, final: bool = False) -> Tables:
         """The rows produced since the last call, by table: tokens, steps, routes, masks and
         requests, each with every column of its schema. With `final`, every request still open

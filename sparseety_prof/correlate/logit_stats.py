@@ -4,6 +4,8 @@ of one per token."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from sparseety_prof.correlate.logits import BACKEND, RowStats, row_stats, row_stats_at
@@ -19,12 +21,14 @@ class PendingStats:
     def __init__(self) -> None:
         self.rows: list[tuple[int, list[np.ndarray]]] = []  # (token row, logits row chunks)
         self._scratch: dict[int, np.ndarray] = {}  # row width -> reused block of rows
+        self.cpu_s = 0.0  # the calling thread's CPU time in fill (meta.json consumer.cpu_s_by_stage)
 
     def add(self, token_row: int, chunks: list[np.ndarray]) -> None:
         self.rows.append((token_row, chunks))
 
     def fill(self, tok: Columns) -> None:
         """Set the statistics columns of `tok` (null for rows without a logits row)."""
+        t0 = time.thread_time()
         pending, self.rows = self.rows, []
         n = len(tok["token_id"])
         none: list[object] = [None] * n
@@ -42,6 +46,7 @@ class PendingStats:
                 for j, (i, _) in enumerate(block):
                     log_prob[i], top_ids[i], top_lps[i], entropy[i] = lps[j], tops[j], tlps[j], ents[j]
         tok.update(zip(TOKEN_STATS, (log_prob, top_ids, top_lps, entropy), strict=True))
+        self.cpu_s += time.thread_time() - t0
 
     def _block_stats(self, width: int, rows: list[list[np.ndarray]], toks: np.ndarray) -> RowStats:
         """Statistics of up to STATS_BLOCK rows of `width` floats, each given as its chunks.

@@ -44,6 +44,7 @@ from sparseety_prof.session.policy import RecordingPolicy
 from sparseety_prof.session.sched import ConsumerSched
 from sparseety_prof.session.sinks import FrameSink, SinkFanout
 from sparseety_prof.session.snapshot import engine_environment, host_info, process_info
+from sparseety_prof.session.stage_cpu import StageCpu
 from sparseety_prof.session.stop_flag import StopFlag
 from sparseety_prof.store import schema
 from sparseety_prof.store.aggregates import Aggregator
@@ -75,6 +76,7 @@ class Recorder:
         self._aggregates: Aggregator | None = None
         self.on_update = on_update
         self._rows = ColumnBuffer()
+        self._stages = StageCpu()  # where the consumer's CPU goes (meta.json consumer.cpu_s_by_stage)
         sink = log or (lambda s: print(s, file=sys.stderr, flush=True))
         # messages carry target strings (model path, build, layer details): shown, never obeyed
         self.log: Callable[[str], None] = lambda s: sink(terminal_line(s))
@@ -192,11 +194,15 @@ class Recorder:
         flush = FlushSchedule(opts.flush_interval)
         budget = MemoryBudget(opts.max_memory)
         watch = sched.watch(reader.pending_share)
+        stages, cpu_drains0 = self._stages, _cpu_s()
+        stages.restart()  # on this thread; attach's CPU is not a stage's
         try:
             t_prev = time.monotonic()
             while not self._stop.is_set():
                 self._stop.wait(flush.wait_s(sched.wait_s))
+                stages.lap("loop")
                 records = reader.take(sched.on_backlog)
+                stages.lap("ring_walk")
                 now = time.monotonic()
                 filled = sum(len(b) for b in records.values()) / (a.session.ring_pages * mmap.PAGESIZE)
                 sched.after_drain(filled, (now - t_prev) * 1e3)
@@ -204,6 +210,7 @@ class Recorder:
                 self._consume(records, corr, tracker, writer, a.session, gpu=gpu)
                 self._keep_durable(writer, flush, now)
                 self._watch_memory(writer, budget, now)
+                stages.lap("flush")
                 self._maybe_detach_attention_ops(corr, a.session)
                 if deadline is not None and time.monotonic() >= deadline:
                     self.stop("duration reached")
@@ -213,10 +220,13 @@ class Recorder:
             error = e
         finally:
             watch.close()
+            stages.lap("loop")
             rest = reader.stop()
+            stages.lap("ring_walk")
             counters = a.session.counters()
             counters["program_misses"] = a.session.program_misses()  # before close: read off the fds
             a.session.close()
+            stages.lap("detach")
             if error is None:
                 try:
                     self._consume(
@@ -257,10 +267,12 @@ class Recorder:
             if gpu is not None:
                 final["gpu"] = gpu.meta()
                 gpu.close()
+            stages.lap("loop")
             for table, df in self._rows.take_all():  # rows of drains before an error
                 self._emit(writer, table, df)
             self._settle(writer, final=True)
             self._store_aggregates(writer, final=True)
+            stages.lap("flush")
             final["policy"] = self._policy.to_meta()
             final["aggregates"] = {
                 "bucket_s": opts.aggregate_s,
@@ -268,6 +280,8 @@ class Recorder:
             }
             if self._sinks is not None and self._sink_list:
                 final["sinks"] = self._sinks.close({**self.meta, **final})
+            stages.lap("frames_sinks")
+            final["consumer"]["cpu_s_by_stage"] = stages.meta(_cpu_s() - cpu_drains0)
             self.meta.update(final)
             if writer is not None:
                 writer.close(complete=error is None, **final)
@@ -449,12 +463,18 @@ class Recorder:
         final: bool = False,
         gpu: GpuCapture | None = None,
     ) -> None:
+        stages = self._stages
         batch = decode_groups(records, sess.logits_chunk)
         tracker.update(batch.seqs(), final=final)
         drops = (counters or sess.counters())["kernel_drops"]
+        stages.lap("decode")
         if len(batch):
             corr.feed(batch, losses_seen=drops > 0 or tracker.gaps > 0)
+        stages.lap("correlate")
+        logits0 = corr.logits_cpu_s
         tables = corr.take_tables(final=final)
+        stages.lap("rows")
+        stages.move(corr.logits_cpu_s - logits0, "rows", "logits")
         tok, steps = tables["tokens"], tables["steps"]
         gpu_tables = self._poll_gpu(gpu, steps, final=final)
         if writer is not None or self._sinks:
@@ -462,6 +482,7 @@ class Recorder:
             for table, cols in (*tables.items(), *gpu_tables.items()):
                 for df in rows.add(table, cols, final=final):
                     self._emit(writer, table, df)
+        stages.lap("frames_sinks")
         p = self.progress
         p.records = tracker.seen
         p.seq_gaps = tracker.gaps
