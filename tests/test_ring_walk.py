@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from sparseety_prof.capture import bpf_loader as bl
+from sparseety_prof.capture import events as ev
 
 PAGE = 4096
 SIZE = 1 << 16  # data bytes of the synthetic ring (a power of two, as the kernel's)
@@ -42,12 +43,18 @@ class FakeRing:
     def _write(self, at: int, data: bytes) -> None:
         ctypes.memmove(ctypes.addressof(self.buf) + at, data, len(data))
 
-    def reader(self, *, python: bool, sizes: tuple[int, ...] = ()) -> bl.RingReader:
+    def reader(self, *, python: bool, sizes: tuple[int, ...] = (), ref_size: int = -1) -> bl.RingReader:
+        """A RingReader on this ring; records of `ref_size` are logits records (taken by reference
+        while the ring is not filling)."""
         r = bl.RingReader.__new__(bl.RingReader)
         r._fill = {s: bl._Arena(s) for s in sizes}
+        r._logits_size = ref_size
+        r._refs = bl._Arena(ev.LOGITS_REF_DTYPE.itemsize)
+        r._walked = None
         r._prod_mm = self.buf  # type: ignore[assignment]  # unpack_from reads it like the mmap
         r._cons = ctypes.c_uint64(self.cons)
         r._data_addr = ctypes.addressof(self.buf) + PAGE
+        r._data = np.frombuffer(self.buf, np.uint8, offset=PAGE)
         r._size = SIZE
         r._page = PAGE
         r.python_walk = python
@@ -124,3 +131,77 @@ def test_walk_stops_at_a_busy_record_and_resumes(python: bool) -> None:
     assert _records(r.take()) == {48: [_payload(48, 2)]}
     assert r._cons.value == ring.prod
     assert r.take() == {}
+
+
+REF = 1000  # the record size standing for the logits records below
+
+
+@pytest.mark.parametrize("python", [True, False])
+@pytest.mark.parametrize("start", [0, SIZE - 600])  # a referenced record across the end of the first mapping
+def test_logits_records_are_taken_by_reference_and_handed_back_on_release(python: bool, start: int) -> None:
+    if not python and bl._ring_walk is None:
+        pytest.skip("libringwalk.so not built")
+    ring = FakeRing(start)
+    want = _fill(ring, 30)
+    r = ring.reader(python=python, sizes=(48, 200), ref_size=REF)
+    out = r.take()
+    assert REF not in out  # the big records are not copied...
+    refs = out[ev.LOGITS_REF].view(ev.LOGITS_REF_DTYPE)
+    head = ev.LOGITS_HEAD_BYTES
+    big = [p for p in want if len(p) == REF]
+    assert len(refs) == len(big) > 0
+    data = r.data
+    for ref, p in zip(refs, big, strict=True):
+        assert bytes(ref.tobytes()[:head]) == p[:head]  # ...their header fields are
+        at = int(ref["at"])
+        assert bytes(data[at : at + REF - head]) == p[head:]  # and the rest is where the offset says
+    copied = _records({size: buf for size, buf in out.items() if size != ev.LOGITS_REF})
+    assert sorted(p for recs in copied.values() for p in recs) == sorted(p for p in want if len(p) != REF)
+    assert r._cons.value == start  # held while the floats are read
+    r.release()
+    assert r._cons.value == ring.prod
+    r.release()  # idempotent
+    assert r._cons.value == ring.prod
+
+
+@pytest.mark.parametrize("python", [True, False])
+def test_a_filling_ring_has_its_logits_records_copied_and_space_handed_back_at_once(python: bool) -> None:
+    if not python and bl._ring_walk is None:
+        pytest.skip("libringwalk.so not built")
+    ring = FakeRing()
+    want = _fill(ring, 3 * int(SIZE * bl.RingReader.REF_MAX_SHARE / 400))  # past REF_MAX_SHARE
+    assert (ring.prod - ring.cons) / SIZE >= bl.RingReader.REF_MAX_SHARE
+    r = ring.reader(python=python, sizes=(48, 200), ref_size=REF)
+    out = r.take()
+    assert ev.LOGITS_REF not in out
+    assert sorted(p for recs in _records(out).values() for p in recs) == sorted(want)
+    assert r._cons.value == ring.prod  # handed back by the walk itself
+    ring.put(_payload(REF, 1))
+    assert ev.LOGITS_REF in r.take()  # drained: by reference again
+
+
+def test_referenced_and_copied_logits_decode_alike() -> None:
+    """decode_groups makes copied logits records references into their own bytes: the
+    correlator reads both the same way (EventBatch.logits_vals)."""
+    chunk = 1024
+    dt = ev.logits_dtype(chunk)
+    recs = np.zeros(3, dt)
+    recs["kind"] = ev.EV_LOGITS
+    recs["chunk"] = [0, 1, 2]
+    recs["n_vals"] = [chunk, chunk, 7]
+    recs["vals"] = np.arange(3 * chunk, dtype=np.float32).reshape(3, chunk)
+    raw = recs.view(np.uint8).reshape(-1)
+    copied = ev.decode_groups({dt.itemsize: raw}, chunk)
+    # the same records in a "ring", taken by reference: header, then the offset of the floats
+    refs = np.zeros(3, ev.LOGITS_REF_DTYPE)
+    for name in ev.LOGITS_REF_DTYPE.names or ():
+        if name != "at":
+            refs[name] = recs[name]
+    refs["at"] = np.arange(3) * dt.itemsize + ev.LOGITS_HEAD_BYTES
+    by_ref = ev.decode_groups({ev.LOGITS_REF: refs.view(np.uint8)}, chunk, ring_data=raw)
+    for b in (copied, by_ref):
+        assert b.logits["chunk"].tolist() == [0, 1, 2]
+        for i in range(3):
+            assert np.array_equal(b.logits_vals(i), recs["vals"][i])
+    with pytest.raises(ValueError, match="no ring memory"):
+        ev.decode_groups({ev.LOGITS_REF: refs.view(np.uint8)}, chunk)

@@ -40,6 +40,8 @@ def test_a_lap_charges_the_threads_cpu_since_the_last_one() -> None:
     assert list(meta) == [*STAGES, "other_threads"]
     assert meta["other_threads"] == pytest.approx(0.5, abs=1e-3)
     assert st.meta(process_cpu_s=0.0)["other_threads"] == 0.0  # never negative
+    apart = st.meta(sum(s.values()) + 0.5, {"model_hash": 0.2})
+    assert apart["model_hash"] == 0.2 and apart["other_threads"] == pytest.approx(0.3, abs=1e-3)
 
 
 def test_another_threads_cpu_is_not_counted() -> None:
@@ -64,7 +66,7 @@ def test_a_full_recording_says_where_its_cpu_went(llama_engine: Engine, tmp_path
     assert rc == 0, err
     meta = json.loads((out / recording.META_FILE).read_text())
     by_stage = meta["consumer"]["cpu_s_by_stage"]
-    assert set(by_stage) == {*STAGES, "other_threads"}  # (meta.json sorts its keys)
+    assert set(by_stage) == {*STAGES, "model_hash", "other_threads"}  # (meta.json sorts its keys)
     assert all(v >= 0 for v in by_stage.values())
     # a full recording of 144 tokens: records correlated, logits rows' statistics, columns made
     assert by_stage["correlate"] > 0 and by_stage["logits"] > 0 and by_stage["rows"] > 0

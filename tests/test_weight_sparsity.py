@@ -517,3 +517,63 @@ def test_progress_grows_to_a_fixed_total(
     calls.clear()
     ws.analyze(path, sha256=sha, cache_dir=cache, progress=lambda d, t: calls.append((d, t)))
     assert calls[-1] == (total, total)  # a cache hit still completes the bar
+
+
+# ------------------------------------------------------------------ the model file's hash, remembered
+def test_a_models_hash_is_remembered_across_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, cache = tmp_path / "m.gguf", tmp_path / "cache" / "sha256"
+    model.write_bytes(b"weights" * 1000)
+    want = hashlib.sha256(model.read_bytes()).hexdigest()
+    assert ws.model_sha256(model, cache_dir=cache) == want
+    (entry,) = cache.iterdir()
+    assert stat.S_IMODE(entry.stat().st_mode) == 0o600
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+
+    def no_hash(*a: object, **k: object) -> str:
+        raise AssertionError("hashed again")
+
+    monkeypatch.setattr(ws, "sha256_file", no_hash)  # a later run (the per-process cache aside)
+    assert ws.model_sha256(model, cache_dir=cache) == want
+
+
+def test_a_rewritten_model_is_hashed_again_even_with_its_times_put_back(tmp_path: Path) -> None:
+    """The attack: same size, new content, modification time set back. The status-change time
+    moves anyway (only root sets it), so the remembered hash is not used."""
+    model, cache = tmp_path / "m.gguf", tmp_path / "cache"
+    model.write_bytes(b"a" * 4096)
+    assert ws.model_sha256(model, cache_dir=cache) == hashlib.sha256(b"a" * 4096).hexdigest()
+    st = model.stat()
+    with open(model, "r+b") as f:  # the same inode, rewritten in place
+        f.write(b"b" * 4096)
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert model.stat().st_mtime_ns == st.st_mtime_ns and model.stat().st_size == st.st_size
+    assert ws.model_sha256(model, cache_dir=cache) == hashlib.sha256(b"b" * 4096).hexdigest()
+
+
+def test_planted_or_damaged_hash_entries_are_not_believed(tmp_path: Path) -> None:
+    model, cache = tmp_path / "m.gguf", tmp_path / "cache"
+    model.write_bytes(b"c" * 100)
+    want = hashlib.sha256(b"c" * 100).hexdigest()
+    ws.model_sha256(model, cache_dir=cache)
+    (entry,) = cache.iterdir()
+    doc = json.loads(entry.read_text())
+    for bad in (
+        {**doc, "sha256": FAKE_SHA, "identity": "1:2:3:4:5"},  # another file's entry under this name
+        {**doc, "sha256": "../" * 21 + "a"},  # not a hash
+        "not json {",
+    ):
+        entry.write_text(bad if isinstance(bad, str) else json.dumps(bad))
+        assert ws.model_sha256(model, cache_dir=cache) == want
+    assert json.loads(entry.read_text())["sha256"] == want  # rewritten
+
+
+def test_a_model_written_while_it_is_hashed_is_not_remembered(tmp_path: Path) -> None:
+    model, cache = tmp_path / "m.gguf", tmp_path / "cache"
+    model.write_bytes(b"d" * 100)
+
+    def write_meanwhile(done: int, total: int) -> None:
+        with open(model, "r+b") as f:
+            f.write(b"e")
+
+    ws.model_sha256(model, cache_dir=cache, progress=write_meanwhile)
+    assert not cache.exists() or not list(cache.iterdir())

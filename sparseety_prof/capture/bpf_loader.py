@@ -27,7 +27,15 @@ import numpy as np
 
 from sparseety_prof.capture import target as tg
 from sparseety_prof.capture.elf import cheap_entry_probe_offset, cheap_probe_offset, read_at_vaddr
-from sparseety_prof.capture.events import PROBES_DIR, logits_chunk_for, logits_dtype, record_sizes
+from sparseety_prof.capture.events import (
+    LOGITS_HEAD_BYTES,
+    LOGITS_REF,
+    LOGITS_REF_DTYPE,
+    PROBES_DIR,
+    logits_chunk_for,
+    logits_dtype,
+    record_sizes,
+)
 from sparseety_prof.capture.layouts import EngineBuild
 from sparseety_prof.capture.options import Capture
 from sparseety_prof.capture.plans import MoePlan
@@ -360,11 +368,12 @@ class _Arena:
         self.addr = self.buf.ctypes.data
         self.used = 0
 
-    def append(self, data: Any) -> None:
+    def append(self, data: Any, n: int = 0) -> None:
+        """One entry: `self.size` bytes from address `data` (the first `n` only, when given)."""
         end = self.used + self.size
         if end > len(self.buf):
             self.grow(end)
-        ctypes.memmove(self.addr + self.used, data, self.size)
+        ctypes.memmove(self.addr + self.used, data, n or self.size)
         self.used = end
 
     def grow(self, min_bytes: int) -> None:
@@ -383,7 +392,7 @@ def _prefaulted(n: int) -> np.ndarray:
 # sparseety_prof/native/ringwalk.c, built by sparseety_prof/native/build.sh (scripts/setup.sh runs
 # it); without it RingReader walks the ring in Python (~3 us per record instead of ~0.1 + copy).
 _WALK_LIB = native_library("libringwalk.so")
-_WALK_ABI = 2
+_WALK_ABI = 3
 _RW_BUSY, _RW_ARENA_FULL, _RW_UNKNOWN_SIZE, _RW_LIMIT = range(1, 5)  # 0: caught up
 
 
@@ -397,7 +406,7 @@ def _load_walk(path: Path) -> Any:
     except (OSError, AttributeError):
         return None
     p, u64 = ctypes.c_void_p, ctypes.c_uint64
-    fn.argtypes = [p, u64, p, u64, p, ctypes.c_int, p, p, p, u64, p]
+    fn.argtypes = [p, u64, p, u64, p, ctypes.c_int, p, p, p, p, p, u64, p]
     fn.restype = ctypes.c_int
     return fn
 
@@ -407,18 +416,25 @@ _ring_walk = _load_walk(_WALK_LIB)
 
 class _WalkTables:
     """The arenas as the C walk takes them: parallel arrays of record size, buffer address,
-    capacity and records used (both in records)."""
+    entry size, header bytes taken by reference (0: the record is copied), capacity and entries
+    used (both in entries). `refs` maps a record size taken by reference to (its arena, the
+    header bytes copied)."""
 
-    def __init__(self, fill: dict[int, _Arena], sizes: list[int]) -> None:
-        arenas = [fill[s] for s in sizes]
+    def __init__(
+        self, fill: dict[int, _Arena], sizes: list[int], refs: dict[int, tuple[_Arena, int]]
+    ) -> None:
+        arenas = [refs[s][0] if s in refs else fill[s] for s in sizes]
+        self.arenas = arenas
         self.sizes = np.array(sizes, dtype=np.uint32)
         self.dst = np.array([a.addr for a in arenas], dtype=np.uint64)
+        self.item = np.array([a.size for a in arenas], dtype=np.uint32)
+        self.ref = np.array([refs[s][1] if s in refs else 0 for s in sizes], dtype=np.uint32)
         self.cap = np.array([len(a.buf) // a.size for a in arenas], dtype=np.uint64)
         self.used = np.array([a.used // a.size for a in arenas], dtype=np.uint64)
 
-    def store_used(self, fill: dict[int, _Arena], sizes: list[int]) -> None:
-        for size, n in zip(sizes, self.used.tolist(), strict=True):
-            fill[size].used = n * size
+    def store_used(self) -> None:
+        for a, n in zip(self.arenas, self.used.tolist(), strict=True):
+            a.used = n * a.size
 
 
 class RingReader:
@@ -440,6 +456,12 @@ class RingReader:
     MAX_PASSES = 8
     CHECK_EVERY = 256
     python_walk = False  # True: the Python walk even with the C one built (tests compare them)
+    # Logits records are taken by reference (their floats read in the ring, the space handed
+    # back by release() once they have been) when a drain starts with less than this share of
+    # the ring pending: what paced drains find (ConsumerSched.PACE_FILL). Above it they are
+    # copied and the space handed back at once: the producers need it more than the consumer
+    # needs the CPU the copy costs.
+    REF_MAX_SHARE = 0.25
 
     #: bytes of the logits rows' arena made at attach time: one drain's worth at 250 tokens/s of
     #: a 32k vocabulary (0.5 s); bigger drains grow it
@@ -458,6 +480,9 @@ class RingReader:
             size: _Arena(size, self.PRESIZE_BYTES if size == logits_size else size * self.PRESIZE_RECORDS)
             for size in record_sizes(sess.logits_chunk)
         }
+        self._logits_size = logits_size
+        self._refs = _Arena(LOGITS_REF_DTYPE.itemsize, LOGITS_REF_DTYPE.itemsize * self.PRESIZE_RECORDS)
+        self._walked: int | None = None  # how far the last take() read, when not handed back yet
         page = mmap.PAGESIZE
         fd = sess.bpf["events"].map_fd
         self._size = sess.ring_pages * page
@@ -471,20 +496,38 @@ class RingReader:
         self._data_addr = self._data.ctypes.data
         self._page = page
 
+    @property
+    def data(self) -> np.ndarray:
+        """The ring's data (both mappings): what the offsets of logits records taken by reference
+        point into (events.decode_groups' `ring_data`)."""
+        return self._data
+
     def pending_share(self) -> float:
         """The share of the ring produced but not yet drained: two reads of the ring's memory, safe
         from another thread than the one that drains (ring_watch.py)."""
         prod = struct.unpack_from("<Q", self._prod_mm, 0)[0]
         return float(max(0, prod - self._cons.value) / self._size)
 
-    def take(self, on_backlog: Callable[[float], None] | None = None) -> dict[int, np.ndarray]:
+    def take(
+        self, on_backlog: Callable[[float], None] | None = None, *, by_ref: bool = True
+    ) -> dict[int, np.ndarray]:
         """Drain the ring up to where the producer was when called: {record size: the records
-        back to back}. The arrays are valid until the next take(). `on_backlog` is told the share
-        of the ring still pending at the start of each pass and every CHECK_EVERY records (the
-        consumer raises its priority from there when the ring fills under load)."""
+        back to back}, and under LOGITS_REF the logits records taken by reference (`by_ref`, when
+        the ring is not filling: REF_MAX_SHARE), whose floats stay in the ring until release().
+        The arrays are valid until the next take(), which releases what the last one held.
+        `on_backlog` is told the share of the ring still pending at the start of each pass and
+        every CHECK_EVERY records (the consumer raises its priority from there when the ring
+        fills under load)."""
+        self.release()
         walk = self._walk_python if _ring_walk is None or self.python_walk else self._walk_c
         prod_mm = self._prod_mm
         cons = self._cons.value
+        start_share = (struct.unpack_from("<Q", prod_mm, 0)[0] - cons) / self._size
+        refs = (
+            {self._logits_size: (self._refs, LOGITS_HEAD_BYTES)}
+            if by_ref and start_share < self.REF_MAX_SHARE
+            else {}
+        )
 
         def backlog(at: int) -> None:
             if on_backlog is not None:
@@ -497,23 +540,37 @@ class RingReader:
             if cons >= prod:
                 break
             backlog(cons)  # before copying, so that a full ring escalates first
-            cons, busy = walk(cons, prod, backlog)
-            self._cons.value = cons  # hands the space back to the producers
+            cons, busy = walk(cons, prod, backlog, refs)
+            if self._refs.used:
+                self._walked = cons  # handed back by release(), once the floats have been read
+            else:
+                self._cons.value = cons  # hands the space back to the producers
             if busy:
                 break  # reserved but not submitted yet: the next take() gets it
         fill = self._fill
         out = {size: a.buf[: a.used] for size, a in fill.items() if a.used}
-        for a in fill.values():
+        if self._refs.used:
+            out[LOGITS_REF] = self._refs.buf[: self._refs.used]
+        for a in (*fill.values(), self._refs):
             a.used = 0  # reused by the next take(): the views above are valid until then
         return out
 
-    def _walk_c(self, cons: int, prod: int, backlog: Callable[[int], None]) -> tuple[int, bool]:
+    def release(self) -> None:
+        """Hand back to the producers the space of the records the last take() read by reference
+        (their views are not to be read after this)."""
+        if self._walked is not None:
+            self._cons.value = self._walked
+            self._walked = None
+
+    def _walk_c(
+        self, cons: int, prod: int, backlog: Callable[[int], None], refs: dict[int, tuple[_Arena, int]]
+    ) -> tuple[int, bool]:
         """One pass of the walk in C (sparseety_prof/native/ringwalk.c), CHECK_EVERY records per
         call: (new consumer position, stopped at a busy record)."""
         fill = self._fill
         pos, stop = ctypes.c_uint64(cons), ctypes.c_uint32(0)
         sizes = list(fill)
-        tables = _WalkTables(fill, sizes)
+        tables = _WalkTables(fill, sizes, refs)
         while True:
             rc = _ring_walk(
                 self._data_addr,
@@ -523,6 +580,8 @@ class RingReader:
                 tables.sizes.ctypes.data,
                 len(sizes),
                 tables.dst.ctypes.data,
+                tables.item.ctypes.data,
+                tables.ref.ctypes.data,
                 tables.cap.ctypes.data,
                 tables.used.ctypes.data,
                 self.CHECK_EVERY,
@@ -533,18 +592,21 @@ class RingReader:
                 continue
             if rc not in (_RW_ARENA_FULL, _RW_UNKNOWN_SIZE):
                 break
-            tables.store_used(fill, sizes)
+            tables.store_used()
             size = int(stop.value)
             if rc == _RW_UNKNOWN_SIZE:
                 fill[size] = _Arena(size)
                 sizes.append(size)
             else:
-                fill[size].grow(fill[size].used + size)
-            tables = _WalkTables(fill, sizes)
-        tables.store_used(fill, sizes)
+                full = refs[size][0] if size in refs else fill[size]
+                full.grow(full.used + full.size)
+            tables = _WalkTables(fill, sizes, refs)
+        tables.store_used()
         return pos.value, rc == _RW_BUSY
 
-    def _walk_python(self, cons: int, prod: int, backlog: Callable[[int], None]) -> tuple[int, bool]:
+    def _walk_python(
+        self, cons: int, prod: int, backlog: Callable[[int], None], refs: dict[int, tuple[_Arena, int]]
+    ) -> tuple[int, bool]:
         """One pass of the walk in Python (the fallback, and the reference the tests compare the C
         walk with)."""
         unpack, prod_mm, page = struct.unpack_from, self._prod_mm, self._page
@@ -558,7 +620,11 @@ class RingReader:
             if length & busy:
                 return cons, True
             size = length & ~(busy | discard)
-            if not length & discard:
+            if not length & discard and size in refs:  # the header, then where the rest lies (ringwalk.c)
+                ref_arena, head = refs[size]
+                ref_arena.append(base + off + hdr, head)
+                ref_arena.buf[ref_arena.used - 8 : ref_arena.used].view("<u8")[0] = off + hdr + head
+            elif not length & discard:
                 arena = fill.get(size)
                 if arena is None:
                     arena = fill[size] = _Arena(size)
@@ -570,8 +636,9 @@ class RingReader:
         return cons, False
 
     def stop(self) -> dict[int, np.ndarray]:
-        """The last records (the probes are detached by the session afterwards)."""
-        rest = self.take()
+        """The last records, copied (the probes are detached by the session afterwards)."""
+        rest = self.take(by_ref=False)
+        self.release()
         # copies: the arenas stay valid, the mappings go
         del self._cons, self._data
         self._cons_mm.close()

@@ -27,10 +27,23 @@ class DrainIndex:
     """kinds[i], group[i], row[i]: the i-th record in sequence-number order, its layout and its
     index in that layout's array."""
 
-    __slots__ = ("_cols", "_fast", "_rows", "arrays", "group", "kinds", "row", "seqs")
+    __slots__ = (
+        "_cols",
+        "_fast",
+        "_rows",
+        "arrays",
+        "group",
+        "kinds",
+        "logits_chunk",
+        "logits_vals",
+        "row",
+        "seqs",
+    )
 
     def __init__(self, batch: EventBatch) -> None:
         self.arrays = batch.groups()
+        self.logits_chunk = batch.logits_chunk  # floats per logits record
+        self.logits_vals = batch.logits_vals  # a logits record's floats, where they lie
         present = [(g, a) for g, a in enumerate(self.arrays) if len(a)]
         self._rows: dict[int, list[tuple[Any, ...]]] = {}
         self._cols: dict[tuple[int, str], list[Any]] = {}
@@ -96,6 +109,8 @@ class DrainIndex:
         d: dict[str, Any] = {}
         for n in names:
             d[n] = arr[n][r] if dt[n].shape else self.col(g, n)[r]
+        if g == G_LOGITS:
+            d["vals"] = self.logits_vals(r)
         return d
 
 

@@ -196,17 +196,19 @@ def http_copied(rec: np.void) -> bytes:
     return data[: max(0, min(int(rec["n_copied"]), int(rec["len"]), len(data)))]
 
 
+_LOGITS_HEAD = [*HDR, ("idx", "<i4"), ("chunk", "<u4"), ("n_vals", "<u4"), ("n_vocab", "<u4")]
+
+
 def logits_dtype(chunk: int) -> np.dtype:
-    return np.dtype(
-        [
-            *HDR,
-            ("idx", "<i4"),
-            ("chunk", "<u4"),
-            ("n_vals", "<u4"),
-            ("n_vocab", "<u4"),
-            ("vals", "<f4", (chunk,)),
-        ]
-    )
+    return np.dtype([*_LOGITS_HEAD, ("vals", "<f4", (chunk,))])
+
+
+#: A logits record taken by reference (RingReader.take): its header fields, then `at`, the byte
+#: offset of its floats in EventBatch.logits_data (the ring's memory, or the copied records).
+LOGITS_REF_DTYPE = np.dtype([*_LOGITS_HEAD, ("at", "<u8")])
+LOGITS_HEAD_BYTES = np.dtype(_LOGITS_HEAD).itemsize  # the bytes before `vals`
+#: the key of the logits references among RingReader.take()'s groups (sizes are never 0)
+LOGITS_REF = 0
 
 
 @dataclass
@@ -215,7 +217,8 @@ class EventBatch:
 
     small: np.ndarray = field(default_factory=lambda: np.empty(0, SMALL_DTYPE))
     ubatch: np.ndarray = field(default_factory=lambda: np.empty(0, UBATCH_DTYPE))
-    logits: np.ndarray = field(default_factory=lambda: np.empty(0, logits_dtype(1024)))
+    # logits records as references (LOGITS_REF_DTYPE): their floats lie in logits_data
+    logits: np.ndarray = field(default_factory=lambda: np.empty(0, LOGITS_REF_DTYPE))
     tensor_s: np.ndarray = field(default_factory=lambda: np.empty(0, TENSOR_S_DTYPE))
     tensor_l: np.ndarray = field(default_factory=lambda: np.empty(0, TENSOR_L_DTYPE))
     act: np.ndarray = field(default_factory=lambda: np.empty(0, ACT_DTYPE))
@@ -223,6 +226,14 @@ class EventBatch:
     attn: np.ndarray = field(default_factory=lambda: np.empty(0, ATTN_DTYPE))
     step_agg: np.ndarray = field(default_factory=lambda: np.empty(0, STEP_AGG_DTYPE))
     http: np.ndarray = field(default_factory=lambda: np.empty(0, HTTP_DTYPE))
+    logits_data: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
+    logits_chunk: int = 1024  # floats per logits record
+
+    def logits_vals(self, row: int) -> np.ndarray:
+        """The `logits_chunk` floats of logits record `row` (the first n_vals are the row's), a
+        view where they lie: valid as long as the records are (until the next drain's take)."""
+        at = int(self.logits["at"][row])
+        return self.logits_data[at : at + 4 * self.logits_chunk].view("<f4")
 
     def groups(self) -> list[np.ndarray]:
         return [
@@ -286,18 +297,43 @@ def decode_records(records: list[bytes], logits_chunk: int) -> EventBatch:
     )
 
 
-def decode_groups(groups: dict[int, np.ndarray], logits_chunk: int) -> EventBatch:
+def decode_groups(
+    groups: dict[int, np.ndarray], logits_chunk: int, ring_data: np.ndarray | None = None
+) -> EventBatch:
     """Like decode_records, for records already packed by size: {record size: bytes of the
-    records back to back} (what RingReader.take() returns). Views, no copies."""
+    records back to back} (what RingReader.take() returns), and the logits records taken by
+    reference under LOGITS_REF, whose offsets point into `ring_data`. Views, no copies, but for
+    the header fields of logits records copied whole (made references into their own bytes)."""
     by_size = _layouts(logits_chunk)
-    out = EventBatch()
+    out = EventBatch(logits_chunk=logits_chunk)
     for size, buf in groups.items():
+        if size == LOGITS_REF:
+            if ring_data is None:
+                raise ValueError("logits records taken by reference, but no ring memory given")
+            out.logits, out.logits_data = buf.view(LOGITS_REF_DTYPE), ring_data
+            continue
         entry = by_size.get(size)
         if entry is None:
             raise _unexpected(size)
         name, dt = entry
-        setattr(out, name, buf.view(dt))
+        if name == "logits":
+            if len(out.logits):
+                raise ValueError("logits records both copied and taken by reference in one drain")
+            out.logits, out.logits_data = _as_refs(buf, dt), buf
+        else:
+            setattr(out, name, buf.view(dt))
     return out
+
+
+def _as_refs(buf: np.ndarray, dt: np.dtype) -> np.ndarray:
+    """Copied logits records (`dt`) as references into `buf`, their own bytes."""
+    full = buf.view(dt)
+    refs = np.empty(len(full), LOGITS_REF_DTYPE)
+    for name in LOGITS_REF_DTYPE.names or ():
+        if name != "at":
+            refs[name] = full[name]
+    refs["at"] = np.arange(len(full), dtype=np.uint64) * dt.itemsize + LOGITS_HEAD_BYTES
+    return refs
 
 
 class SeqTracker:

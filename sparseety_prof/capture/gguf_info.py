@@ -77,7 +77,7 @@ HEADER_READ_BYTES = 16 << 20
 MAX_HEADER_BYTES = 64 << 20
 
 # (path, st_dev, st_ino, size, mtime_ns) -> hex digest
-_sha256_cache: dict[tuple[str, int, int, int, int], str] = {}
+_sha256_cache: dict[tuple[str, int, int, int, int, int], str] = {}
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class ModelInfo:
 
 
 def sha256_file(path: Path | PinnedFile, *, progress: Callable[[int, int], object] | None = None) -> str:
-    """Hex sha256 of a file, read in 8 MB chunks; cached per (path, inode, size, mtime).
+    """Hex sha256 of a file, read in 8 MB chunks; cached per (path, inode, size, mtime, ctime).
 
     `progress(done_bytes, total_bytes)` is called after each chunk when the file is actually
     read (not on a cache hit): hashing a multi-GB model takes seconds.
@@ -129,7 +129,8 @@ def sha256_file(path: Path | PinnedFile, *, progress: Callable[[int, int], objec
     """
     fd, st = open_source(path)
     with os.fdopen(fd, "rb", buffering=0) as f:
-        key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        # the status-change time too: a rewrite can put the modification time back, not that one
+        key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         hit = _sha256_cache.get(key)
         if hit is not None:
             return hit

@@ -37,6 +37,7 @@ name and renamed so that a reader never sees half a file.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -54,7 +55,15 @@ from sparseety_prof.capture.gguf_info import TensorInfo, read_tensor_infos, sha2
 from sparseety_prof.capture.untrusted_files import PinnedFile, open_source
 from sparseety_prof.errors import ProfError, UsageError
 
-__all__ = ["CACHE_FORMAT", "CACHE_VERSION", "NM_GROUP_SIZES", "analyze", "default_cache_dir", "nm_pattern"]
+__all__ = [
+    "CACHE_FORMAT",
+    "CACHE_VERSION",
+    "NM_GROUP_SIZES",
+    "analyze",
+    "default_cache_dir",
+    "model_sha256",
+    "nm_pattern",
+]
 
 CACHE_FORMAT = "sparseety-prof-weight-sparsity"
 #: Bumped whenever the analysis or the JSON changes: older cache files are then recomputed.
@@ -352,6 +361,57 @@ def _write_cache(file: Path, doc: dict[str, Any], *, tighten: tuple[Path, ...]) 
         raise
 
 
+# ------------------------------------------------------------------ the file's hash, remembered
+SHA256_CACHE_FORMAT = "sparseety-prof-file-sha256"
+
+
+def _identity(path: Path | PinnedFile) -> str:
+    """What changes whenever the file's content can have: device, inode, size, modification and
+    status-change times. A write sets both times; a process may set the modification time back
+    (utime), but setting the status-change time takes root (it is the clock of the change)."""
+    fd, st = open_source(path)
+    os.close(fd)
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def model_sha256(
+    path: Path | PinnedFile, *, cache_dir: Path | str | None = None, progress: Progress | None = None
+) -> str:
+    """gguf_info.sha256_file, remembered across runs by the file's identity (`_identity`) in
+    ``<cache_dir>/<digest of the identity>.json`` (default: ``sha256`` beside the weights cache).
+    A model of tens of GB takes a core for a minute and as much disk reading to hash: every
+    attach did it. A hash is kept only when the identity was the same before and after the
+    read (a file written meanwhile is hashed again next time); a cache that cannot be read or
+    written costs a hash, never the recording."""
+    tighten: tuple[Path, ...]
+    if cache_dir is None:
+        cache_dir = default_cache_dir().parent / "sha256"
+        tighten = (cache_dir.parent, cache_dir)
+    else:
+        cache_dir = Path(cache_dir)
+        tighten = ()
+    before = _identity(path)
+    entry = cache_dir / (hashlib.sha256(before.encode()).hexdigest()[:32] + ".json")
+    try:
+        doc = json.loads(entry.read_bytes())
+        if (
+            isinstance(doc, dict)
+            and doc.get("format") == SHA256_CACHE_FORMAT
+            and doc.get("identity") == before
+            and isinstance(doc.get("sha256"), str)
+            and _SHA256_RE.fullmatch(doc["sha256"])
+        ):
+            return str(doc["sha256"])
+    except (OSError, ValueError):
+        pass
+    digest = sha256_file(path, progress=progress)
+    if _identity(path) == before:
+        doc = {"format": SHA256_CACHE_FORMAT, "identity": before, "path": str(path), "sha256": digest}
+        with contextlib.suppress(OSError):
+            _write_cache(entry, doc, tighten=tighten)
+    return digest
+
+
 # ------------------------------------------------------------------ entry point
 def analyze(
     path: Path | str | PinnedFile,
@@ -364,7 +424,7 @@ def analyze(
 
     `sha256`: the file's hex sha256 when the caller already has it (a recording's metadata does);
     it is trusted, not checked, and names the cache entry. Otherwise the file is hashed (once per
-    process: gguf_info.sha256_file caches by path, inode, size and mtime).
+    process: gguf_info.sha256_file caches by path, inode, size, mtime and ctime).
 
     `cache_dir`: where ``<sha256>.json`` lives; default `default_cache_dir()`. A missing, damaged
     or other-version cache file is (re)computed and rewritten. If the cache cannot be written

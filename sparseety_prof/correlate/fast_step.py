@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sparseety_prof.capture import events as ev
-from sparseety_prof.capture.drain_index import G_LOGITS, G_UBATCH, DrainIndex
+from sparseety_prof.capture.drain_index import G_UBATCH, DrainIndex
 from sparseety_prof.correlate.agg_record import AggRow
 from sparseety_prof.correlate.state import Step
 from sparseety_prof.correlate.step_sparse import StepSparse
@@ -92,11 +92,11 @@ def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
         for r in rows:
             if f.lg_tid[r] != tid or f.lg_ctx[r] != ctx:
                 return 0
-        vals = idx.arrays[G_LOGITS]["vals"]
-        n_chunks = -(-f.lg_n_vocab[rows[-1]] // vals.shape[1])
+        n_chunks = -(-f.lg_n_vocab[rows[-1]] // idx.logits_chunk)
         if len(rows) != n_chunks or any(f.lg_chunk[r] != k for k, r in enumerate(rows)):
             return 0  # incomplete or out of order: _on_sample_end counts it
-        logits = [vals[r][: f.lg_n_vals[r]] for r in rows]
+        vals = idx.logits_vals
+        logits = [vals(r)[: f.lg_n_vals[r]] for r in rows]
 
     # _on_ubatch
     if not c.decode_seen:

@@ -23,8 +23,8 @@ from sparseety_prof import __version__
 from sparseety_prof.capture import target as tg
 from sparseety_prof.capture.bpf_loader import ATTENTION_OPS, RingReader, Session, is_server
 from sparseety_prof.capture.events import SeqTracker, decode_groups
-from sparseety_prof.capture.gguf_info import sha256_file
 from sparseety_prof.capture.weight_sparsity import analyze as analyze_weights
+from sparseety_prof.capture.weight_sparsity import model_sha256
 from sparseety_prof.correlate.correlator import Correlator
 from sparseety_prof.correlate.serving import ServingTracker
 from sparseety_prof.errors import NotAnEngine, ProfError
@@ -169,17 +169,22 @@ class Recorder:
                 hash_moved[0] = time.monotonic()
 
             try:
-                model_hash["sha256"] = sha256_file(a.model_file, progress=moved)
+                model_hash["sha256"] = model_sha256(a.model_file, progress=moved)
             except OSError as e:  # the file is the target's: gone, swapped, unreadable
                 model_hash["weights"] = {"error": f"model file not hashed: {e}"}
                 return
+            finally:
+                hash_cpu_s[0] = time.thread_time()  # this thread's CPU, from its start
             try:
                 model_hash["weights"] = analyze_weights(
                     a.model_file, sha256=model_hash["sha256"], progress=moved
                 )
             except Exception as e:  # a cache problem must not lose the recording
                 model_hash["weights"] = {"error": str(e)}
+            finally:
+                hash_cpu_s[0] = time.thread_time()
 
+        hash_cpu_s = [0.0]  # the hasher's CPU time (meta.json consumer.cpu_s_by_stage model_hash)
         hasher = threading.Thread(target=hash_and_scan, name="model-sha256", daemon=True)
         hasher.start()
         start_unix_ms = time.time_ns() // 1_000_000
@@ -207,7 +212,8 @@ class Recorder:
                 filled = sum(len(b) for b in records.values()) / (a.session.ring_pages * mmap.PAGESIZE)
                 sched.after_drain(filled, (now - t_prev) * 1e3)
                 t_prev = now
-                self._consume(records, corr, tracker, writer, a.session, gpu=gpu)
+                self._consume(records, corr, tracker, writer, a.session, gpu=gpu, ring_data=reader.data)
+                reader.release()  # the logits rows read where they lay: their space goes back now
                 self._keep_durable(writer, flush, now)
                 self._watch_memory(writer, budget, now)
                 stages.lap("flush")
@@ -281,7 +287,10 @@ class Recorder:
             if self._sinks is not None and self._sink_list:
                 final["sinks"] = self._sinks.close({**self.meta, **final})
             stages.lap("frames_sinks")
-            final["consumer"]["cpu_s_by_stage"] = stages.meta(_cpu_s() - cpu_drains0)
+            # (the hasher starts a few statements before the span: its CPU is counted whole)
+            final["consumer"]["cpu_s_by_stage"] = stages.meta(
+                _cpu_s() - cpu_drains0, {"model_hash": hash_cpu_s[0]}
+            )
             self.meta.update(final)
             if writer is not None:
                 writer.close(complete=error is None, **final)
@@ -462,9 +471,13 @@ class Recorder:
         counters: dict[str, int] | None = None,
         final: bool = False,
         gpu: GpuCapture | None = None,
+        ring_data: np.ndarray | None = None,
     ) -> None:
+        """One drain's records through the correlator to the rows' destinations. Logits records
+        taken by reference are read in `ring_data` (the ring's memory), here and nowhere after:
+        the caller hands their space back when this returns."""
         stages = self._stages
-        batch = decode_groups(records, sess.logits_chunk)
+        batch = decode_groups(records, sess.logits_chunk, ring_data)
         tracker.update(batch.seqs(), final=final)
         drops = (counters or sess.counters())["kernel_drops"]
         stages.lap("decode")

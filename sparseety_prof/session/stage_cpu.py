@@ -8,10 +8,10 @@ thread ran. A lap costs one clock read (well under a microsecond); the consumer 
 times per drain, not per token.
 
 meta.json `consumer.cpu_s_by_stage` holds the totals from the first drain to the last flush
-(the writer's close, which writes meta.json, is the only work after it): the stages below, and
-`other_threads`, the process's CPU time over the same span that the consumer thread did not
-spend (the ring watch, the model hash, Polars' thread pool when it writes Parquet, the OTLP and
-metrics sinks' threads)."""
+(the writer's close, which writes meta.json, is the only work after it): the stages below,
+`model_hash` (the thread that hashes the model file and scans its weights, once per attach),
+and `other_threads`, the rest of the process's CPU time over the same span (the ring watch,
+Polars' thread pool when it writes Parquet, the OTLP and metrics sinks' threads)."""
 
 from __future__ import annotations
 
@@ -54,9 +54,13 @@ class StageCpu:
         self.seconds[src] -= seconds
         self.seconds[dst] += seconds
 
-    def meta(self, process_cpu_s: float) -> dict[str, float]:
-        """The totals, and the process CPU time not spent on this thread (`process_cpu_s`: the
-        process's user + system time over the same span)."""
+    def meta(self, process_cpu_s: float, apart: dict[str, float] | None = None) -> dict[str, float]:
+        """The totals, then `apart` (other threads' CPU seconds over the same span, by name: the
+        model file's hash), and the rest of the process CPU time not spent on this thread
+        (`process_cpu_s`: the process's user + system time over the span)."""
         out = {k: round(v, 4) for k, v in self.seconds.items()}
-        out["other_threads"] = round(max(0.0, process_cpu_s - sum(self.seconds.values())), 4)
+        apart = apart or {}
+        out.update({k: round(v, 4) for k, v in apart.items()})
+        rest = process_cpu_s - sum(self.seconds.values()) - sum(apart.values())
+        out["other_threads"] = round(max(0.0, rest), 4)
         return out
