@@ -54,7 +54,7 @@ class FakeRing:
         r._prod_mm = self.buf  # type: ignore[assignment]  # unpack_from reads it like the mmap
         r._cons = ctypes.c_uint64(self.cons)
         r._data_addr = ctypes.addressof(self.buf) + PAGE
-        r._data = np.frombuffer(self.buf, np.uint8, offset=PAGE)
+        r._data = np.frombuffer(memoryview(self.buf).cast("B"), np.uint8, offset=PAGE)
         r._size = SIZE
         r._page = PAGE
         r.python_walk = python
