@@ -5,6 +5,7 @@ and record sizes not known in advance. No BPF needed: the ring's memory layout i
 from __future__ import annotations
 
 import ctypes
+import mmap
 import struct
 
 import numpy as np
@@ -205,3 +206,24 @@ def test_referenced_and_copied_logits_decode_alike() -> None:
             assert np.array_equal(b.logits_vals(i), recs["vals"][i])
     with pytest.raises(ValueError, match="no ring memory"):
         ev.decode_groups({ev.LOGITS_REF: refs.view(np.uint8)}, chunk)
+
+
+def test_stop_with_a_view_of_the_ring_still_alive_leaves_the_mapping_to_the_view() -> None:
+    """An error raised while a drain was handled keeps that drain's logits views alive in its
+    traceback: stop() must not fail there (mmap refuses to unmap under a view), which would hide
+    the error and its exit code."""
+    ring = FakeRing()
+    r = ring.reader(python=True, sizes=(48,), ref_size=REF)
+    cons_mm = mmap.mmap(-1, PAGE)
+    prod_mm = mmap.mmap(-1, PAGE + 2 * SIZE)
+    prod_mm[: PAGE + 2 * SIZE] = bytes(ring.buf)
+    r._cons_mm, r._prod_mm = cons_mm, prod_mm
+    r._cons = ctypes.c_uint64.from_buffer(cons_mm)
+    r._data = np.frombuffer(prod_mm, np.uint8, offset=PAGE)
+    r._data_addr = r._data.ctypes.data
+    view = r.data[:16]  # the last drain's rows, still referenced
+    assert r.stop() == {}
+    assert cons_mm.closed and not prod_mm.closed  # unmapped once the view goes
+    assert bytes(view) == bytes(16)
+    del view
+    prod_mm.close()

@@ -642,5 +642,9 @@ class RingReader:
         # copies: the arenas stay valid, the mappings go
         del self._cons, self._data
         self._cons_mm.close()
-        self._prod_mm.close()
+        # A view of the ring's memory may still be alive (the last drain's logits rows, held by
+        # the traceback of an error raised while it was handled): mmap refuses to unmap under it,
+        # and unmaps when the last view goes; nothing reads it after this.
+        with contextlib.suppress(BufferError):
+            self._prod_mm.close()
         return rest
