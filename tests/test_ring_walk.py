@@ -52,6 +52,7 @@ class FakeRing:
         r._logits_size = ref_size
         r._refs = bl._Arena(ev.LOGITS_REF_DTYPE.itemsize)
         r._walked = None
+        r._logits_share = 1.0  # as after a drain of mostly logits records
         r._prod_mm = self.buf  # type: ignore[assignment]  # unpack_from reads it like the mmap
         r._cons = ctypes.c_uint64(self.cons)
         r._data_addr = ctypes.addressof(self.buf) + PAGE
@@ -227,3 +228,24 @@ def test_stop_with_a_view_of_the_ring_still_alive_leaves_the_mapping_to_the_view
     assert bytes(view) == bytes(16)
     del view
     prod_mm.close()
+
+
+@pytest.mark.parametrize("python", [True, False])
+def test_logits_records_are_copied_where_they_are_a_small_share_of_the_bytes(python: bool) -> None:
+    """A small vocabulary at a high token rate: holding the whole drain for the few logits bytes
+    is not worth it (the next drain copies them, and hands its space back at once)."""
+    if not python and bl._ring_walk is None:
+        pytest.skip("libringwalk.so not built")
+    ring = FakeRing()
+    for i in range(20):
+        ring.put(_payload(200, i))  # other records
+        if i % 10 == 0:
+            ring.put(_payload(REF, i))
+    r = ring.reader(python=python, sizes=(48, 200), ref_size=REF)
+    assert ev.LOGITS_REF in r.take()  # the first drain, as the last one's share said
+    r.release()
+    assert r._logits_share < bl.RingReader.REF_MIN_LOGITS  # 2 x 1000 B of 6,000 B
+    ring.put(_payload(REF, 99))
+    out = r.take()
+    assert ev.LOGITS_REF not in out and REF in out
+    assert r._cons.value == ring.prod  # nothing held

@@ -457,11 +457,17 @@ class RingReader:
     CHECK_EVERY = 256
     python_walk = False  # True: the Python walk even with the C one built (tests compare them)
     # Logits records are taken by reference (their floats read in the ring, the space handed
-    # back by release() once they have been) when a drain starts with less than this share of
-    # the ring pending: what paced drains find (ConsumerSched.PACE_FILL). Above it they are
-    # copied and the space handed back at once: the producers need it more than the consumer
-    # needs the CPU the copy costs.
+    # back by release() once the drain has been handled) when a drain starts with less than
+    # REF_MAX_SHARE of the ring pending (what paced drains find: ConsumerSched.PACE_FILL) and
+    # the logits records were at least REF_MIN_LOGITS of the bytes the last drain took. Else
+    # they are copied and the space handed back at once: holding every record of a drain while
+    # it is handled is worth it where the copy is most of the walk (a 32k vocabulary: ~130 KiB
+    # of logits against ~30 KiB of other records per token), not for a small vocabulary at
+    # thousands of tokens/s, where the drain's handling is long and the copy small (the
+    # 90-s stress run of scripts/stress_aggregate.py lost 0.33% of its records with every
+    # drain by reference, none with the copy).
     REF_MAX_SHARE = 0.25
+    REF_MIN_LOGITS = 0.5
 
     #: bytes of the logits rows' arena made at attach time: one drain's worth at 250 tokens/s of
     #: a 32k vocabulary (0.5 s); bigger drains grow it
@@ -483,6 +489,7 @@ class RingReader:
         self._logits_size = logits_size
         self._refs = _Arena(LOGITS_REF_DTYPE.itemsize, LOGITS_REF_DTYPE.itemsize * self.PRESIZE_RECORDS)
         self._walked: int | None = None  # how far the last take() read, when not handed back yet
+        self._logits_share = 0.0  # of the bytes the last take() drained (REF_MIN_LOGITS)
         page = mmap.PAGESIZE
         fd = sess.bpf["events"].map_fd
         self._size = sess.ring_pages * page
@@ -525,7 +532,7 @@ class RingReader:
         start_share = (struct.unpack_from("<Q", prod_mm, 0)[0] - cons) / self._size
         refs = (
             {self._logits_size: (self._refs, LOGITS_HEAD_BYTES)}
-            if by_ref and start_share < self.REF_MAX_SHARE
+            if by_ref and start_share < self.REF_MAX_SHARE and self._logits_share >= self.REF_MIN_LOGITS
             else {}
         )
 
@@ -549,8 +556,16 @@ class RingReader:
                 break  # reserved but not submitted yet: the next take() gets it
         fill = self._fill
         out = {size: a.buf[: a.used] for size, a in fill.items() if a.used}
+        logits_bytes = self._refs.used // self._refs.size * self._logits_size
         if self._refs.used:
             out[LOGITS_REF] = self._refs.buf[: self._refs.used]
+        elif self._logits_size in out:
+            logits_bytes = len(out[self._logits_size])
+        total = logits_bytes + sum(
+            len(b) for size, b in out.items() if size not in (LOGITS_REF, self._logits_size)
+        )
+        if total:
+            self._logits_share = logits_bytes / total
         for a in (*fill.values(), self._refs):
             a.used = 0  # reused by the next take(): the views above are valid until then
         return out
