@@ -556,14 +556,12 @@ class RingReader:
                 break  # reserved but not submitted yet: the next take() gets it
         fill = self._fill
         out = {size: a.buf[: a.used] for size, a in fill.items() if a.used}
-        logits_bytes = self._refs.used // self._refs.size * self._logits_size
+        # the bytes the records took in the ring, the logits records' whether copied or not
+        copied = fill.get(self._logits_size)
+        logits_bytes = (copied.used if copied else 0) + self._refs.used // self._refs.size * self._logits_size
+        total = sum(a.used for size, a in fill.items() if size != self._logits_size) + logits_bytes
         if self._refs.used:
             out[LOGITS_REF] = self._refs.buf[: self._refs.used]
-        elif self._logits_size in out:
-            logits_bytes = len(out[self._logits_size])
-        total = logits_bytes + sum(
-            len(b) for size, b in out.items() if size not in (LOGITS_REF, self._logits_size)
-        )
         if total:
             self._logits_share = logits_bytes / total
         for a in (*fill.values(), self._refs):
@@ -652,8 +650,7 @@ class RingReader:
 
     def stop(self) -> dict[int, np.ndarray]:
         """The last records, copied (the probes are detached by the session afterwards)."""
-        rest = self.take(by_ref=False)
-        self.release()
+        rest = self.take(by_ref=False)  # (take releases what the last one held)
         # copies: the arenas stay valid, the mappings go
         del self._cons, self._data
         self._cons_mm.close()

@@ -48,6 +48,7 @@ __all__ = [
     "read_model_info",
     "read_tensor_infos",
     "sha256_file",
+    "stat_identity",
 ]
 
 SHA256_CHUNK = 8 * 1024 * 1024
@@ -76,7 +77,7 @@ HEADER_READ_BYTES = 16 << 20
 #: size in a multi-GB file must not have the whole file read into memory
 MAX_HEADER_BYTES = 64 << 20
 
-# (path, st_dev, st_ino, size, mtime_ns) -> hex digest
+# (path, *stat_identity) -> hex digest
 _sha256_cache: dict[tuple[str, int, int, int, int, int], str] = {}
 
 
@@ -117,6 +118,13 @@ class ModelInfo:
         }
 
 
+def stat_identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What changes whenever a file's content can have: device, inode, size, modification and
+    status-change times. A write sets both times; a process may set the modification time back
+    (utime), but setting the status-change time takes root (it is the clock of the change)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def sha256_file(path: Path | PinnedFile, *, progress: Callable[[int, int], object] | None = None) -> str:
     """Hex sha256 of a file, read in 8 MB chunks; cached per (path, inode, size, mtime, ctime).
 
@@ -129,8 +137,7 @@ def sha256_file(path: Path | PinnedFile, *, progress: Callable[[int, int], objec
     """
     fd, st = open_source(path)
     with os.fdopen(fd, "rb", buffering=0) as f:
-        # the status-change time too: a rewrite can put the modification time back, not that one
-        key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        key = (str(path), *stat_identity(st))
         hit = _sha256_cache.get(key)
         if hit is not None:
             return hit

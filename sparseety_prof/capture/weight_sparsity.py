@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from sparseety_prof.capture.gguf_info import TensorInfo, read_tensor_infos, sha256_file
+from sparseety_prof.capture.gguf_info import TensorInfo, read_tensor_infos, sha256_file, stat_identity
 from sparseety_prof.capture.untrusted_files import PinnedFile, open_source
 from sparseety_prof.errors import ProfError, UsageError
 
@@ -366,12 +366,10 @@ SHA256_CACHE_FORMAT = "sparseety-prof-file-sha256"
 
 
 def _identity(path: Path | PinnedFile) -> str:
-    """What changes whenever the file's content can have: device, inode, size, modification and
-    status-change times. A write sets both times; a process may set the modification time back
-    (utime), but setting the status-change time takes root (it is the clock of the change)."""
+    """gguf_info.stat_identity of the file, as text (the cache entry's name and check)."""
     fd, st = open_source(path)
     os.close(fd)
-    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    return ":".join(str(v) for v in stat_identity(st))
 
 
 def model_sha256(

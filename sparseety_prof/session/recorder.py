@@ -173,19 +173,21 @@ class Recorder:
             except OSError as e:  # the file is the target's: gone, swapped, unreadable
                 model_hash["weights"] = {"error": f"model file not hashed: {e}"}
                 return
-            finally:
-                hash_cpu_s[0] = time.thread_time()  # this thread's CPU, from its start
             try:
                 model_hash["weights"] = analyze_weights(
                     a.model_file, sha256=model_hash["sha256"], progress=moved
                 )
             except Exception as e:  # a cache problem must not lose the recording
                 model_hash["weights"] = {"error": str(e)}
+
+        def hasher_run() -> None:
+            try:
+                hash_and_scan()
             finally:
-                hash_cpu_s[0] = time.thread_time()
+                hash_cpu_s[0] = time.thread_time()  # this thread's CPU, from its start
 
         hash_cpu_s = [0.0]  # the hasher's CPU time (meta.json consumer.cpu_s_by_stage model_hash)
-        hasher = threading.Thread(target=hash_and_scan, name="model-sha256", daemon=True)
+        hasher = threading.Thread(target=hasher_run, name="model-sha256", daemon=True)
         hasher.start()
         start_unix_ms = time.time_ns() // 1_000_000
         self.log(
