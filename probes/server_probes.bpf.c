@@ -141,7 +141,7 @@ static __always_inline int http_exit(void *ctx, long ret) {
     u64 m = (u64)n - 1;
     asm volatile("%[m] &= 4095" : [m] "+r"(m)); /* HTTP_BYTES - 1 */
     bpf_probe_read_user(e->data, m + 1, (void *)buf);
-    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    events.ringbuf_submit(e, rb_wake());
     return 0;
 }
 

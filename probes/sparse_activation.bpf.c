@@ -79,7 +79,7 @@ BPF_PERCPU_ARRAY(act_rec, ACT_EV, 1);
 /* Send a filled activation record (its sequence number taken now). */
 static __always_inline void act_send(ACT_EV *e, struct ev_act *r) {
     r->h.seq = next_seq();
-    if (events.ringbuf_output(e, sizeof(ACT_EV), BPF_RB_NO_WAKEUP))
+    if (events.ringbuf_output(e, sizeof(ACT_EV), rb_wake()))
         count(1, 1);
 }
 

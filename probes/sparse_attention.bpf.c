@@ -57,7 +57,7 @@ static __always_inline int attn_finish(struct ev_attn *e, u64 serial) {
         }
     }
     e->h.seq = next_seq();
-    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    events.ringbuf_submit(e, rb_wake());
     return 0;
 }
 

@@ -42,7 +42,7 @@ static __always_inline void emit_tensor(u16 tag, u64 node, u64 data, u32 rows, u
         if (n > TENSOR_BYTES_S)
             n = TENSOR_BYTES_S;
         bpf_probe_read_user(e->data, n, (void *)data);
-        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+        events.ringbuf_submit(e, rb_wake());
         return;
     }
     u32 per = TENSOR_BYTES_L / row_stride; /* whole rows per large record */
@@ -80,7 +80,7 @@ static __always_inline void emit_tensor(u16 tag, u64 node, u64 data, u32 rows, u
         if (n > TENSOR_BYTES_L)
             n = TENSOR_BYTES_L;
         bpf_probe_read_user(e->data, n, (void *)(data + (u64)row0 * row_stride));
-        events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+        events.ringbuf_submit(e, rb_wake());
         row0 += nr;
     }
     if (row0 < rows)

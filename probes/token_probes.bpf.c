@@ -11,8 +11,13 @@
  *
  * Cost discipline: everything here copies raw bits; no floating point, no per-token maps
  * beyond the per-thread argument stash needed to pair entry and return probes. Records are
- * submitted without waking the reader (BPF_RB_NO_WAKEUP): a wakeup per record costs the engine
- * an interrupt each time, while the reader drains on its own clock anyway.
+ * submitted without waking the reader (rb_wake(): BPF_RB_NO_WAKEUP): a wakeup per record costs
+ * the engine an interrupt each time, while the reader drains on its own clock anyway. The one
+ * exception is the ring watch (sparseety_prof/session/ring_watch.py), which sleeps in epoll on the
+ * ring instead of polling it: the consumer arms it after each drain with the record sequence number
+ * at which the ring will be about RING_WAKE_FILL full (ring_watch[0], from its mean record size),
+ * and the first record submitted past that number wakes it, once, and disarms it. (The kernel's
+ * backlog itself, bpf_ringbuf_query, needs the map's address, which BCC 0.26 cannot give.)
  */
 #include <uapi/linux/ptrace.h>
 #include "events.h"
@@ -65,6 +70,25 @@ static __always_inline u64 next_seq(void) {
     return v ? __sync_fetch_and_add(v, 1) : 0;
 }
 
+/* ring_watch[0]: the record sequence number from which a record wakes the ring watch; 0 when
+ * disarmed. Two producers on two CPUs may both see it and both wake the watch: one wakeup too
+ * many, no harm, and no atomic exchange needed (older kernels' verifiers lack it). */
+BPF_ARRAY(ring_watch, u64, 1);
+
+/* The flags a record is submitted with: a wakeup only for the first record past the mark (two
+ * array reads otherwise). */
+static __always_inline u64 rb_wake(void) {
+    int k = 0;
+    u64 *at = ring_watch.lookup(&k);
+    if (!at || !*at)
+        return BPF_RB_NO_WAKEUP;
+    u64 *next = counters.lookup(&k);
+    if (!next || *next < *at)
+        return BPF_RB_NO_WAKEUP;
+    *at = 0;
+    return BPF_RB_FORCE_WAKEUP;
+}
+
 static __always_inline void count(int k, u64 n) {
     u64 *v = counters.lookup(&k);
     if (v)
@@ -93,7 +117,7 @@ static __always_inline void emit_small(u16 kind, u64 ctx, s32 a, s32 b, s32 c, u
     e->c = c;
     e->pad = 0;
     e->ptr = ptr;
-    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    events.ringbuf_submit(e, rb_wake());
 }
 
 #ifdef AGG_STEPS
@@ -132,7 +156,7 @@ static __always_inline void agg_end(u64 serial, u64 lctx) {
     if (!a || !a->active || a->serial != serial)
         return;
     fill_hdr(&a->h, EV_STEP_AGG, lctx, next_seq());
-    if (events.ringbuf_output(a, sizeof(*a), BPF_RB_NO_WAKEUP))
+    if (events.ringbuf_output(a, sizeof(*a), rb_wake()))
         count(1, 1);
     a->active = 0;
 }
@@ -233,7 +257,7 @@ int ubatch_enter(struct pt_regs *ctx) {
             bpf_probe_read_user(&s, sizeof(s), (void *)p);
         e->seq[i] = s;
     }
-    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    events.ringbuf_submit(e, rb_wake());
     struct ubatch_info ui = {};
     ui.lctx = lctx;
     ui.ub = ub;
@@ -322,7 +346,7 @@ static __always_inline int emit_chunk(u64 lctx, s32 idx, u32 c, u64 row, u32 n) 
     if (n > LOGITS_CHUNK)
         n = LOGITS_CHUNK;
     bpf_probe_read_user(e->vals, n * 4, (void *)(row + (u64)c * LOGITS_CHUNK * 4));
-    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    events.ringbuf_submit(e, rb_wake());
     return 0;
 }
 

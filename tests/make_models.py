@@ -633,7 +633,10 @@ def make_model(
 
     ``dtype`` (f32/f16/q8_0/q4_0) and ``n_vocab_min`` default to the preset's; ``prune`` ("2:4",
     "0.5", 0.5 or a Prune; see the module docstring) zeroes part of the FFN weights. Deterministic:
-    the same arguments give a byte-identical file.
+    the same arguments give a byte-identical file. A file already at ``path`` with exactly these
+    bytes is left as it is (same inode and times): a recorder attaching to an engine on it again
+    finds the model's sha256 it remembered (weight_sparsity.model_sha256), as it would in
+    production, instead of hashing the file anew on every benchmark run.
     """
     p, dt, nv = _resolve(preset, dtype, n_vocab_min)
     pr = parse_prune(prune)
@@ -642,10 +645,27 @@ def make_model(
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         _write_gguf(tmp, p, seed=seed, dtype=dt, n_vocab_min=nv, name=f"sparseety-test-{preset}", prune=pr)
-        os.replace(tmp, out)
+        if not _same_bytes(tmp, out):
+            os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return out
+
+
+def _same_bytes(a: Path, b: Path) -> bool:
+    """Whether b is a regular file (not a link) holding exactly a's bytes."""
+    try:
+        if b.is_symlink() or not b.is_file() or a.stat().st_size != b.stat().st_size:
+            return False
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            while True:
+                x, y = fa.read(1 << 20), fb.read(1 << 20)
+                if x != y:
+                    return False
+                if not x:
+                    return True
+    except OSError:
+        return False
 
 
 def swa_layers(preset: str | Preset) -> list[int]:

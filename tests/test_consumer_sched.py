@@ -186,9 +186,13 @@ def test_drains_come_sooner_when_the_ring_fills_fast() -> None:
 
 @pytest.mark.root  # the watch takes nice 0 back, and raises the consumer to it
 def test_the_ring_watch_escalates_a_consumer_busy_elsewhere() -> None:
-    """The watch's thread sees the ring fill while the consumer's thread is busy (here: sleeping
-    at nice 10 without draining) and raises the consumer's priority from outside."""
+    """Woken by the producers (here: an eventfd written as the kernel's ring wakeup would make
+    its fd readable), the watch's thread sees the ring filled while the consumer's thread is busy
+    (here: sleeping at nice 10 without draining) and raises the consumer's priority from outside.
+    Not woken, it does nothing at all: it does not poll."""
     pending = [0.05]
+    wake = os.eventfd(0, os.EFD_NONBLOCK)
+    armed: list[float] = []
     done = threading.Event()
     seen: dict[str, object] = {}
 
@@ -197,23 +201,28 @@ def test_the_ring_watch_escalates_a_consumer_busy_elsewhere() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, 10)
         p = Progress()
         s = _ConsumerSched(Options(pid=1, out=None, nice=10), p)
-        watch = s.watch(lambda: pending[0])
+        watch = s.watch(lambda: pending[0], wake, lambda: armed.append(time.monotonic()))
         try:
-            time.sleep(0.3)  # a calm ring: nothing changes
-            seen["calm"] = (os.getpriority(os.PRIO_PROCESS, tid), p.escalations)
-            pending[0] = 0.6  # filling while this thread does something else
+            pending[0] = 0.6  # filling, but no producer woke the watch: nothing happens
+            time.sleep(0.3)
+            seen["unwoken"] = (os.getpriority(os.PRIO_PROCESS, tid), p.escalations, watch.wakeups)
+            os.eventfd_write(wake, 1)  # the producer that passed the mark
             deadline = time.monotonic() + 5
             while not s.escalated and time.monotonic() < deadline:
                 time.sleep(0.01)
-            seen["filling"] = (os.getpriority(os.PRIO_PROCESS, tid), p.escalations, watch.readings > 0)
+            seen["woken"] = (os.getpriority(os.PRIO_PROCESS, tid), p.escalations, watch.wakeups)
+            watch.rearm()  # after a drain: armed again, at the consumer's position
         finally:
             watch.close()
+            watch.close()  # twice is fine
             done.set()
 
     run_in_thread(consumer)
+    os.close(wake)
     assert done.is_set()
-    assert seen["calm"] == (10, 0)
-    assert seen["filling"] == (0, 1, True)
+    assert seen["unwoken"] == (10, 0, 0)
+    assert seen["woken"] == (0, 1, 1)
+    assert len(armed) == 2  # at the start, and by rearm()
 
 
 def test_the_ring_watch_stops_when_the_ring_is_gone() -> None:
@@ -224,7 +233,9 @@ def test_the_ring_watch_stops_when_the_ring_is_gone() -> None:
     def gone() -> float:
         raise ValueError("mmap closed or invalid")
 
-    w = RingWatch(gone, calls.append)
+    wake = os.eventfd(1, os.EFD_NONBLOCK)  # woken at once
+    w = RingWatch(gone, calls.append, wake, lambda: None)
     w._thread.join(timeout=5)
-    assert not w._thread.is_alive() and calls == [] and w.readings == 0
+    assert not w._thread.is_alive() and calls == [] and w.readings == 0 and w.wakeups == 1
     w.close()  # closing a watch that stopped by itself is fine
+    os.close(wake)

@@ -1,7 +1,7 @@
 """Faults a recorder meets in production, each performed for real: a burst that overflows the
 ring while the consumer cannot run (the drops counted, the capture back to exact afterwards), and
 an engine killed in the middle of a request (the recording closed, complete up to the kill, and
-marked with why it ended)."""
+marked with why it ended); the ring watch woken by the producers as the ring fills."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 from conftest import ENGINES, Engine, Recorder, bpf_prog_ids
 
 import sparseety_prof
+from sparseety_prof.capture.events import decode_groups
 
 pytestmark = [pytest.mark.root, pytest.mark.engine]
 
@@ -108,3 +109,49 @@ def test_an_engine_killed_mid_request_leaves_a_closed_recording_marked_with_why(
     while time.monotonic() < deadline and bpf_prog_ids() - before:
         time.sleep(0.2)
     assert not (bpf_prog_ids() - before), "BPF programs left loaded"
+
+
+def test_the_producers_wake_the_ring_watch_once_per_arming(llama_engine: Engine) -> None:
+    """The ring watch sleeps until a producer passes the mark it was armed with (rb_wake() in
+    token_probes.bpf.c), performed with the real probes: attached in this process to a real
+    engine, a 1 MiB ring that nobody drains wakes the watch once (early: before the first drain
+    the mark assumes the largest records); not rearmed, it stays asleep however full the ring
+    gets; rearmed at a drain's position, a few records do not wake it, and the ring filling again
+    wakes it at about RING_WAKE_FILL."""
+    from sparseety_prof.capture.bpf_loader import RING_WAKE_FILL, RingReader
+    from sparseety_prof.session.attach import attach
+    from sparseety_prof.session.options import Options
+    from sparseety_prof.session.ring_watch import RingWatch
+
+    a = attach(Options(pid=llama_engine.pid, out=None, ring_mb=1), log=lambda _s: None)
+    try:
+        reader = RingReader(a.session)
+        woke: list[float] = []
+        watch = RingWatch(reader.pending_share, woke.append, reader.wake_fd, reader.arm_watch)
+        try:
+            llama_engine.generate([PROMPT] * 4, max_tokens=200)  # fills the ring past the mark
+            time.sleep(0.3)
+            assert watch.wakeups == 1 and len(woke) == 1
+            # armed from sequence 0 with no drain yet, at the largest record's size: early
+            assert 0 < woke[0] <= RING_WAKE_FILL
+            llama_engine.generate([PROMPT], max_tokens=40)  # disarmed: no more wakeups
+            time.sleep(0.3)
+            assert watch.wakeups == 1
+            records = reader.take(by_ref=False)  # a drain, then armed at its position
+            reader.release()
+            assert len(decode_groups(records, a.session.logits_chunk))
+            watch.rearm()
+            llama_engine.generate([PROMPT], max_tokens=4)  # a few records: far from the mark
+            time.sleep(0.3)
+            assert watch.wakeups == 1
+            llama_engine.generate([PROMPT] * 4, max_tokens=200)
+            time.sleep(0.3)
+            assert watch.wakeups == 2
+            # armed with the mean record size that drain measured: about at the threshold
+            assert 0.5 * RING_WAKE_FILL < woke[1] < 2 * RING_WAKE_FILL
+        finally:
+            watch.close()
+            reader.stop()
+    finally:
+        a.session.close()
+        a.model_file.close()

@@ -465,3 +465,25 @@ def test_preset_hyperparameters() -> None:
         assert p.expert_weights_norm and p.expert_gating_func == "softmax"
     assert PRESETS["smallthinker"].ffn_activation == "relu" and PRESETS["moe"].ffn_activation == "silu"
     assert not PRESETS["dense"].expert_weights_norm and PRESETS["dense"].expert_gating_func is None
+
+
+def test_an_identical_file_is_left_as_it_is(tmp_path: Path) -> None:
+    """Rewriting the same model keeps its inode and times (the recorder's remembered sha256 stays
+    valid); other bytes, or a symlink at the path, are replaced, the link's target untouched."""
+    out = make_model(tmp_path / "m.gguf", "dense")
+    before = out.stat()
+    make_model(out, "dense")
+    after = out.stat()
+    assert (after.st_ino, after.st_mtime_ns, after.st_ctime_ns) == (
+        before.st_ino,
+        before.st_mtime_ns,
+        before.st_ctime_ns,
+    )
+    make_model(out, "dense", seed=7)
+    assert out.stat().st_ino != before.st_ino
+    target = tmp_path / "elsewhere.gguf"
+    target.write_bytes(make_model(tmp_path / "d.gguf", "dense").read_bytes())
+    link = tmp_path / "link.gguf"
+    link.symlink_to(target)
+    make_model(link, "dense")
+    assert not link.is_symlink() and link.read_bytes() == target.read_bytes()

@@ -53,6 +53,8 @@ class FakeRing:
         r._refs = bl._Arena(ev.LOGITS_REF_DTYPE.itemsize)
         r._walked = None
         r._logits_share = 1.0  # as after a drain of mostly logits records
+        r._ring_bytes = r._ring_records = r._seq_at_take = 0
+        r._next_seq = lambda: 0  # type: ignore[method-assign]  # the BPF counters map: none here
         r._prod_mm = self.buf  # type: ignore[assignment]  # unpack_from reads it like the mmap
         r._cons = ctypes.c_uint64(self.cons)
         r._data_addr = ctypes.addressof(self.buf) + PAGE

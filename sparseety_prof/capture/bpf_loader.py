@@ -44,6 +44,9 @@ from sparseety_prof.errors import BpfUnavailable, MissingPrivileges, NoSuchProce
 
 RING_BUFFER_PAGES = 16384  # 64 MiB: a 1 MiB ring lost 35-70% of a burst here, 16 MiB lost none;
 # the consumer drains every 0.5 s, and full capture with a 32k vocabulary writes ~40 MB/s
+# The share of the ring pending at which a producer wakes the ring watch (RingReader.arm_watch,
+# rb_wake() in token_probes.bpf.c): the consumer's escalation threshold (session/sched.py).
+RING_WAKE_FILL = 0.35
 
 
 @dataclass(frozen=True)
@@ -490,6 +493,9 @@ class RingReader:
         self._refs = _Arena(LOGITS_REF_DTYPE.itemsize, LOGITS_REF_DTYPE.itemsize * self.PRESIZE_RECORDS)
         self._walked: int | None = None  # how far the last take() read, when not handed back yet
         self._logits_share = 0.0  # of the bytes the last take() drained (REF_MIN_LOGITS)
+        self._ring_bytes = 0  # drained so far, headers included, and in how many records (arm_watch)
+        self._ring_records = 0
+        self._seq_at_take = self._next_seq()  # the producers' next sequence number at the last take
         page = mmap.PAGESIZE
         fd = sess.bpf["events"].map_fd
         self._size = sess.ring_pages * page
@@ -508,6 +514,28 @@ class RingReader:
         """The ring's data (both mappings): what the offsets of logits records taken by reference
         point into (events.decode_groups' `ring_data`)."""
         return self._data
+
+    @property
+    def wake_fd(self) -> int:
+        """The ring's map fd: readable (edge-triggered epoll) when a producer wakes the ring watch
+        (rb_wake() in token_probes.bpf.c)."""
+        return int(self._sess.bpf["events"].map_fd)
+
+    def arm_watch(self) -> None:
+        """Let a producer wake the ring watch once the ring is about RING_WAKE_FILL full: at the
+        record sequence number the producers were at when the last take() emptied the ring, plus
+        as many records as that share of the ring holds at the mean size drained so far, or before
+        any drain at the largest record's size (one wakeup per arming: the producer that wakes it
+        disarms it). An estimate, erring early before the first drain: a mark beyond what the ring
+        holds would never be reached, a wakeup below the threshold only disarms the watch until
+        the next drain, and the drains' own checks see the real backlog."""
+        mean = self._ring_bytes / self._ring_records if self._ring_records else float(max(self._fill))
+        ahead = max(1, int(self._size * RING_WAKE_FILL / max(mean, 8.0)))
+        self._sess.bpf["ring_watch"][ctypes.c_int(0)] = ctypes.c_uint64(self._seq_at_take + ahead)
+
+    def _next_seq(self) -> int:
+        """The sequence number the producers give their next record (counters[0])."""
+        return int(self._sess.bpf["counters"][ctypes.c_int(0)].value)
 
     def pending_share(self) -> float:
         """The share of the ring produced but not yet drained: two reads of the ring's memory, safe
@@ -528,7 +556,7 @@ class RingReader:
         self.release()
         walk = self._walk_python if _ring_walk is None or self.python_walk else self._walk_c
         prod_mm = self._prod_mm
-        cons = self._cons.value
+        cons = cons0 = self._cons.value
         start_share = (struct.unpack_from("<Q", prod_mm, 0)[0] - cons) / self._size
         refs = (
             {self._logits_size: (self._refs, LOGITS_HEAD_BYTES)}
@@ -564,6 +592,9 @@ class RingReader:
             out[LOGITS_REF] = self._refs.buf[: self._refs.used]
         if total:
             self._logits_share = logits_bytes / total
+        self._ring_bytes += cons - cons0
+        self._seq_at_take = self._next_seq()
+        self._ring_records += sum(a.used // a.size for a in (*fill.values(), self._refs))
         for a in (*fill.values(), self._refs):
             a.used = 0  # reused by the next take(): the views above are valid until then
         return out

@@ -200,7 +200,7 @@ class Recorder:
         sched = ConsumerSched(opts, self.progress, DRAIN_INTERVAL_S)
         flush = FlushSchedule(opts.flush_interval)
         budget = MemoryBudget(opts.max_memory)
-        watch = sched.watch(reader.pending_share)
+        watch = sched.watch(reader.pending_share, reader.wake_fd, reader.arm_watch)
         stages, cpu_drains0 = self._stages, _cpu_s()
         stages.restart()  # on this thread; attach's CPU is not a stage's
         try:
@@ -216,6 +216,7 @@ class Recorder:
                 t_prev = now
                 self._consume(records, corr, tracker, writer, a.session, gpu=gpu, ring_data=reader.data)
                 reader.release()  # the logits rows read where they lay: their space goes back now
+                watch.rearm()
                 self._keep_durable(writer, flush, now)
                 self._watch_memory(writer, budget, now)
                 stages.lap("flush")
@@ -254,7 +255,7 @@ class Recorder:
                 "counts": {"tokens": self.progress.tokens, "steps": self.progress.steps},
                 "profiler_cpu_s": round(self.progress.cpu_s, 3),
                 "profiler_memory": {**_memory_meta(), "budget": budget.meta()},
-                "consumer": sched.meta(),
+                "consumer": {**sched.meta(), "ring_watch_wakeups": watch.wakeups},
                 "bpf_compile_s": round(a.session.compile_s, 3),
             }
             if hasher.is_alive():

@@ -3,31 +3,55 @@
 The consumer checks the backlog when it drains, but at a low priority on cores the engine keeps
 busy, one drain's work can take it a second or more of wall time (it gets about a tenth of a
 core), while a small model at thousands of tokens/s fills the ring in about as long: the check
-comes too late. This thread only reads two positions of the ring's memory every WATCH_S and, when
-the backlog passes the consumer's escalation threshold, raises the consumer's priority from
-outside (setpriority on its thread id). It needs the GIL for that, which the consumer drops at
-least every 5 ms of its own running time, so the priority is raised within one of the consumer's
-time slices instead of after its drain. Its own cost: WATCH_S wakeups of a few microseconds.
+comes too late. This thread raises the consumer's priority from outside (setpriority on its thread
+id) as soon as the backlog passes the consumer's escalation threshold. It needs the GIL for that,
+which the consumer drops at least every 5 ms of its own running time, so the priority is raised
+within one of the consumer's time slices instead of after its drain.
+
+It does not poll. It sleeps in epoll on the ring's map fd, edge-triggered, and the producers wake
+it. After each drain the consumer arms it (`rearm`) with the record sequence number at which the
+ring will be about as full as the threshold again (RingReader.arm_watch); the first record past that
+number is submitted with BPF_RB_FORCE_WAKEUP and disarms it (rb_wake() in
+probes/token_probes.bpf.c). A calm ring costs nothing here. Polling every
+50 ms, as this did, cost 86-225 µs of CPU per wakeup on this project's VMs (a timer wakeup alone,
+even from C, cost 50 µs there): 1,838 wakeups, 0.31 s of CPU, in a one-minute profile
+(scripts/profile_consumer.py), about 50 µs per generated token.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import threading
 from collections.abc import Callable
 
-WATCH_S = 0.05
-
 
 class RingWatch:
-    def __init__(self, pending: Callable[[], float], on_backlog: Callable[[float], None]) -> None:
+    def __init__(
+        self,
+        pending: Callable[[], float],
+        on_backlog: Callable[[float], None],
+        wake_fd: int,
+        arm: Callable[[], None],
+    ) -> None:
         """`pending`: the share of the ring not yet drained (read off the ring's memory, from this
-        thread); `on_backlog`: told each reading (the consumer's escalation rule)."""
+        thread); `on_backlog`: told each reading (the consumer's escalation rule); `wake_fd`: an fd
+        that becomes readable when the producers wake the watch (the ring's map fd); `arm`: lets
+        the producers wake it once more (RingReader.arm_watch)."""
         self._pending = pending
         self._on_backlog = on_backlog
-        self._stop = threading.Event()  # set by the consumer's loop, never from a signal handler
+        self._arm = arm
+        self.wakeups = 0  # times the thread woke for the ring (the first may be the registration)
         self.readings = 0
+        # set by the consumer's loop (close), never from a signal handler
+        self._stop_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._ep = select.epoll()
+        # edge-triggered: the ring's fd is readable whenever anything is pending (nearly always);
+        # only a producer's wakeup makes a new edge
+        self._ep.register(wake_fd, select.EPOLLIN | select.EPOLLET)
+        self._ep.register(self._stop_fd, select.EPOLLIN)
+        arm()
         self._thread = threading.Thread(target=self._run, name="ring-watch", daemon=True)
         self._thread.start()
 
@@ -36,7 +60,14 @@ class RingWatch:
         # back (root may; without CAP_SYS_NICE it stays low and only the drains escalate)
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 0)
-        while not self._stop.wait(WATCH_S):
+        while True:
+            try:
+                events = self._ep.poll()
+            except (ValueError, OSError):  # closed under it
+                return
+            if any(fd == self._stop_fd for fd, _ in events):
+                return
+            self.wakeups += 1
             try:
                 share = self._pending()
             except (ValueError, OSError):  # the ring is gone (closed at detach)
@@ -44,7 +75,19 @@ class RingWatch:
             self.readings += 1
             self._on_backlog(share)
 
+    def rearm(self) -> None:
+        """After a drain (the consumer's thread): the mark moves with the consumer, so this arms
+        the watch whether or not it was woken."""
+        with contextlib.suppress(OSError, KeyError, ValueError):  # the ring is gone
+            self._arm()
+
     def close(self) -> None:
-        """Stop watching (before the ring is unmapped)."""
-        self._stop.set()
+        """Stop watching (before the ring is unmapped). Closing twice is fine."""
+        if self._ep.closed:
+            return
+        with contextlib.suppress(OSError):
+            os.eventfd_write(self._stop_fd, 1)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._ep.close()
+            os.close(self._stop_fd)

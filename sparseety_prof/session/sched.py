@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from sparseety_prof.capture.bpf_loader import RING_WAKE_FILL
 from sparseety_prof.session.options import Options, Progress
 from sparseety_prof.session.ring_watch import RingWatch
 from sparseety_prof.session.sched_slice import set_thread_slice, thread_slice_us
@@ -36,7 +37,8 @@ class ConsumerSched:
     # Measured on a small MoE at ~2,000 tokens/s on 2 saturated cores: at nice 10 the consumer gets
     # about a tenth of a core and needs a fifth, so the drain that first finds half the ring filled
     # (the threshold this was) takes longer, at that priority, than the rest of the ring lasts.
-    ESCALATE_FILL = 0.35
+    # (the producers wake the ring watch at the same share: RING_WAKE_FILL)
+    ESCALATE_FILL = RING_WAKE_FILL
     # Relaxing: drains that find less than the pace aims for are keeping up. A fixed tenth of the
     # ring (what this was) is more than a 32k-vocabulary model fills at its ordinary rate between
     # two drains 0.5 s apart: a consumer escalated once then kept nice 0 for the rest of the run.
@@ -81,10 +83,10 @@ class ConsumerSched:
             if not self.escalated and backlog > self.ESCALATE_FILL:
                 self._escalate()
 
-    def watch(self, pending: Callable[[], float]) -> RingWatch:
-        """Watch the backlog from a thread at the engine's priority (ring_watch.py); the caller
-        closes it before the ring goes away."""
-        return RingWatch(pending, self.on_backlog)
+    def watch(self, pending: Callable[[], float], wake_fd: int, arm: Callable[[], None]) -> RingWatch:
+        """Watch the backlog from a thread at the engine's priority, woken by the producers through
+        `wake_fd` once `arm`ed (ring_watch.py); the caller closes it before the ring goes away."""
+        return RingWatch(pending, self.on_backlog, wake_fd, arm)
 
     def _escalate(self) -> None:
         self.escalated = True
