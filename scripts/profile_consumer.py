@@ -46,8 +46,8 @@ PYSPY_DIR = ROOT / "build" / "py-spy"
 # match wins, so a finer stage comes before the one that contains it
 STAGES: list[tuple[str, str]] = [
     ("waiting between drains", "StopFlag.wait"),
-    ("ring watch's pause between reads (waiting)", "Event.wait"),
-    ("ring watch (reads the ring's positions)", "RingWatch._run"),
+    # asleep in epoll until the probes wake it (its few wakeups per second are counted here too)
+    ("ring watch (waiting)", "RingWatch._run"),
     ("probes' detach at close (waiting)", "Session.close"),
     ("ring walk (copy out of the ring)", "RingReader.take"),
     ("logits statistics (C)", "PendingStats.fill"),
@@ -63,7 +63,7 @@ STAGES: list[tuple[str, str]] = [
 ]
 IDLE = {
     "waiting between drains",
-    "ring watch's pause between reads (waiting)",
+    "ring watch (waiting)",
     "probes' detach at close (waiting)",
 }
 

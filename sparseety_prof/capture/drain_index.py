@@ -135,6 +135,7 @@ class FastColumns:
         "ub_ctx",
         "ub_one_row",
         "ub_pos",
+        "ub_rows",
         "ub_seq",
         "ub_tid",
         "ub_token",
@@ -148,6 +149,11 @@ class FastColumns:
         self.ub_one_row: list[bool] = (one & (ub["output"][:, 0] == 1)).tolist()
         self.ub_tid, self.ub_ctx, self.ub_ts = (idx.col(G_UBATCH, f) for f in ("tid", "ctx", "ts_ns"))
         self.ub_seq, self.ub_pos, self.ub_token = (idx.first(G_UBATCH, f) for f in ("seq_id", "pos", "token"))
+        # row 0's token, position, sequence and output flag of every micro-batch as one-element
+        # arrays, made for the whole drain at once (a Step's arrays: views of these copies)
+        self.ub_rows: tuple[np.ndarray, ...] = tuple(
+            ub[f][:, :1].copy() for f in ("token", "pos", "seq_id", "output")
+        )
         self.s_tid, self.s_ctx, self.s_a, self.s_ts = (
             idx.col(G_SMALL, f) for f in ("tid", "ctx", "a", "ts_ns")
         )

@@ -189,27 +189,30 @@ class Correlator:
         row_seq_ids: list[int],
         output_rows: list[int],
     ) -> None:
-        """The steps table's row of a finished micro-batch."""
-        self._steps.add(
-            step_id=step.step_id,
-            ctx_id=step.ctx_id,
-            decode_id=step.decode_id,
-            t_start_ns=step.t_start,
-            t_end_ns=step.t_end,
-            ts_unix_ms=(step.t_start + self.wall_offset_ns) // 1_000_000,
-            n_tokens=step.n_tokens,
-            n_outputs=n_outputs,
-            phase=phase,
-            prompt_rows=step.n_tokens - step.decode_rows,
-            decode_rows=step.decode_rows,
-            seq_ids=seq_ids,
-            token_ids=token_ids,
-            positions=positions,
-            row_seq_ids=row_seq_ids,
-            output_rows=output_rows,
-            truncated=step.truncated,
-            pid=self.pid,
-            tid=step.tid,
+        """The steps table's row of a finished micro-batch (a tuple in STEP_ROW order: one per
+        micro-batch, no keyword dict)."""
+        self._steps.add_values(
+            (
+                step.step_id,
+                step.ctx_id,
+                step.decode_id,
+                step.t_start,
+                step.t_end,
+                (step.t_start + self.wall_offset_ns) // 1_000_000,
+                step.n_tokens,
+                n_outputs,
+                phase,
+                step.n_tokens - step.decode_rows,
+                step.decode_rows,
+                seq_ids,
+                token_ids,
+                positions,
+                row_seq_ids,
+                output_rows,
+                step.truncated,
+                self.pid,
+                step.tid,
+            )
         )
 
     # ------------------------------------------------------------------ handlers

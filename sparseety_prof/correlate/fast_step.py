@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sparseety_prof.capture import events as ev
-from sparseety_prof.capture.drain_index import G_UBATCH, DrainIndex
+from sparseety_prof.capture.drain_index import DrainIndex
 from sparseety_prof.correlate.agg_record import AggRow
 from sparseety_prof.correlate.state import Step
 from sparseety_prof.correlate.step_sparse import StepSparse
@@ -102,7 +102,7 @@ def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
     if not c.decode_seen:
         c.decode_id += 1
     c.ubatches_seen += 1
-    ub = idx.arrays[G_UBATCH][u]
+    tok1, pos1, seq1, out1 = f.ub_rows
     step = Step(
         step_id=corr.next_step_id,
         ctx_id=c.ctx_id,
@@ -110,10 +110,10 @@ def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
         tid=tid,
         t_start=f.ub_ts[u],
         t_end=f.s_ts[end],
-        token=ub["token"][:1].copy(),
-        pos=ub["pos"][:1].copy(),
-        seq=ub["seq_id"][:1].copy(),
-        output=ub["output"][:1].copy(),
+        token=tok1[u],
+        pos=pos1[u],
+        seq=seq1[u],
+        output=out1[u],
         n_tokens=1,
         truncated=False,
         _output_index={0: 0},

@@ -46,7 +46,30 @@ TOKEN_STATS = schema.columns("tokens", "log_prob", "top_ids", "top_log_probs", "
 (TOKEN_TEXT,) = schema.columns("tokens", "token_text")
 schema.check_columns("tokens", (*TOKEN_ROW, *TOKEN_STATS, TOKEN_TEXT))
 
-STEP_ROW = tuple(schema.STEPS)
+#: a steps row as it is emitted (Correlator._add_step_row), one tuple per micro-batch in this order
+STEP_ROW = schema.columns(
+    "steps",
+    "step_id",
+    "ctx_id",
+    "decode_id",
+    "t_start_ns",
+    "t_end_ns",
+    "ts_unix_ms",
+    "n_tokens",
+    "n_outputs",
+    "phase",
+    "prompt_rows",
+    "decode_rows",
+    "seq_ids",
+    "token_ids",
+    "positions",
+    "row_seq_ids",
+    "output_rows",
+    "truncated",
+    "pid",
+    "tid",
+)
+schema.check_columns("steps", STEP_ROW)
 MASK_ROW = tuple(schema.MASKS)
 REQUEST_ROW = tuple(schema.REQUESTS)
 
