@@ -583,6 +583,31 @@ def test_fast_one_row_steps_equal_the_record_by_record_path(
     assert sum(taken) > (20 if drains == 40 else 30) and not all(taken)
 
 
+@pytest.mark.parametrize("drains", [1, 7])
+def test_routes_rows_counted_unmade_are_the_rows_made(drains: int) -> None:
+    """Without routes rows (--policy aggregate, no sink reading them) the correlator counts the
+    rows it would have made, exactly, prompt rows and rows with layers missing included, and
+    every other table is the same."""
+    s = _mixed_script()
+    made, _ = _replay(s, drains, with_masks=False)
+    c = _correlator(routes_rows=False)
+    unmade: dict[str, dict[str, list[object]]] = {}
+    counted = 0
+    per = -(-len(s.recs) // drains)
+    for k in range(0, len(s.recs), per):
+        c.feed(decode_records(s.recs[k : k + per], 1024))
+        for table, cols in c.take_tables(final=k + per >= len(s.recs)).items():
+            for name, values in cols.items():
+                unmade.setdefault(table, {}).setdefault(name, []).extend(values)
+        counted += c.routes.take_not_made()
+    assert counted == len(made["routes"]["step_id"]) > 60
+    assert not any(unmade["routes"].values())
+    for table in made.keys() - {"routes"}:
+        assert unmade[table] == made[table], table
+    with pytest.raises(ValueError, match="must be made"):
+        _correlator(routes_rows=False, with_masks=True)
+
+
 def test_sample_of_a_decode_before_the_attach_is_counted_apart() -> None:
     """Probes attached between a decode and its sampler call: that sample has no recorded row.
     It is counted as the attach boundary, not as a sample the recording failed to resolve, and

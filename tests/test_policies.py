@@ -262,3 +262,16 @@ def test_policy_flags_reach_the_options_and_bad_ones_are_usage_errors() -> None:
         with pytest.raises(UsageError, match=message) as e:
             options_from(p.parse_args([*base, *bad]))
         assert e.value.exit_code == 2
+
+
+def test_only_a_policy_that_never_stores_a_table_lets_its_rows_be_counted_unmade() -> None:
+    agg = RecordingPolicy(["aggregate"])
+    assert not agg.stores("routes") and not agg.stores("tokens") and agg.stores("requests")
+    agg.count_dropped("routes", 40)
+    agg.count_dropped("routes", 2)
+    assert agg.to_meta()["rows_dropped"] == {"routes": 42}
+    for specs in (["full"], ["head:0.1"], ["tail:0.9"], ["anomaly"]):
+        pol = RecordingPolicy(specs)
+        assert pol.stores("routes"), specs
+        with pytest.raises(ValueError, match="must be made"):
+            pol.count_dropped("routes", 1)

@@ -14,8 +14,11 @@ from sparseety_prof.store import schema
 
 
 class Collecting:
-    def __init__(self, name: str = "collect", fail_on: str = "") -> None:
+    def __init__(
+        self, name: str = "collect", fail_on: str = "", tables: frozenset[str] | None = None
+    ) -> None:
         self.name = name
+        self.tables = frozenset(schema.TABLES) if tables is None else tables
         self.fail_on = fail_on
         self.opened: Mapping[str, Any] | None = None
         self.frames: list[tuple[str, pl.DataFrame]] = []
@@ -82,3 +85,22 @@ def test_no_sink_means_no_work() -> None:
     assert not fan
     fan.take("tokens", _tokens())
     assert fan.close({}) == {}
+
+
+def test_a_table_is_wanted_while_a_live_sink_reads_it() -> None:
+    routes_reader = Collecting("metrics", tables=frozenset({"tokens", "routes"}))
+    spans = Collecting("spans", fail_on="take", tables=frozenset({"tokens", "requests"}))
+    fan = SinkFanout(
+        [routes_reader, spans],
+        {},
+        redact_text=False,
+        redact=frozenset(),
+        redact_layers=None,
+        log=lambda _s: None,
+    )
+    assert fan.wants("routes") and fan.wants("requests") and not fan.wants("masks")
+    fan.take("tokens", _tokens())  # the spans sink fails: switched off, its tables no longer wanted
+    assert fan.wants("routes") and not fan.wants("requests")
+    assert not SinkFanout([], {}, redact_text=False, redact=frozenset(), redact_layers=None, log=print).wants(
+        "tokens"
+    )

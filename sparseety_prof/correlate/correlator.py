@@ -53,7 +53,9 @@ class Correlator:
         with_masks: bool = False,
         serving: ServingTracker | None = None,
         slot_tokens: bool = False,
+        routes_rows: bool = True,
     ) -> None:
+        """`routes_rows`: make the routes table's rows, or only count them (RoutesTables)."""
         self.pid = pid
         self.n_vocab = n_vocab
         self.wall_offset_ns = wall_offset_ns
@@ -84,7 +86,7 @@ class Correlator:
             serving=serving,
             slot_tokens=slot_tokens,
         )
-        self.routes = RoutesTables(self.layers, self.problems, with_masks=with_masks)
+        self.routes = RoutesTables(self.layers, self.problems, with_masks=with_masks, rows=routes_rows)
 
     # the one-row decode step from the records' columns (a method: fast_step.py)
     _fast_step = fast_step

@@ -29,16 +29,27 @@ RouteLayout = tuple[list[int], list[int | None], list[int | None], bool]
 
 
 class RoutesTables:
-    def __init__(self, layers: LayerSet, problems: Problems, *, with_masks: bool) -> None:
+    def __init__(self, layers: LayerSet, problems: Problems, *, with_masks: bool, rows: bool = True) -> None:
+        """`rows`: make the rows; without, only count them (rows_not_made), for a recording whose
+        policy stores no routes row and no sink that reads them (--policy aggregate)."""
+        if with_masks and not rows:
+            raise ValueError("the masks table is keyed by the routes rows: they must be made")
         self.layers = layers
         self.problems = problems
         self.with_masks = with_masks
+        self.make_rows = rows
+        self.rows_not_made = 0  # rows counted but not made, since take_not_made
         self._routes: Columns = {name: [] for name in ROUTE_ROW}
         self._layout: RouteLayout | None = None
         # rows of emit's common case not yet in _routes: (step_id, ctx_id, seq, pos, row, the
         # row's values)
         self._pending: list[tuple[int, int, int, int, int, dict[str, Any]]] = []
         self._masks = RowBuffer(MASK_ROW)
+
+    def take_not_made(self) -> int:
+        """The rows counted instead of made since the last call."""
+        n, self.rows_not_made = self.rows_not_made, 0
+        return n
 
     def take(self) -> tuple[Columns, Columns]:
         """Routes and masks columns produced since the last call."""
@@ -93,6 +104,9 @@ class RoutesTables:
             values: dict[str, Sequence[object]]
             if identity and None not in ids_v and None not in zr_v:
                 # every layer is MoE and FFN, all computed for this row: the lists as they are
+                if not self.make_rows:
+                    self.rows_not_made += n_layers
+                    continue
                 if not self.with_masks:  # (mask rows follow each routes row: no gathering then)
                     self._pending.append((step.step_id, step.ctx_id, seq, pos, b, v))
                     continue
@@ -111,6 +125,9 @@ class RoutesTables:
                 zr = [zr_v[k] if k is not None else None for k in kf_of]
                 # a layer not computed for this row (or not captured) gets no row: none is invented
                 keep = [j for j in range(n_layers) if ids[j] is not None or zr[j] is not None]
+                if not self.make_rows:
+                    self.rows_not_made += len(keep)
+                    continue
                 if not keep:
                     continue
                 values = {

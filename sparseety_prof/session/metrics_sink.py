@@ -68,6 +68,7 @@ class PrometheusSink:
     until close()."""
 
     name = "prometheus"
+    tables = frozenset({"tokens", "steps", "routes", "requests"})  # what take() reads (MetricsTally.add)
 
     def __init__(
         self,

@@ -128,6 +128,7 @@ class OtlpSink:
     CLOCK_MONOTONIC offset; live, measured at open()."""
 
     name = "otlp"
+    tables = frozenset({"tokens", "steps", "requests"})  # what take() reads
 
     def __init__(
         self,

@@ -42,11 +42,11 @@ class RowPolicy:
         if name not in _DROPPED_TABLES:
             raise ValueError(f"unknown policy {name!r}; policies are {', '.join(POLICIES)}")
         self.name = name
-        self._drops = _DROPPED_TABLES[name]
+        self.drops = _DROPPED_TABLES[name]
         self.rows_dropped: dict[str, int] = {}
 
     def keeps(self, table: str, rows: int) -> bool:
-        if table not in self._drops:
+        if table not in self.drops:
             return True
         self.rows_dropped[table] = self.rows_dropped.get(table, 0) + rows
         return False
@@ -77,6 +77,17 @@ class RecordingPolicy:
     @property
     def per_request(self) -> bool:
         return self.hold is not None
+
+    def stores(self, table: str) -> bool:
+        """Whether any row of `table` may be stored (a per-request policy may keep any)."""
+        return self.hold is not None or table not in self._rows.drops
+
+    def count_dropped(self, table: str, rows: int) -> None:
+        """Rows of a table this policy never stores (stores() is False) that were counted
+        instead of made: dropped, as if their frame had been taken."""
+        if self.stores(table):
+            raise ValueError(f"the policy stores {table} rows: they must be made")
+        self._rows.keeps(table, rows)
 
     def take(self, table: str, df: pl.DataFrame) -> list[tuple[str, pl.DataFrame]]:
         """A frame the consumer made: what of it to store now."""

@@ -152,6 +152,9 @@ class Recorder:
             with_masks=opts.capture.masks,
             serving=ServingTracker(opts.pid, opts.request_header) if is_server(a.where) else None,
             slot_tokens=any(p.symbol == tg.SYM_PROCESS_TOKEN for p in a.session.attached),
+            # routes rows nothing stores or reads (--policy aggregate without --metrics-port) are
+            # counted, not made
+            routes_rows=self._policy.stores("routes") or self._sinks.wants("routes") or opts.capture.masks,
         )
         tracker = SeqTracker()
         self.attached.set()
@@ -489,6 +492,9 @@ class Recorder:
         stages.lap("correlate")
         logits0 = corr.logits_cpu_s
         tables = corr.take_tables(final=final)
+        unmade = corr.routes.take_not_made()
+        if unmade:
+            self._policy.count_dropped("routes", unmade)
         stages.lap("rows")
         stages.move(corr.logits_cpu_s - logits0, "rows", "logits")
         tok, steps = tables["tokens"], tables["steps"]

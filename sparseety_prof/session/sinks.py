@@ -23,6 +23,8 @@ class FrameSink(Protocol):
     """What the recorder feeds; see the module docstring for the rules a sink keeps."""
 
     name: str
+    # the tables whose frames take() reads: a table no sink reads may not be made at all
+    tables: frozenset[str]
 
     def open(self, meta: Mapping[str, Any]) -> None:
         """Once attached, before the first frame: the recording's meta (engine, model, layers)."""
@@ -64,6 +66,10 @@ class SinkFanout:
 
     def __bool__(self) -> bool:
         return bool(self._live)
+
+    def wants(self, table: str) -> bool:
+        """Whether a live sink reads `table`."""
+        return any(table in s.tables for s in self._live)
 
     def take(self, table: str, df: pl.DataFrame) -> None:
         if not self._live or df.height == 0:
