@@ -364,6 +364,8 @@ def test_activation_sizes_beyond_any_model_allocate_nothing() -> None:
     r = _record(ev.ACT_MASK_DTYPE, name=b"ffn_out-1", ne0=1 << 18, ne1=1, nr_total=1 << 20, n_rows=1)
     sp.add_act(r, with_bits=True)  # rows within bounds but the mask would be 256 GiB: counts only
     assert len(sp.act_zeros[1]) == 1 << 20 and 1 not in sp.act_bits
+    r = _record(ev.ACT_MASK_DTYPE, name=b"ffn_out-2", ne0=0, ne1=1, nr_total=1, n_rows=1)
+    assert sp.add_act(r, with_bits=False) is None and 2 not in sp.act_zeros  # 0 wide: no ratio
 
 
 def test_micro_batch_row_offset_from_target_memory_is_clamped() -> None:

@@ -3,9 +3,18 @@ slot chain, slot reuse, children of a parent task, and the check command's layer
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
+import pytest
 
-from sparseety_prof.correlate.serving import ID_GENERATED, ID_HEADER, ServingTracker, parse_request_head
+from sparseety_prof.correlate.serving import (
+    ID_GENERATED,
+    ID_HEADER,
+    RequestAgg,
+    ServingTracker,
+    parse_request_head,
+    percentile,
+)
 from sparseety_prof.session.request_check import evaluate, first_missing
 from sparseety_prof.store import schema
 
@@ -120,3 +129,22 @@ def test_environment_snapshot_keeps_engine_settings_and_hides_secrets() -> None:
         p.kill()
         p.wait()
     assert got == {"LLAMA_API_KEY": "<redacted>", "OMP_NUM_THREADS": "3"}
+
+
+def test_request_latency_percentiles_are_numpys() -> None:
+    """The requests table's inter-token p50/p99 (plain Python, per request) equal numpy's
+    percentile, on the lengths and spreads requests have."""
+    rng = np.random.default_rng(7)
+    for n in (1, 2, 3, 5, 64, 101, 1000):
+        for scale in (1e-3, 1.0, 250.0):
+            v = np.sort(rng.exponential(scale, n))
+            for q in (0, 1, 50, 90, 99, 99.9, 100):
+                assert percentile(v.tolist(), q) == pytest.approx(
+                    float(np.percentile(v, q)), rel=1e-13, abs=0
+                )
+    agg = RequestAgg("r", ID_GENERATED, 1, 0, 1, False, 1_000, t_token_ns=[2_000_000, 5_000_000, 6_500_000])
+    row = agg.row()
+    assert row["itl_p50_ms"] == np.percentile([3.0, 1.5], 50) and row["itl_p99_ms"] == pytest.approx(2.985)
+    assert row["ttft_ms"] == 1.999 and row["t_last_token_ns"] == 6_500_000
+    single = RequestAgg("s", ID_GENERATED, 1, 0, 1, False, 1_000, t_token_ns=[2_000_000]).row()
+    assert single["itl_p50_ms"] is None and single["t_first_token_ns"] == 2_000_000

@@ -19,7 +19,7 @@ from sparseety_prof.capture.options import TOKENS_ONLY, Capture
 from sparseety_prof.capture.plans import LayerSet, MoePlan, layer_set, moe_plan
 from sparseety_prof.correlate.agg_record import agg_rows_batch
 from sparseety_prof.correlate.node_names import parse_name
-from sparseety_prof.correlate.step_sparse import Problems, StepSparse
+from sparseety_prof.correlate.step_sparse import FILL_ROWS_MIN, Problems, StepSparse
 
 LAYERS = LayerSet(moe=(0, 1), ffn=(0, 1), attn=(0, 1))
 
@@ -144,6 +144,75 @@ def test_uncounted_rows_give_null_not_zero() -> None:
     p = Problems()
     assert sp.act_ratios(0, 1, {}, 3, p)[0] == 7 / 64
     assert sp.act_ratios(0, 2, {}, 3, p) == (None, None, 0)  # row 2 never counted
+
+
+def _random_prompt_step(
+    rng: np.random.Generator, n: int, layers: LayerSet
+) -> tuple[StepSparse, dict[int, int]]:
+    """A prompt pass's records as the engine may send them: MoE layers with every row, only the
+    output rows, rows missing, or a row count that maps to nothing; FFN layers counted for every
+    row, for some, for the outputs only, with expert slots; some layers absent."""
+    sp = StepSparse()
+    outputs = sorted(rng.choice(n, size=int(rng.integers(0, 3)), replace=False).tolist())
+    out_index = {b: k for k, b in enumerate(outputs)}
+    for layer in layers.moe:
+        shape = rng.choice(["all", "outputs", "partial", "unmapped", "absent"])
+        total = {"all": n, "partial": n, "outputs": len(outputs), "unmapped": n + 3, "absent": 0}[shape]
+        if total == 0:
+            continue
+        ids = rng.integers(0, 8, (total, 2)).astype(np.int32)
+        wts = rng.random((total, 2)).astype(np.float32)
+        upto = total if shape != "partial" else int(rng.integers(1, total + 1))
+        for tag, vals in ((ev.TAG_EXPERT_IDS, ids), (ev.TAG_EXPERT_WEIGHTS, wts), (ev.TAG_ROUTER_PROBS, wts)):
+            if tag == ev.TAG_ROUTER_PROBS and rng.random() < 0.5:
+                continue
+            name = b"ffn_moe_weights-%d" % layer
+            sp.add_tensor(_tensor(name, tag, vals[:upto], stride_vals=8, total=total))
+    for layer in layers.ffn:
+        shape = rng.choice(["all", "outputs", "partial", "absent"])
+        tokens = {"all": n, "partial": n, "outputs": len(outputs), "absent": 0}[shape]
+        if tokens == 0:
+            continue
+        slots = int(rng.integers(1, 3))
+        kind = b"ffn_moe_reglu" if slots > 1 else b"ffn_swiglu"
+        nr = tokens * slots
+        upto = nr if shape != "partial" else int(rng.integers(1, nr + 1))
+        for ir0 in range(0, upto, ev.ACT_MAX_ROWS):
+            k = min(ev.ACT_MAX_ROWS, upto - ir0)
+            zeros = [*rng.integers(0, 50, k).tolist(), *[0] * (ev.ACT_MAX_ROWS - k)]
+            below = [*rng.integers(0, 60, k).tolist(), *[0] * (ev.ACT_MAX_ROWS - k)]
+            r = {"name": b"%s-%d" % (kind, layer), "ne0": 64, "ne1": slots, "nr_total": nr}
+            sp.add_act({**r, "ir0": ir0, "n_rows": k, "zeros": zeros, "below": below}, with_bits=False)
+    return sp, out_index
+
+
+def test_a_prompts_rows_made_at_once_equal_row_by_row() -> None:
+    """StepSparse.fill_rows (a multi-row pass's rows at once, RoutesTables.emit) gives every row
+    what row_values gives it alone, and counts the same problems."""
+    rng = np.random.default_rng(3)
+    layers = LayerSet(moe=(0, 2, 3), ffn=(0, 1, 2, 3), attn=())
+    seen = {"ids": 0, "no ids": 0, "ratio": 0, "no ratio": 0, "unmapped": 0}
+    for _ in range(300):
+        n = int(rng.integers(FILL_ROWS_MIN, 60))
+        sp, out_index = _random_prompt_step(rng, n, layers)
+        alone = StepSparse(**{f: getattr(sp, f) for f in ("ids", "weights", "probs")})
+        for f in ("act_zeros", "act_below", "act_width", "act_slots"):
+            setattr(alone, f, getattr(sp, f))
+        p_alone, p_once = Problems(), Problems()
+        first = int(rng.integers(0, n))  # a row asked for before (the token row of a sample)
+        sp.row_values(first, out_index, n, layers, p_once)
+        sp.fill_rows(list(range(n)), out_index, n, layers, p_once)
+        assert len(sp._row_cache) == (n if n - 1 >= FILL_ROWS_MIN else 1)
+        for b in range(n):
+            got = sp.row_values(b, out_index, n, layers, p_once)
+            assert got == alone.row_values(b, out_index, n, layers, p_alone), (b, n, out_index)
+            seen["ids"] += sum(v is not None for v in got["expert_ids"])
+            seen["no ids"] += got["expert_ids"].count(None)
+            seen["ratio"] += sum(v is not None for v in got["act_zero_ratio"])
+            seen["no ratio"] += got["act_zero_ratio"].count(None)
+        assert p_once.unmapped_rows == p_alone.unmapped_rows
+        seen["unmapped"] += p_once.unmapped_rows
+    assert min(seen.values()) > 100, seen  # every case was met, many times
 
 
 def test_aggregate_record_of_a_one_row_step() -> None:

@@ -96,6 +96,14 @@ class RoutesTables:
         all_layers, km_of, kf_of, identity = self.layout()
         n_layers = len(all_layers)
         cols = self._routes
+        if len(step.seq) > 1:  # a prompt's rows: their values made at once
+            sp.fill_rows(
+                list(range(step.row_offset, step.row_offset + len(step.seq))),
+                out_index,
+                step.n_tokens,
+                self.layers,
+                self.problems,
+            )
         for i, (seq, pos) in enumerate(zip(step.seq.tolist(), step.pos.tolist(), strict=True)):
             b = step.row_offset + i
             v = sp.row_values(b, out_index, step.n_tokens, self.layers, self.problems)

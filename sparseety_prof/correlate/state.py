@@ -42,6 +42,8 @@ class Step:
         if self._seq_rows is None:
             if len(self.seq) == 1:
                 self._seq_rows = {int(self.seq[0]): _ROW0}
+            elif len(self.seq) and not (self.seq != self.seq[0]).any():  # one sequence's rows: a prompt
+                self._seq_rows = {int(self.seq[0]): np.arange(len(self.seq))}
             else:
                 self._seq_rows = {int(v): np.flatnonzero(self.seq == v) for v in np.unique(self.seq)}
         return self._seq_rows
