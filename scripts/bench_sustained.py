@@ -279,7 +279,7 @@ def bench(
     rows: dict[str, list[float]] = {
         k: [] for k in ("tps", "ttft_p50", "ttft_p99", "itl_p99", "cpu_us_per_token", "attach_cpu_s", "rss")
     }
-    losses = records = tokens = 0
+    losses = records = tokens = bpf_runs = bpf_ns = 0
     try:
         eng.load(min(10.0, a.seconds), a.tokens)  # warm-up: weights paged in, allocator settled
         consumer: list[dict[str, Any]] = []
@@ -318,11 +318,21 @@ def bench(
             consumer.append(cons)
             for k, v in cons.get("cpu_s_by_stage", {}).items():
                 stage_s[k] = stage_s.get(k, 0.0) + float(v)
+            bpf = meta.get("bpf_programs", {})
+            probes = ""
+            if bpf.get("stats") == "on":  # --record-args --bpf-stats: the probes' time in the engine
+                bpf_runs += int(bpf["runs"])
+                bpf_ns += int(bpf["run_ns"])
+                probes = (
+                    f", probes {int(bpf['run_ns']) / max(n_rec, 1) / 1e3:.1f} µs/token in the engine "
+                    f"({int(bpf['runs']) / max(n_rec, 1):.0f} runs)"
+                )
             print(
                 f"  {eng.name} clients={clients} mode={mode} pair {i + 1}/{a.pairs}: tokens/s ratio "
                 f"{rows['tps'][-1]:.4f}, {pb.tokens} tokens in B ({n_rec} recorded), recorder "
                 f"{rows['cpu_us_per_token'][-1]:.0f} µs CPU/token, {cons.get('escalations')} escalation(s), "
-                f"ring peak {cons.get('ring_fill_peak')}, longest gap {cons.get('drain_gap_max_ms')} ms",
+                f"ring peak {cons.get('ring_fill_peak')}, longest gap {cons.get('drain_gap_max_ms')} ms"
+                + probes,
                 file=sys.stderr,
             )
     finally:
@@ -343,6 +353,9 @@ def bench(
         "consumer": consumer,  # per pair: meta.json's account of how the drains went
         # over all pairs: CPU µs per recorded token, by stage (meta.json consumer.cpu_s_by_stage)
         "cpu_us_per_token_by_stage": {k: v / max(tokens, 1) * 1e6 for k, v in stage_s.items()},
+        # with --bpf-stats: the probe programs' own run time and runs per recorded token
+        "bpf_us_per_token": bpf_ns / max(tokens, 1) / 1e3 if bpf_runs else None,
+        "bpf_runs_per_token": bpf_runs / max(tokens, 1) if bpf_runs else None,
     }
     for k, v in rows.items():
         x = np.array(v)
@@ -365,6 +378,13 @@ def print_stages(results: list[dict[str, Any]]) -> None:
         st = r["cpu_us_per_token_by_stage"]
         cells = " | ".join(f"{st.get(k, 0.0):.0f}" for k in names)
         print(f"| {r['engine']} | {r['clients']} | {r['mode']} | {cells} | {sum(st.values()):.0f} µs |")
+    for r in by:
+        if r.get("bpf_us_per_token") is not None:
+            print(
+                f"{r['engine']} {r['mode']}: the probe programs ran {r['bpf_us_per_token']:.1f} µs per "
+                f"recorded token in the engine's threads ({r['bpf_runs_per_token']:.0f} runs; the uprobe "
+                "traps not counted)"
+            )
 
 
 def main() -> int:

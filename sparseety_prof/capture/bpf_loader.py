@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from sparseety_prof.capture import bpf_stats
 from sparseety_prof.capture import target as tg
 from sparseety_prof.capture.elf import cheap_entry_probe_offset, cheap_probe_offset, read_at_vaddr
 from sparseety_prof.capture.events import (
@@ -165,6 +166,7 @@ class Session:
     logits_chunk: int = 1024
     moe: MoePlan = field(default_factory=MoePlan)  # where the MoE probes read (as compiled)
     ring_pages: int = RING_BUFFER_PAGES  # size of the ring buffer the probes write to
+    stats_fd: int | None = None  # the kernel's BPF run statistics are on while it is open (bpf_stats.py)
     _closed: bool = False
 
     def counters(self) -> dict[str, int]:
@@ -208,6 +210,26 @@ class Session:
             n += 1
         return n
 
+    def enable_run_stats(self) -> str:
+        """Have the kernel count each program's runs and run time until close(); "" when on,
+        else why not."""
+        if self.stats_fd is None:
+            self.stats_fd, why = bpf_stats.enable_run_stats()
+            return why
+        return ""
+
+    def program_costs(self) -> dict[str, dict[str, int]]:
+        """Each program's runs and nanoseconds run so far (bpf_stats.py): counted only while
+        the run statistics are on; programs that never ran are left out."""
+        out: dict[str, dict[str, int]] = {}
+        for name, fn in list(getattr(self.bpf, "funcs", {}).items()):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                runs, ns = bpf_stats.program_runs(Path(f"/proc/self/fdinfo/{fn.fd}").read_text())
+                if runs:
+                    key = name.decode() if isinstance(name, bytes) else str(name)
+                    out[key] = {"runs": runs, "run_ns": ns}
+        return out
+
     def close(self) -> None:
         if self._closed:
             return
@@ -215,6 +237,9 @@ class Session:
         # detaching the probes of a process that already exited may fail harmlessly
         with contextlib.suppress(Exception):
             self.bpf.cleanup()
+        if self.stats_fd is not None:
+            os.close(self.stats_fd)
+            self.stats_fd = None
 
 
 def compile_and_attach(

@@ -47,6 +47,7 @@ class Options:
     policy_window: int = 64 << 20  # bytes of rows the per-request policies hold until decided
     max_memory: int | None = DEFAULT_MAX_MEMORY  # the consumer's anonymous memory (session/memory_budget.py)
     aggregate_s: int = 10  # bucket of the always-on aggregates table
+    bpf_stats: bool = False  # count each probe program's runs and run time (capture/bpf_stats.py)
 
 
 @dataclass

@@ -200,6 +200,12 @@ class Recorder:
         )
         deadline = time.monotonic() + opts.duration if opts.duration else None
         error: BaseException | None = None
+        bpf_stats = "off"
+        if opts.bpf_stats:
+            why = a.session.enable_run_stats()
+            bpf_stats = "on" if not why else f"unavailable: {why}"
+            if why:
+                self.log(f"sparseety-prof: --bpf-stats: {why}")
         sched = ConsumerSched(opts, self.progress, DRAIN_INTERVAL_S)
         flush = FlushSchedule(opts.flush_interval)
         budget = MemoryBudget(opts.max_memory)
@@ -237,6 +243,7 @@ class Recorder:
             stages.lap("ring_walk")
             counters = a.session.counters()
             counters["program_misses"] = a.session.program_misses()  # before close: read off the fds
+            programs = a.session.program_costs() if bpf_stats == "on" else {}
             a.session.close()
             stages.lap("detach")
             if error is None:
@@ -260,6 +267,12 @@ class Recorder:
                 "profiler_memory": {**_memory_meta(), "budget": budget.meta()},
                 "consumer": {**sched.meta(), "ring_watch_wakeups": watch.wakeups},
                 "bpf_compile_s": round(a.session.compile_s, 3),
+                "bpf_programs": {
+                    "stats": bpf_stats,
+                    "runs": sum(p["runs"] for p in programs.values()),
+                    "run_ns": sum(p["run_ns"] for p in programs.values()),
+                    "programs": programs,
+                },
             }
             if hasher.is_alive():
                 self.log("sparseety-prof: finishing the model file's sha256 ...")
