@@ -284,6 +284,7 @@ def bench(
         eng.load(min(10.0, a.seconds), a.tokens)  # warm-up: weights paged in, allocator settled
         consumer: list[dict[str, Any]] = []
         stage_s: dict[str, float] = {}  # the consumer's CPU by stage, summed over the pairs
+        bpf_by_program: dict[str, int] = {}  # with --bpf-stats: each probe program's ns, summed
         for i in range(a.pairs):
             order = ("A", "B") if i % 2 == 0 else ("B", "A")
             sides: dict[str, Side] = {}
@@ -323,6 +324,8 @@ def bench(
             if bpf.get("stats") == "on":  # --record-args --bpf-stats: the probes' time in the engine
                 bpf_runs += int(bpf["runs"])
                 bpf_ns += int(bpf["run_ns"])
+                for name, prog in bpf["programs"].items():
+                    bpf_by_program[name] = bpf_by_program.get(name, 0) + int(prog["run_ns"])
                 probes = (
                     f", probes {int(bpf['run_ns']) / max(n_rec, 1) / 1e3:.1f} µs/token in the engine "
                     f"({int(bpf['runs']) / max(n_rec, 1):.0f} runs)"
@@ -356,6 +359,9 @@ def bench(
         # with --bpf-stats: the probe programs' own run time and runs per recorded token
         "bpf_us_per_token": bpf_ns / max(tokens, 1) / 1e3 if bpf_runs else None,
         "bpf_runs_per_token": bpf_runs / max(tokens, 1) if bpf_runs else None,
+        "bpf_us_per_token_by_program": {
+            k: v / max(tokens, 1) / 1e3 for k, v in sorted(bpf_by_program.items(), key=lambda kv: -kv[1])
+        },
     }
     for k, v in rows.items():
         x = np.array(v)
@@ -385,6 +391,8 @@ def print_stages(results: list[dict[str, Any]]) -> None:
                 f"recorded token in the engine's threads ({r['bpf_runs_per_token']:.0f} runs; the uprobe "
                 "traps not counted)"
             )
+            top = list(r["bpf_us_per_token_by_program"].items())[:5]
+            print("  the costliest: " + ", ".join(f"{name} {us:.1f} µs" for name, us in top))
 
 
 def main() -> int:
