@@ -38,8 +38,7 @@ MAX_ACT_WIDTH = 1 << 18
 MAX_MASK_CELLS = 1 << 28
 
 # StepSparse.fill_rows' numpy calls per layer cost about as much as a dozen rows' per-row Python
-# (measured: 4 rows 74 us per row vs 131 us at once, 16 rows 281 vs 185, 64 rows 1128 vs 433 on
-# 8 MoE layers): fewer rows take the per-row path
+# (scripts/bench_prompt_rows.py, 8 MoE layers): fewer rows take the per-row path
 FILL_ROWS_MIN = 12
 
 _ONE_FILLED = np.ones(1, dtype=bool)
@@ -282,14 +281,17 @@ class StepSparse(AttentionRecords):
         n_tokens: int,
         layers: LayerSet,
         problems: Problems,
+        *,
+        min_rows: int = 0,
     ) -> None:
         """What row_values gives for each of `batch_rows` (a prompt's rows), made for all of
         them at once: per layer one numpy gather instead of three calls per row and layer. The
         values, and the problems counted, are row_values' own (tests/test_sparse.py checks them
-        row by row); rows asked for before are left as they are."""
+        row by row); rows asked for before are left as they are. Fewer rows than `min_rows`
+        (default FILL_ROWS_MIN) are left to row_values."""
         rows = [b for b in batch_rows if b not in self._row_cache]
         m = len(rows)
-        if m < FILL_ROWS_MIN or n_tokens < 2:
+        if m < (min_rows or FILL_ROWS_MIN) or n_tokens < 2:
             return  # row_values' own path, per row (one-row steps take the aggregate's lists)
         n_out = len(output_index)
         out_at = np.array([output_index.get(b, -1) for b in rows], dtype=np.intp)
