@@ -4,6 +4,9 @@ consumer (py-spy) split by stage.
     sudo .venv/bin/python scripts/profile_consumer.py [--requests 96] [--tokens 64] [--threads 1]
         [--record-args '...'] [--raw FILE]
 
+With `--record-args=--bpf-stats` it also prints each probe program's runs and time per token in
+the engine's threads (meta.json bpf_programs).
+
 llama-cpp-python on the `bench` model of tests/make_models.py (32,000-entry vocabulary, 8 MoE
 layers). `sparseety-prof record` is attached, its start-up work let finish, then py-spy samples it
 (without pausing it: --nonblocking) while `--requests` requests of `--tokens` tokens are generated
@@ -167,6 +170,17 @@ def main() -> int:
     for name, v in by_stage.items():
         print(f"| {name} | {v / n_rec * 1e6:.0f} |")
     print(f"| sum | {sum(by_stage.values()) / n_rec * 1e6:.0f} |")
+    bpf = meta.get("bpf_programs", {})
+    if bpf.get("stats") == "on":  # --record-args=--bpf-stats: the probes' own time in the engine
+        print(
+            f"\nmeta.json bpf_programs: {bpf['run_ns'] / n_rec / 1e3:.1f} µs per recorded token in the "
+            f"engine's threads, {bpf['runs'] / n_rec:.1f} runs (the uprobe traps not counted)"
+        )
+        print("| program | runs per token | µs per token | µs per run |")
+        print("| --- | --- | --- | --- |")
+        for name, p in sorted(bpf["programs"].items(), key=lambda kv: -kv[1]["run_ns"]):
+            per_run = p["run_ns"] / max(p["runs"], 1) / 1e3
+            print(f"| {name} | {p['runs'] / n_rec:.2f} | {p['run_ns'] / n_rec / 1e3:.2f} | {per_run:.2f} |")
     return 0
 
 
