@@ -22,28 +22,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+from test_sparse import _tensor as tensor_record  # noqa: E402  (a routing tensor's probe record)
+
 from sparseety_prof.capture import events as ev  # noqa: E402
 from sparseety_prof.capture.plans import LayerSet  # noqa: E402
 from sparseety_prof.correlate.step_sparse import FILL_ROWS_MIN, Problems, StepSparse  # noqa: E402
-
-
-def tensor_record(name: bytes, tag: int, rows: np.ndarray, stride_vals: int) -> dict[str, object]:
-    """A routing tensor's record as the MoE probe sends it (the engine's rows, row_stride apart)."""
-    n, k = rows.shape
-    buf = np.zeros((n, stride_vals), dtype=rows.dtype)
-    buf[:, :k] = rows
-    return {
-        "name": name,
-        "tag": tag,
-        "type": 26 if rows.dtype == np.int32 else 0,
-        "row0": 0,
-        "n_rows": n,
-        "rows_total": n,
-        "ne0": k,
-        "row_stride": stride_vals * 4,
-        "n_bytes": buf.nbytes,
-        "data": buf.tobytes(),
-    }
 
 
 def prompt_step(n: int, n_layers: int, rng: np.random.Generator) -> StepSparse:
@@ -51,9 +35,9 @@ def prompt_step(n: int, n_layers: int, rng: np.random.Generator) -> StepSparse:
     sp = StepSparse()
     for layer in range(n_layers):
         ids = rng.integers(0, 8, (n, 2)).astype(np.int32)
-        sp.add_tensor(tensor_record(b"ffn_moe_weights-%d" % layer, ev.TAG_EXPERT_IDS, ids, 8))
+        sp.add_tensor(tensor_record(b"ffn_moe_weights-%d" % layer, ev.TAG_EXPERT_IDS, ids, stride_vals=8))
         wts = rng.random((n, 2)).astype(np.float32)
-        sp.add_tensor(tensor_record(b"ffn_moe_weighted-%d" % layer, ev.TAG_EXPERT_WEIGHTS, wts, 2))
+        sp.add_tensor(tensor_record(b"ffn_moe_weighted-%d" % layer, ev.TAG_EXPERT_WEIGHTS, wts))
         nr = n * 2  # 2 expert slots per token
         for ir0 in range(0, nr, ev.ACT_MAX_ROWS):
             k = min(ev.ACT_MAX_ROWS, nr - ir0)
