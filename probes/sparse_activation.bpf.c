@@ -26,7 +26,7 @@ int glu_enter(struct pt_regs *ctx) {
     u64 params = PT_REGS_PARM1(ctx), node = PT_REGS_PARM2(ctx);
     u32 w = 0;
     bpf_probe_read_user(&w, sizeof(w), (void *)(node + T_NAME));
-    if (w != 0x5f6e6666 /* "ffn_" */)
+    if (w != 0x5f6e6666 /* "ffn_" */ || act_sampled_out())
         return 0;
 #ifdef HAVE_TASK_STORAGE
     struct act_args *a = act_args.task_storage_get(CURRENT_TASK, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);

@@ -92,6 +92,17 @@ static __always_inline struct ev_step_agg *agg_active(void) {
 static __always_inline struct ev_step_agg *agg_active(void) { return 0; }
 #endif
 
+/* The pass running is a one-row pass whose activations --act-every leaves uncounted (agg_begin
+ * marks it active = 2): the activation probes return at once. */
+static __always_inline int act_sampled_out(void) {
+#if defined(AGG_STEPS) && defined(ACT_EVERY)
+    struct ev_step_agg *a = agg_active();
+    return a && a->active == 2;
+#else
+    return 0;
+#endif
+}
+
 /* Array indices the verifier can bound: an AND in asm survives clang's range reasoning (it drops
  * a C `&` when it knows the value is small, but the verifier does not know that). */
 static __always_inline u64 idx_agg_layer(u64 i) {

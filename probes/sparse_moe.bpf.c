@@ -251,6 +251,8 @@ int moe_mul_enter(struct pt_regs *ctx) {
     }
 #endif /* CAPTURE_ROUTES */
 #ifdef ACT_AT_MUL
+    if (act_sampled_out())
+        return 0;
     /* the activations: mul_mat_id's src[1], a GLU node "ffn_moe_<op>-L" */
     u64 act = TH(hd, T_SRC + 8);
     u64 *ha = tensor_hdr(hb, 3, act); /* the weights' slot: done with it */

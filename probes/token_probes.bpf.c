@@ -123,6 +123,9 @@ static __always_inline void emit_small(u16 kind, u64 ctx, s32 a, s32 b, s32 c, u
 #ifdef AGG_STEPS
 /* The one-row micro-batch being gathered (see struct ev_step_agg). */
 BPF_ARRAY(step_agg, struct ev_step_agg, 1);
+#ifdef ACT_EVERY
+BPF_ARRAY(act_passes, u64, 1); /* one-row passes begun (--act-every) */
+#endif
 
 static __always_inline void agg_begin(u32 n_tokens, u64 serial) {
     int k = 0;
@@ -148,6 +151,19 @@ static __always_inline void agg_begin(u32 n_tokens, u64 serial) {
     a->overlap = 0;
     a->att_n = 0;
     a->active = 1;
+#ifdef ACT_EVERY
+    /* --act-every: the activations of one one-row pass in ACT_EVERY are counted; the others are
+     * gathered as usual (routing, attention) with active = 2, which the activation probes skip.
+     * Passes are counted here, not by record sequence numbers: a step's records are a fixed
+     * number, which would alias with ACT_EVERY. */
+    u64 *n = act_passes.lookup(&k);
+    if (n) {
+        u64 c = *n; /* one pass at a time (an overlap is not gathered): no atomic needed */
+        *n = c + 1;
+        if (c % ACT_EVERY)
+            a->active = 2;
+    }
+#endif
 }
 
 static __always_inline void agg_end(u64 serial, u64 lctx) {

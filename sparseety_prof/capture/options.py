@@ -14,6 +14,10 @@ from typing import Any
 DEFAULT_ACT_THRESHOLD = 1e-2
 
 
+#: the sparsest --act-every: one forward pass in a million still counts some
+MAX_ACT_EVERY = 1_000_000
+
+
 @dataclass(frozen=True)
 class Capture:
     routes: bool = True  # MoE expert ids and gate weights per (row, layer)
@@ -22,6 +26,9 @@ class Capture:
     masks: bool = False  # the activation zero masks themselves (--capture-masks)
     attention: bool = True  # attended cells per output row and attention layer
     act_threshold: float = DEFAULT_ACT_THRESHOLD  # |x| below this counts in act_below_ratio
+    # activations counted on one one-row forward pass in act_every (--act-every): the rest of the
+    # decode steps keep their routing, their activation ratios are null
+    act_every: int = 1
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.act_threshold) and self.act_threshold > 0):
@@ -30,6 +37,13 @@ class Capture:
             )
         if self.masks and not self.activations:
             raise ValueError("activation masks need activation capture")
+        if not 1 <= self.act_every <= MAX_ACT_EVERY:
+            raise ValueError(f"--act-every must be 1-{MAX_ACT_EVERY}, not {self.act_every}")
+        if self.act_every > 1 and (self.masks or self.router_probs or not self.activations):
+            raise ValueError(
+                "--act-every samples the activations gathered per one-row forward pass: not with "
+                "--capture-masks or --capture-router-probs (every layer then sends its own records)"
+            )
 
     @property
     def any(self) -> bool:
@@ -57,6 +71,8 @@ class Capture:
             # one aggregate record per one-row micro-batch (router probabilities and masks are
             # too large for it: with those, every layer sends its own records)
             flags.append("-DAGG_STEPS")
+            if self.act_every > 1:
+                flags.append(f"-DACT_EVERY={self.act_every}")
         return flags
 
     def to_meta(self) -> dict[str, Any]:

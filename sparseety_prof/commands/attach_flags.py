@@ -156,6 +156,15 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         help="activations with |x| below this count in act_below_ratio (default 0.01; recorded in metadata)",
     )
     p.add_argument(
+        "--act-every",
+        type=int,
+        default=1,
+        metavar="N",
+        help="count the activations of one decode step in N (default 1: every step). The counting is "
+        "the probes' largest cost in the engine's threads; the other steps keep their routing and "
+        "get null activation ratios, and the aggregates' sparsity histograms become a sample of them",
+    )
+    p.add_argument(
         "--capture-router-probs",
         action="store_true",
         help="also record the router probability of every expert per MoE layer",
@@ -382,8 +391,8 @@ def options_from(args: argparse.Namespace) -> Options:
     if args.output is not None:
         check_output_path(args.output, META_FILE, sudo_owner())  # refused before anything is attached
     if args.mode == "tokens":
-        if args.capture_router_probs or args.capture_masks:
-            raise UsageError("--capture-router-probs and --capture-masks need --mode full")
+        if args.capture_router_probs or args.capture_masks or args.act_every != 1:
+            raise UsageError("--capture-router-probs, --capture-masks and --act-every need --mode full")
         capture = TOKENS_ONLY
     else:
         try:
@@ -391,6 +400,7 @@ def options_from(args: argparse.Namespace) -> Options:
                 router_probs=args.capture_router_probs,
                 masks=args.capture_masks,
                 act_threshold=args.act_threshold,
+                act_every=args.act_every,
             )
         except ValueError as e:
             raise UsageError(str(e)) from None

@@ -116,3 +116,4 @@ class Counters:
     slot_tokens_unresolved: int = 0  # server samples whose slot has no output row in the decode
     samples_before_first_step: int = 0  # samples of a decode that ran before the attach
     sparse_before_first_step: int = 0  # graph-op records of the forward pass running at attach
+    act_sampled_out: int = 0  # one-row passes whose activations --act-every left uncounted

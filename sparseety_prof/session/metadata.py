@@ -158,6 +158,8 @@ def outcome(a: Attached, opts: Options, corr: Correlator) -> dict[str, Any]:
             "verified_slot_launches": corr.server_check.launches_verified,
         },
         "layer_coverage": coverage(a.layers, corr.layers_seen, opts.capture),
+        # --act-every: decode steps whose activations were not counted, by design (not a loss)
+        "act_sampling": {"every": opts.capture.act_every, "steps_not_counted": corr.counters.act_sampled_out},
         "attention_masks": corr.attn_map.meta() if opts.capture.attention else None,
     }
 
