@@ -323,7 +323,11 @@ def test_aggregate_rows_of_a_drain_at_once_equal_the_per_record_path() -> None:
     partial["seq"] = 7
     short_k = _complete_agg_record(9)
     short_k["k_ids"][1] = short_k["k_wts"][1] = 1
-    arr = np.array([recs[0], partial, recs[1], short_k, *recs[2:]], dtype=ev.STEP_AGG_DTYPE)
+    no_act = _complete_agg_record(11)  # a pass whose activations --act-every did not count
+    no_act["active"] = 2
+    for f in ("act_nr", "act_rows", "act_zero", "act_below", "act_ne0", "act_slots"):
+        no_act[f][:] = 0
+    arr = np.array([recs[0], partial, recs[1], short_k, no_act, *recs[2:]], dtype=ev.STEP_AGG_DTYPE)
     for layers in (LAYERS_3, LayerSet(moe=(0, 2), ffn=(0, 1, 2), attn=(0, 1, 2, 3)), LayerSet(ffn=(0, 1))):
         batch = agg_rows_batch(arr, layers)
         assert batch is not None and len(batch) == len(arr)

@@ -97,6 +97,9 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
     ffn_full = (complete[:, ffn_idx] & (ne0[:, ffn_idx] != 0)).all(axis=1) & (
         complete.sum(axis=1) == len(ffn)
     )
+    # no FFN layer counted at all: a pass whose activations --act-every left out (agg_begin's
+    # active = 2), the common row then too
+    ffn_none = (nr == 0).all(axis=1)
     n_vals = nr[:, ffn_idx].astype(np.int64) * ne0[:, ffn_idx]
     with np.errstate(divide="ignore", invalid="ignore"):
         zr_all = (arr["act_zero"][:, ffn_idx] / n_vals).tolist()
@@ -108,17 +111,19 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
         arr[f][:, :width].tolist() for f in ("att_mask", "att_layer", "att_count", "att_flags")
     )
     none_moe = [None] * len(layers.moe)
+    none_ffn, zero_ffn = [None] * len(layers.ffn), [0] * len(layers.ffn)
     out: list[AggRow] = []
-    for i, (full, n_att) in enumerate(zip((moe_full & ffn_full).tolist(), att_n, strict=True)):
-        if full:
-            moe_seen, ffn_seen = moe, ffn
+    rows_kind = zip((moe_full & ffn_full).tolist(), (moe_full & ffn_none).tolist(), att_n, strict=True)
+    for i, (full, no_act, n_att) in enumerate(rows_kind):
+        if full or no_act:
+            moe_seen, ffn_seen = moe, ffn if full else []
             values = {
                 "expert_ids": ids_all[i],
                 "expert_weights": wts_all[i],
                 "router_probs": none_moe,
-                "act_zero_ratio": zr_all[i],
-                "act_below_ratio": br_all[i],
-                "act_values": nv_all[i],
+                "act_zero_ratio": zr_all[i] if full else none_ffn,
+                "act_below_ratio": br_all[i] if full else none_ffn,
+                "act_values": nv_all[i] if full else zero_ffn,
             }
         else:
             values, moe_seen, ffn_seen = agg_row_values({f: arr[f][i] for f in _AGG_ROW_FIELDS}, layers)
