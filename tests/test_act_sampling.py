@@ -76,6 +76,15 @@ def test_act_every_counts_one_decode_step_in_n_and_keeps_the_routing(
     # the counted steps' ratios are real ratios
     ratios = decode.filter("counted")["act_zero_ratio"].explode()
     assert ratios.null_count() == 0 and ratios.min() >= 0.0 and ratios.max() <= 1.0  # type: ignore[operator]
+    # the routes table: a row per MoE layer on every step; no activation values where not counted
+    routes = sparseety_prof.open(tmp_path / "every4").routes()
+    uncounted = tokens.filter(~pl.col("counted"))["step_id"]
+    gone = routes.filter(pl.col("step_id").is_in(uncounted.implode()))
+    assert gone.height == uncounted.len() * routes["layer"].n_unique()
+    assert gone["act_zero_ratio"].null_count() == gone["act_values"].null_count() == gone.height
+    assert gone["expert_ids"].null_count() == 0
+    kept = routes.filter(~pl.col("step_id").is_in(uncounted.implode()))
+    assert kept["act_zero_ratio"].null_count() == 0 and kept["act_values"].min() > 0  # type: ignore[operator]
     # and the activation probes cost the engine less: per generated token, the programs' time
     every4 = _probe_ns_per_token(meta)
     meta, _, _ = _record(llama_engine, tmp_path / "every1")

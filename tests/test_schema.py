@@ -26,12 +26,23 @@ CASES: list[tuple[list[object], pl.DataType]] = [
     ([[], []], pl.List(pl.List(pl.Int32()))),  # dense model: empty per-layer lists
     ([None, None], pl.List(pl.Float32())),
     ([[1.5, 2.5]] * 3, pl.List(pl.Float64())),
+    # rows of nulls among regular rows (--act-every's uncounted steps), with null rows too
+    ([[0.5, 0.25], [None, None], None, [0.75, 1.0]], pl.List(pl.Float32())),
+    ([[None, None], [0.5, 0.25]], pl.List(pl.Float32())),
+    ([[[1, 2], [3, 4]], [None, None], [[5, 6], [7, 8]]], pl.List(pl.List(pl.Int32()))),
+    ([[None, None], [None, None]], pl.List(pl.Float32())),  # no regular row: general path
+    ([[0.5, 0.25], [None, None, None]], pl.List(pl.Float32())),  # nulls of another length
+    ([[0.5, 0.25], [None, 0.5]], pl.List(pl.Float32())),  # some nulls: general path
 ]
 
 
 @pytest.mark.parametrize(("values", "dtype"), CASES)
 def test_fast_path_equals_general_path(values: list[object], dtype: pl.DataType) -> None:
     fast = schema._regular_list_series("c", values, dtype)
+    rows = [v for v in values if isinstance(v, list)]
+    if any(v and v.count(None) == len(v) for v in rows) and any(v and None not in v for v in rows):
+        # regular rows and rows of nulls of the same length take the fast path
+        assert fast is not None or len({len(v) for v in rows}) > 1
     want = _general(values, dtype)
     got = fast if fast is not None else want
     assert_series_equal(got, want)

@@ -110,7 +110,14 @@ class RoutesTables:
             ids_v, w_v, p_v = v["expert_ids"], v["expert_weights"], v["router_probs"]
             zr_v, br_v, nv_v = v["act_zero_ratio"], v["act_below_ratio"], v["act_values"]
             values: dict[str, Sequence[object]]
-            if identity and None not in ids_v and None not in zr_v:
+            common = identity and None not in ids_v
+            if common and None in zr_v:
+                if zr_v.count(None) == n_layers:  # no activation counted (--act-every): as below
+                    v = {**v, "act_values": [None] * n_layers}
+                    nv_v = v["act_values"]
+                else:
+                    common = False
+            if common:
                 # every layer is MoE and FFN, all computed for this row: the lists as they are
                 if not self.make_rows:
                     self.rows_not_made += n_layers

@@ -392,8 +392,9 @@ _NUMPY_OF = {pl.Int32(): np.int32, pl.Int64(): np.int64, pl.Float32(): np.float3
 def _regular_list_series(name: str, values: list[object], dtype: pl.DataType) -> pl.Series | None:
     """Fast path for list columns whose rows are all lists of one shape (expert ids, per-layer
     ratios, top-k): one numpy conversion instead of polars' element-by-element construction,
-    which dominated the consumer's CPU per token. Rows that are None stay null. Anything
-    irregular (ragged, None inside) returns None and takes the general path."""
+    which dominated the consumer's CPU per token. Rows that are None stay null; rows whose items
+    are all None (a step whose activations were not counted, --act-every) stay lists of nulls.
+    Anything else irregular (ragged, None among values) returns None and takes the general path."""
     leaf: Any = dtype
     depth = 0
     while isinstance(leaf, pl.List):
@@ -405,8 +406,31 @@ def _regular_list_series(name: str, values: list[object], dtype: pl.DataType) ->
     valid = [v is not None for v in values]
     if not any(valid):
         return None
-    template = next(v for v in values if v is not None)
-    rows = values if all(valid) else [v if v is not None else template for v in values]
+    s = _numpy_list_series(name, values, valid, np_type, depth, dtype)
+    if s is not None:
+        return s
+    # rows of nulls among regular rows: converted as a regular row, then put back as nulls
+    nulls = [isinstance(v, list) and len(v) > 0 and v.count(None) == len(v) for v in values]
+    if not any(nulls) or all(n or not ok for n, ok in zip(nulls, valid, strict=True)):
+        return None
+    regular = [ok and not n for n, ok in zip(nulls, valid, strict=True)]
+    s = _numpy_list_series(name, values, regular, np_type, depth, dtype)
+    if s is None:
+        return None
+    null_row = next(v for v, n in zip(values, nulls, strict=True) if isinstance(v, list) and n)
+    if any(len(v) != len(null_row) for v, n in zip(values, nulls, strict=True) if isinstance(v, list) and n):
+        return None
+    row_of_nulls = pl.Series(name, [null_row], dtype=dtype).gather([0] * len(values))
+    return pl.select(pl.when(pl.Series(nulls)).then(row_of_nulls).otherwise(s).alias(name)).to_series()
+
+
+def _numpy_list_series(
+    name: str, values: list[object], take: list[bool], np_type: Any, depth: int, dtype: pl.DataType
+) -> pl.Series | None:
+    """The rows marked in `take` through one numpy array (the others null), or None when they
+    are not all lists of one shape of numbers."""
+    template = next(v for v, t in zip(values, take, strict=True) if t)
+    rows = values if all(take) else [v if t else template for v, t in zip(values, take, strict=True)]
     try:
         arr = np.array(rows, dtype=np_type)
     except (ValueError, TypeError):
@@ -416,8 +440,8 @@ def _regular_list_series(name: str, values: list[object], dtype: pl.DataType) ->
     if arr.dtype.kind == "f" and np.isnan(arr).any():
         return None  # numpy turns None inside a row into NaN: let polars keep it null
     s = pl.Series(name, arr.reshape(-1)).reshape(arr.shape).cast(dtype)
-    if not all(valid):
-        s = pl.select(pl.when(pl.Series(valid)).then(s).alias(name)).to_series()
+    if not all(take):
+        s = pl.select(pl.when(pl.Series(take)).then(s).alias(name)).to_series()
     return s
 
 
