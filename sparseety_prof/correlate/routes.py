@@ -110,15 +110,13 @@ class RoutesTables:
             ids_v, w_v, p_v = v["expert_ids"], v["expert_weights"], v["router_probs"]
             zr_v, br_v, nv_v = v["act_zero_ratio"], v["act_below_ratio"], v["act_values"]
             values: dict[str, Sequence[object]]
-            common = identity and None not in ids_v
-            if common and None in zr_v:
-                if zr_v.count(None) == n_layers:  # no activation counted (--act-every): as below
-                    v = {**v, "act_values": [None] * n_layers}
-                    nv_v = v["act_values"]
-                else:
-                    common = False
-            if common:
-                # every layer is MoE and FFN, all computed for this row: the lists as they are
+            if identity and None not in ids_v:
+                # every layer is MoE and FFN and its routing was read: the lists as they are, a
+                # row per layer; a layer whose activations were not counted (--act-every, or
+                # not captured) has no activation values, as below
+                if None in zr_v:
+                    nv_v = [n if z is not None else None for n, z in zip(nv_v, zr_v, strict=True)]
+                    v = {**v, "act_values": nv_v}
                 if not self.make_rows:
                     self.rows_not_made += n_layers
                     continue

@@ -411,15 +411,14 @@ def _regular_list_series(name: str, values: list[object], dtype: pl.DataType) ->
         return s
     # rows of nulls among regular rows: converted as a regular row, then put back as nulls
     nulls = [isinstance(v, list) and len(v) > 0 and v.count(None) == len(v) for v in values]
-    if not any(nulls) or all(n or not ok for n, ok in zip(nulls, valid, strict=True)):
-        return None
+    null_rows = [v for v, n in zip(values, nulls, strict=True) if n]
     regular = [ok and not n for n, ok in zip(nulls, valid, strict=True)]
+    if not null_rows or not any(regular) or len({len(v) for v in null_rows}) > 1:  # type: ignore[arg-type]
+        return None
     s = _numpy_list_series(name, values, regular, np_type, depth, dtype)
     if s is None:
         return None
-    null_row = next(v for v, n in zip(values, nulls, strict=True) if isinstance(v, list) and n)
-    if any(len(v) != len(null_row) for v, n in zip(values, nulls, strict=True) if isinstance(v, list) and n):
-        return None
+    null_row = null_rows[0]
     row_of_nulls = pl.Series(name, [null_row], dtype=dtype).gather([0] * len(values))
     return pl.select(pl.when(pl.Series(nulls)).then(row_of_nulls).otherwise(s).alias(name)).to_series()
 
