@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import subprocess
 from dataclasses import fields, is_dataclass
@@ -14,7 +15,9 @@ import pytest
 from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.events import EventBatch, SeqTracker, decode_records
 from sparseety_prof.capture.plans import LayerSet
+from sparseety_prof.correlate import server_layout_check
 from sparseety_prof.correlate.correlator import Correlator
+from sparseety_prof.correlate.serving import ServingTracker
 from sparseety_prof.correlate.state import Step
 from sparseety_prof.correlate.tables import NO_SPARSE_VALUES, SPARSE_TOKEN_COLUMNS, RowBuffer
 from sparseety_prof.errors import UnsupportedEngineBuild
@@ -508,6 +511,8 @@ def _plain(x: Any) -> Any:
         return (str(x.dtype), x.tolist())
     if isinstance(x, dict):
         return {_plain(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, itertools.count):  # compares by identity: its next value is its state
+        return ("count", repr(x))
     if isinstance(x, list | tuple | set):
         return type(x)(_plain(v) for v in x)
     return (type(x).__name__, x)
@@ -516,18 +521,21 @@ def _plain(x: Any) -> Any:
 def _state(c: Correlator) -> dict[str, Any]:
     """Everything the correlator keeps between records (every attribute, so a new one is covered
     too), but its output buffers (emptied by take_tables, compared as tables) and scratch."""
-    skip = {"requests", "routes", "_steps", "_agg_pre"}
+    skip = {"requests", "routes", "_steps", "_agg_pre", "serving"}
     out = {name: _plain(v) for name, v in vars(c).items() if name not in skip}
     out["deferred"] = _plain(c.requests.deferred)
+    if c.serving is not None:
+        out["serving"] = _plain(vars(c.serving))
     return out
 
 
 def _replay(
-    s: Script, drains: int, *, with_masks: bool
+    s: Script, drains: int, *, with_masks: bool, server: bool = False
 ) -> tuple[dict[str, dict[str, list[object]]], list[Any]]:
     """Feeds the script in `drains` drains; the tables concatenated over them, and the
-    correlator's state after each."""
-    c = _correlator(with_masks=with_masks)
+    correlator's state after each. `server`: as on llama-server (slots name the samples)."""
+    kw: dict[str, Any] = {"serving": ServingTracker(pid=1), "slot_tokens": True} if server else {}
+    c = _correlator(with_masks=with_masks, **kw)
     out: dict[str, dict[str, list[object]]] = {}
     states = []
     per = -(-len(s.recs) // drains)
@@ -583,6 +591,96 @@ def test_fast_one_row_steps_equal_the_record_by_record_path(
     assert sum(taken) > (20 if drains == 40 else 30) and not all(taken)
 
 
+def _server_script() -> Script:
+    """llama-server's records: tasks posted and launched on slots, prompts, and one-row decode
+    steps whose samples wait for the process_token call that names their slot; among them what
+    must leave the fast path: a sample never handed to a slot, a task launched on a slot whose
+    cached prompt makes its first step look like the continuation, a micro-batch of two slots.
+    And a token handed to the slot that is not the one sampled (counted, on either path)."""
+    s = Script()
+    logits = np.linspace(-2, 2, N_VOCAB, dtype=np.float32)
+    last: dict[int, tuple[int, int]] = {}
+    for r in range(6):
+        slot, task = r % 2, 100 + r
+        s.small(ev.EV_TASK_POST, task, 1)
+        s.small(ev.EV_SLOT_LAUNCH, slot, task)
+        s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+        if r == 3:  # the cached prompt: one row, the position and token slot 1 expects
+            pos, tok = last[slot]
+            _agg_step(s, tok, pos, seq=slot, layers=1)
+            pos, tok = pos + 1, 4 + r
+        else:
+            s.ubatch([1, 2, 3], [0, 1, 2], seqs=[slot] * 3)
+            pos, tok = 3, 4 + r
+        s.sample(tok, idx=-1, logits=logits)
+        s.small(ev.EV_SLOT_TOKEN, slot, tok)
+        for i in range(14):
+            s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+            if r == 5 and i == 9:  # slot 0's request is still running beside slot 1's: one step each
+                s.ubatch([tok, last[0][1]], [pos, last[0][0]], seqs=[1, 0], outputs=[1, 1])
+                s.sample(7, idx=0)
+                s.small(ev.EV_SLOT_TOKEN, 1, 7)
+                s.sample(8, idx=1)
+                s.small(ev.EV_SLOT_TOKEN, 0, 8)
+                pos, tok = pos + 1, 7
+                continue
+            _agg_step(s, tok, pos, seq=slot, layers=1)
+            nxt = (tok * 7 + i + r) % N_VOCAB
+            s.sample(nxt, idx=0 if i % 4 == 0 else -1, logits=logits + i)
+            unhanded = r == 2 and i == 5
+            if not unhanded:
+                s.small(ev.EV_SLOT_TOKEN, slot, nxt + (r == 4 and i == 7))
+            pos, tok = pos + 1, nxt
+            if unhanded:  # ... and not the next input either: the sequence's next rows are a new request
+                tok = (nxt + 1) % N_VOCAB
+        last[slot] = (pos, tok)
+        if r != 4:  # slot 0's last request runs on beside the next one
+            s.small(ev.EV_SLOT_RELEASE, slot)
+    return s
+
+
+@pytest.mark.parametrize("drains", [1, 7, 40])
+def test_fast_one_row_steps_equal_the_handlers_on_the_server(
+    monkeypatch: pytest.MonkeyPatch, drains: int
+) -> None:
+    """llama-server: the fast path defers each sample to the call that names its slot as the
+    handlers do, and leaves every step it must leave to them."""
+    monkeypatch.setattr(server_layout_check, "VERIFY_POSTS", 2)
+    monkeypatch.setattr(server_layout_check, "VERIFY_LAUNCHES", 2)
+    s = _server_script()
+    taken = []
+    fast = Correlator._fast_step
+
+    def counting(self: Correlator, idx: object, i: int) -> int:
+        got = fast(self, idx, i)  # type: ignore[arg-type]
+        taken.append(got > 0)
+        return got
+
+    monkeypatch.setattr(Correlator, "_fast_step", counting)
+    got, got_states = _replay(s, drains, with_masks=False, server=True)
+    monkeypatch.setattr(Correlator, "_fast_step", lambda self, idx, i: 0)
+    want, want_states = _replay(s, drains, with_masks=False, server=True)
+    for name in want:
+        for col in want[name]:
+            assert got[name][col] == want[name][col], f"{name}.{col}"
+    for k, (g, w) in enumerate(zip(got_states, want_states, strict=True)):
+        for attr in w:
+            assert g[attr] == w[attr], f"drain {k}: {attr}"
+    tok, req = want["tokens"], want["requests"]
+    assert (
+        len(tok["token_id"]) == 6 * 15 + 1
+    )  # every sample, handed to a slot or not; two in the two-slot step
+    assert req["request_id"] == [
+        *(f"task-1-{100 + r}" for r in (0, 1, 2)),
+        "r0-0-4",
+        "task-1-103",
+        "task-1-105",
+        "task-1-104",
+    ]
+    assert want_states[-1]["serving"][("str", "counters")]["slot_token_mismatch"] == ("int", 1)
+    assert sum(taken) > (40 if drains == 40 else 55) and not all(taken)
+
+
 @pytest.mark.parametrize("drains", [1, 7])
 def test_routes_rows_counted_unmade_are_the_rows_made(drains: int) -> None:
     """Without routes rows (--policy aggregate, no sink reading them) the correlator counts the
@@ -628,8 +726,6 @@ def test_server_sample_never_handed_to_a_slot_stays_with_its_request() -> None:
     process_token call, then a task launched on the same slot: the sample is emitted when the
     next micro-batch begins, still with the request it was sampled for, and the earlier samples
     of that request stay one request (they once split into one request per token)."""
-    from sparseety_prof.correlate.serving import ServingTracker
-
     s = Script()
     for k, (fed, pos) in enumerate(((5, 2), (9, 3), (4, 4))):
         s.decode([fed], [pos])

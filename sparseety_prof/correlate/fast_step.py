@@ -3,9 +3,12 @@
 A one-row micro-batch followed by its aggregate, its end and the sampler call that reads its
 logits, with nothing else between them, is handled here in one go: the effect of the
 correlator's _on_ubatch, _on_step_agg, _on_ubatch_end, _on_sample_begin, _on_logits and
-_on_sample_end, without making each record a dict or the row's values numpy arrays. Anything
-unusual leaves it to those handlers. The two must stay in lockstep:
-tests/test_correlator.py::test_fast_one_row_steps_equal_the_record_by_record_path compares them.
+_on_sample_end, without making each record a dict or the row's values numpy arrays. On
+llama-server, the effect of _on_slot_token too when the server's call that names the sample's
+slot is the next record; otherwise the sample is deferred as _on_sample_end defers it. Anything
+unusual leaves it to those handlers. The two must stay in lockstep: tests/test_correlator.py's
+test_fast_one_row_steps_equal_the_record_by_record_path and
+test_fast_one_row_steps_equal_the_handlers_on_the_server compare them.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sparseety_prof.capture import events as ev
-from sparseety_prof.capture.drain_index import DrainIndex
+from sparseety_prof.capture.drain_index import G_SMALL, DrainIndex
 from sparseety_prof.correlate.agg_record import AggRow
 from sparseety_prof.correlate.state import Step
 from sparseety_prof.correlate.step_sparse import StepSparse
@@ -45,13 +48,10 @@ def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
     if j >= n or kinds[j] != ev.EV_SAMPLE_END:
         return 0
     sample_at = j
-    if (
-        corr.counters.verified_ubatches < VERIFY_UBATCHES
-        or corr.open_steps
-        or corr.serving is not None
-        or corr.slot_tokens
-    ):
+    if corr.counters.verified_ubatches < VERIFY_UBATCHES or corr.open_steps:
         return 0
+    if corr.serving is not None and not corr.server_check.done:
+        return 0  # the server's struct offsets are still being checked on micro-batches
     f = idx.fast()
     u = idx.row[i]
     if not f.ub_one_row[u]:
@@ -73,6 +73,12 @@ def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
     st = c.seqs.get(seq)
     if st is None or pos != st.max_pos + 1 or (st.expect_token is not None and st.expect_token != token):
         return 0
+    if corr.slot_tokens and tid in corr.requests.deferred:
+        return 0  # a sample the server never handed to a slot: emitted before segmentation
+    if corr.serving is not None:
+        launch = corr.serving.slots.get(seq)
+        if launch is not None and launch.serial > st.launch_serial:
+            return 0  # a task launched on the slot since: a new request, whatever the positions say
     clears = corr.pending_clears.get(tid)
     if clears and any(cs in (-1, seq) and p0 <= st.max_pos for cs, p0 in clears):
         return 0  # the sequence was cut: segmentation starts a new request
@@ -142,5 +148,18 @@ def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
         corr.routes.emit(step)
     # _on_sample_begin .. _on_sample_end
     c.sampling.pop(tid, None)
-    corr.requests.emit_token(c, step, 0, f.s_a[sample], tid, SOURCE_SAMPLER, logits)
-    return sample_at + 1
+    sampled = f.s_a[sample]
+    if not corr.slot_tokens:
+        corr.requests.emit_token(c, step, 0, sampled, tid, SOURCE_SAMPLER, logits)
+        return sample_at + 1
+    # llama-server: the sample waits for the process_token call that names its slot. When that
+    # is the next record and names this row's sequence, _on_slot_token's effect here and now.
+    k = sample_at + 1
+    r = idx.row[k] if k < n and kinds[k] == ev.EV_SLOT_TOKEN and idx.group[k] == G_SMALL else -1
+    if r >= 0 and s_tid[r] == tid and f.s_a[r] == seq:
+        if idx.col(G_SMALL, "b")[r] != sampled and corr.serving is not None:
+            corr.serving.counters.slot_token_mismatch += 1
+        corr.requests.emit_token(c, step, 0, sampled, tid, SOURCE_SAMPLER, logits)
+        return k + 1
+    corr.requests.sample_end(c, tid, want, sampled, logits)
+    return k
