@@ -2,16 +2,18 @@
 consumer (py-spy) split by stage.
 
     sudo .venv/bin/python scripts/profile_consumer.py [--requests 96] [--tokens 64] [--threads 1]
-        [--record-args '...'] [--raw FILE]
+        [--record-args '...'] [--raw FILE] [--engine server --clients 4 --seconds 60]
 
 With `--record-args=--bpf-stats` it also prints each probe program's runs and time per token in
 the engine's threads (meta.json bpf_programs).
 
 llama-cpp-python on the `bench` model of tests/make_models.py (32,000-entry vocabulary, 8 MoE
-layers). `sparseety-prof record` is attached, its start-up work let finish, then py-spy samples it
-(without pausing it: --nonblocking) while `--requests` requests of `--tokens` tokens are generated
-and the recorder is stopped and closes. py-spy is installed under build/py-spy from PyPI when it is
-not on PATH.
+layers), or with `--engine server` xllamacpp's llama-server on the same model, `--clients` HTTP
+clients streaming completions for `--seconds` (scripts/bench_sustained.py's load).
+`sparseety-prof record` is attached, its start-up work let finish, then py-spy samples it
+(without pausing it: --nonblocking) while the load runs (`--requests` requests of `--tokens`
+tokens, or the server's clients) and the recorder is stopped and closes. py-spy is installed
+under build/py-spy from PyPI when it is not on PATH.
 
 Prints the recorder's CPU per token over that window (close included, as bench_policy_cpu.py
 counts it) and a table: each stage's share of the samples in which the recorder was not waiting,
@@ -41,6 +43,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests"))
 from bench_overhead import EngineProc, process_cpu_s, wait_quiet  # noqa: E402
 from bench_policy_cpu import PROMPTS, generate  # noqa: E402
+from bench_sustained import Server  # noqa: E402
 from make_models import make_model  # noqa: E402
 
 PYSPY_DIR = ROOT / "build" / "py-spy"
@@ -110,10 +113,27 @@ def main() -> int:
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--record-args", default="", help="extra recorder options, e.g. '--policy aggregate'")
     ap.add_argument("--raw", type=Path, default=None, help="keep py-spy's raw samples here")
+    ap.add_argument("--engine", choices=("llama-cpp-python", "server"), default="llama-cpp-python")
+    ap.add_argument("--clients", type=int, default=1, help="server: concurrent clients (and slots)")
+    ap.add_argument("--seconds", type=float, default=60.0, help="server: how long the clients stream")
     a = ap.parse_args()
     spy_exe = py_spy()
     model = make_model(ROOT / "models" / "bench.gguf", "bench")
-    engine = EngineProc(model, threads=a.threads)
+    engine: EngineProc | Server
+    if a.engine == "server":
+        engine = Server(model, threads=a.threads, clients=a.clients)
+        load = f"{a.clients} client(s) for {a.seconds:.0f} s on llama-server"
+    else:
+        engine = EngineProc(model, threads=a.threads)
+        load = f"{a.requests} requests x {a.tokens}"
+
+    def work(warm_up: bool) -> int:
+        if isinstance(engine, Server):
+            return engine.load(2.0 if warm_up else a.seconds, 8 if warm_up else a.tokens).tokens
+        if warm_up:
+            return generate(engine, [PROMPTS[2]], 8)
+        return generate(engine, [PROMPTS[i % 2] for i in range(a.requests)], a.tokens)
+
     try:
         with tempfile.TemporaryDirectory(prefix="sparseety-profile-") as tmp:
             raw = a.raw or Path(tmp) / "samples.txt"
@@ -126,7 +146,7 @@ def main() -> int:
                     break
             else:
                 raise RuntimeError(f"recorder failed: {rec.wait()}")
-            generate(engine, [PROMPTS[2]], 8)  # warm-up: attention-map learning, probe detach
+            work(warm_up=True)  # attention-map learning, probe detach
             wait_quiet(rec.pid, 10.0)
             spy_cmd = [spy_exe, "record", "-p", str(rec.pid), "-r", str(a.rate), "--nonblocking"]
             spy = subprocess.Popen(
@@ -137,7 +157,7 @@ def main() -> int:
             )
             time.sleep(1.0)  # py-spy attached
             cpu0 = process_cpu_s(rec.pid)
-            n = generate(engine, [PROMPTS[i % 2] for i in range(a.requests)], a.tokens)
+            n = work(warm_up=False)
             rec.send_signal(signal.SIGINT)
             rest = rec.stderr.read()
             _, status, usage = os.wait4(rec.pid, 0)
@@ -153,7 +173,7 @@ def main() -> int:
     busy = {k: v for k, v in counts.items() if k not in IDLE}
     total = sum(busy.values())
     print(
-        f"{n} tokens ({a.requests} requests x {a.tokens}, {a.threads} engine thread(s)"
+        f"{n} tokens ({load}, {a.threads} engine thread(s)"
         f"{', ' + a.record_args if a.record_args else ''}): recorder CPU {cpu_us:.0f} µs/token "
         f"(attached, after start-up, to exit); {total} busy samples"
     )

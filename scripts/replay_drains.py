@@ -1,0 +1,232 @@
+"""The consumer's per-drain work, measured without the engine: the drains of a real run are kept,
+then fed again to a new correlator as many times as wanted, timed on the thread's CPU clock.
+
+    sudo .venv/bin/python scripts/replay_drains.py capture -o drains.pkl [--engine server]
+        [--clients 4] [--threads 2] [--seconds 20] [--tokens 64] [--record-args '...']
+    .venv/bin/python scripts/replay_drains.py replay drains.pkl [--repeat 3] [--profile 25]
+
+`capture` starts the engine of scripts/bench_sustained.py on the `bench` model of
+tests/make_models.py (llama-cpp-python, or xllamacpp's llama-server with `--clients` streaming
+clients), attaches `sparseety-prof record` to it and runs the load for `--seconds`. The recorder
+runs with two additions, made here and nowhere in the package: each drain's records are copied
+before the consumer takes them (the logits records copied too, never read in the ring), and the
+correlator's settings are kept. A drain file holds the recorded tokens' logits: about 130 KiB a
+token at this vocabulary.
+
+`replay` feeds the drains, in order, to a correlator made with those settings (token texts from
+the same model file) and prints, per recorded token, the CPU time of each stage the recorder's
+consumer has (`meta.json` consumer.cpu_s_by_stage names): `decode` (the records viewed by
+layout), `correlate` (Correlator.feed), `rows` (take_tables, less the logits statistics),
+`logits` (those statistics) and `frames` (the tables' rows made Polars frames, as the recorder
+gathers them). The minimum over `--repeat` replays is printed: the replays are identical work, so
+the minimum is the one least disturbed by the rest of the machine. `--profile N` adds the N
+functions with the most own time in Correlator.feed (cProfile, on one more replay; its overhead
+inflates every figure of that replay, so it is printed apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pickle
+import pstats
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+STAGES = ("decode", "correlate", "rows", "logits", "frames")
+
+
+# ------------------------------------------------------------------ capture
+def _record(dump: Path, argv: list[str]) -> int:
+    """The recorder (`sparseety-prof record argv...`) with its drains and correlator settings
+    kept in `dump` when it exits."""
+    from sparseety_prof import cli
+    from sparseety_prof.capture.bpf_loader import RingReader
+    from sparseety_prof.correlate.correlator import Correlator
+    from sparseety_prof.session.recorder import Recorder
+
+    drains: list[dict[int, Any]] = []
+    kept: dict[str, Any] = {}
+    take, consume, init = RingReader.take, Recorder._consume, Correlator.__init__
+
+    def take_copied(self: RingReader, *a: Any, **kw: Any) -> Any:
+        return take(self, *a, **{**kw, "by_ref": False})  # logits records copied, not referenced
+
+    def consume_kept(self: Recorder, records: dict[int, Any], *a: Any, **kw: Any) -> None:
+        drains.append({size: buf.copy() for size, buf in records.items()})
+        kept["logits_chunk"] = a[3].logits_chunk  # the Session
+        consume(self, records, *a, **kw)
+
+    def init_kept(self: Correlator, **kw: Any) -> None:
+        kept["correlator"] = {
+            **{k: v for k, v in kw.items() if k not in ("texts", "serving")},
+            "serving": kw.get("serving") is not None,
+        }
+        init(self, **kw)
+
+    RingReader.take = take_copied  # type: ignore[method-assign]
+    Recorder._consume = consume_kept  # type: ignore[method-assign]
+    Correlator.__init__ = init_kept  # type: ignore[method-assign]
+    rc = cli.main(["record", *argv])
+    with dump.open("wb") as f:
+        pickle.dump({**kept, "drains": drains}, f, protocol=pickle.HIGHEST_PROTOCOL)
+    return rc
+
+
+def capture(a: argparse.Namespace) -> int:
+    from bench_overhead import EngineProc
+    from bench_policy_cpu import generate
+    from bench_sustained import PROMPTS, Server
+    from make_models import make_model
+
+    model = make_model(ROOT / "models" / "bench.gguf", "bench")
+    engine: EngineProc | Server = (
+        Server(model, threads=a.threads, clients=a.clients)
+        if a.engine == "server"
+        else EngineProc(model, threads=a.threads)
+    )
+    try:
+        with tempfile.TemporaryDirectory(prefix="sparseety-replay-") as tmp:
+            cmd = [sys.executable, __file__, "_record", str(a.out.resolve()), "--pid", str(engine.pid)]
+            cmd += ["-o", str(Path(tmp) / "rec"), *shlex.split(a.record_args)]
+            rec = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+            assert rec.stderr is not None
+            for line in rec.stderr:
+                if "attached to PID" in line:
+                    break
+            else:
+                raise RuntimeError(f"recorder failed: {rec.wait()}")
+            if isinstance(engine, Server):
+                n = engine.load(a.seconds, a.tokens).tokens
+            else:
+                deadline, n, i = time.monotonic() + a.seconds, 0, 0
+                while time.monotonic() < deadline:
+                    n += generate(engine, [PROMPTS[i % len(PROMPTS)]], a.tokens)
+                    i += 1
+            rec.send_signal(signal.SIGINT)
+            rest = rec.stderr.read()
+            if rec.wait() != 0:
+                raise RuntimeError(f"recorder exited {rec.returncode}: {rest}")
+    finally:
+        engine.close()
+    os.chmod(a.out, 0o600)  # logits and tokens of the run: as sensitive as a recording
+    print(f"[replay] {n} tokens generated; drains kept in {a.out} ({a.out.stat().st_size >> 20} MiB)")
+    return 0
+
+
+# ------------------------------------------------------------------ replay
+def _replay_once(
+    kept: dict[str, Any], texts: Any, prof: cProfile.Profile | None
+) -> tuple[dict[str, float], int]:
+    from sparseety_prof.capture.events import decode_groups
+    from sparseety_prof.correlate.correlator import Correlator
+    from sparseety_prof.correlate.serving import ServingTracker
+    from sparseety_prof.store.buffers import ColumnBuffer
+
+    kw = dict(kept["correlator"])
+    serving = ServingTracker(kw["pid"]) if kw.pop("serving") else None
+    corr = Correlator(**kw, texts=texts, serving=serving)
+    rows = ColumnBuffer()
+    cpu = dict.fromkeys(STAGES, 0.0)
+    tokens = 0
+    clock = time.thread_time
+    drains = kept["drains"]
+    for k, groups in enumerate(drains):
+        final = k == len(drains) - 1
+        t0 = clock()
+        batch = decode_groups(groups, kept["logits_chunk"])
+        t1 = clock()
+        if prof is not None:
+            prof.enable()
+        corr.feed(batch)
+        if prof is not None:
+            prof.disable()
+        t2 = clock()
+        logits0 = corr.logits_cpu_s
+        tables = corr.take_tables(final=final)
+        t3 = clock()
+        for table, cols in tables.items():
+            rows.add(table, cols, final=final)
+        t4 = clock()
+        logits = corr.logits_cpu_s - logits0
+        tokens += len(tables["tokens"]["step_id"])
+        for stage, dt in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2 - logits, logits, t4 - t3), strict=True):
+            cpu[stage] += dt
+    t = clock()
+    rows.take_all()
+    cpu["frames"] += clock() - t
+    return cpu, tokens
+
+
+def replay(a: argparse.Namespace) -> int:
+    from make_models import make_model
+
+    from sparseety_prof.capture.gguf_info import Vocab
+
+    with a.drains.open("rb") as f:
+        kept = pickle.load(f)
+    texts = Vocab.from_gguf(make_model(ROOT / "models" / "bench.gguf", "bench")).texts
+    best: dict[str, float] = {}
+    tokens = 0
+    for _ in range(a.repeat):
+        cpu, tokens = _replay_once(kept, texts, None)
+        best = {s: min(best.get(s, float("inf")), v) for s, v in cpu.items()}
+    n = max(tokens, 1)
+    records = sum(len(buf) for d in kept["drains"] for buf in d.values())  # bytes; records below
+    print(
+        f"{len(kept['drains'])} drains, {tokens} tokens ({records >> 20} MiB of records); "
+        f"CPU per token, the minimum of {a.repeat} replays:"
+    )
+    print("| " + " | ".join(STAGES) + " | sum |")
+    print("| --- " * (len(STAGES) + 1) + "|")
+    print(
+        "| "
+        + " | ".join(f"{best[s] / n * 1e6:.1f}" for s in STAGES)
+        + f" | {sum(best.values()) / n * 1e6:.1f} µs |"
+    )
+    if a.profile:
+        prof = cProfile.Profile()
+        _replay_once(kept, texts, prof)
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(a.profile)
+        print("\nCorrelator.feed under cProfile (own time, one more replay):")
+        print(out.getvalue())
+    return 0
+
+
+def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "_record":  # the recorder subprocess of `capture`
+        return _record(Path(sys.argv[2]), sys.argv[3:])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("capture", help="run an engine under the recorder and keep its drains")
+    c.add_argument("-o", "--out", type=Path, required=True)
+    c.add_argument("--engine", choices=("llama-cpp-python", "server"), default="llama-cpp-python")
+    c.add_argument("--clients", type=int, default=1, help="server: concurrent clients (and slots)")
+    c.add_argument("--threads", type=int, default=2, help="engine threads")
+    c.add_argument("--seconds", type=float, default=20.0)
+    c.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
+    c.add_argument("--record-args", default="", help="extra recorder options")
+    r = sub.add_parser("replay", help="feed kept drains to the correlator again, timed")
+    r.add_argument("drains", type=Path)
+    r.add_argument("--repeat", type=int, default=3)
+    r.add_argument("--profile", type=int, default=0, metavar="N", help="also the N costliest functions")
+    a = ap.parse_args()
+    return capture(a) if a.cmd == "capture" else replay(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
