@@ -681,6 +681,203 @@ def test_fast_one_row_steps_equal_the_handlers_on_the_server(
     assert sum(taken) > (40 if drains == 40 else 55) and not all(taken)
 
 
+# ---------------------------------------------------------------- per-layer records of a pass, in runs
+
+
+def _record_with_data(a: np.ndarray, data: bytes) -> bytes:
+    """A record's bytes with `data` at the start of its void `data` field."""
+    off = a.dtype.fields["data"][1]  # type: ignore[index]
+    raw = bytearray(a.tobytes())
+    raw[off : off + len(data)] = data
+    return bytes(raw)
+
+
+def _tensor_rec(
+    s: Script,
+    layer: int,
+    tag: int,
+    rows: np.ndarray,
+    *,
+    row0: int = 0,
+    total: int | None = None,
+    large: bool = False,
+    name: bytes | None = None,
+    n_bytes: int | None = None,
+) -> None:
+    """A routing tensor record (ids: int32 rows seen through an 8-wide argsort stride)."""
+    a = np.zeros(1, ev.TENSOR_L_DTYPE if large else ev.TENSOR_S_DTYPE)
+    s._hdr(a, ev.EV_TENSOR)
+    n, k = rows.shape
+    stride = 8 if rows.dtype == np.int32 else k
+    buf = np.zeros((n, stride), dtype=rows.dtype)
+    buf[:, :k] = rows
+    a["name"] = (
+        name or (b"ffn_moe_weights-%d" if tag == ev.TAG_EXPERT_IDS else b"ffn_moe_weighted-%d") % layer
+    )
+    a["tag"], a["type"], a["row0"], a["n_rows"] = tag, 26 if rows.dtype == np.int32 else 0, row0, n
+    a["rows_total"], a["ne0"], a["row_stride"] = total if total is not None else n, k, stride * 4
+    a["n_bytes"] = buf.nbytes if n_bytes is None else n_bytes
+    s.recs.append(_record_with_data(a, buf.tobytes()))
+
+
+def _act_rec(
+    s: Script, layer: int, ir0: int, n: int, total: int, *, ith: int = 0, ne0: int = 16, base: int = 0
+) -> None:
+    """The activation counts of node rows ir0..ir0+n of an expert GLU (2 slots per token)."""
+    a = np.zeros(1, ev.ACT_DTYPE)
+    s._hdr(a, ev.EV_ACT)
+    a["name"], a["ne0"], a["ne1"], a["ir0"], a["n_rows"] = b"ffn_moe_swiglu-%d" % layer, ne0, 2, ir0, n
+    a["nr_total"], a["ith"] = total, ith
+    m = min(n, ev.ACT_MAX_ROWS)
+    a["zeros"][0, :m] = (np.arange(m) + base + ir0) % ne0
+    a["below"][0, :m] = (np.arange(m) * 3 + base) % ne0
+    s.recs.append(a.tobytes())
+
+
+def _attn_rec(s: Script, layer: int, positions: list[int]) -> None:
+    a = np.zeros(1, ev.ATTN_DTYPE)
+    s._hdr(a, ev.EV_ATTN)
+    a["name"], a["mask"], a["n_kv"] = b"kq_soft_max-%d" % layer, 0x1000 + layer, max(positions) + 1
+    a["n_rows"] = a["n_counted"] = len(positions)
+    a["row"][0, : len(positions)] = range(len(positions))
+    a["attended"][0, : len(positions)] = [p + 1 for p in positions]
+    s.recs.append(a.tobytes())
+
+
+def _multirow_script() -> Script:
+    """Passes of several rows (four sequences a step, and prompts) with per-layer routing and
+    activation records, and among them every run the handlers must take: a tensor in two chunks,
+    a layer's tensor twice, a size the record cannot hold, a name no probe reads, a kind of
+    tensor no probe sends, activation records counting a row twice, of two sizes for one layer,
+    or of node rows that are not whole tokens, a layer's counts merged from two runs (an
+    attention record between), records with no pass in flight; large tensor records, router
+    probabilities, the last layer's rows for the outputs only, rows clipped."""
+    s = Script()
+    logits = np.linspace(-1, 1, N_VOCAB, dtype=np.float32)
+    _act_rec(s, 0, 0, 2, 8)  # before any pass: the attach boundary
+    pos = [5, 9, 2, 7]
+    tok = [1, 2, 3, 4]
+    for i in range(40):
+        prompt = i % 9 == 4
+        s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+        if prompt:  # sequence 1 starts again: a prompt of 6 rows, the last one's logits wanted
+            seqs, rows_tok, rows_pos, outputs = [1] * 6, [7, 8, 9, 1, 2, 3], list(range(6)), [0] * 5 + [1]
+            pos[1], tok[1] = 6, 3
+        else:
+            seqs, rows_tok, rows_pos, outputs = [0, 1, 2, 3], list(tok), list(pos), [1, 1, 1, 1]
+        n = len(seqs)
+        r = np.zeros(1, ev.UBATCH_DTYPE)
+        s._hdr(r, ev.EV_UBATCH)
+        r["n_tokens"] = r["n_copied"] = n
+        r["token"][0, :n], r["pos"][0, :n], r["seq_id"][0, :n], r["output"][0, :n] = (
+            rows_tok,
+            rows_pos,
+            seqs,
+            outputs,
+        )
+        s.recs.append(r.tobytes())
+        for layer in (0, 1):
+            n_out = n if layer == 0 or not prompt else 1  # the last layer: output rows only
+            ids = np.array(
+                [[(i + j + layer) % 8, (i + 3 * j + layer + 1) % 8] for j in range(n_out)], np.int32
+            )
+            if ids[0, 0] == ids[0, 1]:
+                ids[0, 1] = (ids[0, 1] + 1) % 8
+            ids[:, 1] = np.where(ids[:, 0] == ids[:, 1], (ids[:, 1] + 1) % 8, ids[:, 1])
+            wts = np.array([[0.6 + 0.01 * j, 0.4 - 0.01 * j] for j in range(n_out)], np.float32)
+            if i == 20 and layer == 0:  # in two chunks
+                _tensor_rec(s, layer, ev.TAG_EXPERT_IDS, ids[:2], total=n_out)
+                _tensor_rec(s, layer, ev.TAG_EXPERT_IDS, ids[2:], row0=2, total=n_out)
+            else:
+                _tensor_rec(s, layer, ev.TAG_EXPERT_IDS, ids, large=i % 5 == 1)
+            if i == 22 and layer == 1:
+                _tensor_rec(s, layer, ev.TAG_EXPERT_IDS, ids[:, ::-1].copy())  # twice, the last one kept
+            _tensor_rec(s, layer, ev.TAG_EXPERT_WEIGHTS, wts, n_bytes=4 if i == 24 and layer == 0 else None)
+            if i % 6 == 3:
+                _tensor_rec(s, layer, ev.TAG_ROUTER_PROBS, np.full((n_out, 8), 0.125, np.float32))
+            if i == 26 and layer == 1:
+                _tensor_rec(s, layer, ev.TAG_EXPERT_IDS, ids, name=b"attn_norm-1")  # no probe reads it
+            if i == 27 and layer == 1:
+                _tensor_rec(s, layer, 99, ids)  # a kind of tensor no probe sends
+            total = 2 * n_out
+            half = total // 2
+            if i == 28 and layer == 0:  # a node row counted twice
+                _act_rec(s, layer, 0, half + 1, total)
+                _act_rec(s, layer, half, total - half, total, ith=1)
+            elif i == 30 and layer == 1:  # two sizes for one layer: the second one's rows kept
+                _act_rec(s, layer, 0, half, total)
+                _act_rec(s, layer, half, total - half, total + 2, ith=1)
+            elif i == 32 and layer == 0:  # counts of layer 0 in two runs: an attention record between
+                _act_rec(s, layer, 0, half, total)
+                _attn_rec(s, 0, rows_pos)
+                _act_rec(s, layer, half, total - half, total, ith=1)
+            elif i == 34 and layer == 1:  # node rows that are not whole tokens (2 slots each)
+                _act_rec(s, layer, 0, half, total + 1)
+            else:
+                _act_rec(s, layer, half, total - half + 3, total, ith=1, base=i)  # past the end: clipped
+                _act_rec(s, layer, 0, half, total, base=i)
+        if i % 4 == 0:
+            _attn_rec(s, 1, rows_pos)
+        s.small(ev.EV_UBATCH_END)
+        if i == 34:
+            _act_rec(s, 1, 0, 2, 8)  # between passes: no pass claims it
+        for j in np.flatnonzero(outputs).tolist():
+            nxt = (rows_tok[j] * 5 + i) % N_VOCAB
+            s.sample(nxt, idx=j, logits=logits + i if j == 0 else None)
+            seq = seqs[j]
+            pos[seq], tok[seq] = rows_pos[j] + 1, nxt
+    return s
+
+
+@pytest.mark.parametrize("drains", [1, 6, 35])
+def test_sparse_runs_equal_the_record_by_record_path(monkeypatch: pytest.MonkeyPatch, drains: int) -> None:
+    """Every table, every column, and every piece of state after each drain: a run of per-layer
+    records taken at once must leave exactly what _on_sparse leaves record by record."""
+    s = _multirow_script()
+    stored = []
+    run = Correlator._sparse_run
+
+    def counting(self: Correlator, idx: Any, i: int) -> int:
+        """The run, and whether it was stored at once (no record given to the handler)."""
+        handled = []
+        on_sparse = self._on_sparse
+
+        def handler(r: dict[str, Any]) -> None:
+            handled.append(r)
+            on_sparse(r)
+
+        self._on_sparse = handler  # type: ignore[method-assign]
+        j = run(self, idx, i)
+        del self._on_sparse
+        stored.append(not handled)
+        return j
+
+    monkeypatch.setattr(Correlator, "_sparse_run", counting)
+    got, got_states = _replay(s, drains, with_masks=False)
+
+    def one_by_one(self: Correlator, idx: Any, i: int) -> int:
+        self._on_sparse(idx.record(i))
+        return i + 1
+
+    monkeypatch.setattr(Correlator, "_sparse_run", one_by_one)
+    want, want_states = _replay(s, drains, with_masks=False)
+    for name in want:
+        for col in want[name]:
+            assert got[name][col] == want[name][col], f"{name}.{col}"
+    for k, (g, w) in enumerate(zip(got_states, want_states, strict=True)):
+        for attr in w:
+            assert g[attr] == w[attr], f"drain {k}: {attr}"
+    routes = want["routes"]
+    assert len(want["tokens"]["token_id"]) > 120 and len(routes["step_id"]) > 300
+    assert sum(v is None for v in routes["act_zero_ratio"]) < len(routes["step_id"]) // 4
+    assert want_states[-1]["counters"]["sparse_before_first_step"] == ("int", 1)
+    assert want_states[-1]["counters"]["sparse_unattributed"] == ("int", 1)
+    # the four rows of the pass whose layer 1 counts came in two sizes: the last size fits no row
+    assert want_states[-1]["problems"]["unmapped_rows"] == ("int", 4)
+    # most runs were stored at once once verification was done; the planted ones were not
+    assert sum(stored) >= 20 and not all(stored)
+
+
 @pytest.mark.parametrize("drains", [1, 7])
 def test_routes_rows_counted_unmade_are_the_rows_made(drains: int) -> None:
     """Without routes rows (--policy aggregate, no sink reading them) the correlator counts the

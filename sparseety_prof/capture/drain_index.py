@@ -32,6 +32,7 @@ class DrainIndex:
         "_fast",
         "_rows",
         "arrays",
+        "cache",
         "group",
         "kinds",
         "logits_chunk",
@@ -48,6 +49,8 @@ class DrainIndex:
         self._rows: dict[int, list[tuple[Any, ...]]] = {}
         self._cols: dict[tuple[int, str], list[Any]] = {}
         self._fast: FastColumns | None = None
+        # what the correlator's other column paths work out once per drain (sparse_run.py)
+        self.cache: dict[str, Any] = {}
         if not present:
             self.seqs: np.ndarray = np.empty(0, np.uint64)
             self.kinds: list[int] = []

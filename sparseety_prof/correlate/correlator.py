@@ -6,8 +6,10 @@ synthetic records. State is kept per engine context (a draft or embedding contex
 process never mixes with another) and per sequence within it (state.py). This module holds the
 record handlers; the modules beside it hold the concerns they hand over to: which request a
 sequence's rows belong to and the token rows (request_tokens.py), the routes and masks tables
-(routes.py), layout checks (verification.py), and the one-row decode step taken from the
-records' columns (fast_step.py), which must do what six of the handlers here do.
+(routes.py), layout checks (verification.py), the one-row decode step taken from the
+records' columns (fast_step.py), which must do what six of the handlers here do, and runs of
+per-layer routing and activation records stored at once (sparse_run.py), which must do what
+_on_sparse does.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from sparseety_prof.correlate.request_tokens import RequestTokens
 from sparseety_prof.correlate.routes import RoutesTables
 from sparseety_prof.correlate.server_layout_check import ServerLayoutCheck
 from sparseety_prof.correlate.serving import ServingTracker
+from sparseety_prof.correlate.sparse_run import RUN_KINDS, sparse_run
 from sparseety_prof.correlate.state import Counters, CtxState, SampleState, Step
 from sparseety_prof.correlate.step_sparse import Problems, StepSparse
 from sparseety_prof.correlate.tables import STEP_ROW, RowBuffer
@@ -90,6 +93,8 @@ class Correlator:
 
     # the one-row decode step from the records' columns (a method: fast_step.py)
     _fast_step = fast_step
+    # a run of per-layer routing and activation records at once (a method: sparse_run.py)
+    _sparse_run = sparse_run
 
     # ------------------------------------------------------------------ public
     def records_lost(self) -> None:
@@ -125,6 +130,9 @@ class Correlator:
                 if nxt:
                     i = nxt
                     continue
+            elif kind in RUN_KINDS:
+                i = self._sparse_run(idx, i)
+                continue
             elif (kind == ev.EV_DECODE_BEGIN or kind == ev.EV_SEQ_RM) and idx.group[i] == G_SMALL:
                 # once per token each: from the columns
                 r = idx.row[i]
