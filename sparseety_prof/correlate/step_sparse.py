@@ -81,6 +81,9 @@ class StepSparse(AttentionRecords):
     # micro-batches: see from_agg_row); None when the per-layer stores above hold them
     _agg_row: dict[str, list[Any]] | None = None
     _row_cache: dict[int, dict[str, Any]] = field(default_factory=dict)  # asked once the pass ended
+    # each layer's values as lists, made once for all rows of the pass (_row_values), also once
+    # the pass ended: (store, layer) -> (values, filled) or (zeros, below)
+    _lists: dict[tuple[str, int], tuple[list[Any], list[Any]]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ records
     @classmethod
@@ -238,20 +241,6 @@ class StepSparse(AttentionRecords):
             out[ir0 + rr] = row
 
     # ------------------------------------------------------------------ per batch row
-    def _tensor_row(
-        self, rows: _Rows, batch_row: int, output_index: dict[int, int], n_tokens: int
-    ) -> int | None:
-        """Index into a tensor's rows for a micro-batch row: the same row when the tensor has a
-        row per batch row, the output ordinal when it has only the output rows."""
-        total = rows.values.shape[0]
-        if total == n_tokens:
-            i: int | None = batch_row
-        else:
-            i = output_index.get(batch_row) if total == len(output_index) else None
-        if i is None or not rows.filled[i]:
-            return None
-        return i
-
     def row_values(
         self,
         batch_row: int,
@@ -384,16 +373,36 @@ class StepSparse(AttentionRecords):
         problems: Problems,
     ) -> dict[str, Any]:
         """Per-layer values of one micro-batch row, as lists following `layers` (None where the
-        engine did not compute that layer for this row, or the record was not captured)."""
-        ids: list[list[int] | None] = []
-        wts: list[list[float] | None] = []
-        prb: list[list[float] | None] = []
-        for layer in layers.moe:
-            ids.append(self._moe_list(self.ids, layer, batch_row, output_index, n_tokens, problems, True))
-            wts.append(
-                self._moe_list(self.weights, layer, batch_row, output_index, n_tokens, problems, False)
-            )
-            prb.append(self._moe_list(self.probs, layer, batch_row, output_index, n_tokens, problems, False))
+        engine did not compute that layer for this row, or the record was not captured).
+
+        A layer's tensor holds a row per batch row or per output row; any other row count is
+        counted as unmapped (per row asked). Each layer's values are made lists once for all the
+        pass's rows (_lists): per row, only indexing."""
+        n_out = len(output_index)
+        out_row = output_index.get(batch_row)
+        lists = self._lists
+        moe: list[list[Any]] = []
+        for name, store in (("ids", self.ids), ("weights", self.weights), ("probs", self.probs)):
+            col: list[Any] = []
+            for layer in layers.moe:
+                rows = store.get(layer)
+                if rows is None:
+                    col.append(None)
+                    continue
+                total = len(rows.values)
+                if total == n_tokens:
+                    i: int | None = batch_row
+                elif total == n_out:
+                    i = out_row
+                else:
+                    problems.unmapped_rows += 1
+                    col.append(None)
+                    continue
+                got = lists.get((name, layer))
+                if got is None:
+                    got = lists[(name, layer)] = (rows.values.tolist(), rows.filled.tolist())
+                col.append(got[0][i] if i is not None and got[1][i] else None)
+            moe.append(col)
         zero: list[float | None] = []
         below: list[float | None] = []
         n_values: list[int] = []
@@ -403,40 +412,21 @@ class StepSparse(AttentionRecords):
             below.append(br)
             n_values.append(n)
         return {
-            "expert_ids": ids,
-            "expert_weights": wts,
-            "router_probs": prb,
+            "expert_ids": moe[0],
+            "expert_weights": moe[1],
+            "router_probs": moe[2],
             "act_zero_ratio": zero,
             "act_below_ratio": below,
             "act_values": n_values,
             "attn_attended": self.attended(batch_row, layers.attn),
         }
 
-    def _moe_list(
-        self,
-        store: dict[int, _Rows],
-        layer: int,
-        batch_row: int,
-        output_index: dict[int, int],
-        n_tokens: int,
-        problems: Problems,
-        as_int: bool,
-    ) -> Any:
-        rows = store.get(layer)
-        if rows is None:
-            return None
-        total = rows.values.shape[0]
-        if total != n_tokens and total != len(output_index):
-            problems.unmapped_rows += 1
-            return None
-        i = self._tensor_row(rows, batch_row, output_index, n_tokens)
-        if i is None:
-            return None
-        return rows.values[i].tolist()
-
     def act_ratios(
         self, layer: int, batch_row: int, output_index: dict[int, int], n_tokens: int, problems: Problems
     ) -> tuple[float | None, float | None, int]:
+        """One row's share of exact-zero and below-threshold activations in `layer`, over the
+        values counted for it (its node rows: one per expert slot), and how many values that
+        is; None, None, 0 when not counted."""
         z = self.act_zeros.get(layer)
         if z is None:
             return None, None, 0
@@ -451,9 +441,13 @@ class StepSparse(AttentionRecords):
             return None, None, 0
         if t is None:
             return None, None, 0
-        # plain Python on a handful of values: numpy's per-call cost is ~10x here
-        zs = z[t * slots : (t + 1) * slots].tolist()
-        bs = self.act_below[layer][t * slots : (t + 1) * slots].tolist()
+        # plain Python on a handful of values (numpy's per-call cost is ~10x here), from lists
+        # made once per layer for all rows
+        got = self._lists.get(("act", layer))
+        if got is None:
+            got = self._lists[("act", layer)] = (z.tolist(), self.act_below[layer].tolist())
+        zs = got[0][t * slots : (t + 1) * slots]
+        bs = got[1][t * slots : (t + 1) * slots]
         if min(zs) < 0 or min(bs) < 0:
             return None, None, 0
         n = slots * width
