@@ -18,8 +18,11 @@ the same model file) and prints, per recorded token, the CPU time of each stage 
 consumer has (`meta.json` consumer.cpu_s_by_stage names): `decode` (the records viewed by
 layout), `correlate` (Correlator.feed), `rows` (take_tables, less the logits statistics),
 `logits` (those statistics) and `frames` (the tables' rows made Polars frames, as the recorder
-gathers them). The minimum over `--repeat` replays is printed: the replays are identical work, so
-the minimum is the one least disturbed by the rest of the machine. `--profile N` adds the N
+gathers them, and at each flush its garbage collection: session/collector.py). A flush comes
+every FLUSH_INTERVAL_S / DRAIN_INTERVAL_S drains, as under load. Not replayed: the Parquet
+writes, the aggregates and the sinks. The minimum over `--repeat` replays is printed: the
+replays are identical work, so the minimum is the one least disturbed by the rest of the
+machine. `--profile N` adds the N
 functions with the most own time in Correlator.feed (cProfile, on one more replay; its overhead
 inflates every figure of that replay, so it is printed apart).
 """
@@ -134,8 +137,12 @@ def _replay_once(
     from sparseety_prof.capture.events import decode_groups
     from sparseety_prof.correlate.correlator import Correlator
     from sparseety_prof.correlate.serving import ServingTracker
+    from sparseety_prof.session.collector import FlushTimedCollector
+    from sparseety_prof.session.options import FLUSH_INTERVAL_S
+    from sparseety_prof.session.recorder import DRAIN_INTERVAL_S
     from sparseety_prof.store.buffers import ColumnBuffer
 
+    flush_every = max(1, round(FLUSH_INTERVAL_S / DRAIN_INTERVAL_S))  # drains, under load
     kw = dict(kept["correlator"])
     serving = ServingTracker(kw["pid"]) if kw.pop("serving") else None
     corr = Correlator(**kw, texts=texts, serving=serving)
@@ -144,6 +151,8 @@ def _replay_once(
     tokens = 0
     clock = time.thread_time
     drains = kept["drains"]
+    collector = FlushTimedCollector()
+    collector.start()
     for k, groups in enumerate(drains):
         final = k == len(drains) - 1
         t0 = clock()
@@ -165,9 +174,12 @@ def _replay_once(
         tokens += len(tables["tokens"]["step_id"])
         for stage, dt in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2 - logits, logits, t4 - t3), strict=True):
             cpu[stage] += dt
-    t = clock()
-    rows.take_all()
-    cpu["frames"] += clock() - t
+        if (k + 1) % flush_every == 0 or final:  # the recorder's flush: the rest of the rows framed
+            t = clock()
+            rows.take_all()
+            collector.after_flush()
+            cpu["frames"] += clock() - t
+    collector.stop()
     return cpu, tokens
 
 

@@ -4,7 +4,6 @@ decoding, correlation, statistics and Parquet writing all happen here, in the co
 
 from __future__ import annotations
 
-import gc
 import mmap
 import os
 import resource
@@ -32,6 +31,7 @@ from sparseety_prof.gpu.capture import GpuCapture
 from sparseety_prof.gpu.shm_ring import RingError
 from sparseety_prof.session import metadata
 from sparseety_prof.session.attach import attach
+from sparseety_prof.session.collector import FlushTimedCollector
 from sparseety_prof.session.memory_budget import (
     PRESSURE_GAP_S,
     MemoryBudget,
@@ -77,6 +77,7 @@ class Recorder:
         self.on_update = on_update
         self._rows = ColumnBuffer()
         self._stages = StageCpu()  # where the consumer's CPU goes (meta.json consumer.cpu_s_by_stage)
+        self._collector = FlushTimedCollector()
         sink = log or (lambda s: print(s, file=sys.stderr, flush=True))
         # messages carry target strings (model path, build, layer details): shown, never obeyed
         self.log: Callable[[str], None] = lambda s: sink(terminal_line(s))
@@ -158,10 +159,6 @@ class Recorder:
         )
         tracker = SeqTracker()
         self.attached.set()
-        # Everything made so far (modules, the vocabulary's strings, the model's metadata) lives
-        # as long as the recording: out of the collector's sight, its full passes over the rows
-        # being gathered cost about half as much.
-        gc.freeze()
         reader = RingReader(a.session)
         model_hash: dict[str, Any] = {}
         hash_moved = [time.monotonic()]  # when the hashing thread last read something
@@ -212,6 +209,7 @@ class Recorder:
         watch = sched.watch(reader.pending_share, reader.wake_fd, reader.arm_watch)
         stages, cpu_drains0 = self._stages, _cpu_s()
         stages.restart()  # on this thread; attach's CPU is not a stage's
+        self._collector.start()  # the cyclic collector runs after flushes only (collector.py)
         try:
             t_prev = time.monotonic()
             while not self._stop.is_set():
@@ -237,6 +235,7 @@ class Recorder:
         except BaseException as e:
             error = e
         finally:
+            self._collector.stop()  # what follows runs once: the collector as usual
             watch.close()
             stages.lap("loop")
             rest = reader.stop()
@@ -265,7 +264,11 @@ class Recorder:
                 "counts": {"tokens": self.progress.tokens, "steps": self.progress.steps},
                 "profiler_cpu_s": round(self.progress.cpu_s, 3),
                 "profiler_memory": {**_memory_meta(), "budget": budget.meta()},
-                "consumer": {**sched.meta(), "ring_watch_wakeups": watch.wakeups},
+                "consumer": {
+                    **sched.meta(),
+                    "ring_watch_wakeups": watch.wakeups,
+                    "gc_collections": self._collector.collections,
+                },
                 "bpf_compile_s": round(a.session.compile_s, 3),
                 "bpf_programs": {
                     "stats": bpf_stats,
@@ -348,6 +351,7 @@ class Recorder:
         self._store_aggregates(writer, final=False)
         if writer is not None:
             writer.flush()
+        self._collector.after_flush()
 
     def _watch_memory(self, writer: RecordingWriter | None, budget: MemoryBudget, now: float) -> None:
         """Above --max-memory: the gathered rows go out now, and the freed heap back to the kernel
