@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import polars as pl
 import pytest
-from polars.testing import assert_series_equal
+from polars.testing import assert_frame_equal, assert_series_equal
 
 from sparseety_prof.store import schema
 
@@ -34,6 +35,43 @@ CASES: list[tuple[list[object], pl.DataType]] = [
     ([[0.5, 0.25], [None, None, None]], pl.List(pl.Float32())),  # nulls of another length
     ([[0.5, 0.25], [None, 0.5]], pl.List(pl.Float32())),  # some nulls: general path
 ]
+
+
+RAGGED = [
+    ([[1, 2, 3], [4], [], None, [5, 6]], pl.List(pl.Int32())),
+    ([[7]] * 20 + [[1, 2, 3, 4]], pl.List(pl.Int64())),
+    ([[0.5], [0.25, 0.75], None], pl.List(pl.Float32())),
+    ([[], []], pl.List(pl.Int32())),
+    ([None, None], pl.List(pl.Int32())),  # all null: the general path, cheap then
+    ([[1, None], [2]], pl.List(pl.Int32())),  # None inside a row: general path
+    ([[[1], [2, 3]], [[4]]], pl.List(pl.List(pl.Int32()))),  # lists of lists: general path
+    ([["a"], ["b", "c"]], pl.List(pl.String())),  # not numbers: general path
+]
+
+
+@pytest.mark.parametrize(("values", "dtype"), RAGGED)
+def test_ragged_path_equals_general_path(values: list[object], dtype: pl.DataType) -> None:
+    fast = schema._ragged_list_series("c", values, dtype)
+    rows: list[Any] = [v for v in values if v is not None]
+    plain = dtype in (pl.List(pl.Int32()), pl.List(pl.Int64()), pl.List(pl.Float32()))
+    assert (fast is not None) == (plain and bool(rows) and all(x is not None for v in rows for x in v))
+    want = _general(values, dtype)
+    got = fast if fast is not None else want
+    assert_series_equal(got, want)
+    assert got.null_count() == want.null_count()
+
+
+def test_a_frame_with_ragged_rows_equals_the_general_path() -> None:
+    """The steps table: one-row decode steps and a prompt step among them."""
+    n = 40
+    cols: dict[str, list[Any]] = {c: [None] * n for c in schema.STEPS}
+    cols["seq_ids"] = [[0] for _ in range(n)]
+    cols["token_ids"] = [[5]] * 17 + [[1, 2, 3, 4, 5, 6]] + [[9]] * 22
+    cols["positions"] = [[k] for k in range(17)] + [list(range(6))] + [[k] for k in range(22)]
+    cols["output_rows"] = [[0]] * 17 + [[5]] + [[]] + [[0]] * 21
+    got = schema.frame("steps", cols)
+    want = pl.DataFrame([pl.Series(c, cols[c], dtype=t, strict=False) for c, t in schema.STEPS.items()])
+    assert_frame_equal(got, want)
 
 
 @pytest.mark.parametrize(("values", "dtype"), CASES)
