@@ -434,7 +434,10 @@ def _mixed_script() -> Script:
     record, samples by positive index."""
     s = Script()
     logits = np.linspace(-2, 2, N_VOCAB, dtype=np.float32)
+    s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+    s.sample(9)  # finishes a decode from before the attach: counted, not a token
     s.decode([1, 2, 3], [0, 1, 2])
+    s.small(ev.EV_SAMPLE_BEGIN, -1, ev.SAMPLER_LLAMA)  # its end was lost: the next begin replaces it
     s.sample(4, logits=logits)
     pos, tok = 3, 4
     other_pos, other_tok = 0, 3
@@ -461,6 +464,9 @@ def _mixed_script() -> Script:
             s.sample(nxt)  # a second sampler call on the same output row
         if i == 35:
             s.small(ev.EV_SAMPLE_BEGIN, -1, ev.SAMPLER_LLAMA)  # its end record was lost
+        if i == 50:  # a begin, then another context's sampler call ends: two calls, not one
+            s.small(ev.EV_SAMPLE_BEGIN, -1, ev.SAMPLER_LLAMA)
+            s.small(ev.EV_SAMPLE_END, 5, ev.SAMPLER_LLAMA, -1, ctx=0xCCCC)
         pos, tok = pos + 1, nxt
         if i == 40:
             tok = (tok + 1) % N_VOCAB  # the next input is not the token sampled: a new request
@@ -566,8 +572,10 @@ def test_fast_one_row_steps_equal_the_record_by_record_path(
         return got
 
     monkeypatch.setattr(Correlator, "_fast_step", counting)
+    samples = _count_fast_samples(monkeypatch)
     got, got_states = _replay(s, drains, with_masks=with_masks)
     monkeypatch.setattr(Correlator, "_fast_step", lambda self, idx, i: 0)
+    monkeypatch.setattr(Correlator, "_fast_sample", lambda self, idx, i: 0)
     want, want_states = _replay(s, drains, with_masks=with_masks)
     assert got.keys() == want.keys() == set(schema.TABLES) - {"kernels", "aggregates"}
     for name in want:
@@ -589,6 +597,23 @@ def test_fast_one_row_steps_equal_the_record_by_record_path(
     # most steps took the fast path once verification was done (16 micro-batches); with many
     # drains, fewer: a step split over two drains takes the handlers
     assert sum(taken) > (20 if drains == 40 else 30) and not all(taken)
+    # the samples of the other steps (prompts, steps without an aggregate record, other contexts)
+    # were mostly taken from the columns too; the incomplete, lost and split ones were not
+    assert sum(samples) > 15 and not all(samples)
+
+
+def _count_fast_samples(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each sampler call offered to Correlator._fast_sample was taken there."""
+    taken: list[bool] = []
+    fast = Correlator._fast_sample
+
+    def counting(self: Correlator, idx: Any, i: int) -> int:
+        got = fast(self, idx, i)
+        taken.append(got > 0)
+        return got
+
+    monkeypatch.setattr(Correlator, "_fast_sample", counting)
+    return taken
 
 
 def _server_script() -> Script:
@@ -657,8 +682,10 @@ def test_fast_one_row_steps_equal_the_handlers_on_the_server(
         return got
 
     monkeypatch.setattr(Correlator, "_fast_step", counting)
+    samples = _count_fast_samples(monkeypatch)
     got, got_states = _replay(s, drains, with_masks=False, server=True)
     monkeypatch.setattr(Correlator, "_fast_step", lambda self, idx, i: 0)
+    monkeypatch.setattr(Correlator, "_fast_sample", lambda self, idx, i: 0)
     want, want_states = _replay(s, drains, with_masks=False, server=True)
     for name in want:
         for col in want[name]:
@@ -679,6 +706,7 @@ def test_fast_one_row_steps_equal_the_handlers_on_the_server(
     ]
     assert want_states[-1]["serving"][("str", "counters")]["slot_token_mismatch"] == ("int", 1)
     assert sum(taken) > (40 if drains == 40 else 55) and not all(taken)
+    assert sum(samples) > 5  # the two-slot step's, the prompts'
 
 
 # ---------------------------------------------------------------- per-layer records of a pass, in runs

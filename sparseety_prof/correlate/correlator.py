@@ -24,7 +24,7 @@ from sparseety_prof.capture.drain_index import G_SMALL, DrainIndex
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate.agg_record import AggRow, agg_rows_batch
 from sparseety_prof.correlate.attention_map import AttentionMap
-from sparseety_prof.correlate.fast_step import fast_step
+from sparseety_prof.correlate.fast_step import fast_sample, fast_step
 from sparseety_prof.correlate.request_tokens import RequestTokens
 from sparseety_prof.correlate.routes import RoutesTables
 from sparseety_prof.correlate.server_layout_check import ServerLayoutCheck
@@ -91,8 +91,9 @@ class Correlator:
         )
         self.routes = RoutesTables(self.layers, self.problems, with_masks=with_masks, rows=routes_rows)
 
-    # the one-row decode step from the records' columns (a method: fast_step.py)
+    # the one-row decode step, and a sampler call, from the records' columns (methods: fast_step.py)
     _fast_step = fast_step
+    _fast_sample = fast_sample
     # a run of per-layer routing and activation records at once (a method: sparse_run.py)
     _sparse_run = sparse_run
 
@@ -133,14 +134,21 @@ class Correlator:
             elif kind in RUN_KINDS:
                 i = self._sparse_run(idx, i)
                 continue
-            elif (kind == ev.EV_DECODE_BEGIN or kind == ev.EV_SEQ_RM) and idx.group[i] == G_SMALL:
+            elif kind == ev.EV_SAMPLE_BEGIN:
+                nxt = self._fast_sample(idx, i)
+                if nxt:
+                    i = nxt
+                    continue
+            elif kind in _FROM_COLUMNS and idx.group[i] == G_SMALL:
                 # once per token each: from the columns
                 r = idx.row[i]
                 a, b = idx.col(G_SMALL, "a")[r], idx.col(G_SMALL, "b")[r]
                 if kind == ev.EV_DECODE_BEGIN:
                     self._decode_begin(idx.col(G_SMALL, "ctx")[r], a, b, idx.col(G_SMALL, "c")[r])
-                else:
+                elif kind == ev.EV_SEQ_RM:
                     self._seq_rm(idx.col(G_SMALL, "tid")[r], a, b)
+                else:  # EV_SLOT_TOKEN
+                    self.requests.slot_token(idx.col(G_SMALL, "tid")[r], a, b)
                 i += 1
                 continue
             handler = _HANDLERS.get(kind)
@@ -459,6 +467,9 @@ class Correlator:
     def _on_slot_token(self, r: dict[str, Any]) -> None:
         self.requests.slot_token(int(r["tid"]), int(r["a"]), int(r["b"]))
 
+
+# small records taken from the drain's columns, not made a dict (feed)
+_FROM_COLUMNS = frozenset((ev.EV_DECODE_BEGIN, ev.EV_SEQ_RM, ev.EV_SLOT_TOKEN))
 
 _HANDLERS: dict[int, Callable[[Correlator, dict[str, Any]], None]] = {
     ev.EV_DECODE_BEGIN: Correlator._on_decode_begin,

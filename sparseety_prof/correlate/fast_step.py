@@ -92,17 +92,9 @@ def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
         pre = corr._agg_pre.get(f.agg_seq[a])
         if pre is None:
             return 0
-    logits: list[np.ndarray] | None = None
-    if logits_at < sample_at:
-        rows = idx.row[logits_at:sample_at]
-        for r in rows:
-            if f.lg_tid[r] != tid or f.lg_ctx[r] != ctx:
-                return 0
-        n_chunks = -(-f.lg_n_vocab[rows[-1]] // idx.logits_chunk)
-        if len(rows) != n_chunks or any(f.lg_chunk[r] != k for k, r in enumerate(rows)):
-            return 0  # incomplete or out of order: _on_sample_end counts it
-        vals = idx.logits_vals
-        logits = [vals(r)[: f.lg_n_vals[r]] for r in rows]
+    ok, logits = _logits(idx, logits_at, sample_at, tid, ctx)
+    if not ok:
+        return 0
 
     # _on_ubatch
     if not c.decode_seen:
@@ -163,3 +155,55 @@ def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
         return k + 1
     corr.requests.sample_end(c, tid, want, sampled, logits)
     return k
+
+
+def _logits(
+    idx: DrainIndex, start: int, end: int, tid: int, ctx: int
+) -> tuple[bool, list[np.ndarray] | None]:
+    """The logits chunks of records start..end (one sampler call's), as _on_logits and
+    _on_sample_end assemble them (None when there are none); False first when they are not all
+    of this thread and context, complete and in order (then the handlers take them, and count
+    them)."""
+    if start >= end:
+        return True, None
+    f = idx.fast()
+    rows = idx.row[start:end]
+    for r in rows:
+        if f.lg_tid[r] != tid or f.lg_ctx[r] != ctx:
+            return False, None
+    n_chunks = -(-f.lg_n_vocab[rows[-1]] // idx.logits_chunk)
+    if len(rows) != n_chunks or n_chunks > ev.MAX_LOGITS_CHUNKS:
+        return False, None  # _on_logits leaves chunks past MAX_LOGITS_CHUNKS out: incomplete
+    if any(f.lg_chunk[r] != k for k, r in enumerate(rows)):
+        return False, None
+    vals = idx.logits_vals
+    return True, [vals(r)[: f.lg_n_vals[r]] for r in rows]
+
+
+def fast_sample(corr: Correlator, idx: DrainIndex, i: int) -> int:
+    """A sampler call whose begin is record i, its logits and its end, when nothing else comes
+    between them and its context has run a micro-batch: the effect of _on_sample_begin,
+    _on_logits and _on_sample_end, from the records' columns (the samples of a micro-batch of
+    several rows, where fast_step does not apply). Returns the index after its end record, or 0
+    (the handlers take every record as usual)."""
+    kinds, n = idx.kinds, len(idx)
+    j = i + 1
+    while j < n and kinds[j] == ev.EV_LOGITS:
+        j += 1
+    if j >= n or kinds[j] != ev.EV_SAMPLE_END or idx.group[j] != G_SMALL or idx.group[i] != G_SMALL:
+        return 0
+    f = idx.fast()
+    b, e = idx.row[i], idx.row[j]
+    tid, ctx = f.s_tid[b], f.s_ctx[b]
+    if f.s_tid[e] != tid or f.s_ctx[e] != ctx:
+        return 0
+    c = corr.ctxs.get(ctx)
+    if c is None or c.ubatches_seen == 0:
+        return 0  # a sample of a decode from before the attach: _on_sample_end counts it
+    ok, logits = _logits(idx, i + 1, j, tid, ctx)
+    if not ok:
+        return 0
+    c.sampler_seen = True
+    c.sampling.pop(tid, None)  # a begin whose end was lost: this begin replaced it, this end ends it
+    corr.requests.sample_end(c, tid, f.s_a[b], f.s_a[e], logits)
+    return j + 1
