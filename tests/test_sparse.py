@@ -107,6 +107,12 @@ def test_tensor_matching_neither_batch_nor_outputs_is_counted_not_guessed() -> N
     assert p.unmapped_rows == 1
 
 
+def _act(sp: StepSparse, layer: int, row: int, n_tokens: int, p: Problems) -> tuple[object, object, object]:
+    """One row's activation values of one layer: (zero ratio, below ratio, values counted)."""
+    v = sp.row_values(row, {}, n_tokens, LayerSet(ffn=(layer,)), p)
+    return v["act_zero_ratio"][0], v["act_below_ratio"][0], v["act_values"][0]
+
+
 def test_activation_counts_sum_over_expert_slots_and_threads() -> None:
     sp = StepSparse()
     base = {"name": b"ffn_moe_reglu-1", "ne0": 100, "ne1": 2, "nr_total": 4}  # 2 tokens x 2 slots
@@ -119,8 +125,8 @@ def test_activation_counts_sum_over_expert_slots_and_threads() -> None:
         {**base, "ir0": 2, "n_rows": 2, "zeros": [10, 0, *z[2:]], "below": [20, 5, *b[2:]]}, with_bits=False
     )
     p = Problems()
-    assert sp.act_ratios(1, 0, {}, 2, p) == (0.5, 0.6, 200)
-    assert sp.act_ratios(1, 1, {}, 2, p) == (0.05, 0.125, 200)
+    assert _act(sp, 1, 0, 2, p) == (0.5, 0.6, 200)
+    assert _act(sp, 1, 1, 2, p) == (0.05, 0.125, 200)
     rows = [sp.row_values(b, {}, 2, LayerSet(ffn=(1,)), p) for b in (0, 1)]
     assert [v["act_zero_ratio"] for v in rows] == [[0.5], [0.05]]
 
@@ -142,8 +148,8 @@ def test_uncounted_rows_give_null_not_zero() -> None:
         with_bits=False,
     )
     p = Problems()
-    assert sp.act_ratios(0, 1, {}, 3, p)[0] == 7 / 64
-    assert sp.act_ratios(0, 2, {}, 3, p) == (None, None, 0)  # row 2 never counted
+    assert _act(sp, 0, 1, 3, p)[0] == 7 / 64
+    assert _act(sp, 0, 2, 3, p) == (None, None, 0)  # row 2 never counted
 
 
 def _random_prompt_step(

@@ -41,6 +41,10 @@ MAX_MASK_CELLS = 1 << 28
 # (scripts/bench_prompt_rows.py, 8 MoE layers): fewer rows take the per-row path
 FILL_ROWS_MIN = 12
 
+# _row_values' per-layer plan: the MoE stores' (ids, weights, probs) and the FFN layers' entries
+_LayerPlan = tuple[list[Any], list[Any], list[Any], list[Any]]
+_UNMAPPED = object()  # a layer whose row count is neither the batch's nor its outputs'
+
 _ONE_FILLED = np.ones(1, dtype=bool)
 _ONE_FILLED.flags.writeable = False
 
@@ -81,9 +85,9 @@ class StepSparse(AttentionRecords):
     # micro-batches: see from_agg_row); None when the per-layer stores above hold them
     _agg_row: dict[str, list[Any]] | None = None
     _row_cache: dict[int, dict[str, Any]] = field(default_factory=dict)  # asked once the pass ended
-    # each layer's values as lists, made once for all rows of the pass (_row_values), also once
-    # the pass ended: (store, layer) -> (values, filled) or (zeros, below)
-    _lists: dict[tuple[str, int], tuple[list[Any], list[Any]]] = field(default_factory=dict)
+    # what each layer holds, as lists, worked out once for all rows of the pass (_layer_plan):
+    # ((n_tokens, output rows, layers) it was made for, the plan)
+    _plan: tuple[tuple[int, int, LayerSet], _LayerPlan] | None = None
 
     # ------------------------------------------------------------------ records
     @classmethod
@@ -376,40 +380,61 @@ class StepSparse(AttentionRecords):
         engine did not compute that layer for this row, or the record was not captured).
 
         A layer's tensor holds a row per batch row or per output row; any other row count is
-        counted as unmapped (per row asked). Each layer's values are made lists once for all the
-        pass's rows (_lists): per row, only indexing."""
-        n_out = len(output_index)
+        counted as unmapped (per row asked). What each layer holds is worked out once for all
+        the pass's rows (_layer_plan): per row, only indexing."""
+        plan = self._plan
+        if plan is None or plan[0] != (n_tokens, len(output_index), layers):
+            plan = self._plan = (
+                (n_tokens, len(output_index), layers),
+                self._layer_plan(n_tokens, output_index, layers),
+            )
         out_row = output_index.get(batch_row)
-        lists = self._lists
         moe: list[list[Any]] = []
-        for name, store in (("ids", self.ids), ("weights", self.weights), ("probs", self.probs)):
+        for store_plan in plan[1][:3]:
             col: list[Any] = []
-            for layer in layers.moe:
-                rows = store.get(layer)
-                if rows is None:
+            for got in store_plan:
+                if got is None:
                     col.append(None)
-                    continue
-                total = len(rows.values)
-                if total == n_tokens:
-                    i: int | None = batch_row
-                elif total == n_out:
-                    i = out_row
-                else:
+                elif got is _UNMAPPED:
                     problems.unmapped_rows += 1
                     col.append(None)
-                    continue
-                got = lists.get((name, layer))
-                if got is None:
-                    got = lists[(name, layer)] = (rows.values.tolist(), rows.filled.tolist())
-                col.append(got[0][i] if i is not None and got[1][i] else None)
+                else:
+                    vals, filled, by_output = got
+                    i = out_row if by_output else batch_row
+                    col.append(vals[i] if i is not None and filled[i] else None)
             moe.append(col)
         zero: list[float | None] = []
         below: list[float | None] = []
         n_values: list[int] = []
-        for layer in layers.ffn:
-            zr, br, n = self.act_ratios(layer, batch_row, output_index, n_tokens, problems)
-            zero.append(zr)
-            below.append(br)
+        for got in plan[1][3]:
+            if got is None:
+                zero.append(None)
+                below.append(None)
+                n_values.append(0)
+                continue
+            if got is _UNMAPPED:
+                problems.unmapped_rows += 1
+                zero.append(None)
+                below.append(None)
+                n_values.append(0)
+                continue
+            zl, bl, slots, n, by_output = got
+            t = out_row if by_output else batch_row
+            if t is None:
+                zero.append(None)
+                below.append(None)
+                n_values.append(0)
+                continue
+            # plain Python on a handful of values (numpy's per-call cost is ~10x here)
+            zs = zl[t * slots : (t + 1) * slots]
+            bs = bl[t * slots : (t + 1) * slots]
+            if min(zs) < 0 or min(bs) < 0:
+                zero.append(None)
+                below.append(None)
+                n_values.append(0)
+                continue
+            zero.append(sum(zs) / n)
+            below.append(sum(bs) / n)
             n_values.append(n)
         return {
             "expert_ids": moe[0],
@@ -421,37 +446,40 @@ class StepSparse(AttentionRecords):
             "attn_attended": self.attended(batch_row, layers.attn),
         }
 
-    def act_ratios(
-        self, layer: int, batch_row: int, output_index: dict[int, int], n_tokens: int, problems: Problems
-    ) -> tuple[float | None, float | None, int]:
-        """One row's share of exact-zero and below-threshold activations in `layer`, over the
-        values counted for it (its node rows: one per expert slot), and how many values that
-        is; None, None, 0 when not counted."""
-        z = self.act_zeros.get(layer)
-        if z is None:
-            return None, None, 0
-        slots, width = self.act_slots[layer], self.act_width[layer]
-        tokens = len(z) // slots
-        if tokens == n_tokens:
-            t: int | None = batch_row
-        elif tokens == len(output_index):
-            t = output_index.get(batch_row)
-        else:
-            problems.unmapped_rows += 1
-            return None, None, 0
-        if t is None:
-            return None, None, 0
-        # plain Python on a handful of values (numpy's per-call cost is ~10x here), from lists
-        # made once per layer for all rows
-        got = self._lists.get(("act", layer))
-        if got is None:
-            got = self._lists[("act", layer)] = (z.tolist(), self.act_below[layer].tolist())
-        zs = got[0][t * slots : (t + 1) * slots]
-        bs = got[1][t * slots : (t + 1) * slots]
-        if min(zs) < 0 or min(bs) < 0:
-            return None, None, 0
-        n = slots * width
-        return sum(zs) / n, sum(bs) / n, n
+    def _layer_plan(self, n_tokens: int, output_index: dict[int, int], layers: LayerSet) -> _LayerPlan:
+        """Per MoE store and layer: None (no values), _UNMAPPED (a row count neither the batch's
+        nor its outputs'), or its values and filled flags as lists and whether they are by output
+        row; per FFN layer the same with its zero and below counts as lists, node rows per token
+        and values per token. Made once the pass ended: the stores do not change after."""
+        n_out = len(output_index)
+        moe_plans: list[list[Any]] = []
+        for store in (self.ids, self.weights, self.probs):
+            plan: list[Any] = []
+            for layer in layers.moe:
+                rows = store.get(layer)
+                if rows is None:
+                    plan.append(None)
+                    continue
+                total = len(rows.values)
+                if total != n_tokens and total != n_out:
+                    plan.append(_UNMAPPED)
+                    continue
+                plan.append((rows.values.tolist(), rows.filled.tolist(), total != n_tokens))
+            moe_plans.append(plan)
+        ffn_plan: list[Any] = []
+        for layer in layers.ffn:
+            z = self.act_zeros.get(layer)
+            if z is None:
+                ffn_plan.append(None)
+                continue
+            slots = self.act_slots[layer]
+            tokens = len(z) // slots
+            if tokens != n_tokens and tokens != n_out:
+                ffn_plan.append(_UNMAPPED)
+                continue
+            n = slots * self.act_width[layer]
+            ffn_plan.append((z.tolist(), self.act_below[layer].tolist(), slots, n, tokens != n_tokens))
+        return moe_plans[0], moe_plans[1], moe_plans[2], ffn_plan
 
     def act_mask_bits(
         self, layer: int, batch_row: int, output_index: dict[int, int], n_tokens: int
