@@ -14,7 +14,8 @@ correlator's settings are kept. A drain file holds the recorded tokens' logits: 
 token at this vocabulary.
 
 `replay` feeds the drains, in order, to a correlator made with those settings (token texts from
-the same model file) and prints, per recorded token, the CPU time of each stage the recorder's
+the same model file), checks that it made as many token and step rows as the recorder did (exit
+1 if not), and prints, per recorded token, the CPU time of each stage the recorder's
 consumer has (`meta.json` consumer.cpu_s_by_stage names): `decode` (the records viewed by
 layout), `correlate` (Correlator.feed), `rows` (take_tables, less the logits statistics),
 `logits` (those statistics) and `frames` (the tables' rows made Polars frames, as the recorder
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import os
 import pickle
 import pstats
@@ -84,6 +86,9 @@ def _record(dump: Path, argv: list[str]) -> int:
     Recorder._consume = consume_kept  # type: ignore[method-assign]
     Correlator.__init__ = init_kept  # type: ignore[method-assign]
     rc = cli.main(["record", *argv])
+    # what the recorder made of them, for the replay to compare with
+    meta = json.loads((Path(argv[argv.index("-o") + 1]) / "meta.json").read_text())
+    kept["recorded"] = {"tokens": meta["counts"]["tokens"], "steps": meta["counts"]["steps"]}
     with dump.open("wb") as f:
         pickle.dump({**kept, "drains": drains}, f, protocol=pickle.HIGHEST_PROTOCOL)
     return rc
@@ -133,7 +138,7 @@ def capture(a: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ replay
 def _replay_once(
     kept: dict[str, Any], texts: Any, prof: cProfile.Profile | None
-) -> tuple[dict[str, float], int]:
+) -> tuple[dict[str, float], dict[str, int]]:
     from sparseety_prof.capture.events import decode_groups
     from sparseety_prof.correlate.correlator import Correlator
     from sparseety_prof.correlate.serving import ServingTracker
@@ -148,7 +153,7 @@ def _replay_once(
     corr = Correlator(**kw, texts=texts, serving=serving)
     rows = ColumnBuffer()
     cpu = dict.fromkeys(STAGES, 0.0)
-    tokens = 0
+    made = {"tokens": 0, "steps": 0}
     clock = time.thread_time
     drains = kept["drains"]
     collector = FlushTimedCollector()
@@ -171,7 +176,8 @@ def _replay_once(
             rows.add(table, cols, final=final)
         t4 = clock()
         logits = corr.logits_cpu_s - logits0
-        tokens += len(tables["tokens"]["step_id"])
+        made["tokens"] += len(tables["tokens"]["step_id"])
+        made["steps"] += len(tables["steps"]["step_id"])
         for stage, dt in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2 - logits, logits, t4 - t3), strict=True):
             cpu[stage] += dt
         if (k + 1) % flush_every == 0 or final:  # the recorder's flush: the rest of the rows framed
@@ -180,7 +186,7 @@ def _replay_once(
             collector.after_flush()
             cpu["frames"] += clock() - t
     collector.stop()
-    return cpu, tokens
+    return cpu, made
 
 
 def replay(a: argparse.Namespace) -> int:
@@ -192,16 +198,21 @@ def replay(a: argparse.Namespace) -> int:
         kept = pickle.load(f)
     texts = Vocab.from_gguf(make_model(ROOT / "models" / "bench.gguf", "bench")).texts
     best: dict[str, float] = {}
-    tokens = 0
+    made = {"tokens": 0, "steps": 0}
     for _ in range(a.repeat):
-        cpu, tokens = _replay_once(kept, texts, None)
+        cpu, made = _replay_once(kept, texts, None)
         best = {s: min(best.get(s, float("inf")), v) for s, v in cpu.items()}
-    n = max(tokens, 1)
-    records = sum(len(buf) for d in kept["drains"] for buf in d.values())  # bytes; records below
+    n = max(made["tokens"], 1)
+    size = sum(len(buf) for d in kept["drains"] for buf in d.values())
     print(
-        f"{len(kept['drains'])} drains, {tokens} tokens ({records >> 20} MiB of records); "
-        f"CPU per token, the minimum of {a.repeat} replays:"
+        f"{len(kept['drains'])} drains ({size >> 20} MiB of records): the recorder made "
+        f"{kept['recorded']['tokens']} token rows and {kept['recorded']['steps']} step rows of "
+        f"them, this replay {made['tokens']} and {made['steps']}"
     )
+    if made != kept["recorded"]:
+        print("[replay] the replay's rows differ from the recorder's", file=sys.stderr)
+        return 1
+    print(f"CPU per token, the minimum of {a.repeat} replays:")
     print("| " + " | ".join(STAGES) + " | sum |")
     print("| --- " * (len(STAGES) + 1) + "|")
     print(

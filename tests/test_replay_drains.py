@@ -1,0 +1,47 @@
+"""scripts/replay_drains.py: a real run's drains kept, then replayed through the correlator,
+which must make the rows the recorder made of them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "replay_drains.py"
+
+
+@pytest.mark.root
+@pytest.mark.engine
+def test_replayed_drains_make_the_recorders_rows(tmp_path: Path) -> None:
+    drains = tmp_path / "drains.pkl"
+    cap = subprocess.run(
+        [sys.executable, str(SCRIPT), "capture", "-o", str(drains), "--seconds", "3", "--tokens", "16"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert cap.returncode == 0, cap.stderr[-2000:]
+    assert drains.stat().st_mode & 0o777 == 0o600  # tokens and logits of the run: owner only
+    rep = subprocess.run(
+        [sys.executable, str(SCRIPT), "replay", str(drains), "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert rep.returncode == 0, rep.stdout + rep.stderr[-2000:]
+    head = rep.stdout.splitlines()[0]
+    # "... the recorder made N token rows and M step rows of them, this replay N and M"
+    made = head.split("the recorder made ")[1]
+    recorded, replayed = made.split(" of them, this replay ")
+    n_tok, n_steps = int(recorded.split()[0]), int(recorded.split(" and ")[1].split()[0])
+    assert n_tok > 16 and n_steps >= n_tok  # several requests: a step per token, prompts too
+    assert replayed == f"{n_tok} and {n_steps}"
+    stages = rep.stdout.splitlines()[-1]
+    assert stages.startswith("| ") and stages.endswith(" µs |")
+    assert os.path.getsize(drains) > 0
