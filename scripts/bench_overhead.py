@@ -82,22 +82,22 @@ class EngineProc:
         self.p.wait()
 
 
+def start_recorder(cmd: list[str]) -> subprocess.Popen[str]:
+    """The recorder command `cmd`, started in the repository, once it says it is attached (its
+    stderr is left to the caller from there); RuntimeError when it exits first."""
+    rec = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert rec.stderr is not None
+    for line in rec.stderr:
+        if "attached to PID" in line:
+            return rec
+    raise RuntimeError(f"recorder failed: {rec.wait()}")
+
+
 def profiled(
     engine: EngineProc, tokens: int, out: Path, settle: float, mode: str, sched: str, nice: int
 ) -> tuple[list[int], dict[str, Any]]:
     cmd = [sys.executable, "-m", "sparseety_prof.cli", "record", "--pid", str(engine.pid), "-o", str(out)]
-    rec = subprocess.Popen(
-        [*cmd, "--mode", mode, "--sched", sched, "--nice", str(nice)],
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    assert rec.stderr is not None
-    for line in rec.stderr:
-        if "attached to PID" in line:
-            break
-    else:
-        raise RuntimeError(f"recorder failed: {rec.wait()}")
+    rec = start_recorder([*cmd, "--mode", mode, "--sched", sched, "--nice", str(nice)])
     lines: list[str] = []
     detached = threading.Event()
 

@@ -20,7 +20,6 @@ import json
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests"))  # the model generator lives with the tests
-from bench_overhead import EngineProc, process_cpu_s, wait_quiet  # noqa: E402
+from bench_overhead import EngineProc, process_cpu_s, start_recorder, wait_quiet  # noqa: E402
 from make_models import make_model  # noqa: E402
 
 PROMPTS = ["hello the expert router decode sample", "one two three four five", "the sparse decode"]
@@ -56,13 +55,7 @@ def one(engine: EngineProc, policy: list[str], out: Path, requests: int, tokens:
     cmd = [sys.executable, "-m", "sparseety_prof.cli", "record", "--pid", str(engine.pid), "-o", str(out)]
     for p in policy:
         cmd += shlex.split(p) if p.startswith("-") else ["--policy", p]
-    rec = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    assert rec.stderr is not None
-    for line in rec.stderr:
-        if "attached to PID" in line:
-            break
-    else:
-        raise RuntimeError(f"recorder failed: {rec.wait()}")
+    rec = start_recorder(cmd)
     generate(engine, [PROMPTS[2]], 8)  # warm-up: the attention-map learning and probe detach
     wait_quiet(rec.pid, 10.0)
     cpu0 = process_cpu_s(rec.pid)

@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests"))
-from bench_overhead import EngineProc, process_cpu_s, wait_quiet  # noqa: E402
+from bench_overhead import EngineProc, process_cpu_s, start_recorder, wait_quiet  # noqa: E402
 from bench_policy_cpu import PROMPTS, generate  # noqa: E402
 from bench_sustained import Server  # noqa: E402
 from make_models import make_model  # noqa: E402
@@ -139,13 +139,8 @@ def main() -> int:
             raw = a.raw or Path(tmp) / "samples.txt"
             cmd = [sys.executable, "-m", "sparseety_prof.cli", "record", "--pid", str(engine.pid)]
             cmd += ["-o", str(Path(tmp) / "rec"), *shlex.split(a.record_args)]
-            rec = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+            rec = start_recorder(cmd)
             assert rec.stderr is not None
-            for line in rec.stderr:
-                if "attached to PID" in line:
-                    break
-            else:
-                raise RuntimeError(f"recorder failed: {rec.wait()}")
             work(warm_up=True)  # attention-map learning, probe detach
             wait_quiet(rec.pid, 10.0)
             spy_cmd = [spy_exe, "record", "-p", str(rec.pid), "-r", str(a.rate), "--nonblocking"]

@@ -39,7 +39,6 @@ import pickle
 import pstats
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -95,7 +94,7 @@ def _record(dump: Path, argv: list[str]) -> int:
 
 
 def capture(a: argparse.Namespace) -> int:
-    from bench_overhead import EngineProc
+    from bench_overhead import EngineProc, start_recorder
     from bench_policy_cpu import generate
     from bench_sustained import PROMPTS, Server
     from make_models import make_model
@@ -110,13 +109,8 @@ def capture(a: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="sparseety-replay-") as tmp:
             cmd = [sys.executable, __file__, "_record", str(a.out.resolve()), "--pid", str(engine.pid)]
             cmd += ["-o", str(Path(tmp) / "rec"), *shlex.split(a.record_args)]
-            rec = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+            rec = start_recorder(cmd)
             assert rec.stderr is not None
-            for line in rec.stderr:
-                if "attached to PID" in line:
-                    break
-            else:
-                raise RuntimeError(f"recorder failed: {rec.wait()}")
             if isinstance(engine, Server):
                 n = engine.load(a.seconds, a.tokens).tokens
             else:

@@ -555,6 +555,33 @@ def _replay(
     return out, states
 
 
+def _assert_same(got: tuple[Any, list[Any]], want: tuple[Any, list[Any]]) -> None:
+    """Two replays (_replay) left the same tables, column by column, and the same state after
+    each drain."""
+    (got_t, got_s), (want_t, want_s) = got, want
+    for name in want_t:
+        for col in want_t[name]:
+            assert got_t[name][col] == want_t[name][col], f"{name}.{col}"
+    for k, (g, w) in enumerate(zip(got_s, want_s, strict=True)):
+        for attr in w:
+            assert g[attr] == w[attr], f"drain {k}: {attr}"
+
+
+def _count_taken(monkeypatch: pytest.MonkeyPatch, method: str) -> list[bool]:
+    """Whether each record offered to a fast path of the correlator (`method`: _fast_step or
+    _fast_sample, which return 0 for a record they leave to the handlers) was taken there."""
+    taken: list[bool] = []
+    fast = getattr(Correlator, method)
+
+    def counting(self: Correlator, idx: Any, i: int) -> int:
+        got: int = fast(self, idx, i)
+        taken.append(got > 0)
+        return got
+
+    monkeypatch.setattr(Correlator, method, counting)
+    return taken
+
+
 @pytest.mark.parametrize("with_masks", [False, True])
 @pytest.mark.parametrize("drains", [1, 7, 40])
 def test_fast_one_row_steps_equal_the_record_by_record_path(
@@ -563,16 +590,8 @@ def test_fast_one_row_steps_equal_the_record_by_record_path(
     """Every table, every column, and every piece of state after each drain: the fast path
     must leave exactly what the six handlers leave."""
     s = _mixed_script()
-    taken = []
-    fast = Correlator._fast_step
-
-    def counting(self: Correlator, idx: object, i: int) -> int:
-        got = fast(self, idx, i)  # type: ignore[arg-type]
-        taken.append(got > 0)
-        return got
-
-    monkeypatch.setattr(Correlator, "_fast_step", counting)
-    samples = _count_fast_samples(monkeypatch)
+    taken = _count_taken(monkeypatch, "_fast_step")
+    samples = _count_taken(monkeypatch, "_fast_sample")
     got, got_states = _replay(s, drains, with_masks=with_masks)
     monkeypatch.setattr(Correlator, "_fast_step", lambda self, idx, i: 0)
     monkeypatch.setattr(Correlator, "_fast_sample", lambda self, idx, i: 0)
@@ -600,20 +619,6 @@ def test_fast_one_row_steps_equal_the_record_by_record_path(
     # the samples of the other steps (prompts, steps without an aggregate record, other contexts)
     # were mostly taken from the columns too; the incomplete, lost and split ones were not
     assert sum(samples) > 15 and not all(samples)
-
-
-def _count_fast_samples(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Whether each sampler call offered to Correlator._fast_sample was taken there."""
-    taken: list[bool] = []
-    fast = Correlator._fast_sample
-
-    def counting(self: Correlator, idx: Any, i: int) -> int:
-        got = fast(self, idx, i)
-        taken.append(got > 0)
-        return got
-
-    monkeypatch.setattr(Correlator, "_fast_sample", counting)
-    return taken
 
 
 def _server_script() -> Script:
@@ -673,30 +678,16 @@ def test_fast_one_row_steps_equal_the_handlers_on_the_server(
     monkeypatch.setattr(server_layout_check, "VERIFY_POSTS", 2)
     monkeypatch.setattr(server_layout_check, "VERIFY_LAUNCHES", 2)
     s = _server_script()
-    taken = []
-    fast = Correlator._fast_step
-
-    def counting(self: Correlator, idx: object, i: int) -> int:
-        got = fast(self, idx, i)  # type: ignore[arg-type]
-        taken.append(got > 0)
-        return got
-
-    monkeypatch.setattr(Correlator, "_fast_step", counting)
-    samples = _count_fast_samples(monkeypatch)
+    taken = _count_taken(monkeypatch, "_fast_step")
+    samples = _count_taken(monkeypatch, "_fast_sample")
     got, got_states = _replay(s, drains, with_masks=False, server=True)
     monkeypatch.setattr(Correlator, "_fast_step", lambda self, idx, i: 0)
     monkeypatch.setattr(Correlator, "_fast_sample", lambda self, idx, i: 0)
     want, want_states = _replay(s, drains, with_masks=False, server=True)
-    for name in want:
-        for col in want[name]:
-            assert got[name][col] == want[name][col], f"{name}.{col}"
-    for k, (g, w) in enumerate(zip(got_states, want_states, strict=True)):
-        for attr in w:
-            assert g[attr] == w[attr], f"drain {k}: {attr}"
+    _assert_same((got, got_states), (want, want_states))
     tok, req = want["tokens"], want["requests"]
-    assert (
-        len(tok["token_id"]) == 6 * 15 + 1
-    )  # every sample, handed to a slot or not; two in the two-slot step
+    # every sample, handed to a slot or not; two in the two-slot step
+    assert len(tok["token_id"]) == 6 * 15 + 1
     assert req["request_id"] == [
         *(f"task-1-{100 + r}" for r in (0, 1, 2)),
         "r0-0-4",
@@ -889,12 +880,7 @@ def test_sparse_runs_equal_the_record_by_record_path(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(Correlator, "_sparse_run", one_by_one)
     want, want_states = _replay(s, drains, with_masks=False)
-    for name in want:
-        for col in want[name]:
-            assert got[name][col] == want[name][col], f"{name}.{col}"
-    for k, (g, w) in enumerate(zip(got_states, want_states, strict=True)):
-        for attr in w:
-            assert g[attr] == w[attr], f"drain {k}: {attr}"
+    _assert_same((got, got_states), (want, want_states))
     routes = want["routes"]
     assert len(want["tokens"]["token_id"]) > 120 and len(routes["step_id"]) > 300
     assert sum(v is None for v in routes["act_zero_ratio"]) < len(routes["step_id"]) // 4
