@@ -29,8 +29,8 @@ from sparseety_prof.correlate.step_sparse import (
     MAX_ACT_ROWS,
     MAX_ACT_WIDTH,
     MAX_TENSOR_CELLS,
+    LayerRows,
     StepSparse,
-    _Rows,
 )
 from sparseety_prof.correlate.verification import verifying_sparse
 
@@ -98,7 +98,7 @@ class SparseColumns:
             return False
         for tc, r in tensors:
             store, layer = tc.keys[r]  # type: ignore[misc]
-            getattr(sp, store)[layer] = _Rows(tc.values[r], tc.filled[r])
+            getattr(sp, store)[layer] = LayerRows(tc.values[r], tc.filled[r])
             seen["moe"].add(layer)
         if act is not None:
             assert self.acts is not None

@@ -50,14 +50,14 @@ _ONE_FILLED.flags.writeable = False
 
 
 @dataclass
-class _Rows:
+class LayerRows:
     """A per-layer array being filled from record chunks: rows_total x width."""
 
     values: np.ndarray
     filled: np.ndarray
 
     @classmethod
-    def new(cls, rows: int, width: int, dtype: Any, fill: Any) -> _Rows:
+    def new(cls, rows: int, width: int, dtype: Any, fill: Any) -> LayerRows:
         return cls(np.full((rows, width), fill, dtype=dtype), np.zeros(rows, dtype=bool))
 
 
@@ -72,9 +72,9 @@ class Problems:
 class StepSparse(AttentionRecords):
     """Sparse records of one micro-batch, by layer (the attention part: AttentionRecords)."""
 
-    ids: dict[int, _Rows] = field(default_factory=dict)
-    weights: dict[int, _Rows] = field(default_factory=dict)
-    probs: dict[int, _Rows] = field(default_factory=dict)
+    ids: dict[int, LayerRows] = field(default_factory=dict)
+    weights: dict[int, LayerRows] = field(default_factory=dict)
+    probs: dict[int, LayerRows] = field(default_factory=dict)
     # activation: node rows (token x slot) -> zeros, below; -1 = not counted
     act_zeros: dict[int, np.ndarray] = field(default_factory=dict)
     act_below: dict[int, np.ndarray] = field(default_factory=dict)
@@ -99,9 +99,9 @@ class StepSparse(AttentionRecords):
         ids, wts = np.array(r["ids"]), np.array(r["wts"])
         # views into those copies, and one shared "filled" flag
         for layer, k in zip(np.flatnonzero(k_ids).tolist(), k_ids[k_ids != 0].tolist(), strict=True):
-            sp.ids[layer] = _Rows(ids[layer : layer + 1, :k], _ONE_FILLED)
+            sp.ids[layer] = LayerRows(ids[layer : layer + 1, :k], _ONE_FILLED)
         for layer, k in zip(np.flatnonzero(k_wts).tolist(), k_wts[k_wts != 0].tolist(), strict=True):
-            sp.weights[layer] = _Rows(wts[layer : layer + 1, :k], _ONE_FILLED)
+            sp.weights[layer] = LayerRows(wts[layer : layer + 1, :k], _ONE_FILLED)
         nr = np.asarray(r["act_nr"])
         present = np.flatnonzero(nr)
         if len(present):
@@ -185,7 +185,7 @@ class StepSparse(AttentionRecords):
         block = raw.reshape(n_rows, stride // 4)[:, :ne0]
         cur = store.get(layer)
         if cur is None or cur.values.shape != (rows_total, ne0):
-            cur = store[layer] = _Rows.new(
+            cur = store[layer] = LayerRows.new(
                 rows_total, ne0, np.int32 if is_int else np.float32, -1 if is_int else np.nan
             )
         cur.values[row0 : row0 + n_rows] = block
@@ -312,7 +312,7 @@ class StepSparse(AttentionRecords):
                 ok[ok] = filled[out_at[ok]]
             return values[np.where(ok, out_at, 0)].tolist(), ok.tolist()
 
-        def moe_column(store: dict[int, _Rows], layer: int) -> list[Any]:
+        def moe_column(store: dict[int, LayerRows], layer: int) -> list[Any]:
             got = store.get(layer)
             if got is None:
                 return none_col
