@@ -116,8 +116,10 @@ class Correlator:
         if len(idx.seqs):
             self._last_seq = max(self._last_seq or 0, int(idx.seqs[-1]))
         # the aggregate records' values, all at once (see agg_rows_batch)
-        pre = agg_rows_batch(batch.step_agg, self.layers) if len(batch.step_agg) else None
-        if len(batch.step_agg):  # agg_begin marks a pass whose activations --act-every skips: active 2
+        pre = None
+        if len(batch.step_agg):
+            pre = agg_rows_batch(batch.step_agg, self.layers)
+            # agg_begin marks a pass whose activations --act-every skips: active 2
             self.counters.act_sampled_out += int(np.count_nonzero(batch.step_agg["active"] == 2))
         self._agg_pre = dict(zip(batch.step_agg["seq"].tolist(), pre, strict=True)) if pre else {}
         kinds, n, i = idx.kinds, len(idx), 0

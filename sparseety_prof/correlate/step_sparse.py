@@ -407,35 +407,10 @@ class StepSparse(AttentionRecords):
         below: list[float | None] = []
         n_values: list[int] = []
         for got in plan[1][3]:
-            if got is None:
-                zero.append(None)
-                below.append(None)
-                n_values.append(0)
-                continue
-            if got is _UNMAPPED:
-                problems.unmapped_rows += 1
-                zero.append(None)
-                below.append(None)
-                n_values.append(0)
-                continue
-            zl, bl, slots, n, by_output = got
-            t = out_row if by_output else batch_row
-            if t is None:
-                zero.append(None)
-                below.append(None)
-                n_values.append(0)
-                continue
-            # plain Python on a handful of values (numpy's per-call cost is ~10x here)
-            zs = zl[t * slots : (t + 1) * slots]
-            bs = bl[t * slots : (t + 1) * slots]
-            if min(zs) < 0 or min(bs) < 0:
-                zero.append(None)
-                below.append(None)
-                n_values.append(0)
-                continue
-            zero.append(sum(zs) / n)
-            below.append(sum(bs) / n)
-            n_values.append(n)
+            zr, br, counted = self._act_ratios(got, out_row, batch_row, problems)
+            zero.append(zr)
+            below.append(br)
+            n_values.append(counted)
         return {
             "expert_ids": moe[0],
             "expert_weights": moe[1],
@@ -445,6 +420,28 @@ class StepSparse(AttentionRecords):
             "act_values": n_values,
             "attn_attended": self.attended(batch_row, layers.attn),
         }
+
+    @staticmethod
+    def _act_ratios(
+        got: Any, out_row: int | None, batch_row: int, problems: Problems
+    ) -> tuple[float | None, float | None, int]:
+        """One row's zero and below-threshold shares of an FFN layer (its _layer_plan entry `got`)
+        and the values counted; None, None, 0 when the layer was not counted for the row."""
+        if got is None:
+            return None, None, 0
+        if got is _UNMAPPED:
+            problems.unmapped_rows += 1
+            return None, None, 0
+        zl, bl, slots, n, by_output = got
+        t = out_row if by_output else batch_row
+        if t is None:
+            return None, None, 0
+        # plain Python on a handful of values (numpy's per-call cost is ~10x here)
+        zs = zl[t * slots : (t + 1) * slots]
+        bs = bl[t * slots : (t + 1) * slots]
+        if min(zs) < 0 or min(bs) < 0:
+            return None, None, 0
+        return sum(zs) / n, sum(bs) / n, n
 
     def _layer_plan(self, n_tokens: int, output_index: dict[int, int], layers: LayerSet) -> _LayerPlan:
         """Per MoE store and layer: None (no values), _UNMAPPED (a row count neither the batch's
