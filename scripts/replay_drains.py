@@ -18,14 +18,16 @@ the same model file), checks that it made as many token and step rows as the rec
 1 if not), and prints, per recorded token, the CPU time of each stage the recorder's
 consumer has (`meta.json` consumer.cpu_s_by_stage names): `decode` (the records viewed by
 layout), `correlate` (Correlator.feed), `rows` (take_tables, less the logits statistics),
-`logits` (those statistics) and `frames` (the tables' rows made Polars frames, as the recorder
-gathers them, and at each flush its garbage collection: session/collector.py). A flush comes
-every FLUSH_INTERVAL_S / DRAIN_INTERVAL_S drains, as under load. Not replayed: the Parquet
-writes, the aggregates and the sinks. The minimum over `--repeat` replays is printed: the
-replays are identical work, so the minimum is the one least disturbed by the rest of the
-machine. `--profile N` adds the N
-functions with the most own time in Correlator.feed (cProfile, on one more replay; its overhead
-inflates every figure of that replay, so it is printed apart).
+`logits` (those statistics), `frames` (the tables' rows made Polars frames, as the recorder
+gathers them, and at each flush its garbage collection: session/collector.py) and `write` (the
+flush: those frames to the always-on aggregates and to a recording in a temporary folder,
+Parquet segments, meta.json and its close; process CPU time, since Polars writes on its own
+threads too; `--no-write` leaves it out). A flush comes every FLUSH_INTERVAL_S /
+DRAIN_INTERVAL_S drains, as under load. Not replayed: the policies and the sinks. The minimum
+over `--repeat` replays is printed: the replays are identical work, so the minimum is the one
+least disturbed by the rest of the machine. `--profile N` adds the N functions with the most
+own time in Correlator.feed (cProfile, on one more replay; its overhead inflates every figure
+of that replay, so it is printed apart).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import os
 import pickle
 import pstats
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -50,10 +53,16 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-STAGES = ("decode", "correlate", "rows", "logits", "frames")
+STAGES = ("decode", "correlate", "rows", "logits", "frames", "write")
 
 
 # ------------------------------------------------------------------ capture
+#: meta.json keys the recording writer sets itself (the replay's writer is given the rest)
+_WRITER_META = frozenset(
+    {"format", "schema_version", "complete", "redacted", "redaction", "tables", "write_error", "rotation"}
+)
+
+
 def _record(dump: Path, argv: list[str]) -> int:
     """The recorder (`sparseety-prof record argv...`) with its drains and correlator settings
     kept in `dump` when it exits."""
@@ -88,6 +97,7 @@ def _record(dump: Path, argv: list[str]) -> int:
     # what the recorder made of them, for the replay to compare with
     meta = json.loads((Path(argv[argv.index("-o") + 1]) / "meta.json").read_text())
     kept["recorded"] = {"tokens": meta["counts"]["tokens"], "steps": meta["counts"]["steps"]}
+    kept["meta"] = {k: v for k, v in meta.items() if k not in _WRITER_META}
     with dump.open("wb") as f:
         pickle.dump({**kept, "drains": drains}, f, protocol=pickle.HIGHEST_PROTOCOL)
     return rc
@@ -131,7 +141,7 @@ def capture(a: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ replay
 def _replay_once(
-    kept: dict[str, Any], texts: Any, prof: cProfile.Profile | None
+    kept: dict[str, Any], texts: Any, prof: cProfile.Profile | None, out: Path | None
 ) -> tuple[dict[str, float], dict[str, int]]:
     from sparseety_prof.capture.events import decode_groups
     from sparseety_prof.correlate.correlator import Correlator
@@ -146,6 +156,7 @@ def _replay_once(
     serving = ServingTracker(kw["pid"]) if kw.pop("serving") else None
     corr = Correlator(**kw, texts=texts, serving=serving)
     rows = ColumnBuffer()
+    writes = _Writes(kept["meta"], out) if out is not None else None
     cpu = dict.fromkeys(STAGES, 0.0)
     made = {"tokens": 0, "steps": 0}
     clock = time.thread_time
@@ -172,15 +183,54 @@ def _replay_once(
         logits = corr.logits_cpu_s - logits0
         made["tokens"] += len(tables["tokens"]["step_id"])
         made["steps"] += len(tables["steps"]["step_id"])
-        for stage, dt in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2 - logits, logits, t4 - t3), strict=True):
+        per_drain = ("decode", "correlate", "rows", "logits", "frames")
+        for stage, dt in zip(per_drain, (t1 - t0, t2 - t1, t3 - t2 - logits, logits, t4 - t3), strict=True):
             cpu[stage] += dt
         if (k + 1) % flush_every == 0 or final:  # the recorder's flush: the rest of the rows framed
             t = clock()
-            rows.take_all()
+            frames = rows.take_all()
+            t5, p5 = clock(), time.process_time()  # Polars writes and aggregates on its own threads too
+            if writes is not None:
+                writes.flush(frames, final=final)
+            t6, p6 = clock(), time.process_time()
             collector.after_flush()
-            cpu["frames"] += clock() - t
+            cpu["frames"] += t5 - t + clock() - t6
+            cpu["write"] += p6 - p5
     collector.stop()
+    if writes is not None:
+        p = time.process_time()
+        writes.close()
+        cpu["write"] += time.process_time() - p
     return cpu, made
+
+
+class _Writes:
+    """The recorder's flush (session/recorder.py `_flush_now`) without its policy and sinks: each
+    frame to the always-on aggregates and the recording, then the aggregates of closed buckets
+    and the recording's Parquet segments and meta.json, in a new recording under `out`."""
+
+    def __init__(self, meta: dict[str, Any], out: Path) -> None:
+        from sparseety_prof.session.options import FLUSH_INTERVAL_S
+        from sparseety_prof.store.aggregates import Aggregator
+        from sparseety_prof.store.recording import list_layers
+        from sparseety_prof.store.recording_writer import RecordingWriter
+
+        shutil.rmtree(out, ignore_errors=True)
+        self.writer = RecordingWriter(out, meta)
+        self.aggregates = Aggregator(list_layers(meta), grace_s=max(10.0, 2 * FLUSH_INTERVAL_S))
+
+    def flush(self, frames: Any, *, final: bool) -> None:
+        for table, df in frames:
+            self.aggregates.add(table, df)
+            self.writer.append(table, df)
+        # the replay's clock is not the recording's: every bucket is closed at the end only
+        agg = self.aggregates.take(None) if final else None
+        if agg is not None and agg.height:
+            self.writer.append("aggregates", agg)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def replay(a: argparse.Namespace) -> int:
@@ -194,7 +244,8 @@ def replay(a: argparse.Namespace) -> int:
     best: dict[str, float] = {}
     made = {"tokens": 0, "steps": 0}
     for _ in range(a.repeat):
-        cpu, made = _replay_once(kept, texts, None)
+        with tempfile.TemporaryDirectory(prefix="sparseety-replay-") as tmp:
+            cpu, made = _replay_once(kept, texts, None, None if a.no_write else Path(tmp) / "rec")
         best = {s: min(best.get(s, float("inf")), v) for s, v in cpu.items()}
     n = max(made["tokens"], 1)
     size = sum(len(buf) for d in kept["drains"] for buf in d.values())
@@ -216,7 +267,7 @@ def replay(a: argparse.Namespace) -> int:
     )
     if a.profile:
         prof = cProfile.Profile()
-        _replay_once(kept, texts, prof)
+        _replay_once(kept, texts, prof, None)
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(a.profile)
         print("\nCorrelator.feed under cProfile (own time, one more replay):")
@@ -240,6 +291,9 @@ def main() -> int:
     r = sub.add_parser("replay", help="feed kept drains to the correlator again, timed")
     r.add_argument("drains", type=Path)
     r.add_argument("--repeat", type=int, default=3)
+    r.add_argument(
+        "--no-write", action="store_true", help="leave out the flush's aggregates and Parquet writes"
+    )
     r.add_argument("--profile", type=int, default=0, metavar="N", help="also the N costliest functions")
     a = ap.parse_args()
     return capture(a) if a.cmd == "capture" else replay(a)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 import pytest
 
 from sparseety_prof.capture import events as ev
@@ -17,11 +18,15 @@ from sparseety_prof.capture.events import EventBatch, SeqTracker, decode_records
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate import server_layout_check
 from sparseety_prof.correlate.correlator import Correlator
+from sparseety_prof.correlate.routes import RoutesTables
 from sparseety_prof.correlate.serving import ServingTracker
 from sparseety_prof.correlate.state import Step
+from sparseety_prof.correlate.step_sparse import StepSparse
 from sparseety_prof.correlate.tables import NO_SPARSE_VALUES, SPARSE_TOKEN_COLUMNS, RowBuffer
 from sparseety_prof.errors import UnsupportedEngineBuild
 from sparseety_prof.store import schema
+from sparseety_prof.store.array_rows import RowParts
+from sparseety_prof.store.buffers import ColumnBuffer
 
 N_VOCAB = 10
 CTX = 0xAAAA
@@ -393,11 +398,20 @@ def test_every_table_has_exactly_the_schema_columns() -> None:
 
 
 def _agg_step(
-    s: Script, token: int, pos: int, *, seq: int = 0, ctx: int = CTX, layers: int = 2, ops: bool = True
+    s: Script,
+    token: int,
+    pos: int,
+    *,
+    seq: int = 0,
+    ctx: int = CTX,
+    layers: int = 2,
+    ops: bool = True,
+    act: bool = True,
 ) -> None:
     """A one-row micro-batch with its aggregate record (every layer MoE and FFN, k = 2), as the
     probes send it for a decode step. Attention: the two set_input_kq_mask calls (full mask, a
-    window of 4) and, with `ops`, the graph-op nodes of layers 0 (full) and 1 (window)."""
+    window of 4) and, with `ops`, the graph-op nodes of layers 0 (full) and 1 (window). Without
+    `act`, no activation was counted (a step --act-every leaves out)."""
     r = np.zeros(1, ev.UBATCH_DTYPE)
     s._hdr(r, ev.EV_UBATCH, ctx)
     r["n_tokens"] = r["n_copied"] = 1
@@ -409,10 +423,11 @@ def _agg_step(
         a["k_ids"][0, layer] = a["k_wts"][0, layer] = 2
         a["ids"][0, layer, :2] = [(pos + layer) % 8, (pos + layer + 3) % 8]
         a["wts"][0, layer, :2] = [0.5 + 0.01 * (pos % 10), 0.5 - 0.01 * (pos % 10)]
-        a["act_nr"][0, layer] = a["act_rows"][0, layer] = a["act_slots"][0, layer] = 2
-        a["act_ne0"][0, layer] = 16
-        a["act_zero"][0, layer] = pos % 7
-        a["act_below"][0, layer] = pos % 11
+        if act:
+            a["act_nr"][0, layer] = a["act_rows"][0, layer] = a["act_slots"][0, layer] = 2
+            a["act_ne0"][0, layer] = 16
+            a["act_zero"][0, layer] = pos % 7
+            a["act_below"][0, layer] = pos % 11
     counts = [pos + 1, min(pos + 1, 4)]
     nodes = [(0x1000, 0, counts[0], ev.ATT_FLAG_KV_MASK), (0x2000, 1, counts[1], ev.ATT_FLAG_KV_MASK)]
     if ops:
@@ -519,6 +534,8 @@ def _plain(x: Any) -> Any:
         return {_plain(k): _plain(v) for k, v in x.items()}
     if isinstance(x, itertools.count):  # compares by identity: its next value is its state
         return ("count", repr(x))
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple
+        return {f: _plain(getattr(x, f)) for f in x._fields}
     if isinstance(x, list | tuple | set):
         return type(x)(_plain(v) for v in x)
     return (type(x).__name__, x)
@@ -619,6 +636,74 @@ def test_fast_one_row_steps_equal_the_record_by_record_path(
     # the samples of the other steps (prompts, steps without an aggregate record, other contexts)
     # were mostly taken from the columns too; the incomplete, lost and split ones were not
     assert sum(samples) > 15 and not all(samples)
+
+
+def _block_script() -> Script:
+    """Prompts, then one-row steps whose routing and activations all came in their aggregate
+    record (kept as arrays up to the frame), among steps whose activations were not counted,
+    steps with a layer missing, and another context's steps."""
+    s = Script()
+    logits = np.linspace(-2, 2, N_VOCAB, dtype=np.float32)
+    s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+    s.decode([1, 2, 3], [0, 1, 2])
+    s.sample(4, logits=logits)
+    pos, tok = 3, 4
+    for i in range(80):
+        s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+        _agg_step(s, tok, pos, layers=1 if i % 11 == 3 else 2, act=i % 7 != 2)
+        nxt = (tok * 7 + i) % N_VOCAB
+        s.sample(nxt, logits=logits + i)
+        pos, tok = pos + 1, nxt
+        if i % 9 == 0:
+            s.small(ev.EV_DECODE_BEGIN, -1, -1, -1, ctx=0xCCCC)  # another context's step
+            _agg_step(s, 3, i, ctx=0xCCCC)
+            s.small(ev.EV_SAMPLE_BEGIN, -1, ev.SAMPLER_LLAMA, ctx=0xCCCC)
+            s.small(ev.EV_SAMPLE_END, 5, ev.SAMPLER_LLAMA, -1, ctx=0xCCCC)
+        if i == 40:  # a new prompt on the same sequence, after a cut
+            s.small(ev.EV_SEQ_RM, 0, 0, -1, ctx=MEM)
+            s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+            s.decode([5, 6, 7, 8], [0, 1, 2, 3])
+            s.sample(9, logits=logits)
+            pos, tok = 4, 9
+    return s
+
+
+@pytest.mark.parametrize("drains", [1, 9])
+def test_routes_rows_kept_as_arrays_equal_the_per_row_lists(
+    monkeypatch: pytest.MonkeyPatch, drains: int
+) -> None:
+    """The routes rows of one-row steps kept as their aggregate records' arrays (RowParts) read as
+    the columns the per-row lists make, and make the same frame (in the buffer's order: list
+    rows, then array rows); every other table, and the state, is the same either way."""
+    s = _block_script()
+    taken: list[Any] = []
+    take = RoutesTables.take
+
+    def keeping(self: RoutesTables) -> Any:
+        got = take(self)
+        taken.append(got[0])
+        return got
+
+    monkeypatch.setattr(RoutesTables, "take", keeping)
+    got = _replay(s, drains, with_masks=False)
+    parts, taken[:] = list(taken), []
+    monkeypatch.setattr(StepSparse, "agg_block_row", lambda self: None)
+    want = _replay(s, drains, with_masks=False)
+    lists = list(taken)
+    array_rows = sum(p.n for r in parts if isinstance(r, RowParts) for p in r.arrays)
+    # most one-row steps' rows (two layers each) were arrays, and the rest lists
+    assert array_rows >= 2 * 60 and array_rows < len(want[0]["routes"]["step_id"])
+    assert not any(isinstance(r, RowParts) for r in lists)
+    assert None in want[0]["routes"]["act_values"] and None in want[0]["routes"]["act_zero_ratio"]
+    _assert_same(got, want)
+    assert got[0]["routes"] == want[0]["routes"]
+    # the frames: the buffer's, and the per-row lists' made as before
+    buf = ColumnBuffer()
+    for r in parts:
+        buf.add("routes", r, final=False)
+    frames = [df for _, df in buf.take_all()]
+    keys = ["step_id", "row", "layer"]
+    assert pl.concat(frames).sort(keys).equals(schema.frame("routes", want[0]["routes"]).sort(keys))
 
 
 def _server_script() -> Script:

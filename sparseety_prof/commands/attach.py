@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from sparseety_prof.commands.attach_flags import (
     add_attach_flags,
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     recorders: list[Recorder] = []  # the one attached now (--follow: a new one per process)
 
-    def on_update(tok: dict, steps: dict, p: Progress) -> None:
+    def on_update(tok: Mapping[str, list[Any]], steps: Mapping[str, list[Any]], p: Progress) -> None:
         rec = recorders[-1]
         if not state:
             eng, model = rec.meta.get("engine") or {}, rec.meta.get("model") or {}

@@ -61,15 +61,33 @@ def agg_row_values(r: dict[str, Any], layers: LayerSet) -> tuple[dict[str, list[
     return values, np.flatnonzero(k_ids).tolist(), ffn_seen
 
 
+class AggBlock(NamedTuple):
+    """The per-layer values of a drain's aggregate records as arrays, one row per record and one
+    column per layer of the model (its MoE layers, which are also its FFN layers): what the
+    routes table takes for a one-row step without making them Python values. Copies, never
+    views of the drained records (their memory is reused)."""
+
+    expert_ids: np.ndarray  # int32 [records, layers, k]
+    expert_weights: np.ndarray  # float32 [records, layers, k]
+    act_zero_ratio: np.ndarray  # float64 [records, layers]
+    act_below_ratio: np.ndarray  # float64 [records, layers]
+    act_values: np.ndarray  # int64 [records, layers]
+    counted: np.ndarray  # bool [records]: its activations were counted (else the three above are null)
+
+
 class AggRow(NamedTuple):
     """What the consumer needs of one aggregate record: the row's per-layer values (as
-    agg_row_values makes them), the MoE and FFN layers it saw, its attention columns.
+    agg_row_values makes them), the MoE and FFN layers it saw, its attention columns; and for a
+    record whose values are all in the drain's AggBlock (every layer MoE and FFN, all of them
+    whole), that block and its row there.
     A named tuple: one is made per token, and a frozen dataclass costs several times more to make."""
 
     values: dict[str, list[Any]]
     moe_seen: list[int]
     ffn_seen: list[int]
     attn: AggAttn
+    block: AggBlock | None = None
+    block_row: int = -1
 
 
 def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
@@ -85,8 +103,8 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
     kid = k_ids[:, moe_idx]
     kwt = arr["k_wts"][:, moe_idx]
     k = int(kid.max(initial=0))
-    ids_all = arr["ids"][:, moe_idx, :k].tolist()
-    wts_all = arr["wts"][:, moe_idx, :k].view(np.float32).tolist()
+    ids_arr, wts_arr = arr["ids"][:, moe_idx, :k], arr["wts"][:, moe_idx, :k]  # copies (fancy indexing)
+    ids_all, wts_all = ids_arr.tolist(), wts_arr.tolist()
     # the common row: every MoE layer (and no other) with k ids and k weights, every FFN layer
     # (and no other) with all its rows counted; any other row takes agg_row_values
     moe_full = ((kid == k) & (kwt == k)).all(axis=1) & (k > 0 or not moe)
@@ -101,10 +119,13 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
     # active = 2), the common row then too
     ffn_none = (nr == 0).all(axis=1)
     n_vals = nr[:, ffn_idx].astype(np.int64) * ne0[:, ffn_idx]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        zr_all = (arr["act_zero"][:, ffn_idx] / n_vals).tolist()
-        br_all = (arr["act_below"][:, ffn_idx] / n_vals).tolist()
-    nv_all = n_vals.tolist()
+    # 0 where nothing was counted (those rows' ratios are null), not NaN: the block is kept
+    counted_at = n_vals != 0
+    zr_arr = np.divide(arr["act_zero"][:, ffn_idx], n_vals, out=np.zeros(n_vals.shape), where=counted_at)
+    br_arr = np.divide(arr["act_below"][:, ffn_idx], n_vals, out=np.zeros(n_vals.shape), where=counted_at)
+    zr_all, br_all, nv_all = zr_arr.tolist(), br_arr.tolist(), n_vals.tolist()
+    # the routes table's rows line up with the records' layers when every layer is MoE and FFN
+    block = AggBlock(ids_arr, wts_arr, zr_arr, br_arr, n_vals, moe_full & ffn_full) if moe == ffn else None
     att_n = np.minimum(arr["att_n"], ev.AGG_MAX_LAYERS).tolist()
     width = max(att_n, default=0)
     c_mask, c_layer, c_count, c_flags = (
@@ -115,7 +136,9 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
     out: list[AggRow] = []
     rows_kind = zip((moe_full & ffn_full).tolist(), (moe_full & ffn_none).tolist(), att_n, strict=True)
     for i, (full, no_act, n_att) in enumerate(rows_kind):
+        at: AggBlock | None = None
         if full or no_act:
+            at = block
             moe_seen, ffn_seen = moe, ffn if full else []
             values = {
                 "expert_ids": ids_all[i],
@@ -128,7 +151,7 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
         else:
             values, moe_seen, ffn_seen = agg_row_values({f: arr[f][i] for f in _AGG_ROW_FIELDS}, layers)
         attn = (c_mask[i][:n_att], c_layer[i][:n_att], c_count[i][:n_att], c_flags[i][:n_att])
-        out.append(AggRow(values, moe_seen, ffn_seen, attn))
+        out.append(AggRow(values, moe_seen, ffn_seen, attn, at, i))
     return out
 
 

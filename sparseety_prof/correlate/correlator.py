@@ -39,7 +39,7 @@ from sparseety_prof.correlate.verification import (
     verify_ubatch,
     verifying_sparse,
 )
-from sparseety_prof.store.schema import PHASE_DECODE, PHASE_PREFILL, Tables
+from sparseety_prof.store.schema import PHASE_DECODE, PHASE_PREFILL, RowTables
 
 
 class Correlator:
@@ -179,7 +179,7 @@ class Correlator:
         """CPU time spent on the logits rows' statistics so far, in take_tables (PendingStats)."""
         return self.requests.stats.cpu_s
 
-    def take_tables(self, *, final: bool = False) -> Tables:
+    def take_tables(self, *, final: bool = False) -> RowTables:
         """The rows produced since the last call, by table: tokens, steps, routes, masks and
         requests, each with every column of its schema. With `final`, every request still open
         is finished too (end_reason "detached" unless one is known)."""

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from sparseety_prof.capture.plans import LayerSet
+from sparseety_prof.correlate.agg_record import AggBlock
 from sparseety_prof.correlate.state import Step
 from sparseety_prof.correlate.step_sparse import Problems, StepSparse
 from sparseety_prof.correlate.tables import (
@@ -21,11 +22,13 @@ from sparseety_prof.correlate.tables import (
     ROUTE_VALUES,
     RowBuffer,
 )
+from sparseety_prof.store.array_rows import ArrayRows, RowParts
 from sparseety_prof.store.schema import Columns
 
 #: the routes table's layers, per layer its index in the per-row MoE and FFN value lists, and
 #: whether every layer is both (the lists then line up with the table's layers)
 RouteLayout = tuple[list[int], list[int | None], list[int | None], bool]
+_IDS, _WEIGHTS, _PROBS, _ZERO, _BELOW, _VALUES = ROUTE_VALUES
 
 
 class RoutesTables:
@@ -44,6 +47,11 @@ class RoutesTables:
         # rows of emit's common case not yet in _routes: (step_id, ctx_id, seq, pos, row, the
         # row's values)
         self._pending: list[tuple[int, int, int, int, int, dict[str, Any]]] = []
+        # rows whose values are in an AggBlock (one-row steps): (step_id, ctx_id, seq, pos, row,
+        # the block, the record's row in it); they stay arrays up to the frame (store/array_rows.py)
+        self._blocks: list[tuple[int, int, int, int, int, AggBlock, int]] = []
+        # the order rows came in, while any are block rows: (from a block, rows), per emission
+        self._runs: list[tuple[bool, int]] = []
         self._masks = RowBuffer(MASK_ROW)
 
     def take_not_made(self) -> int:
@@ -51,11 +59,54 @@ class RoutesTables:
         n, self.rows_not_made = self.rows_not_made, 0
         return n
 
-    def take(self) -> tuple[Columns, Columns]:
-        """Routes and masks columns produced since the last call."""
+    def take(self) -> tuple[Columns | RowParts, Columns]:
+        """Routes and masks rows produced since the last call: columns, or RowParts when rows
+        came from AggBlocks."""
         self._flush()
+        routes: Columns | RowParts
         routes, self._routes = self._routes, {name: [] for name in ROUTE_ROW}
+        runs, self._runs = self._runs, []
+        if self._blocks:
+            flags = np.fromiter((a for a, _ in runs), bool, len(runs))
+            counts = np.fromiter((n for _, n in runs), np.int64, len(runs))
+            routes = RowParts(routes, self._block_rows(), np.repeat(flags, counts))
         return routes, self._masks.take()
+
+    def _block_rows(self) -> list[ArrayRows]:
+        """The block rows gathered so far as arrays, a part per run of rows of one block."""
+        rows, self._blocks = self._blocks, []
+        out, start = [], 0
+        for j in range(1, len(rows) + 1):
+            if j == len(rows) or rows[j][5] is not rows[start][5]:
+                out.append(self._block_part(rows[start:j]))
+                start = j
+        return out
+
+    def _block_part(self, rows: list[tuple[int, int, int, int, int, AggBlock, int]]) -> ArrayRows:
+        """Rows of one AggBlock: per row, one routes row per layer, as emit's common case makes
+        them (a pass whose activations were not counted has no activation values)."""
+        all_layers = self.layout()[0]
+        n_rows, n_layers = len(rows), len(all_layers)
+        blk = rows[0][5]
+        at = np.fromiter((r[6] for r in rows), np.intp, n_rows)
+        keys = np.array([r[:5] for r in rows], dtype=np.int64).reshape(n_rows, len(ROUTE_KEYS))
+        arrays: dict[str, np.ndarray | None] = {
+            name: np.repeat(keys[:, j], n_layers) for j, name in enumerate(ROUTE_KEYS)
+        }
+        arrays[ROUTE_LAYER] = np.tile(np.asarray(all_layers, dtype=np.int64), n_rows)
+        k = blk.expert_ids.shape[2]
+        arrays[_IDS] = blk.expert_ids[at].reshape(n_rows * n_layers, k)
+        arrays[_WEIGHTS] = blk.expert_weights[at].reshape(n_rows * n_layers, k)
+        arrays[_PROBS] = None  # not in an aggregate record
+        arrays[_ZERO] = blk.act_zero_ratio[at].reshape(-1)
+        arrays[_BELOW] = blk.act_below_ratio[at].reshape(-1)
+        arrays[_VALUES] = blk.act_values[at].reshape(-1)
+        counted = blk.counted[at]
+        nulls = {}
+        if not counted.all():
+            not_counted = np.repeat(~counted, n_layers)
+            nulls = {name: not_counted for name in (_ZERO, _BELOW, _VALUES)}
+        return ArrayRows(n_rows * n_layers, arrays, nulls)
 
     def layout(self) -> RouteLayout:
         """Fixed for a recording: computed once."""
@@ -96,6 +147,8 @@ class RoutesTables:
         all_layers, km_of, kf_of, identity = self.layout()
         n_layers = len(all_layers)
         cols = self._routes
+        # a one-row step whose values came whole from its aggregate record: kept in the block
+        block = sp.agg_block_row() if step.n_tokens == 1 and identity and not self.with_masks else None
         if len(step.seq) > 1:  # a prompt's rows: their values made at once
             sp.fill_rows(
                 list(range(step.row_offset, step.row_offset + len(step.seq))),
@@ -120,8 +173,13 @@ class RoutesTables:
                 if not self.make_rows:
                     self.rows_not_made += n_layers
                     continue
+                if block is not None:
+                    self._blocks.append((step.step_id, step.ctx_id, seq, pos, b, *block))
+                    self._runs.append((True, n_layers))
+                    continue
                 if not self.with_masks:  # (mask rows follow each routes row: no gathering then)
                     self._pending.append((step.step_id, step.ctx_id, seq, pos, b, v))
+                    self._runs.append((False, n_layers))
                     continue
                 keep: Sequence[int] = range(n_layers)
                 values = {
@@ -160,6 +218,7 @@ class RoutesTables:
                 cols[name].extend([value] * n)
             for name, vals in values.items():
                 cols[name].extend(vals)
+            self._runs.append((False, n))
             if self.with_masks:
                 self._emit_masks(step, sp, seq, pos, b, keep, out_index)
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.plans import LayerSet
-from sparseety_prof.correlate.agg_record import AggRow, agg_row_values
+from sparseety_prof.correlate.agg_record import AggBlock, AggRow, agg_row_values
 from sparseety_prof.correlate.attention_records import AttentionRecords
 from sparseety_prof.correlate.node_names import parse_name
 
@@ -84,6 +84,8 @@ class StepSparse(AttentionRecords):
     # row 0's routing and activation values read straight off an aggregate record (one-row
     # micro-batches: see from_agg_row); None when the per-layer stores above hold them
     _agg_row: dict[str, list[Any]] | None = None
+    # the same values in the drain's arrays (agg_rows_batch), with the record's row there
+    _agg_block: tuple[AggBlock, int] | None = None
     _row_cache: dict[int, dict[str, Any]] = field(default_factory=dict)  # asked once the pass ended
     # what each layer holds, as lists, worked out once for all rows of the pass (_layer_plan):
     # ((n_tokens, output rows, layers) it was made for, the plan)
@@ -137,7 +139,14 @@ class StepSparse(AttentionRecords):
         """The step's values from agg_rows_batch (what from_agg_row computes per record)."""
         sp = cls()
         sp._agg_row = pre.values
+        if pre.block is not None:
+            sp._agg_block = (pre.block, pre.block_row)
         return sp
+
+    def agg_block_row(self) -> tuple[AggBlock, int] | None:
+        """Where the drain's AggBlock holds row 0's values, when they are what row_values gives
+        for a one-row pass (they all came from its aggregate record); else None."""
+        return self._agg_block if self._agg_row is not None and not self.from_records else None
 
     @property
     def from_records(self) -> bool:
@@ -146,7 +155,7 @@ class StepSparse(AttentionRecords):
 
     def merge(self, other: StepSparse) -> None:
         """Take `other`'s routing and activation values (an aggregate record of the same pass)."""
-        self._agg_row = other._agg_row
+        self._agg_row, self._agg_block = other._agg_row, other._agg_block
         self.merge_attention(other)
         self.ids.update(other.ids)
         self.weights.update(other.weights)

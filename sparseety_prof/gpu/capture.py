@@ -11,6 +11,7 @@ in the metadata's errors: the recording goes on.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ class GpuCapture:
             raise
         return cls(rings, pid)
 
-    def add_steps(self, steps: dict[str, list[Any]]) -> None:
+    def add_steps(self, steps: Mapping[str, list[Any]]) -> None:
         """Host steps from the recorder's step columns (schema.STEPS names)."""
         if not steps.get("step_id"):
             return

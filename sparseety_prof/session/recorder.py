@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,7 @@ class Recorder:
         self,
         opts: Options,
         *,
-        on_update: Callable[[dict[str, list[Any]], dict[str, list[Any]], Progress], None] | None = None,
+        on_update: Callable[[Mapping[str, list[Any]], Mapping[str, list[Any]], Progress], None] | None = None,
         log: Callable[[str], None] | None = None,
         sinks: Sequence[FrameSink] = (),
     ) -> None:
@@ -407,7 +407,9 @@ class Recorder:
                 f"(layer map learned after {amap.learned_after} passes); {n} graph-op probes detached"
             )
 
-    def _poll_gpu(self, gpu: GpuCapture | None, steps: schema.Columns, *, final: bool) -> schema.Tables:
+    def _poll_gpu(
+        self, gpu: GpuCapture | None, steps: Mapping[str, list[Any]], *, final: bool
+    ) -> schema.Tables:
         if gpu is None:
             return {}
         gpu.add_steps(steps)

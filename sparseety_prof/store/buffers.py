@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import polars as pl
 
 from sparseety_prof.store import schema
+from sparseety_prof.store.array_rows import ArrayRows, RowParts
 
 
 class ColumnBuffer:
@@ -15,34 +17,60 @@ class ColumnBuffer:
     FRAME_ROWS rows are there (or at the end): building a polars frame has a fixed cost per
     column (~70 columns over the tables), which one drain's hundred tokens do not amortise. Rows
     wait here no longer than the flush interval: each flush (FlushSchedule) takes them all to the
-    writer."""
+    writer.
+
+    A table's rows may also come as RowParts (column lists and numpy arrays). The arrays are kept
+    as they are, and a frame holds the list rows first, then the array rows, each in the order
+    they came: putting them back in one order cost more than making the frame (a gather of
+    every column). What reads the rows does not depend on their order in a frame: the recording
+    sorts each table when read (store/recording.py), the policies and sinks join on keys."""
 
     FRAME_ROWS = 2048
 
     def __init__(self) -> None:
         self._cols: dict[str, dict[str, list[Any]]] = {}
+        self._arrays: dict[str, list[ArrayRows]] = {}
+        self._rows: dict[str, int] = {}
 
-    def add(self, table: str, cols: dict[str, list[Any]], *, final: bool) -> list[pl.DataFrame]:
-        """Gather one drain's rows of `table` (every column of the table, as schema.frame wants;
-        a drain without rows may pass {} or empty lists); the frames that are due."""
-        buf = self._cols.get(table)
-        if cols and len(next(iter(cols.values()))):
-            if buf is None:
-                schema.check_columns(table, cols)  # a wrong column fails at its drain, not later
-                buf = self._cols[table] = {k: list(v) for k, v in cols.items()}
-            else:
-                for k, v in cols.items():
-                    buf[k].extend(v)
-        if buf is not None and (final or len(next(iter(buf.values()), ())) >= self.FRAME_ROWS):
-            del self._cols[table]
-            return [schema.frame(table, buf)]
+    def add(self, table: str, cols: Mapping[str, list[Any]], *, final: bool) -> list[pl.DataFrame]:
+        """Gather one drain's rows of `table` (every column of the table, as schema.frame wants,
+        or RowParts; a drain without rows may pass {} or empty lists); the frames that are due."""
+        if isinstance(cols, RowParts):
+            self._add_lists(table, cols.lists)
+            if cols.arrays:
+                self._arrays.setdefault(table, []).extend(cols.arrays)
+                self._rows[table] = self._rows.get(table, 0) + sum(p.n for p in cols.arrays)
+        else:
+            self._add_lists(table, cols)
+        rows = self._rows.get(table, 0)
+        if rows and (final or rows >= self.FRAME_ROWS):
+            return [self._frame(table)]
         return []
 
     def take_all(self) -> list[tuple[str, pl.DataFrame]]:
         """Frames of every row still gathered."""
-        out = [(table, schema.frame(table, cols)) for table, cols in self._cols.items()]
-        self._cols.clear()
-        return out
+        return [(table, self._frame(table)) for table in list(self._rows)]
+
+    def _add_lists(self, table: str, cols: Mapping[str, list[Any]]) -> None:
+        n = len(next(iter(cols.values()), ())) if cols else 0
+        if not n:
+            return
+        buf = self._cols.get(table)
+        if buf is None:
+            schema.check_columns(table, cols)  # a wrong column fails at its drain, not later
+            self._cols[table] = {k: list(v) for k, v in cols.items()}
+        else:
+            for k, v in cols.items():
+                buf[k].extend(v)
+        self._rows[table] = self._rows.get(table, 0) + n
+
+    def _frame(self, table: str) -> pl.DataFrame:
+        """Every gathered row of `table` as one frame: the list rows, then the array rows."""
+        del self._rows[table]
+        cols = self._cols.pop(table, None)
+        parts = [schema.frame(table, cols)] if cols else []
+        parts += [p.frame(table) for p in ArrayRows.concat(self._arrays.pop(table, []))]
+        return pl.concat(parts) if len(parts) > 1 else parts[0]
 
 
 class FlushSchedule:

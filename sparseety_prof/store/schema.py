@@ -8,7 +8,7 @@ schema's: a misspelt or forgotten column is an error, never a column of nulls.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from itertools import chain
 from typing import Any
 
@@ -287,6 +287,9 @@ TOP_K = 5
 Columns = dict[str, list[object]]
 #: What a correlator hands over: table name -> its rows since the last call, every column present.
 Tables = dict[str, Columns]
+#: The same, where a table's rows may also be store/array_rows.py's RowParts (column lists and
+#: numpy arrays, read as columns the same way): the CPU correlator's tables.
+RowTables = dict[str, Mapping[str, list[object]]]
 
 
 def empty(table: str) -> pl.DataFrame:
@@ -354,9 +357,19 @@ def frame(table: str, cols: Columns, *, absent: Collection[str] = (), split: boo
     for name, dtype in schema.items():
         got = fast.get(name)
         if got is None:
-            got = pl.Series(name, cols[name], dtype=dtype, strict=False)
+            values = cols[name]
+            if n and values[0] is None and values.count(None) == n:
+                got = null_series(name, dtype, n)
+            else:
+                got = pl.Series(name, values, dtype=dtype, strict=False)
         series.append(got)
     return pl.DataFrame(series)
+
+
+def null_series(name: str, dtype: pl.DataType, n: int) -> pl.Series:
+    """n nulls of `dtype`: one null repeated (a list column of nulls built from Python Nones, or
+    by extend_constant, cost 60-200 us per thousand rows; this, under 10 whatever n)."""
+    return pl.Series(name, [None], dtype=dtype).new_from_index(0, n)
 
 
 def _n_rows(table: str, cols: Columns) -> int:

@@ -186,7 +186,7 @@ class LiveState:
         self.counters: dict[str, float] = {}
 
     def update(
-        self, tokens: dict[str, list[Any]], steps: dict[str, list[Any]], counters: dict[str, float]
+        self, tokens: Mapping[str, list[Any]], steps: Mapping[str, list[Any]], counters: dict[str, float]
     ) -> None:
         """Fold one batch of the consumer's new rows (column -> values) and its latest counters."""
         self.counters = dict(counters)
