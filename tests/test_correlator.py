@@ -89,7 +89,7 @@ class Script:
 def run(s: Script) -> dict[str, list[object]]:
     c = Correlator(pid=1, n_vocab=N_VOCAB, wall_offset_ns=0, texts=lambda ids: [f"t{i}" for i in ids])
     c.feed(decode_records(s.recs, 1024))
-    return c.take_tables()["tokens"]
+    return dict(c.take_tables()["tokens"])
 
 
 def test_request_lifecycle_and_fields() -> None:
@@ -388,7 +388,7 @@ def test_every_table_has_exactly_the_schema_columns() -> None:
             assert tables.keys() == {"tokens", "steps", "routes", "masks", "requests"}
             for name, cols in tables.items():
                 assert cols.keys() == schema.TABLES[name].keys(), name
-                assert schema.frame(name, cols).height == len(
+                assert schema.frame(name, dict(cols)).height == len(
                     cols["step_id" if name != "requests" else "pid"]
                 )
         assert tables["tokens"]["token_text"][0] == (None if texts is None else "t4")
