@@ -177,9 +177,12 @@ def _replay_once(
         logits0 = corr.logits_cpu_s
         tables = corr.take_tables(final=final)
         t3 = clock()
-        for table, cols in tables.items():
-            rows.add(table, cols, final=final)
+        due = [(table, df) for table, cols in tables.items() for df in rows.add(table, cols, final=final)]
         t4 = clock()
+        if writes is not None and due:  # the recorder hands a due frame on at once (_emit)
+            p = time.process_time()
+            writes.emit(due)
+            cpu["write"] += time.process_time() - p
         logits = corr.logits_cpu_s - logits0
         made["tokens"] += len(tables["tokens"]["step_id"])
         made["steps"] += len(tables["steps"]["step_id"])
@@ -219,10 +222,13 @@ class _Writes:
         self.writer = RecordingWriter(out, meta)
         self.aggregates = Aggregator(list_layers(meta), grace_s=max(10.0, 2 * FLUSH_INTERVAL_S))
 
-    def flush(self, frames: Any, *, final: bool) -> None:
+    def emit(self, frames: Any) -> None:
         for table, df in frames:
             self.aggregates.add(table, df)
             self.writer.append(table, df)
+
+    def flush(self, frames: Any, *, final: bool) -> None:
+        self.emit(frames)
         # the replay's clock is not the recording's: every bucket is closed at the end only
         agg = self.aggregates.take(None) if final else None
         if agg is not None and agg.height:

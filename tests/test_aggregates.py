@@ -44,7 +44,13 @@ def _count_by_hand(
 
     lp_edges = schema.AGGREGATE_EDGES["log_prob"]
     ratio_edges = schema.AGGREGATE_EDGES["act_zero_ratio"]
+
+    def layer(kind: str, i: int) -> int | None:
+        return layers[kind][i] if i < len(layers[kind]) else None  # past meta's layers: null
+
     for row in tokens.iter_rows(named=True):
+        if row["ts_unix_ms"] is None:
+            continue
         b = row["ts_unix_ms"] // (bucket_s * 1000) * bucket_s * 1000
         add((b, "tokens", None, 0))
         lp = row["log_prob"]
@@ -52,11 +58,13 @@ def _count_by_hand(
             add((b, "log_prob", None, max(0, min(len(lp_edges) - 2, sum(e <= lp for e in lp_edges) - 1))))
         for i, ids in enumerate(row["expert_ids"] or []):
             for e in ids or []:
-                add((b, "expert_load", layers["moe"][i], e))
-        for i, r in enumerate(row["act_zero_ratio"] or []):
-            if r is not None:
-                bin_ = max(0, min(len(ratio_edges) - 2, sum(e <= r for e in ratio_edges) - 1))
-                add((b, "act_zero_ratio", layers["ffn"][i], bin_))
+                if e is not None and e >= 0:
+                    add((b, "expert_load", layer("moe", i), e))
+        for metric in ("act_zero_ratio", "act_below_ratio"):
+            for i, r in enumerate(row[metric] or []):
+                if r is not None:
+                    bin_ = max(0, min(len(ratio_edges) - 2, sum(e <= r for e in ratio_edges) - 1))
+                    add((b, metric, layer("ffn", i), bin_))
     return out
 
 
@@ -76,6 +84,41 @@ def test_aggregates_equal_the_counts_of_their_rows() -> None:
     rows = agg.take()
     assert dict(rows.schema) == schema.AGGREGATES
     assert _as_dict(rows) == _count_by_hand(tokens, 10, LAYERS)
+
+
+def test_nulls_empty_lists_negative_ids_and_unknown_layers_are_counted_as_their_rows_say() -> None:
+    """Rows without a timestamp are not counted; null log-probs, null or empty lists, null
+    elements and negative expert ids (slots the engine left unset) count nothing; a list longer
+    than meta.json's layers counts its extra elements under a null layer."""
+    cols: schema.Columns = {c: [None] * 7 for c in schema.TOKENS}
+    cols["ts_unix_ms"] = [1_000, None, 2_000, 12_000, 12_500, 13_000, 25_000]
+    cols["log_prob"] = [-0.1, -0.2, None, -30.0, -3.0, None, -0.01]
+    cols["expert_ids"] = [
+        [[1, 2], [3, -1], [4, 5]],
+        [[1, 2], [3, 4], [5, 6]],  # no timestamp
+        None,
+        [[], None, [7, 7]],
+        [[1, 2], [3, 4], [5, 6], [7, 0]],  # a fourth MoE list: meta names three
+        [],
+        [[2, None], [0, 1], [6, 6]],
+    ]
+    cols["act_zero_ratio"] = [[0.1, None, 0.5, 1.0], None, [], [0.0, 0.05, 0.999, 0.2, 0.3], None, [0.5], []]
+    cols["act_below_ratio"] = [[0.2] * 4, [0.3] * 4, None, [None] * 4, [0.9, 0.8, 0.7, 0.6], [], [0.4] * 4]
+    tokens = schema.frame("tokens", cols)
+    agg = Aggregator(LAYERS, bucket_s=10)
+    agg.add("tokens", tokens)
+    rows = agg.take()
+    assert dict(rows.schema) == schema.AGGREGATES
+    got, want = _as_dict(rows), _count_by_hand(tokens, 10, LAYERS)
+    assert got == want
+    assert (10_000, "expert_load", None, 7) in got and (10_000, "act_zero_ratio", None, 6) in got
+    assert got[(10_000, "expert_load", 5, 7)] == 2 and (0, "expert_load", 3, 2**31 - 1) not in got
+    assert sum(c for (_, m, _, _), c in got.items() if m == "tokens") == 6
+    # nothing to count at all
+    empty = Aggregator(LAYERS)
+    empty.add("tokens", tokens.head(0))
+    empty.add("tokens", tokens.slice(1, 1).with_columns(pl.lit(None, dtype=pl.Int64()).alias("ts_unix_ms")))
+    assert empty.take().height == 0
 
 
 def test_buckets_handed_out_as_they_close_add_up_to_the_same_counts() -> None:

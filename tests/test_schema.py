@@ -44,6 +44,8 @@ RAGGED = [
     ([[], []], pl.List(pl.Int32())),
     ([None, None], pl.List(pl.Int32())),  # all null: the general path, cheap then
     ([[1, None], [2]], pl.List(pl.Int32())),  # None inside a row: general path
+    ([[0.5, None], [0.25]], pl.List(pl.Float32())),  # ... of floats too: numpy would make it NaN
+    ([[0.5, math.nan], [0.25]], pl.List(pl.Float32())),  # a real NaN: general path, stays NaN
     ([[[1], [2, 3]], [[4]]], pl.List(pl.List(pl.Int32()))),  # lists of lists: general path
     ([["a"], ["b", "c"]], pl.List(pl.String())),  # not numbers: general path
 ]
@@ -54,7 +56,8 @@ def test_ragged_path_equals_general_path(values: list[object], dtype: pl.DataTyp
     fast = schema._ragged_list_series("c", values, dtype)
     rows: list[Any] = [v for v in values if v is not None]
     plain = dtype in (pl.List(pl.Int32()), pl.List(pl.Int64()), pl.List(pl.Float32()))
-    assert (fast is not None) == (plain and bool(rows) and all(x is not None for v in rows for x in v))
+    numbers = all(x is not None and x == x for v in rows for x in v)  # (x != x: NaN)
+    assert (fast is not None) == (plain and bool(rows) and numbers)
     want = _general(values, dtype)
     got = fast if fast is not None else want
     assert_series_equal(got, want)

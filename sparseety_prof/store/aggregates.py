@@ -15,6 +15,7 @@ import numpy as np
 import polars as pl
 
 from sparseety_prof.store import schema
+from sparseety_prof.store.aggregate_counts import NO_LAYER, count_keys, flat_list, layer_of, valid
 
 _KEYS = ["bucket_unix_ms", "metric", "layer", "bin"]
 # the columns each aggregated table is counted from
@@ -99,85 +100,83 @@ class Aggregator:
             if not frames:
                 continue
             df = pl.concat(frames) if len(frames) > 1 else frames[0]
-            if table == "tokens":
-                parts = self._token_counts(df)
-            else:
-                parts = [self._histogram(df, "step_ms", (pl.col("t_end_ns") - pl.col("t_start_ns")) / 1e6)]
+            parts = self._token_counts(df) if table == "tokens" else [self._step_counts(df)]
             self._pending.extend(p for p in parts if p.height)
         if len(self._pending) > 64:  # keep the pending list short: fold it now and then
             self._pending = [combine(pl.concat(self._pending))]
 
     # ---------------------------------------------------------------- per metric
     def _token_counts(self, df: pl.DataFrame) -> list[pl.DataFrame]:
-        df = df.filter(pl.col("ts_unix_ms").is_not_null())
-        parts = [self._finish(df.group_by(self._bucket()).agg(pl.len().alias("count")), "tokens", bin_=0)]
+        ts = df["ts_unix_ms"]
+        keep = valid(ts)
+        if not keep.all():
+            df = df.filter(pl.Series(keep))
+        bucket = self._bucket_of(df["ts_unix_ms"].to_numpy())
+        parts = [self._counts("tokens", bucket, np.zeros(len(bucket), dtype=np.int64))]
         if "log_prob" not in self.leave_out:
-            parts.append(self._histogram(df, "log_prob", pl.col("log_prob")))
+            lp = df["log_prob"]
+            ok = valid(lp)
+            parts.append(self._counts("log_prob", bucket[ok], _bins("log_prob", lp.to_numpy()[ok])))
         if "expert_load" not in self.leave_out:
-            parts.append(self._expert_load(df))
+            parts.append(self._expert_load(df, bucket))
         for ratio in ("act_zero_ratio", "act_below_ratio"):
             if ratio not in self.leave_out:
-                parts.append(self._per_layer_histogram(df, ratio))
+                parts.append(self._per_layer_histogram(df, bucket, ratio))
         return parts
 
-    def _bucket(self) -> pl.Expr:
+    def _step_counts(self, df: pl.DataFrame) -> pl.DataFrame:
+        ts, t0, t1 = df["ts_unix_ms"], df["t_start_ns"], df["t_end_ns"]
+        ok = valid(ts) & valid(t0) & valid(t1)
+        ms = (t1.to_numpy()[ok].astype(np.int64) - t0.to_numpy()[ok].astype(np.int64)) / 1e6
+        return self._counts("step_ms", self._bucket_of(ts.to_numpy()[ok]), _bins("step_ms", ms))
+
+    def _bucket_of(self, ts_unix_ms: np.ndarray) -> np.ndarray:
         ms = self.bucket_s * 1000
-        return ((pl.col("ts_unix_ms") // ms) * ms).alias("bucket_unix_ms")
+        return (ts_unix_ms.astype(np.int64) // ms) * ms
 
-    def _histogram(self, df: pl.DataFrame, metric: str, value: pl.Expr) -> pl.DataFrame:
-        got = df.select(self._bucket(), value.alias("v")).drop_nulls()
-        if got.height == 0:
-            return schema.empty("aggregates")
-        got = got.with_columns(pl.Series("bin", _bins(metric, got["v"].to_numpy())))
-        return self._finish(got.group_by("bucket_unix_ms", "bin").agg(pl.len().alias("count")), metric)
+    def _expert_load(self, df: pl.DataFrame, bucket: np.ndarray) -> pl.DataFrame:
+        """Each selection of an expert (a non-negative id) in a layer's list of a token row."""
+        token, index, per_layer = flat_list(df["expert_ids"])
+        at, _, ids = flat_list(per_layer)
+        e = ids.fill_null(-1).to_numpy().astype(np.int64)
+        ok = e >= 0
+        layer = layer_of(index[at[ok]], self._layers.get("moe"))
+        return self._counts("expert_load", bucket[token[at[ok]]], e[ok], layer)
 
-    def _layer_of(self, kind: str) -> pl.Expr:
-        """The model layer of a per-layer list's element (its index in pl.col("i"))."""
-        layers = self._layers.get(kind)
-        if not layers:
-            return pl.col("i").cast(pl.Int32).alias("layer")
-        return pl.col("i").replace_strict(
-            list(range(len(layers))), layers, default=None, return_dtype=pl.Int32
+    def _per_layer_histogram(self, df: pl.DataFrame, bucket: np.ndarray, metric: str) -> pl.DataFrame:
+        token, index, values = flat_list(df[metric])
+        ok = valid(values)
+        layer = layer_of(index[ok], self._layers.get(schema.TOKEN_LIST_LAYERS[metric]))
+        return self._counts(metric, bucket[token[ok]], _bins(metric, values.to_numpy()[ok]), layer)
+
+    def _counts(
+        self, metric: str, bucket: np.ndarray, bin_: np.ndarray, layer: np.ndarray | None = None
+    ) -> pl.DataFrame:
+        """schema.AGGREGATES rows: how many values fall in each (bucket, layer, bin)."""
+        ms = self.bucket_s * 1000
+        at = bucket // ms  # bucket indices: a small range of keys (aggregate_counts.count_keys)
+        keys, counts = count_keys(at, bin_) if layer is None else count_keys(at, layer, bin_)
+        keys[0] = keys[0] * ms
+        n = len(counts)
+        if layer is None:
+            layer_col = schema.null_series("layer", pl.Int32(), n)
+        else:
+            layer_col = pl.Series("layer", keys[1], dtype=pl.Int64()).cast(pl.Int32())
+            missing = keys[1] == NO_LAYER
+            if missing.any():
+                layer_col = pl.select(
+                    pl.when(pl.Series(missing)).then(None).otherwise(layer_col).alias("layer")
+                ).to_series()
+        return pl.DataFrame(
+            [
+                pl.Series("bucket_unix_ms", keys[0], dtype=pl.Int64()),
+                pl.Series("bucket_s", [self.bucket_s], dtype=pl.Int32()).new_from_index(0, n),
+                pl.Series("metric", [metric], dtype=pl.String()).new_from_index(0, n),
+                layer_col,
+                pl.Series("bin", keys[-1], dtype=pl.Int64()).cast(pl.Int32()),
+                pl.Series("count", counts, dtype=pl.Int64()),
+            ]
         )
-
-    def _exploded(self, df: pl.DataFrame, column: str) -> pl.DataFrame:
-        """(bucket, i, value) for each element of the per-layer list `column`."""
-        got = df.select(self._bucket(), column).filter(pl.col(column).is_not_null())
-        if got.height == 0:
-            return pl.DataFrame()
-        got = got.with_columns(pl.int_ranges(0, pl.col(column).list.len()).alias("i"))
-        return got.explode(column, "i").drop_nulls(column)
-
-    def _expert_load(self, df: pl.DataFrame) -> pl.DataFrame:
-        got = self._exploded(df, "expert_ids")
-        if got.height == 0:
-            return schema.empty("aggregates")
-        got = got.explode("expert_ids").drop_nulls("expert_ids").filter(pl.col("expert_ids") >= 0)
-        got = got.with_columns(self._layer_of("moe").alias("layer"), pl.col("expert_ids").alias("bin"))
-        return self._finish(
-            got.group_by("bucket_unix_ms", "layer", "bin").agg(pl.len().alias("count")), "expert_load"
-        )
-
-    def _per_layer_histogram(self, df: pl.DataFrame, metric: str) -> pl.DataFrame:
-        got = self._exploded(df, metric)
-        if got.height == 0:
-            return schema.empty("aggregates")
-        got = got.with_columns(
-            self._layer_of(schema.TOKEN_LIST_LAYERS[metric]).alias("layer"),
-            pl.Series("bin", _bins(metric, got[metric].to_numpy())),
-        )
-        return self._finish(
-            got.group_by("bucket_unix_ms", "layer", "bin").agg(pl.len().alias("count")), metric
-        )
-
-    def _finish(self, counts: pl.DataFrame, metric: str, *, bin_: int | None = None) -> pl.DataFrame:
-        if bin_ is not None:
-            counts = counts.with_columns(pl.lit(bin_).alias("bin"))
-        if "layer" not in counts.columns:
-            counts = counts.with_columns(pl.lit(None).alias("layer"))
-        return counts.with_columns(
-            pl.lit(self.bucket_s).alias("bucket_s"), pl.lit(metric).alias("metric")
-        ).select(pl.col(c).cast(t) for c, t in schema.AGGREGATES.items())
 
 
 def combine(rows: pl.DataFrame) -> pl.DataFrame:

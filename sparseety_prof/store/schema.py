@@ -460,6 +460,8 @@ def _ragged_list_series(name: str, values: list[object], dtype: pl.DataType) -> 
         flat: Any = np.fromiter(chain.from_iterable(rows), np_type, count=int(lens.sum()))  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return None  # None or something not a number among the values
+    if flat.dtype.kind == "f" and np.isnan(flat).any():
+        return None  # numpy reads None as NaN into floats: let polars keep it null
     whole = pl.Series(name, flat).implode()
     starts = np.cumsum(lens) - lens
     s = (
