@@ -16,8 +16,10 @@ import pytest
 from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.events import EventBatch, SeqTracker, decode_records
 from sparseety_prof.capture.plans import LayerSet
+from sparseety_prof.correlate import routes as routes_module
 from sparseety_prof.correlate import server_layout_check
 from sparseety_prof.correlate.correlator import Correlator
+from sparseety_prof.correlate.pass_arrays import route_arrays
 from sparseety_prof.correlate.routes import RoutesTables
 from sparseety_prof.correlate.serving import ServingTracker
 from sparseety_prof.correlate.state import Step
@@ -975,6 +977,94 @@ def test_sparse_runs_equal_the_record_by_record_path(monkeypatch: pytest.MonkeyP
     assert want_states[-1]["problems"]["unmapped_rows"] == ("int", 4)
     # most runs were stored at once once verification was done; the planted ones were not
     assert sum(stored) >= 20 and not all(stored)
+
+
+def _prompt_script() -> Script:
+    """Prompts of 5 to 9 rows with per-layer routing and activation records, the last layer's
+    for the output row only (as llama.cpp computes it), each followed by a few decode steps; and
+    among them what the arrays must leave to the per-row path: a layer's router probabilities
+    alone, a row of a layer not counted, a layer with no routing, a layer's rows neither the
+    batch's nor its outputs'. Router probabilities on every layer, every layer computed for every
+    row, and two output rows take the arrays."""
+    s = Script()
+    logits = np.linspace(-1, 1, N_VOCAB, dtype=np.float32)
+    for i in range(12):
+        n = 5 + i % 5
+        outputs = [0] * (n - 1) + [1]
+        if i == 9:
+            outputs[1] = 1  # two outputs (logits of rows 1 and n - 1)
+        s.small(ev.EV_SEQ_RM, 0, 0, -1, ctx=MEM)
+        s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+        r = np.zeros(1, ev.UBATCH_DTYPE)
+        s._hdr(r, ev.EV_UBATCH)
+        r["n_tokens"] = r["n_copied"] = n
+        r["token"][0, :n], r["pos"][0, :n], r["seq_id"][0, :n] = [(i + j) % 9 for j in range(n)], range(n), 0
+        r["output"][0, :n] = outputs
+        s.recs.append(r.tobytes())
+        n_out = sum(outputs)
+        for layer in (0, 1):
+            rows = n if layer == 0 or i == 7 else n_out  # the last layer: output rows only, but in pass 7
+            if i == 11 and layer == 1:
+                rows = n - 1  # neither the batch's rows nor its outputs'
+            ids = np.array(
+                [[(i + j + layer) % 8, (i + 3 * j + layer + 1) % 8] for j in range(rows)], np.int32
+            )
+            ids[:, 1] = np.where(ids[:, 0] == ids[:, 1], (ids[:, 1] + 1) % 8, ids[:, 1])
+            wts = np.array([[0.6 + 0.01 * j, 0.4 - 0.01 * j] for j in range(rows)], np.float32)
+            if not (i == 8 and layer == 1):  # pass 8: no routing for layer 1
+                _tensor_rec(s, layer, ev.TAG_EXPERT_IDS, ids)
+                _tensor_rec(s, layer, ev.TAG_EXPERT_WEIGHTS, wts)
+            if i == 3 or (i == 4 and layer == 0):  # every layer's probabilities; then layer 0's alone
+                probs = np.full((rows, 8), 0.125, np.float32)
+                probs[:, layer] += 0.01 * i
+                _tensor_rec(s, layer, ev.TAG_ROUTER_PROBS, probs)
+            total = 2 * rows
+            if i == 5 and layer == 0:
+                _act_rec(s, layer, 0, total - 2, total, base=i)  # the last row not counted
+            else:
+                _act_rec(s, layer, 0, total, total, base=i + layer)
+        s.small(ev.EV_UBATCH_END)
+        for j in np.flatnonzero(outputs).tolist():
+            s.sample((i * 5 + j) % N_VOCAB, idx=j, logits=logits + i)
+        tok = (i * 5 + n - 1) % N_VOCAB
+        for k in range(3):
+            s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+            _agg_step(s, tok, n + k)
+            s.sample((tok + k) % N_VOCAB, logits=logits)
+            tok = (tok + k) % N_VOCAB
+    return s
+
+
+@pytest.mark.parametrize("drains", [1, 5])
+def test_prompt_routes_rows_as_arrays_equal_the_per_row_path(
+    monkeypatch: pytest.MonkeyPatch, drains: int
+) -> None:
+    """A regular prompt's routes rows, made as arrays from its per-layer stores, equal the rows the
+    per-row path makes, and so does every other table; an irregular prompt leaves them to the
+    per-row path, which counts what it counts (the same problems either way)."""
+    s = _prompt_script()
+    calls: list[bool] = []
+
+    def counting(*a: Any) -> Any:
+        got = route_arrays(*a)
+        calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(routes_module, "route_arrays", counting)
+    got, got_states = _replay(s, drains, with_masks=False)
+    monkeypatch.setattr(routes_module, "route_arrays", lambda *a: None)
+    want, want_states = _replay(s, drains, with_masks=False)
+    # passes 4, 5, 8 and 11 take the per-row path, every other one the arrays
+    assert calls == [i not in (4, 5, 8, 11) for i in range(12)]
+    for name in want:
+        for col in want[name]:
+            assert got[name][col] == want[name][col], f"{name}.{col}"
+    assert got_states[-1]["problems"] == want_states[-1]["problems"]
+    assert want_states[-1]["problems"]["unmapped_rows"] != ("int", 0)  # pass 11's rows
+    r = want["routes"]
+    assert any(v is not None for v in r["router_probs"]) and None in r["act_zero_ratio"]
+    # rows of the last layer for the output rows only: fewer rows than rows x layers
+    assert len(r["step_id"]) < 2 * sum(5 + i % 5 for i in range(12)) + 2 * 36
 
 
 @pytest.mark.parametrize("drains", [1, 7])

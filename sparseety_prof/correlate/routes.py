@@ -12,6 +12,7 @@ import numpy as np
 
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate.agg_record import AggBlock
+from sparseety_prof.correlate.pass_arrays import PassArrays, PassRows, route_arrays
 from sparseety_prof.correlate.state import Step
 from sparseety_prof.correlate.step_sparse import Problems, StepSparse
 from sparseety_prof.correlate.tables import (
@@ -29,6 +30,7 @@ from sparseety_prof.store.schema import Columns
 #: whether every layer is both (the lists then line up with the table's layers)
 RouteLayout = tuple[list[int], list[int | None], list[int | None], bool]
 _IDS, _WEIGHTS, _PROBS, _ZERO, _BELOW, _VALUES = ROUTE_VALUES
+_STEP, _CTX, _SEQ, _POS, _ROW = ROUTE_KEYS
 
 
 class RoutesTables:
@@ -50,6 +52,8 @@ class RoutesTables:
         # rows whose values are in an AggBlock (one-row steps): (step_id, ctx_id, seq, pos, row,
         # the block, the record's row in it); they stay arrays up to the frame (store/array_rows.py)
         self._blocks: list[tuple[int, int, int, int, int, AggBlock, int]] = []
+        # rows made arrays already (the blocks' rows before them, and multi-row passes'), in order
+        self._arrays: list[ArrayRows] = []
         # the order rows came in, while any are block rows: (from a block, rows), per emission
         self._runs: list[tuple[bool, int]] = []
         self._masks = RowBuffer(MASK_ROW)
@@ -66,16 +70,19 @@ class RoutesTables:
         routes: Columns | RowParts
         routes, self._routes = self._routes, {name: [] for name in ROUTE_ROW}
         runs, self._runs = self._runs, []
-        if self._blocks:
+        self._arrays.extend(self._block_rows())
+        if self._arrays:
             flags = np.fromiter((a for a, _ in runs), bool, len(runs))
             counts = np.fromiter((n for _, n in runs), np.int64, len(runs))
-            routes = RowParts(routes, self._block_rows(), np.repeat(flags, counts))
+            routes = RowParts(routes, self._arrays, np.repeat(flags, counts))
+            self._arrays = []
         return routes, self._masks.take()
 
     def _block_rows(self) -> list[ArrayRows]:
         """The block rows gathered so far as arrays, a part per run of rows of one block."""
         rows, self._blocks = self._blocks, []
-        out, start = [], 0
+        out: list[ArrayRows] = []
+        start = 0
         for j in range(1, len(rows) + 1):
             if j == len(rows) or rows[j][5] is not rows[start][5]:
                 out.append(self._block_part(rows[start:j]))
@@ -149,6 +156,18 @@ class RoutesTables:
         cols = self._routes
         # a one-row step whose values came whole from its aggregate record: kept in the block
         block = sp.agg_block_row() if step.n_tokens == 1 and identity and not self.with_masks else None
+        # a prompt: the token rows need the per-row values of its output rows only (a server
+        # step of several slots, all outputs, needs them all: the arrays would be extra work)
+        prompt = len(step.seq) > 2 * len(out_index)
+        if prompt and identity and self.make_rows and not self.with_masks:
+            rows = slice(step.row_offset, step.row_offset + len(step.seq))
+            got = route_arrays(sp, PassRows.of(rows, step.n_tokens, out_index), self.layers)
+            if got is not None:  # a regular pass: its rows as arrays, no per-row values
+                self._arrays.extend(self._block_rows())  # (the rows before it first)
+                part = self._pass_part(step, rows, got)
+                self._arrays.append(part)
+                self._runs.append((True, part.n))
+                return
         if len(step.seq) > 1:  # a prompt's rows: their values made at once
             sp.fill_rows(
                 list(range(step.row_offset, step.row_offset + len(step.seq))),
@@ -221,6 +240,28 @@ class RoutesTables:
             self._runs.append((False, n))
             if self.with_masks:
                 self._emit_masks(step, sp, seq, pos, b, keep, out_index)
+
+    def _pass_part(self, step: Step, rows: slice, got: PassArrays) -> ArrayRows:
+        """The routes rows of a regular prompt pass (pass_arrays.route_arrays): per batch row, a
+        row per layer the engine computed for it, in the order of the per-row path."""
+        all_layers = self.layout()[0]
+        n_rows, n_layers = len(step.seq), len(all_layers)
+        n = n_rows * n_layers
+        keep = got.present.reshape(n)
+        arrays: dict[str, np.ndarray | None] = {
+            _STEP: np.full(n, step.step_id, dtype=np.int64),
+            _CTX: np.full(n, step.ctx_id, dtype=np.int64),
+            _SEQ: np.repeat(step.seq.astype(np.int64), n_layers),
+            _POS: np.repeat(step.pos.astype(np.int64), n_layers),
+            _ROW: np.repeat(np.arange(rows.start, rows.stop, dtype=np.int64), n_layers),
+            ROUTE_LAYER: np.tile(np.asarray(all_layers, dtype=np.int64), n_rows),
+        }
+        for name in ROUTE_VALUES:
+            v = got.values[name]
+            arrays[name] = None if v is None else v.reshape(n, *v.shape[2:])
+        if not keep.all():
+            arrays = {name: None if a is None else a[keep] for name, a in arrays.items()}
+        return ArrayRows(int(keep.sum()), arrays)
 
     def _emit_masks(
         self,

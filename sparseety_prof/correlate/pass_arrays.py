@@ -1,0 +1,164 @@
+"""The routes rows of a prompt pass as arrays, made from the pass's per-layer stores in a few
+numpy calls, when the pass is regular: every layer MoE and FFN, its values for every batch row
+or for every output row (llama.cpp computes the last layer of a prompt for its output rows only),
+every such row routed and counted.
+
+The per-row path (StepSparse.row_values, then a row per layer) costs a few microseconds per row
+and layer in Python, though only the token rows (the output rows) need the per-row values: every
+other row of a prompt is a routes row only. Anything irregular (a layer missing, a row count
+neither the batch's nor its outputs', a row not filled or not counted) returns None: the per-row
+path then makes the rows, and counts what it counts."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from sparseety_prof.capture.plans import LayerSet
+from sparseety_prof.correlate.step_sparse import LayerRows, StepSparse
+
+
+class PassRows(NamedTuple):
+    """Batch rows of a pass and where each layer's value rows are: `batch` (their indices in the
+    batch), `out_at` (their output row, -1 for none), `has_out` (out_at >= 0); `n_tokens` and
+    `n_out` the pass's rows and output rows."""
+
+    batch: np.ndarray
+    out_at: np.ndarray
+    has_out: np.ndarray
+    n_tokens: int
+    n_out: int
+
+    @classmethod
+    def of(cls, rows: slice, n_tokens: int, output_index: dict[int, int]) -> PassRows:
+        out_at = np.array([output_index.get(b, -1) for b in range(rows.start, rows.stop)], dtype=np.intp)
+        batch = np.arange(rows.start, rows.stop, dtype=np.intp)
+        return cls(batch, out_at, out_at >= 0, n_tokens, len(output_index))
+
+
+class PassArrays(NamedTuple):
+    """route_arrays' result: per value column of the routes table (ROUTE_VALUES names), [rows x
+    layers(, width)] (None: a column with no value, router_probs not captured), and which (row,
+    layer) cells the engine computed (a routes row each)."""
+
+    values: dict[str, np.ndarray | None]
+    present: np.ndarray
+
+
+def route_arrays(sp: StepSparse, at: PassRows, layers: LayerSet) -> PassArrays | None:
+    """The rows `at` x the layers `layers.moe` (which are also `layers.ffn`) of a regular pass;
+    None otherwise. The layers' arrays are stacked first, so that the numpy calls are per pass
+    and kind of layer, not per layer."""
+    ids = _moe(sp.ids, at, layers.moe)
+    weights = _moe(sp.weights, at, layers.moe)
+    if ids is None or weights is None or ids[0].shape != weights[0].shape or not ids[0].shape[2]:
+        return None
+    if not (ids[1] == weights[1]).all():
+        return None
+    probs = None
+    if sp.probs:
+        got = _moe(sp.probs, at, layers.moe)
+        if got is None or not (got[1] == ids[1]).all():
+            return None
+        probs = got[0]
+    act = _act(sp, at, layers.ffn)
+    if act is None or not (act[3] == ids[1]).all():
+        return None
+    zero, below, n_values, _ = act
+    return PassArrays(
+        {
+            "expert_ids": ids[0],
+            "expert_weights": weights[0],
+            "router_probs": probs,
+            "act_zero_ratio": zero,
+            "act_below_ratio": below,
+            "act_values": n_values,
+        },
+        ids[1],
+    )
+
+
+def _by_output(total: int, at: PassRows) -> bool | None:
+    """Whether a layer holding `total` value rows holds them per output row (False: per batch
+    row); None when neither."""
+    if total == at.n_tokens:
+        return False
+    return True if total == at.n_out else None
+
+
+def _moe(
+    store: dict[int, LayerRows], at: PassRows, layers: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The store's values of the rows for every layer, [rows x layers x width], and which cells
+    hold one; None unless every layer holds a filled value row per batch row or per output row,
+    all of one width."""
+    got: list[LayerRows] = []
+    modes: list[bool] = []
+    for layer in layers:
+        lr = store.get(layer)
+        mode = None if lr is None else _by_output(len(lr.values), at)
+        if lr is None or mode is None:
+            return None
+        got.append(lr)
+        modes.append(mode)
+    if not got or len({lr.values.shape[1] for lr in got}) != 1:
+        return None
+    n_rows, width = len(at.batch), got[0].values.shape[1]
+    values = np.zeros((n_rows, len(got), width), dtype=got[0].values.dtype)
+    present = np.zeros((n_rows, len(got)), dtype=bool)
+    for by_output in (False, True):
+        cols = np.array([j for j, m in enumerate(modes) if m is by_output], dtype=np.intp)
+        if not len(cols):
+            continue
+        src = at.out_at[at.has_out] if by_output else at.batch
+        dst = np.flatnonzero(at.has_out) if by_output else np.arange(n_rows)
+        if not np.stack([got[j].filled for j in cols.tolist()])[:, src].all():
+            return None  # a row not filled
+        values[np.ix_(dst, cols)] = np.stack([got[j].values for j in cols.tolist()], axis=1)[src]
+        present[np.ix_(dst, cols)] = True
+    return values, present
+
+
+def _act(
+    sp: StepSparse, at: PassRows, layers: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """Zero and below-threshold ratios and values counted, [rows x layers], and which cells hold
+    them; None unless every layer counted every row it holds, all with one number of node rows
+    per token."""
+    slots = {sp.act_slots.get(layer) for layer in layers}
+    if len(slots) != 1 or None in slots:
+        return None
+    (n_slots,) = slots
+    assert n_slots is not None
+    n_rows = len(at.batch)
+    zero = np.zeros((n_rows, len(layers)))
+    below = np.zeros((n_rows, len(layers)))
+    n_values = np.zeros((n_rows, len(layers)), dtype=np.int64)
+    present = np.zeros((n_rows, len(layers)), dtype=bool)
+    modes: list[bool] = []
+    for layer in layers:
+        z = sp.act_zeros.get(layer)
+        mode = None if z is None or len(z) % n_slots else _by_output(len(z) // n_slots, at)
+        if mode is None:
+            return None
+        modes.append(mode)
+    for by_output in (False, True):
+        cols = np.array([j for j, m in enumerate(modes) if m is by_output], dtype=np.intp)
+        if not len(cols):
+            continue
+        src = at.out_at[at.has_out] if by_output else at.batch
+        dst = np.flatnonzero(at.has_out) if by_output else np.arange(n_rows)
+        tokens = at.n_out if by_output else at.n_tokens
+        picked = [layers[j] for j in cols.tolist()]
+        counts = np.stack([sp.act_zeros[la] for la in picked] + [sp.act_below[la] for la in picked])
+        counts = counts.reshape(2, len(cols), tokens, n_slots)[:, :, src]
+        if (counts < 0).any():
+            return None  # a row not counted
+        n = np.array([n_slots * sp.act_width[la] for la in picked], dtype=np.int64)
+        sums = counts.sum(axis=3)  # [zero/below, layers, rows]
+        zero[np.ix_(dst, cols)] = (sums[0] / n[:, None]).T
+        below[np.ix_(dst, cols)] = (sums[1] / n[:, None]).T
+        n_values[np.ix_(dst, cols)] = n
+        present[np.ix_(dst, cols)] = True
+    return zero, below, n_values, present
