@@ -187,7 +187,7 @@ def test_aggregate_policy_keeps_the_counts_of_a_full_recording_and_counts_what_i
     # the full recording's aggregates are its rows, counted independently
     layers = {k: v for k, v in rf.meta["layers"].items() if isinstance(v, list)}
     got = _as_dict(rf.aggregates())
-    counted = {"tokens", "log_prob", "expert_load", "act_zero_ratio"}
+    counted = {"tokens", "log_prob", "expert_load", "act_zero_ratio", "act_below_ratio"}
     assert {k: v for k, v in got.items() if k[1] in counted} == _count_by_hand(tokens, 1, layers)
     assert _summed(got, ("tokens",)) == {("tokens", None, 0): generated}
     assert _summed(got, ("expert_load",)) and _summed(got, ("act_zero_ratio",))  # the model is sparse

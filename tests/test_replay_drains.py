@@ -42,6 +42,7 @@ def test_replayed_drains_make_the_recorders_rows(tmp_path: Path) -> None:
     n_tok, n_steps = int(recorded.split()[0]), int(recorded.split(" and ")[1].split()[0])
     assert n_tok > 16 and n_steps >= n_tok  # several requests: a step per token, prompts too
     assert replayed == f"{n_tok} and {n_steps}"
-    stages = rep.stdout.splitlines()[-1]
+    header, stages = rep.stdout.splitlines()[-3], rep.stdout.splitlines()[-1]
+    assert header == "| decode | correlate | rows | logits | frames | write | sum |"  # the flush's writes too
     assert stages.startswith("| ") and stages.endswith(" µs |")
     assert os.path.getsize(drains) > 0
