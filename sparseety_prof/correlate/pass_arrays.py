@@ -11,6 +11,7 @@ path then makes the rows, and counts what it counts."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -29,6 +30,19 @@ class PassRows(NamedTuple):
     has_out: np.ndarray
     n_tokens: int
     n_out: int
+
+    def by_mode(self, modes: list[bool]) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+        """Per kind of layer (values per batch row, then per output row) among `modes` (each
+        layer's: whether per output row): those layers' indices, the value rows to read, the
+        rows of the pass they fill, and how many value rows each of those layers holds."""
+        for by_output in (False, True):
+            cols = np.array([j for j, m in enumerate(modes) if m is by_output], dtype=np.intp)
+            if not len(cols):
+                continue
+            if by_output:
+                yield cols, self.out_at[self.has_out], np.flatnonzero(self.has_out), self.n_out
+            else:
+                yield cols, self.batch, np.arange(len(self.batch)), self.n_tokens
 
     @classmethod
     def of(cls, rows: slice, n_tokens: int, output_index: dict[int, int]) -> PassRows:
@@ -107,12 +121,7 @@ def _moe(
     n_rows, width = len(at.batch), got[0].values.shape[1]
     values = np.zeros((n_rows, len(got), width), dtype=got[0].values.dtype)
     present = np.zeros((n_rows, len(got)), dtype=bool)
-    for by_output in (False, True):
-        cols = np.array([j for j, m in enumerate(modes) if m is by_output], dtype=np.intp)
-        if not len(cols):
-            continue
-        src = at.out_at[at.has_out] if by_output else at.batch
-        dst = np.flatnonzero(at.has_out) if by_output else np.arange(n_rows)
+    for cols, src, dst, _ in at.by_mode(modes):
         if not np.stack([got[j].filled for j in cols.tolist()])[:, src].all():
             return None  # a row not filled
         values[np.ix_(dst, cols)] = np.stack([got[j].values for j in cols.tolist()], axis=1)[src]
@@ -143,13 +152,7 @@ def _act(
         if mode is None:
             return None
         modes.append(mode)
-    for by_output in (False, True):
-        cols = np.array([j for j, m in enumerate(modes) if m is by_output], dtype=np.intp)
-        if not len(cols):
-            continue
-        src = at.out_at[at.has_out] if by_output else at.batch
-        dst = np.flatnonzero(at.has_out) if by_output else np.arange(n_rows)
-        tokens = at.n_out if by_output else at.n_tokens
+    for cols, src, dst, tokens in at.by_mode(modes):
         picked = [layers[j] for j in cols.tolist()]
         counts = np.stack([sp.act_zeros[la] for la in picked] + [sp.act_below[la] for la in picked])
         counts = counts.reshape(2, len(cols), tokens, n_slots)[:, :, src]
