@@ -30,7 +30,6 @@ from sparseety_prof.store.schema import Columns
 #: whether every layer is both (the lists then line up with the table's layers)
 RouteLayout = tuple[list[int], list[int | None], list[int | None], bool]
 _IDS, _WEIGHTS, _PROBS, _ZERO, _BELOW, _VALUES = ROUTE_VALUES
-_STEP, _CTX, _SEQ, _POS, _ROW = ROUTE_KEYS
 
 
 class RoutesTables:
@@ -96,11 +95,7 @@ class RoutesTables:
         n_rows, n_layers = len(rows), len(all_layers)
         blk = rows[0][5]
         at = np.fromiter((r[6] for r in rows), np.intp, n_rows)
-        keys = np.array([r[:5] for r in rows], dtype=np.int64).reshape(n_rows, len(ROUTE_KEYS))
-        arrays: dict[str, np.ndarray | None] = {
-            name: np.repeat(keys[:, j], n_layers) for j, name in enumerate(ROUTE_KEYS)
-        }
-        arrays[ROUTE_LAYER] = np.tile(np.asarray(all_layers, dtype=np.int64), n_rows)
+        arrays = self._key_arrays(np.array([r[:5] for r in rows], dtype=np.int64).reshape(n_rows, -1))
         k = blk.expert_ids.shape[2]
         arrays[_IDS] = blk.expert_ids[at].reshape(n_rows * n_layers, k)
         arrays[_WEIGHTS] = blk.expert_weights[at].reshape(n_rows * n_layers, k)
@@ -241,21 +236,26 @@ class RoutesTables:
             if self.with_masks:
                 self._emit_masks(step, sp, seq, pos, b, keep, out_index)
 
+    def _key_arrays(self, keys: np.ndarray) -> dict[str, np.ndarray | None]:
+        """The key columns and the layer of the routes rows of batch rows whose keys are `keys`
+        ([rows x ROUTE_KEYS]): per batch row, a row per layer of the table."""
+        all_layers = self.layout()[0]
+        arrays: dict[str, np.ndarray | None] = {
+            name: np.repeat(keys[:, j], len(all_layers)) for j, name in enumerate(ROUTE_KEYS)
+        }
+        arrays[ROUTE_LAYER] = np.tile(np.asarray(all_layers, dtype=np.int64), len(keys))
+        return arrays
+
     def _pass_part(self, step: Step, rows: slice, got: PassArrays) -> ArrayRows:
         """The routes rows of a regular prompt pass (pass_arrays.route_arrays): per batch row, a
         row per layer the engine computed for it, in the order of the per-row path."""
-        all_layers = self.layout()[0]
-        n_rows, n_layers = len(step.seq), len(all_layers)
-        n = n_rows * n_layers
+        n_rows = len(step.seq)
+        n = n_rows * len(self.layout()[0])
         keep = got.present.reshape(n)
-        arrays: dict[str, np.ndarray | None] = {
-            _STEP: np.full(n, step.step_id, dtype=np.int64),
-            _CTX: np.full(n, step.ctx_id, dtype=np.int64),
-            _SEQ: np.repeat(step.seq.astype(np.int64), n_layers),
-            _POS: np.repeat(step.pos.astype(np.int64), n_layers),
-            _ROW: np.repeat(np.arange(rows.start, rows.stop, dtype=np.int64), n_layers),
-            ROUTE_LAYER: np.tile(np.asarray(all_layers, dtype=np.int64), n_rows),
-        }
+        keys = np.empty((n_rows, len(ROUTE_KEYS)), dtype=np.int64)  # in ROUTE_KEYS order
+        keys[:, 0], keys[:, 1] = step.step_id, step.ctx_id
+        keys[:, 2], keys[:, 3], keys[:, 4] = step.seq, step.pos, np.arange(rows.start, rows.stop)
+        arrays = self._key_arrays(keys)
         for name in ROUTE_VALUES:
             v = got.values[name]
             arrays[name] = None if v is None else v.reshape(n, *v.shape[2:])

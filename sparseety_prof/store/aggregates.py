@@ -111,7 +111,7 @@ class Aggregator:
         keep = valid(ts)
         if not keep.all():
             df = df.filter(pl.Series(keep))
-        bucket = self._bucket_of(df["ts_unix_ms"].to_numpy())
+        bucket = self._bucket_index(df["ts_unix_ms"].to_numpy())
         parts = [self._counts("tokens", bucket, np.zeros(len(bucket), dtype=np.int64))]
         if "log_prob" not in self.leave_out:
             lp = df["log_prob"]
@@ -128,11 +128,12 @@ class Aggregator:
         ts, t0, t1 = df["ts_unix_ms"], df["t_start_ns"], df["t_end_ns"]
         ok = valid(ts) & valid(t0) & valid(t1)
         ms = (t1.to_numpy()[ok].astype(np.int64) - t0.to_numpy()[ok].astype(np.int64)) / 1e6
-        return self._counts("step_ms", self._bucket_of(ts.to_numpy()[ok]), _bins("step_ms", ms))
+        return self._counts("step_ms", self._bucket_index(ts.to_numpy()[ok]), _bins("step_ms", ms))
 
-    def _bucket_of(self, ts_unix_ms: np.ndarray) -> np.ndarray:
-        ms = self.bucket_s * 1000
-        return (ts_unix_ms.astype(np.int64) // ms) * ms
+    def _bucket_index(self, ts_unix_ms: np.ndarray) -> np.ndarray:
+        """Each time's bucket, as its start // the bucket's length: a small range of keys for
+        aggregate_counts.count_keys (`_counts` makes them the buckets' starts)."""
+        return ts_unix_ms.astype(np.int64) // (self.bucket_s * 1000)
 
     def _expert_load(self, df: pl.DataFrame, bucket: np.ndarray) -> pl.DataFrame:
         """Each selection of an expert (a non-negative id) in a layer's list of a token row."""
@@ -152,11 +153,9 @@ class Aggregator:
     def _counts(
         self, metric: str, bucket: np.ndarray, bin_: np.ndarray, layer: np.ndarray | None = None
     ) -> pl.DataFrame:
-        """schema.AGGREGATES rows: how many values fall in each (bucket, layer, bin)."""
-        ms = self.bucket_s * 1000
-        at = bucket // ms  # bucket indices: a small range of keys (aggregate_counts.count_keys)
-        keys, counts = count_keys(at, bin_) if layer is None else count_keys(at, layer, bin_)
-        keys[0] = keys[0] * ms
+        """schema.AGGREGATES rows: how many values fall in each (bucket, layer, bin); `bucket` holds
+        bucket indices (_bucket_index)."""
+        keys, counts = count_keys(bucket, bin_) if layer is None else count_keys(bucket, layer, bin_)
         n = len(counts)
         if layer is None:
             layer_col = schema.null_series("layer", pl.Int32(), n)
@@ -169,9 +168,9 @@ class Aggregator:
                 ).to_series()
         return pl.DataFrame(
             [
-                pl.Series("bucket_unix_ms", keys[0], dtype=pl.Int64()),
-                pl.Series("bucket_s", [self.bucket_s], dtype=pl.Int32()).new_from_index(0, n),
-                pl.Series("metric", [metric], dtype=pl.String()).new_from_index(0, n),
+                pl.Series("bucket_unix_ms", keys[0] * (self.bucket_s * 1000), dtype=pl.Int64()),
+                schema.repeated_series("bucket_s", self.bucket_s, pl.Int32(), n),
+                schema.repeated_series("metric", metric, pl.String(), n),
                 layer_col,
                 pl.Series("bin", keys[-1], dtype=pl.Int64()).cast(pl.Int32()),
                 pl.Series("count", counts, dtype=pl.Int64()),
