@@ -209,6 +209,28 @@ def test_empty_block_and_other_dtypes(backend: Backend) -> None:
     assert one.top_ids.shape == (1, TOP_K)
 
 
+@pytest.mark.parametrize("width", [300, 4099, 32000])
+def test_maximum_met_late_or_rising(backend: Backend, width: int) -> None:
+    """The C pass sums exp terms relative to the largest value met so far and moves the sums when
+    a later block holds a larger one: rows whose maximum keeps rising, comes after many blocks,
+    sits in the last partial block or among the first entries, or follows masked blocks."""
+    rng = np.random.default_rng(width)
+    noise = rng.standard_normal(width)
+    rising = np.linspace(-60.0, 40.0, width)  # a new maximum in every block
+    late = noise * 3
+    late[width - width // 7] = 30.0  # after many blocks, then more blocks below it
+    tail = noise * 3
+    tail[width - 2] = 25.0  # in the entries past the last whole block
+    seed = noise * 3
+    seed[1] = 25.0  # among the first k entries, which the blocks do not cover
+    masked = noise * 3
+    masked[: min(width - 10, 700)] = -np.inf  # blocks of -inf before the first finite value
+    steps = np.repeat(np.arange(width // 50 + 1) * 3.0, 50)[:width] + noise  # rises in steps
+    rows = np.stack([rising, late, tail, seed, masked, steps]).astype(np.float32)
+    toks = np.array([width - 1, width - width // 7, 0, 1, width - 5, width // 2])
+    _check(backend(rows, toks), rows, toks, "late maximum")
+
+
 # ---------------------------------------------------------------- dispatch and fallback
 
 

@@ -6,11 +6,11 @@
  *   top-k ids, most likely first, ties broken by the lower id, and their x[i] - lse
  *   entropy  = lse - m - sum(exp(x - m) * (x - m)) / sum(exp(x - m))   (nats)
  *
- * Two passes over the row instead of numpy's ten:
- *   1. top-k on the raw values: a 256-entry block is reduced to its maximum with vector
- *      compares, and only a block whose maximum beats the current k-th value is scanned
- *      element by element (a handful of blocks per row on real logits). max(x) is top[0].
- *   2. sum exp(z) and sum exp(z) * z, z = x - m, with a vectorised Cephes expf.
+ * One pass over the row instead of numpy's ten (row_pass): a 256-entry block is reduced to its
+ * maximum with vector compares; only a block whose maximum beats the current k-th value is
+ * scanned element by element for the top list (a handful of blocks per row on real logits); then,
+ * while the block is in L1, sum exp(z) and sum exp(z) * z are added with a vectorised Cephes expf,
+ * relative to the largest value so far, and moved exactly to a new maximum when one comes.
  * The row is only read, never written, and nothing global is written: the entry point is
  * thread-safe and runs with the GIL released (ctypes).
  *
@@ -212,8 +212,8 @@ typedef float F(vf_u) __attribute__((vector_size(VL * 4), aligned(4)));
 #define hmax F(hmax)
 #define hsum_d F(hsum_d)
 #define vexp F(vexp)
-#define top_k_row F(top_k_row)
-#define exp_sums F(exp_sums)
+#define exp_range F(exp_range)
+#define row_pass F(row_pass)
 
 RS_INLINE vf vload(const float *p) { return *(const vf_u *)p; }
 RS_INLINE vf vsplat(float a) { return (vf){0} + a; }
@@ -231,10 +231,25 @@ RS_INLINE vf vmax(vf a, vf b) { return _mm_max_ps(a, b); }
 RS_INLINE vf vmax(vf a, vf b) { return vsel(a > b, a, b); }
 #endif
 
+/* The largest lane, by halving: log2(VL) shuffles and maxes (a lane-by-lane loop, once per block,
+ * cost as much as the block's compares). A NaN lane may be dropped, as vmax drops it. */
 RS_INLINE float hmax(vf v) {
-    float m = v[0];
-    for (int i = 1; i < VL; i++) m = v[i] > m ? v[i] : m;
-    return m;
+#if VL == 16
+    v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#elif VL == 8
+    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+#elif VL == 4
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2));
+#else
+#error "hmax: VL must be 4, 8 or 16"
+#endif
+    return v[0];
 }
 
 RS_INLINE double hsum_d(vf v) {
@@ -272,12 +287,70 @@ RS_INLINE vf vexp(vf z, vf *zc_out) {
     return y * (vf)((n + 127) << 23);
 }
 
-RS_INLINE void top_k_row(const float *x, int64_t w, int k, float *tv, int64_t *ti) {
+/* Sum exp(x - m) and exp(x - m)(x - m) over x[lo..hi) into the vector accumulators, one vector at
+ * a time, the last one padded with -inf, whose terms are exp(-87)-small like any other very
+ * negative z (the few entries the blocks of row_pass do not cover). */
+RS_INLINE void exp_range(const float *x, int64_t lo, int64_t hi, vf mv, vf *a, vf *b) {
+    for (int64_t i = lo; i < hi; i += VL) {
+        vf v;
+        if (i + VL <= hi) {
+            v = vload(x + i);
+        } else {
+            v = vsplat(-INFINITY);
+            for (int64_t j = i; j < hi; j++) v[j - i] = x[j];
+        }
+        vf zc;
+        vf e = vexp(v - mv, &zc);
+        *a += e;
+        *b += e * zc;
+    }
+}
+
+/* One pass over the row: its top k (tv, ti; tv[0] = max(x)) and s = sum exp(x - M),
+ * s1 = sum exp(x - M)(x - M) with M = tv[0] (when the row holds no NaN).
+ *
+ * The row is read once, a BLOCK of entries at a time: its maximum is taken with vector compares
+ * (four independent chains hide the compare latency); only a block whose maximum beats the k-th
+ * value is scanned element by element for the top list (a handful of blocks per row on real
+ * logits); then, while the block is in L1, its exp terms are added relative to m, the largest
+ * value met so far. When a block raises m to m', the sums move to it exactly:
+ *   sum e^(x-m') = e^d sum e^(x-m),  sum e^(x-m')(x-m') = e^d (s1 + d s),  d = m - m' < 0
+ * (a couple of times per row on real logits, in double). Reading the row twice (top-k, then the
+ * sums) cost twice the memory traffic on rows that the probes just wrote from another core.
+ *
+ * Float partial sums live in vector lanes (four chains, for latency) for at most FLUSH entries,
+ * then go to double: each lane adds at most 64 terms in float, so the relative error stays ~1e-7
+ * even over 256k entries. While m is -inf (every entry so far masked) no term is added: those
+ * entries weigh exp(-inf) = 0 next to any finite maximum. The k seed entries and the tail past
+ * the last whole block are added at the end, relative to the final maximum. */
+RS_INLINE void row_pass(const float *x, int64_t w, int k, float *tv, int64_t *ti, double *s_out,
+                        double *s1_out) {
     top_seed(x, k, tv, ti);
+    float m = tv[0];
+    double s = 0.0, s1 = 0.0;
+    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    int64_t pending = 0; /* entries in the float accumulators */
+#define RS_SPILL()                                   \
+    do {                                             \
+        s += hsum_d((a0 + a1) + (a2 + a3));          \
+        s1 += hsum_d((b0 + b1) + (b2 + b3));         \
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = (vf){0}; \
+        pending = 0;                                 \
+    } while (0)
+#define RS_RAISE(to)                                          \
+    do {                                                      \
+        RS_SPILL();                                           \
+        if (m > -INFINITY) { /* else nothing was added yet */ \
+            double d = (double)m - (double)(to);              \
+            double e = exp(d);                                \
+            s1 = e * (s1 + d * s);                            \
+            s = e * s;                                        \
+        }                                                     \
+        m = (to);                                             \
+    } while (0)
     int64_t i = k;
     for (; i + BLOCK <= w; i += BLOCK) {
         const float *p = x + i;
-        /* four independent chains hide the compare/blend latency */
         vf m0 = vload(p), m1 = vload(p + VL), m2 = vload(p + 2 * VL), m3 = vload(p + 3 * VL);
         for (int j = 4 * VL; j < BLOCK; j += 4 * VL) {
             m0 = vmax(m0, vload(p + j));
@@ -285,62 +358,49 @@ RS_INLINE void top_k_row(const float *x, int64_t w, int k, float *tv, int64_t *t
             m2 = vmax(m2, vload(p + j + 2 * VL));
             m3 = vmax(m3, vload(p + j + 3 * VL));
         }
-        /* rarely true once the list holds a row's largest values: then scan the block */
-        if (hmax(vmax(vmax(m0, m1), vmax(m2, m3))) > tv[k - 1]) {
+        float bm = hmax(vmax(vmax(m0, m1), vmax(m2, m3)));
+        if (bm > tv[k - 1]) {
             for (int j = 0; j < BLOCK; j++)
                 if (p[j] > tv[k - 1]) top_insert(tv, ti, k, p[j], i + j);
         }
-    }
-    for (; i < w; i++)
-        if (x[i] > tv[k - 1]) top_insert(tv, ti, k, x[i], i);
-}
-
-/* s = sum exp(x - m), s1 = sum exp(x - m) (x - m). Float sums in vector lanes (four chains, for
- * latency) over at most FLUSH entries, then added in double: each lane adds at most 64 terms in
- * float, so the relative error stays ~1e-7 even over 256k entries. */
-RS_INLINE void exp_sums(const float *x, int64_t w, float m, double *s_out, double *s1_out) {
-    const vf mv = vsplat(m);
-    double s = 0.0, s1 = 0.0;
-    int64_t i = 0;
-    while (i + 4 * VL <= w) {
-        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-        int64_t end = i + FLUSH < w ? i + FLUSH : w;
-        for (; i + 4 * VL <= end; i += 4 * VL) {
+        if (bm > m) RS_RAISE(bm);
+        if (!(m > -INFINITY)) continue; /* all -inf so far (or a NaN maximum: NaN whatever is added) */
+        const vf mv = vsplat(m);
+        for (int j = 0; j < BLOCK; j += 4 * VL) {
             vf e, zc;
-            e = vexp(vload(x + i) - mv, &zc);
+            e = vexp(vload(p + j) - mv, &zc);
             a0 += e;
             b0 += e * zc;
-            e = vexp(vload(x + i + VL) - mv, &zc);
+            e = vexp(vload(p + j + VL) - mv, &zc);
             a1 += e;
             b1 += e * zc;
-            e = vexp(vload(x + i + 2 * VL) - mv, &zc);
+            e = vexp(vload(p + j + 2 * VL) - mv, &zc);
             a2 += e;
             b2 += e * zc;
-            e = vexp(vload(x + i + 3 * VL) - mv, &zc);
+            e = vexp(vload(p + j + 3 * VL) - mv, &zc);
             a3 += e;
             b3 += e * zc;
         }
-        s += hsum_d((a0 + a1) + (a2 + a3));
-        s1 += hsum_d((b0 + b1) + (b2 + b3));
+        pending += BLOCK;
+        if (pending >= FLUSH) RS_SPILL();
     }
-    /* the last < 4 VL entries, one vector at a time; the final one padded with -inf, whose terms
-     * are exp(-87)-small like any other very negative z */
-    vf a = {0}, b = {0};
-    for (; i < w; i += VL) {
-        vf v;
-        if (i + VL <= w) {
-            v = vload(x + i);
-        } else {
-            v = vsplat(-INFINITY);
-            for (int64_t j = i; j < w; j++) v[j - i] = x[j];
-        }
-        vf zc;
-        vf e = vexp(v - mv, &zc);
-        a += e;
-        b += e * zc;
+    int64_t tail = i;
+    for (; i < w; i++)
+        if (x[i] > tv[k - 1]) top_insert(tv, ti, k, x[i], i);
+    if (tv[0] > m) RS_RAISE(tv[0]); /* the maximum was in the tail */
+    RS_SPILL();
+#undef RS_RAISE
+#undef RS_SPILL
+    if (m > -INFINITY) {
+        vf a = {0}, b = {0};
+        const vf mv = vsplat(m);
+        exp_range(x, 0, k, mv, &a, &b);
+        exp_range(x, tail, w, mv, &a, &b);
+        s += hsum_d(a);
+        s1 += hsum_d(b);
     }
-    *s_out = s + hsum_d(a);
-    *s1_out = s1 + hsum_d(b);
+    *s_out = s;
+    *s1_out = s1;
 }
 
 __attribute__((noinline)) static void F(rowstats_block)(const float *const *rows, int64_t n, int64_t w,
@@ -350,9 +410,8 @@ __attribute__((noinline)) static void F(rowstats_block)(const float *const *rows
         const float *x = rows[r];
         float tv[RS_MAX_K];
         int64_t ti[RS_MAX_K];
-        top_k_row(x, w, k, tv, ti);
         double s, s1;
-        exp_sums(x, w, tv[0], &s, &s1);
+        row_pass(x, w, k, tv, ti, &s, &s1);
         row_finish(x, w, tokens[r], k, tv, ti, s, s1, &log_prob[r], &top_ids[r * k], &top_lp[r * k],
                    &entropy[r]);
     }
@@ -368,7 +427,7 @@ __attribute__((noinline)) static void F(rowstats_block)(const float *const *rows
 #undef hmax
 #undef hsum_d
 #undef vexp
-#undef top_k_row
-#undef exp_sums
+#undef exp_range
+#undef row_pass
 #undef F
 #endif /* RS_TEMPLATE */
