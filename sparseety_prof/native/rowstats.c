@@ -41,8 +41,13 @@
 #define RS_CAT_(a, b) a##_##b
 #define RS_CAT(a, b) RS_CAT_(a, b)
 
-#define BLOCK 256 /* pass 1: entries reduced to one maximum before comparing with the k-th value */
-#define FLUSH 1024 /* pass 2: float partial sums go to double every FLUSH entries */
+#define BLOCK 256 /* entries reduced to one maximum before comparing with the k-th value */
+#define FLUSH 1024 /* float partial sums go to double every FLUSH entries */
+/* Blocks read ahead. The logits rows lie in the ring's 4 KiB pages, and the hardware prefetcher
+ * stops at each page's end: with the exp work in the same loop, too few loads are in flight to
+ * hide the next page's misses. Measured on this project's logits rows where they lie: 2 blocks
+ * ahead 17.4 us a row, 1: 19.4, 4: 19.2, 16: 18.0, none: 22.2 (the two-pass code: 21.2). */
+#define PREFETCH_BLOCKS 2
 #define EXP_LO (-87.0f)
 
 /* Insert (v, id) into the sorted top list of length k, known to beat its last entry. Ids arrive in
@@ -351,6 +356,9 @@ RS_INLINE void row_pass(const float *x, int64_t w, int k, float *tv, int64_t *ti
     int64_t i = k;
     for (; i + BLOCK <= w; i += BLOCK) {
         const float *p = x + i;
+        if (i + (PREFETCH_BLOCKS + 1) * BLOCK <= w) {
+            for (int j = 0; j < BLOCK; j += 16) __builtin_prefetch(p + PREFETCH_BLOCKS * BLOCK + j);
+        }
         vf m0 = vload(p), m1 = vload(p + VL), m2 = vload(p + 2 * VL), m3 = vload(p + 3 * VL);
         for (int j = 4 * VL; j < BLOCK; j += 4 * VL) {
             m0 = vmax(m0, vload(p + j));
