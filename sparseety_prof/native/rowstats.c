@@ -45,8 +45,9 @@
 #define FLUSH 1024 /* float partial sums go to double every FLUSH entries */
 /* Blocks read ahead. The logits rows lie in the ring's 4 KiB pages, and the hardware prefetcher
  * stops at each page's end: with the exp work in the same loop, too few loads are in flight to
- * hide the next page's misses. Measured on this project's logits rows where they lie: 2 blocks
- * ahead 17.4 us a row, 1: 19.4, 4: 19.2, 16: 18.0, none: 22.2 (the two-pass code: 21.2). */
+ * hide the next page's misses. The `logits` stage of `scripts/replay_drains.py replay` (real rows
+ * where they lie), per token: 2 blocks ahead 19.7-20.2 us, 1: 22.0, 4: 21.2, none: 24.9 (the
+ * two-pass code before: 23.9-24.0). */
 #define PREFETCH_BLOCKS 2
 #define EXP_LO (-87.0f)
 
