@@ -20,6 +20,7 @@ from sparseety_prof.correlate import routes as routes_module
 from sparseety_prof.correlate import server_layout_check
 from sparseety_prof.correlate.correlator import Correlator
 from sparseety_prof.correlate.pass_arrays import route_arrays
+from sparseety_prof.correlate.request_tokens import RequestTokens
 from sparseety_prof.correlate.routes import RoutesTables
 from sparseety_prof.correlate.serving import ServingTracker
 from sparseety_prof.correlate.state import Step
@@ -519,7 +520,8 @@ def _correlator(**kw: Any) -> Correlator:
 
 def _plain(x: Any) -> Any:
     """`x` as plain values to compare with ==: dataclasses field by field (a Step through its
-    accessors: its caches fill at different times on the two paths), numpy arrays and scalars
+    accessors: its caches fill at different times on the two paths; a StepSparse through the
+    values it makes when asked for, which one path may never ask), numpy arrays and scalars
     with their dtype (a value of another type is a difference too)."""
     if isinstance(x, Step):
         out = {
@@ -528,6 +530,9 @@ def _plain(x: Any) -> Any:
             if f.name not in ("_output_index", "_seq_rows")
         }
         return {**out, "output_index": x.output_index(), "seq_rows": _plain(x.seq_rows())}
+    if isinstance(x, StepSparse):  # its per-row values are made when asked for (memos)
+        out = {f.name: _plain(getattr(x, f.name)) for f in fields(x) if f.name != "_row_cache"}
+        return {**out, "_agg_row": _plain(x._agg_values())}
     if is_dataclass(x) and not isinstance(x, type):
         return {f.name: _plain(getattr(x, f.name)) for f in fields(x)}
     if isinstance(x, np.ndarray | np.generic):
@@ -671,41 +676,51 @@ def _block_script() -> Script:
 
 
 @pytest.mark.parametrize("drains", [1, 9])
-def test_routes_rows_kept_as_arrays_equal_the_per_row_lists(
-    monkeypatch: pytest.MonkeyPatch, drains: int
-) -> None:
-    """The routes rows of one-row steps kept as their aggregate records' arrays (RowParts) read as
-    the columns the per-row lists make, and make the same frame (in the buffer's order: list
-    rows, then array rows); every other table, and the state, is the same either way."""
+def test_rows_kept_as_arrays_equal_the_per_row_lists(monkeypatch: pytest.MonkeyPatch, drains: int) -> None:
+    """The routes rows and the token rows' per-layer lists of one-row steps kept as their
+    aggregate records' arrays (RowParts) read as the columns the per-row lists make, and make
+    the same frames (in the buffer's order: list rows, then array rows); every other table,
+    and the state, is the same either way."""
     s = _block_script()
-    taken: list[Any] = []
-    take = RoutesTables.take
+    taken: dict[str, list[Any]] = {"routes": [], "tokens": []}
+    take_routes, take_tokens = RoutesTables.take, RequestTokens.take_tokens
 
-    def keeping(self: RoutesTables) -> Any:
-        got = take(self)
-        taken.append(got[0])
+    def keeping_routes(self: RoutesTables) -> Any:
+        got = take_routes(self)
+        taken["routes"].append(got[0])
         return got
 
-    monkeypatch.setattr(RoutesTables, "take", keeping)
+    def keeping_tokens(self: RequestTokens) -> Any:
+        got = take_tokens(self)
+        taken["tokens"].append(got)
+        return got
+
+    monkeypatch.setattr(RoutesTables, "take", keeping_routes)
+    monkeypatch.setattr(RequestTokens, "take_tokens", keeping_tokens)
     got = _replay(s, drains, with_masks=False)
-    parts, taken[:] = list(taken), []
+    parts = {table: list(v) for table, v in taken.items()}
+    for v in taken.values():
+        v.clear()
     monkeypatch.setattr(StepSparse, "agg_block_row", lambda self: None)
     want = _replay(s, drains, with_masks=False)
-    lists = list(taken)
-    array_rows = sum(p.n for r in parts if isinstance(r, RowParts) for p in r.arrays)
+    for table, v in taken.items():
+        assert not any(isinstance(r, RowParts) for r in v), table
+    routes_arrays = sum(p.n for r in parts["routes"] if isinstance(r, RowParts) for p in r.arrays)
+    token_arrays = sum(p.n for r in parts["tokens"] if isinstance(r, RowParts) for p in r.arrays)
     # most one-row steps' rows (two layers each) were arrays, and the rest lists
-    assert array_rows >= 2 * 60 and array_rows < len(want[0]["routes"]["step_id"])
-    assert not any(isinstance(r, RowParts) for r in lists)
+    assert routes_arrays >= 2 * 60 and routes_arrays < len(want[0]["routes"]["step_id"])
+    assert token_arrays >= 60 and token_arrays < len(want[0]["tokens"]["step_id"])
     assert None in want[0]["routes"]["act_values"] and None in want[0]["routes"]["act_zero_ratio"]
+    assert [None, None] in want[0]["tokens"]["act_zero_ratio"]  # a pass whose activations were not counted
     _assert_same(got, want)
-    assert got[0]["routes"] == want[0]["routes"]
+    assert got[0]["routes"] == want[0]["routes"] and got[0]["tokens"] == want[0]["tokens"]
     # the frames: the buffer's, and the per-row lists' made as before
-    buf = ColumnBuffer()
-    for r in parts:
-        buf.add("routes", r, final=False)
-    frames = [df for _, df in buf.take_all()]
-    keys = ["step_id", "row", "layer"]
-    assert pl.concat(frames).sort(keys).equals(schema.frame("routes", want[0]["routes"]).sort(keys))
+    for table, keys in (("routes", ["step_id", "row", "layer"]), ("tokens", ["step_id", "seq_id"])):
+        buf = ColumnBuffer()
+        for r in parts[table]:
+            buf.add(table, r, final=False)
+        frames = [df for _, df in buf.take_all()]
+        assert pl.concat(frames).sort(keys).equals(schema.frame(table, want[0][table]).sort(keys)), table
 
 
 def _server_script() -> Script:

@@ -75,14 +75,30 @@ class AggBlock(NamedTuple):
     counted: np.ndarray  # bool [records]: its activations were counted (else the three above are null)
 
 
+def block_row_values(block: AggBlock, row: int) -> dict[str, list[Any]]:
+    """What agg_row_values gives for the record at `row` of `block`: made only when asked for
+    (the token and routes rows of such a record read the block itself)."""
+    n_layers = block.expert_ids.shape[1]
+    counted = bool(block.counted[row])
+    nulls: list[Any] = [None] * n_layers
+    return {
+        "expert_ids": block.expert_ids[row].tolist(),
+        "expert_weights": block.expert_weights[row].tolist(),
+        "router_probs": list(nulls),
+        "act_zero_ratio": block.act_zero_ratio[row].tolist() if counted else list(nulls),
+        "act_below_ratio": block.act_below_ratio[row].tolist() if counted else list(nulls),
+        "act_values": block.act_values[row].tolist(),  # 0 where not counted
+    }
+
+
 class AggRow(NamedTuple):
     """What the consumer needs of one aggregate record: the row's per-layer values (as
-    agg_row_values makes them), the MoE and FFN layers it saw, its attention columns; and for a
-    record whose values are all in the drain's AggBlock (every layer MoE and FFN, all of them
-    whole), that block and its row there.
+    agg_row_values makes them; None for a record whose values are all in the drain's AggBlock:
+    every layer MoE and FFN, all of them whole; block_row_values makes them from there), the MoE
+    and FFN layers it saw, its attention columns; and for such a record, the block and its row.
     A named tuple: one is made per token, and a frozen dataclass costs several times more to make."""
 
-    values: dict[str, list[Any]]
+    values: dict[str, list[Any]] | None
     moe_seen: list[int]
     ffn_seen: list[int]
     attn: AggAttn
@@ -104,7 +120,6 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
     kwt = arr["k_wts"][:, moe_idx]
     k = int(kid.max(initial=0))
     ids_arr, wts_arr = arr["ids"][:, moe_idx, :k], arr["wts"][:, moe_idx, :k]  # copies (fancy indexing)
-    ids_all, wts_all = ids_arr.tolist(), wts_arr.tolist()
     # the common row: every MoE layer (and no other) with k ids and k weights, every FFN layer
     # (and no other) with all its rows counted; any other row takes agg_row_values
     moe_full = ((kid == k) & (kwt == k)).all(axis=1) & (k > 0 or not moe)
@@ -123,9 +138,11 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
     counted_at = n_vals != 0
     zr_arr = np.divide(arr["act_zero"][:, ffn_idx], n_vals, out=np.zeros(n_vals.shape), where=counted_at)
     br_arr = np.divide(arr["act_below"][:, ffn_idx], n_vals, out=np.zeros(n_vals.shape), where=counted_at)
-    zr_all, br_all, nv_all = zr_arr.tolist(), br_arr.tolist(), n_vals.tolist()
     # the routes table's rows line up with the records' layers when every layer is MoE and FFN
     block = AggBlock(ids_arr, wts_arr, zr_arr, br_arr, n_vals, moe_full & ffn_full) if moe == ffn else None
+    if block is None:  # the common rows' values as lists, made here
+        ids_all, wts_all = ids_arr.tolist(), wts_arr.tolist()
+        zr_all, br_all, nv_all = zr_arr.tolist(), br_arr.tolist(), n_vals.tolist()
     att_n = np.minimum(arr["att_n"], ev.AGG_MAX_LAYERS).tolist()
     width = max(att_n, default=0)
     c_mask, c_layer, c_count, c_flags = (
@@ -137,8 +154,11 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
     rows_kind = zip((moe_full & ffn_full).tolist(), (moe_full & ffn_none).tolist(), att_n, strict=True)
     for i, (full, no_act, n_att) in enumerate(rows_kind):
         at: AggBlock | None = None
-        if full or no_act:
-            at = block
+        values: dict[str, list[Any]] | None
+        if (full or no_act) and block is not None:
+            at, values = block, None
+            moe_seen, ffn_seen = moe, ffn if full else []
+        elif full or no_act:
             moe_seen, ffn_seen = moe, ffn if full else []
             values = {
                 "expert_ids": ids_all[i],

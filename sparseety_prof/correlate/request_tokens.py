@@ -20,11 +20,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparseety_prof.capture.plans import LayerSet
+from sparseety_prof.correlate.agg_record import AggBlock
+from sparseety_prof.correlate.block_tokens import block_tokens
 from sparseety_prof.correlate.logit_stats import PendingStats
 from sparseety_prof.correlate.serving import ID_SEGMENTED, Launch, RequestAgg, ServingTracker
 from sparseety_prof.correlate.state import Counters, CtxState, SeqState, Step
 from sparseety_prof.correlate.step_sparse import Problems
 from sparseety_prof.correlate.tables import NO_SPARSE_VALUES, REQUEST_ROW, TOKEN_ROW, TOKEN_TEXT, RowBuffer
+from sparseety_prof.store.array_rows import RowParts
 from sparseety_prof.store.schema import (
     PHASE_DECODE,
     PHASE_PREFILL,
@@ -74,12 +77,15 @@ class RequestTokens:
         self.slot_tokens = slot_tokens
         self.deferred: dict[int, _Deferred] = {}
         self.tokens = RowBuffer(TOKEN_ROW)
+        # token rows whose per-layer lists are in an AggBlock: (row in self.tokens, block, its row)
+        self._block_rows: list[tuple[int, AggBlock, int]] = []
         self.stats = PendingStats()
         self.requests = RowBuffer(REQUEST_ROW)  # finished requests
 
     # ------------------------------------------------------------------ rows out
-    def take_tokens(self) -> Columns:
-        """Token rows since the last call, with their logits statistics and texts."""
+    def take_tokens(self) -> Columns | RowParts:
+        """Token rows since the last call, with their logits statistics and texts: columns, or
+        RowParts when the per-layer lists of rows are in AggBlocks (block_tokens)."""
         tok = self.tokens.take()
         self.stats.fill(tok)
         ids = tok["token_id"]
@@ -87,7 +93,8 @@ class RequestTokens:
             tok[TOKEN_TEXT] = list(self.texts([int(t) for t in ids]))  # type: ignore[call-overload]
         else:  # no vocabulary: the text column stays null
             tok[TOKEN_TEXT] = [None] * len(ids)
-        return tok
+        blocks, self._block_rows = self._block_rows, []
+        return block_tokens(tok, blocks) if blocks else tok
 
     def take_requests(self, ctxs: Iterable[CtxState], *, final: bool) -> Columns:
         """Rows of the requests that ended since the last call; with `final`, every request
@@ -302,7 +309,16 @@ class RequestTokens:
                 st.agg.prompt_tokens = base
                 st.agg.inherited = st.samples
         sparse_values: tuple[object, ...] = NO_SPARSE_VALUES
-        if step.sparse is not None:
+        sp = step.sparse
+        block = sp.agg_block_row() if sp is not None and step.n_tokens == 1 else None
+        if sp is not None and block is not None and self.layers.moe:
+            # a one-row step whose routing and activations are all in the drain's AggBlock: its
+            # per-layer lists stay there (block_tokens), only the attention is made here
+            attended = sp.attended(step.row_offset + i, self.layers.attn)
+            cells = [a for a in attended if a is not None]
+            sparse_values = (None, None, None, None, None, attended, max(cells) if cells else None)
+            self._block_rows.append((len(self.tokens), *block))
+        elif step.sparse is not None:
             v = step.sparse.row_values(
                 step.row_offset + i, step.output_index(), step.n_tokens, self.layers, self.problems
             )

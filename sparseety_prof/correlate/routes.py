@@ -150,7 +150,17 @@ class RoutesTables:
         n_layers = len(all_layers)
         cols = self._routes
         # a one-row step whose values came whole from its aggregate record: kept in the block
+        # (every MoE layer has its k ids there: the rows are the common case's, with no per-row
+        # values made)
         block = sp.agg_block_row() if step.n_tokens == 1 and identity and not self.with_masks else None
+        if block is not None:
+            if not self.make_rows:
+                self.rows_not_made += n_layers
+                return
+            seq, pos = int(step.seq[0]), int(step.pos[0])
+            self._blocks.append((step.step_id, step.ctx_id, seq, pos, step.row_offset, *block))
+            self._runs.append((True, n_layers))
+            return
         # a prompt: the token rows need the per-row values of its output rows only (a server
         # step of several slots, all outputs, needs them all: the arrays would be extra work)
         prompt = len(step.seq) > 2 * len(out_index)
@@ -186,10 +196,6 @@ class RoutesTables:
                     v = {**v, "act_values": nv_v}
                 if not self.make_rows:
                     self.rows_not_made += n_layers
-                    continue
-                if block is not None:
-                    self._blocks.append((step.step_id, step.ctx_id, seq, pos, b, *block))
-                    self._runs.append((True, n_layers))
                     continue
                 if not self.with_masks:  # (mask rows follow each routes row: no gathering then)
                     self._pending.append((step.step_id, step.ctx_id, seq, pos, b, v))

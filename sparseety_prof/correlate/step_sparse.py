@@ -22,7 +22,7 @@ import numpy as np
 
 from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.plans import LayerSet
-from sparseety_prof.correlate.agg_record import AggBlock, AggRow, agg_row_values
+from sparseety_prof.correlate.agg_record import AggBlock, AggRow, agg_row_values, block_row_values
 from sparseety_prof.correlate.attention_records import AttentionRecords
 from sparseety_prof.correlate.node_names import parse_name
 
@@ -146,7 +146,13 @@ class StepSparse(AttentionRecords):
     def agg_block_row(self) -> tuple[AggBlock, int] | None:
         """Where the drain's AggBlock holds row 0's values, when they are what row_values gives
         for a one-row pass (they all came from its aggregate record); else None."""
-        return self._agg_block if self._agg_row is not None and not self.from_records else None
+        return self._agg_block if not self.from_records else None
+
+    def _agg_values(self) -> dict[str, list[Any]] | None:
+        """Row 0's values from its aggregate record, made from the AggBlock when first asked."""
+        if self._agg_row is None and self._agg_block is not None:
+            self._agg_row = block_row_values(*self._agg_block)
+        return self._agg_row
 
     @property
     def from_records(self) -> bool:
@@ -265,9 +271,10 @@ class StepSparse(AttentionRecords):
         """Per-layer values of one micro-batch row (see _row_values), computed once: the routes
         table and the token row both ask for them after the pass ended."""
         cached = self._row_cache.get(batch_row)
-        if cached is None and self._agg_row is not None and n_tokens == 1 and not self.from_records:
+        agg = self._agg_values() if cached is None and n_tokens == 1 and not self.from_records else None
+        if agg is not None:
             cached = self._row_cache[batch_row] = {
-                **self._agg_row,
+                **agg,
                 "attn_attended": self.attended(batch_row, layers.attn),
             }
         if cached is None:

@@ -1,9 +1,10 @@
 """Rows of a table held as numpy arrays, and one drain's rows of a table as ordered parts: column
 lists (what schema.frame takes) and such arrays.
 
-The routes rows of one-row decode steps (eight or more per token) come from the aggregate
-records' arrays. Made Python lists per row, and the lists made arrays again by the frame, they
-were the consumer's largest per-row cost; held as arrays they go to the frame as they are."""
+The routes rows of one-row decode steps (eight or more per token), and the per-layer lists of
+their token rows, come from the aggregate records' arrays. Made Python lists per row, and the
+lists made arrays again by the frame, they were the consumer's largest per-row cost; held as
+arrays they go to the frame as they are."""
 
 from __future__ import annotations
 
@@ -15,41 +16,61 @@ import polars as pl
 
 from sparseety_prof.store import schema
 
+#: a column of ArrayRows: an array (2-D, n x width, for a list column), Python values, or None
+ArrayColumn = np.ndarray | list[object] | None
+
 
 @dataclass(frozen=True)
 class ArrayRows:
     """`n` rows of a table: per column, an array of n values (2-D, n x width, for a list column),
-    or None for a column of nulls; `nulls` marks, per column that has any, the rows that are null
-    in it (their array values are ignored)."""
+    the n values as a Python list (what schema.frame takes: the columns that are not worth an
+    array), or None for a column of nulls. `nulls` marks, per array column that has any, the
+    rows that are null in it; `null_items`, per 2-D array column that has any, the rows whose
+    list holds only nulls (a list as long as the others, not a null list). Array values under
+    either mark are ignored."""
 
     n: int
-    arrays: dict[str, np.ndarray | None]
+    arrays: Mapping[str, ArrayColumn]
     nulls: dict[str, np.ndarray] = field(default_factory=dict)
+    null_items: dict[str, np.ndarray] = field(default_factory=dict)
 
     def frame(self, table: str) -> pl.DataFrame:
         """The rows as a frame of the table's schema (dtypes cast as schema.frame casts them)."""
-        series = []
+        out = []
         for name, dtype in schema.TABLES[table].items():
             a = self.arrays[name]
             if a is None:
-                series.append(schema.null_series(name, dtype, self.n))
+                out.append(schema.null_series(name, dtype, self.n))
+                continue
+            if isinstance(a, list):
+                out.append(schema.series(name, a, dtype))
                 continue
             if a.ndim == 2:
                 s = pl.Series(name, a.reshape(-1)).reshape(a.shape).cast(dtype)
             else:
                 s = pl.Series(name, a).cast(dtype)
+            items = self.null_items.get(name)
+            if items is not None and items.any():
+                nulls_row = pl.Series(name, [[None] * a.shape[1]], dtype=dtype).new_from_index(0, self.n)
+                s = pl.select(pl.when(pl.Series(items)).then(nulls_row).otherwise(s).alias(name)).to_series()
             null = self.nulls.get(name)
             if null is not None and null.any():
                 s = pl.select(pl.when(pl.Series(null)).then(None).otherwise(s).alias(name)).to_series()
-            series.append(s)
-        return pl.DataFrame(series)
+            out.append(s)
+        return pl.DataFrame(out)
 
     def column(self, name: str) -> list[object]:
         """One column as Python values, None for a null (what column lists hold)."""
         a = self.arrays[name]
         if a is None:
             return [None] * self.n
+        if isinstance(a, list):
+            return list(a)
         values: list[object] = a.tolist()
+        items = self.null_items.get(name)
+        if items is not None and items.any():
+            nulls_row = [None] * a.shape[1]
+            values = [list(nulls_row) if z else v for v, z in zip(values, items.tolist(), strict=True)]
         null = self.nulls.get(name)
         if null is not None:
             values = [None if z else v for v, z in zip(values, null.tolist(), strict=True)]
@@ -71,7 +92,13 @@ class ArrayRows:
 
 def _shapes(p: ArrayRows) -> tuple[object, ...]:
     return tuple(
-        (name, None if a is None else (a.shape[1:], a.dtype), name in p.nulls) for name, a in p.arrays.items()
+        (
+            name,
+            None if a is None else "list" if isinstance(a, list) else (a.shape[1:], a.dtype),
+            name in p.nulls,
+            name in p.null_items,
+        )
+        for name, a in p.arrays.items()
     )
 
 
@@ -79,12 +106,17 @@ def _joined(run: list[ArrayRows]) -> ArrayRows:
     if len(run) == 1:
         return run[0]
     first = run[0]
-    arrays = {
-        name: None if a is None else np.concatenate([p.arrays[name] for p in run])
-        for name, a in first.arrays.items()
-    }
+    arrays: dict[str, ArrayColumn] = {}
+    for name, a in first.arrays.items():
+        if a is None:
+            arrays[name] = None
+        elif isinstance(a, list):
+            arrays[name] = [v for p in run for v in p.arrays[name]]  # type: ignore[union-attr]
+        else:
+            arrays[name] = np.concatenate([p.arrays[name] for p in run])
     nulls = {name: np.concatenate([p.nulls[name] for p in run]) for name in first.nulls}
-    return ArrayRows(sum(p.n for p in run), arrays, nulls)
+    items = {name: np.concatenate([p.null_items[name] for p in run]) for name in first.null_items}
+    return ArrayRows(sum(p.n for p in run), arrays, nulls, items)
 
 
 class RowParts(Mapping[str, list[object]]):

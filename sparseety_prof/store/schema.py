@@ -353,17 +353,29 @@ def frame(table: str, cols: Columns, *, absent: Collection[str] = (), split: boo
         by_shape = _frame_by_shape(table, cols, ragged, n)
         if by_shape is not None:
             return by_shape
-    series = []
+    out = []
     for name, dtype in schema.items():
         got = fast.get(name)
+        out.append(got if got is not None else _plain_series(name, cols[name], dtype))
+    return pl.DataFrame(out)
+
+
+def series(name: str, values: list[Any], dtype: pl.DataType) -> pl.Series:
+    """One column from its values, as `frame` makes it (without regrouping ragged rows)."""
+    if isinstance(dtype, pl.List):
+        got = _regular_list_series(name, values, dtype)
         if got is None:
-            values = cols[name]
-            if n and values[0] is None and values.count(None) == n:
-                got = null_series(name, dtype, n)
-            else:
-                got = pl.Series(name, values, dtype=dtype, strict=False)
-        series.append(got)
-    return pl.DataFrame(series)
+            got = _ragged_list_series(name, values, dtype)
+        if got is not None:
+            return got
+    return _plain_series(name, values, dtype)
+
+
+def _plain_series(name: str, values: list[Any], dtype: pl.DataType) -> pl.Series:
+    n = len(values)
+    if n and values[0] is None and values.count(None) == n:
+        return null_series(name, dtype, n)
+    return pl.Series(name, values, dtype=dtype, strict=False)
 
 
 def repeated_series(name: str, value: object, dtype: pl.DataType, n: int) -> pl.Series:
