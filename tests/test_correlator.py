@@ -16,7 +16,8 @@ import pytest
 from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.events import EventBatch, SeqTracker, decode_records
 from sparseety_prof.capture.plans import LayerSet
-from sparseety_prof.correlate import routes as routes_module
+from sparseety_prof.correlate import block_tokens as block_tokens_module
+from sparseety_prof.correlate import pass_arrays as pass_arrays_module
 from sparseety_prof.correlate import server_layout_check
 from sparseety_prof.correlate.correlator import Correlator
 from sparseety_prof.correlate.pass_arrays import route_arrays
@@ -531,7 +532,8 @@ def _plain(x: Any) -> Any:
         }
         return {**out, "output_index": x.output_index(), "seq_rows": _plain(x.seq_rows())}
     if isinstance(x, StepSparse):  # its per-row values are made when asked for (memos)
-        out = {f.name: _plain(getattr(x, f.name)) for f in fields(x) if f.name != "_row_cache"}
+        memos = ("_row_cache", "_plan", "_pass_block")
+        out = {f.name: _plain(getattr(x, f.name)) for f in fields(x) if f.name not in memos}
         return {**out, "_agg_row": _plain(x._agg_values())}
     if is_dataclass(x) and not isinstance(x, type):
         return {f.name: _plain(getattr(x, f.name)) for f in fields(x)}
@@ -675,12 +677,17 @@ def _block_script() -> Script:
     return s
 
 
+@pytest.mark.parametrize("max_spans", [1000, 0])
 @pytest.mark.parametrize("drains", [1, 9])
-def test_rows_kept_as_arrays_equal_the_per_row_lists(monkeypatch: pytest.MonkeyPatch, drains: int) -> None:
+def test_rows_kept_as_arrays_equal_the_per_row_lists(
+    monkeypatch: pytest.MonkeyPatch, drains: int, max_spans: int
+) -> None:
     """The routes rows and the token rows' per-layer lists of one-row steps kept as their
     aggregate records' arrays (RowParts) read as the columns the per-row lists make, and make
     the same frames (in the buffer's order: list rows, then array rows); every other table,
-    and the state, is the same either way."""
+    and the state, is the same either way. With block_tokens.MAX_SPANS 0, a drain's token rows
+    whose kinds alternate are made lists from the arrays: the same again."""
+    monkeypatch.setattr(block_tokens_module, "MAX_SPANS", max_spans)
     s = _block_script()
     taken: dict[str, list[Any]] = {"routes": [], "tokens": []}
     take_routes, take_tokens = RoutesTables.take, RequestTokens.take_tokens
@@ -709,7 +716,10 @@ def test_rows_kept_as_arrays_equal_the_per_row_lists(monkeypatch: pytest.MonkeyP
     token_arrays = sum(p.n for r in parts["tokens"] if isinstance(r, RowParts) for p in r.arrays)
     # most one-row steps' rows (two layers each) were arrays, and the rest lists
     assert routes_arrays >= 2 * 60 and routes_arrays < len(want[0]["routes"]["step_id"])
-    assert token_arrays >= 60 and token_arrays < len(want[0]["tokens"]["step_id"])
+    if max_spans:
+        assert token_arrays >= 60 and token_arrays < len(want[0]["tokens"]["step_id"])
+    else:  # only drains of block rows alone (the many drains' fewer rows) keep them arrays
+        assert token_arrays < (60 if drains > 1 else 1)
     assert None in want[0]["routes"]["act_values"] and None in want[0]["routes"]["act_zero_ratio"]
     assert [None, None] in want[0]["tokens"]["act_zero_ratio"]  # a pass whose activations were not counted
     _assert_same(got, want)
@@ -1054,10 +1064,12 @@ def _prompt_script() -> Script:
 def test_prompt_routes_rows_as_arrays_equal_the_per_row_path(
     monkeypatch: pytest.MonkeyPatch, drains: int
 ) -> None:
-    """A regular prompt's routes rows, made as arrays from its per-layer stores, equal the rows the
-    per-row path makes, and so does every other table; an irregular prompt leaves them to the
-    per-row path, which counts what it counts (the same problems either way)."""
+    """A regular prompt's routes rows, and its token row's per-layer lists, made as arrays from its
+    per-layer stores, equal the rows the per-row path makes, and so does every other table; an
+    irregular prompt leaves them to the per-row path, which counts what it counts (the same
+    problems either way)."""
     s = _prompt_script()
+    monkeypatch.setattr(block_tokens_module, "MAX_SPANS", 1000)  # token rows kept arrays however mixed
     calls: list[bool] = []
 
     def counting(*a: Any) -> Any:
@@ -1065,12 +1077,25 @@ def test_prompt_routes_rows_as_arrays_equal_the_per_row_path(
         calls.append(got is not None)
         return got
 
-    monkeypatch.setattr(routes_module, "route_arrays", counting)
+    kept: list[Any] = []
+    take_tokens = RequestTokens.take_tokens
+
+    def keeping(self: RequestTokens) -> Any:
+        got = take_tokens(self)
+        kept.append(got)
+        return got
+
+    monkeypatch.setattr(pass_arrays_module, "route_arrays", counting)
+    monkeypatch.setattr(RequestTokens, "take_tokens", keeping)
     got, got_states = _replay(s, drains, with_masks=False)
-    monkeypatch.setattr(routes_module, "route_arrays", lambda *a: None)
+    token_arrays = sum(p.n for r in kept if isinstance(r, RowParts) for p in r.arrays)
+    monkeypatch.setattr(pass_arrays_module, "route_arrays", lambda *a: None)
     want, want_states = _replay(s, drains, with_masks=False)
     # passes 4, 5, 8 and 11 take the per-row path, every other one the arrays
     assert calls == [i not in (4, 5, 8, 11) for i in range(12)]
+    # the token rows of those prompts' output rows (pass 9 has two), and the decode steps' but
+    # the first nine (their routing is checked against the model record by record: verification)
+    assert token_arrays == 8 + 1 + 12 * 3 - 9
     for name in want:
         for col in want[name]:
             assert got[name][col] == want[name][col], f"{name}.{col}"

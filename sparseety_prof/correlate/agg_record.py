@@ -73,6 +73,9 @@ class AggBlock(NamedTuple):
     act_below_ratio: np.ndarray  # float64 [records, layers]
     act_values: np.ndarray  # int64 [records, layers]
     counted: np.ndarray  # bool [records]: its activations were counted (else the three above are null)
+    # float32 [records, layers, k]: the router's probabilities of the chosen experts, where they
+    # were captured (per-layer records: pass_arrays.pass_block); an aggregate record has none
+    router_probs: np.ndarray | None = None
 
 
 def block_row_values(block: AggBlock, row: int) -> dict[str, list[Any]]:

@@ -25,16 +25,25 @@ _IDS, _WEIGHTS, _PROBS, _ZERO, _BELOW = schema.columns(
 BlockRow = tuple[int, AggBlock, int]
 
 
-def block_tokens(tok: schema.Columns, blocks: list[BlockRow]) -> RowParts:
+#: more spans of block rows and other rows than this in a drain (a server's steps over several
+#: slots, per-row, among one-row steps), and gathering each column's spans costs more than the
+#: arrays save: the block rows' lists are then made here and the rows stay columns
+MAX_SPANS = 8
+
+
+def block_tokens(tok: schema.Columns, blocks: list[BlockRow]) -> schema.Columns | RowParts:
     """One drain's token columns (`tok`, every column; the block rows' per-layer columns are
     placeholders) as RowParts: the other rows as lists, the block rows as ArrayRows whose
     per-layer columns are the blocks' arrays, what the per-row lists would hold:
       * expert_ids, expert_weights: the record's k ids and weights per layer;
-      * router_probs: null (an aggregate record has none);
+      * router_probs: those captured per layer (a pass's arrays), else null (an aggregate
+        record has none);
       * act_zero_ratio, act_below_ratio: per layer, or a list of nulls where the pass's
-        activations were not counted (--act-every)."""
+        activations were not counted (--act-every).
+    With more than MAX_SPANS spans of the two kinds of rows, `tok` itself, those lists filled in."""
     n = len(tok["token_id"])
     at = np.fromiter((b[0] for b in blocks), np.intp, len(blocks))
+    runs = [_gathered(blocks, start, end) for start, end in _runs(blocks)]
     is_array = np.zeros(n, dtype=bool)
     is_array[at] = True
     if len(blocks) == n:  # every row: the columns as they are
@@ -43,24 +52,69 @@ def block_tokens(tok: schema.Columns, blocks: list[BlockRow]) -> RowParts:
     else:  # the two kinds of rows come in a few runs each (a prompt's token among decode steps)
         edges = [0, *(np.flatnonzero(is_array[1:] != is_array[:-1]) + 1).tolist(), n]
         spans = list(pairwise(edges))
+        if len(spans) > MAX_SPANS:
+            _fill_lists(tok, at.tolist(), runs)
+            return tok
         of_blocks = [(a, b) for a, b in spans if is_array[a]]
         of_lists = [(a, b) for a, b in spans if not is_array[a]]
         lists = {name: _spans(col, of_lists) for name, col in tok.items()}
         values = {name: _spans(col, of_blocks) for name, col in tok.items()}
     parts = []
-    for start, end in _runs(blocks):
-        blk = blocks[start][1]
-        rows = np.fromiter((b[2] for b in blocks[start:end]), np.intp, end - start)
+    for start, end, got in runs:
         arrays: dict[str, ArrayColumn] = {name: col[start:end] for name, col in values.items()}
-        arrays[_IDS] = blk.expert_ids[rows]
-        arrays[_WEIGHTS] = blk.expert_weights[rows]
-        arrays[_PROBS] = None
-        arrays[_ZERO] = blk.act_zero_ratio[rows]
-        arrays[_BELOW] = blk.act_below_ratio[rows]
-        counted = blk.counted[rows]
+        arrays.update(got)
+        counted = arrays.pop(_COUNTED)
+        assert isinstance(counted, np.ndarray)
         uncounted = {} if counted.all() else {_ZERO: ~counted, _BELOW: ~counted}
         parts.append(ArrayRows(end - start, arrays, {}, uncounted))
     return RowParts(lists, ArrayRows.concat(parts), is_array)
+
+
+_COUNTED = "__counted"
+#: one block's rows start..end of the drain's block rows, and their per-layer arrays (_gathered)
+_Run = tuple[int, int, dict[str, np.ndarray | None]]
+
+
+def _gathered(blocks: list[BlockRow], start: int, end: int) -> _Run:
+    """The per-layer arrays of block rows start..end (rows of one block), and _COUNTED: whether
+    each row's activations were counted."""
+    blk = blocks[start][1]
+    rows = np.fromiter((b[2] for b in blocks[start:end]), np.intp, end - start)
+    return (
+        start,
+        end,
+        {
+            _IDS: blk.expert_ids[rows],
+            _WEIGHTS: blk.expert_weights[rows],
+            _PROBS: None if blk.router_probs is None else blk.router_probs[rows],
+            _ZERO: blk.act_zero_ratio[rows],
+            _BELOW: blk.act_below_ratio[rows],
+            _COUNTED: blk.counted[rows],
+        },
+    )
+
+
+def _fill_lists(
+    tok: schema.Columns, at: list[int], runs: list[tuple[int, int, dict[str, np.ndarray | None]]]
+) -> None:
+    """The block rows' per-layer columns as the per-row lists (tolist of the gathered arrays)."""
+    for start, end, got in runs:
+        counted = got[_COUNTED]
+        assert counted is not None
+        n_layers = got[_IDS].shape[1]  # type: ignore[union-attr]
+        nulls: list[object] = [None] * n_layers
+        for name in (_IDS, _WEIGHTS, _PROBS, _ZERO, _BELOW):
+            a = got[name]
+            col = tok[name]
+            if a is None:
+                for r in at[start:end]:
+                    col[r] = None  # a router_probs column of nulls: null
+                continue
+            values = a.tolist()
+            if name in (_ZERO, _BELOW) and not counted.all():
+                values = [v if c else list(nulls) for v, c in zip(values, counted.tolist(), strict=True)]
+            for r, v in zip(at[start:end], values, strict=True):
+                col[r] = v
 
 
 def _spans(col: list[object], spans: list[tuple[int, int]]) -> list[object]:

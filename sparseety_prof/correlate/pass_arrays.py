@@ -1,13 +1,13 @@
-"""The routes rows of a prompt pass as arrays, made from the pass's per-layer stores in a few
-numpy calls, when the pass is regular: every layer MoE and FFN, its values for every batch row
-or for every output row (llama.cpp computes the last layer of a prompt for its output rows only),
-every such row routed and counted.
+"""The rows of a prompt pass as arrays, made from the pass's per-layer stores in a few numpy
+calls, when the pass is regular: every layer MoE and FFN, its values for every batch row or for
+every output row (llama.cpp computes the last layer of a prompt for its output rows only), every
+such row routed and counted. The routes table takes every row of them, the token rows their
+output rows' per-layer lists.
 
 The per-row path (StepSparse.row_values, then a row per layer) costs a few microseconds per row
-and layer in Python, though only the token rows (the output rows) need the per-row values: every
-other row of a prompt is a routes row only. Anything irregular (a layer missing, a row count
-neither the batch's nor its outputs', a row not filled or not counted) returns None: the per-row
-path then makes the rows, and counts what it counts."""
+and layer in Python. Anything irregular (a layer missing, a row count neither the batch's nor its
+outputs', a row not filled or not counted) returns None: the per-row path then makes the rows,
+and counts what it counts."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from typing import NamedTuple
 import numpy as np
 
 from sparseety_prof.capture.plans import LayerSet
-from sparseety_prof.correlate.step_sparse import LayerRows, StepSparse
+from sparseety_prof.correlate.agg_record import AggBlock
+from sparseety_prof.correlate.state import Step
+from sparseety_prof.correlate.step_sparse import NOT_MADE, LayerRows, StepSparse
 
 
 class PassRows(NamedTuple):
@@ -58,6 +60,56 @@ class PassArrays(NamedTuple):
 
     values: dict[str, np.ndarray | None]
     present: np.ndarray
+
+
+class PassBlock(NamedTuple):
+    """pass_block's result: the arrays of every row of the pass (route_arrays), and the same
+    values as an AggBlock, a row per batch row, for the token rows of the rows that hold every
+    layer (`whole`)."""
+
+    arrays: PassArrays
+    block: AggBlock
+    whole: np.ndarray  # bool [rows]
+
+
+def takes_arrays(step: Step) -> bool:
+    """Whether the rows of `step` are worth making as arrays: a prompt, whose rows outnumber its
+    output rows (only those are token rows) by more than two to one. A step of several slots
+    (every row an output) keeps the per-row path: route_arrays' few dozen numpy calls cost more
+    than its handful of rows do in Python (on 4 clients' server drains, scripts/replay_drains.py:
+    correlation 86 -> 117 us per token with the arrays)."""
+    return len(step.seq) > 2 * len(step.output_index())
+
+
+def pass_block(step: Step, layers: LayerSet) -> PassBlock | None:
+    """route_arrays of all the rows of `step` (a prompt: takes_arrays, whose layers are
+    `layers.moe`, which are also `layers.ffn`), made once and kept on its StepSparse: the routes
+    rows and the token rows both take them. None for an irregular pass, or one not worth it."""
+    sp = step.sparse
+    assert sp is not None
+    if not takes_arrays(step):
+        return None
+    if sp._pass_block is NOT_MADE:
+        rows = slice(step.row_offset, step.row_offset + len(step.seq))
+        got = route_arrays(sp, PassRows.of(rows, step.n_tokens, step.output_index()), layers)
+        sp._pass_block = None if got is None else _as_block(got)
+    made: PassBlock | None = sp._pass_block
+    return made
+
+
+def _as_block(got: PassArrays) -> PassBlock:
+    v = got.values
+    whole: np.ndarray = np.asarray(got.present.all(axis=1))
+    block = AggBlock(
+        v["expert_ids"],  # type: ignore[arg-type]
+        v["expert_weights"],  # type: ignore[arg-type]
+        v["act_zero_ratio"],  # type: ignore[arg-type]
+        v["act_below_ratio"],  # type: ignore[arg-type]
+        v["act_values"],  # type: ignore[arg-type]
+        whole,  # every layer counted where a row holds every layer
+        v["router_probs"],
+    )
+    return PassBlock(got, block, whole)
 
 
 def route_arrays(sp: StepSparse, at: PassRows, layers: LayerSet) -> PassArrays | None:

@@ -23,6 +23,7 @@ from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate.agg_record import AggBlock
 from sparseety_prof.correlate.block_tokens import block_tokens
 from sparseety_prof.correlate.logit_stats import PendingStats
+from sparseety_prof.correlate.pass_arrays import pass_block
 from sparseety_prof.correlate.serving import ID_SEGMENTED, Launch, RequestAgg, ServingTracker
 from sparseety_prof.correlate.state import Counters, CtxState, SeqState, Step
 from sparseety_prof.correlate.step_sparse import Problems
@@ -279,6 +280,22 @@ class RequestTokens:
         step, i = row
         return (step, i) if step.output[i] else None
 
+    def _block_of(self, step: Step, i: int) -> tuple[AggBlock, int] | None:
+        """Where an AggBlock holds row i's per-layer lists as row_values would make them: a
+        one-row step's aggregate record, or a regular prompt's arrays (pass_arrays; its output
+        rows hold every layer). Only when every layer is MoE and FFN (the block's layers)."""
+        layers = self.layers
+        sp = step.sparse
+        if sp is None or not layers.moe or layers.moe != layers.ffn:
+            return None
+        if step.n_tokens == 1:
+            return sp.agg_block_row()
+        if len(step.seq) > 1:
+            got = pass_block(step, layers)
+            if got is not None and got.whole[i]:
+                return got.block, i
+        return None
+
     def emit_token(
         self,
         c: CtxState,
@@ -310,10 +327,11 @@ class RequestTokens:
                 st.agg.inherited = st.samples
         sparse_values: tuple[object, ...] = NO_SPARSE_VALUES
         sp = step.sparse
-        block = sp.agg_block_row() if sp is not None and step.n_tokens == 1 else None
-        if sp is not None and block is not None and self.layers.moe:
-            # a one-row step whose routing and activations are all in the drain's AggBlock: its
-            # per-layer lists stay there (block_tokens), only the attention is made here
+        block = self._block_of(step, i) if sp is not None else None
+        if sp is not None and block is not None:
+            # the row's routing and activations are all in an AggBlock (the drain's aggregate
+            # records, or the pass's arrays): its per-layer lists stay there (block_tokens), only
+            # the attention is made here
             attended = sp.attended(step.row_offset + i, self.layers.attn)
             cells = [a for a in attended if a is not None]
             sparse_values = (None, None, None, None, None, attended, max(cells) if cells else None)

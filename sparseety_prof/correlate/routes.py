@@ -12,7 +12,7 @@ import numpy as np
 
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate.agg_record import AggBlock
-from sparseety_prof.correlate.pass_arrays import PassArrays, PassRows, route_arrays
+from sparseety_prof.correlate.pass_arrays import PassArrays, pass_block
 from sparseety_prof.correlate.state import Step
 from sparseety_prof.correlate.step_sparse import Problems, StepSparse
 from sparseety_prof.correlate.tables import (
@@ -161,18 +161,21 @@ class RoutesTables:
             self._blocks.append((step.step_id, step.ctx_id, seq, pos, step.row_offset, *block))
             self._runs.append((True, n_layers))
             return
-        # a prompt: the token rows need the per-row values of its output rows only (a server
-        # step of several slots, all outputs, needs them all: the arrays would be extra work)
-        prompt = len(step.seq) > 2 * len(out_index)
-        if prompt and identity and self.make_rows and not self.with_masks:
-            rows = slice(step.row_offset, step.row_offset + len(step.seq))
-            got = route_arrays(sp, PassRows.of(rows, step.n_tokens, out_index), self.layers)
-            if got is not None:  # a regular pass: its rows as arrays, no per-row values
-                self._arrays.extend(self._block_rows())  # (the rows before it first)
-                part = self._pass_part(step, rows, got)
-                self._arrays.append(part)
-                self._runs.append((True, part.n))
+        # a prompt: when it is regular, its rows as arrays, and its token rows take their lists
+        # from the same arrays (pass_arrays.pass_block): no per-row values
+        got = (
+            pass_block(step, self.layers) if len(step.seq) > 1 and identity and not self.with_masks else None
+        )
+        if got is not None:
+            if not self.make_rows:
+                self.rows_not_made += int(got.arrays.present.sum())
                 return
+            self._arrays.extend(self._block_rows())  # (the rows before it first)
+            rows = slice(step.row_offset, step.row_offset + len(step.seq))
+            part = self._pass_part(step, rows, got.arrays)
+            self._arrays.append(part)
+            self._runs.append((True, part.n))
+            return
         if len(step.seq) > 1:  # a prompt's rows: their values made at once
             sp.fill_rows(
                 list(range(step.row_offset, step.row_offset + len(step.seq))),

@@ -68,6 +68,9 @@ class Problems:
     unmapped_rows: int = 0  # a tensor whose row count is neither the batch's nor its outputs'
 
 
+NOT_MADE = "not made"  # a memo's value before it is made (None is a result)
+
+
 @dataclass
 class StepSparse(AttentionRecords):
     """Sparse records of one micro-batch, by layer (the attention part: AttentionRecords)."""
@@ -87,6 +90,8 @@ class StepSparse(AttentionRecords):
     # the same values in the drain's arrays (agg_rows_batch), with the record's row there
     _agg_block: tuple[AggBlock, int] | None = None
     _row_cache: dict[int, dict[str, Any]] = field(default_factory=dict)  # asked once the pass ended
+    # the pass's rows as arrays (pass_arrays.pass_block), made once the pass ended; NOT_MADE before
+    _pass_block: Any = NOT_MADE
     # what each layer holds, as lists, worked out once for all rows of the pass (_layer_plan):
     # ((n_tokens, output rows, layers) it was made for, the plan)
     _plan: tuple[tuple[int, int, LayerSet], _LayerPlan] | None = None
