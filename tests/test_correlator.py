@@ -18,6 +18,7 @@ from sparseety_prof.capture.events import EventBatch, SeqTracker, decode_records
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate import block_tokens as block_tokens_module
 from sparseety_prof.correlate import pass_arrays as pass_arrays_module
+from sparseety_prof.correlate import routes as routes_module
 from sparseety_prof.correlate import server_layout_check
 from sparseety_prof.correlate.correlator import Correlator
 from sparseety_prof.correlate.pass_arrays import route_arrays
@@ -532,7 +533,7 @@ def _plain(x: Any) -> Any:
         }
         return {**out, "output_index": x.output_index(), "seq_rows": _plain(x.seq_rows())}
     if isinstance(x, StepSparse):  # its per-row values are made when asked for (memos)
-        memos = ("_row_cache", "_plan", "_pass_block")
+        memos = ("_row_cache", "_plan", "_pass_block", "_slot_block")
         out = {f.name: _plain(getattr(x, f.name)) for f in fields(x) if f.name not in memos}
         return {**out, "_agg_row": _plain(x._agg_values())}
     if is_dataclass(x) and not isinstance(x, type):
@@ -1105,6 +1106,128 @@ def test_prompt_routes_rows_as_arrays_equal_the_per_row_path(
     assert any(v is not None for v in r["router_probs"]) and None in r["act_zero_ratio"]
     # rows of the last layer for the output rows only: fewer rows than rows x layers
     assert len(r["step_id"]) < 2 * sum(5 + i % 5 for i in range(12)) + 2 * 36
+
+
+def _slots_script() -> Script:
+    """Two, then three sequences decoded together (as a server's slots are): each one's prompt
+    (no sparse records), then steps of one row per sequence, all outputs, with per-layer routing
+    and activation records; among them a one-row step of the first sequence alone, a step with
+    router probabilities, and what must take the per-row path: a row of layer 0 not counted, a
+    layer whose routing is missing, a step with a prompt row (not an output)."""
+    s = Script()
+    logits = np.linspace(-1, 1, N_VOCAB, dtype=np.float32)
+    toks = {0: 1, 1: 2, 2: 3}
+    pos = {0: 3, 1: 3, 2: 3}
+    for seq in (0, 1, 2):
+        s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+        s.ubatch([seq + 1, seq + 2, seq + 3], [0, 1, 2], seqs=[seq] * 3, outputs=[0, 0, 1])
+        s.sample(toks[seq], idx=2, logits=logits)
+    for i in range(16):
+        seqs = [0] if i == 9 else [0, 1, 2] if i >= 6 else [0, 1]
+        outputs = [1] * len(seqs)
+        if i == 12:  # a step with a new prompt's row of sequence 3 (not an output)
+            seqs, outputs = [*seqs, 3], [*outputs, 0]
+        n = len(seqs)
+        tokens = [toks.get(q, 7) for q in seqs]
+        s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+        r = np.zeros(1, ev.UBATCH_DTYPE)  # the micro-batch, its records, then its end
+        s._hdr(r, ev.EV_UBATCH)
+        r["n_tokens"] = r["n_copied"] = n
+        r["token"][0, :n], r["pos"][0, :n], r["seq_id"][0, :n] = tokens, [pos.get(q, 0) for q in seqs], seqs
+        r["output"][0, :n] = outputs
+        s.recs.append(r.tobytes())
+        for layer in (0, 1):
+            ids = np.array([[(i + j + layer) % 8, (i + j + layer + 3) % 8] for j in range(n)], np.int32)
+            wts = np.array([[0.7 - 0.02 * j, 0.3 + 0.02 * j] for j in range(n)], np.float32)
+            if not (i == 4 and layer == 1):  # pass 4: no routing for layer 1
+                _tensor_rec(s, layer, ev.TAG_EXPERT_IDS, ids)
+                _tensor_rec(s, layer, ev.TAG_EXPERT_WEIGHTS, wts)
+            if i == 8:
+                probs = np.full((n, 8), 0.125, np.float32)
+                probs[:, layer] += 0.01 * i
+                _tensor_rec(s, layer, ev.TAG_ROUTER_PROBS, probs)
+            total = 2 * n
+            counted = total - 1 if i == 2 and layer == 0 else total
+            _act_rec(s, layer, 0, counted, total, base=i + layer)
+        s.small(ev.EV_UBATCH_END)
+        for j, seq in enumerate(seqs):
+            if not outputs[j]:
+                continue
+            toks[seq] = (toks[seq] * 3 + i + j) % N_VOCAB
+            pos[seq] += 1
+            s.sample(toks[seq], idx=j, logits=logits + i + j)
+    return s
+
+
+@pytest.mark.parametrize("drains", [1, 6])
+@pytest.mark.parametrize("rows", [True, False])
+def test_steps_of_several_slots_as_arrays_equal_the_per_row_path(
+    monkeypatch: pytest.MonkeyPatch, drains: int, rows: bool
+) -> None:
+    """Steps over several sequences, every row an output, made arrays a run at a time: their
+    routes rows and their token rows' per-layer lists equal what the per-row path makes (every
+    table, the state and the problems counted), and so does the count of routes rows not made
+    (--policy aggregate); a step the arrays cannot take is left to the per-row path."""
+    monkeypatch.setattr(block_tokens_module, "MAX_SPANS", 1000)  # token rows kept arrays however mixed
+    s = _slots_script()
+    kept: dict[str, list[Any]] = {"tokens": [], "routes": []}
+    take_tokens, take_routes = RequestTokens.take_tokens, RoutesTables.take
+
+    def keeping(self: RequestTokens) -> Any:
+        got = take_tokens(self)
+        kept["tokens"].append(got)
+        return got
+
+    def keeping_routes(self: RoutesTables) -> Any:
+        got = take_routes(self)
+        kept["routes"].append(got[0])
+        return got
+
+    def replay() -> tuple[Any, list[Any], int]:
+        c = _correlator(routes_rows=rows)
+        out: dict[str, dict[str, list[object]]] = {}
+        states, unmade = [], 0
+        per = -(-len(s.recs) // drains)
+        for k in range(0, len(s.recs), per):
+            c.feed(decode_records(s.recs[k : k + per], 1024))
+            for table, cols in c.take_tables(final=k + per >= len(s.recs)).items():
+                for name, values in cols.items():
+                    out.setdefault(table, {}).setdefault(name, []).extend(values)
+            unmade += c.routes.take_not_made()
+            states.append(_state(c))
+        return out, states, unmade
+
+    monkeypatch.setattr(RequestTokens, "take_tokens", keeping)
+    monkeypatch.setattr(RoutesTables, "take", keeping_routes)
+    got, got_states, got_unmade = replay()
+    parts = {table: list(v) for table, v in kept.items()}
+    for v in kept.values():
+        v.clear()
+    monkeypatch.setattr(routes_module, "shape_key", lambda *a: None)
+    want, want_states, want_unmade = replay()
+    assert not any(isinstance(r, RowParts) for r in kept["tokens"])
+    token_arrays = sum(p.n for r in parts["tokens"] if isinstance(r, RowParts) for p in r.arrays)
+    # the steps of several slots but passes 2 (a row not counted), 4 (a layer's routing missing)
+    # and 12 (a prompt row): 2 rows in 4 steps, 3 in 8; and pass 9's one row (its aggregate-less
+    # one-row step takes the per-row path)
+    assert token_arrays == 2 * 4 + 3 * 8
+    _assert_same((got, got_states), (want, want_states))
+    assert got_unmade == want_unmade
+    tok = want["tokens"]
+    assert len(tok["token_id"]) == 3 + 2 * 6 + 3 * 9 + 1
+    assert any(v is not None for v in tok["router_probs"])
+    assert want_states[-1]["problems"]["unmapped_rows"] == ("int", 0)
+    if rows:
+        assert got_unmade == 0 and len(want["routes"]["step_id"]) > 2 * (2 * 6 + 3 * 9)
+        # the frames equal those of the per-row lists
+        for table, keys in (("tokens", ["step_id", "seq_id"]), ("routes", ["step_id", "row", "layer"])):
+            buf = ColumnBuffer()
+            for r in parts[table]:
+                buf.add(table, r, final=False)
+            frame = pl.concat([df for _, df in buf.take_all()])
+            assert frame.sort(keys).equals(schema.frame(table, want[table]).sort(keys)), table
+    else:
+        assert got_unmade > 2 * (2 * 6 + 3 * 9)
 
 
 @pytest.mark.parametrize("drains", [1, 7])

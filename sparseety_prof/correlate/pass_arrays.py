@@ -73,11 +73,12 @@ class PassBlock(NamedTuple):
 
 
 def takes_arrays(step: Step) -> bool:
-    """Whether the rows of `step` are worth making as arrays: a prompt, whose rows outnumber its
-    output rows (only those are token rows) by more than two to one. A step of several slots
-    (every row an output) keeps the per-row path: route_arrays' few dozen numpy calls cost more
-    than its handful of rows do in Python (on 4 clients' server drains, scripts/replay_drains.py:
-    correlation 86 -> 117 us per token with the arrays)."""
+    """Whether the rows of `step` are worth making as arrays on their own: a prompt, whose rows
+    outnumber its output rows (only those are token rows) by more than two to one. For a step of
+    several slots (every row an output) route_arrays' few dozen numpy calls cost more than its
+    handful of rows do in Python (on 4 clients' server drains, scripts/replay_drains.py:
+    correlation 86 -> 117 us per token): those are made arrays a run of steps at a time
+    (slot_steps.py)."""
     return len(step.seq) > 2 * len(step.output_index())
 
 

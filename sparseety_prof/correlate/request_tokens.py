@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from operator import itemgetter
 
 import numpy as np
 
@@ -25,9 +26,17 @@ from sparseety_prof.correlate.block_tokens import block_tokens
 from sparseety_prof.correlate.logit_stats import PendingStats
 from sparseety_prof.correlate.pass_arrays import pass_block
 from sparseety_prof.correlate.serving import ID_SEGMENTED, Launch, RequestAgg, ServingTracker
+from sparseety_prof.correlate.slot_steps import slot_step
 from sparseety_prof.correlate.state import Counters, CtxState, SeqState, Step
 from sparseety_prof.correlate.step_sparse import Problems
-from sparseety_prof.correlate.tables import NO_SPARSE_VALUES, REQUEST_ROW, TOKEN_ROW, TOKEN_TEXT, RowBuffer
+from sparseety_prof.correlate.tables import (
+    NO_SPARSE_VALUES,
+    REQUEST_ROW,
+    SPARSE_TOKEN_COLUMNS,
+    TOKEN_ROW,
+    TOKEN_TEXT,
+    RowBuffer,
+)
 from sparseety_prof.store.array_rows import RowParts
 from sparseety_prof.store.schema import (
     PHASE_DECODE,
@@ -37,7 +46,9 @@ from sparseety_prof.store.schema import (
     Columns,
 )
 
-_LOST = "records_lost"  # requests.end_reason: records were lost after its last token seen
+_LOST = "records_lost"
+# the per-layer lists of SPARSE_TOKEN_COLUMNS (its first five), which the arrays may hold
+SPARSE_LISTS = SPARSE_TOKEN_COLUMNS[:5]  # requests.end_reason: records were lost after its last token seen
 
 
 @dataclass
@@ -80,6 +91,8 @@ class RequestTokens:
         self.tokens = RowBuffer(TOKEN_ROW)
         # token rows whose per-layer lists are in an AggBlock: (row in self.tokens, block, its row)
         self._block_rows: list[tuple[int, AggBlock, int]] = []
+        # token rows of steps over several slots whose arrays are made when taken (_later)
+        self._later_rows: list[tuple[int, Step, int]] = []
         self.stats = PendingStats()
         self.requests = RowBuffer(REQUEST_ROW)  # finished requests
 
@@ -95,6 +108,17 @@ class RequestTokens:
         else:  # no vocabulary: the text column stays null
             tok[TOKEN_TEXT] = [None] * len(ids)
         blocks, self._block_rows = self._block_rows, []
+        later, self._later_rows = self._later_rows, []
+        if later:  # the routes rows were taken first: the slot steps' arrays are made
+            for r, step, i in later:
+                block = self._block_of(step, i)
+                if block is not None:
+                    blocks.append((r, *block))
+                else:  # a step the arrays did not take: its per-row values
+                    values = self._row_lists(step, i)
+                    for name, value in zip(SPARSE_LISTS, values, strict=False):
+                        tok[name][r] = value
+            blocks.sort(key=itemgetter(0))
         return block_tokens(tok, blocks) if blocks else tok
 
     def take_requests(self, ctxs: Iterable[CtxState], *, final: bool) -> Columns:
@@ -290,11 +314,37 @@ class RequestTokens:
             return None
         if step.n_tokens == 1:
             return sp.agg_block_row()
+        if sp._slot_block is not None:
+            block, row0 = sp._slot_block
+            return block, row0 + i
         if len(step.seq) > 1:
             got = pass_block(step, layers)
             if got is not None and got.whole[i]:
                 return got.block, i
         return None
+
+    def _row_lists(self, step: Step, i: int) -> tuple[object, ...]:
+        """Row i's sparse columns (SPARSE_TOKEN_COLUMNS order) from its per-row values."""
+        assert step.sparse is not None
+        v = step.sparse.row_values(
+            step.row_offset + i, step.output_index(), step.n_tokens, self.layers, self.problems
+        )
+        att = [a for a in v["attn_attended"] if a is not None]
+        return (
+            v["expert_ids"] if self.layers.moe else [],
+            v["expert_weights"] if self.layers.moe else [],
+            v["router_probs"] if v["router_probs"].count(None) < len(v["router_probs"]) else None,
+            v["act_zero_ratio"],
+            v["act_below_ratio"],
+            v["attn_attended"],
+            max(att) if att else None,
+        )
+
+    def _later(self, step: Step) -> bool:
+        """A step over several slots whose arrays are made when the routes rows are taken, with
+        the steps after it (slot_steps.py): its token rows' per-layer lists wait for them."""
+        layers = self.layers
+        return bool(layers.moe) and layers.moe == layers.ffn and slot_step(step)
 
     def emit_token(
         self,
@@ -336,20 +386,14 @@ class RequestTokens:
             cells = [a for a in attended if a is not None]
             sparse_values = (None, None, None, None, None, attended, max(cells) if cells else None)
             self._block_rows.append((len(self.tokens), *block))
-        elif step.sparse is not None:
-            v = step.sparse.row_values(
-                step.row_offset + i, step.output_index(), step.n_tokens, self.layers, self.problems
-            )
-            att = [a for a in v["attn_attended"] if a is not None]
-            sparse_values = (  # in SPARSE_TOKEN_COLUMNS order
-                v["expert_ids"] if self.layers.moe else [],
-                v["expert_weights"] if self.layers.moe else [],
-                v["router_probs"] if v["router_probs"].count(None) < len(v["router_probs"]) else None,
-                v["act_zero_ratio"],
-                v["act_below_ratio"],
-                v["attn_attended"],
-                max(att) if att else None,
-            )
+        elif sp is not None and self._later(step):
+            # its lists are set when the rows are taken (take_tokens), from the run's arrays
+            attended = sp.attended(step.row_offset + i, self.layers.attn)
+            cells = [a for a in attended if a is not None]
+            sparse_values = (None, None, None, None, None, attended, max(cells) if cells else None)
+            self._later_rows.append((len(self.tokens), step, i))
+        elif sp is not None:
+            sparse_values = self._row_lists(step, i)
         # in TOKEN_ROW order: one tuple per token, no keyword dict (a row per token)
         self.tokens.add_values(
             (

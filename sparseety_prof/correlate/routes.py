@@ -13,6 +13,7 @@ import numpy as np
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate.agg_record import AggBlock
 from sparseety_prof.correlate.pass_arrays import PassArrays, pass_block
+from sparseety_prof.correlate.slot_steps import shape_key, slot_runs, slot_step
 from sparseety_prof.correlate.state import Step
 from sparseety_prof.correlate.step_sparse import Problems, StepSparse
 from sparseety_prof.correlate.tables import (
@@ -51,6 +52,8 @@ class RoutesTables:
         # rows whose values are in an AggBlock (one-row steps): (step_id, ctx_id, seq, pos, row,
         # the block, the record's row in it); they stay arrays up to the frame (store/array_rows.py)
         self._blocks: list[tuple[int, int, int, int, int, AggBlock, int]] = []
+        # steps over several slots waiting for the run they are part of to end (slot_steps.py)
+        self._slot_steps: list[Step] = []
         # rows made arrays already (the blocks' rows before them, and multi-row passes'), in order
         self._arrays: list[ArrayRows] = []
         # the order rows came in, while any are block rows: (from a block, rows), per emission
@@ -65,6 +68,7 @@ class RoutesTables:
     def take(self) -> tuple[Columns | RowParts, Columns]:
         """Routes and masks rows produced since the last call: columns, or RowParts when rows
         came from AggBlocks."""
+        self._flush_slots()
         self._flush()
         routes: Columns | RowParts
         routes, self._routes = self._routes, {name: [] for name in ROUTE_ROW}
@@ -139,6 +143,43 @@ class RoutesTables:
             cols[name].extend(chain.from_iterable(p[5][name] for p in pending))
 
     def emit(self, step: Step) -> None:
+        """The rows of a finished step. A step over several slots waits for the steps after it
+        (slot_steps.py: their rows made arrays a run at a time, when the run ends); any other
+        step's rows are made now, after those of the steps waiting."""
+        if self.layout()[3] and not self.with_masks and slot_step(step):
+            self._slot_steps.append(step)
+            return
+        self._flush_slots()
+        self._emit_now(step)
+
+    def _flush_slots(self) -> None:
+        """The rows of the steps over several slots waiting: each run of steps of one shape made
+        arrays at once; a step the arrays cannot take, by the per-row path."""
+        steps, self._slot_steps = self._slot_steps, []
+        keys = [shape_key(s.sparse, len(s.seq), self.layers) for s in steps]  # type: ignore[arg-type]
+        i = 0
+        while i < len(steps):
+            key = keys[i]
+            j = i + 1
+            while key is not None and j < len(steps) and keys[j] == key:
+                j += 1
+            spans = slot_runs(steps[i:j], key, self.layers, rows=self.make_rows) if key is not None else []
+            for a, b, run in spans or [(0, j - i, None)]:
+                if run is None:
+                    for s in steps[i + a : i + b]:
+                        self._emit_now(s)
+                    continue
+                for s, blk in zip(steps[i + a : i + b], run.blocks, strict=True):
+                    s.sparse._slot_block = blk  # type: ignore[union-attr]
+                if run.routes is None:
+                    self.rows_not_made += (b - a) * len(steps[i + a].seq) * len(self.layers.moe)
+                else:
+                    self._arrays.extend(self._block_rows())  # (the rows before them first)
+                    self._arrays.append(run.routes)
+                    self._runs.append((True, run.routes.n))
+            i = j
+
+    def _emit_now(self, step: Step) -> None:
         """The rows of a finished step, from the same per-row values the token rows use
         (computed once per row). Whole columns are extended at once per row: per-value appends
         were the largest consumer cost of full mode. Rows of the common case are gathered and

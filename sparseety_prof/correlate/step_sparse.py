@@ -92,6 +92,9 @@ class StepSparse(AttentionRecords):
     _row_cache: dict[int, dict[str, Any]] = field(default_factory=dict)  # asked once the pass ended
     # the pass's rows as arrays (pass_arrays.pass_block), made once the pass ended; NOT_MADE before
     _pass_block: Any = NOT_MADE
+    # a step over several slots made arrays with the steps around it (slot_steps.py): the block
+    # its token rows read, and the block row of its batch row 0
+    _slot_block: tuple[AggBlock, int] | None = None
     # what each layer holds, as lists, worked out once for all rows of the pass (_layer_plan):
     # ((n_tokens, output rows, layers) it was made for, the plan)
     _plan: tuple[tuple[int, int, LayerSet], _LayerPlan] | None = None
