@@ -1112,8 +1112,9 @@ def _slots_script() -> Script:
     """Two, then three sequences decoded together (as a server's slots are): each one's prompt
     (no sparse records), then steps of one row per sequence, all outputs, with per-layer routing
     and activation records; among them a one-row step of the first sequence alone, a step with
-    router probabilities, and what must take the per-row path: a row of layer 0 not counted, a
-    layer whose routing is missing, a step with a prompt row (not an output)."""
+    router probabilities, a step whose activations were not counted, and what must take the
+    per-row path: a row of layer 0 not counted, a layer whose routing is missing, a step with a
+    prompt row (not an output)."""
     s = Script()
     logits = np.linspace(-1, 1, N_VOCAB, dtype=np.float32)
     toks = {0: 1, 1: 2, 2: 3}
@@ -1148,7 +1149,8 @@ def _slots_script() -> Script:
                 _tensor_rec(s, layer, ev.TAG_ROUTER_PROBS, probs)
             total = 2 * n
             counted = total - 1 if i == 2 and layer == 0 else total
-            _act_rec(s, layer, 0, counted, total, base=i + layer)
+            if i != 10:  # pass 10: no activations counted at all (--act-every)
+                _act_rec(s, layer, 0, counted, total, base=i + layer)
         s.small(ev.EV_UBATCH_END)
         for j, seq in enumerate(seqs):
             if not outputs[j]:
@@ -1216,6 +1218,7 @@ def test_steps_of_several_slots_as_arrays_equal_the_per_row_path(
     tok = want["tokens"]
     assert len(tok["token_id"]) == 3 + 2 * 6 + 3 * 9 + 1
     assert any(v is not None for v in tok["router_probs"])
+    assert [None, None] in tok["act_zero_ratio"]  # pass 10's rows: activations not counted
     assert want_states[-1]["problems"]["unmapped_rows"] == ("int", 0)
     if rows:
         assert got_unmade == 0 and len(want["routes"]["step_id"]) > 2 * (2 * 6 + 3 * 9)

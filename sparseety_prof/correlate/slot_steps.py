@@ -10,8 +10,8 @@ the routes rows of the whole run, and the AggBlock its token rows read, come out
 
 A step is taken when it is regular: every row an output and copied, every layer MoE and FFN with
 its routing for every row (router probabilities on every layer or on none) and its activations
-counted for every row. Anything else is left to the per-row path, which then counts what it
-counts. tests/test_correlator.py compares the two.
+counted for every row, or for none (a pass --act-every leaves out). Anything else is left to
+the per-row path, which then counts what it counts. tests/test_correlator.py compares the two.
 """
 
 from __future__ import annotations
@@ -71,13 +71,16 @@ def shape_key(sp: StepSparse, n_rows: int, layers: LayerSet) -> tuple[object, ..
         if shape[0] != n_rows:
             return None
         probs_width = shape[1]
-    act: list[tuple[int, int]] = []
-    for layer in layers.ffn:
-        z, slots = sp.act_zeros.get(layer), sp.act_slots.get(layer)
-        if z is None or not slots or len(z) != n_rows * slots:
-            return None
-        act.append((slots, sp.act_width[layer]))
-    return n_rows, width, ids[layers.moe[0]].values.dtype, with_probs, probs_width, tuple(act)
+    act: tuple[tuple[int, int], ...] | None = None  # None: no layer's activations counted (--act-every)
+    if sp.act_zeros:
+        got: list[tuple[int, int]] = []
+        for layer in layers.ffn:
+            z, slots = sp.act_zeros.get(layer), sp.act_slots.get(layer)
+            if z is None or not slots or len(z) != n_rows * slots:
+                return None
+            got.append((slots, sp.act_width[layer]))
+        act = tuple(got)
+    return n_rows, width, ids[layers.moe[0]].values.dtype, with_probs, probs_width, act
 
 
 def slot_runs(
@@ -88,7 +91,7 @@ def slot_runs(
     are missing after all (a row not filled, a row's activations not counted): the per-row path
     then takes it."""
     n_rows, _, _, with_probs, _, act = key
-    assert isinstance(n_rows, int) and isinstance(act, tuple)
+    assert isinstance(n_rows, int) and (act is None or isinstance(act, tuple))
     moe, ffn = layers.moe, layers.ffn
     sps: list[StepSparse] = [s.sparse for s in steps]  # type: ignore[misc]
     n_steps, n_layers = len(steps), len(moe)
@@ -103,18 +106,22 @@ def slot_runs(
 
     ids, weights = stacked("ids"), stacked("weights")
     probs = stacked("probs") if with_probs else None
-    # activations: per FFN layer its counts per node row (node rows per token of one size here)
-    slots = {s for s, _ in act}
-    if len(slots) != 1:
-        return [(k, k + 1, None) for k in range(n_steps)]
-    (n_slots,) = slots
-    counts = np.stack(
-        [sp.act_zeros[layer] for sp in sps for layer in ffn]
-        + [sp.act_below[layer] for sp in sps for layer in ffn]
-    ).reshape(2, n_steps, len(ffn), n_rows, n_slots)
-    ok &= (counts >= 0).all(axis=(0, 2, 3, 4))  # every row counted
-    per_value = np.array([s * w for s, w in act], dtype=np.int64)  # values counted per token and layer
-    sums = counts.sum(axis=4).transpose(0, 1, 3, 2)  # [zero/below, steps, rows, layers]
+    # activations: per FFN layer its counts per node row (node rows per token of one size here);
+    # none counted: ratios 0 and not counted (null), as aggregate records have them
+    if act is None:
+        sums = np.zeros((2, n_steps, n_rows, len(ffn)), dtype=np.int64)
+        per_value = np.ones(len(ffn), dtype=np.int64)
+    else:
+        slots = {s for s, _ in act}
+        if len(slots) != 1:
+            return [(k, k + 1, None) for k in range(n_steps)]
+        (n_slots,) = slots
+        zeros = [sp.act_zeros[layer] for sp in sps for layer in ffn]
+        below = [sp.act_below[layer] for sp in sps for layer in ffn]
+        counts = np.stack(zeros + below).reshape(2, n_steps, len(ffn), n_rows, n_slots)
+        ok &= (counts >= 0).all(axis=(0, 2, 3, 4))  # every row counted
+        per_value = np.array([s * w for s, w in act], dtype=np.int64)  # values per token and layer
+        sums = counts.sum(axis=4).transpose(0, 1, 3, 2)  # [zero/below, steps, rows, layers]
     out: list[tuple[int, int, SlotRun | None]] = []
     start = 0
     for end in [*(np.flatnonzero(ok[1:] != ok[:-1]) + 1).tolist(), n_steps]:
@@ -128,8 +135,8 @@ def slot_runs(
                 weights[span].reshape(total, n_layers, -1),
                 (sums[0, span] / per_value).reshape(total, len(ffn)),
                 (sums[1, span] / per_value).reshape(total, len(ffn)),
-                np.tile(per_value, (total, 1)),
-                np.ones(total, dtype=bool),
+                np.tile(per_value, (total, 1)) if act is not None else np.zeros((total, len(ffn)), np.int64),
+                np.full(total, act is not None),
                 None if probs is None else probs[span].reshape(total, n_layers, -1),
             )
             part = steps[start:end]
@@ -161,4 +168,8 @@ def _routes_rows(steps: list[Step], block: AggBlock, n_rows: int, layers: LayerS
     arrays[_ZERO] = block.act_zero_ratio.reshape(-1)
     arrays[_BELOW] = block.act_below_ratio.reshape(-1)
     arrays[_VALUES] = block.act_values.reshape(-1)
-    return ArrayRows(total * n_layers, arrays)
+    nulls = {}
+    if not block.counted.all():  # a row whose activations were not counted: its values are null
+        not_counted = np.repeat(~block.counted, n_layers)
+        nulls = {name: not_counted for name in (_ZERO, _BELOW, _VALUES)}
+    return ArrayRows(total * n_layers, arrays, nulls)
