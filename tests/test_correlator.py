@@ -412,11 +412,13 @@ def _agg_step(
     layers: int = 2,
     ops: bool = True,
     act: bool = True,
+    moe: tuple[int, ...] | None = None,
 ) -> None:
-    """A one-row micro-batch with its aggregate record (every layer MoE and FFN, k = 2), as the
-    probes send it for a decode step. Attention: the two set_input_kq_mask calls (full mask, a
-    window of 4) and, with `ops`, the graph-op nodes of layers 0 (full) and 1 (window). Without
-    `act`, no activation was counted (a step --act-every leaves out)."""
+    """A one-row micro-batch with its aggregate record (every layer FFN, and MoE with k = 2 unless
+    `moe` names the MoE layers), as the probes send it for a decode step. Attention: the two
+    set_input_kq_mask calls (full mask, a window of 4) and, with `ops`, the graph-op nodes of
+    layers 0 (full) and 1 (window). Without `act`, no activation was counted (a step
+    --act-every leaves out)."""
     r = np.zeros(1, ev.UBATCH_DTYPE)
     s._hdr(r, ev.EV_UBATCH, ctx)
     r["n_tokens"] = r["n_copied"] = 1
@@ -425,9 +427,10 @@ def _agg_step(
     a = np.zeros(1, ev.STEP_AGG_DTYPE)
     s._hdr(a, ev.EV_STEP_AGG, ctx)
     for layer in range(layers):
-        a["k_ids"][0, layer] = a["k_wts"][0, layer] = 2
-        a["ids"][0, layer, :2] = [(pos + layer) % 8, (pos + layer + 3) % 8]
-        a["wts"][0, layer, :2] = [0.5 + 0.01 * (pos % 10), 0.5 - 0.01 * (pos % 10)]
+        if moe is None or layer in moe:
+            a["k_ids"][0, layer] = a["k_wts"][0, layer] = 2
+            a["ids"][0, layer, :2] = [(pos + layer) % 8, (pos + layer + 3) % 8]
+            a["wts"][0, layer, :2] = [0.5 + 0.01 * (pos % 10), 0.5 - 0.01 * (pos % 10)]
         if act:
             a["act_nr"][0, layer] = a["act_rows"][0, layer] = a["act_slots"][0, layer] = 2
             a["act_ne0"][0, layer] = 16
@@ -563,11 +566,14 @@ def _state(c: Correlator) -> dict[str, Any]:
 
 
 def _replay(
-    s: Script, drains: int, *, with_masks: bool, server: bool = False
+    s: Script, drains: int, *, with_masks: bool, server: bool = False, layers: LayerSet | None = None
 ) -> tuple[dict[str, dict[str, list[object]]], list[Any]]:
     """Feeds the script in `drains` drains; the tables concatenated over them, and the
-    correlator's state after each. `server`: as on llama-server (slots name the samples)."""
+    correlator's state after each. `server`: as on llama-server (slots name the samples);
+    `layers`: the model's, when not _correlator's."""
     kw: dict[str, Any] = {"serving": ServingTracker(pid=1), "slot_tokens": True} if server else {}
+    if layers is not None:
+        kw["layers"] = layers
     c = _correlator(with_masks=with_masks, **kw)
     out: dict[str, dict[str, list[object]]] = {}
     states = []
@@ -648,25 +654,35 @@ def test_fast_one_row_steps_equal_the_record_by_record_path(
     assert sum(samples) > 15 and not all(samples)
 
 
-def _block_script() -> Script:
+#: the block scripts' models: every layer MoE and FFN; a dense first layer (as DeepSeek's)
+BLOCK_LAYOUTS = {
+    "moe": LayerSet(moe=(0, 1), ffn=(0, 1), attn=(0, 1)),
+    "dense_first": LayerSet(moe=(1, 2), ffn=(0, 1, 2), attn=(0, 1)),
+}
+
+
+def _block_script(layout: str = "moe") -> Script:
     """Prompts, then one-row steps whose routing and activations all came in their aggregate
     record (kept as arrays up to the frame), among steps whose activations were not counted,
-    steps with a layer missing, and another context's steps."""
+    steps with a layer missing, and another context's steps; on a model of BLOCK_LAYOUTS."""
     s = Script()
     logits = np.linspace(-2, 2, N_VOCAB, dtype=np.float32)
     s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
     s.decode([1, 2, 3], [0, 1, 2])
     s.sample(4, logits=logits)
     pos, tok = 3, 4
+    moe = BLOCK_LAYOUTS[layout].moe
+    n_layers = len(BLOCK_LAYOUTS[layout].ffn)
     for i in range(80):
         s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
-        _agg_step(s, tok, pos, layers=1 if i % 11 == 3 else 2, act=i % 7 != 2)
+        layers = n_layers - 1 if i % 11 == 3 else n_layers
+        _agg_step(s, tok, pos, layers=layers, act=i % 7 != 2, moe=moe)
         nxt = (tok * 7 + i) % N_VOCAB
         s.sample(nxt, logits=logits + i)
         pos, tok = pos + 1, nxt
         if i % 9 == 0:
             s.small(ev.EV_DECODE_BEGIN, -1, -1, -1, ctx=0xCCCC)  # another context's step
-            _agg_step(s, 3, i, ctx=0xCCCC)
+            _agg_step(s, 3, i, ctx=0xCCCC, layers=n_layers, moe=moe)
             s.small(ev.EV_SAMPLE_BEGIN, -1, ev.SAMPLER_LLAMA, ctx=0xCCCC)
             s.small(ev.EV_SAMPLE_END, 5, ev.SAMPLER_LLAMA, -1, ctx=0xCCCC)
         if i == 40:  # a new prompt on the same sequence, after a cut
@@ -678,18 +694,21 @@ def _block_script() -> Script:
     return s
 
 
+@pytest.mark.parametrize("layout", list(BLOCK_LAYOUTS))
 @pytest.mark.parametrize("max_spans", [1000, 0])
 @pytest.mark.parametrize("drains", [1, 9])
 def test_rows_kept_as_arrays_equal_the_per_row_lists(
-    monkeypatch: pytest.MonkeyPatch, drains: int, max_spans: int
+    monkeypatch: pytest.MonkeyPatch, drains: int, max_spans: int, layout: str
 ) -> None:
     """The routes rows and the token rows' per-layer lists of one-row steps kept as their
     aggregate records' arrays (RowParts) read as the columns the per-row lists make, and make
     the same frames (in the buffer's order: list rows, then array rows); every other table,
     and the state, is the same either way. With block_tokens.MAX_SPANS 0, a drain's token rows
-    whose kinds alternate are made lists from the arrays: the same again."""
+    whose kinds alternate are made lists from the arrays: the same again. On a model whose
+    first layer is dense as well (routes rows of the FFN-only layer without routing)."""
     monkeypatch.setattr(block_tokens_module, "MAX_SPANS", max_spans)
-    s = _block_script()
+    s = _block_script(layout)
+    layers = BLOCK_LAYOUTS[layout]
     taken: dict[str, list[Any]] = {"routes": [], "tokens": []}
     take_routes, take_tokens = RoutesTables.take, RequestTokens.take_tokens
 
@@ -705,12 +724,12 @@ def test_rows_kept_as_arrays_equal_the_per_row_lists(
 
     monkeypatch.setattr(RoutesTables, "take", keeping_routes)
     monkeypatch.setattr(RequestTokens, "take_tokens", keeping_tokens)
-    got = _replay(s, drains, with_masks=False)
+    got = _replay(s, drains, with_masks=False, layers=layers)
     parts = {table: list(v) for table, v in taken.items()}
     for v in taken.values():
         v.clear()
     monkeypatch.setattr(StepSparse, "agg_block_row", lambda self: None)
-    want = _replay(s, drains, with_masks=False)
+    want = _replay(s, drains, with_masks=False, layers=layers)
     for table, v in taken.items():
         assert not any(isinstance(r, RowParts) for r in v), table
     routes_arrays = sum(p.n for r in parts["routes"] if isinstance(r, RowParts) for p in r.arrays)
@@ -722,7 +741,7 @@ def test_rows_kept_as_arrays_equal_the_per_row_lists(
     else:  # only drains of block rows alone (the many drains' fewer rows) keep them arrays
         assert token_arrays < (60 if drains > 1 else 1)
     assert None in want[0]["routes"]["act_values"] and None in want[0]["routes"]["act_zero_ratio"]
-    assert [None, None] in want[0]["tokens"]["act_zero_ratio"]  # a pass whose activations were not counted
+    assert [None] * len(layers.ffn) in want[0]["tokens"]["act_zero_ratio"]  # activations not counted
     _assert_same(got, want)
     assert got[0]["routes"] == want[0]["routes"] and got[0]["tokens"] == want[0]["tokens"]
     # the frames: the buffer's, and the per-row lists' made as before
@@ -1233,14 +1252,16 @@ def test_steps_of_several_slots_as_arrays_equal_the_per_row_path(
         assert got_unmade > 2 * (2 * 6 + 3 * 9)
 
 
+@pytest.mark.parametrize("script", ["mixed", "dense_first"])
 @pytest.mark.parametrize("drains", [1, 7])
-def test_routes_rows_counted_unmade_are_the_rows_made(drains: int) -> None:
+def test_routes_rows_counted_unmade_are_the_rows_made(drains: int, script: str) -> None:
     """Without routes rows (--policy aggregate, no sink reading them) the correlator counts the
     rows it would have made, exactly, prompt rows and rows with layers missing included, and
-    every other table is the same."""
-    s = _mixed_script()
-    made, _ = _replay(s, drains, with_masks=False)
-    c = _correlator(routes_rows=False)
+    every other table is the same; on a model whose first layer is dense too."""
+    s = _mixed_script() if script == "mixed" else _block_script(script)
+    layers = BLOCK_LAYOUTS.get(script)
+    made, _ = _replay(s, drains, with_masks=False, layers=layers)
+    c = _correlator(routes_rows=False, **({"layers": layers} if layers else {}))
     unmade: dict[str, dict[str, list[object]]] = {}
     counted = 0
     per = -(-len(s.recs) // drains)

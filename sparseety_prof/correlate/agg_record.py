@@ -62,16 +62,16 @@ def agg_row_values(r: dict[str, Any], layers: LayerSet) -> tuple[dict[str, list[
 
 
 class AggBlock(NamedTuple):
-    """The per-layer values of a drain's aggregate records as arrays, one row per record and one
-    column per layer of the model (its MoE layers, which are also its FFN layers): what the
-    routes table takes for a one-row step without making them Python values. Copies, never
+    """The per-layer values of a drain's aggregate records as arrays, one row per record, the
+    routing's columns the model's MoE layers and the activations' its FFN layers: what the token
+    and routes rows of a one-row step take without making them Python values. Copies, never
     views of the drained records (their memory is reused)."""
 
-    expert_ids: np.ndarray  # int32 [records, layers, k]
-    expert_weights: np.ndarray  # float32 [records, layers, k]
-    act_zero_ratio: np.ndarray  # float64 [records, layers]
-    act_below_ratio: np.ndarray  # float64 [records, layers]
-    act_values: np.ndarray  # int64 [records, layers]
+    expert_ids: np.ndarray  # int32 [records, MoE layers, k]
+    expert_weights: np.ndarray  # float32 [records, MoE layers, k]
+    act_zero_ratio: np.ndarray  # float64 [records, FFN layers]
+    act_below_ratio: np.ndarray  # float64 [records, FFN layers]
+    act_values: np.ndarray  # int64 [records, FFN layers]
     counted: np.ndarray  # bool [records]: its activations were counted (else the three above are null)
     # float32 [records, layers, k]: the router's probabilities of the chosen experts, where they
     # were captured (per-layer records: pass_arrays.pass_block); an aggregate record has none
@@ -81,15 +81,14 @@ class AggBlock(NamedTuple):
 def block_row_values(block: AggBlock, row: int) -> dict[str, list[Any]]:
     """What agg_row_values gives for the record at `row` of `block`: made only when asked for
     (the token and routes rows of such a record read the block itself)."""
-    n_layers = block.expert_ids.shape[1]
+    n_moe, n_ffn = block.expert_ids.shape[1], block.act_zero_ratio.shape[1]
     counted = bool(block.counted[row])
-    nulls: list[Any] = [None] * n_layers
     return {
         "expert_ids": block.expert_ids[row].tolist(),
         "expert_weights": block.expert_weights[row].tolist(),
-        "router_probs": list(nulls),
-        "act_zero_ratio": block.act_zero_ratio[row].tolist() if counted else list(nulls),
-        "act_below_ratio": block.act_below_ratio[row].tolist() if counted else list(nulls),
+        "router_probs": [None] * n_moe,
+        "act_zero_ratio": block.act_zero_ratio[row].tolist() if counted else [None] * n_ffn,
+        "act_below_ratio": block.act_below_ratio[row].tolist() if counted else [None] * n_ffn,
         "act_values": block.act_values[row].tolist(),  # 0 where not counted
     }
 
@@ -97,8 +96,9 @@ def block_row_values(block: AggBlock, row: int) -> dict[str, list[Any]]:
 class AggRow(NamedTuple):
     """What the consumer needs of one aggregate record: the row's per-layer values (as
     agg_row_values makes them; None for a record whose values are all in the drain's AggBlock:
-    every layer MoE and FFN, all of them whole; block_row_values makes them from there), the MoE
-    and FFN layers it saw, its attention columns; and for such a record, the block and its row.
+    every MoE layer routed with k experts, every FFN layer counted or none;
+    block_row_values makes them from there), the MoE and FFN layers it saw, its attention
+    columns; and for such a record, the block and its row.
     A named tuple: one is made per token, and a frozen dataclass costs several times more to make."""
 
     values: dict[str, list[Any]] | None
@@ -141,8 +141,8 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
     counted_at = n_vals != 0
     zr_arr = np.divide(arr["act_zero"][:, ffn_idx], n_vals, out=np.zeros(n_vals.shape), where=counted_at)
     br_arr = np.divide(arr["act_below"][:, ffn_idx], n_vals, out=np.zeros(n_vals.shape), where=counted_at)
-    # the routes table's rows line up with the records' layers when every layer is MoE and FFN
-    block = AggBlock(ids_arr, wts_arr, zr_arr, br_arr, n_vals, moe_full & ffn_full) if moe == ffn else None
+    # a model without MoE layers has no block: its rows' empty routing stays lists
+    block = AggBlock(ids_arr, wts_arr, zr_arr, br_arr, n_vals, moe_full & ffn_full) if moe else None
     if block is None:  # the common rows' values as lists, made here
         ids_all, wts_all = ids_arr.tolist(), wts_arr.tolist()
         zr_all, br_all, nv_all = zr_arr.tolist(), br_arr.tolist(), n_vals.tolist()

@@ -101,8 +101,6 @@ def _fill_lists(
     for start, end, got in runs:
         counted = got[_COUNTED]
         assert counted is not None
-        n_layers = got[_IDS].shape[1]  # type: ignore[union-attr]
-        nulls: list[object] = [None] * n_layers
         for name in (_IDS, _WEIGHTS, _PROBS, _ZERO, _BELOW):
             a = got[name]
             col = tok[name]
@@ -112,6 +110,7 @@ def _fill_lists(
                 continue
             values = a.tolist()
             if name in (_ZERO, _BELOW) and not counted.all():
+                nulls: list[object] = [None] * a.shape[1]
                 values = [v if c else list(nulls) for v, c in zip(values, counted.tolist(), strict=True)]
             for r, v in zip(at[start:end], values, strict=True):
                 col[r] = v

@@ -306,14 +306,17 @@ class RequestTokens:
 
     def _block_of(self, step: Step, i: int) -> tuple[AggBlock, int] | None:
         """Where an AggBlock holds row i's per-layer lists as row_values would make them: a
-        one-row step's aggregate record, or a regular prompt's arrays (pass_arrays; its output
-        rows hold every layer). Only when every layer is MoE and FFN (the block's layers)."""
+        one-row step's aggregate record; when every layer is MoE and FFN, also a regular
+        prompt's arrays (pass_arrays; its output rows hold every layer) or a step over several
+        slots made arrays with the steps around it (slot_steps)."""
         layers = self.layers
         sp = step.sparse
-        if sp is None or not layers.moe or layers.moe != layers.ffn:
+        if sp is None or not layers.moe:
             return None
-        if step.n_tokens == 1:
+        if step.n_tokens == 1:  # (routing columns: the MoE layers; activations: the FFN layers)
             return sp.agg_block_row()
+        if layers.moe != layers.ffn:
+            return None
         if sp._slot_block is not None:
             block, row0 = sp._slot_block
             return block, row0 + i

@@ -93,26 +93,57 @@ class RoutesTables:
         return out
 
     def _block_part(self, rows: list[tuple[int, int, int, int, int, AggBlock, int]]) -> ArrayRows:
-        """Rows of one AggBlock: per row, one routes row per layer, as emit's common case makes
-        them (a pass whose activations were not counted has no activation values)."""
-        all_layers = self.layout()[0]
+        """Rows of one AggBlock: per row, one routes row per layer of the table, as emit's
+        per-row path makes them: a layer's routing where it is an MoE layer, its activations
+        where it is an FFN layer and they were counted (else null), and no row for a layer with
+        neither (an FFN-only layer of a pass whose activations were not counted)."""
+        all_layers, km_of, kf_of, identity = self.layout()
         n_rows, n_layers = len(rows), len(all_layers)
         blk = rows[0][5]
         at = np.fromiter((r[6] for r in rows), np.intp, n_rows)
         arrays = self._key_arrays(np.array([r[:5] for r in rows], dtype=np.int64).reshape(n_rows, -1))
         k = blk.expert_ids.shape[2]
-        arrays[_IDS] = blk.expert_ids[at].reshape(n_rows * n_layers, k)
-        arrays[_WEIGHTS] = blk.expert_weights[at].reshape(n_rows * n_layers, k)
-        arrays[_PROBS] = None  # not in an aggregate record
-        arrays[_ZERO] = blk.act_zero_ratio[at].reshape(-1)
-        arrays[_BELOW] = blk.act_below_ratio[at].reshape(-1)
-        arrays[_VALUES] = blk.act_values[at].reshape(-1)
         counted = blk.counted[at]
+        ids, weights = blk.expert_ids[at], blk.expert_weights[at]
+        zero, below, values = blk.act_zero_ratio[at], blk.act_below_ratio[at], blk.act_values[at]
+        if identity:
+            keep = None
+            no_act = np.repeat(~counted, n_layers)
+            no_moe = None
+        else:  # the table's layers from the block's MoE and FFN columns
+            km = np.array([-1 if j is None else j for j in km_of], dtype=np.intp)
+            kf = np.array([-1 if j is None else j for j in kf_of], dtype=np.intp)
+            ids, weights = ids[:, km.clip(0)], weights[:, km.clip(0)]
+            zero, below, values = zero[:, kf.clip(0)], below[:, kf.clip(0)], values[:, kf.clip(0)]
+            act = (kf >= 0)[None, :] & counted[:, None]  # [rows, layers]
+            keep_2d = (km >= 0)[None, :] | act
+            keep = keep_2d.reshape(-1)
+            no_act = ~act.reshape(-1)[keep]
+            no_moe = np.broadcast_to(km < 0, (n_rows, n_layers)).reshape(-1)[keep]
+        arrays[_IDS] = ids.reshape(n_rows * n_layers, k)
+        arrays[_WEIGHTS] = weights.reshape(n_rows * n_layers, k)
+        arrays[_PROBS] = None  # not in an aggregate record
+        arrays[_ZERO] = zero.reshape(-1)
+        arrays[_BELOW] = below.reshape(-1)
+        arrays[_VALUES] = values.reshape(-1)
+        n = n_rows * n_layers
+        if keep is not None:
+            arrays = {name: None if a is None else a[keep] for name, a in arrays.items()}
+            n = int(keep.sum())
         nulls = {}
-        if not counted.all():
-            not_counted = np.repeat(~counted, n_layers)
-            nulls = {name: not_counted for name in (_ZERO, _BELOW, _VALUES)}
-        return ArrayRows(n_rows * n_layers, arrays, nulls)
+        if no_act.any():
+            nulls = {name: no_act for name in (_ZERO, _BELOW, _VALUES)}
+        if no_moe is not None and no_moe.any():
+            nulls.update({_IDS: no_moe, _WEIGHTS: no_moe})
+        return ArrayRows(n, arrays, nulls)
+
+    def _block_layers(self, block: tuple[AggBlock, int]) -> int:
+        """The routes rows of a block row (_block_part): every layer's, but those of the FFN-only
+        layers when its activations were not counted."""
+        all_layers, km_of, _, identity = self.layout()
+        if identity or block[0].counted[block[1]]:
+            return len(all_layers)
+        return sum(k is not None for k in km_of)
 
     def layout(self) -> RouteLayout:
         """Fixed for a recording: computed once."""
@@ -193,14 +224,15 @@ class RoutesTables:
         # a one-row step whose values came whole from its aggregate record: kept in the block
         # (every MoE layer has its k ids there: the rows are the common case's, with no per-row
         # values made)
-        block = sp.agg_block_row() if step.n_tokens == 1 and identity and not self.with_masks else None
+        one = step.n_tokens == 1 and bool(self.layers.moe) and not self.with_masks
+        block = sp.agg_block_row() if one else None
         if block is not None:
-            if not self.make_rows:
-                self.rows_not_made += n_layers
+            if not self.make_rows:  # as many rows as the per-row path would make
+                self.rows_not_made += self._block_layers(block)
                 return
             seq, pos = int(step.seq[0]), int(step.pos[0])
             self._blocks.append((step.step_id, step.ctx_id, seq, pos, step.row_offset, *block))
-            self._runs.append((True, n_layers))
+            self._runs.append((True, self._block_layers(block)))
             return
         # a prompt: when it is regular, its rows as arrays, and its token rows take their lists
         # from the same arrays (pass_arrays.pass_block): no per-row values
