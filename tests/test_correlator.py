@@ -18,6 +18,7 @@ from sparseety_prof.capture.events import EventBatch, SeqTracker, decode_records
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate import block_tokens as block_tokens_module
 from sparseety_prof.correlate import pass_arrays as pass_arrays_module
+from sparseety_prof.correlate import request_tokens as request_tokens_module
 from sparseety_prof.correlate import routes as routes_module
 from sparseety_prof.correlate import server_layout_check
 from sparseety_prof.correlate.correlator import Correlator
@@ -694,19 +695,38 @@ def _block_script(layout: str = "moe") -> Script:
     return s
 
 
+def _block_tokens_mode(monkeypatch: pytest.MonkeyPatch, mode: str) -> list[int]:
+    """block_tokens made to take one of its ways (merged: as configured; split: block rows as
+    arrays, the others as lists; lists: every row's lists made), and the block rows it is given,
+    per call."""
+    if mode != "merged":
+        monkeypatch.setattr(block_tokens_module, "MAX_MERGED", -1)
+        monkeypatch.setattr(block_tokens_module, "MAX_SPANS", 1000 if mode == "split" else 0)
+    given: list[int] = []
+    real = request_tokens_module.block_tokens
+
+    def counting(tok: Any, blocks: Any) -> Any:
+        given.append(len(blocks))
+        return real(tok, blocks)
+
+    monkeypatch.setattr(request_tokens_module, "block_tokens", counting)
+    return given
+
+
 @pytest.mark.parametrize("layout", list(BLOCK_LAYOUTS))
-@pytest.mark.parametrize("max_spans", [1000, 0])
+@pytest.mark.parametrize("mode", ["merged", "split", "lists"])
 @pytest.mark.parametrize("drains", [1, 9])
 def test_rows_kept_as_arrays_equal_the_per_row_lists(
-    monkeypatch: pytest.MonkeyPatch, drains: int, max_spans: int, layout: str
+    monkeypatch: pytest.MonkeyPatch, drains: int, mode: str, layout: str
 ) -> None:
     """The routes rows and the token rows' per-layer lists of one-row steps kept as their
     aggregate records' arrays (RowParts) read as the columns the per-row lists make, and make
     the same frames (in the buffer's order: list rows, then array rows); every other table,
-    and the state, is the same either way. With block_tokens.MAX_SPANS 0, a drain's token rows
-    whose kinds alternate are made lists from the arrays: the same again. On a model whose
-    first layer is dense as well (routes rows of the FFN-only layer without routing)."""
-    monkeypatch.setattr(block_tokens_module, "MAX_SPANS", max_spans)
+    and the state, is the same either way; whichever way block_tokens takes (_block_tokens_mode:
+    the few other rows of a drain made arrays too, the rows split in two kinds, or every row's
+    lists made). On a model whose first layer is dense as well (routes rows of the FFN-only
+    layer without routing)."""
+    given = _block_tokens_mode(monkeypatch, mode)
     s = _block_script(layout)
     layers = BLOCK_LAYOUTS[layout]
     taken: dict[str, list[Any]] = {"routes": [], "tokens": []}
@@ -736,10 +756,14 @@ def test_rows_kept_as_arrays_equal_the_per_row_lists(
     token_arrays = sum(p.n for r in parts["tokens"] if isinstance(r, RowParts) for p in r.arrays)
     # most one-row steps' rows (two layers each) were arrays, and the rest lists
     assert routes_arrays >= 2 * 60 and routes_arrays < len(want[0]["routes"]["step_id"])
-    if max_spans:
-        assert token_arrays >= 60 and token_arrays < len(want[0]["tokens"]["step_id"])
-    else:  # only drains of block rows alone (the many drains' fewer rows) keep them arrays
+    blocks = sum(given)
+    assert blocks >= 60 and blocks < len(want[0]["tokens"]["step_id"])
+    if mode == "split":
+        assert token_arrays == blocks
+    elif mode == "lists":  # only drains of block rows alone (the many drains' fewer rows) keep them arrays
         assert token_arrays < (60 if drains > 1 else 1)
+    # (merged: every drain here has an irregular other row, a prompt's token or a layer missing:
+    # none is merged; the prompt and slot scripts below merge theirs)
     assert None in want[0]["routes"]["act_values"] and None in want[0]["routes"]["act_zero_ratio"]
     assert [None] * len(layers.ffn) in want[0]["tokens"]["act_zero_ratio"]  # activations not counted
     _assert_same(got, want)
@@ -1089,7 +1113,7 @@ def test_prompt_routes_rows_as_arrays_equal_the_per_row_path(
     irregular prompt leaves them to the per-row path, which counts what it counts (the same
     problems either way)."""
     s = _prompt_script()
-    monkeypatch.setattr(block_tokens_module, "MAX_SPANS", 1000)  # token rows kept arrays however mixed
+    _block_tokens_mode(monkeypatch, "split")  # block rows as arrays (counted), the others lists
     calls: list[bool] = []
 
     def counting(*a: Any) -> Any:
@@ -1162,13 +1186,13 @@ def _slots_script() -> Script:
             if not (i == 4 and layer == 1):  # pass 4: no routing for layer 1
                 _tensor_rec(s, layer, ev.TAG_EXPERT_IDS, ids)
                 _tensor_rec(s, layer, ev.TAG_EXPERT_WEIGHTS, wts)
-            if i == 8:
+            if i == 14:
                 probs = np.full((n, 8), 0.125, np.float32)
                 probs[:, layer] += 0.01 * i
                 _tensor_rec(s, layer, ev.TAG_ROUTER_PROBS, probs)
             total = 2 * n
             counted = total - 1 if i == 2 and layer == 0 else total
-            if i != 10:  # pass 10: no activations counted at all (--act-every)
+            if i not in (9, 10):  # passes 9 and 10: no activations counted at all (--act-every)
                 _act_rec(s, layer, 0, counted, total, base=i + layer)
         s.small(ev.EV_UBATCH_END)
         for j, seq in enumerate(seqs):
@@ -1180,16 +1204,19 @@ def _slots_script() -> Script:
     return s
 
 
+@pytest.mark.parametrize("mode", ["split", "merged"])
 @pytest.mark.parametrize("drains", [1, 6])
 @pytest.mark.parametrize("rows", [True, False])
 def test_steps_of_several_slots_as_arrays_equal_the_per_row_path(
-    monkeypatch: pytest.MonkeyPatch, drains: int, rows: bool
+    monkeypatch: pytest.MonkeyPatch, drains: int, rows: bool, mode: str
 ) -> None:
     """Steps over several sequences, every row an output, made arrays a run at a time: their
     routes rows and their token rows' per-layer lists equal what the per-row path makes (every
     table, the state and the problems counted), and so does the count of routes rows not made
-    (--policy aggregate); a step the arrays cannot take is left to the per-row path."""
-    monkeypatch.setattr(block_tokens_module, "MAX_SPANS", 1000)  # token rows kept arrays however mixed
+    (--policy aggregate); a step the arrays cannot take is left to the per-row path. With the
+    token rows split in two kinds (their block rows counted), and with a drain's few regular
+    other rows made arrays with them (merged)."""
+    given = _block_tokens_mode(monkeypatch, mode)
     s = _slots_script()
     kept: dict[str, list[Any]] = {"tokens": [], "routes": []}
     take_tokens, take_routes = RequestTokens.take_tokens, RoutesTables.take
@@ -1231,7 +1258,11 @@ def test_steps_of_several_slots_as_arrays_equal_the_per_row_path(
     # the steps of several slots but passes 2 (a row not counted), 4 (a layer's routing missing)
     # and 12 (a prompt row): 2 rows in 4 steps, 3 in 8; and pass 9's one row (its aggregate-less
     # one-row step takes the per-row path)
-    assert token_arrays == 2 * 4 + 3 * 8
+    assert sum(given) == 2 * 4 + 3 * 8
+    if mode == "split":
+        assert token_arrays == sum(given)
+    elif drains > 1:  # the drains without a prompt's token or an irregular row: every row arrays
+        assert token_arrays > sum(given)
     _assert_same((got, got_states), (want, want_states))
     assert got_unmade == want_unmade
     tok = want["tokens"]

@@ -46,6 +46,11 @@ def block_tokens(tok: schema.Columns, blocks: list[BlockRow]) -> schema.Columns 
     runs = [_gathered(blocks, start, end) for start, end in _runs(blocks)]
     is_array = np.zeros(n, dtype=bool)
     is_array[at] = True
+    others = np.flatnonzero(~is_array).tolist()
+    if len(others) <= MAX_MERGED:  # every row one ArrayRows, in order, the columns as they are
+        whole = _whole(tok, at, runs, others)
+        if whole is not None:
+            return RowParts({name: [] for name in tok}, [whole], np.ones(n, dtype=bool))
     if len(blocks) == n:  # every row: the columns as they are
         lists: schema.Columns = {name: [] for name in tok}
         values = tok
@@ -68,6 +73,84 @@ def block_tokens(tok: schema.Columns, blocks: list[BlockRow]) -> schema.Columns 
         uncounted = {} if counted.all() else {_ZERO: ~counted, _BELOW: ~counted}
         parts.append(ArrayRows(end - start, arrays, {}, uncounted))
     return RowParts(lists, ArrayRows.concat(parts), is_array)
+
+
+#: at most this many other rows in a drain (a request's first token, sampled after its prompt by
+#: the handlers) have their per-layer lists made arrays too, one by one, when they are regular:
+#: then every row is one ArrayRows, and no column is split between the two kinds of rows
+MAX_MERGED = 8
+
+
+def _whole(tok: schema.Columns, at: np.ndarray, runs: list[_Run], others: list[int]) -> ArrayRows | None:
+    """Every token row as one ArrayRows: the block rows' per-layer arrays, and the other rows'
+    lists made arrays where they are regular (all of one shape, no null inside a list, lists of
+    nulls for activations not counted; router probabilities for all rows or for none); None
+    when any is not."""
+    n = len(tok["token_id"])
+    first = runs[0][2]
+    ids0, weights0, zero0, probs0 = first[_IDS], first[_WEIGHTS], first[_ZERO], first[_PROBS]
+    assert ids0 is not None and weights0 is not None and zero0 is not None
+    shape, act_shape, with_probs = ids0.shape[1:], zero0.shape[1:], probs0 is not None
+    probs_shape = None if probs0 is None else probs0.shape[1:]
+    for _, _, got in runs[1:]:
+        p = got[_PROBS]
+        if (
+            got[_IDS].shape[1:] != shape  # type: ignore[union-attr]
+            or got[_ZERO].shape[1:] != act_shape  # type: ignore[union-attr]
+            or (p is None) == with_probs
+            or (p is not None and p.shape[1:] != probs_shape)
+        ):
+            return None
+    ids = np.empty((n, *shape), dtype=ids0.dtype)
+    weights = np.empty((n, *shape), dtype=weights0.dtype)
+    zero, below = np.empty((n, *act_shape)), np.empty((n, *act_shape))
+    probs = None if probs0 is None or probs_shape is None else np.empty((n, *probs_shape), dtype=probs0.dtype)
+    counted = np.empty(n, dtype=bool)
+    for start, end, got in runs:
+        rows = at[start:end]
+        ids[rows], weights[rows] = got[_IDS], got[_WEIGHTS]
+        zero[rows], below[rows], counted[rows] = got[_ZERO], got[_BELOW], got[_COUNTED]
+        if probs is not None:
+            probs[rows] = got[_PROBS]
+    for r in others:
+        row_probs = tok[_PROBS][r]
+        if (row_probs is None) == with_probs:
+            return None
+        if not (
+            _put(ids, r, tok[_IDS][r])
+            and _put(weights, r, tok[_WEIGHTS][r])
+            and (probs is None or _put(probs, r, row_probs))
+        ):
+            return None
+        z, b = tok[_ZERO][r], tok[_BELOW][r]
+        if not isinstance(z, list) or not isinstance(b, list):
+            return None
+        if len(z) == len(b) == act_shape[0] and z.count(None) == len(z) and b.count(None) == len(b):
+            counted[r] = False  # activations not counted: a list of nulls
+            zero[r] = below[r] = 0.0
+        elif _put(zero, r, z) and _put(below, r, b):
+            counted[r] = True
+        else:
+            return None
+    arrays: dict[str, ArrayColumn] = dict(tok)
+    arrays.update({_IDS: ids, _WEIGHTS: weights, _PROBS: probs, _ZERO: zero, _BELOW: below})
+    uncounted = {} if counted.all() else {_ZERO: ~counted, _BELOW: ~counted}
+    return ArrayRows(n, arrays, {}, uncounted)
+
+
+def _put(dst: np.ndarray, r: int, values: object) -> bool:
+    """dst[r] = values when they are a list of dst[r]'s shape with no null inside (numpy reads a
+    None among floats as NaN: NaN counts as a null here); False, dst[r] unset, otherwise."""
+    if not isinstance(values, list):
+        return False
+    try:
+        a = np.asarray(values, dtype=dst.dtype)
+    except (TypeError, ValueError):
+        return False
+    if a.shape != dst.shape[1:] or (a.dtype.kind == "f" and np.isnan(a).any()):
+        return False
+    dst[r] = a
+    return True
 
 
 _COUNTED = "__counted"
