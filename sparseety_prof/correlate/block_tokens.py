@@ -1,5 +1,6 @@
-"""Token rows of one-row decode steps whose routing and activations are all in the drain's
-AggBlocks (agg_record.py): their per-layer columns stay the blocks' arrays up to the frame.
+"""Token rows whose per-layer lists are in an AggBlock (agg_record.py: a one-row decode step's
+aggregate record, a regular prompt's arrays, a run of steps over several slots): those columns
+stay the blocks' arrays up to the frame.
 
 Made Python lists per token (a list per layer for the expert ids and weights), and made arrays
 again by the frame, those columns cost the consumer more than the rest of the token row, and
@@ -33,14 +34,16 @@ MAX_SPANS = 8
 
 def block_tokens(tok: schema.Columns, blocks: list[BlockRow]) -> schema.Columns | RowParts:
     """One drain's token columns (`tok`, every column; the block rows' per-layer columns are
-    placeholders) as RowParts: the other rows as lists, the block rows as ArrayRows whose
-    per-layer columns are the blocks' arrays, what the per-row lists would hold:
+    placeholders) as RowParts whose ArrayRows' per-layer columns are the blocks' arrays, what
+    the per-row lists would hold:
       * expert_ids, expert_weights: the record's k ids and weights per layer;
       * router_probs: those captured per layer (a pass's arrays), else null (an aggregate
         record has none);
       * act_zero_ratio, act_below_ratio: per layer, or a list of nulls where the pass's
         activations were not counted (--act-every).
-    With more than MAX_SPANS spans of the two kinds of rows, `tok` itself, those lists filled in."""
+    Every row is one ArrayRows when the other rows are few and regular (_whole); else the other
+    rows stay lists and the block rows are ArrayRows; with more than MAX_SPANS spans of the two
+    kinds of rows, `tok` itself, the block rows' lists filled in."""
     n = len(tok["token_id"])
     at = np.fromiter((b[0] for b in blocks), np.intp, len(blocks))
     runs = [_gathered(blocks, start, end) for start, end in _runs(blocks)]
