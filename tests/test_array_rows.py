@@ -104,3 +104,29 @@ def test_a_column_of_nulls_has_its_dtype() -> None:
         s = schema.null_series("x", dtype, 5)
         assert s.dtype == dtype and s.len() == 5 and s.null_count() == 5
     assert schema.null_series("x", pl.Int64(), 0).len() == 0
+
+
+def test_column_buffer_keeps_the_order_rows_came_in_for_ordered_tables() -> None:
+    """Every table but routes (ColumnBuffer.UNORDERED) gets its rows back in the order they came,
+    list rows before the first array rows and after the last included; the frame's values are
+    those the same rows make as lists."""
+
+    def lists(steps: list[int]) -> dict[str, list[object]]:
+        given: dict[str, list[object]] = {"step_id": list(steps), "layer": [0] * len(steps)}
+        return schema.fill_absent("routes", given, [c for c in schema.TABLES["routes"] if c not in given])
+
+    buf = ColumnBuffer()
+    buf.UNORDERED = frozenset()  # the routes schema, kept in order as the tokens table is
+    a, b = _routes(3, 2, seed=8), _routes(2, 2, seed=9)
+    buf.add("routes", lists([1, 2]), final=False)
+    buf.add("routes", RowParts(lists([3]), [a], np.array([True, False, True, True])), final=False)
+    buf.add("routes", RowParts(lists([]), [b], np.ones(2, bool)), final=False)
+    buf.add("routes", lists([4]), final=False)
+    [(_, df)] = buf.take_all()
+    a_steps, b_steps = a.column("step_id"), b.column("step_id")
+    assert df["step_id"].to_list() == [1, 2, a_steps[0], 3, *a_steps[1:], *b_steps, 4]
+    rows = {
+        name: [*lists([1, 2])[name], a.column(name)[0], lists([3])[name][0]]
+        for name in schema.TABLES["routes"]
+    }
+    assert df.head(4).equals(schema.frame("routes", rows))

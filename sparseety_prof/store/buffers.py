@@ -6,6 +6,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import polars as pl
 
 from sparseety_prof.store import schema
@@ -20,28 +21,44 @@ class ColumnBuffer:
     writer.
 
     A table's rows may also come as RowParts (column lists and numpy arrays). The arrays are kept
-    as they are, and a frame holds the list rows first, then the array rows, each in the order
-    they came: putting them back in one order cost more than making the frame (a gather of
-    every column). What reads the rows does not depend on their order in a frame: the recording
-    sorts each table when read (store/recording.py), the policies and sinks join on keys."""
+    as they are, and a frame is made of the list rows and of the array rows, each in the order
+    they came; then put back in the order the rows came (one gather of every column), except
+    for the routes table (UNORDERED): eight or more rows per token, for which the gather cost
+    more than making the frame, and whose readers do not depend on the order (the recording
+    sorts each table when read, store/recording.py; the policies and sinks join on keys). The
+    token rows' order matters: the OpenTelemetry sink's token events follow it."""
 
     FRAME_ROWS = 2048
+    UNORDERED = frozenset({"routes"})  # tables whose frames hold the list rows, then the array rows
 
     def __init__(self) -> None:
         self._cols: dict[str, dict[str, list[Any]]] = {}
         self._arrays: dict[str, list[ArrayRows]] = {}
         self._rows: dict[str, int] = {}
+        # per table, the order rows came in when some came as arrays: per add, whether each row
+        # is an array row (frames of UNORDERED tables keep the two kinds apart instead)
+        self._kinds: dict[str, list[np.ndarray]] = {}
 
     def add(self, table: str, cols: Mapping[str, list[Any]], *, final: bool) -> list[pl.DataFrame]:
         """Gather one drain's rows of `table` (every column of the table, as schema.frame wants,
         or RowParts; a drain without rows may pass {} or empty lists); the frames that are due."""
         if isinstance(cols, RowParts):
-            self._add_lists(table, cols.lists)
+            before = self._rows.get(table, 0)  # list rows alone, for an ordered table without kinds
+            n_lists = self._add_lists(table, cols.lists)
             if cols.arrays:
                 self._arrays.setdefault(table, []).extend(cols.arrays)
                 self._rows[table] = self._rows.get(table, 0) + sum(p.n for p in cols.arrays)
+                if table not in self.UNORDERED:
+                    kinds = self._kinds.get(table)
+                    if kinds is None:
+                        kinds = self._kinds[table] = [np.zeros(before, dtype=bool)]
+                    kinds.append(cols.is_array)
+            elif n_lists and table in self._kinds:
+                self._kinds[table].append(np.zeros(n_lists, dtype=bool))
         else:
-            self._add_lists(table, cols)
+            n_lists = self._add_lists(table, cols)
+            if n_lists and table in self._kinds:
+                self._kinds[table].append(np.zeros(n_lists, dtype=bool))
         rows = self._rows.get(table, 0)
         if rows and (final or rows >= self.FRAME_ROWS):
             return [self._frame(table)]
@@ -51,10 +68,11 @@ class ColumnBuffer:
         """Frames of every row still gathered."""
         return [(table, self._frame(table)) for table in list(self._rows)]
 
-    def _add_lists(self, table: str, cols: Mapping[str, list[Any]]) -> None:
+    def _add_lists(self, table: str, cols: Mapping[str, list[Any]]) -> int:
+        """Gather column lists; the rows gathered."""
         n = len(next(iter(cols.values()), ())) if cols else 0
         if not n:
-            return
+            return 0
         buf = self._cols.get(table)
         if buf is None:
             schema.check_columns(table, cols)  # a wrong column fails at its drain, not later
@@ -63,14 +81,23 @@ class ColumnBuffer:
             for k, v in cols.items():
                 buf[k].extend(v)
         self._rows[table] = self._rows.get(table, 0) + n
+        return n
 
     def _frame(self, table: str) -> pl.DataFrame:
-        """Every gathered row of `table` as one frame: the list rows, then the array rows."""
+        """Every gathered row of `table` as one frame, in the order they came (UNORDERED tables:
+        the list rows, then the array rows)."""
         del self._rows[table]
         cols = self._cols.pop(table, None)
         parts = [schema.frame(table, cols)] if cols else []
         parts += [p.frame(table) for p in ArrayRows.concat(self._arrays.pop(table, []))]
-        return pl.concat(parts) if len(parts) > 1 else parts[0]
+        df = pl.concat(parts) if len(parts) > 1 else parts[0]
+        kinds = self._kinds.pop(table, None)
+        if cols and kinds:  # both kinds: the frame's row of each row as it came
+            is_array = np.concatenate(kinds)
+            n_lists = int(np.count_nonzero(~is_array))
+            at = np.where(is_array, n_lists + np.cumsum(is_array) - 1, np.cumsum(~is_array) - 1)
+            df = df[at]
+        return df
 
 
 class FlushSchedule:
