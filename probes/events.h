@@ -11,6 +11,8 @@
 #ifndef MAX_UB_TOK
 #define MAX_UB_TOK 1024          /* rows of a micro-batch copied per step event */
 #endif
+#define UB_SMALL_TOK 16          /* a micro-batch of up to this many rows (a decode step, a server
+                                    step over a few slots) is sent as struct ev_ubatch_s */
 #ifndef LOGITS_CHUNK
 #define LOGITS_CHUNK 65536       /* most floats per logits record (256 KiB); the loader sizes it to
                                     the vocabulary: one record per row up to 65,536 entries (each
@@ -83,16 +85,25 @@ struct ev_small {
 #define UB_FLAG_TRUNCATED 1
 #define UB_FLAG_NO_TOKENS 2 /* the micro-batch carries embeddings, not token ids */
 
+#define UBATCH_FIELDS(ROWS)                                                                     \
+    struct ev_hdr h;                                                                            \
+    __u32 n_tokens;             /* rows in the micro-batch */                                   \
+    __u32 n_copied;             /* rows copied below (min(n_tokens, ROWS)) */                   \
+    __u32 row_offset;           /* index of the first copied row: n_tokens - n_copied */        \
+    __u32 pad;                  /* explicit: sizeof must equal the numpy mirror's itemsize */   \
+    __s32 token[ROWS];                                                                          \
+    __s32 pos[ROWS];                                                                            \
+    __s32 seq[ROWS];            /* first seq id of each row */                                  \
+    __s8 output[ROWS];          /* row produces logits */
+
+/* The micro-batch record, in two sizes with the same fields: the ring reservation has a constant
+ * size, and a one-row decode step in the 13 KiB record cost a 13 KiB copy out of the ring per
+ * token. The consumer tells them apart by size (EV_UBATCH either way). */
 struct ev_ubatch {
-    struct ev_hdr h;
-    __u32 n_tokens;             /* rows in the micro-batch */
-    __u32 n_copied;             /* rows copied below (min(n_tokens, MAX_UB_TOK)) */
-    __u32 row_offset;           /* index of the first copied row: n_tokens - n_copied */
-    __u32 pad;                  /* explicit: sizeof must equal the numpy mirror's itemsize */
-    __s32 token[MAX_UB_TOK];
-    __s32 pos[MAX_UB_TOK];
-    __s32 seq[MAX_UB_TOK];      /* first seq id of each row */
-    __s8 output[MAX_UB_TOK];    /* row produces logits */
+    UBATCH_FIELDS(MAX_UB_TOK)
+};
+struct ev_ubatch_s {
+    UBATCH_FIELDS(UB_SMALL_TOK)
 };
 
 struct ev_logits {
@@ -189,7 +200,17 @@ struct ev_attn {
  * activation figures in one map value, filled by the graph-op probes on every thread (atomic
  * adds), and sends it as ONE record at the micro-batch's return, instead of ~4 records per
  * layer: the consumer's cost per record is what limits the profiler's overhead. */
-#define AGG_MAX_LAYERS 128
+#define AGG_MAX_LAYERS 128       /* the most layers an aggregate record can hold */
+#ifndef AGG_LAYERS
+/* The layers this session's aggregate records hold (a power of two, 8 to AGG_MAX_LAYERS): the
+ * loader passes the model's need (events.agg_layers_for), so that a small model's record is a
+ * few KiB smaller, which the probes clear, copy into the ring and the consumer copies out of it
+ * once per token. Layers past it are sent as per-layer records, as for a record overflowed. */
+#define AGG_LAYERS AGG_MAX_LAYERS
+#endif
+#ifndef AGG_LAYER_MASK
+#define AGG_LAYER_MASK 127       /* AGG_LAYERS - 1, as a literal (idx_agg_layer()'s asm) */
+#endif
 #define AGG_MAX_K 8
 
 struct ev_step_agg {
@@ -197,24 +218,24 @@ struct ev_step_agg {
     __u64 serial;                          /* sequence number of the micro-batch's EV_UBATCH */
     __u32 active;
     __u32 overlap;                         /* another micro-batch ran meanwhile: not attributable */
-    __u32 k_ids[AGG_MAX_LAYERS];           /* expert ids present for the layer (0: not seen) */
-    __u32 k_wts[AGG_MAX_LAYERS];
-    __s32 ids[AGG_MAX_LAYERS][AGG_MAX_K];
-    __u32 wts[AGG_MAX_LAYERS][AGG_MAX_K];  /* float bits */
-    __u32 act_zero[AGG_MAX_LAYERS];        /* summed over the node's rows (expert slots) */
-    __u32 act_below[AGG_MAX_LAYERS];
-    __u32 act_rows[AGG_MAX_LAYERS];        /* rows counted, all threads */
-    __u32 act_nr[AGG_MAX_LAYERS];          /* rows of the node */
-    __u32 act_ne0[AGG_MAX_LAYERS];         /* values per row */
-    __u32 act_slots[AGG_MAX_LAYERS];       /* rows per token: k for MoE activations, else 1 */
+    __u32 k_ids[AGG_LAYERS];           /* expert ids present for the layer (0: not seen) */
+    __u32 k_wts[AGG_LAYERS];
+    __s32 ids[AGG_LAYERS][AGG_MAX_K];
+    __u32 wts[AGG_LAYERS][AGG_MAX_K];  /* float bits */
+    __u32 act_zero[AGG_LAYERS];        /* summed over the node's rows (expert slots) */
+    __u32 act_below[AGG_LAYERS];
+    __u32 act_rows[AGG_LAYERS];        /* rows counted, all threads */
+    __u32 act_nr[AGG_LAYERS];          /* rows of the node */
+    __u32 act_ne0[AGG_LAYERS];         /* values per row */
+    __u32 act_slots[AGG_LAYERS];       /* rows per token: k for MoE activations, else 1 */
     /* attention nodes of the pass, in the order they ran (what an EV_ATTN record would carry for
      * the one output row): 8 records per token fewer in full mode */
     __u32 att_n;                           /* nodes stored below */
     __u32 att_pad;
-    __u64 att_mask[AGG_MAX_LAYERS];        /* mask data pointer (layers sharing it share the count) */
-    __s32 att_layer[AGG_MAX_LAYERS];       /* layer from the node's name, -1 if unnamed */
-    __u32 att_count[AGG_MAX_LAYERS];       /* cells attended by the row (when counted) */
-    __u32 att_flags[AGG_MAX_LAYERS];       /* ATT_FLAG_*, plus ATT_FLAG_UNCOUNTED */
+    __u64 att_mask[AGG_LAYERS];        /* mask data pointer (layers sharing it share the count) */
+    __s32 att_layer[AGG_LAYERS];       /* layer from the node's name, -1 if unnamed */
+    __u32 att_count[AGG_LAYERS];       /* cells attended by the row (when counted) */
+    __u32 att_flags[AGG_LAYERS];       /* ATT_FLAG_*, plus ATT_FLAG_UNCOUNTED */
 };
 
 /* ---- serving context ------------------------------------------------------------------- */

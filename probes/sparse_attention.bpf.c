@@ -32,11 +32,14 @@ BPF_HASH(att_seen, u32, struct att_seen, 4096);
  * name (-1 when unnamed), its count and flags. Returns 1 when stored. */
 static __always_inline int agg_add_attn(struct ev_step_agg *ag, u64 mask, const char *name, u32 count, u32 flags) {
     u32 n = ag->att_n;
-    if (n >= AGG_MAX_LAYERS)
+    if (n >= AGG_LAYERS)
         return 0;
+    s32 layer = name[0] ? name_number(name) : -1;
+    if (layer >= AGG_LAYERS)
+        return 0; /* a layer the record's numbering stops short of: sent as its own record */
     u64 i = idx_agg_layer((u64)n);
     ag->att_mask[i] = mask;
-    ag->att_layer[i] = name[0] ? name_layer(name) : -1;
+    ag->att_layer[i] = layer;
     ag->att_count[i] = count;
     ag->att_flags[i] = flags;
     ag->att_n = n + 1;

@@ -105,14 +105,19 @@ static __always_inline int act_sampled_out(void) {
 
 /* Array indices the verifier can bound: an AND in asm survives clang's range reasoning (it drops
  * a C `&` when it knows the value is small, but the verifier does not know that). */
+#define AGG_STR_(x) #x
+#define AGG_STR(x) AGG_STR_(x)
 static __always_inline u64 idx_agg_layer(u64 i) {
-    asm volatile("%[i] &= 127" : [i] "+r"(i));
+    asm volatile("%[i] &= " AGG_STR(AGG_LAYER_MASK) : [i] "+r"(i));
     return i;
 }
-_Static_assert(AGG_MAX_LAYERS == 128 && NAME_LEN == 32, "idx_agg_layer(), name_layer() mask with literals");
+_Static_assert(AGG_LAYER_MASK + 1 == AGG_LAYERS && (AGG_LAYERS & AGG_LAYER_MASK) == 0 && AGG_LAYERS <= AGG_MAX_LAYERS,
+               "AGG_LAYERS: a power of two up to AGG_MAX_LAYERS, AGG_LAYER_MASK its mask");
+_Static_assert(NAME_LEN == 32, "name_layer() masks with a literal");
 
-/* The layer number after the last '-' of a node name ("ffn_moe_swiglu-12" -> 12); -1 if none. */
-static __always_inline s32 name_layer(const char *name) {
+/* The number after the last '-' of a node name ("ffn_moe_swiglu-12" -> 12, up to three digits);
+ * -1 if none. */
+static __always_inline s32 name_number(const char *name) {
     s32 dash = -1;
     for (int i = 0; i < NAME_LEN; i++) {
         if (name[i] == 0)
@@ -131,7 +136,13 @@ static __always_inline s32 name_layer(const char *name) {
             break;
         v = (v < 0 ? 0 : v * 10) + (c - '0');
     }
-    return v < AGG_MAX_LAYERS ? v : -1;
+    return v;
+}
+
+/* The same, as an index into the aggregate record's per-layer arrays: -1 when none, or past them. */
+static __always_inline s32 name_layer(const char *name) {
+    s32 v = name_number(name);
+    return v < AGG_LAYERS ? v : -1;
 }
 
 /* ---- graph nodes ----------------------------------------------------------------------------- */

@@ -91,7 +91,7 @@ static __always_inline void emit_tensor(u16 tag, u64 node, u64 data, u32 rows, u
  * of AGG_MAX_K values (a size the verifier must track would split its paths); k > AGG_MAX_K or an
  * unreadable row falls back to a record. Returns 1 when stored. */
 static __always_inline int agg_store_layer(struct ev_step_agg *a, s32 layer, u64 data, u32 k, int is_ids) {
-    if (layer < 0 || layer >= AGG_MAX_LAYERS || k == 0 || k > AGG_MAX_K)
+    if (layer < 0 || layer >= AGG_LAYERS || k == 0 || k > AGG_MAX_K)
         return 0;
     u64 l = idx_agg_layer((u64)layer);
     if (is_ids) {

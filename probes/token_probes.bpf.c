@@ -138,7 +138,7 @@ static __always_inline void agg_begin(u32 n_tokens, u64 serial) {
     }
     if (n_tokens != 1)
         return;
-    for (int i = 0; i < AGG_MAX_LAYERS; i++) {
+    for (int i = 0; i < AGG_LAYERS; i++) {
         a->k_ids[i] = 0;
         a->k_wts[i] = 0;
         a->act_zero[i] = 0;
@@ -218,62 +218,82 @@ int decode_ext_enter(struct pt_regs *ctx) {
 }
 
 /* ---- micro-batch = one forward pass: llama_context::process_ubatch(const llama_ubatch &, ...) */
+/* Fill a micro-batch record `e` of ROWS rows (struct ev_ubatch or ev_ubatch_s: the same fields)
+ * from the llama_ubatch at `ub` with `n` rows. A macro, as the two records differ in their array
+ * sizes only, which the verifier needs as constants (BCC does not take map calls in a macro: the
+ * caller submits). */
+#define UBATCH_FILL(e, ROWS, ub, n)                                                             \
+    do {                                                                                        \
+        u32 m = (n) < (ROWS) ? (n) : (ROWS);                                                    \
+        /* A micro-batch larger than the record (a long prompt with n_ubatch > 1024): copy its  \
+         * LAST rows, where the rows that produce logits are. */                                \
+        u32 off = (n) - m;                                                                      \
+        e->n_tokens = (n);                                                                      \
+        e->n_copied = m;                                                                        \
+        e->row_offset = off;                                                                    \
+        e->pad = 0;                                                                             \
+        if (off) {                                                                              \
+            e->h.flags |= UB_FLAG_TRUNCATED;                                                    \
+            count(2, off);                                                                      \
+        }                                                                                       \
+        u64 tok = 0, pos = 0, sid = 0, out = 0;                                                 \
+        bpf_probe_read_user(&tok, sizeof(tok), (void *)((ub) + UB_TOKEN));                      \
+        bpf_probe_read_user(&pos, sizeof(pos), (void *)((ub) + UB_POS));                        \
+        bpf_probe_read_user(&sid, sizeof(sid), (void *)((ub) + UB_SEQ_ID));                     \
+        bpf_probe_read_user(&out, sizeof(out), (void *)((ub) + UB_OUTPUT));                     \
+        u32 sz = m * 4;                                                                         \
+        if (sz > (ROWS) * 4)                                                                    \
+            sz = (ROWS) * 4;                                                                    \
+        if (tok)                                                                                \
+            bpf_probe_read_user(e->token, sz, (void *)(tok + (u64)off * 4));                    \
+        else                                                                                    \
+            e->h.flags |= UB_FLAG_NO_TOKENS;                                                    \
+        if (pos)                                                                                \
+            bpf_probe_read_user(e->pos, sz, (void *)(pos + (u64)off * 4));                      \
+        u32 osz = m;                                                                            \
+        if (osz > (ROWS))                                                                       \
+            osz = (ROWS);                                                                       \
+        if (out)                                                                                \
+            bpf_probe_read_user(e->output, osz, (void *)(out + off));                           \
+        for (u32 i = 0; i < (ROWS); i++) {                                                      \
+            if (i >= m || !sid)                                                                 \
+                break;                                                                          \
+            u64 p = 0;                                                                          \
+            s32 s = -1;                                                                         \
+            bpf_probe_read_user(&p, sizeof(p), (void *)(sid + ((u64)off + i) * 8));             \
+            if (p)                                                                              \
+                bpf_probe_read_user(&s, sizeof(s), (void *)p);                                  \
+            e->seq[i] = s;                                                                      \
+        }                                                                                       \
+    } while (0)
+
 int ubatch_enter(struct pt_regs *ctx) {
     u64 lctx = PT_REGS_PARM1(ctx);
     u64 ub = PT_REGS_PARM2(ctx);
     u32 tid = (u32)bpf_get_current_pid_tgid();
     decode_pending.delete(&tid);
     u64 seq = next_seq();
-    struct ev_ubatch *e = events.ringbuf_reserve(sizeof(struct ev_ubatch));
-    if (!e) {
-        count(1, 1);
-        return 0;
-    }
-    fill_hdr(&e->h, EV_UBATCH, lctx, seq);
     u32 n = 0;
     bpf_probe_read_user(&n, sizeof(n), (void *)(ub + UB_N_TOKENS));
-    u32 m = n < MAX_UB_TOK ? n : MAX_UB_TOK;
-    /* A micro-batch larger than MAX_UB_TOK (a long prompt with n_ubatch > 1024): copy its LAST
-     * rows, where the rows that produce logits are. */
-    u32 off = n - m;
-    e->n_tokens = n;
-    e->n_copied = m;
-    e->row_offset = off;
-    e->pad = 0;
-    if (off) {
-        e->h.flags |= UB_FLAG_TRUNCATED;
-        count(2, off);
+    if (n <= UB_SMALL_TOK) {
+        struct ev_ubatch_s *e = events.ringbuf_reserve(sizeof(struct ev_ubatch_s));
+        if (!e) {
+            count(1, 1);
+            return 0;
+        }
+        fill_hdr(&e->h, EV_UBATCH, lctx, seq);
+        UBATCH_FILL(e, UB_SMALL_TOK, ub, n);
+        events.ringbuf_submit(e, rb_wake());
+    } else {
+        struct ev_ubatch *e = events.ringbuf_reserve(sizeof(struct ev_ubatch));
+        if (!e) {
+            count(1, 1);
+            return 0;
+        }
+        fill_hdr(&e->h, EV_UBATCH, lctx, seq);
+        UBATCH_FILL(e, MAX_UB_TOK, ub, n);
+        events.ringbuf_submit(e, rb_wake());
     }
-    u64 tok = 0, pos = 0, sid = 0, out = 0;
-    bpf_probe_read_user(&tok, sizeof(tok), (void *)(ub + UB_TOKEN));
-    bpf_probe_read_user(&pos, sizeof(pos), (void *)(ub + UB_POS));
-    bpf_probe_read_user(&sid, sizeof(sid), (void *)(ub + UB_SEQ_ID));
-    bpf_probe_read_user(&out, sizeof(out), (void *)(ub + UB_OUTPUT));
-    u32 sz = m * 4;
-    if (sz > MAX_UB_TOK * 4)
-        sz = MAX_UB_TOK * 4;
-    if (tok)
-        bpf_probe_read_user(e->token, sz, (void *)(tok + (u64)off * 4));
-    else
-        e->h.flags |= UB_FLAG_NO_TOKENS;
-    if (pos)
-        bpf_probe_read_user(e->pos, sz, (void *)(pos + (u64)off * 4));
-    u32 osz = m;
-    if (osz > MAX_UB_TOK)
-        osz = MAX_UB_TOK;
-    if (out)
-        bpf_probe_read_user(e->output, osz, (void *)(out + off));
-    for (u32 i = 0; i < MAX_UB_TOK; i++) {
-        if (i >= m || !sid)
-            break;
-        u64 p = 0;
-        s32 s = -1;
-        bpf_probe_read_user(&p, sizeof(p), (void *)(sid + ((u64)off + i) * 8));
-        if (p)
-            bpf_probe_read_user(&s, sizeof(s), (void *)p);
-        e->seq[i] = s;
-    }
-    events.ringbuf_submit(e, rb_wake());
     struct ubatch_info ui = {};
     ui.lctx = lctx;
     ui.ub = ub;

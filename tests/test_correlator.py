@@ -1363,3 +1363,98 @@ def test_server_sample_never_handed_to_a_slot_keeps_its_own_decode() -> None:
     tok = c.take_tables()["tokens"]
     assert tok["token_id"] == [9, 7] and tok["logits_pos"] == [2, 3]
     assert c.counters.samples_unresolved == 0 and c.counters.slot_tokens_unresolved == 0
+
+
+def _compact(recs: list[bytes], agg_layers: int) -> list[bytes]:
+    """The records as the probes now send them: a micro-batch of up to UB_SMALL_TOK rows in the
+    small layout, an aggregate record sized for `agg_layers` layers (events.agg_layers_for); the
+    fields the same, every other record as it was."""
+    out = []
+    big_agg = ev.STEP_AGG_DTYPE
+    for raw in recs:
+        if len(raw) == ev.UBATCH_DTYPE.itemsize:
+            r = np.frombuffer(raw, ev.UBATCH_DTYPE)
+            if int(r["n_copied"][0]) <= ev.UB_SMALL_TOK:
+                small = np.zeros(1, ev.UBATCH_S_DTYPE)
+                for name in ev.UBATCH_DTYPE.names or ():
+                    v = r[name]
+                    small[name] = v[:, : ev.UB_SMALL_TOK] if v.ndim > 1 else v
+                raw = small.tobytes()
+        elif len(raw) == big_agg.itemsize:
+            a = np.frombuffer(raw, big_agg)
+            dt = ev.STEP_AGG_DTYPES[agg_layers]
+            # nothing past the smaller record's layers: the probes send those as records
+            assert not a["k_ids"][0, agg_layers:].any() and not a["act_nr"][0, agg_layers:].any()
+            assert int(a["att_n"][0]) <= agg_layers
+            small = np.zeros(1, dt)
+            for name in dt.names or ():
+                v = a[name]
+                small[name] = v[:, :agg_layers] if v.ndim > 1 else v
+            raw = small.tobytes()
+        out.append(raw)
+    return out
+
+
+def test_ubatch_s_and_agg_records_sized_to_the_model_mirror_the_c_structs(tmp_path: Path) -> None:
+    """The small micro-batch record and the aggregate record built for fewer layers (the loader's
+    -DAGG_LAYERS) have the sizes of their C structs; agg_layers_for leaves room for every layer
+    and the mask writes of a pass, and every size of a session routes to one layout."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc
+    src = tmp_path / "sizes.c"
+    src.write_text(
+        '#include <stdio.h>\n#include <linux/types.h>\n#include "events.h"\n'
+        'int main(void){printf("%zu %zu\\n", sizeof(struct ev_ubatch_s), sizeof(struct ev_step_agg));'
+        " return 0;}\n"
+    )
+    for layers in ev.AGG_LAYER_CHOICES:
+        exe = tmp_path / f"sizes{layers}"
+        flags = [f"-DAGG_LAYERS={layers}", f"-DAGG_LAYER_MASK={layers - 1}"]
+        subprocess.run([cc, f"-I{ev.PROBES_DIR}", *flags, str(src), "-o", str(exe)], check=True)
+        out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+        assert [int(x) for x in out] == [ev.UBATCH_S_DTYPE.itemsize, ev.STEP_AGG_DTYPES[layers].itemsize]
+    assert [ev.agg_layers_for(n) for n in (None, 0, 1, 6, 7, 14, 30, 31, 62, 63, 126, 127, 300)] == [
+        128, 128, 8, 8, 16, 16, 32, 64, 64, 128, 128, 128, 128,
+    ]  # fmt: skip
+    for chunk in (1024, 32768, 65536):
+        for layers in ev.AGG_LAYER_CHOICES:
+            sizes = ev.record_sizes(chunk, layers)
+            assert ev.STEP_AGG_DTYPES[layers].itemsize in sizes and ev.UBATCH_S_DTYPE.itemsize in sizes
+    # two aggregate sizes in one drain cannot both be this session's
+    agg8, agg16 = np.zeros(1, ev.STEP_AGG_DTYPES[8]), np.zeros(1, ev.STEP_AGG_DTYPES[16])
+    with pytest.raises(ValueError, match="two sizes"):
+        decode_records([agg8.tobytes(), agg16.tobytes()], 1024)
+
+
+@pytest.mark.parametrize("script", ["mixed", "server", "slots", "prompt", "multirow", "dense_first"])
+@pytest.mark.parametrize("drains", [1, 7])
+def test_small_records_read_as_the_large_ones(
+    monkeypatch: pytest.MonkeyPatch, drains: int, script: str
+) -> None:
+    """Micro-batches of a few rows in the small record, and aggregate records sized to the model:
+    the correlator makes the same tables and keeps the same state as from the large records (the
+    one-row steps' fast path, the slot runs, prompts and the handlers alike), and the fast path
+    takes the same steps."""
+    makers = {
+        "mixed": _mixed_script,
+        "server": _server_script,
+        "slots": _slots_script,
+        "prompt": _prompt_script,
+        "multirow": _multirow_script,
+        "dense_first": lambda: _block_script("dense_first"),
+    }
+    s = makers[script]()
+    small = Script()
+    small.recs = _compact(s.recs, 8)
+    assert small.recs != s.recs
+    kw: dict[str, Any] = {"with_masks": False, "server": script in ("server", "slots")}
+    if script == "dense_first":
+        kw["layers"] = BLOCK_LAYOUTS["dense_first"]
+    taken = _count_taken(monkeypatch, "_fast_step")
+    got = _replay(small, drains, **kw)
+    taken_small = taken[:]
+    taken.clear()
+    _assert_same(got, _replay(s, drains, **kw))
+    assert taken_small == taken
+    if script == "mixed":
+        assert sum(taken) > 10

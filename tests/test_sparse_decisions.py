@@ -22,6 +22,7 @@ from conftest import ENGINES, Engine, Recorder, run_cli
 from make_models import make_model, swa_layers
 
 import sparseety_prof
+from sparseety_prof.capture import events
 
 pytestmark = [pytest.mark.root, pytest.mark.engine]
 
@@ -223,6 +224,13 @@ def test_sparse_decisions_match_the_engine(
     moe_ops = {"ggml_compute_forward_mul", "ggml_compute_forward_get_rows", "ggml_compute_forward_glu"}
     assert probed & moe_ops == MOE_PROBES[read]
     assert run.rec.meta["moe_read_points"] == {"ids_at_mul": read == "auto", "act_at_mul": read == "auto"}
+    # the values below came through the aggregate records sized to the model (a few layers, not
+    # AGG_MAX_LAYERS) and the small micro-batch records
+    layers = run.rec.meta["layers"]
+    n_layers = 1 + max(layers["moe"] + layers["ffn"] + layers["attn"])
+    layout = run.rec.meta["record_layout"]
+    assert n_layers + events.AGG_ATTN_EXTRA <= layout["agg_layers"] < events.AGG_MAX_LAYERS
+    assert layout["ubatch_small_rows"] == events.UB_SMALL_TOK
     counts = check_run(run, expect_moe=True)
     assert counts["moe"] > 0 and counts["act"] > 0 and counts["attn"] > 0
     phases = set(run.rec.tokens()["phase"].to_list())

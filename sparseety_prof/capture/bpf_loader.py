@@ -29,10 +29,13 @@ from sparseety_prof.capture import bpf_stats
 from sparseety_prof.capture import target as tg
 from sparseety_prof.capture.elf import cheap_entry_probe_offset, cheap_probe_offset, read_at_vaddr
 from sparseety_prof.capture.events import (
+    AGG_MAX_LAYERS,
     LOGITS_HEAD_BYTES,
     LOGITS_REF,
     LOGITS_REF_DTYPE,
     PROBES_DIR,
+    UBATCH_DTYPE,
+    agg_layers_for,
     logits_chunk_for,
     logits_dtype,
     record_sizes,
@@ -164,6 +167,7 @@ class Session:
     attached: list[AttachedProbe] = field(default_factory=list)
     compile_s: float = 0.0
     logits_chunk: int = 1024
+    agg_layers: int = AGG_MAX_LAYERS  # layers an aggregate record holds (events.agg_layers_for)
     moe: MoePlan = field(default_factory=MoePlan)  # where the MoE probes read (as compiled)
     ring_pages: int = RING_BUFFER_PAGES  # size of the ring buffer the probes write to
     stats_fd: int | None = None  # the kernel's BPF run statistics are on while it is open (bpf_stats.py)
@@ -252,6 +256,7 @@ def compile_and_attach(
     skip: frozenset[str] = frozenset(),
     moe: MoePlan | None = None,
     ring_pages: int = RING_BUFFER_PAGES,
+    n_layer: int | None = None,
 ) -> Session:
     if build.ubatch is None:
         raise ValueError("compile_and_attach needs a llama_ubatch layout (from the table or discovery)")
@@ -266,6 +271,7 @@ def compile_and_attach(
     )
     http_reads = is_server(where) and HTTP_READS not in skip
     kv_mask = capture.attention and tg.SYM_KQ_MASK in where and tg.SYM_KQ_MASK not in skip
+    agg_layers = agg_layers_for(n_layer)  # the aggregate record sized to the model (events.h)
     cflags = [
         f"-I{PROBES_DIR}",
         *build.ubatch.cflags(),
@@ -278,6 +284,8 @@ def compile_and_attach(
         f"-DN_VOCAB={n_vocab}",
         f"-DLOGITS_CHUNK={logits_chunk_for(n_vocab)}",
         f"-DRB_PAGES={ring_pages}",
+        f"-DAGG_LAYERS={agg_layers}",
+        f"-DAGG_LAYER_MASK={agg_layers - 1}",
         *(["-DHAVE_TASK_STORAGE"] if task_storage_usable() else []),
         "-Wno-macro-redefined",
     ]
@@ -299,6 +307,7 @@ def compile_and_attach(
         pid=pid,
         compile_s=time.monotonic() - t0,
         logits_chunk=logits_chunk_for(n_vocab),
+        agg_layers=agg_layers,
         moe=moe,
         ring_pages=ring_pages,
     )
@@ -505,14 +514,21 @@ class RingReader:
     #: micro-batch and aggregate records grew their arenas twice in the first drains of every
     #: generation (~0.1 s of page faults and copies on the engine's cores).
     PRESIZE_RECORDS = 256
+    #: the large micro-batch record's: only micro-batches of more than UB_SMALL_TOK rows (prompts)
+    #: take it, a few per drain
+    PRESIZE_LARGE_UBATCHES = 16
 
     def __init__(self, sess: Session) -> None:
         self._sess = sess
         # every layout's arena is made now, outside the drains (see _Arena)
         logits_size = logits_dtype(sess.logits_chunk).itemsize
+        records = {UBATCH_DTYPE.itemsize: self.PRESIZE_LARGE_UBATCHES}
         self._fill: dict[int, _Arena] = {
-            size: _Arena(size, self.PRESIZE_BYTES if size == logits_size else size * self.PRESIZE_RECORDS)
-            for size in record_sizes(sess.logits_chunk)
+            size: _Arena(
+                size,
+                self.PRESIZE_BYTES if size == logits_size else size * records.get(size, self.PRESIZE_RECORDS),
+            )
+            for size in record_sizes(sess.logits_chunk, sess.agg_layers)
         }
         self._logits_size = logits_size
         self._refs = _Arena(LOGITS_REF_DTYPE.itemsize, LOGITS_REF_DTYPE.itemsize * self.PRESIZE_RECORDS)

@@ -16,8 +16,20 @@ import numpy as np
 from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.events import EventBatch
 
-# layouts in EventBatch.groups() order
-G_SMALL, G_UBATCH, G_LOGITS, G_TENSOR_S, G_TENSOR_L, G_ACT, G_ACT_MASK, G_ATTN, G_STEP_AGG, G_HTTP = range(10)
+# layouts in EventBatch.groups() order (G_UBATCH_S: micro-batches of up to UB_SMALL_TOK rows)
+(
+    G_SMALL,
+    G_UBATCH,
+    G_LOGITS,
+    G_TENSOR_S,
+    G_TENSOR_L,
+    G_ACT,
+    G_ACT_MASK,
+    G_ATTN,
+    G_STEP_AGG,
+    G_HTTP,
+    G_UBATCH_S,
+) = range(11)
 # all fields become values; in the other layouts (micro-batch, logits, aggregate) array fields
 # stay views into the drained records
 _WHOLE_ROW = (G_SMALL, G_TENSOR_S, G_TENSOR_L, G_ACT, G_ACT_MASK, G_ATTN)
@@ -140,22 +152,33 @@ class FastColumns:
         "ub_pos",
         "ub_rows",
         "ub_seq",
+        "ub_small_at",
         "ub_tid",
         "ub_token",
         "ub_ts",
     )
 
     def __init__(self, idx: DrainIndex) -> None:
-        ub = idx.arrays[G_UBATCH]
-        # a micro-batch of one row, copied whole, that produces logits, with no flag set
-        one = (ub["n_copied"] == 1) & (ub["n_tokens"] == 1) & (ub["row_offset"] == 0) & (ub["flags"] == 0)
-        self.ub_one_row: list[bool] = (one & (ub["output"][:, 0] == 1)).tolist()
-        self.ub_tid, self.ub_ctx, self.ub_ts = (idx.col(G_UBATCH, f) for f in ("tid", "ctx", "ts_ns"))
-        self.ub_seq, self.ub_pos, self.ub_token = (idx.first(G_UBATCH, f) for f in ("seq_id", "pos", "token"))
+        # the micro-batch columns hold both its layouts, the large records' first: a record of
+        # G_UBATCH_S is at ub_small_at + its row (ub_index)
+        big, small = idx.arrays[G_UBATCH], idx.arrays[G_UBATCH_S]
+        self.ub_small_at = len(big)
+        one_row: list[bool] = []
+        for ub in (big, small):
+            # a micro-batch of one row, copied whole, that produces logits, with no flag set
+            one = (ub["n_copied"] == 1) & (ub["n_tokens"] == 1) & (ub["row_offset"] == 0) & (ub["flags"] == 0)
+            one_row += (one & (ub["output"][:, 0] == 1)).tolist()
+        self.ub_one_row = one_row
+        self.ub_tid, self.ub_ctx, self.ub_ts = (
+            idx.col(G_UBATCH, f) + idx.col(G_UBATCH_S, f) for f in ("tid", "ctx", "ts_ns")
+        )
+        self.ub_seq, self.ub_pos, self.ub_token = (
+            idx.first(G_UBATCH, f) + idx.first(G_UBATCH_S, f) for f in ("seq_id", "pos", "token")
+        )
         # row 0's token, position, sequence and output flag of every micro-batch as one-element
         # arrays, made for the whole drain at once (a Step's arrays: views of these copies)
         self.ub_rows: tuple[np.ndarray, ...] = tuple(
-            ub[f][:, :1].copy() for f in ("token", "pos", "seq_id", "output")
+            np.concatenate((big[f][:, :1], small[f][:, :1])) for f in ("token", "pos", "seq_id", "output")
         )
         self.s_tid, self.s_ctx, self.s_a, self.s_ts = (
             idx.col(G_SMALL, f) for f in ("tid", "ctx", "a", "ts_ns")

@@ -62,6 +62,7 @@ def _header_define(name: str) -> int:
 
 
 MAX_UB_TOK = _header_define("MAX_UB_TOK")
+UB_SMALL_TOK = _header_define("UB_SMALL_TOK")
 LOGITS_CHUNK_MAX = _header_define("LOGITS_CHUNK")
 MAX_LOGITS_CHUNKS = _header_define("MAX_LOGITS_CHUNKS")
 NAME_LEN = _header_define("NAME_LEN")
@@ -86,19 +87,28 @@ HDR = [("seq", "<u8"), ("ts_ns", "<u8"), ("ctx", "<u8"), ("tid", "<u4"), ("kind"
 HDR_DTYPE = np.dtype(HDR)
 # what a, b, c, ptr (and ctx) hold depends on the kind: the table at struct ev_small in probes/events.h
 SMALL_DTYPE = np.dtype([*HDR, ("a", "<i4"), ("b", "<i4"), ("c", "<i4"), ("pad", "<i4"), ("ptr", "<u8")])
-UBATCH_DTYPE = np.dtype(
-    [
-        *HDR,
-        ("n_tokens", "<u4"),
-        ("n_copied", "<u4"),
-        ("row_offset", "<u4"),
-        ("pad", "<u4"),
-        ("token", "<i4", (MAX_UB_TOK,)),
-        ("pos", "<i4", (MAX_UB_TOK,)),
-        ("seq_id", "<i4", (MAX_UB_TOK,)),
-        ("output", "i1", (MAX_UB_TOK,)),
-    ]
-)
+
+
+def _ubatch_dtype(rows: int) -> np.dtype:
+    """struct ev_ubatch (MAX_UB_TOK rows) or ev_ubatch_s (UB_SMALL_TOK): the same fields."""
+    return np.dtype(
+        [
+            *HDR,
+            ("n_tokens", "<u4"),
+            ("n_copied", "<u4"),
+            ("row_offset", "<u4"),
+            ("pad", "<u4"),
+            ("token", "<i4", (rows,)),
+            ("pos", "<i4", (rows,)),
+            ("seq_id", "<i4", (rows,)),
+            ("output", "i1", (rows,)),
+        ]
+    )
+
+
+UBATCH_DTYPE = _ubatch_dtype(MAX_UB_TOK)
+#: a micro-batch of up to UB_SMALL_TOK rows: EventBatch.ubatch_s, a layout of its own
+UBATCH_S_DTYPE = _ubatch_dtype(UB_SMALL_TOK)
 
 
 TENSOR_HDR = [
@@ -149,31 +159,53 @@ ATTN_DTYPE = np.dtype(
 )
 
 
-_L = AGG_MAX_LAYERS
-STEP_AGG_DTYPE = np.dtype(
-    [
-        *HDR,
-        ("serial", "<u8"),
-        ("active", "<u4"),
-        ("overlap", "<u4"),
-        ("k_ids", "<u4", (_L,)),
-        ("k_wts", "<u4", (_L,)),
-        ("ids", "<i4", (_L, AGG_MAX_K)),
-        ("wts", "<f4", (_L, AGG_MAX_K)),
-        ("act_zero", "<u4", (_L,)),
-        ("act_below", "<u4", (_L,)),
-        ("act_rows", "<u4", (_L,)),
-        ("act_nr", "<u4", (_L,)),
-        ("act_ne0", "<u4", (_L,)),
-        ("act_slots", "<u4", (_L,)),
-        ("att_n", "<u4"),
-        ("att_pad", "<u4"),
-        ("att_mask", "<u8", (_L,)),
-        ("att_layer", "<i4", (_L,)),
-        ("att_count", "<u4", (_L,)),
-        ("att_flags", "<u4", (_L,)),
-    ]
-)
+def step_agg_dtype(layers: int) -> np.dtype:
+    """struct ev_step_agg holding `layers` layers (AGG_LAYERS: see agg_layers_for)."""
+    return np.dtype(
+        [
+            *HDR,
+            ("serial", "<u8"),
+            ("active", "<u4"),
+            ("overlap", "<u4"),
+            ("k_ids", "<u4", (layers,)),
+            ("k_wts", "<u4", (layers,)),
+            ("ids", "<i4", (layers, AGG_MAX_K)),
+            ("wts", "<f4", (layers, AGG_MAX_K)),
+            ("act_zero", "<u4", (layers,)),
+            ("act_below", "<u4", (layers,)),
+            ("act_rows", "<u4", (layers,)),
+            ("act_nr", "<u4", (layers,)),
+            ("act_ne0", "<u4", (layers,)),
+            ("act_slots", "<u4", (layers,)),
+            ("att_n", "<u4"),
+            ("att_pad", "<u4"),
+            ("att_mask", "<u8", (layers,)),
+            ("att_layer", "<i4", (layers,)),
+            ("att_count", "<u4", (layers,)),
+            ("att_flags", "<u4", (layers,)),
+        ]
+    )
+
+
+#: the layer counts an aggregate record is built for (AGG_LAYERS: powers of two, so that the
+#: probes bound an index with one AND)
+AGG_LAYER_CHOICES = (8, 16, 32, 64, AGG_MAX_LAYERS)
+#: attention nodes a pass may add past one per layer (the set_input_kq_mask calls: one per kind
+#: of mask, full and sliding-window)
+AGG_ATTN_EXTRA = 2
+STEP_AGG_DTYPES = {layers: step_agg_dtype(layers) for layers in AGG_LAYER_CHOICES}
+STEP_AGG_DTYPE = STEP_AGG_DTYPES[AGG_MAX_LAYERS]
+
+
+def agg_layers_for(n_layer: int | None) -> int:
+    """The layers the aggregate records of a model of `n_layer` layers hold: the smallest choice
+    with room for every layer and every attention node of a pass (one per layer, plus the mask
+    writes), AGG_MAX_LAYERS when unknown. The record is cleared and copied twice per token: at
+    128 layers it is 14.6 KiB, at 16 (an 8-layer model) 1.9 KiB."""
+    if n_layer is None or n_layer <= 0:
+        return AGG_MAX_LAYERS
+    need = n_layer + AGG_ATTN_EXTRA
+    return next((c for c in AGG_LAYER_CHOICES if c >= need), AGG_MAX_LAYERS)
 
 
 HTTP_DTYPE = np.dtype(
@@ -217,6 +249,7 @@ class EventBatch:
 
     small: np.ndarray = field(default_factory=lambda: np.empty(0, SMALL_DTYPE))
     ubatch: np.ndarray = field(default_factory=lambda: np.empty(0, UBATCH_DTYPE))
+    ubatch_s: np.ndarray = field(default_factory=lambda: np.empty(0, UBATCH_S_DTYPE))
     # logits records as references (LOGITS_REF_DTYPE): their floats lie in logits_data
     logits: np.ndarray = field(default_factory=lambda: np.empty(0, LOGITS_REF_DTYPE))
     tensor_s: np.ndarray = field(default_factory=lambda: np.empty(0, TENSOR_S_DTYPE))
@@ -247,6 +280,7 @@ class EventBatch:
             self.attn,
             self.step_agg,
             self.http,
+            self.ubatch_s,
         ]
 
     def __len__(self) -> int:
@@ -256,30 +290,34 @@ class EventBatch:
         return np.concatenate([g["seq"] for g in self.groups()])
 
 
-def _layouts(logits_chunk: int) -> dict[int, tuple[str, np.dtype]]:
+def _layouts(logits_chunk: int, agg_layers: int | None = None) -> dict[int, tuple[str, np.dtype]]:
     """Record size -> (EventBatch field, dtype). Every layout has a distinct size (checked here),
-    so the size alone routes a record."""
+    so the size alone routes a record. The aggregate record's size depends on the layers it was
+    built for: `agg_layers`, or every choice (AGG_LAYER_CHOICES) when None."""
     ldt = logits_dtype(logits_chunk)
-    by_size = {
-        SMALL_DTYPE.itemsize: ("small", SMALL_DTYPE),
-        UBATCH_DTYPE.itemsize: ("ubatch", UBATCH_DTYPE),
-        ldt.itemsize: ("logits", ldt),
-        TENSOR_S_DTYPE.itemsize: ("tensor_s", TENSOR_S_DTYPE),
-        TENSOR_L_DTYPE.itemsize: ("tensor_l", TENSOR_L_DTYPE),
-        ACT_DTYPE.itemsize: ("act", ACT_DTYPE),
-        ACT_MASK_DTYPE.itemsize: ("act_mask", ACT_MASK_DTYPE),
-        ATTN_DTYPE.itemsize: ("attn", ATTN_DTYPE),
-        STEP_AGG_DTYPE.itemsize: ("step_agg", STEP_AGG_DTYPE),
-        HTTP_DTYPE.itemsize: ("http", HTTP_DTYPE),
-    }
-    if len(by_size) != 10:  # pragma: no cover - a layout change made two sizes collide
+    aggs = [STEP_AGG_DTYPES[agg_layers]] if agg_layers is not None else list(STEP_AGG_DTYPES.values())
+    entries = [
+        ("small", SMALL_DTYPE),
+        ("ubatch", UBATCH_DTYPE),
+        ("ubatch_s", UBATCH_S_DTYPE),
+        ("logits", ldt),
+        ("tensor_s", TENSOR_S_DTYPE),
+        ("tensor_l", TENSOR_L_DTYPE),
+        ("act", ACT_DTYPE),
+        ("act_mask", ACT_MASK_DTYPE),
+        ("attn", ATTN_DTYPE),
+        *(("step_agg", dt) for dt in aggs),
+        ("http", HTTP_DTYPE),
+    ]
+    by_size = {dt.itemsize: (name, dt) for name, dt in entries}
+    if len(by_size) != len(entries):  # pragma: no cover - a layout change made two sizes collide
         raise RuntimeError("two record layouts have the same size; give one of them padding")
     return by_size
 
 
-def record_sizes(logits_chunk: int) -> list[int]:
-    """Sizes of every record layout, the logits record's included."""
-    return sorted(_layouts(logits_chunk))
+def record_sizes(logits_chunk: int, agg_layers: int = AGG_MAX_LAYERS) -> list[int]:
+    """Sizes of every record layout of a session (its logits and aggregate records' included)."""
+    return sorted(_layouts(logits_chunk, agg_layers))
 
 
 def _unexpected(size: int) -> ValueError:
@@ -321,6 +359,8 @@ def decode_groups(
                 raise ValueError("logits records both copied and taken by reference in one drain")
             out.logits, out.logits_data = _as_refs(buf, dt), buf
         else:
+            if name == "step_agg" and len(out.step_agg):
+                raise ValueError("aggregate records of two sizes in one drain")
             setattr(out, name, buf.view(dt))
     return out
 

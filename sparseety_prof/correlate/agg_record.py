@@ -8,29 +8,30 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate.attention_records import AggAttn
 
-_AGG_LAYOUTS: dict[LayerSet, tuple[list[int], np.ndarray, list[int], np.ndarray]] = {}
+_AGG_LAYOUTS: dict[tuple[LayerSet, int], tuple[list[int], np.ndarray, list[int], np.ndarray]] = {}
 
 
-def agg_layout(layers: LayerSet) -> tuple[list[int], np.ndarray, list[int], np.ndarray]:
-    """The MoE and FFN layers an aggregate record can hold, as lists and index arrays (made
-    once per layer set: indexing with a Python list converts it on every call)."""
-    got = _AGG_LAYOUTS.get(layers)
+def agg_layout(layers: LayerSet, capacity: int) -> tuple[list[int], np.ndarray, list[int], np.ndarray]:
+    """The MoE and FFN layers an aggregate record of `capacity` layers (its AGG_LAYERS) can hold,
+    as lists and index arrays (made once per layer set: indexing with a Python list converts it
+    on every call)."""
+    key = (layers, capacity)
+    got = _AGG_LAYOUTS.get(key)
     if got is None:
-        moe = [layer for layer in layers.moe if layer < ev.AGG_MAX_LAYERS]
-        ffn = [layer for layer in layers.ffn if layer < ev.AGG_MAX_LAYERS]
-        got = _AGG_LAYOUTS[layers] = (moe, np.array(moe, dtype=np.intp), ffn, np.array(ffn, dtype=np.intp))
+        moe = [layer for layer in layers.moe if layer < capacity]
+        ffn = [layer for layer in layers.ffn if layer < capacity]
+        got = _AGG_LAYOUTS[key] = (moe, np.array(moe, dtype=np.intp), ffn, np.array(ffn, dtype=np.intp))
     return got
 
 
 def agg_row_values(r: dict[str, Any], layers: LayerSet) -> tuple[dict[str, list[Any]], list[int], list[int]]:
     """One record's per-layer values of its row, as StepSparse.row_values gives them (but the
     attention), vectorised over layers; and the MoE and FFN layers it saw."""
-    moe, moe_idx, ffn, ffn_idx = agg_layout(layers)
     k_ids, nr = np.asarray(r["k_ids"]), np.asarray(r["act_nr"])
+    moe, moe_idx, ffn, ffn_idx = agg_layout(layers, len(k_ids))
     kid, kwt = k_ids[moe_idx].tolist(), np.asarray(r["k_wts"])[moe_idx].tolist()
     ids_l = np.asarray(r["ids"])[moe_idx].tolist()
     wts_l = np.asarray(r["wts"])[moe_idx].view(np.float32).tolist()
@@ -115,7 +116,8 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
     calls per record (the largest per-token cost of full mode's consumer). Rows whose layers are
     not all complete take agg_row_values; None when the model has layers beyond what the record
     holds (then the handler does it all, record by record)."""
-    moe, moe_idx, ffn, ffn_idx = agg_layout(layers)
+    capacity = int(arr.dtype["k_ids"].shape[0])
+    moe, moe_idx, ffn, ffn_idx = agg_layout(layers, capacity)
     if len(moe) != len(layers.moe) or len(ffn) != len(layers.ffn) or not len(arr):
         return None
     k_ids = arr["k_ids"]
@@ -146,7 +148,7 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
     if block is None:  # the common rows' values as lists, made here
         ids_all, wts_all = ids_arr.tolist(), wts_arr.tolist()
         zr_all, br_all, nv_all = zr_arr.tolist(), br_arr.tolist(), n_vals.tolist()
-    att_n = np.minimum(arr["att_n"], ev.AGG_MAX_LAYERS).tolist()
+    att_n = np.minimum(arr["att_n"], capacity).tolist()
     width = max(att_n, default=0)
     c_mask, c_layer, c_count, c_flags = (
         arr[f][:, :width].tolist() for f in ("att_mask", "att_layer", "att_count", "att_flags")

@@ -71,7 +71,7 @@ class AttentionRecords:
     def add_agg_attn(self, r: dict[str, Any], attn_layers: tuple[int, ...]) -> list[int]:
         """The attention nodes an aggregate record carries, as add_attn takes their records (the
         one row is batch row 0). Returns the layers seen."""
-        n = min(int(r["att_n"]), ev.AGG_MAX_LAYERS)
+        n = min(int(r["att_n"]), len(r["att_mask"]))
         if not n:
             return []
         return self.add_agg_attn_lists(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sparseety_prof.capture import events as ev
-from sparseety_prof.capture.drain_index import G_SMALL, DrainIndex
+from sparseety_prof.capture.drain_index import G_SMALL, G_UBATCH_S, DrainIndex
 from sparseety_prof.correlate.agg_record import AggRow
 from sparseety_prof.correlate.state import Step
 from sparseety_prof.correlate.step_sparse import StepSparse
@@ -53,7 +53,7 @@ def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
     if corr.serving is not None and not corr.server_check.done:
         return 0  # the server's struct offsets are still being checked on micro-batches
     f = idx.fast()
-    u = idx.row[i]
+    u = idx.row[i] + (f.ub_small_at if idx.group[i] == G_UBATCH_S else 0)  # in the micro-batch columns
     if not f.ub_one_row[u]:
         return 0
     tid, ctx = f.ub_tid[u], f.ub_ctx[u]

@@ -160,6 +160,7 @@ def _attach_probes(
         skip=opts.skip_probes,
         moe=plan,
         ring_pages=opts.ring_mb * (1 << 20) // mmap.PAGESIZE,
+        n_layer=n_layer,
     )
     return Attached(
         t, build, model, model_file, vocab, sess, where, layers, layers_found, discovery, tensor_check

@@ -9,6 +9,7 @@ from typing import Any
 from sparseety_prof import __version__
 from sparseety_prof.capture import target as tg
 from sparseety_prof.capture.bpf_loader import is_server
+from sparseety_prof.capture.events import UB_SMALL_TOK
 from sparseety_prof.capture.options import Capture
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate import logits
@@ -40,6 +41,12 @@ def run_metadata(a: Attached, opts: Options) -> dict[str, Any]:
         },
         "probes": [p.__dict__ for p in a.session.attached],
         "moe_read_points": a.session.moe.to_meta(),
+        # the sizes the probes' records were built with (events.h: AGG_LAYERS, UB_SMALL_TOK)
+        "record_layout": {
+            "logits_chunk": a.session.logits_chunk,
+            "agg_layers": a.session.agg_layers,
+            "ubatch_small_rows": UB_SMALL_TOK,
+        },
         "model": a.model.to_meta(),
         "target": {
             "pid": a.target.pid,
