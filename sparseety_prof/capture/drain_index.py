@@ -160,7 +160,7 @@ class FastColumns:
 
     def __init__(self, idx: DrainIndex) -> None:
         # the micro-batch columns hold both its layouts, the large records' first: a record of
-        # G_UBATCH_S is at ub_small_at + its row (ub_index)
+        # G_UBATCH_S is at ub_small_at + its row (fast_step's index)
         big, small = idx.arrays[G_UBATCH], idx.arrays[G_UBATCH_S]
         self.ub_small_at = len(big)
         one_row: list[bool] = []

@@ -16,8 +16,8 @@ _AGG_LAYOUTS: dict[tuple[LayerSet, int], tuple[list[int], np.ndarray, list[int],
 
 def agg_layout(layers: LayerSet, capacity: int) -> tuple[list[int], np.ndarray, list[int], np.ndarray]:
     """The MoE and FFN layers an aggregate record of `capacity` layers (its AGG_LAYERS) can hold,
-    as lists and index arrays (made once per layer set: indexing with a Python list converts it
-    on every call)."""
+    as lists and index arrays (made once per layer set and capacity: indexing with a Python list
+    converts it on every call)."""
     key = (layers, capacity)
     got = _AGG_LAYOUTS.get(key)
     if got is None:
