@@ -17,10 +17,12 @@ from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.events import EventBatch, SeqTracker, decode_records
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate import block_tokens as block_tokens_module
+from sparseety_prof.correlate import fast_step as fast_step_module
 from sparseety_prof.correlate import pass_arrays as pass_arrays_module
 from sparseety_prof.correlate import request_tokens as request_tokens_module
 from sparseety_prof.correlate import routes as routes_module
 from sparseety_prof.correlate import server_layout_check
+from sparseety_prof.correlate.attention_map import AttentionMap
 from sparseety_prof.correlate.correlator import Correlator
 from sparseety_prof.correlate.pass_arrays import route_arrays
 from sparseety_prof.correlate.request_tokens import RequestTokens
@@ -472,8 +474,9 @@ def _mixed_script() -> Script:
             s.ubatch([tok], [pos])  # no aggregate record (token mode)
         else:
             # layer 1 is seen only after verification, on steps that can take the fast path;
-            # from step 30 on, attention comes from the learned map only (graph-op probes gone)
-            _agg_step(s, tok, pos, layers=2 if 24 <= i < 30 else 1, ops=i < 30)
+            # from step 30 on, attention comes from the learned map only (graph-op probes gone);
+            # from step 36 on, every layer in the record: fast_step's _plain_step takes most
+            _agg_step(s, tok, pos, layers=2 if 24 <= i < 30 or i >= 36 else 1, ops=i < 30)
         nxt = (tok * 7 + i) % N_VOCAB
         if i == 23:  # incomplete logits: two chunks expected, one seen
             s.small(ev.EV_SAMPLE_BEGIN, -1, ev.SAMPLER_LLAMA)
@@ -616,6 +619,24 @@ def _count_taken(monkeypatch: pytest.MonkeyPatch, method: str) -> list[bool]:
     return taken
 
 
+def _count_plain(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]:
+    """How many steps fast_step's _plain_step took, and how many Steps make_unmade made after it."""
+    plain, made = [0], [0]
+    take, make = fast_step_module._plain_step, Correlator._make_unmade
+
+    def counting_plain(*a: Any) -> int:
+        plain[0] += 1
+        return take(*a)
+
+    def counting_make(self: Correlator) -> None:
+        made[0] += 1
+        make(self)
+
+    monkeypatch.setattr(fast_step_module, "_plain_step", counting_plain)
+    monkeypatch.setattr(Correlator, "_make_unmade", counting_make)
+    return plain, made
+
+
 @pytest.mark.parametrize("with_masks", [False, True])
 @pytest.mark.parametrize("drains", [1, 7, 40])
 def test_fast_one_row_steps_equal_the_record_by_record_path(
@@ -626,6 +647,7 @@ def test_fast_one_row_steps_equal_the_record_by_record_path(
     s = _mixed_script()
     taken = _count_taken(monkeypatch, "_fast_step")
     samples = _count_taken(monkeypatch, "_fast_sample")
+    plain, made = _count_plain(monkeypatch)
     got, got_states = _replay(s, drains, with_masks=with_masks)
     monkeypatch.setattr(Correlator, "_fast_step", lambda self, idx, i: 0)
     monkeypatch.setattr(Correlator, "_fast_sample", lambda self, idx, i: 0)
@@ -653,6 +675,12 @@ def test_fast_one_row_steps_equal_the_record_by_record_path(
     # the samples of the other steps (prompts, steps without an aggregate record, other contexts)
     # were mostly taken from the columns too; the incomplete, lost and split ones were not
     assert sum(samples) > 15 and not all(samples)
+    # from step 36 on, most steps made their rows without a Step (none with the masks' rows); a
+    # Step was made for some (another context's records, the end of a drain), not for most
+    if with_masks:
+        assert plain == [0]
+    else:
+        assert plain[0] > (10 if drains == 40 else 15) and 0 < made[0] < plain[0]
 
 
 #: the block scripts' models: every layer MoE and FFN; a dense first layer (as DeepSeek's)
@@ -677,7 +705,8 @@ def _block_script(layout: str = "moe") -> Script:
     for i in range(80):
         s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
         layers = n_layers - 1 if i % 11 == 3 else n_layers
-        _agg_step(s, tok, pos, layers=layers, act=i % 7 != 2, moe=moe)
+        # the graph-op probes gone after step 8 (the attention map learned): _plain_step's steps
+        _agg_step(s, tok, pos, layers=layers, act=i % 7 != 2, moe=moe, ops=i < 8)
         nxt = (tok * 7 + i) % N_VOCAB
         s.sample(nxt, logits=logits + i)
         pos, tok = pos + 1, nxt
@@ -749,6 +778,8 @@ def test_rows_kept_as_arrays_equal_the_per_row_lists(
     for v in taken.values():
         v.clear()
     monkeypatch.setattr(StepSparse, "agg_block_row", lambda self: None)
+    # (and fast_step's _plain_step, which takes the blocks without asking agg_block_row, left out)
+    monkeypatch.setattr(AttentionMap, "attend_one_row", lambda self, attn: None)
     want = _replay(s, drains, with_masks=False, layers=layers)
     for table, v in taken.items():
         assert not any(isinstance(r, RowParts) for r in v), table

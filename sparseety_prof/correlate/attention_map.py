@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparseety_prof.correlate.attention_records import AttentionRecords
+from sparseety_prof.capture import events as ev
+from sparseety_prof.correlate.attention_records import AggAttn, AttentionRecords
 
 LEARN_PASSES = 3  # consecutive agreeing forward passes before the map is trusted
 
@@ -33,6 +34,10 @@ class AttentionMap:
     ops_detached: bool = False  # ... and none is left attached
     _candidate: dict[int, int] | None = field(default=None, repr=False)
     _agree: int = field(default=0, repr=False)
+    # the learned map as the one-row methods below read it: each call with its layers (calls in
+    # the order their first layer comes in layer_calls), and each attention layer's call
+    _layers_of_call: tuple[tuple[int, tuple[int, ...]], ...] = field(default=(), repr=False)
+    _call_of_layer: tuple[int | None, ...] = field(default=(), repr=False)
 
     @property
     def ready(self) -> bool:
@@ -73,7 +78,84 @@ class AttentionMap:
             self._candidate, self._agree = calls, 1
         if self._agree >= LEARN_PASSES:
             self.layer_calls, self.learned_after = calls, self.passes_seen
+            by_call: dict[int, list[int]] = {}
+            for layer, call in calls.items():
+                by_call.setdefault(call, []).append(layer)
+            self._layers_of_call = tuple((call, tuple(ls)) for call, ls in by_call.items())
+            self._call_of_layer = tuple(calls.get(layer) for layer in self.attn_layers)
         return []
+
+    # ---- one-row passes once the map is learned: every decode step of a generation. Their
+    # aggregate record carries the set_input_kq_mask calls only (the graph-op probes are gone).
+    def attend_one_row(self, attn: AggAttn) -> tuple[list[int], list[int | None]] | None:
+        """What add_agg_attn_lists, observe and attended(0, attn_layers) give for a one-row pass
+        with nothing else of its attention recorded: the layers filled and the row's attended
+        cells per attention layer; the pass is counted as observe counts it. No AttentionRecords
+        is made (fill_state makes one, for the pass whose step is kept). None when the map is
+        not learned or the record carries a graph-op node (then those take the pass)."""
+        kv = self._kv(attn)
+        if kv is None:
+            return None
+        kv_masks, _, attn_counts, filled = kv
+        if not kv_masks:  # observe: a pass without masks is not counted
+            return [], [None] * len(self.attn_layers)
+        self.passes_seen += 1
+        return filled, self._attended(kv_masks, attn_counts)
+
+    def fill_state(self, sp: AttentionRecords, attn: AggAttn) -> bool:
+        """The attention state add_agg_attn_lists and observe leave on `sp` (which holds none
+        yet) for a pass attend_one_row took (and counted): False where it would return None."""
+        kv = self._kv(attn)
+        if kv is None or sp.kv_masks or sp.kv_counts or sp.attn_mask or sp.attn_counts:
+            return False
+        sp.kv_masks, sp.kv_counts, sp.attn_counts, _ = kv
+        if sp.kv_masks:
+            for call, layers in self._layers_of_call:
+                mask = sp.kv_masks.get(call)
+                if mask is not None:
+                    sp.attn_mask.update(dict.fromkeys(layers, mask))
+        return True
+
+    def _kv(
+        self, attn: AggAttn
+    ) -> tuple[dict[int, int], dict[int, dict[int, int]], dict[int, dict[int, int]], list[int]] | None:
+        """A one-row record's calls as add_agg_attn_lists files them (kv_masks, kv_counts), the
+        counts fill_from_kv gives their masks (attn_counts; a mask two calls share keeps the
+        first call's count of a row, as there) and the layers it fills; None when the map is not
+        learned or the record carries a graph-op node."""
+        if self.layer_calls is None:
+            return None
+        masks, calls, counts, flags = attn
+        for flag in flags:
+            if not flag & ev.ATT_FLAG_KV_MASK:
+                return None
+        kv_masks: dict[int, int] = {}
+        kv_counts: dict[int, dict[int, int]] = {}
+        for mask, call, count, flag in zip(masks, calls, counts, flags, strict=True):
+            kv_masks[call] = mask
+            if not flag & ev.ATT_FLAG_UNCOUNTED:
+                kv_counts.setdefault(call, {})[0] = count
+        attn_counts: dict[int, dict[int, int]] = {}
+        filled: list[int] = []
+        for call, layers in self._layers_of_call:
+            at = kv_masks.get(call)
+            if at is None:
+                continue
+            got = kv_counts.get(call)
+            if got:
+                have = attn_counts.get(at)
+                if have is None:
+                    attn_counts[at] = dict(got)
+                else:
+                    for row, att in got.items():
+                        have.setdefault(row, att)
+            filled.extend(layers)
+        return kv_masks, kv_counts, attn_counts, filled
+
+    def _attended(self, kv_masks: dict[int, int], attn_counts: dict[int, dict[int, int]]) -> list[int | None]:
+        """attended(0, attn_layers): a layer's cells are those of its call's mask at row 0."""
+        at_call = {call: attn_counts.get(mask, {}).get(0) for call, mask in kv_masks.items()}
+        return [at_call.get(call) if call is not None else None for call in self._call_of_layer]
 
     def meta(self) -> dict[str, Any]:
         """For the recording's metadata: where the masks were read, and the map."""

@@ -24,7 +24,7 @@ from sparseety_prof.capture.drain_index import G_SMALL, DrainIndex
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate.agg_record import AggRow, agg_rows_batch
 from sparseety_prof.correlate.attention_map import AttentionMap
-from sparseety_prof.correlate.fast_step import fast_sample, fast_step
+from sparseety_prof.correlate.fast_step import UnmadeStep, fast_sample, fast_step, make_unmade
 from sparseety_prof.correlate.request_tokens import RequestTokens
 from sparseety_prof.correlate.routes import RoutesTables
 from sparseety_prof.correlate.server_layout_check import ServerLayoutCheck
@@ -78,6 +78,9 @@ class Correlator:
         self.layers_seen: dict[str, set[int]] = {"moe": set(), "ffn": set(), "attn": set()}
         self.attn_map = AttentionMap(self.layers.attn)
         self._agg_pre: dict[int, AggRow] = {}  # this drain's aggregate records, by sequence number
+        # the last one-row step of fast_step whose Step is not made yet (UnmadeStep): made when
+        # anything may read it, dropped when its context's next decode replaces it
+        self._unmade: UnmadeStep | None = None
         self._steps = RowBuffer(STEP_ROW)
         self.requests = RequestTokens(
             pid=pid,
@@ -94,6 +97,7 @@ class Correlator:
     # the one-row decode step, and a sampler call, from the records' columns (methods: fast_step.py)
     _fast_step = fast_step
     _fast_sample = fast_sample
+    _make_unmade = make_unmade
     # a run of per-layer routing and activation records at once (a method: sparse_run.py)
     _sparse_run = sparse_run
 
@@ -133,7 +137,9 @@ class Correlator:
                 if nxt:
                     i = nxt
                     continue
-            elif kind in RUN_KINDS:
+            if self._unmade is not None and kind != ev.EV_SEQ_RM and kind != ev.EV_DECODE_BEGIN:
+                self._make_unmade()  # anything but these may read the context's rows
+            if kind in RUN_KINDS:
                 i = self._sparse_run(idx, i)
                 continue
             elif kind == ev.EV_SAMPLE_BEGIN:
@@ -157,6 +163,8 @@ class Correlator:
             if handler is not None:
                 handler(self, idx.record(i))
             i += 1
+        if self._unmade is not None:
+            self._make_unmade()
         # logits chunks are views into this drain's batch: copy those still waiting
         for c in self.ctxs.values():
             for smp in c.sampling.values():
@@ -211,29 +219,68 @@ class Correlator:
         row_seq_ids: list[int],
         output_rows: list[int],
     ) -> None:
-        """The steps table's row of a finished micro-batch (a tuple in STEP_ROW order: one per
-        micro-batch, no keyword dict)."""
+        """The steps table's row of a finished micro-batch."""
+        self._add_step_values(
+            step.step_id,
+            step.ctx_id,
+            step.decode_id,
+            step.t_start,
+            step.t_end,
+            step.n_tokens,
+            n_outputs,
+            phase,
+            step.decode_rows,
+            seq_ids,
+            token_ids,
+            positions,
+            row_seq_ids,
+            output_rows,
+            step.truncated,
+            step.tid,
+        )
+
+    def _add_step_values(
+        self,
+        step_id: int,
+        ctx_id: int,
+        decode_id: int,
+        t_start: int,
+        t_end: int | None,
+        n_tokens: int,
+        n_outputs: int,
+        phase: str,
+        decode_rows: int,
+        seq_ids: list[int],
+        token_ids: list[int],
+        positions: list[int],
+        row_seq_ids: list[int],
+        output_rows: list[int],
+        truncated: bool,
+        tid: int,
+    ) -> None:
+        """The same from the step's values (a tuple in STEP_ROW order: one per micro-batch, no
+        keyword dict; fast_step's steps whose Step is not made yet)."""
         self._steps.add_values(
             (
-                step.step_id,
-                step.ctx_id,
-                step.decode_id,
-                step.t_start,
-                step.t_end,
-                (step.t_start + self.wall_offset_ns) // 1_000_000,
-                step.n_tokens,
+                step_id,
+                ctx_id,
+                decode_id,
+                t_start,
+                t_end,
+                (t_start + self.wall_offset_ns) // 1_000_000,
+                n_tokens,
                 n_outputs,
                 phase,
-                step.n_tokens - step.decode_rows,
-                step.decode_rows,
+                n_tokens - decode_rows,
+                decode_rows,
                 seq_ids,
                 token_ids,
                 positions,
                 row_seq_ids,
                 output_rows,
-                step.truncated,
+                truncated,
                 self.pid,
-                step.tid,
+                tid,
             )
         )
 
@@ -245,6 +292,11 @@ class Correlator:
 
     def _decode_begin(self, ctx: int, n_tokens: int, token0: int, pos0: int) -> None:
         c = self._ctx(ctx)
+        if self._unmade is not None:  # its context's rows are replaced here: it is never read
+            if self._unmade.c is c:
+                self._unmade = None
+            else:
+                self._make_unmade()
         c.decode_id += 1
         c.decode_seen = True
         c.rows, c.outputs = [], []

@@ -6,21 +6,30 @@ correlator's _on_ubatch, _on_step_agg, _on_ubatch_end, _on_sample_begin, _on_log
 _on_sample_end, without making each record a dict or the row's values numpy arrays. On
 llama-server, the effect of _on_slot_token too when the server's call that names the sample's
 slot is the next record; otherwise the sample is deferred as _on_sample_end defers it. Anything
-unusual leaves it to those handlers. The two must stay in lockstep: tests/test_correlator.py's
+unusual leaves it to those handlers.
+
+Most of a generation's steps are plainer still: the sequence continues, the routing and
+activations are all in the drain's AggBlock, the attention comes from the learned map
+(AttentionMap.attend_one_row). _plain_step makes their rows from the step's values, and the Step
+object (with its sparse values and attention state) only for the last of them, when anything
+may read it (make_unmade): the step before is dropped unread when its context's next decode
+replaces its rows. (The step's part of the consumer's correlation costs about half as much.)
+
+Both must stay in lockstep with the handlers: tests/test_correlator.py's
 test_fast_one_row_steps_equal_the_record_by_record_path and
 test_fast_one_row_steps_equal_the_handlers_on_the_server compare them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.drain_index import G_SMALL, G_UBATCH_S, DrainIndex
 from sparseety_prof.correlate.agg_record import AggRow
-from sparseety_prof.correlate.state import Step
+from sparseety_prof.correlate.state import CtxState, SeqState, Step
 from sparseety_prof.correlate.step_sparse import StepSparse
 from sparseety_prof.correlate.verification import VERIFY_UBATCHES, verifying_sparse
 from sparseety_prof.store.schema import PHASE_DECODE, SOURCE_SAMPLER
@@ -95,14 +104,27 @@ def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
     ok, logits = _logits(idx, logits_at, sample_at, tid, ctx)
     if not ok:
         return 0
+    if corr._unmade is not None:  # the last step not made yet: its rows are replaced below
+        if corr._unmade.c is c:
+            corr._unmade = None
+        else:
+            corr._make_unmade()
+    if (
+        pre is not None
+        and pre.block is not None
+        and st.samples > 0
+        and not corr.slot_tokens
+        and not corr.routes.with_masks
+    ):
+        attn = corr.attn_map.attend_one_row(pre.attn)
+        if attn is not None:
+            return _plain_step(corr, c, st, idx, u, end_at, sample_at, pre, attn, logits)
 
     # _on_ubatch
-    if not c.decode_seen:
-        c.decode_id += 1
-    c.ubatches_seen += 1
+    step_id = _step_begins(corr, c, st, tid, seq, pos)
     tok1, pos1, seq1, out1 = f.ub_rows
     step = Step(
-        step_id=corr.next_step_id,
+        step_id=step_id,
         ctx_id=c.ctx_id,
         decode_id=c.decode_id,
         tid=tid,
@@ -114,18 +136,9 @@ def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
         output=out1[u],
         n_tokens=1,
         truncated=False,
+        decode_rows=1 if st.samples > 0 else 0,
         _output_index={0: 0},
     )
-    corr.next_step_id += 1
-    corr.pending_clears.pop(tid, None)
-    # segmentation: the sequence continues (with a sampler seen, no next-input token is pending)
-    if st.samples > 0:
-        step.decode_rows = 1
-    st.next_input_pending = None
-    st.expect_token = None
-    st.max_pos = max(st.max_pos, pos)
-    if c.unsure:
-        c.unsure.discard(seq)  # it continued: nothing of it was lost
     c.rows, c.outputs = [(step, 0)], [(step, 0)]
     # _on_step_agg
     if pre is not None:
@@ -155,6 +168,130 @@ def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
         return k + 1
     corr.requests.sample_end(c, tid, want, sampled, logits)
     return k
+
+
+def _step_begins(corr: Correlator, c: CtxState, st: SeqState, tid: int, seq: int, pos: int) -> int:
+    """_on_ubatch's effect on the correlator's state for a one-row step that continues its
+    sequence (with a sampler seen, no next-input token is pending). Returns its step id."""
+    if not c.decode_seen:
+        c.decode_id += 1
+    c.ubatches_seen += 1
+    step_id = corr.next_step_id
+    corr.next_step_id += 1
+    corr.pending_clears.pop(tid, None)
+    st.next_input_pending = None
+    st.expect_token = None
+    st.max_pos = max(st.max_pos, pos)
+    if c.unsure:
+        c.unsure.discard(seq)  # it continued: nothing of it was lost
+    return step_id
+
+
+def _plain_step(
+    corr: Correlator,
+    c: CtxState,
+    st: SeqState,
+    idx: DrainIndex,
+    u: int,
+    end_at: int,
+    sample_at: int,
+    pre: AggRow,
+    attn: tuple[list[int], list[int | None]],
+    logits: list[np.ndarray] | None,
+) -> int:
+    """The rest of fast_step for the bulk of a generation: a step that continues its sequence,
+    with its routing and activations all in the drain's AggBlock and its attention from the
+    learned map (attn: AttentionMap.attend_one_row's). Its rows are made from its values; its
+    Step, which only its context's rows hold (c.rows, c.outputs), is made by make_unmade when
+    anything may read those, and never when the context's next step replaces them first
+    (feed, _decode_begin): the effect of the steps below, at a fraction of the cost."""
+    f = idx.fast()
+    tid, seq, pos, token = f.ub_tid[u], f.ub_seq[u], f.ub_pos[u], f.ub_token[u]
+    t_start, t_end = f.ub_ts[u], f.s_ts[idx.row[end_at]]
+    assert pre.block is not None
+    block = (pre.block, pre.block_row)
+    # _on_ubatch
+    step_id = _step_begins(corr, c, st, tid, seq, pos)
+    corr._unmade = UnmadeStep(c, step_id, c.decode_id, tid, t_start, t_end, f.ub_rows, u, pre)
+    c.rows = c.outputs = _UNMADE_ROWS
+    # _on_step_agg, _on_ubatch_end
+    corr.layers_seen["moe"].update(pre.moe_seen)
+    corr.layers_seen["ffn"].update(pre.ffn_seen)
+    filled, attended = attn
+    corr._add_step_values(
+        step_id,
+        c.ctx_id,
+        c.decode_id,
+        t_start,
+        t_end,
+        1,
+        1,
+        PHASE_DECODE,
+        1,
+        [seq],
+        [token],
+        [pos],
+        [seq],
+        [0],
+        False,
+        tid,
+    )
+    corr.layers_seen["attn"].update(filled)
+    corr.routes.one_row_block(step_id, c.ctx_id, seq, pos, block)
+    # _on_sample_begin .. _on_sample_end
+    c.sampling.pop(tid, None)
+    sampled = f.s_a[idx.row[sample_at]]
+    corr.requests.one_row_token(
+        c, st, step_id, seq, pos, sampled, tid, t_start, t_end, logits, attended, block
+    )
+    return sample_at + 1
+
+
+class UnmadeStep(NamedTuple):
+    """What make_unmade needs to make a _plain_step's Step."""
+
+    c: CtxState
+    step_id: int
+    decode_id: int
+    tid: int
+    t_start: int
+    t_end: int
+    rows: tuple[np.ndarray, ...]  # FastColumns.ub_rows: row 0's token, position, sequence, output
+    u: int  # the micro-batch's index in those
+    pre: AggRow
+
+
+#: c.rows and c.outputs of a context whose last step is not made yet: never read (make_unmade
+#: replaces it first), never changed in place (both are always assigned anew)
+_UNMADE_ROWS: list[Any] = [None]
+
+
+def make_unmade(corr: Correlator) -> None:
+    """Make the Step of the last _plain_step (Correlator._make_unmade): the Step, its sparse
+    values and its attention state as fast_step's other path leaves them, in its context's rows."""
+    um, corr._unmade = corr._unmade, None
+    if um is None or um.c.rows is not _UNMADE_ROWS:
+        return  # (its rows were replaced: nothing reads it)
+    tok1, pos1, seq1, out1 = um.rows
+    step = Step(
+        step_id=um.step_id,
+        ctx_id=um.c.ctx_id,
+        decode_id=um.decode_id,
+        tid=um.tid,
+        t_start=um.t_start,
+        t_end=um.t_end,
+        token=tok1[um.u],
+        pos=pos1[um.u],
+        seq=seq1[um.u],
+        output=out1[um.u],
+        n_tokens=1,
+        truncated=False,
+        decode_rows=1,
+        _output_index={0: 0},
+    )
+    step.sparse = StepSparse.from_pre(um.pre)
+    corr.attn_map.fill_state(step.sparse, um.pre.attn)  # (the map and record attend_one_row took)
+    um.c.rows, um.c.outputs = [(step, 0)], [(step, 0)]
 
 
 def _logits(

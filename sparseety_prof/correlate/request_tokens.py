@@ -397,6 +397,75 @@ class RequestTokens:
             self._later_rows.append((len(self.tokens), step, i))
         elif sp is not None:
             sparse_values = self._row_lists(step, i)
+        self._add_token_row(
+            c,
+            st,
+            seq,
+            logits_pos,
+            token,
+            source,
+            step.step_id,
+            step.t_start,
+            step.t_end,
+            step.n_tokens,
+            tid,
+            sparse_values,
+        )
+
+    def one_row_token(
+        self,
+        c: CtxState,
+        st: SeqState,
+        step_id: int,
+        seq: int,
+        pos: int,
+        token: int,
+        tid: int,
+        t_start: int,
+        t_end: int,
+        logits: list[np.ndarray] | None,
+        attended: list[int | None],
+        block: tuple[AggBlock, int],
+    ) -> None:
+        """emit_token's effect for the sampler's token of a one-row step that continues its
+        sequence (st.samples > 0) and whose values are all in `block`, from the step's values
+        (fast_step, before its Step is made); `attended`: the row's attended cells per attention
+        layer."""
+        if logits is not None:
+            self.stats.add(len(self.tokens), logits)
+        cells = [a for a in attended if a is not None]
+        self._block_rows.append((len(self.tokens), *block))
+        self._add_token_row(
+            c,
+            st,
+            seq,
+            pos,
+            token,
+            SOURCE_SAMPLER,
+            step_id,
+            t_start,
+            t_end,
+            1,
+            tid,
+            (None, None, None, None, None, attended, max(cells) if cells else None),
+        )
+
+    def _add_token_row(
+        self,
+        c: CtxState,
+        st: SeqState,
+        seq: int,
+        logits_pos: int,
+        token: int,
+        source: str,
+        step_id: int,
+        t_start: int,
+        t_end: int | None,
+        n_tokens: int,
+        tid: int,
+        sparse_values: tuple[object, ...],
+    ) -> None:
+        """The token row, and the sequence's state after it."""
         # in TOKEN_ROW order: one tuple per token, no keyword dict (a row per token)
         self.tokens.add_values(
             (
@@ -409,11 +478,11 @@ class RequestTokens:
                 PHASE_PREFILL if st.samples == 0 and not st.partial else PHASE_DECODE,
                 token,
                 source,
-                step.step_id,
-                step.t_start,
-                step.t_end,
-                (step.t_end + self.wall_offset_ns) // 1_000_000 if step.t_end is not None else None,
-                step.n_tokens,
+                step_id,
+                t_start,
+                t_end,
+                (t_end + self.wall_offset_ns) // 1_000_000 if t_end is not None else None,
+                n_tokens,
                 st.partial,
                 self.pid,
                 tid,
@@ -424,4 +493,4 @@ class RequestTokens:
         st.samples += 1
         st.expect_token = token
         if st.agg is not None:
-            st.agg.add_token(logits_pos, step.t_end, token)
+            st.agg.add_token(logits_pos, t_end, token)

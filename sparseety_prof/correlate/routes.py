@@ -210,6 +210,26 @@ class RoutesTables:
                     self._runs.append((True, run.routes.n))
             i = j
 
+    def one_row_block(
+        self, step_id: int, ctx_id: int, seq: int, pos: int, block: tuple[AggBlock, int]
+    ) -> None:
+        """emit's effect for a one-row step whose values are all in `block` (its aggregate
+        record's row), from the step's values (fast_step, before its Step is made)."""
+        if self._slot_steps:
+            self._flush_slots()
+        self.add_block(step_id, ctx_id, seq, pos, 0, block)
+
+    def add_block(
+        self, step_id: int, ctx_id: int, seq: int, pos: int, row_offset: int, block: tuple[AggBlock, int]
+    ) -> None:
+        """A one-row step's rows, kept in the block (every MoE layer has its k ids there: the
+        rows are the common case's, with no per-row values made)."""
+        if not self.make_rows:  # as many rows as the per-row path would make
+            self.rows_not_made += self._block_layers(block)
+            return
+        self._blocks.append((step_id, ctx_id, seq, pos, row_offset, *block))
+        self._runs.append((True, self._block_layers(block)))
+
     def _emit_now(self, step: Step) -> None:
         """The rows of a finished step, from the same per-row values the token rows use
         (computed once per row). Whole columns are extended at once per row: per-value appends
@@ -227,12 +247,9 @@ class RoutesTables:
         one = step.n_tokens == 1 and bool(self.layers.moe) and not self.with_masks
         block = sp.agg_block_row() if one else None
         if block is not None:
-            if not self.make_rows:  # as many rows as the per-row path would make
-                self.rows_not_made += self._block_layers(block)
-                return
-            seq, pos = int(step.seq[0]), int(step.pos[0])
-            self._blocks.append((step.step_id, step.ctx_id, seq, pos, step.row_offset, *block))
-            self._runs.append((True, self._block_layers(block)))
+            self.add_block(
+                step.step_id, step.ctx_id, int(step.seq[0]), int(step.pos[0]), step.row_offset, block
+            )
             return
         # a prompt: when it is regular, its rows as arrays, and its token rows take their lists
         # from the same arrays (pass_arrays.pass_block): no per-row values
