@@ -841,7 +841,9 @@ def _server_script() -> Script:
                 s.small(ev.EV_SLOT_TOKEN, 0, 8)
                 pos, tok = pos + 1, 7
                 continue
-            _agg_step(s, tok, pos, seq=slot, layers=1)
+            # from the second request on, every layer in the record and, but on every fifth
+            # step, no graph-op node (the attention map learned): _plain_step's steps
+            _agg_step(s, tok, pos, seq=slot, layers=1 if r == 0 else 2, ops=r == 0 or i % 5 == 0)
             nxt = (tok * 7 + i + r) % N_VOCAB
             s.sample(nxt, idx=0 if i % 4 == 0 else -1, logits=logits + i)
             unhanded = r == 2 and i == 5
@@ -867,6 +869,7 @@ def test_fast_one_row_steps_equal_the_handlers_on_the_server(
     s = _server_script()
     taken = _count_taken(monkeypatch, "_fast_step")
     samples = _count_taken(monkeypatch, "_fast_sample")
+    plain, made = _count_plain(monkeypatch)
     got, got_states = _replay(s, drains, with_masks=False, server=True)
     monkeypatch.setattr(Correlator, "_fast_step", lambda self, idx, i: 0)
     monkeypatch.setattr(Correlator, "_fast_sample", lambda self, idx, i: 0)
@@ -885,6 +888,8 @@ def test_fast_one_row_steps_equal_the_handlers_on_the_server(
     assert want_states[-1]["serving"][("str", "counters")]["slot_token_mismatch"] == ("int", 1)
     assert sum(taken) > (40 if drains == 40 else 55) and not all(taken)
     assert sum(samples) > 5  # the two-slot step's, the prompts'
+    # the steps whose slot's call came next, without a Step made for most
+    assert plain[0] > (20 if drains == 40 else 30) and 0 < made[0] < plain[0]
 
 
 # ---------------------------------------------------------------- per-layer records of a pass, in runs

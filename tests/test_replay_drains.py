@@ -46,3 +46,16 @@ def test_replayed_drains_make_the_recorders_rows(tmp_path: Path) -> None:
     assert header == "| decode | correlate | rows | logits | frames | write | sum |"  # the flush's writes too
     assert stages.startswith("| ") and stages.endswith(" µs |")
     assert os.path.getsize(drains) > 0
+    # --profile: the Python calls per token (the count a change to the correlator is judged by
+    # where the VM's speed drifts), then the costliest functions
+    prof = subprocess.run(
+        [sys.executable, str(SCRIPT), "replay", str(drains), "--repeat", "1", "--profile", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert prof.returncode == 0, prof.stdout + prof.stderr[-2000:]
+    calls = [line for line in prof.stdout.splitlines() if line.endswith(" Python function calls per token")]
+    assert len(calls) == 1 and float(calls[0].split()[0]) > 10  # a token's records take more than that
+    assert "Correlator.feed under cProfile" in prof.stdout

@@ -109,16 +109,24 @@ def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
             corr._unmade = None
         else:
             corr._make_unmade()
+    # llama-server: the process_token call that names this step's slot, when it is the next record
+    k = sample_at + 1
+    r = (
+        idx.row[k]
+        if corr.slot_tokens and k < n and kinds[k] == ev.EV_SLOT_TOKEN and idx.group[k] == G_SMALL
+        else -1
+    )
+    slot_at = k if r >= 0 and s_tid[r] == tid and f.s_a[r] == seq else -1
     if (
         pre is not None
         and pre.block is not None
         and st.samples > 0
-        and not corr.slot_tokens
+        and (not corr.slot_tokens or slot_at >= 0)
         and not corr.routes.with_masks
     ):
         attn = corr.attn_map.attend_one_row(pre.attn)
         if attn is not None:
-            return _plain_step(corr, c, st, idx, u, end_at, sample_at, pre, attn, logits)
+            return _plain_step(corr, c, st, idx, u, end_at, sample_at, slot_at, pre, attn, logits)
 
     # _on_ubatch
     step_id = _step_begins(corr, c, st, tid, seq, pos)
@@ -159,15 +167,18 @@ def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
         return sample_at + 1
     # llama-server: the sample waits for the process_token call that names its slot. When that
     # is the next record and names this row's sequence, _on_slot_token's effect here and now.
-    k = sample_at + 1
-    r = idx.row[k] if k < n and kinds[k] == ev.EV_SLOT_TOKEN and idx.group[k] == G_SMALL else -1
-    if r >= 0 and s_tid[r] == tid and f.s_a[r] == seq:
-        if idx.col(G_SMALL, "b")[r] != sampled and corr.serving is not None:
-            corr.serving.counters.slot_token_mismatch += 1
+    if slot_at >= 0:
+        _slot_token_check(corr, idx, slot_at, sampled)
         corr.requests.emit_token(c, step, 0, sampled, tid, SOURCE_SAMPLER, logits)
-        return k + 1
+        return slot_at + 1
     corr.requests.sample_end(c, tid, want, sampled, logits)
-    return k
+    return sample_at + 1
+
+
+def _slot_token_check(corr: Correlator, idx: DrainIndex, slot_at: int, sampled: int) -> None:
+    """_on_slot_token's check: the token the server handed to the slot is the one sampled."""
+    if idx.col(G_SMALL, "b")[idx.row[slot_at]] != sampled and corr.serving is not None:
+        corr.serving.counters.slot_token_mismatch += 1
 
 
 def _step_begins(corr: Correlator, c: CtxState, st: SeqState, tid: int, seq: int, pos: int) -> int:
@@ -195,13 +206,15 @@ def _plain_step(
     u: int,
     end_at: int,
     sample_at: int,
+    slot_at: int,
     pre: AggRow,
     attn: tuple[list[int], list[int | None]],
     logits: list[np.ndarray] | None,
 ) -> int:
     """The rest of fast_step for the bulk of a generation: a step that continues its sequence,
     with its routing and activations all in the drain's AggBlock and its attention from the
-    learned map (attn: AttentionMap.attend_one_row's). Its rows are made from its values; its
+    learned map (attn: AttentionMap.attend_one_row's); on llama-server, one whose slot's call
+    is the next record (slot_at). Its rows are made from its values; its
     Step, which only its context's rows hold (c.rows, c.outputs), is made by make_unmade when
     anything may read those, and never when the context's next step replaces them first
     (feed, _decode_begin): the effect of the steps below, at a fraction of the cost."""
@@ -241,10 +254,12 @@ def _plain_step(
     # _on_sample_begin .. _on_sample_end
     c.sampling.pop(tid, None)
     sampled = f.s_a[idx.row[sample_at]]
+    if slot_at >= 0:  # llama-server: the call that names its slot is the next record
+        _slot_token_check(corr, idx, slot_at, sampled)
     corr.requests.one_row_token(
         c, st, step_id, seq, pos, sampled, tid, t_start, t_end, logits, attended, block
     )
-    return sample_at + 1
+    return slot_at + 1 if slot_at >= 0 else sample_at + 1
 
 
 class UnmadeStep(NamedTuple):
