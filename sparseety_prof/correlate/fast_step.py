@@ -13,7 +13,7 @@ activations are all in the drain's AggBlock, the attention comes from the learne
 (AttentionMap.attend_one_row). _plain_step makes their rows from the step's values, and the Step
 object (with its sparse values and attention state) only for the last of them, when anything
 may read it (make_unmade): the step before is dropped unread when its context's next decode
-replaces its rows. (The step's part of the consumer's correlation costs about half as much.)
+replaces its rows. (README, Overhead: "Decode steps without a Step object".)
 
 Both must stay in lockstep with the handlers: tests/test_correlator.py's
 test_fast_one_row_steps_equal_the_record_by_record_path and
