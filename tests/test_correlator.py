@@ -570,15 +570,23 @@ def _state(c: Correlator) -> dict[str, Any]:
 
 
 def _replay(
-    s: Script, drains: int, *, with_masks: bool, server: bool = False, layers: LayerSet | None = None
+    s: Script,
+    drains: int,
+    *,
+    with_masks: bool,
+    server: bool = False,
+    layers: LayerSet | None = None,
+    routes_rows: bool = True,
+    not_made: list[int] | None = None,
 ) -> tuple[dict[str, dict[str, list[object]]], list[Any]]:
     """Feeds the script in `drains` drains; the tables concatenated over them, and the
     correlator's state after each. `server`: as on llama-server (slots name the samples);
-    `layers`: the model's, when not _correlator's."""
+    `layers`: the model's, when not _correlator's; `routes_rows`: the routes rows made, or only
+    counted (their count added to `not_made`)."""
     kw: dict[str, Any] = {"serving": ServingTracker(pid=1), "slot_tokens": True} if server else {}
     if layers is not None:
         kw["layers"] = layers
-    c = _correlator(with_masks=with_masks, **kw)
+    c = _correlator(with_masks=with_masks, routes_rows=routes_rows, **kw)
     out: dict[str, dict[str, list[object]]] = {}
     states = []
     per = -(-len(s.recs) // drains)
@@ -588,6 +596,8 @@ def _replay(
         for table, cols in c.take_tables(final=final).items():
             for name, values in cols.items():
                 out.setdefault(table, {}).setdefault(name, []).extend(values)
+        if not_made is not None:
+            not_made.append(c.routes.take_not_made())
         states.append(_state(c))
     return out, states
 
@@ -1268,18 +1278,9 @@ def test_steps_of_several_slots_as_arrays_equal_the_per_row_path(
         return got
 
     def replay() -> tuple[Any, list[Any], int]:
-        c = _correlator(routes_rows=rows)
-        out: dict[str, dict[str, list[object]]] = {}
-        states, unmade = [], 0
-        per = -(-len(s.recs) // drains)
-        for k in range(0, len(s.recs), per):
-            c.feed(decode_records(s.recs[k : k + per], 1024))
-            for table, cols in c.take_tables(final=k + per >= len(s.recs)).items():
-                for name, values in cols.items():
-                    out.setdefault(table, {}).setdefault(name, []).extend(values)
-            unmade += c.routes.take_not_made()
-            states.append(_state(c))
-        return out, states, unmade
+        not_made: list[int] = []
+        out, states = _replay(s, drains, with_masks=False, routes_rows=rows, not_made=not_made)
+        return out, states, sum(not_made)
 
     monkeypatch.setattr(RequestTokens, "take_tokens", keeping)
     monkeypatch.setattr(RoutesTables, "take", keeping_routes)
