@@ -54,6 +54,7 @@ class FakeRing:
         r._walked = None
         r._logits_share = 1.0  # as after a drain of mostly logits records
         r._ring_bytes = r._ring_records = r._seq_at_take = 0
+        r.last_take_bytes = r.takes = r.takes_by_ref = 0
         r._next_seq = lambda: 0  # type: ignore[method-assign]  # the BPF counters map: none here
         r._prod_mm = self.buf  # type: ignore[assignment]  # unpack_from reads it like the mmap
         r._cons = ctypes.c_uint64(self.cons)
@@ -162,6 +163,9 @@ def test_logits_records_are_taken_by_reference_and_handed_back_on_release(python
     copied = _records({size: buf for size, buf in out.items() if size != ev.LOGITS_REF})
     assert sorted(p for recs in copied.values() for p in recs) == sorted(p for p in want if len(p) != REF)
     assert r._cons.value == start  # held while the floats are read
+    # the ring bytes drained, the referenced records' whole (the consumer paces its drains on them)
+    assert r.last_take_bytes == ring.prod - start
+    assert (r.takes, r.takes_by_ref) == (1, 1)
     r.release()
     assert r._cons.value == ring.prod
     r.release()  # idempotent
@@ -180,8 +184,13 @@ def test_a_filling_ring_has_its_logits_records_copied_and_space_handed_back_at_o
     assert ev.LOGITS_REF not in out
     assert sorted(p for recs in _records(out).values() for p in recs) == sorted(want)
     assert r._cons.value == ring.prod  # handed back by the walk itself
+    assert r.last_take_bytes == ring.prod
     ring.put(_payload(REF, 1))
+    at = ring.prod
     assert ev.LOGITS_REF in r.take()  # drained: by reference again
+    assert r.last_take_bytes == 8 + REF == at - r._cons.value  # (header and payload, still held)
+    assert (r.takes, r.takes_by_ref) == (2, 1)
+    assert r.take() == {} and (r.takes, r.last_take_bytes) == (2, 0)  # an empty take counts nothing
 
 
 def test_referenced_and_copied_logits_decode_alike() -> None:

@@ -74,3 +74,6 @@ def test_a_full_recording_says_where_its_cpu_went(llama_engine: Engine, tmp_path
     # the stages cover the span from the first drain, inside the run's whole CPU time (attach's
     # BPF compile included): the two clocks are read a few statements apart
     assert sum(by_stage.values()) <= meta["profiler_cpu_s"] + 0.5
+    # the drains that took records, and of them those that read the logits rows in the ring
+    cons = meta["consumer"]
+    assert cons["drains"] >= 1 and 0 <= cons["drains_logits_by_ref"] <= cons["drains"]

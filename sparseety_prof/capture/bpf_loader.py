@@ -495,14 +495,16 @@ class RingReader:
     python_walk = False  # True: the Python walk even with the C one built (tests compare them)
     # Logits records are taken by reference (their floats read in the ring, the space handed
     # back by release() once the drain has been handled) when a drain starts with less than
-    # REF_MAX_SHARE of the ring pending (what paced drains find: ConsumerSched.PACE_FILL) and
-    # the logits records were at least REF_MIN_LOGITS of the bytes the last drain took. Else
-    # they are copied and the space handed back at once: holding every record of a drain while
-    # it is handled is worth it where the copy is most of the walk (a 32k vocabulary: ~130 KiB
-    # of logits against ~30 KiB of other records per token), not for a small vocabulary at
-    # thousands of tokens/s, where the drain's handling is long and the copy small (the
-    # 90-s stress run of scripts/stress_aggregate.py lost 0.33% of its records with every
-    # drain by reference, none with the copy).
+    # REF_MAX_SHARE of the ring pending (what paced drains aim for: ConsumerSched.PACE_FILL)
+    # and the logits records were at least REF_MIN_LOGITS of the bytes the last drain took.
+    # Else they are copied and the space handed back at once: holding every record of a drain
+    # while it is handled is worth it where the copy is most of the walk (a 32k vocabulary:
+    # ~130 KiB of logits against ~30 KiB of other records per token), not for a small
+    # vocabulary at thousands of tokens/s, where the drain's handling is long and the copy small
+    # (the 90-s stress run of scripts/stress_aggregate.py lost 0.33% of its records with every
+    # drain by reference, none with the copy). Paced drains find about that share, as often
+    # above it as below (`meta.json` consumer.drains_logits_by_ref counts those below): up to
+    # the escalation threshold instead, the same stress run lost 0.95% (README, Overhead).
     REF_MAX_SHARE = 0.25
     REF_MIN_LOGITS = 0.5
 
@@ -536,6 +538,9 @@ class RingReader:
         self._logits_share = 0.0  # of the bytes the last take() drained (REF_MIN_LOGITS)
         self._ring_bytes = 0  # drained so far, headers included, and in how many records (arm_watch)
         self._ring_records = 0
+        self.last_take_bytes = 0  # of the ring the last take() drained, headers included
+        self.takes = 0  # take() calls that drained anything, and how many took logits by reference
+        self.takes_by_ref = 0
         self._seq_at_take = self._next_seq()  # the producers' next sequence number at the last take
         page = mmap.PAGESIZE
         fd = sess.bpf["events"].map_fd
@@ -634,6 +639,12 @@ class RingReader:
         if total:
             self._logits_share = logits_bytes / total
         self._ring_bytes += cons - cons0
+        # what the ring held, whatever was copied: a by-reference logits record's array holds its
+        # header and offset only (the consumer's pace reads the fill from this)
+        self.last_take_bytes = cons - cons0
+        if cons > cons0:
+            self.takes += 1
+            self.takes_by_ref += bool(self._refs.used)
         self._seq_at_take = self._next_seq()
         self._ring_records += sum(a.used // a.size for a in (*fill.values(), self._refs))
         for a in (*fill.values(), self._refs):

@@ -218,7 +218,7 @@ class Recorder:
                 records = reader.take(sched.on_backlog)
                 stages.lap("ring_walk")
                 now = time.monotonic()
-                filled = sum(len(b) for b in records.values()) / (a.session.ring_pages * mmap.PAGESIZE)
+                filled = reader.last_take_bytes / (a.session.ring_pages * mmap.PAGESIZE)
                 sched.after_drain(filled, (now - t_prev) * 1e3)
                 t_prev = now
                 self._consume(records, corr, tracker, writer, a.session, gpu=gpu, ring_data=reader.data)
@@ -267,6 +267,8 @@ class Recorder:
                 "consumer": {
                     **sched.meta(),
                     "ring_watch_wakeups": watch.wakeups,
+                    "drains": reader.takes,  # that took any record; with the logits read in the ring:
+                    "drains_logits_by_ref": reader.takes_by_ref,
                     "gc_collections": self._collector.collections,
                 },
                 "bpf_compile_s": round(a.session.compile_s, 3),
