@@ -223,6 +223,7 @@ class Recording:
             raise RuntimeError(f"recorder failed ({self.p.wait()}): {''.join(self.lines)}")
         # start-up (BPF compile, model sha256 and weight scan) is attach cost, not per-token cost
         self.attach_cpu_s = wait_quiet(self.p.pid, 30.0)
+        self.attach_minflt = _minor_faults(self.p.pid)
         self._reader = threading.Thread(target=self._drain_stderr, daemon=True)
         self._reader.start()
 
@@ -247,7 +248,16 @@ class Recording:
             "cpu_attached_s": cpu - self.attach_cpu_s,
             "attach_cpu_s": self.attach_cpu_s,
             "peak_rss_mib": ru.ru_maxrss / 1024,
+            # page faults served without I/O (a fresh page zeroed, or mapped), attach left out
+            "minflt_attached": ru.ru_minflt - self.attach_minflt,
         }
+
+
+def _minor_faults(pid: int) -> int:
+    """minflt + cminflt of a running process (wait4's rusage at its exit counts the reaped
+    children's too, as process_cpu_s says of the CPU times)."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(f[7]) + int(f[8])
 
 
 class Contenders:
@@ -333,8 +343,11 @@ def bench(
             print(
                 f"  {eng.name} clients={clients} mode={mode} pair {i + 1}/{a.pairs}: tokens/s ratio "
                 f"{rows['tps'][-1]:.4f}, {pb.tokens} tokens in B ({n_rec} recorded), recorder "
-                f"{rows['cpu_us_per_token'][-1]:.0f} µs CPU/token, {cons.get('escalations')} escalation(s), "
-                f"ring peak {cons.get('ring_fill_peak')}, longest gap {cons.get('drain_gap_max_ms')} ms"
+                f"{rows['cpu_us_per_token'][-1]:.0f} µs CPU/token, "
+                f"{rec_out['minflt_attached'] / max(n_rec, 1):.2f} page faults/token, "
+                f"{cons.get('escalations')} escalation(s), "
+                f"ring peak {cons.get('ring_fill_peak')}, longest gap {cons.get('drain_gap_max_ms')} ms, "
+                f"{cons.get('drains_logits_by_ref')} of {cons.get('drains')} drains read logits in the ring"
                 + probes,
                 file=sys.stderr,
             )
