@@ -502,9 +502,9 @@ class RingReader:
     # ~130 KiB of logits against ~30 KiB of other records per token), not for a small
     # vocabulary at thousands of tokens/s, where the drain's handling is long and the copy small
     # (the 90-s stress run of scripts/stress_aggregate.py lost 0.33% of its records with every
-    # drain by reference, none with the copy). Paced drains find about that share, as often
-    # above it as below (`meta.json` consumer.drains_logits_by_ref counts those below): at the
-    # escalation threshold instead, the same stress run lost 0.95% (README, Overhead).
+    # drain by reference, none with the copy). Paced drains find about that share, many a little
+    # more (`meta.json` consumer.drains_logits_by_ref counts those below it): at the escalation
+    # threshold instead, the same stress run lost 0.95% (README, Overhead).
     REF_MAX_SHARE = 0.25
     REF_MIN_LOGITS = 0.5
 
