@@ -131,8 +131,13 @@ def process_cpu_s(pid: int) -> float:
     """utime + stime of a running process, in seconds, with those of the children it has reaped
     (the recorder runs nm and c++filt while it attaches): wait4's rusage at its exit counts them
     too, so a window taken as "wait4's figure minus this one" must subtract them as well."""
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    f = proc_stat(pid)
     return sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (field 3 on: state, ppid, ...)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
 def wait_quiet(pid: int, limit: float) -> float:

@@ -48,7 +48,13 @@ sys.path.insert(0, str(ROOT / "tests"))  # the model generator and the test engi
 
 from make_models import make_model  # noqa: E402
 
-from scripts.bench_overhead import SPARSE_LOSSES, EngineProc, bootstrap_median_ci, wait_quiet  # noqa: E402
+from scripts.bench_overhead import (  # noqa: E402
+    SPARSE_LOSSES,
+    EngineProc,
+    bootstrap_median_ci,
+    proc_stat,
+    wait_quiet,
+)
 
 ENGINES = ROOT / "tests" / "engines"
 # prompts of different lengths: prompt processing is part of the load
@@ -256,7 +262,7 @@ class Recording:
 def _minor_faults(pid: int) -> int:
     """minflt + cminflt of a running process (wait4's rusage at its exit counts the reaped
     children's too, as process_cpu_s says of the CPU times)."""
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    f = proc_stat(pid)
     return int(f[7]) + int(f[8])
 
 

@@ -638,10 +638,10 @@ class RingReader:
             out[LOGITS_REF] = self._refs.buf[: self._refs.used]
         if total:
             self._logits_share = logits_bytes / total
-        self._ring_bytes += cons - cons0
         # what the ring held, whatever was copied: a by-reference logits record's array holds its
         # header and offset only (the consumer's pace reads the fill from this)
         self.last_take_bytes = cons - cons0
+        self._ring_bytes += self.last_take_bytes
         if cons > cons0:
             self.takes += 1
             self.takes_by_ref += bool(self._refs.used)
