@@ -258,6 +258,25 @@ def test_slow_steps_compare_a_new_graph_shape_with_its_kind() -> None:
     assert "the usual 2.50 ms of steps with a new shape" in found["reason"][0]
 
 
+def test_a_lone_new_shape_step_is_measured_against_the_steady_steps() -> None:
+    """One request: its first decode step is the only one of its kind, so it is measured against
+    the steady decode steps at a wider ratio. The usual cost of a new graph (2x) is not slow; a
+    stall in that step (12x) is."""
+    tokens = schema.empty("tokens")
+    one = _reshaping_steps([2.0]).filter(pl.col("step_id") < 21)
+    assert anomalies.slow_steps(one, tokens).is_empty()
+    stalled = one.with_columns(
+        pl.when(pl.col("step_id") == 1)
+        .then(pl.col("t_start_ns") + 12_000_000)
+        .otherwise(pl.col("t_end_ns"))
+        .alias("t_end_ns")
+    )
+    found = anomalies.slow_steps(stalled, tokens)
+    assert found["step_id"].to_list() == [1]
+    assert "12.0x the usual 1.00 ms of steady steps" in found["reason"][0]
+    assert anomalies.slow_steps(stalled, tokens, ratio=5.0).is_empty()
+
+
 def test_load_imbalance_is_found_in_the_layer_that_favours_one_expert() -> None:
     f = Fixture()
     rng = np.random.default_rng(3)

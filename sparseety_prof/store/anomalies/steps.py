@@ -14,6 +14,10 @@ SLOW_Z = 6.0
 SLOW_SIGMA_FLOOR = 0.1
 SLOW_RATIO = 2.0
 SLOW_MIN_STEPS = 8
+#: a step with a new shape whose own kind has fewer than SLOW_MIN_STEPS steps (one request: its
+#: first decode step) is measured against the phase's steady steps instead, at this multiple of the
+#: ratio: a new graph costs up to about 2x a steady step, a stalled one far more
+SLOW_RESHAPED_RATIO = 3.0
 
 
 def slow_steps(
@@ -31,7 +35,10 @@ def slow_steps(
     A step whose shape (rows, output rows) differs from its context's previous step is measured only
     against other such steps: llama.cpp builds and allocates a new compute graph for it, so the
     first decode step of every request costs more than the steady ones (1.3-2x on the test
-    models, tests/test_anomalies_planted.py) and would otherwise be flagged in clean runs."""
+    models, tests/test_anomalies_planted.py) and would otherwise be flagged in clean runs. Where
+    such steps are too few to have a usual cost of their own (a recording of one request has one
+    first decode step), a new-shape step is measured against its phase's steady steps at
+    SLOW_RESHAPED_RATIO times the ratio."""
     ms = (pl.col("t_end_ns") - pl.col("t_start_ns")) / 1e6
     cost = (
         pl.when(pl.col("phase") == "prefill")
@@ -48,16 +55,39 @@ def slow_steps(
             cost.alias("cost"),
             (shape != shape.shift(1).over("ctx_id")).fill_null(True).alias("reshaped"),
         )
-        .filter(pl.len().over(group) >= min_steps)
     )
+    # each kind's usual cost and spread, among kinds with enough steps to have one
+    med = pl.col("cost").median()
+    stats = (
+        df.with_columns(med.over(group).alias("usual"))
+        .group_by(group)
+        .agg(
+            pl.len().alias("n"),
+            pl.col("usual").first(),
+            (pl.col("cost") - pl.col("usual")).abs().median().alias("mad"),
+        )
+        .filter(pl.col("n") >= min_steps)
+        .drop("n")
+    )
+    steady = stats.filter(~pl.col("reshaped")).drop("reshaped")
+    own = df.join(stats, on=group, how="inner").with_columns(
+        pl.lit(ratio).alias("ratio"), pl.lit(False).alias("lone")
+    )
+    # a new shape too rare to have its own usual (one request's first decode step) against the
+    # steady steps of its phase, at a wider ratio
+    lone = (
+        df.filter(pl.col("reshaped"))
+        .join(stats.select(group), on=group, how="anti")
+        .join(steady, on="phase", how="inner")
+        .with_columns(pl.lit(ratio * SLOW_RESHAPED_RATIO).alias("ratio"), pl.lit(True).alias("lone"))
+    )
+    df = pl.concat([own, lone])
     if df.is_empty():
         return common.empty()
-    med = pl.col("cost").median().over(group)
-    mad = (pl.col("cost") - med).abs().median().over(group)
-    sigma = pl.max_horizontal(mad * common.MAD_TO_SIGMA, med * sigma_floor)
+    sigma = pl.max_horizontal(pl.col("mad") * common.MAD_TO_SIGMA, pl.col("usual") * sigma_floor)
     df = (
-        df.with_columns(((pl.col("cost") - med) / sigma).alias("score"), med.alias("usual"))
-        .filter((pl.col("score") >= z) & (pl.col("cost") >= ratio * pl.col("usual")))
+        df.with_columns(((pl.col("cost") - pl.col("usual")) / sigma).alias("score"))
+        .filter((pl.col("score") >= z) & (pl.col("cost") >= pl.col("ratio") * pl.col("usual")))
         .join(
             tokens.sort("t_end_ns")
             .group_by("step_id")
@@ -76,7 +106,8 @@ def slow_steps(
             + (f" ({r['n_tokens']} tokens)" if r["phase"] == "prefill" else "")
             + f", {r['cost'] / r['usual']:.1f}x the usual {r['usual']:.2f} ms"
             + (" per token" if r["phase"] == "prefill" else "")
-            + (" of steps with a new shape" if r["reshaped"] else ""),
+            + (" of steps with a new shape" if r["reshaped"] and not r["lone"] else "")
+            + (" of steady steps (a new shape, too few of its kind)" if r["lone"] else ""),
         }
         for r in df.iter_rows(named=True)
     ]
