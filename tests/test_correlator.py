@@ -19,6 +19,7 @@ from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate import block_tokens as block_tokens_module
 from sparseety_prof.correlate import fast_step as fast_step_module
 from sparseety_prof.correlate import pass_arrays as pass_arrays_module
+from sparseety_prof.correlate import plain_run as plain_run_module
 from sparseety_prof.correlate import request_tokens as request_tokens_module
 from sparseety_prof.correlate import routes as routes_module
 from sparseety_prof.correlate import server_layout_check
@@ -578,11 +579,13 @@ def _replay(
     layers: LayerSet | None = None,
     routes_rows: bool = True,
     not_made: list[int] | None = None,
+    losses: bool = False,
 ) -> tuple[dict[str, dict[str, list[object]]], list[Any]]:
     """Feeds the script in `drains` drains; the tables concatenated over them, and the
     correlator's state after each. `server`: as on llama-server (slots name the samples);
     `layers`: the model's, when not _correlator's; `routes_rows`: the routes rows made, or only
-    counted (their count added to `not_made`)."""
+    counted (their count added to `not_made`); `losses`: fed as after lost records (the script's
+    sequence numbers have holes)."""
     kw: dict[str, Any] = {"serving": ServingTracker(pid=1), "slot_tokens": True} if server else {}
     if layers is not None:
         kw["layers"] = layers
@@ -591,7 +594,7 @@ def _replay(
     states = []
     per = -(-len(s.recs) // drains)
     for k in range(0, len(s.recs), per):
-        c.feed(decode_records(s.recs[k : k + per], 1024))
+        c.feed(decode_records(s.recs[k : k + per], 1024), losses_seen=losses)
         final = k + per >= len(s.recs)
         for table, cols in c.take_tables(final=final).items():
             for name, values in cols.items():
@@ -629,10 +632,17 @@ def _count_taken(monkeypatch: pytest.MonkeyPatch, method: str) -> list[bool]:
     return taken
 
 
-def _count_plain(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]:
-    """How many steps fast_step's _plain_step took, and how many Steps make_unmade made after it."""
-    plain, made = [0], [0]
-    take, make = fast_step_module._plain_step, Correlator._make_unmade
+def _count_plain(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int], list[int]]:
+    """How many steps fast_step's _plain_step took, how many Steps make_unmade made after it,
+    and how many steps of those plain_run took in runs (counted in the first too)."""
+    plain, made, in_runs = [0], [0], [0]
+    take, make, apply = fast_step_module._plain_step, Correlator._make_unmade, plain_run_module._apply
+
+    def counting_runs(*a: Any) -> None:
+        steps = len(a[4])  # (its u: the run's micro-batches)
+        plain[0] += steps
+        in_runs[0] += steps
+        apply(*a)
 
     def counting_plain(*a: Any) -> int:
         plain[0] += 1
@@ -644,7 +654,8 @@ def _count_plain(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]
 
     monkeypatch.setattr(fast_step_module, "_plain_step", counting_plain)
     monkeypatch.setattr(Correlator, "_make_unmade", counting_make)
-    return plain, made
+    monkeypatch.setattr(plain_run_module, "_apply", counting_runs)
+    return plain, made, in_runs
 
 
 @pytest.mark.parametrize("with_masks", [False, True])
@@ -657,7 +668,7 @@ def test_fast_one_row_steps_equal_the_record_by_record_path(
     s = _mixed_script()
     taken = _count_taken(monkeypatch, "_fast_step")
     samples = _count_taken(monkeypatch, "_fast_sample")
-    plain, made = _count_plain(monkeypatch)
+    plain, made, _ = _count_plain(monkeypatch)
     got, got_states = _replay(s, drains, with_masks=with_masks)
     monkeypatch.setattr(Correlator, "_fast_step", lambda self, idx, i: 0)
     monkeypatch.setattr(Correlator, "_fast_sample", lambda self, idx, i: 0)
@@ -691,6 +702,69 @@ def test_fast_one_row_steps_equal_the_record_by_record_path(
         assert plain == [0]
     else:
         assert plain[0] > (10 if drains == 40 else 15) and 0 < made[0] < plain[0]
+
+
+def _run_script() -> Script:
+    """llama-cpp-python's decode loop as its probes record it, step after step: a cut of the
+    cache past the position (SEQ_RM), the decode call, the one-row micro-batch with its
+    aggregate, the sampler with its logits row. 150 steps, the runs broken by: a token fed
+    that is not the one sampled (30), a cut back into the sequence (50), another context's
+    step (70), a sampler call without logits (90), a position skipped (110), steps without a
+    cut before them (i % 13 == 5), steps whose activations were not counted (i % 17 == 4)."""
+    s = Script()
+    logits = np.linspace(-2, 2, N_VOCAB, dtype=np.float32)
+    s.small(ev.EV_SEQ_RM, -1, 0, -1, ctx=MEM)
+    s.decode([1, 2, 3], [0, 1, 2])
+    s.sample(4, logits=logits)
+    pos, tok = 3, 4
+    for i in range(150):
+        if i == 30:
+            tok = (tok + 1) % N_VOCAB
+        if i == 50:
+            pos -= 5
+        if i == 110:
+            pos += 1
+        if i % 13 != 5:
+            s.small(ev.EV_SEQ_RM, -1, pos, -1, ctx=MEM)
+        s.small(ev.EV_DECODE_BEGIN, 1, tok, pos)
+        _agg_step(s, tok, pos, ops=i < 8, act=i % 17 != 4)
+        nxt = (tok * 7 + i) % N_VOCAB
+        s.sample(nxt, logits=None if i == 90 else logits + 0.01 * i)
+        pos, tok = pos + 1, nxt
+        if i == 70:
+            s.small(ev.EV_DECODE_BEGIN, -1, -1, -1, ctx=0xCCCC)
+            _agg_step(s, 3, 9, ctx=0xCCCC)
+            s.small(ev.EV_SAMPLE_BEGIN, -1, ev.SAMPLER_LLAMA, ctx=0xCCCC)
+            s.small(ev.EV_SAMPLE_END, 5, ev.SAMPLER_LLAMA, -1, ctx=0xCCCC)
+    return s
+
+
+@pytest.mark.parametrize("lost", [False, True])
+@pytest.mark.parametrize("drains", [1, 4, 17])
+def test_runs_of_plain_steps_equal_the_step_by_step_path(
+    monkeypatch: pytest.MonkeyPatch, drains: int, lost: bool
+) -> None:
+    """plain_run's runs leave every table and every piece of state as fast_step leaves them
+    step by step, and as the handlers leave them record by record; with records lost inside
+    runs too (a sampler's begin, a logits record: the run ends before the hole, where the feed
+    loop marks the sequences unsure)."""
+    s = _run_script()
+    if lost:
+        step_len = len(s.recs) // 150
+        for at in (60 * step_len + 9, 130 * step_len + 4):  # inside later runs
+            del s.recs[at]
+    plain, _, in_runs = _count_plain(monkeypatch)
+    got = _replay(s, drains, with_masks=False, losses=lost)
+    assert in_runs[0] > (60 if drains < 17 else 20) and plain[0] > in_runs[0]
+    monkeypatch.setattr(Correlator, "_plain_run", lambda self, idx, p, stop: p)
+    step_by_step = _replay(s, drains, with_masks=False, losses=lost)
+    _assert_same(got, step_by_step)
+    tok = got[0]["tokens"]
+    assert len(tok["token_id"]) > 145 and len(set(tok["request_id"])) >= 3
+    if not lost:  # (the handlers mark a sequence unsure at a hole earlier than fast_step does)
+        monkeypatch.setattr(Correlator, "_fast_step", lambda self, idx, i: 0)
+        monkeypatch.setattr(Correlator, "_fast_sample", lambda self, idx, i: 0)
+        _assert_same(got, _replay(s, drains, with_masks=False))
 
 
 #: the block scripts' models: every layer MoE and FFN; a dense first layer (as DeepSeek's)
@@ -879,7 +953,7 @@ def test_fast_one_row_steps_equal_the_handlers_on_the_server(
     s = _server_script()
     taken = _count_taken(monkeypatch, "_fast_step")
     samples = _count_taken(monkeypatch, "_fast_sample")
-    plain, made = _count_plain(monkeypatch)
+    plain, made, in_runs = _count_plain(monkeypatch)
     got, got_states = _replay(s, drains, with_masks=False, server=True)
     monkeypatch.setattr(Correlator, "_fast_step", lambda self, idx, i: 0)
     monkeypatch.setattr(Correlator, "_fast_sample", lambda self, idx, i: 0)
@@ -896,7 +970,11 @@ def test_fast_one_row_steps_equal_the_handlers_on_the_server(
         "task-1-104",
     ]
     assert want_states[-1]["serving"][("str", "counters")]["slot_token_mismatch"] == ("int", 1)
-    assert sum(taken) > (40 if drains == 40 else 55) and not all(taken)
+    # fast_step took each step, or plain_run a run of them (llama-server's loop: a task posted,
+    # the decode, the slot's call, over and over)
+    assert sum(taken) + in_runs[0] > (40 if drains == 40 else 55) and not all(taken)
+    if drains != 40:  # (40 drains hold too few steps each for a run)
+        assert in_runs[0] > 10
     assert sum(samples) > 5  # the two-slot step's, the prompts'
     # the steps whose slot's call came next, without a Step made for most
     assert plain[0] > (20 if drains == 40 else 30) and 0 < made[0] < plain[0]

@@ -65,7 +65,16 @@ def start_target(
         env=env,
     )
     assert p.stdout is not None
-    assert p.stdout.readline().startswith("ready "), "late_target did not start"
+    # the first line byte by byte from the pipe itself: readline() on the text wrapper may buffer
+    # the lines after it too, and communicate() reads the pipe, not that buffer (a fast target's
+    # first iteration went missing so)
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(p.stdout.fileno(), 1)
+        if not byte:
+            break
+        line += byte
+    assert line.startswith(b"ready "), "late_target did not start"
     return p
 
 

@@ -102,6 +102,22 @@ class AttentionMap:
         self.passes_seen += 1
         return filled, self._attended(kv_masks, attn_counts)
 
+    def one_row_picks(self, attn: AggAttn) -> tuple[list[int], list[int | None], bool] | None:
+        """attend_one_row as a plan, for every record with this record's masks, calls and flags
+        (the steps of a generation differ only in their counts): the layers filled, for each
+        attention layer the index in the record's counts of its attended cells (None: none),
+        and whether the pass is counted. Nothing is counted here. None where attend_one_row
+        would return None. (_kv and _attended never compare counts, only carry them: run with
+        the counts' indices as counts, they give the indices.)"""
+        masks, calls, counts, flags = attn
+        kv = self._kv((masks, calls, list(range(len(counts))), flags))
+        if kv is None:
+            return None
+        kv_masks, _, attn_counts, filled = kv
+        if not kv_masks:
+            return [], [None] * len(self.attn_layers), False
+        return filled, self._attended(kv_masks, attn_counts), True
+
     def fill_state(self, sp: AttentionRecords, attn: AggAttn) -> bool:
         """The attention state add_agg_attn_lists and observe leave on `sp` (which holds none
         yet) for a pass attend_one_row took (and counted): False where it would return None."""

@@ -25,6 +25,7 @@ from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate.agg_record import AggRow, agg_rows_batch
 from sparseety_prof.correlate.attention_map import AttentionMap
 from sparseety_prof.correlate.fast_step import UnmadeStep, fast_sample, fast_step, make_unmade
+from sparseety_prof.correlate.plain_run import plain_run
 from sparseety_prof.correlate.request_tokens import RequestTokens
 from sparseety_prof.correlate.routes import RoutesTables
 from sparseety_prof.correlate.server_layout_check import ServerLayoutCheck
@@ -98,6 +99,8 @@ class Correlator:
     _fast_step = fast_step
     _fast_sample = fast_sample
     _make_unmade = make_unmade
+    # a run of plain steps at once (a method: plain_run.py)
+    _plain_run = plain_run
     # a run of per-layer routing and activation records at once (a method: sparse_run.py)
     _sparse_run = sparse_run
 
@@ -135,6 +138,8 @@ class Correlator:
             if kind == ev.EV_UBATCH:
                 nxt = self._fast_step(idx, i)
                 if nxt:
+                    if self._unmade is not None:  # a plain step: the same that follow, at once
+                        nxt = self._plain_run(idx, nxt, hole if hole >= 0 else n)
                     i = nxt
                     continue
             if self._unmade is not None and kind != ev.EV_SEQ_RM and kind != ev.EV_DECODE_BEGIN:
@@ -493,9 +498,12 @@ class Correlator:
             self.serving.on_http(int(r["tid"]), int(r["ts_ns"]), r["data"])
 
     def _on_task_post(self, r: dict[str, Any]) -> None:
+        self._task_post(int(r["tid"]), int(r["a"]), int(r["b"]), int(r["ptr"]))
+
+    def _task_post(self, tid: int, task: int, b: int, span_bytes: int) -> None:
         if self.serving is not None:
-            self.server_check.on_task_post(int(r["tid"]), int(r["a"]))
-            self.serving.on_task_post(int(r["tid"]), int(r["a"]), int(r["b"]) == 1, int(r["ptr"]))
+            self.server_check.on_task_post(tid, task)
+            self.serving.on_task_post(tid, task, b == 1, span_bytes)
 
     def _on_slot_launch(self, r: dict[str, Any]) -> None:
         if self.serving is not None:

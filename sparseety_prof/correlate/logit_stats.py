@@ -26,6 +26,10 @@ class PendingStats:
     def add(self, token_row: int, chunks: list[np.ndarray]) -> None:
         self.rows.append((token_row, chunks))
 
+    def add_run(self, first_row: int, chunks: list[list[np.ndarray]]) -> None:
+        """add for token rows first_row, first_row + 1, ...: chunks[j] is row j's."""
+        self.rows.extend(zip(range(first_row, first_row + len(chunks)), chunks, strict=True))
+
     def fill(self, tok: Columns) -> None:
         """Set the statistics columns of `tok` (null for rows without a logits row)."""
         t0 = time.thread_time()

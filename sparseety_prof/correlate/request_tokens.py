@@ -450,6 +450,69 @@ class RequestTokens:
             (None, None, None, None, None, attended, max(cells) if cells else None),
         )
 
+    def one_row_tokens(
+        self,
+        c: CtxState,
+        st: SeqState,
+        step_ids: list[int],
+        seq: int,
+        positions: list[int],
+        sampled: list[int],
+        tid: int,
+        t_starts: list[int],
+        t_ends: list[int],
+        logits: list[list[np.ndarray]] | None,
+        attended: list[list[int | None]],
+        block: AggBlock,
+        block_rows: list[int],
+    ) -> None:
+        """one_row_token for a run of one-row steps that continue sequence `seq` (plain_run.py):
+        the same rows, made with zip over their columns."""
+        n = len(step_ids)
+        at = len(self.tokens)
+        if logits is not None:
+            self.stats.add_run(at, logits)
+        self._block_rows.extend(zip(range(at, at + n), [block] * n, block_rows, strict=True))
+        partial = st.partial
+        offset = self.wall_offset_ns
+        most = [max((a for a in cells if a is not None), default=None) for cells in attended]
+        nothing = [None] * n
+        self.tokens.extend_values(
+            zip(
+                [st.request_id] * n,
+                [c.ctx_id] * n,
+                [seq] * n,
+                nothing if partial else range(st.samples, st.samples + n),
+                [p + 1 for p in positions],
+                positions,
+                [PHASE_DECODE] * n,  # (st.samples > 0)
+                sampled,
+                [SOURCE_SAMPLER] * n,
+                step_ids,
+                t_starts,
+                t_ends,
+                [(t + offset) // 1_000_000 for t in t_ends],
+                [1] * n,
+                [partial] * n,
+                [self.pid] * n,
+                [tid] * n,
+                [p + 1 for p in positions],
+                nothing,
+                nothing,
+                nothing,
+                nothing,
+                nothing,
+                attended,
+                most,
+                strict=True,
+            )
+        )
+        st.samples += n
+        st.expect_token = sampled[-1]
+        if st.agg is not None:
+            for pos, t_end, token in zip(positions, t_ends, sampled, strict=True):
+                st.agg.add_token(pos, t_end, token)
+
     def _add_token_row(
         self,
         c: CtxState,

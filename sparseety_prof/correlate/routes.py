@@ -219,6 +219,28 @@ class RoutesTables:
             self._flush_slots()
         self.add_block(step_id, ctx_id, seq, pos, 0, block)
 
+    def one_row_blocks(
+        self,
+        step_ids: list[int],
+        ctx_id: int,
+        seq: int,
+        positions: list[int],
+        block: AggBlock,
+        rows: list[int],
+    ) -> None:
+        """one_row_block for a run of one-row steps of one sequence whose values are all in
+        `block`, at `rows` (plain_run.py)."""
+        if self._slot_steps:
+            self._flush_slots()
+        n = len(step_ids)
+        if not self.make_rows:
+            self.rows_not_made += sum(self._block_layers((block, r)) for r in rows)
+            return
+        self._blocks.extend(
+            zip(step_ids, [ctx_id] * n, [seq] * n, positions, [0] * n, [block] * n, rows, strict=True)
+        )
+        self._runs.extend([(True, self._block_layers((block, r))) for r in rows])
+
     def add_block(
         self, step_id: int, ctx_id: int, seq: int, pos: int, row_offset: int, block: tuple[AggBlock, int]
     ) -> None:
