@@ -18,6 +18,8 @@ from sparseety_prof.capture.events import EventBatch, SeqTracker, decode_records
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate import block_tokens as block_tokens_module
 from sparseety_prof.correlate import fast_step as fast_step_module
+from sparseety_prof.correlate import logit_stats as logit_stats_module
+from sparseety_prof.correlate import logits as logits_module
 from sparseety_prof.correlate import pass_arrays as pass_arrays_module
 from sparseety_prof.correlate import plain_run as plain_run_module
 from sparseety_prof.correlate import request_tokens as request_tokens_module
@@ -739,15 +741,20 @@ def _run_script() -> Script:
     return s
 
 
+@pytest.mark.parametrize("backend", ["c", "numpy"])
 @pytest.mark.parametrize("lost", [False, True])
 @pytest.mark.parametrize("drains", [1, 4, 17])
 def test_runs_of_plain_steps_equal_the_step_by_step_path(
-    monkeypatch: pytest.MonkeyPatch, drains: int, lost: bool
+    monkeypatch: pytest.MonkeyPatch, drains: int, lost: bool, backend: str
 ) -> None:
     """plain_run's runs leave every table and every piece of state as fast_step leaves them
     step by step, and as the handlers leave them record by record; with records lost inside
     runs too (a sampler's begin, a logits record: the run ends before the hole, where the feed
-    loop marks the sequences unsure)."""
+    loop marks the sequences unsure). The runs' logits rows go to the statistics as addresses
+    (the C backend) or as arrays (numpy's)."""
+    if backend == "c" and logits_module.BACKEND != "c":
+        pytest.skip("the C backend is not built (sparseety_prof/native/build.sh)")
+    monkeypatch.setattr(logit_stats_module, "BACKEND", backend)
     s = _run_script()
     if lost:
         step_len = len(s.recs) // 150
@@ -761,6 +768,7 @@ def test_runs_of_plain_steps_equal_the_step_by_step_path(
     _assert_same(got, step_by_step)
     tok = got[0]["tokens"]
     assert len(tok["token_id"]) > 145 and len(set(tok["request_id"])) >= 3
+    assert sum(lp is not None for lp in tok["log_prob"]) > 140
     if not lost:  # (the handlers mark a sequence unsure at a hole earlier than fast_step does)
         monkeypatch.setattr(Correlator, "_fast_step", lambda self, idx, i: 0)
         monkeypatch.setattr(Correlator, "_fast_sample", lambda self, idx, i: 0)

@@ -20,6 +20,9 @@ class PendingStats:
 
     def __init__(self) -> None:
         self.rows: list[tuple[int, list[np.ndarray]]] = []  # (token row, logits row chunks)
+        # rows of consecutive token rows, each one record's floats: (first token row, the
+        # records' bytes, each row's offset there, the rows' width), read where they lie
+        self.runs: list[tuple[int, np.ndarray, np.ndarray, int]] = []
         self._scratch: dict[int, np.ndarray] = {}  # row width -> reused block of rows
         self.cpu_s = 0.0  # the calling thread's CPU time in fill (meta.json consumer.cpu_s_by_stage)
 
@@ -29,6 +32,16 @@ class PendingStats:
     def add_run(self, first_row: int, chunks: list[list[np.ndarray]]) -> None:
         """add for token rows first_row, first_row + 1, ...: chunks[j] is row j's."""
         self.rows.extend(zip(range(first_row, first_row + len(chunks)), chunks, strict=True))
+
+    def add_run_at(self, first_row: int, data: np.ndarray, offsets: np.ndarray, width: int) -> None:
+        """add for token rows first_row, first_row + 1, ... whose logits rows are `width` floats
+        at byte `offsets` in `data` (a drain's records: alive until its rows are taken). With
+        the C backend, their addresses go to it as they are (no array made per row)."""
+        if BACKEND == "c":
+            self.runs.append((first_row, data, offsets, width))
+            return
+        rows = [[data[at : at + 4 * width].view("<f4")] for at in offsets.tolist()]
+        self.add_run(first_row, rows)
 
     def fill(self, tok: Columns) -> None:
         """Set the statistics columns of `tok` (null for rows without a logits row)."""
@@ -49,6 +62,16 @@ class PendingStats:
                 tlps, ents = st.top_log_probs.tolist(), st.entropy.tolist()
                 for j, (i, _) in enumerate(block):
                     log_prob[i], top_ids[i], top_lps[i], entropy[i] = lps[j], tops[j], tlps[j], ents[j]
+        runs, self.runs = self.runs, []
+        for first, data, offsets, width in runs:
+            addresses = offsets.astype(np.int64) + data.ctypes.data
+            toks = np.array(tok["token_id"][first : first + len(offsets)], dtype=np.int64)
+            for b0 in range(0, len(offsets), STATS_BLOCK):
+                st = row_stats_at(addresses[b0 : b0 + STATS_BLOCK], width, toks[b0 : b0 + STATS_BLOCK])
+                a = first + b0
+                b = a + len(st.log_prob)
+                log_prob[a:b], top_ids[a:b] = st.log_prob.tolist(), st.top_ids.tolist()
+                top_lps[a:b], entropy[a:b] = st.top_log_probs.tolist(), st.entropy.tolist()
         tok.update(zip(TOKEN_STATS, (log_prob, top_ids, top_lps, entropy), strict=True))
         self.cpu_s += time.thread_time() - t0
 

@@ -22,6 +22,7 @@ state with the record-by-record path.
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -320,11 +321,45 @@ def _apply(
         mismatch = col.s_b[rows[:, -1]] != sampled_a
         corr.serving.counters.slot_token_mismatch += int(np.count_nonzero(mismatch))
     logits = None
-    if k:
+    lg = rows[:, at + len(_HEAD) : at + len(_HEAD) + k]
+    widths = col.lg_n_vals[lg[:, 0]] if k == 1 else None
+    if widths is not None and (widths == widths[0]).all():  # one record per row, all as wide
+        offsets = idx.arrays[G_LOGITS]["at"][lg[:, 0]]
+        corr.requests.stats.add_run_at(len(corr.requests.tokens), idx.logits_data, offsets, int(widths[0]))
+    elif k:
         vals, n_vals = idx.logits_vals, col.lg_n_vals
-        lg = rows[:, at + len(_HEAD) : at + len(_HEAD) + k].tolist()
-        logits = [[vals(r)[: n_vals[r]] for r in chunk_rows] for chunk_rows in lg]
-    attended = [[pre.attn[2][i] if i is not None else None for i in picks] for pre in pres]
+        logits = [[vals(r)[: n_vals[r]] for r in chunk_rows] for chunk_rows in lg.tolist()]
+    attended, most = _attended([pre.attn[2] for pre in pres], picks)
     corr.requests.one_row_tokens(
-        c, st, step_ids, seq, positions, sampled, tid, t_starts, t_ends, logits, attended, block, block_rows
+        c,
+        st,
+        step_ids,
+        seq,
+        positions,
+        sampled,
+        tid,
+        t_starts,
+        t_ends,
+        logits,
+        attended,
+        most,
+        block,
+        block_rows,
     )
+
+
+def _attended(
+    counts: list[list[int]], picks: list[int | None]
+) -> tuple[list[list[int | None]], list[int | None]]:
+    """Each step's attended cells per attention layer (its counts at `picks`, None where a layer
+    has none) and the most of them: with itemgetter where it can (no Python call per step)."""
+    valid = [i for i in picks if i is not None]
+    if not valid:
+        return [[None] * len(picks) for _ in counts], [None] * len(counts)
+    if len(valid) == 1:
+        most: list[int | None] = [c[valid[0]] for c in counts]
+    else:
+        most = list(map(max, map(itemgetter(*valid), counts)))
+    if len(valid) == len(picks) and len(picks) > 1:
+        return list(map(list, map(itemgetter(*valid), counts))), most
+    return [[c[i] if i is not None else None for i in picks] for c in counts], most

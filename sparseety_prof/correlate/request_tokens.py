@@ -463,11 +463,13 @@ class RequestTokens:
         t_ends: list[int],
         logits: list[list[np.ndarray]] | None,
         attended: list[list[int | None]],
+        most_attended: list[int | None],
         block: AggBlock,
         block_rows: list[int],
     ) -> None:
         """one_row_token for a run of one-row steps that continue sequence `seq` (plain_run.py):
-        the same rows, made with zip over their columns."""
+        the same rows, made with zip over their columns (`most_attended`: each row's most
+        attended cells over its layers)."""
         n = len(step_ids)
         at = len(self.tokens)
         if logits is not None:
@@ -475,7 +477,6 @@ class RequestTokens:
         self._block_rows.extend(zip(range(at, at + n), [block] * n, block_rows, strict=True))
         partial = st.partial
         offset = self.wall_offset_ns
-        most = [max((a for a in cells if a is not None), default=None) for cells in attended]
         nothing = [None] * n
         self.tokens.extend_values(
             zip(
@@ -503,7 +504,7 @@ class RequestTokens:
                 nothing,
                 nothing,
                 attended,
-                most,
+                most_attended,
                 strict=True,
             )
         )
