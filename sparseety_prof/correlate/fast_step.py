@@ -13,7 +13,8 @@ activations are all in the drain's AggBlock, the attention comes from the learne
 (AttentionMap.attend_one_row). _plain_step makes their rows from the step's values, and the Step
 object (with its sparse values and attention state) only for the last of them, when anything
 may read it (make_unmade): the step before is dropped unread when its context's next decode
-replaces its rows. (README, Overhead: "Decode steps without a Step object".)
+replaces its rows. (README, Overhead: "Decode steps without a Step object".) The plain steps
+that follow one another after it are taken at once, as columns (plain_run.py).
 
 Both must stay in lockstep with the handlers: tests/test_correlator.py's
 test_fast_one_row_steps_equal_the_record_by_record_path and
@@ -226,7 +227,7 @@ def _plain_step(
     # _on_ubatch
     step_id = _step_begins(corr, c, st, tid, seq, pos)
     corr._unmade = UnmadeStep(c, step_id, c.decode_id, tid, t_start, t_end, f.ub_rows, u, pre)
-    c.rows = c.outputs = _UNMADE_ROWS
+    c.rows = c.outputs = UNMADE_ROWS
     # _on_step_agg, _on_ubatch_end
     corr.layers_seen["moe"].update(pre.moe_seen)
     corr.layers_seen["ffn"].update(pre.ffn_seen)
@@ -278,14 +279,14 @@ class UnmadeStep(NamedTuple):
 
 #: c.rows and c.outputs of a context whose last step is not made yet: never read (make_unmade
 #: replaces it first), never changed in place (both are always assigned anew)
-_UNMADE_ROWS: list[Any] = [None]
+UNMADE_ROWS: list[Any] = [None]
 
 
 def make_unmade(corr: Correlator) -> None:
     """Make the Step of the last _plain_step (Correlator._make_unmade): the Step, its sparse
     values and its attention state as fast_step's other path leaves them, in its context's rows."""
     um, corr._unmade = corr._unmade, None
-    if um is None or um.c.rows is not _UNMADE_ROWS:
+    if um is None or um.c.rows is not UNMADE_ROWS:
         return  # (its rows were replaced: nothing reads it)
     tok1, pos1, seq1, out1 = um.rows
     step = Step(

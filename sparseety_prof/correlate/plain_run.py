@@ -30,7 +30,7 @@ import numpy as np
 from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.drain_index import G_LOGITS, G_SMALL, G_STEP_AGG, G_UBATCH, G_UBATCH_S, DrainIndex
 from sparseety_prof.correlate.agg_record import AggRow
-from sparseety_prof.correlate.fast_step import _UNMADE_ROWS, UnmadeStep
+from sparseety_prof.correlate.fast_step import UNMADE_ROWS, UnmadeStep
 from sparseety_prof.correlate.state import CtxState, SeqState
 from sparseety_prof.store.schema import PHASE_DECODE
 
@@ -276,7 +276,7 @@ def _apply(
     corr._unmade = UnmadeStep(
         c, step_ids[-1], c.decode_id, tid, t_starts[-1], t_ends[-1], f.ub_rows, int(u[-1]), last
     )
-    c.rows = c.outputs = _UNMADE_ROWS
+    c.rows = c.outputs = UNMADE_ROWS
     # _on_step_agg, _on_ubatch_end
     moe, ffn = corr.layers_seen["moe"], corr.layers_seen["ffn"]
     for pre in pres:
