@@ -352,7 +352,9 @@ def bench(
                 f"{rows['cpu_us_per_token'][-1]:.0f} µs CPU/token, "
                 f"{rec_out['minflt_attached'] / max(n_rec, 1):.2f} page faults/token, "
                 f"{cons.get('escalations')} escalation(s), "
-                f"ring peak {cons.get('ring_fill_peak')}, longest gap {cons.get('drain_gap_max_ms')} ms, "
+                f"ring peak {cons.get('ring_fill_peak')}, longest gap {cons.get('drain_gap_max_ms')} ms "
+                f"(ending {cons.get('drain_gap_max_at_s')} s after the consumer's start; graph-op probes "
+                f"detached in {(meta.get('attention_masks') or {}).get('ops_detach_ms')} ms), "
                 f"{cons.get('drains_logits_by_ref')} of {cons.get('drains')} drains read logits in the ring"
                 + probes,
                 file=sys.stderr,

@@ -40,6 +40,7 @@ def test_escalates_to_nice_0_while_the_ring_fills_and_relaxes_after() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, 10)
         p = Progress()
         s = _ConsumerSched(Options(pid=1, out=None, nice=10), p)
+        s.started = 90.0  # (the drains below give their own times)
         s.on_backlog(0.2)
         assert os.getpriority(os.PRIO_PROCESS, tid) == 10 and p.escalations == 0
         s.on_backlog(0.4)  # more pending than the pace allows for: take the engine's priority
@@ -59,6 +60,7 @@ def test_escalates_to_nice_0_while_the_ring_fills_and_relaxes_after() -> None:
             "nice": 10,
             "ring_fill_peak": 0.3,
             "drain_gap_max_ms": 900.0,
+            "drain_gap_max_at_s": 10.0,  # the longest gap ended at the first drain
             "escalations": 1,
             "drain_wait_min_ms": 500.0,
             "slice_us_asked": 0,

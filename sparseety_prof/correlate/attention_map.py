@@ -32,6 +32,7 @@ class AttentionMap:
     learned_after: int = 0  # passes_seen when the map was learned
     detach_tried: bool = False  # the session was asked to detach the graph-op probes
     ops_detached: bool = False  # ... and none is left attached
+    ops_detach_ms: float | None = None  # the wall time the session's detach took
     _candidate: dict[int, int] | None = field(default=None, repr=False)
     _agree: int = field(default=0, repr=False)
     # the learned map as the one-row methods below read it: each call with its layers (calls in
@@ -50,9 +51,10 @@ class AttentionMap:
         not detach keeps sending records that agree with the map)."""
         return self.ready and not self.detach_tried
 
-    def ops_detach_done(self, *, none_left: bool) -> None:
-        """The session detached what it could; `none_left`: no graph-op probe remains."""
-        self.detach_tried, self.ops_detached = True, none_left
+    def ops_detach_done(self, *, none_left: bool, wall_ms: float | None = None) -> None:
+        """The session detached what it could (in `wall_ms`); `none_left`: no graph-op probe
+        remains."""
+        self.detach_tried, self.ops_detached, self.ops_detach_ms = True, none_left, wall_ms
 
     def observe(self, sp: AttentionRecords) -> list[int]:
         """One finished forward pass: learn from it while learning, else give its layers the
@@ -180,5 +182,6 @@ class AttentionMap:
             "layer_calls": {str(k): v for k, v in (self.layer_calls or {}).items()},
             "passes_at_set_input": self.passes_seen,
             "learned_after_passes": self.learned_after,
+            "ops_detach_ms": None if self.ops_detach_ms is None else round(self.ops_detach_ms, 1),
             "disagreements": self.disagreements,
         }

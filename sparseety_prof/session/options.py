@@ -64,6 +64,7 @@ class Progress:
     logits_incomplete: int = 0
     ring_fill_peak: float = 0.0  # largest share of the ring one drain found filled
     drain_gap_max_ms: float = 0.0  # longest time between two drains (the consumer waited for CPU)
+    drain_gap_max_at_s: float = 0.0  # when it ended, in seconds after the consumer's start
     escalations: int = 0  # times the consumer left SCHED_IDLE because the ring was filling
     rss_bytes: int = 0  # the recorder's resident memory at the last drain
     anon_bytes: int = 0  # and its anonymous part (what --max-memory bounds)

@@ -402,11 +402,15 @@ class Recorder:
         probes only cost: two uprobe hits per layer and engine thread per token."""
         amap = corr.attn_map
         if amap.wants_ops_detached and sess.kv_mask_probe:
+            t0 = time.monotonic()
             n = sess.detach_attention_ops()
-            amap.ops_detach_done(none_left=not any(p.symbol in ATTENTION_OPS for p in sess.attached))
+            wall_ms = (time.monotonic() - t0) * 1e3
+            none_left = not any(p.symbol in ATTENTION_OPS for p in sess.attached)
+            amap.ops_detach_done(none_left=none_left, wall_ms=wall_ms)
             self.log(
                 f"sparseety-prof: attention masks now counted where the engine writes them "
-                f"(layer map learned after {amap.learned_after} passes); {n} graph-op probes detached"
+                f"(layer map learned after {amap.learned_after} passes); {n} graph-op probes detached "
+                f"in {wall_ms:.0f} ms"
             )
 
     def _poll_gpu(

@@ -49,6 +49,7 @@ class ConsumerSched:
         self.progress = progress
         self.drain_s = drain_s
         self.wait_s = drain_s  # before the next drain (after_drain sets it)
+        self.started = time.monotonic()
         self.wait_min_s = drain_s
         self.mode = opts.sched
         self.nice = opts.nice
@@ -111,7 +112,8 @@ class ConsumerSched:
             self.wait_min_s = min(self.wait_min_s, self.wait_s)
         p = self.progress
         p.ring_fill_peak = max(p.ring_fill_peak, fill)
-        p.drain_gap_max_ms = max(p.drain_gap_max_ms, gap_ms)
+        if gap_ms > p.drain_gap_max_ms:
+            p.drain_gap_max_ms, p.drain_gap_max_at_s = gap_ms, now - self.started
         if not self.escalated and fill > self.ESCALATE_FILL:
             self._escalate()
         if not self.escalated:
@@ -134,6 +136,7 @@ class ConsumerSched:
             "nice": self.nice,
             "ring_fill_peak": round(p.ring_fill_peak, 4),
             "drain_gap_max_ms": round(p.drain_gap_max_ms, 1),
+            "drain_gap_max_at_s": round(p.drain_gap_max_at_s, 1),  # (after the consumer's start)
             "escalations": p.escalations,
             "drain_wait_min_ms": round(self.wait_min_s * 1e3, 1),  # the shortest pause the pace chose
             "slice_us_asked": self.slice_us,
