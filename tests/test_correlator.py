@@ -1406,13 +1406,14 @@ def test_steps_of_several_slots_as_arrays_equal_the_per_row_path(
         assert got_unmade > 2 * (2 * 6 + 3 * 9)
 
 
-@pytest.mark.parametrize("script", ["mixed", "dense_first"])
+@pytest.mark.parametrize("script", ["mixed", "dense_first", "runs"])
 @pytest.mark.parametrize("drains", [1, 7])
 def test_routes_rows_counted_unmade_are_the_rows_made(drains: int, script: str) -> None:
     """Without routes rows (--policy aggregate, no sink reading them) the correlator counts the
     rows it would have made, exactly, prompt rows and rows with layers missing included, and
-    every other table is the same; on a model whose first layer is dense too."""
-    s = _mixed_script() if script == "mixed" else _block_script(script)
+    every other table is the same; on a model whose first layer is dense too, and on runs of
+    plain steps (plain_run)."""
+    s = {"mixed": _mixed_script, "runs": _run_script}.get(script, lambda: _block_script(script))()
     layers = BLOCK_LAYOUTS.get(script)
     made, _ = _replay(s, drains, with_masks=False, layers=layers)
     c = _correlator(routes_rows=False, **({"layers": layers} if layers else {}))
