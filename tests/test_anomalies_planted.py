@@ -395,6 +395,9 @@ def test_slow_steps_are_found_where_the_engine_was_stopped(
     windows: list[tuple[int, int]] = []
 
     def stall(done: threading.Event) -> None:
+        # above the engine's SCHED_FIFO threads: on a loaded machine they would otherwise keep
+        # this thread from running until the request ended (a CI run saw too few stalls)
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(2))
         rng = np.random.default_rng(3)
         while len(windows) < STALLS and not done.wait(float(rng.uniform(0.005, 0.02))):
             t0 = time.monotonic_ns()  # CLOCK_MONOTONIC, as the recording's step times
