@@ -206,10 +206,10 @@ def plain_run(corr: Correlator, idx: DrainIndex, p: int, stop: int) -> int:
         return p
     block, (masks, calls, _, flags) = first.block, first.attn
     pres: list[AggRow] = []
-    for pre in found:
-        if pre is None or pre.block is not block or pre.attn[0] != masks or pre.attn[1] != calls:
+    for pre in found:  # (the counts may differ: the plan picks them)
+        if pre is None or pre.block is not block:
             break
-        if pre.attn[3] != flags:
+        if (pre.attn[0], pre.attn[1], pre.attn[3]) != (masks, calls, flags):
             break
         pres.append(pre)
     m = len(pres)
