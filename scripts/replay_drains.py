@@ -4,6 +4,7 @@ then fed again to a new correlator as many times as wanted, timed on the thread'
     sudo .venv/bin/python scripts/replay_drains.py capture -o drains.pkl [--engine server]
         [--clients 4] [--threads 2] [--seconds 20] [--tokens 64] [--record-args '...']
     .venv/bin/python scripts/replay_drains.py replay drains.pkl [--repeat 3] [--profile 25]
+        [--profile-sort cumulative]
 
 `capture` starts the engine of scripts/bench_sustained.py on the `bench` model of
 tests/make_models.py (llama-cpp-python, or xllamacpp's llama-server with `--clients` streaming
@@ -27,8 +28,9 @@ DRAIN_INTERVAL_S drains, as under load. Not replayed: the policies and the sinks
 over `--repeat` replays is printed: the replays are identical work, so the minimum is the one
 least disturbed by the rest of the machine. `--profile N` adds the Python function calls per
 token in Correlator.feed (a count the VM's drift does not move) and the N functions with the
-most own time there (cProfile, on one more replay; its overhead inflates every figure of that
-replay, so it is printed apart).
+most own time there, or with `--profile-sort cumulative` the most time with what they call
+(cProfile, on one more replay; its overhead inflates every figure of that replay, so it is
+printed apart).
 """
 
 from __future__ import annotations
@@ -277,8 +279,9 @@ def replay(a: argparse.Namespace) -> int:
         _replay_once(kept, texts, prof, None)
         out = io.StringIO()
         stats = pstats.Stats(prof, stream=out)
-        stats.sort_stats("tottime").print_stats(a.profile)
-        print("\nCorrelator.feed under cProfile (own time, one more replay):")
+        stats.sort_stats(a.profile_sort).print_stats(a.profile)
+        order = "own time" if a.profile_sort == "tottime" else "with what it calls"
+        print(f"\nCorrelator.feed under cProfile ({order}, one more replay):")
         # the Python calls per token: a count the VM's speed does not move, unlike the times
         calls: int = stats.total_calls  # type: ignore[attr-defined]  # (set by pstats, not in its stubs)
         print(f"{calls / n:.1f} Python function calls per token")
@@ -306,6 +309,12 @@ def main() -> int:
         "--no-write", action="store_true", help="leave out the flush's aggregates and Parquet writes"
     )
     r.add_argument("--profile", type=int, default=0, metavar="N", help="also the N costliest functions")
+    r.add_argument(
+        "--profile-sort",
+        choices=("tottime", "cumulative"),
+        default="tottime",
+        help="--profile's order: a function's own time, or with what it calls",
+    )
     a = ap.parse_args()
     return capture(a) if a.cmd == "capture" else replay(a)
 

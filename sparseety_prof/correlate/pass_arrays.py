@@ -11,8 +11,7 @@ and counts what it counts."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,18 +32,10 @@ class PassRows(NamedTuple):
     n_tokens: int
     n_out: int
 
-    def by_mode(self, modes: list[bool]) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
-        """Per kind of layer (values per batch row, then per output row) among `modes` (each
-        layer's: whether per output row): those layers' indices, the value rows to read, the
-        rows of the pass they fill, and how many value rows each of those layers holds."""
-        for by_output in (False, True):
-            cols = np.array([j for j, m in enumerate(modes) if m is by_output], dtype=np.intp)
-            if not len(cols):
-                continue
-            if by_output:
-                yield cols, self.out_at[self.has_out], np.flatnonzero(self.has_out), self.n_out
-            else:
-                yield cols, self.batch, np.arange(len(self.batch)), self.n_tokens
+    def batch_slice(self) -> slice:
+        """`batch` as a slice (it is a range: PassRows.of)."""
+        start = int(self.batch[0]) if len(self.batch) else 0
+        return slice(start, start + len(self.batch))
 
     @classmethod
     def of(cls, rows: slice, n_tokens: int, output_index: dict[int, int]) -> PassRows:
@@ -159,26 +150,34 @@ def _moe(
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """The store's values of the rows for every layer, [rows x layers x width], and which cells
     hold one; None unless every layer holds a filled value row per batch row or per output row,
-    all of one width."""
+    all of one width. Layer by layer, each a slice or a short gather: stacking the layers first
+    cost more than the few rows of a prompt."""
     got: list[LayerRows] = []
-    modes: list[bool] = []
     for layer in layers:
         lr = store.get(layer)
-        mode = None if lr is None else _by_output(len(lr.values), at)
-        if lr is None or mode is None:
+        if lr is None or _by_output(len(lr.values), at) is None:
             return None
         got.append(lr)
-        modes.append(mode)
-    if not got or len({lr.values.shape[1] for lr in got}) != 1:
+    if not got:
         return None
-    n_rows, width = len(at.batch), got[0].values.shape[1]
-    values = np.zeros((n_rows, len(got), width), dtype=got[0].values.dtype)
-    present = np.zeros((n_rows, len(got)), dtype=bool)
-    for cols, src, dst, _ in at.by_mode(modes):
-        if not np.stack([got[j].filled for j in cols.tolist()])[:, src].all():
-            return None  # a row not filled
-        values[np.ix_(dst, cols)] = np.stack([got[j].values for j in cols.tolist()], axis=1)[src]
-        present[np.ix_(dst, cols)] = True
+    width = got[0].values.shape[1]
+    if any(lr.values.shape[1] != width for lr in got):
+        return None
+    values = np.zeros((len(at.batch), len(got), width), dtype=got[0].values.dtype)
+    present = np.zeros((len(at.batch), len(got)), dtype=bool)
+    batch = at.batch_slice()
+    out_src, out_dst = at.out_at[at.has_out], np.flatnonzero(at.has_out)
+    for j, lr in enumerate(got):
+        if len(lr.values) == at.n_tokens:  # a value row per batch row (_by_output False)
+            if not lr.filled[batch].all():
+                return None  # a row not filled
+            values[:, j] = lr.values[batch]
+            present[:, j] = True
+        else:  # per output row
+            if not lr.filled[out_src].all():
+                return None
+            values[out_dst, j] = lr.values[out_src]
+            present[out_dst, j] = True
     return values, present
 
 
@@ -193,11 +192,6 @@ def _act(
         return None
     (n_slots,) = slots
     assert n_slots is not None
-    n_rows = len(at.batch)
-    zero = np.zeros((n_rows, len(layers)))
-    below = np.zeros((n_rows, len(layers)))
-    n_values = np.zeros((n_rows, len(layers)), dtype=np.int64)
-    present = np.zeros((n_rows, len(layers)), dtype=bool)
     modes: list[bool] = []
     for layer in layers:
         z = sp.act_zeros.get(layer)
@@ -205,16 +199,32 @@ def _act(
         if mode is None:
             return None
         modes.append(mode)
-    for cols, src, dst, tokens in at.by_mode(modes):
-        picked = [layers[j] for j in cols.tolist()]
-        counts = np.stack([sp.act_zeros[la] for la in picked] + [sp.act_below[la] for la in picked])
-        counts = counts.reshape(2, len(cols), tokens, n_slots)[:, :, src]
+    n_rows = len(at.batch)
+    zero = np.zeros((n_rows, len(layers)))
+    below = np.zeros((n_rows, len(layers)))
+    n_values = np.zeros((n_rows, len(layers)), dtype=np.int64)
+    present = np.zeros((n_rows, len(layers)), dtype=bool)
+    for by_output in (False, True):
+        cols = [j for j, m in enumerate(modes) if m is by_output]
+        if not cols:
+            continue
+        picked = [layers[j] for j in cols]
+        tokens = at.n_out if by_output else at.n_tokens
+        # every layer's counts one after another (one concatenate: np.stack costs a call per layer)
+        counts = np.concatenate([sp.act_zeros[la] for la in picked] + [sp.act_below[la] for la in picked])
+        counts = counts.reshape(2, len(cols), tokens, n_slots)
+        if by_output:
+            counts = counts[:, :, at.out_at[at.has_out]]
+            cells: tuple[Any, np.ndarray] = (np.flatnonzero(at.has_out)[:, None], np.array(cols))
+        else:
+            counts = counts[:, :, at.batch_slice()]
+            cells = (slice(None), np.array(cols))
         if (counts < 0).any():
             return None  # a row not counted
         n = np.array([n_slots * sp.act_width[la] for la in picked], dtype=np.int64)
-        sums = counts.sum(axis=3)  # [zero/below, layers, rows]
-        zero[np.ix_(dst, cols)] = (sums[0] / n[:, None]).T
-        below[np.ix_(dst, cols)] = (sums[1] / n[:, None]).T
-        n_values[np.ix_(dst, cols)] = n
-        present[np.ix_(dst, cols)] = True
+        ratios = counts.sum(axis=3) / n[:, None]  # [zero/below, layers, rows]
+        zero[cells] = ratios[0].T
+        below[cells] = ratios[1].T
+        n_values[cells] = n
+        present[cells] = True
     return zero, below, n_values, present

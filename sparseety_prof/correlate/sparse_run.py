@@ -156,71 +156,85 @@ _ActLayers = list[tuple[int, int, int, int]]
 class _ActColumns:
     """Per activation record: its layer, node rows per token (slots), node rows in all, width,
     first row and rows counted (as add_act clips them), and whether add_act would take it; its
-    counts stay in the drained records until stored."""
+    counts stay in the drained records until stored. Arrays over the drain's records: a prompt
+    sends about fifteen records per layer (each engine thread's rows, a few rows a record), and
+    a loop per record here, and per record of a run in plan, was a tenth of the correlation."""
 
     def __init__(self, arr: np.ndarray) -> None:
         self.zeros = np.ascontiguousarray(arr["zeros"]).astype(np.int64)
         self.below = np.ascontiguousarray(arr["below"]).astype(np.int64)
         self.width = self.zeros.shape[1]
-        nr = arr["nr_total"].astype(np.int64)
-        ir0 = arr["ir0"].astype(np.int64)
-        n = np.minimum(np.minimum(arr["n_rows"].astype(np.int64), nr - ir0), ev.ACT_MAX_ROWS).clip(0)
-        self.nr, self.ir0, self.n = nr.tolist(), ir0.tolist(), n.tolist()
-        self.ne0 = arr["ne0"].astype(np.int64).tolist()
-        self.layer: list[int] = []
-        self.slots: list[int] = []
-        self.ok: list[bool] = []
-        for name, ne1, total, ne0 in zip(
-            arr["name"].tolist(), arr["ne1"].tolist(), self.nr, self.ne0, strict=True
-        ):
-            parsed = parse_name(name)
-            slots = 0 if parsed is None else (ne1 if parsed[0].startswith("ffn_moe_") else 1)
-            self.layer.append(-1 if parsed is None else parsed[1])
-            self.slots.append(slots)
-            self.ok.append(
-                slots > 0 and total % slots == 0 and total <= MAX_ACT_ROWS and 0 < ne0 <= MAX_ACT_WIDTH
-            )
+        nr = self.nr = arr["nr_total"].astype(np.int64)
+        ir0 = self.ir0 = arr["ir0"].astype(np.int64)
+        self.n = np.minimum(np.minimum(arr["n_rows"].astype(np.int64), nr - ir0), ev.ACT_MAX_ROWS).clip(0)
+        ne0 = self.ne0 = arr["ne0"].astype(np.int64)
+        # a model has a few node names per layer: each parsed once
+        names, at = np.unique(arr["name"], return_inverse=True)
+        parsed = [parse_name(name) for name in names.tolist()]
+        layer_of = np.array([-1 if p is None else p[1] for p in parsed], dtype=np.int64)
+        moe_of = np.array([p is not None and p[0].startswith("ffn_moe_") for p in parsed], dtype=bool)
+        known_of = np.array([p is not None for p in parsed], dtype=bool)
+        at = at.reshape(-1)
+        self.layer = layer_of[at]
+        slots = self.slots = np.where(known_of[at], np.where(moe_of[at], arr["ne1"].astype(np.int64), 1), 0)
+        self.ok = (
+            (slots > 0)
+            & (nr % np.maximum(slots, 1) == 0)
+            & (nr <= MAX_ACT_ROWS)
+            & (ne0 > 0)
+            & (ne0 <= MAX_ACT_WIDTH)
+        )
 
-    def plan(self, rows: list[int], sp: StepSparse) -> tuple[_ActLayers, list[int], list[int]] | None:
-        """For records `rows` of one run: their layers, and each counted node row's position in
-        the layers' rows one after another and in this drain's counts; None unless every record
-        is one add_act would take, for a layer the step has no counts of yet, each layer's
-        records of one size, no node row counted twice."""
-        layers: _ActLayers = []
-        base_of: dict[int, tuple[int, int]] = {}  # layer -> (its index in layers, its first position)
-        size = 0
-        dst: list[int] = []
-        src: list[int] = []
-        for r in rows:
-            layer, total, width, slots = self.layer[r], self.nr[r], self.ne0[r], self.slots[r]
-            if not self.ok[r]:
-                return None
-            got = base_of.get(layer)
-            if got is None:
-                if layer in sp.act_zeros:
-                    return None  # counts of this layer came before: add_act merges, record by record
-                got = base_of[layer] = (len(layers), size)
-                layers.append((layer, total, width, slots))
-                size += total
-            elif layers[got[0]][1:] != (total, width, slots):
-                return None
-            start, first, n = got[1] + self.ir0[r], r * self.width, self.n[r]
-            dst.extend(range(start, start + n))
-            src.extend(range(first, first + n))
-        if len(set(dst)) != len(dst):
+    def plan(self, rows: list[int], sp: StepSparse) -> tuple[_ActLayers, np.ndarray, np.ndarray] | None:
+        """For records `rows` of one run: their layers (in the order they first come), and each
+        counted node row's position in the layers' rows one after another and in this drain's
+        counts; None unless every record is one add_act would take, for a layer the step has no
+        counts of yet, each layer's records of one size, no node row counted twice."""
+        r = np.asarray(rows, dtype=np.intp)
+        if not self.ok[r].all():
+            return None
+        layers_u, first, inv = np.unique(self.layer[r], return_index=True, return_inverse=True)
+        inv = inv.reshape(-1)
+        head = r[first]  # each layer's first record
+        total, width, slots = self.nr[head], self.ne0[head], self.slots[head]
+        if not (
+            (self.nr[r] == total[inv]).all()
+            and (self.ne0[r] == width[inv]).all()
+            and (self.slots[r] == slots[inv]).all()
+        ):
+            return None
+        order = np.argsort(first, kind="stable")  # the layers in the order they first come
+        layers: _ActLayers = list(
+            zip(
+                layers_u[order].tolist(),
+                total[order].tolist(),
+                width[order].tolist(),
+                slots[order].tolist(),
+                strict=True,
+            )
+        )
+        if any(layer in sp.act_zeros for layer, _, _, _ in layers):
+            return None  # counts of this layer came before: add_act merges, record by record
+        base = np.empty(len(order), dtype=np.int64)
+        base[order] = np.cumsum(total[order]) - total[order]  # each layer's first position
+        n = self.n[r]
+        # record j's rows: start_j, start_j + 1, ... (n_j of them), all records' one after another
+        within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        dst = np.repeat(base[inv] + self.ir0[r], n) + within
+        src = np.repeat(r * self.width, n) + within
+        if len(dst) and np.bincount(dst).max() > 1:
             return None  # node rows counted by two records: add_act's order decides, record by record
         return layers, dst, src
 
-    def store(self, sp: StepSparse, layers: _ActLayers, dst: list[int], src: list[int]) -> set[int]:
+    def store(self, sp: StepSparse, layers: _ActLayers, dst: np.ndarray, src: np.ndarray) -> set[int]:
         """The planned counts into the step's stores: per layer its node rows' zero and below
         counts (-1 where no record counted a row), as add_act leaves them."""
         size = sum(total for _, total, _, _ in layers)
         zeros = np.full(size, -1, dtype=np.int64)
         below = np.full(size, -1, dtype=np.int64)
-        if dst:
-            at, frm = np.array(dst), np.array(src)
-            zeros[at] = self.zeros.reshape(-1)[frm]
-            below[at] = self.below.reshape(-1)[frm]
+        if len(dst):
+            zeros[dst] = self.zeros.reshape(-1)[src]
+            below[dst] = self.below.reshape(-1)[src]
         start = 0
         for layer, total, width, slots in layers:
             sp.act_zeros[layer], sp.act_below[layer] = (
