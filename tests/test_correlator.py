@@ -25,6 +25,7 @@ from sparseety_prof.correlate import plain_run as plain_run_module
 from sparseety_prof.correlate import request_tokens as request_tokens_module
 from sparseety_prof.correlate import routes as routes_module
 from sparseety_prof.correlate import server_layout_check
+from sparseety_prof.correlate import sparse_run as sparse_run_module
 from sparseety_prof.correlate.attention_map import AttentionMap
 from sparseety_prof.correlate.correlator import Correlator
 from sparseety_prof.correlate.pass_arrays import route_arrays
@@ -1136,10 +1137,24 @@ def _multirow_script() -> Script:
     return s
 
 
+@pytest.mark.parametrize("plan", ["loop", "arrays"])
 @pytest.mark.parametrize("drains", [1, 6, 35])
-def test_sparse_runs_equal_the_record_by_record_path(monkeypatch: pytest.MonkeyPatch, drains: int) -> None:
+def test_sparse_runs_equal_the_record_by_record_path(
+    monkeypatch: pytest.MonkeyPatch, drains: int, plan: str
+) -> None:
     """Every table, every column, and every piece of state after each drain: a run of per-layer
-    records taken at once must leave exactly what _on_sparse leaves record by record."""
+    records taken at once must leave exactly what _on_sparse leaves record by record, with the
+    activation records' plan made by its loop or by its arrays (sparse_run.PLAN_LOOP_MAX)."""
+    monkeypatch.setattr(sparse_run_module, "PLAN_LOOP_MAX", 10**9 if plan == "loop" else 0)
+    planned: list[bool] = []  # per plan made that way: whether it took the run
+    way = getattr(sparse_run_module._ActColumns, f"_plan_{plan}")
+
+    def planning(self: Any, rows: list[int], sp: StepSparse) -> Any:
+        got = way(self, rows, sp)
+        planned.append(got is not None)
+        return got
+
+    monkeypatch.setattr(sparse_run_module._ActColumns, f"_plan_{plan}", planning)
     s = _multirow_script()
     stored = []
     run = Correlator._sparse_run
@@ -1178,6 +1193,8 @@ def test_sparse_runs_equal_the_record_by_record_path(monkeypatch: pytest.MonkeyP
     assert want_states[-1]["problems"]["unmapped_rows"] == ("int", 4)
     # most runs were stored at once once verification was done; the planted ones were not
     assert sum(stored) >= 20 and not all(stored)
+    # the plans of the planted runs (a node row counted twice, two sizes for a layer) refused them
+    assert sum(planned) >= 20 and not all(planned)
 
 
 def _prompt_script() -> Script:

@@ -128,26 +128,54 @@ class _TensorColumns:
         self.keys: list[tuple[str, int] | None] = [None] * n
         self.values: list[Any] = [None] * n
         self.filled: list[Any] = [None] * n
-        rows_ok = np.flatnonzero(ok).tolist()
-        for r, tag, name in zip(rows_ok, f["tag"][ok].tolist(), arr["name"][ok].tolist(), strict=True):
-            store, parsed = _STORES.get(tag), parse_name(name)
-            if store is not None and parsed is not None:
-                self.keys[r] = (store, parsed[1])
-        known = np.array([k is not None for k in self.keys], dtype=bool)
-        if not known.any():
+        # a model has a few node names per layer: each parsed once
+        names, at = np.unique(arr["name"], return_inverse=True)
+        layer_of = [None if p is None else p[1] for p in map(parse_name, names.tolist())]
+        at = at.reshape(-1)
+        rows_ok = np.flatnonzero(ok)
+        for r, tag, name_at in zip(
+            rows_ok.tolist(), f["tag"][rows_ok].tolist(), at[rows_ok].tolist(), strict=True
+        ):
+            store, layer = _STORES.get(tag), layer_of[name_at]
+            if store is not None and layer is not None:
+                self.keys[r] = (store, layer)
+        rows = np.array([r for r, k in enumerate(self.keys) if k is not None], dtype=np.intp)
+        if not len(rows):
             return
-        shape = np.stack((f["type"] == GGML_TYPE_I32, f["ne0"], stride, f["n_rows"]), axis=1)
+        # the records by the shape of their values, one code each: type, values per row, row
+        # stride and rows (each under 2**16 once `ok`: the record's data is 16 KiB at most)
+        code = (
+            ((f["type"][rows] == GGML_TYPE_I32).astype(np.int64) << 48)
+            | (f["ne0"][rows] << 32)
+            | (stride[rows] << 16)
+            | f["n_rows"][rows]
+        )
+        codes, of = np.unique(code, return_inverse=True)
+        of = of.reshape(-1)
+        by_shape = rows[np.argsort(of, kind="stable")]
+        ends = np.cumsum(np.bincount(of, minlength=len(codes))).tolist()
         data = arr["data"]
-        for key in {tuple(s) for s in shape[known].tolist()}:
-            is_int, ne0, row_stride, n_rows = key
-            sel = np.flatnonzero(known & (shape == key).all(axis=1))
+        start = 0
+        for key, end in zip(codes.tolist(), ends, strict=True):
+            sel, start = by_shape[start:end], end
+            is_int, ne0, row_stride, n_rows = (
+                key >> 48,
+                (key >> 32) & 0xFFFF,
+                (key >> 16) & 0xFFFF,
+                key & 0xFFFF,
+            )
             raw = data[sel].view(np.uint8).reshape(len(sel), -1)[:, : n_rows * row_stride]
             block = raw.view("<i4" if is_int else "<f4").reshape(len(sel), n_rows, row_stride // 4)
             values = np.array(block[:, :, :ne0], dtype=np.int32 if is_int else np.float32)
             filled = np.ones((len(sel), n_rows), dtype=bool)
-            for k, r in enumerate(sel.tolist()):
-                self.values[r], self.filled[r] = values[k], filled[k]
+            # (iterating the blocks yields each record's view: cheaper than indexing them one by one)
+            for r, v, fl in zip(sel.tolist(), values, filled, strict=True):
+                self.values[r], self.filled[r] = v, fl
 
+
+# a run of at most this many activation records is planned by a loop over them, a longer one by
+# numpy calls: their fixed cost (~30 us) is what a loop spends on about thirty records
+PLAN_LOOP_MAX = 32
 
 # each layer of a run: (layer, node rows, width, slots)
 _ActLayers = list[tuple[int, int, int, int]]
@@ -177,6 +205,7 @@ class _ActColumns:
         at = at.reshape(-1)
         self.layer = layer_of[at]
         slots = self.slots = np.where(known_of[at], np.where(moe_of[at], arr["ne1"].astype(np.int64), 1), 0)
+        self._lists: tuple[list[Any], ...] | None = None  # the columns above as lists (_plan_loop)
         self.ok = (
             (slots > 0)
             & (nr % np.maximum(slots, 1) == 0)
@@ -185,11 +214,51 @@ class _ActColumns:
             & (ne0 <= MAX_ACT_WIDTH)
         )
 
-    def plan(self, rows: list[int], sp: StepSparse) -> tuple[_ActLayers, np.ndarray, np.ndarray] | None:
+    def plan(self, rows: list[int], sp: StepSparse) -> tuple[_ActLayers, Any, Any] | None:
         """For records `rows` of one run: their layers (in the order they first come), and each
         counted node row's position in the layers' rows one after another and in this drain's
         counts; None unless every record is one add_act would take, for a layer the step has no
-        counts of yet, each layer's records of one size, no node row counted twice."""
+        counts of yet, each layer's records of one size, no node row counted twice. A loop over
+        the records for a short run (a server step over a few slots: two records a layer), numpy
+        for a long one (a prompt: fifteen a layer), each where it costs less."""
+        if len(rows) <= PLAN_LOOP_MAX:
+            return self._plan_loop(rows, sp)
+        return self._plan_arrays(rows, sp)
+
+    def _plan_loop(self, rows: list[int], sp: StepSparse) -> tuple[_ActLayers, list[int], list[int]] | None:
+        if self._lists is None:
+            self._lists = tuple(
+                a.tolist() for a in (self.layer, self.nr, self.ne0, self.slots, self.ok, self.ir0, self.n)
+            )
+        layer_of, nr, ne0, slots_of, ok, ir0, n_of = self._lists
+        layers: _ActLayers = []
+        base_of: dict[int, tuple[int, int]] = {}  # layer -> (its index in layers, its first position)
+        size = 0
+        dst: list[int] = []
+        src: list[int] = []
+        for r in rows:
+            if not ok[r]:
+                return None
+            layer, total, width, slots = layer_of[r], nr[r], ne0[r], slots_of[r]
+            got = base_of.get(layer)
+            if got is None:
+                if layer in sp.act_zeros:
+                    return None  # counts of this layer came before: add_act merges, record by record
+                got = base_of[layer] = (len(layers), size)
+                layers.append((layer, total, width, slots))
+                size += total
+            elif layers[got[0]][1:] != (total, width, slots):
+                return None
+            start, first, n = got[1] + ir0[r], r * self.width, n_of[r]
+            dst.extend(range(start, start + n))
+            src.extend(range(first, first + n))
+        if len(set(dst)) != len(dst):
+            return None  # node rows counted by two records: add_act's order decides, record by record
+        return layers, dst, src
+
+    def _plan_arrays(
+        self, rows: list[int], sp: StepSparse
+    ) -> tuple[_ActLayers, np.ndarray, np.ndarray] | None:
         r = np.asarray(rows, dtype=np.intp)
         if not self.ok[r].all():
             return None
@@ -226,15 +295,16 @@ class _ActColumns:
             return None  # node rows counted by two records: add_act's order decides, record by record
         return layers, dst, src
 
-    def store(self, sp: StepSparse, layers: _ActLayers, dst: np.ndarray, src: np.ndarray) -> set[int]:
+    def store(self, sp: StepSparse, layers: _ActLayers, dst: Any, src: Any) -> set[int]:
         """The planned counts into the step's stores: per layer its node rows' zero and below
         counts (-1 where no record counted a row), as add_act leaves them."""
         size = sum(total for _, total, _, _ in layers)
         zeros = np.full(size, -1, dtype=np.int64)
         below = np.full(size, -1, dtype=np.int64)
         if len(dst):
-            zeros[dst] = self.zeros.reshape(-1)[src]
-            below[dst] = self.below.reshape(-1)[src]
+            at, frm = np.asarray(dst), np.asarray(src)
+            zeros[at] = self.zeros.reshape(-1)[frm]
+            below[at] = self.below.reshape(-1)[frm]
         start = 0
         for layer, total, width, slots in layers:
             sp.act_zeros[layer], sp.act_below[layer] = (
