@@ -167,7 +167,7 @@ class RequestTokens:
                     step.decode_rows += 1  # a sampled token fed back
                 self._maybe_next_input(c, st, step, first, len(rows))
                 st.expect_token = None
-                st.max_pos = max(st.max_pos, int(step.pos[rows].max()))
+                st.max_pos = max(st.max_pos, pos if len(rows) == 1 else int(step.pos[rows].max()))
                 continue
             # A new request. Seen for the first time since attach (or since records were lost) as a
             # lone token past position 0, it was most likely already running: partial (a

@@ -14,6 +14,10 @@ from sparseety_prof.correlate.step_sparse import StepSparse
 _ROW0 = np.zeros(1, dtype=np.int64)
 
 
+# rows up to which a step's rows are grouped by sequence in Python rather than numpy (seq_rows)
+_FEW_ROWS = 16
+
+
 @dataclass
 class Step:
     """One micro-batch (a forward pass): its rows as the probe copied them."""
@@ -44,6 +48,11 @@ class Step:
                 self._seq_rows = {int(self.seq[0]): _ROW0}
             elif len(self.seq) and not (self.seq != self.seq[0]).any():  # one sequence's rows: a prompt
                 self._seq_rows = {int(self.seq[0]): np.arange(len(self.seq))}
+            elif len(self.seq) <= _FEW_ROWS:  # a server step over a few slots: unique/flatnonzero cost more
+                rows: dict[int, list[int]] = {}
+                for i, v in enumerate(self.seq.tolist()):
+                    rows.setdefault(v, []).append(i)
+                self._seq_rows = {v: np.array(rows[v], dtype=np.intp) for v in sorted(rows)}
             else:
                 self._seq_rows = {int(v): np.flatnonzero(self.seq == v) for v in np.unique(self.seq)}
         return self._seq_rows
