@@ -16,7 +16,8 @@ token at this vocabulary.
 
 `replay` feeds the drains, in order, to a correlator made with those settings (token texts from
 the same model file), checks that it made as many token and step rows as the recorder did (exit
-1 if not), and prints, per recorded token, the CPU time of each stage the recorder's
+1 if not), and prints, per recorded token, the bytes of records the probes sent by kind of record,
+and the CPU time of each stage the recorder's
 consumer has (`meta.json` consumer.cpu_s_by_stage names): `decode` (the records viewed by
 layout), `correlate` (Correlator.feed), `rows` (take_tables, less the logits statistics),
 `logits` (those statistics), `frames` (the tables' rows made Polars frames, as the recorder
@@ -266,6 +267,7 @@ def replay(a: argparse.Namespace) -> int:
     if made != kept["recorded"]:
         print("[replay] the replay's rows differ from the recorder's", file=sys.stderr)
         return 1
+    print(_record_bytes(kept, n))
     print(f"CPU per token, the minimum of {a.repeat} replays:")
     print("| " + " | ".join(STAGES) + " | sum |")
     print("| --- " * (len(STAGES) + 1) + "|")
@@ -287,6 +289,21 @@ def replay(a: argparse.Namespace) -> int:
         print(f"{calls / n:.1f} Python function calls per token")
         print(out.getvalue())
     return 0
+
+
+def _record_bytes(kept: dict[str, Any], tokens: int) -> str:
+    """What the probes sent per token, by kind of record (their bytes as the walk copies them,
+    without the ring's 8-byte headers)."""
+    from sparseety_prof.capture.events import layout_names
+
+    names = layout_names(kept["logits_chunk"])
+    by_kind: dict[str, int] = {}
+    for drain in kept["drains"]:
+        for size, buf in drain.items():
+            kind = names.get(size, f"{size}-byte")
+            by_kind[kind] = by_kind.get(kind, 0) + len(buf)
+    parts = [f"{kind} {b / tokens:,.0f}" for kind, b in sorted(by_kind.items(), key=lambda kv: -kv[1])]
+    return "record bytes per token: " + ", ".join(parts)
 
 
 def main() -> int:

@@ -46,10 +46,18 @@ def test_replayed_drains_make_the_recorders_rows(tmp_path: Path) -> None:
     assert header == "| decode | correlate | rows | logits | frames | write | sum |"  # the flush's writes too
     assert stages.startswith("| ") and stages.endswith(" µs |")
     assert os.path.getsize(drains) > 0
+    # what the probes sent per token by kind: the logits rows (32,000 floats a token here) first
+    (sent,) = [line for line in rep.stdout.splitlines() if line.startswith("record bytes per token: ")]
+    kinds = dict(part.rsplit(" ", 1) for part in sent.removeprefix("record bytes per token: ").split(", "))
+    assert next(iter(kinds)) == "logits" and 128_000 <= float(kinds["logits"].replace(",", "")) < 140_000
+    assert {"small", "ubatch_s", "step_agg"} <= set(kinds)  # a decode step's own records
     # --profile: the Python calls per token (the count a change to the correlator is judged by
     # where the VM's speed drifts), then the costliest functions
     prof = subprocess.run(
-        [sys.executable, str(SCRIPT), "replay", str(drains), "--repeat", "1", "--profile", "3"],
+        [
+            *(sys.executable, str(SCRIPT), "replay", str(drains), "--repeat", "1"),
+            *("--profile", "3", "--profile-sort", "cumulative"),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -58,4 +66,4 @@ def test_replayed_drains_make_the_recorders_rows(tmp_path: Path) -> None:
     assert prof.returncode == 0, prof.stdout + prof.stderr[-2000:]
     calls = [line for line in prof.stdout.splitlines() if line.endswith(" Python function calls per token")]
     assert len(calls) == 1 and float(calls[0].split()[0]) > 10  # a token's records take more than that
-    assert "Correlator.feed under cProfile" in prof.stdout
+    assert "Correlator.feed under cProfile (with what it calls" in prof.stdout

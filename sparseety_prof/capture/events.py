@@ -315,6 +315,12 @@ def _layouts(logits_chunk: int, agg_layers: int | None = None) -> dict[int, tupl
     return by_size
 
 
+def layout_names(logits_chunk: int) -> dict[int, str]:
+    """Record size -> the kind of record of that size (its EventBatch field: "logits", "act",
+    "step_agg", ...), for every layout a session may use."""
+    return {size: name for size, (name, _) in _layouts(logits_chunk).items()}
+
+
 def record_sizes(logits_chunk: int, agg_layers: int = AGG_MAX_LAYERS) -> list[int]:
     """Sizes of every record layout of a session (its logits and aggregate records' included)."""
     return sorted(_layouts(logits_chunk, agg_layers))
