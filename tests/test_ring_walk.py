@@ -7,12 +7,14 @@ from __future__ import annotations
 import ctypes
 import mmap
 import struct
+import time
 
 import numpy as np
 import pytest
 
 from sparseety_prof.capture import bpf_loader as bl
 from sparseety_prof.capture import events as ev
+from sparseety_prof.capture.ring_hold import RingHold
 
 PAGE = 4096
 SIZE = 1 << 16  # data bytes of the synthetic ring (a power of two, as the kernel's)
@@ -52,6 +54,7 @@ class FakeRing:
         r._logits_size = ref_size
         r._refs = bl._Arena(ev.LOGITS_REF_DTYPE.itemsize)
         r._walked = None
+        r._hold = RingHold(bl.RingReader.REF_MAX_SHARE)
         r._logits_share = 1.0  # as after a drain of mostly logits records
         r._ring_bytes = r._ring_records = r._seq_at_take = 0
         r.last_take_bytes = r.takes = r.takes_by_ref = 0
@@ -260,3 +263,26 @@ def test_logits_records_are_copied_where_they_are_a_small_share_of_the_bytes(pyt
     out = r.take()
     assert ev.LOGITS_REF not in out and REF in out
     assert r._cons.value == ring.prod  # nothing held
+
+
+@pytest.mark.parametrize("python", [True, False])
+def test_a_ring_handled_quickly_is_held_past_the_unmeasured_share(python: bool) -> None:
+    """Once drains have been handled quickly, one that starts with more than REF_MAX_SHARE
+    pending still reads its logits records in the ring (ring_hold.py): what the producers add
+    while it is handled is small."""
+    if not python and bl._ring_walk is None:
+        pytest.skip("libringwalk.so not built")
+    ring = FakeRing()
+    r = ring.reader(python=python, sizes=(48, 200), ref_size=REF)
+    now = time.monotonic()
+    r._hold.taken(now - 1.0)
+    r._hold.released(now - 0.999)  # a drain handled in 1 ms, a second ago
+    want = _fill(ring, 54)  # 18 x (56 + 208 + 1,008) bytes: 35% of the ring
+    pending = (ring.prod - r._cons.value) / SIZE
+    assert bl.RingReader.REF_MAX_SHARE <= pending < RingHold.MAX_HELD - 0.05
+    out = r.take()
+    assert ev.LOGITS_REF in out  # held, past the share the fixed rule stopped at
+    assert len(out[ev.LOGITS_REF].view(ev.LOGITS_REF_DTYPE)) == sum(len(p) == REF for p in want)
+    assert r._cons.value == 0 < ring.prod  # the space held until release
+    r.release()
+    assert r._cons.value == ring.prod

@@ -44,6 +44,7 @@ from sparseety_prof.capture.layouts import EngineBuild
 from sparseety_prof.capture.options import Capture
 from sparseety_prof.capture.plans import MoePlan
 from sparseety_prof.capture.resources import native_library
+from sparseety_prof.capture.ring_hold import RingHold
 from sparseety_prof.errors import BpfUnavailable, MissingPrivileges, NoSuchProcess
 
 RING_BUFFER_PAGES = 16384  # 64 MiB: a 1 MiB ring lost 35-70% of a burst here, 16 MiB lost none;
@@ -494,17 +495,18 @@ class RingReader:
     CHECK_EVERY = 256
     python_walk = False  # True: the Python walk even with the C one built (tests compare them)
     # Logits records are taken by reference (their floats read in the ring, the space handed
-    # back by release() once the drain has been handled) when a drain starts with less than
-    # REF_MAX_SHARE of the ring pending (what paced drains aim for: ConsumerSched.PACE_FILL)
-    # and the logits records were at least REF_MIN_LOGITS of the bytes the last drain took.
-    # Else they are copied and the space handed back at once: holding every record of a drain
-    # while it is handled is worth it where the copy is most of the walk (a 32k vocabulary:
-    # ~130 KiB of logits against ~30 KiB of other records per token), not for a small
-    # vocabulary at thousands of tokens/s, where the drain's handling is long and the copy small
-    # (the 90-s stress run of scripts/stress_aggregate.py lost 0.33% of its records with every
-    # drain by reference, none with the copy). Paced drains find about that share, many a little
-    # more (`meta.json` consumer.drains_logits_by_ref counts those below it): at the escalation
-    # threshold instead, the same stress run lost 0.95% (README, Overhead).
+    # back by release() once the drain has been handled) when the ring can take what the
+    # producers add meanwhile (ring_hold.py: the pending share, the producers' rate, the last
+    # drains' handling times; before any drain was handled, when less than REF_MAX_SHARE of the
+    # ring is pending, the share paced drains aim for: ConsumerSched.PACE_FILL) and the logits
+    # records were at least REF_MIN_LOGITS of the bytes the last drain took. Else they are
+    # copied and the space handed back at once: holding every record of a drain while it is
+    # handled is worth it where the copy is most of the walk (a 32k vocabulary: ~130 KiB of
+    # logits against 4-8 KiB of other records per token), not for a small vocabulary at
+    # thousands of tokens/s, where the drain's handling is long and the copy small (the 90-s
+    # stress run of scripts/stress_aggregate.py lost 0.33% of its records with every drain by
+    # reference, none with the copy). `meta.json` consumer.drains_logits_by_ref counts the
+    # drains that held the ring.
     REF_MAX_SHARE = 0.25
     REF_MIN_LOGITS = 0.5
 
@@ -535,6 +537,7 @@ class RingReader:
         self._logits_size = logits_size
         self._refs = _Arena(LOGITS_REF_DTYPE.itemsize, LOGITS_REF_DTYPE.itemsize * self.PRESIZE_RECORDS)
         self._walked: int | None = None  # how far the last take() read, when not handed back yet
+        self._hold = RingHold(self.REF_MAX_SHARE)  # whether a drain may hold the ring (by reference)
         self._logits_share = 0.0  # of the bytes the last take() drained (REF_MIN_LOGITS)
         self._ring_bytes = 0  # drained so far, headers included, and in how many records (arm_watch)
         self._ring_records = 0
@@ -606,7 +609,9 @@ class RingReader:
         start_share = (struct.unpack_from("<Q", prod_mm, 0)[0] - cons) / self._size
         refs = (
             {self._logits_size: (self._refs, LOGITS_HEAD_BYTES)}
-            if by_ref and start_share < self.REF_MAX_SHARE and self._logits_share >= self.REF_MIN_LOGITS
+            if by_ref
+            and self._logits_share >= self.REF_MIN_LOGITS
+            and self._hold.allows(start_share, time.monotonic())
             else {}
         )
 
@@ -645,6 +650,7 @@ class RingReader:
         if cons > cons0:
             self.takes += 1
             self.takes_by_ref += bool(self._refs.used)
+            self._hold.taken(time.monotonic())
         self._seq_at_take = self._next_seq()
         self._ring_records += sum(a.used // a.size for a in (*fill.values(), self._refs))
         for a in (*fill.values(), self._refs):
@@ -657,6 +663,7 @@ class RingReader:
         if self._walked is not None:
             self._cons.value = self._walked
             self._walked = None
+        self._hold.released(time.monotonic())
 
     def _walk_c(
         self, cons: int, prod: int, backlog: Callable[[int], None], refs: dict[int, tuple[_Arena, int]]
