@@ -413,8 +413,11 @@ def test_slow_steps_are_found_where_the_engine_was_stopped(
     # SIGCONT; a stopped engine starts no step, and one that ended before the stop took effect
     # ended before t1)
     spans = pl.any_horizontal(*[(pl.col("t_start_ns") < t1) & (pl.col("t_end_ns") > t1) for _, t1 in windows])
-    stalled = run.steps.filter(spans)["step_id"].to_list()
-    assert stalled, "no stall landed inside a step"
+    # a recording of one request has one prompt step: it has no usual cost to be judged against
+    # (slow_steps needs SLOW_MIN_STEPS steps of a kind, or steady ones of its phase), so a stall
+    # that lands in it (on a slow machine the prompt outlasts the first wait) is not a miss
+    stalled = run.steps.filter(spans & (pl.col("phase") == "decode"))["step_id"].to_list()
+    assert stalled, "no stall landed inside a decode step"
     found = run.found.filter(pl.col("kind") == "slow_step")["step_id"].to_list()
     assert set(stalled) <= set(found)
     extra = run.steps.filter(pl.col("step_id").is_in(set(found) - set(stalled)))
