@@ -77,15 +77,15 @@ def _record(dump: Path, argv: list[str]) -> int:
 
     drains: list[dict[int, Any]] = []
     kept: dict[str, Any] = {}
-    take, consume, init = RingReader.take, Recorder._consume, Correlator.__init__
+    take, decode, init = RingReader.take, Recorder._decode, Correlator.__init__
 
     def take_copied(self: RingReader, *a: Any, **kw: Any) -> Any:
         return take(self, *a, **{**kw, "by_ref": False})  # logits records copied, not referenced
 
-    def consume_kept(self: Recorder, records: dict[int, Any], *a: Any, **kw: Any) -> None:
+    def decode_kept(self: Recorder, records: dict[int, Any], *a: Any, **kw: Any) -> Any:
         drains.append({size: buf.copy() for size, buf in records.items()})
-        kept["logits_chunk"] = a[3].logits_chunk  # the Session
-        consume(self, records, *a, **kw)
+        kept["logits_chunk"] = a[1].logits_chunk  # the Session
+        return decode(self, records, *a, **kw)
 
     def init_kept(self: Correlator, **kw: Any) -> None:
         kept["correlator"] = {
@@ -95,7 +95,7 @@ def _record(dump: Path, argv: list[str]) -> int:
         init(self, **kw)
 
     RingReader.take = take_copied  # type: ignore[method-assign]
-    Recorder._consume = consume_kept  # type: ignore[method-assign]
+    Recorder._decode = decode_kept  # type: ignore[method-assign]
     Correlator.__init__ = init_kept  # type: ignore[method-assign]
     rc = cli.main(["record", *argv])
     # what the recorder made of them, for the replay to compare with
@@ -145,17 +145,24 @@ def capture(a: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ replay
 def _replay_once(
-    kept: dict[str, Any], texts: Any, prof: cProfile.Profile | None, out: Path | None
+    kept: dict[str, Any], texts: Any, prof: cProfile.Profile | None, out: Path | None, *, per_drain: bool
 ) -> tuple[dict[str, float], dict[str, int]]:
-    from sparseety_prof.capture.events import decode_groups
+    from sparseety_prof.capture.events import EventBatch, decode_groups
     from sparseety_prof.correlate.correlator import Correlator
+    from sparseety_prof.correlate.logits_reduce import LogitsReducer, merge
     from sparseety_prof.correlate.serving import ServingTracker
     from sparseety_prof.session.collector import FlushTimedCollector
+    from sparseety_prof.session.drain_batches import CORRELATE_S
     from sparseety_prof.session.options import FLUSH_INTERVAL_S
     from sparseety_prof.session.recorder import DRAIN_INTERVAL_S
     from sparseety_prof.store.buffers import ColumnBuffer
 
     flush_every = max(1, round(FLUSH_INTERVAL_S / DRAIN_INTERVAL_S))  # drains, under load
+    # the recorder's drains reduced as taken and correlated together (session/drain_batches.py),
+    # or (`per_drain`) each correlated as taken, its logits rows' statistics made at take_tables
+    reducer = None if per_drain or not LogitsReducer.available() else LogitsReducer()
+    correlate_every = max(1, round(CORRELATE_S / DRAIN_INTERVAL_S))
+    pending: list[EventBatch] = []
     kw = dict(kept["correlator"])
     serving = ServingTracker(kw["pid"]) if kw.pop("serving") else None
     corr = Correlator(**kw, texts=texts, serving=serving)
@@ -172,27 +179,39 @@ def _replay_once(
         t0 = clock()
         batch = decode_groups(groups, kept["logits_chunk"])
         t1 = clock()
-        if prof is not None:
-            prof.enable()
-        corr.feed(batch)
-        if prof is not None:
-            prof.disable()
-        t2 = clock()
-        logits0 = corr.logits_cpu_s
-        tables = corr.take_tables(final=final)
-        t3 = clock()
-        due = [(table, df) for table, cols in tables.items() for df in rows.add(table, cols, final=final)]
-        t4 = clock()
-        if writes is not None and due:  # the recorder hands a due frame on at once (_emit)
-            p = time.process_time()
-            writes.emit(due)
-            cpu["write"] += time.process_time() - p
-        logits = corr.logits_cpu_s - logits0
-        made["tokens"] += len(tables["tokens"]["step_id"])
-        made["steps"] += len(tables["steps"]["step_id"])
-        per_drain = ("decode", "correlate", "rows", "logits", "frames")
-        for stage, dt in zip(per_drain, (t1 - t0, t2 - t1, t3 - t2 - logits, logits, t4 - t3), strict=True):
-            cpu[stage] += dt
+        cpu["decode"] += t1 - t0
+        batches = [batch]
+        if reducer is not None:
+            pending.append(reducer.reduce(batch, final=final))
+            cpu["logits"] += clock() - t1
+            flushing = (k + 1) % flush_every == 0
+            if not (final or flushing or (k + 1) % correlate_every == 0):
+                continue
+            batches, pending = merge(pending), []
+        for b, batch in enumerate(batches):
+            last = final and b == len(batches) - 1
+            t1 = clock()
+            if prof is not None:
+                prof.enable()
+            corr.feed(batch)
+            if prof is not None:
+                prof.disable()
+            t2 = clock()
+            logits0 = corr.logits_cpu_s
+            tables = corr.take_tables(final=last)
+            t3 = clock()
+            due = [(table, df) for table, cols in tables.items() for df in rows.add(table, cols, final=last)]
+            t4 = clock()
+            if writes is not None and due:  # the recorder hands a due frame on at once (_emit)
+                p = time.process_time()
+                writes.emit(due)
+                cpu["write"] += time.process_time() - p
+            logits = corr.logits_cpu_s - logits0
+            made["tokens"] += len(tables["tokens"]["step_id"])
+            made["steps"] += len(tables["steps"]["step_id"])
+            stages = ("correlate", "rows", "logits", "frames")
+            for stage, dt in zip(stages, (t2 - t1, t3 - t2 - logits, logits, t4 - t3), strict=True):
+                cpu[stage] += dt
         if (k + 1) % flush_every == 0 or final:  # the recorder's flush: the rest of the rows framed
             t = clock()
             frames = rows.take_all()
@@ -255,7 +274,9 @@ def replay(a: argparse.Namespace) -> int:
     made = {"tokens": 0, "steps": 0}
     for _ in range(a.repeat):
         with tempfile.TemporaryDirectory(prefix="sparseety-replay-") as tmp:
-            cpu, made = _replay_once(kept, texts, None, None if a.no_write else Path(tmp) / "rec")
+            cpu, made = _replay_once(
+                kept, texts, None, None if a.no_write else Path(tmp) / "rec", per_drain=a.per_drain
+            )
         best = {s: min(best.get(s, float("inf")), v) for s, v in cpu.items()}
     n = max(made["tokens"], 1)
     size = sum(len(buf) for d in kept["drains"] for buf in d.values())
@@ -278,7 +299,7 @@ def replay(a: argparse.Namespace) -> int:
     )
     if a.profile:
         prof = cProfile.Profile()
-        _replay_once(kept, texts, prof, None)
+        _replay_once(kept, texts, prof, None, per_drain=a.per_drain)
         out = io.StringIO()
         stats = pstats.Stats(prof, stream=out)
         stats.sort_stats(a.profile_sort).print_stats(a.profile)
@@ -324,6 +345,13 @@ def main() -> int:
     r.add_argument("--repeat", type=int, default=3)
     r.add_argument(
         "--no-write", action="store_true", help="leave out the flush's aggregates and Parquet writes"
+    )
+    r.add_argument(
+        "--per-drain",
+        action="store_true",
+        help="correlate each drain as taken, its logits rows' statistics made with its rows (the "
+        "recorder without the C backend), instead of reducing the logits rows as drained and "
+        "correlating every CORRELATE_S worth of drains",
     )
     r.add_argument("--profile", type=int, default=0, metavar="N", help="also the N costliest functions")
     r.add_argument(

@@ -20,6 +20,7 @@ from sparseety_prof.correlate import block_tokens as block_tokens_module
 from sparseety_prof.correlate import fast_step as fast_step_module
 from sparseety_prof.correlate import logit_stats as logit_stats_module
 from sparseety_prof.correlate import logits as logits_module
+from sparseety_prof.correlate import logits_reduce as logits_reduce_module
 from sparseety_prof.correlate import pass_arrays as pass_arrays_module
 from sparseety_prof.correlate import plain_run as plain_run_module
 from sparseety_prof.correlate import request_tokens as request_tokens_module
@@ -28,6 +29,7 @@ from sparseety_prof.correlate import server_layout_check
 from sparseety_prof.correlate import sparse_run as sparse_run_module
 from sparseety_prof.correlate.attention_map import AttentionMap
 from sparseety_prof.correlate.correlator import Correlator
+from sparseety_prof.correlate.logits_reduce import LogitsReducer
 from sparseety_prof.correlate.pass_arrays import route_arrays
 from sparseety_prof.correlate.request_tokens import RequestTokens
 from sparseety_prof.correlate.routes import RoutesTables
@@ -583,12 +585,18 @@ def _replay(
     routes_rows: bool = True,
     not_made: list[int] | None = None,
     losses: bool = False,
+    reduce_every: int = 0,
+    chunk: int = 1024,
+    reducers: list[LogitsReducer] | None = None,
 ) -> tuple[dict[str, dict[str, list[object]]], list[Any]]:
     """Feeds the script in `drains` drains; the tables concatenated over them, and the
     correlator's state after each. `server`: as on llama-server (slots name the samples);
     `layers`: the model's, when not _correlator's; `routes_rows`: the routes rows made, or only
     counted (their count added to `not_made`); `losses`: fed as after lost records (the script's
-    sequence numbers have holes)."""
+    sequence numbers have holes); `reduce_every`: as the recorder with the C backend, each
+    drain's logits rows reduced as taken (logits_reduce.py) and the drains correlated
+    `reduce_every` at a time (the state is then the one after each correlation); `chunk`: the
+    floats per logits record."""
     kw: dict[str, Any] = {"serving": ServingTracker(pid=1), "slot_tokens": True} if server else {}
     if layers is not None:
         kw["layers"] = layers
@@ -596,12 +604,24 @@ def _replay(
     out: dict[str, dict[str, list[object]]] = {}
     states = []
     per = -(-len(s.recs) // drains)
-    for k in range(0, len(s.recs), per):
-        c.feed(decode_records(s.recs[k : k + per], 1024), losses_seen=losses)
+    reducer = LogitsReducer() if reduce_every else None
+    if reducer is not None and reducers is not None:
+        reducers.append(reducer)
+    pending: list[EventBatch] = []
+    for d, k in enumerate(range(0, len(s.recs), per)):
         final = k + per >= len(s.recs)
-        for table, cols in c.take_tables(final=final).items():
-            for name, values in cols.items():
-                out.setdefault(table, {}).setdefault(name, []).extend(values)
+        batches = [decode_records(s.recs[k : k + per], chunk)]
+        if reducer is not None:
+            pending.append(reducer.reduce(batches[0], final=final))
+            if not final and (d + 1) % reduce_every:
+                continue
+            batches, pending = logits_reduce_module.merge(pending), []
+        for b, batch in enumerate(batches):
+            last = final and b == len(batches) - 1
+            c.feed(batch, losses_seen=losses)
+            for table, cols in c.take_tables(final=last).items():
+                for name, values in cols.items():
+                    out.setdefault(table, {}).setdefault(name, []).extend(values)
         if not_made is not None:
             not_made.append(c.routes.take_not_made())
         states.append(_state(c))
@@ -1599,3 +1619,130 @@ def test_small_records_read_as_the_large_ones(
     assert taken_small == taken
     if script == "mixed":
         assert sum(taken) > 10
+
+
+def _need_c_backend() -> None:
+    if logits_module.BACKEND != "c":
+        pytest.skip("the C backend is not built (sparseety_prof/native/build.sh)")
+
+
+def _server_replay_kw(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    monkeypatch.setattr(server_layout_check, "VERIFY_POSTS", 2)
+    monkeypatch.setattr(server_layout_check, "VERIFY_LAUNCHES", 2)
+    return {"server": True}
+
+
+_REDUCE_SCRIPTS = {
+    "mixed": (lambda: _mixed_script(), False),
+    "runs": (lambda: _run_script(), False),
+    "blocks": (lambda: _block_script(), False),
+    "server": (lambda: _server_script(), True),
+    "multirow": (lambda: _multirow_script(), False),
+    "prompts": (lambda: _prompt_script(), False),
+    "slots": (lambda: _slots_script(), True),
+}
+
+
+@pytest.mark.parametrize("reduce_every", [1, 3])
+@pytest.mark.parametrize("drains", [1, 7, 40])
+@pytest.mark.parametrize("script", sorted(_REDUCE_SCRIPTS))
+def test_logits_reduced_when_drained_equal_the_statistics_made_with_the_rows(
+    monkeypatch: pytest.MonkeyPatch, script: str, drains: int, reduce_every: int
+) -> None:
+    """The recorder reduces each drain's logits rows to their statistics as it takes them and
+    correlates several drains together (logits_reduce.py, session/drain_batches.py): every
+    table, every column, and the counters at the end, as when each drain is correlated as taken
+    and the statistics are made from the floats at take_tables. With 40 drains, sampler calls
+    are cut between drains: their logits records wait for the next one."""
+    _need_c_backend()
+    make, server = _REDUCE_SCRIPTS[script]
+    kw: dict[str, Any] = _server_replay_kw(monkeypatch) if server else {}
+    reducers: list[LogitsReducer] = []
+    got = _replay(make(), drains, with_masks=False, reduce_every=reduce_every, reducers=reducers, **kw)
+    want = _replay(make(), drains, with_masks=False, **kw)
+    for name in want[0]:
+        assert got[0][name].keys() == want[0][name].keys(), name
+        for col in want[0][name]:
+            assert got[0][name][col] == want[0][name][col], f"{name}.{col}"
+    assert got[1][-1]["counters"] == want[1][-1]["counters"]
+    lps = want[0]["tokens"]["log_prob"]
+    assert sum(lp is not None for lp in lps) >= 10  # statistics were compared, not only nulls
+    if drains == 40 and script in ("runs", "mixed", "server"):
+        assert reducers[0].carried > 0  # calls cut between drains were reduced with the next
+
+
+def _chunked_sample(
+    s: Script, token: int, logits: np.ndarray, chunk: int, *, reread: int = -1, skip: int = -1
+) -> None:
+    """A sampler call whose row comes in records of `chunk` floats; chunk `reread` read twice
+    (the first read with other values), chunk `skip` never read."""
+    s.small(ev.EV_SAMPLE_BEGIN, -1, ev.SAMPLER_LLAMA)
+    for k, c0 in enumerate(range(0, len(logits), chunk)):
+        for again in range(2 if k == reread else 1):
+            if k == skip:
+                continue
+            part = logits[c0 : c0 + chunk] + (7.0 if k == reread and again == 0 else 0.0)
+            r = np.zeros(1, ev.logits_dtype(chunk))
+            s._hdr(r, ev.EV_LOGITS)
+            r["idx"], r["chunk"], r["n_vals"], r["n_vocab"] = -1, k, len(part), len(logits)
+            r["vals"][0, : len(part)] = part
+            s.recs.append(r.tobytes())
+    s.small(ev.EV_SAMPLE_END, token, ev.SAMPLER_LLAMA, -1)
+
+
+def _chunked_script(rows: list[np.ndarray]) -> Script:
+    """Decode steps whose logits rows span 3 records of 4 floats (N_VOCAB = 10), with a chunk read
+    twice (step 5), a chunk never read (step 9), a call whose end was lost and another begun
+    (step 12), and a call of the step ending the script without its end."""
+    s = Script()
+    s.decode([1, 2], [0, 1])
+    tok = 3
+    for i, row in enumerate(rows):
+        s.decode([tok], [2 + i])
+        nxt = (tok * 3 + i) % N_VOCAB
+        if i == 12:  # a begin and a logits record whose end was lost, then the call again
+            s.small(ev.EV_SAMPLE_BEGIN, -1, ev.SAMPLER_LLAMA)
+            r = np.zeros(1, ev.logits_dtype(4))
+            s._hdr(r, ev.EV_LOGITS)
+            r["chunk"], r["n_vals"], r["n_vocab"] = 0, 4, N_VOCAB
+            s.recs.append(r.tobytes())
+        _chunked_sample(s, nxt, row, 4, reread=1 if i == 5 else -1, skip=2 if i == 9 else -1)
+        tok = nxt
+    s.decode([tok], [2 + len(rows)])
+    s.small(ev.EV_SAMPLE_BEGIN, -1, ev.SAMPLER_LLAMA)
+    r = np.zeros(1, ev.logits_dtype(4))
+    s._hdr(r, ev.EV_LOGITS)
+    r["chunk"], r["n_vals"], r["n_vocab"] = 0, 4, N_VOCAB
+    s.recs.append(r.tobytes())
+    return s
+
+
+@pytest.mark.parametrize("reduce_every", [1, 2])
+@pytest.mark.parametrize("drains", [1, 5, 23])
+def test_logits_rows_of_several_records_reduced_as_the_correlator_assembles_them(
+    drains: int, reduce_every: int
+) -> None:
+    """Rows over several records (vocabularies beyond a record's floats): put together in chunk
+    order, a chunk read twice counts its last read, a row missing a chunk is incomplete (null,
+    counted), a call begun again drops what it had read; and the log-probs are the row's."""
+    _need_c_backend()
+    rng = np.random.default_rng(5)
+    rows = [rng.normal(0, 3, N_VOCAB).astype(np.float32) for _ in range(16)]
+    reducers: list[LogitsReducer] = []
+    got = _replay(
+        _chunked_script(rows), drains, with_masks=False, chunk=4, reduce_every=reduce_every, reducers=reducers
+    )
+    want = _replay(_chunked_script(rows), drains, with_masks=False, chunk=4)
+    for col in want[0]["tokens"]:
+        assert got[0]["tokens"][col] == want[0]["tokens"][col], col
+    assert got[1][-1]["counters"] == want[1][-1]["counters"]
+    tok = want[0]["tokens"]
+    # the prompt's input token, then one row per sampler call
+    assert len(tok["token_id"]) == 17 and want[1][-1]["counters"]["logits_incomplete"] == ("int", 1)
+    lps, ids = tok["log_prob"][1:], tok["token_id"][1:]
+    assert lps[9] is None and all(lp is not None for i, lp in enumerate(lps) if i != 9)
+    for i in (0, 5, 12):  # the row's own log-softmax (float64 reference)
+        x = rows[i].astype(np.float64)
+        ref = x - x.max() - np.log(np.exp(x - x.max()).sum())
+        assert lps[i] == pytest.approx(ref[ids[i]], abs=1e-5)
+    assert reducers[0].dropped_open == 1  # the last call never ended

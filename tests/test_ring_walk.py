@@ -218,7 +218,8 @@ def test_referenced_and_copied_logits_decode_alike() -> None:
     for b in (copied, by_ref):
         assert b.logits["chunk"].tolist() == [0, 1, 2]
         for i in range(3):
-            assert np.array_equal(b.logits_vals(i), recs["vals"][i])
+            vals = b.logits_vals(i)
+            assert isinstance(vals, np.ndarray) and np.array_equal(vals, recs["vals"][i])
     with pytest.raises(ValueError, match="no ring memory"):
         ev.decode_groups({ev.LOGITS_REF: refs.view(np.uint8)}, chunk)
 

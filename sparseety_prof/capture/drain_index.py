@@ -49,6 +49,7 @@ class DrainIndex:
         "kinds",
         "logits_chunk",
         "logits_data",
+        "logits_stats",
         "logits_vals",
         "row",
         "seqs",
@@ -59,6 +60,7 @@ class DrainIndex:
         self.logits_chunk = batch.logits_chunk  # floats per logits record
         self.logits_vals = batch.logits_vals  # a logits record's floats, where they lie
         self.logits_data = batch.logits_data  # the bytes they lie in (at a record's "at")
+        self.logits_stats = batch.logits_stats  # or, reduced when drained, their statistics
         present = [(g, a) for g, a in enumerate(self.arrays) if len(a)]
         self._rows: dict[int, list[tuple[Any, ...]]] = {}
         self._cols: dict[tuple[int, str], list[Any]] = {}

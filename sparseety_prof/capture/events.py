@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sparseety_prof.capture.logits_rows import LogitsChunk, LogitsStats, StatsRow
 from sparseety_prof.capture.resources import PROBES_DIR
 
 EV_DECODE_BEGIN = 1
@@ -261,11 +262,17 @@ class EventBatch:
     http: np.ndarray = field(default_factory=lambda: np.empty(0, HTTP_DTYPE))
     logits_data: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
     logits_chunk: int = 1024  # floats per logits record
+    # logits records reduced when drained (correlate/logits_reduce.py): their `at` is a row of
+    # this table, and logits_data is empty
+    logits_stats: LogitsStats | None = None
 
-    def logits_vals(self, row: int) -> np.ndarray:
+    def logits_vals(self, row: int) -> LogitsChunk:
         """The `logits_chunk` floats of logits record `row` (the first n_vals are the row's), a
-        view where they lie: valid as long as the records are (until the next drain's take)."""
+        view where they lie: valid as long as the records are (until the next drain's take). Of
+        reduced records, their statistics (capture/logits_rows.py)."""
         at = int(self.logits["at"][row])
+        if self.logits_stats is not None:
+            return StatsRow(self.logits_stats, at if at < len(self.logits_stats) else -1, self.logits_chunk)
         return self.logits_data[at : at + 4 * self.logits_chunk].view("<f4")
 
     def groups(self) -> list[np.ndarray]:

@@ -21,6 +21,7 @@ import numpy as np
 
 from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.drain_index import G_SMALL, DrainIndex
+from sparseety_prof.capture.logits_rows import owned
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate.agg_record import AggRow, agg_rows_batch
 from sparseety_prof.correlate.attention_map import AttentionMap
@@ -173,7 +174,7 @@ class Correlator:
         # logits chunks are views into this drain's batch: copy those still waiting
         for c in self.ctxs.values():
             for smp in c.sampling.values():
-                smp.chunks = {k: np.array(v) for k, v in smp.chunks.items()}
+                smp.chunks = {k: owned(v) for k, v in smp.chunks.items()}
         self.requests.keep_deferred()
 
     def _holes(self, seqs: np.ndarray) -> list[int]:

@@ -29,6 +29,7 @@ import numpy as np
 
 from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.drain_index import G_SMALL, G_UBATCH_S, DrainIndex
+from sparseety_prof.capture.logits_rows import LogitsChunk
 from sparseety_prof.correlate.agg_record import AggRow
 from sparseety_prof.correlate.state import CtxState, SeqState, Step
 from sparseety_prof.correlate.step_sparse import StepSparse
@@ -210,7 +211,7 @@ def _plain_step(
     slot_at: int,
     pre: AggRow,
     attn: tuple[list[int], list[int | None]],
-    logits: list[np.ndarray] | None,
+    logits: list[LogitsChunk] | None,
 ) -> int:
     """The rest of fast_step for the bulk of a generation: a step that continues its sequence,
     with its routing and activations all in the drain's AggBlock and its attention from the
@@ -312,7 +313,7 @@ def make_unmade(corr: Correlator) -> None:
 
 def _logits(
     idx: DrainIndex, start: int, end: int, tid: int, ctx: int
-) -> tuple[bool, list[np.ndarray] | None]:
+) -> tuple[bool, list[LogitsChunk] | None]:
     """The logits chunks of records start..end (one sampler call's), as _on_logits and
     _on_sample_end assemble them (None when there are none); False first when they are not all
     of this thread and context, complete and in order (then the handlers take them, and count

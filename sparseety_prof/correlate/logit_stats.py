@@ -1,6 +1,7 @@
 """The statistics of the token rows' logits rows (log-prob of the token, top ids, entropy),
 computed for a whole drain at once when the rows are taken: one C call per block of rows instead
-of one per token."""
+of one per token. Rows reduced when they were drained (correlate/logits_reduce.py) come with
+their statistics: they are looked up, for the token they were computed for."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 
 import numpy as np
 
+from sparseety_prof.capture.logits_rows import LogitsChunk, LogitsStats, StatsRow
 from sparseety_prof.correlate.logits import BACKEND, RowStats, row_stats, row_stats_at
 from sparseety_prof.correlate.tables import TOKEN_STATS
 from sparseety_prof.store.schema import Columns
@@ -23,24 +25,42 @@ class PendingStats:
         # rows of consecutive token rows, each one record's floats: (first token row, the
         # records' bytes, each row's offset there, the rows' width), read where they lie
         self.runs: list[tuple[int, np.ndarray, np.ndarray, int]] = []
+        # rows reduced when drained: (token row, its statistics' row), and runs of them
+        # (first token row, the table, each row's index there)
+        self.reduced: list[tuple[int, StatsRow]] = []
+        self.reduced_runs: list[tuple[int, LogitsStats, np.ndarray]] = []
+        # reduced rows whose statistics were of another token than the row's (never expected:
+        # the token of both is the sampler call's result): left null, counted
+        self.token_mismatch = 0
         self._scratch: dict[int, np.ndarray] = {}  # row width -> reused block of rows
         self.cpu_s = 0.0  # the calling thread's CPU time in fill (meta.json consumer.cpu_s_by_stage)
 
-    def add(self, token_row: int, chunks: list[np.ndarray]) -> None:
-        self.rows.append((token_row, chunks))
+    def add(self, token_row: int, chunks: list[LogitsChunk]) -> None:
+        first = chunks[0]
+        if isinstance(first, StatsRow):
+            self.reduced.append((token_row, first))
+        else:
+            self.rows.append((token_row, chunks))  # type: ignore[arg-type]  # (all floats then)
 
-    def add_run(self, first_row: int, chunks: list[list[np.ndarray]]) -> None:
+    def add_run(self, first_row: int, chunks: list[list[LogitsChunk]]) -> None:
         """add for token rows first_row, first_row + 1, ...: chunks[j] is row j's."""
-        self.rows.extend(zip(range(first_row, first_row + len(chunks)), chunks, strict=True))
+        for row, ch in zip(range(first_row, first_row + len(chunks)), chunks, strict=True):
+            self.add(row, ch)
 
-    def add_run_at(self, first_row: int, data: np.ndarray, offsets: np.ndarray, width: int) -> None:
+    def add_run_at(
+        self, first_row: int, data: np.ndarray | LogitsStats, offsets: np.ndarray, width: int
+    ) -> None:
         """add for token rows first_row, first_row + 1, ... whose logits rows are `width` floats
         at byte `offsets` in `data` (a drain's records: alive until its rows are taken). With
-        the C backend, their addresses go to it as they are (no array made per row)."""
+        the C backend, their addresses go to it as they are (no array made per row). Rows
+        reduced when drained: `data` is their statistics, `offsets` their rows there."""
+        if isinstance(data, LogitsStats):
+            self.reduced_runs.append((first_row, data, offsets))
+            return
         if BACKEND == "c":
             self.runs.append((first_row, data, offsets, width))
             return
-        rows = [[data[at : at + 4 * width].view("<f4")] for at in offsets.tolist()]
+        rows: list[list[LogitsChunk]] = [[data[at : at + 4 * width].view("<f4")] for at in offsets.tolist()]
         self.add_run(first_row, rows)
 
     def fill(self, tok: Columns) -> None:
@@ -72,8 +92,43 @@ class PendingStats:
                 b = a + len(st.log_prob)
                 log_prob[a:b], top_ids[a:b] = st.log_prob.tolist(), st.top_ids.tolist()
                 top_lps[a:b], entropy[a:b] = st.top_log_probs.tolist(), st.entropy.tolist()
+        self._fill_reduced(tok["token_id"], (log_prob, top_ids, top_lps, entropy))
         tok.update(zip(TOKEN_STATS, (log_prob, top_ids, top_lps, entropy), strict=True))
         self.cpu_s += time.thread_time() - t0
+
+    def _fill_reduced(self, token_ids: list[object], out: tuple[list[object], ...]) -> None:
+        """The rows reduced when drained: their statistics, looked up. A statistics row of
+        another token than the token row's (or none: j < 0) leaves the row null; the first is
+        counted (token_mismatch), the second is what the floats would have given (a row the
+        correlator never completes is never added)."""
+        log_prob, top_ids, top_lps, entropy = out
+        singles, self.reduced = self.reduced, []
+        runs, self.reduced_runs = self.reduced_runs, []
+        for i, sr in singles:
+            if sr.j < 0:
+                continue
+            t = sr.table
+            if int(t.token[sr.j]) != token_ids[i]:
+                self.token_mismatch += 1
+                continue
+            log_prob[i], entropy[i] = float(t.log_prob[sr.j]), float(t.entropy[sr.j])
+            top_ids[i], top_lps[i] = t.top_ids[sr.j].tolist(), t.top_log_probs[sr.j].tolist()
+        for first, t, offsets in runs:
+            if not len(t):
+                continue  # no row of the run was complete
+            js = offsets.astype(np.int64)
+            n = len(js)
+            ok = js < len(t)  # (unpaired records: past the table's end)
+            js = np.where(ok, js, 0)
+            want = np.asarray(token_ids[first : first + n], dtype=np.int64)
+            same = ok & (t.token[js] == want)
+            self.token_mismatch += int(np.count_nonzero(ok & ~same))
+            lps, ents = t.log_prob[js].tolist(), t.entropy[js].tolist()
+            tops, tlps = t.top_ids[js].tolist(), t.top_log_probs[js].tolist()
+            for j, good in enumerate(same.tolist()):
+                if good:
+                    i = first + j
+                    log_prob[i], top_ids[i], top_lps[i], entropy[i] = lps[j], tops[j], tlps[j], ents[j]
 
     def _block_stats(self, width: int, rows: list[list[np.ndarray]], toks: np.ndarray) -> RowStats:
         """Statistics of up to STATS_BLOCK rows of `width` floats, each given as its chunks.

@@ -325,7 +325,8 @@ def _apply(
     widths = col.lg_n_vals[lg[:, 0]] if k == 1 else None
     if widths is not None and (widths == widths[0]).all():  # one record per row, all as wide
         offsets = idx.arrays[G_LOGITS]["at"][lg[:, 0]]
-        corr.requests.stats.add_run_at(len(corr.requests.tokens), idx.logits_data, offsets, int(widths[0]))
+        data = idx.logits_data if idx.logits_stats is None else idx.logits_stats
+        corr.requests.stats.add_run_at(len(corr.requests.tokens), data, offsets, int(widths[0]))
     elif k:
         vals, n_vals = idx.logits_vals, col.lg_n_vals
         logits = [[vals(r)[: n_vals[r]] for r in chunk_rows] for chunk_rows in lg.tolist()]

@@ -20,6 +20,7 @@ from operator import itemgetter
 
 import numpy as np
 
+from sparseety_prof.capture.logits_rows import LogitsChunk, owned
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate.agg_record import AggBlock
 from sparseety_prof.correlate.block_tokens import block_tokens
@@ -60,7 +61,7 @@ class _Deferred:
     ctx: CtxState
     idx: int
     token: int
-    logits: list[np.ndarray] | None
+    logits: list[LogitsChunk] | None
     rows: list[tuple[Step, int] | None]
     outputs: list[tuple[Step, int]]
 
@@ -135,7 +136,7 @@ class RequestTokens:
         next drain reuses its memory."""
         for d in self.deferred.values():
             if d.logits is not None:
-                d.logits = [np.array(x) for x in d.logits]
+                d.logits = [owned(x) for x in d.logits]
 
     # ------------------------------------------------------------------ requests
     def segment(self, c: CtxState, step: Step, clears: list[tuple[int, int]]) -> None:
@@ -229,7 +230,7 @@ class RequestTokens:
 
     # ------------------------------------------------------------------ samples and tokens
     def sample_end(
-        self, c: CtxState, tid: int, idx: int, token: int, logits: list[np.ndarray] | None
+        self, c: CtxState, tid: int, idx: int, token: int, logits: list[LogitsChunk] | None
     ) -> None:
         """A sampler call returned `token` for llama_get_logits_ith's index `idx`."""
         if self.slot_tokens:
@@ -261,7 +262,7 @@ class RequestTokens:
         idx: int,
         token: int,
         tid: int,
-        logits: list[np.ndarray] | None,
+        logits: list[LogitsChunk] | None,
         slot: int | None = None,
         decode: tuple[list[tuple[Step, int] | None], list[tuple[Step, int]]] | None = None,
     ) -> None:
@@ -357,7 +358,7 @@ class RequestTokens:
         token: int,
         tid: int,
         source: str,
-        logits: list[np.ndarray] | None,
+        logits: list[LogitsChunk] | None,
     ) -> None:
         """The token row of `token`, sampled from row i of `step`."""
         seq = int(step.seq[i])
@@ -423,7 +424,7 @@ class RequestTokens:
         tid: int,
         t_start: int,
         t_end: int,
-        logits: list[np.ndarray] | None,
+        logits: list[LogitsChunk] | None,
         attended: list[int | None],
         block: tuple[AggBlock, int],
     ) -> None:
@@ -461,7 +462,7 @@ class RequestTokens:
         tid: int,
         t_starts: list[int],
         t_ends: list[int],
-        logits: list[list[np.ndarray]] | None,
+        logits: list[list[LogitsChunk]] | None,
         attended: list[list[int | None]],
         most_attended: list[int | None],
         block: AggBlock,

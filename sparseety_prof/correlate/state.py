@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sparseety_prof.capture.logits_rows import LogitsChunk
 from sparseety_prof.correlate.serving import RequestAgg
 from sparseety_prof.correlate.step_sparse import StepSparse
 
@@ -86,7 +87,7 @@ class SampleState:
 
     idx: int
     tid: int
-    chunks: dict[int, np.ndarray] = field(default_factory=dict)
+    chunks: dict[int, LogitsChunk] = field(default_factory=dict)
     n_vocab: int = 0
     chunk_len: int = 1
 

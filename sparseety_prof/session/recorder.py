@@ -21,7 +21,7 @@ import polars as pl
 from sparseety_prof import __version__
 from sparseety_prof.capture import target as tg
 from sparseety_prof.capture.bpf_loader import ATTENTION_OPS, RingReader, Session, is_server
-from sparseety_prof.capture.events import SeqTracker, decode_groups
+from sparseety_prof.capture.events import EventBatch, SeqTracker, decode_groups
 from sparseety_prof.capture.weight_sparsity import analyze as analyze_weights
 from sparseety_prof.capture.weight_sparsity import model_sha256
 from sparseety_prof.correlate.correlator import Correlator
@@ -32,6 +32,7 @@ from sparseety_prof.gpu.shm_ring import RingError
 from sparseety_prof.session import metadata
 from sparseety_prof.session.attach import attach
 from sparseety_prof.session.collector import FlushTimedCollector
+from sparseety_prof.session.drain_batches import DrainBatches
 from sparseety_prof.session.memory_budget import (
     PRESSURE_GAP_S,
     MemoryBudget,
@@ -207,6 +208,7 @@ class Recorder:
         flush = FlushSchedule(opts.flush_interval)
         budget = MemoryBudget(opts.max_memory)
         watch = sched.watch(reader.pending_share, reader.wake_fd, reader.arm_watch)
+        drains = DrainBatches()
         stages, cpu_drains0 = self._stages, _cpu_s()
         stages.restart()  # on this thread; attach's CPU is not a stage's
         self._collector.start()  # the cyclic collector runs after flushes only (collector.py)
@@ -221,8 +223,17 @@ class Recorder:
                 filled = reader.last_take_bytes / (a.session.ring_pages * mmap.PAGESIZE)
                 sched.after_drain(filled, (now - t_prev) * 1e3)
                 t_prev = now
-                self._consume(records, corr, tracker, writer, a.session, gpu=gpu, ring_data=reader.data)
-                reader.release()  # the logits rows read where they lay: their space goes back now
+                batch = self._decode(records, tracker, a.session, ring_data=reader.data)
+                if drains.reducer is None:  # correlated as taken (no C statistics backend)
+                    self._consume(batch, corr, tracker, writer, a.session, gpu=gpu)
+                    reader.release()  # the logits rows read where they lay: their space goes back now
+                else:
+                    drains.add(batch)  # the logits rows reduced to their statistics
+                    stages.lap("logits")
+                    reader.release()
+                    if drains.due(now, flush_due=flush.is_due(now)):
+                        for b in drains.take():
+                            self._consume(b, corr, tracker, writer, a.session, gpu=gpu)
                 watch.rearm()
                 self._keep_durable(writer, flush, now)
                 self._watch_memory(writer, budget, now)
@@ -247,9 +258,17 @@ class Recorder:
             stages.lap("detach")
             if error is None:
                 try:
-                    self._consume(
-                        rest, corr, tracker, writer, a.session, counters=counters, final=True, gpu=gpu
-                    )
+                    batch = self._decode(rest, tracker, a.session, final=True)
+                    batches = [batch]
+                    if drains.reducer is not None:
+                        drains.add(batch, final=True)
+                        stages.lap("logits")
+                        batches = drains.take() or [batch]
+                    for i, b in enumerate(batches):
+                        last = i == len(batches) - 1
+                        self._consume(
+                            b, corr, tracker, writer, a.session, counters=counters, final=last, gpu=gpu
+                        )
                 except BaseException as e:
                     error = e
             else:
@@ -269,6 +288,13 @@ class Recorder:
                     "ring_watch_wakeups": watch.wakeups,
                     "drains": reader.takes,  # that took any record; with the logits read in the ring:
                     "drains_logits_by_ref": reader.takes_by_ref,
+                    # drains go to the correlator together (drain_batches.py): how often it ran,
+                    # and the logits records of a sampler call a drain cut, reduced with the next
+                    "correlations": drains.correlations if drains.reducer is not None else reader.takes,
+                    "logits_carried": drains.reducer.carried if drains.reducer is not None else 0,
+                    # reduced rows whose statistics were of another token than the token row's
+                    # (never expected: both are the sampler call's result); left null
+                    "logits_token_mismatch": corr.requests.stats.token_mismatch,
                     "gc_collections": self._collector.collections,
                 },
                 "bpf_compile_s": round(a.session.compile_s, 3),
@@ -491,9 +517,26 @@ class Recorder:
         _raise_write_failure(writer)
         return self.meta
 
-    def _consume(
+    def _decode(
         self,
         records: dict[int, np.ndarray],
+        tracker: SeqTracker,
+        sess: Session,
+        *,
+        ring_data: np.ndarray | None = None,
+        final: bool = False,
+    ) -> EventBatch:
+        """One drain's records, by layout; their sequence numbers counted (losses). Logits
+        records taken by reference are read in `ring_data` (the ring's memory), until the caller
+        hands their space back."""
+        batch = decode_groups(records, sess.logits_chunk, ring_data)
+        tracker.update(batch.seqs(), final=final)
+        self._stages.lap("decode")
+        return batch
+
+    def _consume(
+        self,
+        batch: EventBatch,
         corr: Correlator,
         tracker: SeqTracker,
         writer: RecordingWriter | None,
@@ -502,16 +545,10 @@ class Recorder:
         counters: dict[str, int] | None = None,
         final: bool = False,
         gpu: GpuCapture | None = None,
-        ring_data: np.ndarray | None = None,
     ) -> None:
-        """One drain's records through the correlator to the rows' destinations. Logits records
-        taken by reference are read in `ring_data` (the ring's memory), here and nowhere after:
-        the caller hands their space back when this returns."""
+        """Drained records through the correlator to the rows' destinations."""
         stages = self._stages
-        batch = decode_groups(records, sess.logits_chunk, ring_data)
-        tracker.update(batch.seqs(), final=final)
         drops = (counters or sess.counters())["kernel_drops"]
-        stages.lap("decode")
         if len(batch):
             corr.feed(batch, losses_seen=drops > 0 or tracker.gaps > 0)
         stages.lap("correlate")

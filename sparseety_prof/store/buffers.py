@@ -118,6 +118,10 @@ class FlushSchedule:
         drain before a flush happens on time."""
         return max(0.0, min(drain_s, self._next - time.monotonic()))
 
+    def is_due(self, t: float) -> bool:
+        """Whether a drain made at `t` would be flushed (due() without moving the schedule)."""
+        return t >= self._next
+
     def due(self, drained_at: float) -> bool:
         """Whether the drain made at `drained_at` (time.monotonic) is to be flushed now."""
         if drained_at < self._next:

@@ -1,0 +1,256 @@
+"""Logits rows reduced to their statistics as soon as they are drained, so that the ring's space
+goes back at once and the correlation can run on several drains together.
+
+Why: the logits records are nearly all of what the probes send (about 130 KiB a token at a
+32,000-entry vocabulary, against about 4 KiB of everything else). The consumer reads them where
+they lie in the ring (RingReader.take by reference) and the ring's space waits for it, so the
+ring's size set how often the consumer had to wake up and correlate: about every half second
+with the default 64 MiB ring. Each wake-up finds its caches emptied by the engine, and the
+correlation's cost per token fell by about a quarter when it ran every 2 s instead
+(`scripts/profile_consumer.py`; README). With the rows reduced here, a drain keeps only the
+small records (copied) and each row's statistics; the recorder correlates every CORRELATE_S
+(session/recorder.py), and the ring's size only bounds a burst.
+
+The statistics are those the correlator computes at take_tables (logit_stats.py: the same C
+call on the same floats, so the same values), for the token the sampler call returned. Which
+row a sampler call used is decided here as Correlator._on_sample_begin, _on_logits and
+_on_sample_end decide it, per (context, thread), in sequence order: a begin starts the call
+afresh, a logits record sets its chunk (a later read of the same chunk replaces it), the end
+takes the chunks when all of the row's are there. A logits record whose call has not ended by
+the end of the drain is copied and reduced with the next drain (at most one call per engine
+thread is ever open). The correlator then takes each record's statistics where it took its
+floats (capture/logits_rows.py StatsRow) and checks that they are of the token row's token.
+
+Needs the C backend (correlate/logits.py row_stats_at): without it, the recorder correlates
+every drain as before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+import numpy as np
+
+from sparseety_prof.capture import events as ev
+from sparseety_prof.capture.logits_rows import LogitsStats
+from sparseety_prof.correlate.logits import BACKEND, row_stats_at
+
+_Vals: TypeAlias = Callable[[int], np.ndarray]  # a logits record's index -> its floats
+
+#: `at` of a reduced logits record whose row no sampler call completed (past any table's end)
+UNPAIRED = np.uint64(1 << 63)
+
+
+@dataclass
+class _Open:
+    """A sampler call not ended yet: the logits records of each chunk read so far (their index
+    in the reduce's list) and the vocabulary size the last one gave."""
+
+    chunks: dict[int, int] = field(default_factory=dict)
+    n_vocab: int = 0
+
+
+@dataclass
+class _Carried:
+    """A logits record held over to the next drain: its header and `at` field, and its floats."""
+
+    ref: np.ndarray  # one LOGITS_REF_DTYPE record
+    vals: np.ndarray  # its n_vals floats, owned
+
+
+class LogitsReducer:
+    """Reduces each drain's logits records (EventBatch) to their statistics; see the module."""
+
+    def __init__(self) -> None:
+        self._carried: list[_Carried] = []
+        self.cpu_s = 0.0  # this thread's CPU time in reduce (meta.json consumer.cpu_s_by_stage logits)
+        self.carried = 0  # logits records held over to a later drain
+        self.dropped_open = 0  # records of calls still open at the end (never a token row)
+
+    @staticmethod
+    def available() -> bool:
+        return BACKEND == "c"
+
+    def reduce(self, batch: ev.EventBatch, *, final: bool = False) -> ev.EventBatch:
+        """`batch` with its logits records reduced (a new batch: every array copied, as the
+        drain's memory is reused by the next take). With `final`, records of calls still open
+        are dropped: those calls never end, and the correlator never makes their rows."""
+        t0 = time.thread_time()
+        refs, vals_of = self._logits_in(batch)
+        jobs, at, open_calls = self._pair(batch.small, refs, batch.logits_chunk)
+        stats = self._stats(jobs, refs, vals_of)
+        keep = np.ones(len(refs), dtype=bool)
+        self._carried = []
+        for call in open_calls:
+            for li in call.chunks.values():
+                keep[li] = False
+                if final:
+                    self.dropped_open += 1
+                else:
+                    self._carried.append(_Carried(refs[li : li + 1].copy(), np.array(vals_of(li))))
+                    self.carried += 1
+        out_refs = refs[keep].copy()
+        out_refs["at"] = at[keep]
+        out = ev.EventBatch(logits_chunk=batch.logits_chunk)
+        for name in _GROUPS:
+            setattr(out, name, getattr(batch, name).copy())
+        out.logits = out_refs
+        out.logits_stats = stats
+        self.cpu_s += time.thread_time() - t0
+        return out
+
+    def _logits_in(self, batch: ev.EventBatch) -> tuple[np.ndarray, _Vals]:
+        """The logits records to reduce (the held ones first: they are older) and a way to get
+        each one's floats."""
+        held = self._carried
+        refs = batch.logits if not held else np.concatenate([*(c.ref for c in held), batch.logits])
+        n_held = len(held)
+        data, chunk = batch.logits_data, batch.logits_chunk
+
+        def vals_of(li: int) -> np.ndarray:
+            if li < n_held:
+                return held[li].vals
+            r = refs[li]
+            a = int(r["at"])
+            return data[a : a + 4 * chunk].view("<f4")[: int(r["n_vals"])]
+
+        return refs, vals_of
+
+    @staticmethod
+    def _pair(
+        small: np.ndarray, refs: np.ndarray, chunk_len: int
+    ) -> tuple[list[tuple[list[int], int]], np.ndarray, list[_Open]]:
+        """Which logits records make whose row: the completed calls ([their records' indices,
+        chunk 0 first], the sampled token), each record's `at` (its call's index among them, or
+        UNPAIRED), and the calls still open at the end (only those that read logits)."""
+        at = np.full(len(refs), UNPAIRED, dtype=np.uint64)
+        if not len(refs):
+            return [], at, []
+        kinds = small["kind"]
+        sel = np.flatnonzero((kinds == ev.EV_SAMPLE_BEGIN) | (kinds == ev.EV_SAMPLE_END))
+        seq = np.concatenate([small["seq"][sel], refs["seq"]])
+        order = np.argsort(seq, kind="stable").tolist()
+        n_small = len(sel)
+        s_kind, s_ctx = kinds[sel].tolist(), small["ctx"][sel].tolist()
+        s_tid, s_a = small["tid"][sel].tolist(), small["a"][sel].tolist()
+        l_ctx, l_tid = refs["ctx"].tolist(), refs["tid"].tolist()
+        l_chunk, l_vocab = refs["chunk"].tolist(), refs["n_vocab"].tolist()
+        calls: dict[tuple[int, int], _Open] = {}
+        jobs: list[tuple[list[int], int]] = []
+        for o in order:
+            if o >= n_small:  # a logits record (Correlator._on_logits)
+                li = o - n_small
+                chunk = l_chunk[li]
+                if chunk >= ev.MAX_LOGITS_CHUNKS:
+                    continue
+                call = calls.setdefault((l_ctx[li], l_tid[li]), _Open())
+                call.chunks[chunk] = li  # a record it replaces stays UNPAIRED
+                call.n_vocab = l_vocab[li]
+                continue
+            key = (s_ctx[o], s_tid[o])
+            if s_kind[o] == ev.EV_SAMPLE_BEGIN:
+                calls.pop(key, None)  # its records, if any, are replaced (UNPAIRED)
+                continue
+            done = calls.pop(key, None)  # EV_SAMPLE_END (Correlator._on_sample_end)
+            if done is None or not done.chunks:
+                continue
+            n_chunks = -(-done.n_vocab // chunk_len)
+            if len(done.chunks) != n_chunks or any(k not in done.chunks for k in range(n_chunks)):
+                continue  # incomplete: the correlator counts it
+            rows = [done.chunks[k] for k in range(n_chunks)]
+            at[rows] = len(jobs)
+            jobs.append((rows, s_a[o]))
+        return jobs, at, [c for c in calls.values() if c.chunks]
+
+    @staticmethod
+    def _stats(jobs: list[tuple[list[int], int]], refs: np.ndarray, vals_of: _Vals) -> LogitsStats:
+        """The statistics of each completed call's row, in the order of `jobs`."""
+        if not jobs:
+            return LogitsStats.empty()
+        n_vals = refs["n_vals"]
+        widths = [int(sum(int(n_vals[li]) for li in rows)) for rows, _ in jobs]
+        parts: list[tuple[np.ndarray, LogitsStats]] = []
+        for width in sorted(set(widths)):
+            which = np.flatnonzero(np.asarray(widths) == width)
+            keep_alive: list[np.ndarray] = []
+            addresses = np.empty(len(which), dtype=np.int64)
+            tokens = np.empty(len(which), dtype=np.int64)
+            for j, w in enumerate(which.tolist()):
+                rows, token = jobs[w]
+                row = vals_of(rows[0]) if len(rows) == 1 else np.concatenate([vals_of(li) for li in rows])
+                keep_alive.append(row)
+                addresses[j] = row.ctypes.data
+                tokens[j] = token
+            st = row_stats_at(addresses, width, tokens)
+            parts.append((which, LogitsStats(tokens, st.log_prob, st.top_ids, st.top_log_probs, st.entropy)))
+        if len(parts) == 1:
+            return parts[0][1]
+        table = LogitsStats.concat([p for _, p in parts])
+        order = np.argsort(np.concatenate([w for w, _ in parts]), kind="stable")
+        return LogitsStats(
+            table.token[order],
+            table.log_prob[order],
+            table.top_ids[order],
+            table.top_log_probs[order],
+            table.entropy[order],
+        )
+
+
+_GROUPS = (
+    "small",
+    "ubatch",
+    "ubatch_s",
+    "tensor_s",
+    "tensor_l",
+    "act",
+    "act_mask",
+    "attn",
+    "step_agg",
+    "http",
+)
+
+
+def merge(batches: list[ev.EventBatch]) -> list[ev.EventBatch]:
+    """Reduced batches of consecutive drains as few batches as they can be: one, unless a
+    layout changed size between them (a step aggregate record sized for another model)."""
+    out: list[ev.EventBatch] = []
+    run: list[ev.EventBatch] = []
+    for b in batches:
+        if run and not _same_layouts(run[0], b):
+            out.append(_merged(run))
+            run = []
+        run.append(b)
+    if run:
+        out.append(_merged(run))
+    return out
+
+
+def _same_layouts(a: ev.EventBatch, b: ev.EventBatch) -> bool:
+    return a.logits_chunk == b.logits_chunk and all(
+        getattr(a, g).dtype == getattr(b, g).dtype for g in _GROUPS
+    )
+
+
+def _merged(run: list[ev.EventBatch]) -> ev.EventBatch:
+    if len(run) == 1:
+        return run[0]
+    out = ev.EventBatch(logits_chunk=run[0].logits_chunk)
+    for name in _GROUPS:
+        setattr(out, name, np.concatenate([getattr(b, name) for b in run]))
+    tables: list[LogitsStats] = []
+    refs: list[np.ndarray] = []
+    offset = 0
+    for b in run:
+        r = b.logits.copy()
+        paired = r["at"] != UNPAIRED
+        r["at"][paired] += np.uint64(offset)
+        refs.append(r)
+        if b.logits_stats is not None:
+            tables.append(b.logits_stats)
+            offset += len(b.logits_stats)
+    out.logits = np.concatenate(refs)
+    out.logits_stats = LogitsStats.concat(tables)
+    return out
