@@ -147,12 +147,11 @@ def capture(a: argparse.Namespace) -> int:
 def _replay_once(
     kept: dict[str, Any], texts: Any, prof: cProfile.Profile | None, out: Path | None, *, per_drain: bool
 ) -> tuple[dict[str, float], dict[str, int]]:
-    from sparseety_prof.capture.events import EventBatch, decode_groups
+    from sparseety_prof.capture.events import decode_groups
     from sparseety_prof.correlate.correlator import Correlator
-    from sparseety_prof.correlate.logits_reduce import LogitsReducer, merge
     from sparseety_prof.correlate.serving import ServingTracker
     from sparseety_prof.session.collector import FlushTimedCollector
-    from sparseety_prof.session.drain_batches import CORRELATE_S
+    from sparseety_prof.session.drain_batches import CORRELATE_S, DrainBatches
     from sparseety_prof.session.options import FLUSH_INTERVAL_S
     from sparseety_prof.session.recorder import DRAIN_INTERVAL_S
     from sparseety_prof.store.buffers import ColumnBuffer
@@ -160,9 +159,10 @@ def _replay_once(
     flush_every = max(1, round(FLUSH_INTERVAL_S / DRAIN_INTERVAL_S))  # drains, under load
     # the recorder's drains reduced as taken and correlated together (session/drain_batches.py),
     # or (`per_drain`) each correlated as taken, its logits rows' statistics made at take_tables
-    reducer = None if per_drain or not LogitsReducer.available() else LogitsReducer()
+    together = DrainBatches()
+    if per_drain:
+        together.reducer = None
     correlate_every = max(1, round(CORRELATE_S / DRAIN_INTERVAL_S))
-    pending: list[EventBatch] = []
     kw = dict(kept["correlator"])
     serving = ServingTracker(kw["pid"]) if kw.pop("serving") else None
     corr = Correlator(**kw, texts=texts, serving=serving)
@@ -181,13 +181,13 @@ def _replay_once(
         t1 = clock()
         cpu["decode"] += t1 - t0
         batches = [batch]
-        if reducer is not None:
-            pending.append(reducer.reduce(batch, final=final))
+        if together.reducer is not None:
+            together.add(batch, final=final)
             cpu["logits"] += clock() - t1
             flushing = (k + 1) % flush_every == 0
             if not (final or flushing or (k + 1) % correlate_every == 0):
                 continue
-            batches, pending = merge(pending), []
+            batches = together.take()
         for b, batch in enumerate(batches):
             last = final and b == len(batches) - 1
             t1 = clock()

@@ -20,7 +20,6 @@ from sparseety_prof.correlate import block_tokens as block_tokens_module
 from sparseety_prof.correlate import fast_step as fast_step_module
 from sparseety_prof.correlate import logit_stats as logit_stats_module
 from sparseety_prof.correlate import logits as logits_module
-from sparseety_prof.correlate import logits_reduce as logits_reduce_module
 from sparseety_prof.correlate import pass_arrays as pass_arrays_module
 from sparseety_prof.correlate import plain_run as plain_run_module
 from sparseety_prof.correlate import request_tokens as request_tokens_module
@@ -38,6 +37,7 @@ from sparseety_prof.correlate.state import Step
 from sparseety_prof.correlate.step_sparse import StepSparse
 from sparseety_prof.correlate.tables import NO_SPARSE_VALUES, SPARSE_TOKEN_COLUMNS, RowBuffer
 from sparseety_prof.errors import UnsupportedEngineBuild
+from sparseety_prof.session.drain_batches import DrainBatches
 from sparseety_prof.store import schema
 from sparseety_prof.store.array_rows import RowParts
 from sparseety_prof.store.buffers import ColumnBuffer
@@ -604,18 +604,18 @@ def _replay(
     out: dict[str, dict[str, list[object]]] = {}
     states = []
     per = -(-len(s.recs) // drains)
-    reducer = LogitsReducer() if reduce_every else None
-    if reducer is not None and reducers is not None:
-        reducers.append(reducer)
-    pending: list[EventBatch] = []
+    together = DrainBatches() if reduce_every else None
+    if together is not None and reducers is not None:
+        assert together.reducer is not None
+        reducers.append(together.reducer)
     for d, k in enumerate(range(0, len(s.recs), per)):
         final = k + per >= len(s.recs)
         batches = [decode_records(s.recs[k : k + per], chunk)]
-        if reducer is not None:
-            pending.append(reducer.reduce(batches[0], final=final))
+        if together is not None:
+            together.add(batches[0], final=final)
             if not final and (d + 1) % reduce_every:
                 continue
-            batches, pending = logits_reduce_module.merge(pending), []
+            batches = together.take()
         for b, batch in enumerate(batches):
             last = final and b == len(batches) - 1
             c.feed(batch, losses_seen=losses)

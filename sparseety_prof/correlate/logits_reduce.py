@@ -75,13 +75,15 @@ class LogitsReducer:
         return BACKEND == "c"
 
     def reduce(self, batch: ev.EventBatch, *, final: bool = False) -> ev.EventBatch:
-        """`batch` with its logits records reduced (a new batch: every array copied, as the
-        drain's memory is reused by the next take). With `final`, records of calls still open
-        are dropped: those calls never end, and the correlator never makes their rows."""
+        """`batch` with its logits records reduced: a new batch, whose other records are
+        `batch`'s arrays (valid as long as they are: the caller copies them before the next
+        take reuses the drain's memory, session/drain_batches.py). With `final`, records of
+        calls still open are dropped: those calls never end, and the correlator never makes
+        their rows."""
         t0 = time.thread_time()
         refs, vals_of = self._logits_in(batch)
         jobs, at, open_calls = self._pair(batch.small, refs, batch.logits_chunk)
-        stats = self._stats(jobs, refs, vals_of)
+        stats = self._stats(jobs, refs, vals_of, self._addresses(batch, refs))
         keep = np.ones(len(refs), dtype=bool)
         self._carried = []
         for call in open_calls:
@@ -95,8 +97,8 @@ class LogitsReducer:
         out_refs = refs[keep].copy()
         out_refs["at"] = at[keep]
         out = ev.EventBatch(logits_chunk=batch.logits_chunk)
-        for name in _GROUPS:
-            setattr(out, name, getattr(batch, name).copy())
+        for name in GROUPS:
+            setattr(out, name, getattr(batch, name))
         out.logits = out_refs
         out.logits_stats = stats
         self.cpu_s += time.thread_time() - t0
@@ -119,6 +121,17 @@ class LogitsReducer:
 
         return refs, vals_of
 
+    def _addresses(self, batch: ev.EventBatch, refs: np.ndarray) -> np.ndarray:
+        """Each logits record's floats' address (the held ones' in their copies), at once: per
+        record in Python, the address cost as much as the statistics of its 32,000 floats."""
+        n_held = len(self._carried)
+        out = np.empty(len(refs), dtype=np.int64)
+        for i, c in enumerate(self._carried):
+            out[i] = c.vals.ctypes.data
+        if len(batch.logits):
+            out[n_held:] = batch.logits["at"].astype(np.int64) + batch.logits_data.ctypes.data
+        return out
+
     @staticmethod
     def _pair(
         small: np.ndarray, refs: np.ndarray, chunk_len: int
@@ -129,6 +142,10 @@ class LogitsReducer:
         at = np.full(len(refs), UNPAIRED, dtype=np.uint64)
         if not len(refs):
             return [], at, []
+        regular = LogitsReducer._pair_regular(small, refs, chunk_len)
+        if regular is not None:
+            at[:] = np.arange(len(refs), dtype=np.uint64)
+            return [([li], t) for li, t in enumerate(regular.tolist())], at, []
         kinds = small["kind"]
         sel = np.flatnonzero((kinds == ev.EV_SAMPLE_BEGIN) | (kinds == ev.EV_SAMPLE_END))
         seq = np.concatenate([small["seq"][sel], refs["seq"]])
@@ -166,25 +183,65 @@ class LogitsReducer:
         return jobs, at, [c for c in calls.values() if c.chunks]
 
     @staticmethod
-    def _stats(jobs: list[tuple[list[int], int]], refs: np.ndarray, vals_of: _Vals) -> LogitsStats:
-        """The statistics of each completed call's row, in the order of `jobs`."""
+    def _pair_regular(small: np.ndarray, refs: np.ndarray, chunk_len: int) -> np.ndarray | None:
+        """_pair's answer at once when every logits record is the common case, else None: a row
+        of one record (chunk 0 of at most chunk_len floats), whose call ends right after it (the
+        next begin or end of its context and thread, in sequence order, is an end) and that
+        follows no other logits record of that call. Each record then makes its own row, for
+        its end's token. (A call cut by the drain, a row of several records or read twice:
+        the loop.)"""
+        kinds = small["kind"]
+        sel = np.flatnonzero((kinds == ev.EV_SAMPLE_BEGIN) | (kinds == ev.EV_SAMPLE_END))
+        n_small, n = len(sel), len(sel) + len(refs)
+        ctx = np.concatenate([small["ctx"][sel], refs["ctx"]])
+        tid = np.concatenate([small["tid"][sel], refs["tid"]])
+        kind = np.concatenate([kinds[sel], np.full(len(refs), ev.EV_LOGITS, dtype=kinds.dtype)])
+        seq = np.concatenate([small["seq"][sel], refs["seq"]])
+        order = np.lexsort((seq, tid, ctx))
+        where = np.empty(n, dtype=np.int64)
+        where[order] = np.arange(n)
+        p = where[n_small:]  # each logits record's place in that order
+        if p.max() + 1 >= n:
+            return None  # the last of all: its call has not ended
+        nxt, prv = p + 1, p - 1
+        o_ctx, o_tid, o_kind = ctx[order], tid[order], kind[order]
+        ends_next = (o_ctx[nxt] == o_ctx[p]) & (o_tid[nxt] == o_tid[p]) & (o_kind[nxt] == ev.EV_SAMPLE_END)
+        prv_c = np.maximum(prv, 0)
+        after_logits = (prv >= 0) & (o_ctx[prv_c] == o_ctx[p]) & (o_tid[prv_c] == o_tid[p])
+        after_logits &= o_kind[prv_c] == ev.EV_LOGITS
+        n_vocab = refs["n_vocab"]
+        ok = ends_next & ~after_logits & (refs["chunk"] == 0) & (n_vocab >= 1) & (n_vocab <= chunk_len)
+        if not ok.all():
+            return None
+        return np.asarray(small["a"][sel][order[nxt]], dtype=np.int64)
+
+    @staticmethod
+    def _stats(
+        jobs: list[tuple[list[int], int]], refs: np.ndarray, vals_of: _Vals, addr: np.ndarray
+    ) -> LogitsStats:
+        """The statistics of each completed call's row, in the order of `jobs`: rows of one
+        record read where they lie (`addr`), rows of several put together first."""
         if not jobs:
             return LogitsStats.empty()
-        n_vals = refs["n_vals"]
-        widths = [int(sum(int(n_vals[li]) for li in rows)) for rows, _ in jobs]
+        n_vals = refs["n_vals"].tolist()
+        firsts = [rows[0] for rows, _ in jobs]
+        tokens_all = np.array([t for _, t in jobs], dtype=np.int64)
+        widths = np.array(
+            [n_vals[rows[0]] if len(rows) == 1 else sum(n_vals[li] for li in rows) for rows, _ in jobs]
+        )
         parts: list[tuple[np.ndarray, LogitsStats]] = []
-        for width in sorted(set(widths)):
-            which = np.flatnonzero(np.asarray(widths) == width)
+        for width in np.unique(widths).tolist():
+            which = np.flatnonzero(widths == width)
+            addresses = addr[np.asarray(firsts)[which]]
             keep_alive: list[np.ndarray] = []
-            addresses = np.empty(len(which), dtype=np.int64)
-            tokens = np.empty(len(which), dtype=np.int64)
             for j, w in enumerate(which.tolist()):
-                rows, token = jobs[w]
-                row = vals_of(rows[0]) if len(rows) == 1 else np.concatenate([vals_of(li) for li in rows])
-                keep_alive.append(row)
-                addresses[j] = row.ctypes.data
-                tokens[j] = token
-            st = row_stats_at(addresses, width, tokens)
+                rows = jobs[w][0]
+                if len(rows) > 1:
+                    row = np.concatenate([vals_of(li) for li in rows])
+                    keep_alive.append(row)
+                    addresses[j] = row.ctypes.data
+            tokens = tokens_all[which]
+            st = row_stats_at(addresses, int(width), tokens)
             parts.append((which, LogitsStats(tokens, st.log_prob, st.top_ids, st.top_log_probs, st.entropy)))
         if len(parts) == 1:
             return parts[0][1]
@@ -199,7 +256,8 @@ class LogitsReducer:
         )
 
 
-_GROUPS = (
+#: EventBatch's record arrays other than the logits records
+GROUPS = (
     "small",
     "ubatch",
     "ubatch_s",
@@ -211,46 +269,3 @@ _GROUPS = (
     "step_agg",
     "http",
 )
-
-
-def merge(batches: list[ev.EventBatch]) -> list[ev.EventBatch]:
-    """Reduced batches of consecutive drains as few batches as they can be: one, unless a
-    layout changed size between them (a step aggregate record sized for another model)."""
-    out: list[ev.EventBatch] = []
-    run: list[ev.EventBatch] = []
-    for b in batches:
-        if run and not _same_layouts(run[0], b):
-            out.append(_merged(run))
-            run = []
-        run.append(b)
-    if run:
-        out.append(_merged(run))
-    return out
-
-
-def _same_layouts(a: ev.EventBatch, b: ev.EventBatch) -> bool:
-    return a.logits_chunk == b.logits_chunk and all(
-        getattr(a, g).dtype == getattr(b, g).dtype for g in _GROUPS
-    )
-
-
-def _merged(run: list[ev.EventBatch]) -> ev.EventBatch:
-    if len(run) == 1:
-        return run[0]
-    out = ev.EventBatch(logits_chunk=run[0].logits_chunk)
-    for name in _GROUPS:
-        setattr(out, name, np.concatenate([getattr(b, name) for b in run]))
-    tables: list[LogitsStats] = []
-    refs: list[np.ndarray] = []
-    offset = 0
-    for b in run:
-        r = b.logits.copy()
-        paired = r["at"] != UNPAIRED
-        r["at"][paired] += np.uint64(offset)
-        refs.append(r)
-        if b.logits_stats is not None:
-            tables.append(b.logits_stats)
-            offset += len(b.logits_stats)
-    out.logits = np.concatenate(refs)
-    out.logits_stats = LogitsStats.concat(tables)
-    return out
