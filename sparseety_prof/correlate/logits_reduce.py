@@ -18,8 +18,11 @@ _on_sample_end decide it, per (context, thread), in sequence order: a begin star
 afresh, a logits record sets its chunk (a later read of the same chunk replaces it), the end
 takes the chunks when all of the row's are there. A logits record whose call has not ended by
 the end of the drain is copied and reduced with the next drain (at most one call per engine
-thread is ever open). The correlator then takes each record's statistics where it took its
-floats (capture/logits_rows.py StatsRow) and checks that they are of the token row's token.
+thread is ever open). Once records were lost (only then does the correlator look for holes in
+the sequence numbers), such a record, correlated with the later drains, may leave a hole where
+it was: the correlator then marks the sequences of that stretch unsure, the safe side.
+The correlator takes each record's statistics where it took its floats
+(capture/logits_rows.py StatsRow) and checks that they are of the token row's token.
 
 Needs the C backend (correlate/logits.py row_stats_at): without it, the recorder correlates
 every drain as before.
