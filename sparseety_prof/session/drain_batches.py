@@ -3,13 +3,14 @@
 
 The ring is drained as often as before (session/sched.py paces it to the ring's fill), and its
 space goes back as soon as a drain's logits rows are reduced. The correlation, the rows and the
-frames, which cost the consumer most per wake-up, run a quarter as often: each wake-up of the
-consumer on cores the engine keeps busy starts from caches the engine has emptied, and the
-correlation's CPU per token fell by about a quarter when it ran every 2 s instead of every 0.5 s
-(`scripts/profile_consumer.py`, README "Drains reduced at once, correlated together"). Drains
-wait no longer than CORRELATE_S, and never past a flush (FlushSchedule: what a flush writes is
-what the drains before it held) or the end. Their records are small (about 4 KiB a token beside
-the ~130 KiB of floats they no longer hold), so waiting costs little memory."""
+frames, which cost the consumer most per wake-up, run less often: each wake-up of the consumer
+on cores the engine keeps busy starts from caches the engine has emptied (with an idle core for
+the consumer, `scripts/profile_consumer.py` measured 125 -> 105 µs of CPU per token correlating
+every 2 s; README "Drains reduced at once, correlated together"). Drains wait no longer than
+CORRELATE_S, not at all while the consumer is behind, and never past a flush (FlushSchedule:
+what a flush writes is what the drains before it held) or the end. Their records are small
+(about 4 KiB a token beside the ~130 KiB of floats they no longer hold), so waiting costs
+little memory."""
 
 from __future__ import annotations
 
@@ -21,7 +22,11 @@ from sparseety_prof.capture.events import EventBatch
 from sparseety_prof.capture.logits_rows import LogitsStats
 from sparseety_prof.correlate.logits_reduce import GROUPS, UNPAIRED, LogitsReducer
 
-CORRELATE_S = 2.0  # the longest a drain waits for its correlation
+# The longest a drain waits for its correlation. 2 s cut the most CPU per token with an idle core
+# for the consumer, but with both cores kept busy by the engine the consumer, at nice 10, took
+# long enough over 2 s of drains for the ring to fill to 84% behind it (against 63% correlating
+# every drain); 1 s kept it at 65-67% (README).
+CORRELATE_S = 1.0
 
 
 class DrainBatches:
@@ -69,8 +74,12 @@ class DrainBatches:
             self._stats.append(reduced.logits_stats)
             self._n_stats += len(reduced.logits_stats)
 
-    def due(self, now: float, *, flush_due: bool) -> bool:
-        return not self._taken and (flush_due or now - self._since >= self.correlate_s)
+    def due(self, now: float, *, flush_due: bool, behind: bool = False) -> bool:
+        """Whether the waiting drains go to the correlator now: CORRELATE_S after the oldest,
+        before a flush, or at once when the consumer is `behind` (its drain found more of the
+        ring filled than the pace aims for, or it runs escalated): a correlation is the
+        longest stretch without a drain, so it is kept short then."""
+        return not self._taken and (flush_due or behind or now - self._since >= self.correlate_s)
 
     def take(self) -> list[EventBatch]:
         """The drains added since the last take, as one batch (more when a layout changed size

@@ -231,7 +231,8 @@ class Recorder:
                     drains.add(batch)  # the logits rows reduced to their statistics
                     stages.lap("logits")
                     reader.release()
-                    if drains.due(now, flush_due=flush.is_due(now)):
+                    behind = filled > ConsumerSched.PACE_FILL or sched.escalated
+                    if drains.due(now, flush_due=flush.is_due(now), behind=behind):
                         for b in drains.take():
                             self._consume(b, corr, tracker, writer, a.session, gpu=gpu)
                 watch.rearm()
