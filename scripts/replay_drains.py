@@ -145,24 +145,29 @@ def capture(a: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ replay
 def _replay_once(
-    kept: dict[str, Any], texts: Any, prof: cProfile.Profile | None, out: Path | None, *, per_drain: bool
+    kept: dict[str, Any],
+    texts: Any,
+    prof: cProfile.Profile | None,
+    out: Path | None,
+    *,
+    correlate_every: float,
 ) -> tuple[dict[str, float], dict[str, int]]:
     from sparseety_prof.capture.events import decode_groups
     from sparseety_prof.correlate.correlator import Correlator
     from sparseety_prof.correlate.serving import ServingTracker
     from sparseety_prof.session.collector import FlushTimedCollector
-    from sparseety_prof.session.drain_batches import CORRELATE_S, DrainBatches
+    from sparseety_prof.session.drain_batches import DrainBatches
     from sparseety_prof.session.options import FLUSH_INTERVAL_S
     from sparseety_prof.session.recorder import DRAIN_INTERVAL_S
     from sparseety_prof.store.buffers import ColumnBuffer
 
     flush_every = max(1, round(FLUSH_INTERVAL_S / DRAIN_INTERVAL_S))  # drains, under load
-    # the recorder's drains reduced as taken and correlated together (session/drain_batches.py),
-    # or (`per_drain`) each correlated as taken, its logits rows' statistics made at take_tables
-    together = DrainBatches()
-    if per_drain:
+    # each drain correlated as taken, its logits rows' statistics made at take_tables, or as the
+    # recorder's --correlate-every: reduced as taken, correlated together (session/drain_batches.py)
+    together = DrainBatches(correlate_every)
+    if not correlate_every:
         together.reducer = None
-    correlate_every = max(1, round(CORRELATE_S / DRAIN_INTERVAL_S))
+    drains_per = max(1, round(correlate_every / DRAIN_INTERVAL_S))
     kw = dict(kept["correlator"])
     serving = ServingTracker(kw["pid"]) if kw.pop("serving") else None
     corr = Correlator(**kw, texts=texts, serving=serving)
@@ -185,7 +190,7 @@ def _replay_once(
             together.add(batch, final=final)
             cpu["logits"] += clock() - t1
             flushing = (k + 1) % flush_every == 0
-            if not (final or flushing or (k + 1) % correlate_every == 0):
+            if not (final or flushing or (k + 1) % drains_per == 0):
                 continue
             batches = together.take()
         for b, batch in enumerate(batches):
@@ -275,7 +280,11 @@ def replay(a: argparse.Namespace) -> int:
     for _ in range(a.repeat):
         with tempfile.TemporaryDirectory(prefix="sparseety-replay-") as tmp:
             cpu, made = _replay_once(
-                kept, texts, None, None if a.no_write else Path(tmp) / "rec", per_drain=a.per_drain
+                kept,
+                texts,
+                None,
+                None if a.no_write else Path(tmp) / "rec",
+                correlate_every=a.correlate_every,
             )
         best = {s: min(best.get(s, float("inf")), v) for s, v in cpu.items()}
     n = max(made["tokens"], 1)
@@ -299,7 +308,7 @@ def replay(a: argparse.Namespace) -> int:
     )
     if a.profile:
         prof = cProfile.Profile()
-        _replay_once(kept, texts, prof, None, per_drain=a.per_drain)
+        _replay_once(kept, texts, prof, None, correlate_every=a.correlate_every)
         out = io.StringIO()
         stats = pstats.Stats(prof, stream=out)
         stats.sort_stats(a.profile_sort).print_stats(a.profile)
@@ -347,11 +356,13 @@ def main() -> int:
         "--no-write", action="store_true", help="leave out the flush's aggregates and Parquet writes"
     )
     r.add_argument(
-        "--per-drain",
-        action="store_true",
-        help="correlate each drain as taken, its logits rows' statistics made with its rows (the "
-        "recorder without the C backend), instead of reducing the logits rows as drained and "
-        "correlating every CORRELATE_S worth of drains",
+        "--correlate-every",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="as the recorder's --correlate-every: each drain's logits rows reduced as taken and "
+        "the drains of SECONDS (at its 0.5 s drain interval) correlated together; default 0, each "
+        "drain correlated as taken",
     )
     r.add_argument("--profile", type=int, default=0, metavar="N", help="also the N costliest functions")
     r.add_argument(

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from sparseety_prof.cli import build_parser
 from sparseety_prof.commands.attach_flags import options_from as _options
+from sparseety_prof.errors import UsageError
 
 
 def test_shared_flags_reach_the_options() -> None:
@@ -15,3 +18,13 @@ def test_shared_flags_reach_the_options() -> None:
         assert (o.pid, o.out, o.duration, o.redact_text, o.nice) == (7, Path("rec"), 2.5, True, 3)
     assert _options(p.parse_args(["attach", "--pid", "7"])).out is None
     assert _options(p.parse_args(["record", "--pid", "7", "-o", "r"])).nice == 10
+
+
+def test_correlate_every_is_checked_and_off_by_default() -> None:
+    p = build_parser()
+    base = ["record", "--pid", "7", "-o", "r"]
+    assert _options(p.parse_args(base)).correlate_every == 0
+    assert _options(p.parse_args([*base, "--correlate-every", "1.5"])).correlate_every == 1.5
+    for bad in ("-1", "11"):
+        with pytest.raises(UsageError, match="--correlate-every"):
+            _options(p.parse_args([*base, "--correlate-every", bad]))

@@ -33,10 +33,13 @@ def _by_request(tokens: pl.DataFrame) -> list[pl.DataFrame]:
     return [tokens.filter(pl.col("request_id") == r).sort("t_end_ns") for r in order["request_id"]]
 
 
+@pytest.mark.parametrize("together", [False, True])
 def test_tokens_match_engine_ground_truth(
-    llama_engine: Engine, tmp_path: Path, models: dict[str, Path]
+    llama_engine: Engine, tmp_path: Path, models: dict[str, Path], together: bool
 ) -> None:
-    rec = Recorder(llama_engine.pid, tmp_path / "rec")
+    """Every token field against the engine's own values; `together`: with `--correlate-every`
+    (each drain's logits rows reduced as taken, drains correlated together)."""
+    rec = Recorder(llama_engine.pid, tmp_path / "rec", *(["--correlate-every", "1"] if together else []))
     truth = llama_engine.generate(PROMPTS, max_tokens=220)
     rc, err = rec.stop(signal.SIGINT)
     assert rc == 0, err
@@ -81,6 +84,11 @@ def test_tokens_match_engine_ground_truth(
     # hashed through the engine's own mapping of the file
     assert meta["model"]["sha256"] == hashlib.sha256(models["moe"].read_bytes()).hexdigest()
     assert meta["target"]["pid"] == llama_engine.pid
+    consumer = meta["consumer"]
+    assert consumer["correlate_every_s"] == (1 if together else 0)
+    assert consumer["logits_token_mismatch"] == 0
+    if together:  # no more correlations than drains (the drains of 1 s together)
+        assert 0 < consumer["correlations"] <= consumer["drains"]
 
 
 def test_output_identical_with_and_without_profiler(models: dict[str, Path], tmp_path: Path) -> None:
@@ -243,16 +251,18 @@ def test_recording_files_private(
         assert (st.st_uid, st.st_gid) == (65534, 65534), p
 
 
-def test_large_vocabulary_rows_split_over_several_records(tmp_path: Path) -> None:
+@pytest.mark.parametrize("together", [False, True])
+def test_large_vocabulary_rows_split_over_several_records(tmp_path: Path, together: bool) -> None:
     """A 40,000-entry vocabulary: each logits row crosses the ring buffer as three records (two
-    full, one partial); reassembled, the statistics are still exact."""
+    full, one partial); reassembled, the statistics are still exact (also reduced as drained,
+    `together`)."""
     from conftest import make_model
 
     model = make_model(tmp_path / "bigvocab.gguf", "moe", n_vocab_min=40_000)
     e = Engine([str(ENGINES / "llama_engine.py"), str(model)])
     try:
         assert e.ready["n_vocab"] >= 40_000
-        rec = Recorder(e.pid, tmp_path / "rec")
+        rec = Recorder(e.pid, tmp_path / "rec", *(["--correlate-every", "1"] if together else []))
         truth = e.generate(PROMPTS[:2], max_tokens=40)
         rc, err = rec.stop()
         assert rc == 0, err

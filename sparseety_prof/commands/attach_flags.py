@@ -107,6 +107,15 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         "64M); beyond it the oldest undecided requests are kept early, counted in meta.json policy.window",
     )
     p.add_argument(
+        "--correlate-every",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="reduce each drain's logits rows to their statistics as it is taken and correlate the "
+        "drains of SECONDS together (up to 10): less CPU per token when the consumer has a core of "
+        "its own, more when the engine keeps every core busy (README); default 0, each drain as taken",
+    )
+    p.add_argument(
         "--ring-mb",
         type=int,
         default=64,
@@ -347,6 +356,8 @@ def options_from(args: argparse.Namespace) -> Options:
     from sparseety_prof.store.redaction_levels import redaction_from_flags
     from sparseety_prof.store.rotation import parse_size
 
+    if not 0 <= args.correlate_every <= 10:
+        raise UsageError(f"--correlate-every must be from 0 to 10 seconds, got {args.correlate_every}")
     if not args.flush_interval > 0:
         raise UsageError(f"--flush-interval must be a positive number of seconds, got {args.flush_interval}")
     redact, redact_layers = redaction_from_flags(args.redact, args.redact_layers)
@@ -409,6 +420,7 @@ def options_from(args: argparse.Namespace) -> Options:
         out=args.output,
         duration=args.duration,
         flush_interval=args.flush_interval,
+        correlate_every=args.correlate_every,
         max_disk=max_disk,
         max_memory=max_memory,
         redact_text=args.redact_text,

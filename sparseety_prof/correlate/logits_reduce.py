@@ -4,12 +4,11 @@ goes back at once and the correlation can run on several drains together.
 Why: the logits records are nearly all of what the probes send (about 130 KiB a token at a
 32,000-entry vocabulary, against about 4 KiB of everything else). The consumer reads them where
 they lie in the ring (RingReader.take by reference) and the ring's space waits for it, so the
-ring's size set how often the consumer had to wake up and correlate: about every half second
-with the default 64 MiB ring. Each wake-up finds its caches emptied by the engine, and the
-correlation's cost per token fell by about a quarter when it ran every 2 s instead
-(`scripts/profile_consumer.py`; README). With the rows reduced here, a drain keeps only the
-small records (copied) and each row's statistics; the recorder correlates every CORRELATE_S
-(session/recorder.py), and the ring's size only bounds a burst.
+ring's size sets how often the consumer has to wake up and correlate: about every half second
+with the default 64 MiB ring. With the rows reduced here, a drain keeps only the small records
+and each row's statistics, and the ring's space goes back at once; under `--correlate-every`
+the recorder then correlates several drains together (session/drain_batches.py), and the ring's
+size only bounds a burst.
 
 The statistics are those the correlator computes at take_tables (logit_stats.py: the same C
 call on the same floats, so the same values), for the token the sampler call returned. Which

@@ -1,16 +1,16 @@
-"""When the consumer correlates: the drains it takes, their logits rows reduced at once
-(correlate/logits_reduce.py), wait here and go to the correlator together every CORRELATE_S.
+"""`--correlate-every SECONDS`: the drains the consumer takes, their logits rows reduced at
+once (correlate/logits_reduce.py), wait here and go to the correlator together.
 
-The ring is drained as often as before (session/sched.py paces it to the ring's fill), and its
-space goes back as soon as a drain's logits rows are reduced. The correlation, the rows and the
-frames, which cost the consumer most per wake-up, run less often: each wake-up of the consumer
-on cores the engine keeps busy starts from caches the engine has emptied (with an idle core for
-the consumer, `scripts/profile_consumer.py` measured 125 -> 105 µs of CPU per token correlating
-every 2 s; README "Drains reduced at once, correlated together"). Drains wait no longer than
-CORRELATE_S, not at all while the consumer is behind, and never past a flush (FlushSchedule:
-what a flush writes is what the drains before it held) or the end. Their records are small
-(about 4 KiB a token beside the ~130 KiB of floats they no longer hold), so waiting costs
-little memory."""
+The ring is drained as often as without it (session/sched.py paces it to the ring's fill), and
+its space goes back as soon as a drain's logits rows are reduced. The correlation, the rows and
+the frames run less often, each on more drains: each wake-up of the consumer starts from caches
+the engine has emptied. With a core of its own (`scripts/profile_consumer.py`, one engine thread
+on two cores) that cut the recorder's CPU per token by a sixth; with both cores kept busy by the
+engine (`scripts/bench_sustained.py`) it cost more, so it is not the default (README "Drains
+reduced at once, correlated together"). Drains wait no longer than SECONDS, not at all while
+the consumer is behind, and never past a flush (FlushSchedule: what a flush writes is what the
+drains before it held) or the end. Their records are small (about 4 KiB a token beside the
+~130 KiB of floats they no longer hold), so waiting costs little memory."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from sparseety_prof.capture.events import EventBatch
 from sparseety_prof.capture.logits_rows import LogitsStats
 from sparseety_prof.correlate.logits_reduce import GROUPS, UNPAIRED, LogitsReducer
 
-# The longest a drain waits for its correlation. 2 s cut the most CPU per token with an idle core
-# for the consumer, but with both cores kept busy by the engine the consumer, at nice 10, took
-# long enough over 2 s of drains for the ring to fill to 84% behind it (against 63% correlating
-# every drain); 1 s kept it at 65-67% (README).
+# `--correlate-every`'s suggested value (scripts/replay_drains.py replays it by default): the
+# drains of 1 s together. Correlating every 2 s cut the most CPU per token with an idle core for
+# the consumer, but with both cores kept busy by the engine the consumer, at nice 10, took long
+# enough over 2 s of drains for the ring to fill to 84% behind it (63% correlating every drain).
 CORRELATE_S = 1.0
 
 

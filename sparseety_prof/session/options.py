@@ -43,6 +43,9 @@ class Options:
     discover_layout: bool = False  # learn the llama_ubatch layout on live data even if the table has it
     discover_timeout: float = 120.0  # seconds to wait for forward passes to learn a layout from
     ring_mb: int = 64  # the ring buffer the probes write to (a power of two; kernel memory, locked)
+    # seconds of drains correlated together, their logits rows reduced as drained
+    # (session/drain_batches.py); 0: each drain correlated as it is taken
+    correlate_every: float = 0.0
     policy: tuple[str, ...] = ("full",)  # what the recording keeps (session/policy.py), any of them
     policy_window: int = 64 << 20  # bytes of rows the per-request policies hold until decided
     max_memory: int | None = DEFAULT_MAX_MEMORY  # the consumer's anonymous memory (session/memory_budget.py)
