@@ -164,9 +164,7 @@ def _replay_once(
     flush_every = max(1, round(FLUSH_INTERVAL_S / DRAIN_INTERVAL_S))  # drains, under load
     # each drain correlated as taken, its logits rows' statistics made at take_tables, or as the
     # recorder's --correlate-every: reduced as taken, correlated together (session/drain_batches.py)
-    together = DrainBatches(correlate_every)
-    if not correlate_every:
-        together.reducer = None
+    together = DrainBatches(correlate_every) if correlate_every and DrainBatches.available() else None
     drains_per = max(1, round(correlate_every / DRAIN_INTERVAL_S))
     kw = dict(kept["correlator"])
     serving = ServingTracker(kw["pid"]) if kw.pop("serving") else None
@@ -186,7 +184,7 @@ def _replay_once(
         t1 = clock()
         cpu["decode"] += t1 - t0
         batches = [batch]
-        if together.reducer is not None:
+        if together is not None:
             together.add(batch, final=final)
             cpu["logits"] += clock() - t1
             flushing = (k + 1) % flush_every == 0

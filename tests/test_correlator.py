@@ -606,7 +606,6 @@ def _replay(
     per = -(-len(s.recs) // drains)
     together = DrainBatches() if reduce_every else None
     if together is not None and reducers is not None:
-        assert together.reducer is not None
         reducers.append(together.reducer)
     for d, k in enumerate(range(0, len(s.recs), per)):
         final = k + per >= len(s.recs)
@@ -1746,3 +1745,25 @@ def test_logits_rows_of_several_records_reduced_as_the_correlator_assembles_them
         ref = x - x.max() - np.log(np.exp(x - x.max()).sum())
         assert lps[i] == pytest.approx(ref[ids[i]], abs=1e-5)
     assert reducers[0].dropped_open == 1  # the last call never ended
+
+
+def test_reduced_runs_leave_unpaired_and_other_token_rows_null() -> None:
+    """A run of reduced rows (plain_run's add_run_at) with a record no call completed (`at` past
+    every table) and a row whose statistics were of another token: both null, the second counted."""
+    from sparseety_prof.capture.logits_rows import LogitsStats
+    from sparseety_prof.correlate.logit_stats import PendingStats
+    from sparseety_prof.correlate.logits_reduce import UNPAIRED
+
+    table = LogitsStats(
+        np.array([4, 6], np.int64),
+        np.array([-0.5, -1.5]),
+        np.array([[4, 1], [6, 2]], np.int64),
+        np.array([[-0.5, -2.0], [-1.5, -2.5]]),
+        np.array([0.7, 0.9]),
+    )
+    p = PendingStats()
+    p.add_run_at(0, table, np.array([0, UNPAIRED, 1], np.uint64), 10)
+    tok: dict[str, list[object]] = {"token_id": [4, 5, 7]}
+    p.fill(tok)
+    assert tok["log_prob"] == [-0.5, None, None] and tok["top_ids"] == [[4, 1], None, None]
+    assert p.token_mismatch == 1

@@ -30,12 +30,12 @@ class LogitsStats:
         return len(self.token)
 
     @staticmethod
-    def empty(k: int = 1) -> LogitsStats:
+    def empty() -> LogitsStats:
         return LogitsStats(
             np.empty(0, np.int64),
             np.empty(0, np.float64),
-            np.empty((0, k), np.int64),
-            np.empty((0, k), np.float64),
+            np.empty((0, 1), np.int64),
+            np.empty((0, 1), np.float64),
             np.empty(0, np.float64),
         )
 
@@ -47,8 +47,7 @@ class LogitsStats:
             return LogitsStats.empty()
         if len(parts) == 1:
             return parts[0]
-        k = max(p.top_ids.shape[1] for p in parts)
-        if any(p.top_ids.shape[1] != k for p in parts):
+        if any(p.top_ids.shape[1] != parts[0].top_ids.shape[1] for p in parts):
             # rows of another width have another k (min(TOP_K, width)): a model has one vocabulary,
             # so this is a recording of two models' contexts; kept apart by padding would lie
             raise ValueError("logits statistics of rows with different numbers of alternatives")

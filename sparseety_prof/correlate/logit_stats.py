@@ -116,10 +116,9 @@ class PendingStats:
         for first, t, offsets in runs:
             if not len(t):
                 continue  # no row of the run was complete
-            js = offsets.astype(np.int64)
+            ok = offsets < len(t)  # (unpaired records: past the table's end, compared unsigned)
+            js = np.where(ok, offsets, 0).astype(np.int64)
             n = len(js)
-            ok = js < len(t)  # (unpaired records: past the table's end)
-            js = np.where(ok, js, 0)
             want = np.asarray(token_ids[first : first + n], dtype=np.int64)
             same = ok & (t.token[js] == want)
             self.token_mismatch += int(np.count_nonzero(ok & ~same))

@@ -30,8 +30,7 @@ CORRELATE_S = 1.0
 
 
 class DrainBatches:
-    """Reduced drains waiting for the correlator. `reducer` is None without the C statistics
-    backend: then each drain is correlated as it is taken (the caller checks).
+    """Reduced drains waiting for the correlator (only with the C statistics backend: available()).
 
     A drain's records are copied once, into buffers kept from one correlation to the next (a
     fresh array per drain and layout, then one more copy to put the drains together, cost
@@ -39,7 +38,7 @@ class DrainBatches:
     until the next add(), as a drain's records were until the next take."""
 
     def __init__(self, correlate_s: float = CORRELATE_S) -> None:
-        self.reducer: LogitsReducer | None = LogitsReducer() if LogitsReducer.available() else None
+        self.reducer = LogitsReducer()
         self.correlate_s = correlate_s
         self._buf: dict[str, np.ndarray] = {}  # per layout: records gathered (the first _used)
         self._used: dict[str, int] = {}
@@ -52,9 +51,12 @@ class DrainBatches:
         self._since = time.monotonic()  # when the oldest waiting drain came
         self.correlations = 0  # batches handed to the correlator (meta.json consumer)
 
+    @staticmethod
+    def available() -> bool:
+        return LogitsReducer.available()
+
     def add(self, batch: EventBatch, *, final: bool = False) -> None:
         """A drain's records, its logits rows reduced here."""
-        assert self.reducer is not None
         reduced = self.reducer.reduce(batch, final=final)
         if self._taken:
             self._restart()

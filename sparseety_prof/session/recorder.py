@@ -208,8 +208,10 @@ class Recorder:
         flush = FlushSchedule(opts.flush_interval)
         budget = MemoryBudget(opts.max_memory)
         watch = sched.watch(reader.pending_share, reader.wake_fd, reader.arm_watch)
-        drains = DrainBatches(opts.correlate_every)
-        together = opts.correlate_every > 0 and drains.reducer is not None
+        # --correlate-every: drains reduced as taken and correlated together (None: each as taken)
+        drains = (
+            DrainBatches(opts.correlate_every) if opts.correlate_every and DrainBatches.available() else None
+        )
         stages, cpu_drains0 = self._stages, _cpu_s()
         stages.restart()  # on this thread; attach's CPU is not a stage's
         self._collector.start()  # the cyclic collector runs after flushes only (collector.py)
@@ -225,7 +227,7 @@ class Recorder:
                 sched.after_drain(filled, (now - t_prev) * 1e3)
                 t_prev = now
                 batch = self._decode(records, tracker, a.session, ring_data=reader.data)
-                if not together:  # each drain correlated as taken
+                if drains is None:
                     self._consume(batch, corr, tracker, writer, a.session, gpu=gpu)
                     reader.release()  # the logits rows read where they lay: their space goes back now
                 else:
@@ -262,10 +264,10 @@ class Recorder:
                 try:
                     batch = self._decode(rest, tracker, a.session, final=True)
                     batches = [batch]
-                    if together:
+                    if drains is not None:
                         drains.add(batch, final=True)
                         stages.lap("logits")
-                        batches = drains.take() or [batch]
+                        batches = drains.take()
                     for i, b in enumerate(batches):
                         last = i == len(batches) - 1
                         self._consume(
@@ -292,9 +294,9 @@ class Recorder:
                     "drains_logits_by_ref": reader.takes_by_ref,
                     # drains go to the correlator together (drain_batches.py): how often it ran,
                     # and the logits records of a sampler call a drain cut, reduced with the next
-                    "correlate_every_s": opts.correlate_every if together else 0,
-                    "correlations": drains.correlations if together else reader.takes,
-                    "logits_carried": drains.reducer.carried if together and drains.reducer else 0,
+                    "correlate_every_s": opts.correlate_every if drains is not None else 0,
+                    "correlations": drains.correlations if drains is not None else reader.takes,
+                    "logits_carried": drains.reducer.carried if drains is not None else 0,
                     # reduced rows whose statistics were of another token than the token row's
                     # (never expected: both are the sampler call's result); left null
                     "logits_token_mismatch": corr.requests.stats.token_mismatch,
