@@ -42,6 +42,8 @@ enum ev_kind { /* where the record is made, and its struct (ev_small's fields: t
     EV_SLOT_CHILD = 18,   /* launch_slots_with_parent_task entry                    ev_small        */
     EV_SLOT_RELEASE = 19, /* server_slot::release entry                             ev_small        */
     EV_SLOT_TOKEN = 20,   /* process_token entry                                    ev_small        */
+    /* ---- head sampling in the probes (-DHEAD_KEEP_BELOW; token_probes.bpf.c head_keeps) */
+    EV_HEAD_DRAW = 21,    /* a sequence's draw, where a sampler read its row       ev_small        */
 };
 
 enum sampler_kind { SAMPLER_LLAMA = 1, SAMPLER_COMMON = 2 };
@@ -72,6 +74,7 @@ struct ev_hdr {
  *   EV_SLOT_CHILD     -               child slot id    task id          parent slot id   child server_slot*
  *   EV_SLOT_RELEASE   -               slot id          -                -                server_slot*
  *   EV_SLOT_TOKEN     -               slot id          token id         -                server_slot*
+ *   EV_HEAD_DRAW      llama_context*  seq id           1 kept, 0 not    row position     -
  */
 struct ev_small {
     struct ev_hdr h;

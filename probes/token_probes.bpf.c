@@ -27,7 +27,9 @@ BPF_RINGBUF_OUTPUT(events, RB_PAGES);
 /* counters[0] = next record sequence number, [1] = records dropped (reserve failed),
  * [2] = ubatch rows not copied (micro-batch larger than MAX_UB_TOK),
  * [3] = sparse-decision rows not captured (beyond a record or counting budget),
- * [4] = attention output rows not counted (beyond ATT_MAX_ROWS / ATT_BLOCKS) */
+ * [4] = attention output rows not counted (beyond ATT_MAX_ROWS / ATT_BLOCKS),
+ * [5] = logits rows not copied: their sequence drew "drop" (head sampling, HEAD_KEEP_BELOW),
+ * [6] = logits rows copied without a draw: no public batch leads to their sequence (head sampling) */
 BPF_ARRAY(counters, u64, 8);
 
 struct sampler_state {
@@ -178,6 +180,87 @@ static __always_inline void agg_end(u64 serial, u64 lctx) {
 }
 #endif
 
+#ifdef HEAD_KEEP_BELOW
+/* ---- head sampling in the probes (--policy head:RATE alone: session/policy.py probe_head_rate)
+ * For a request head sampling drops, the probes copy no logits row: 97% of a decode step's bytes,
+ * and the consumer's costliest per-token work. Each (context, sequence) draws keep or drop where a
+ * sampler reads one of its rows: bpf_get_prandom_u32() below HEAD_KEEP_BELOW (RATE * 2^32) keeps.
+ * It draws again when the row's position does not continue the sequence's last sampled row (the
+ * next position, or the same row read again): a new prompt, or a sequence cut back, starts a new
+ * request. Each draw is sent (EV_HEAD_DRAW) before the row's logits; the consumer keeps a request
+ * when the draw its first token saw kept it (correlate/request_tokens.py), so what it keeps is
+ * exactly what was copied. The row of a sampler's index comes from the public llama_batch of the
+ * context's last decode call (the server's view of its batch included): index i >= 0 is row i,
+ * i < 0 the row n_tokens + i (the last rows, which produce the outputs in the front ends that use
+ * negative indices). Without a public batch, or positions, a row is copied (counters[6]). */
+struct batch_ref {
+    u64 pos;    /* llama_batch.pos: NULL when llama.cpp fills the positions itself */
+    u64 seq_id; /* llama_batch.seq_id */
+    s32 n_tokens;
+    u32 pad;
+};
+BPF_HASH(ctx_batch, u64, struct batch_ref, 1024);
+struct head_key {
+    u64 ctx;
+    s32 seq;
+    u32 pad;
+};
+struct head_seq {
+    s32 last_pos; /* position of the sequence's last sampled row */
+    u32 keep;
+};
+/* least recently used sequences make room: one forgotten draws again at its next row */
+BPF_TABLE("lru_hash", struct head_key, struct head_seq, head_seqs, 16384);
+
+/* the public llama_batch of a decode call: pos@24, seq_id@40 (stable C API) */
+static __always_inline void head_batch(u64 lctx, u64 b, s32 n) {
+    struct batch_ref r = {};
+    r.n_tokens = n;
+    bpf_probe_read_user(&r.pos, sizeof(r.pos), (void *)(b + 24));
+    bpf_probe_read_user(&r.seq_id, sizeof(r.seq_id), (void *)(b + 40));
+    ctx_batch.update(&lctx, &r);
+}
+
+/* Whether the logits row a sampler reads at index idx of context lctx is copied. */
+static __always_inline int head_keeps(u64 lctx, s32 idx) {
+    struct batch_ref *b = ctx_batch.lookup(&lctx);
+    if (!b || !b->pos || !b->seq_id) {
+        count(6, 1);
+        return 1;
+    }
+    s32 n = b->n_tokens;
+    s32 row = idx < 0 ? n + idx : idx;
+    u64 sp = 0;
+    s32 seq = -1, pos = -1;
+    if (row < 0 || row >= n ||
+        bpf_probe_read_user(&sp, sizeof(sp), (void *)(b->seq_id + (u64)row * 8)) || !sp ||
+        bpf_probe_read_user(&seq, sizeof(seq), (void *)sp) ||
+        bpf_probe_read_user(&pos, sizeof(pos), (void *)(b->pos + (u64)row * 4))) {
+        count(6, 1);
+        return 1;
+    }
+    struct head_key k = {};
+    k.ctx = lctx;
+    k.seq = seq;
+    struct head_seq *s = head_seqs.lookup(&k);
+    u32 keep;
+    if (s && (pos == s->last_pos + 1 || pos == s->last_pos)) {
+        s->last_pos = pos;
+        keep = s->keep;
+    } else {
+        struct head_seq d = {};
+        d.last_pos = pos;
+        d.keep = (u64)bpf_get_prandom_u32() < (u64)HEAD_KEEP_BELOW;
+        keep = d.keep;
+        head_seqs.update(&k, &d);
+        emit_small(EV_HEAD_DRAW, lctx, seq, (s32)keep, pos, 0);
+    }
+    if (!keep)
+        count(5, 1);
+    return keep;
+}
+#endif
+
 /* ---- decode call boundaries: llama_context::decode(const llama_batch &) and, in builds that
  * have it, decode(const llama_batch_ext &), which the first may call. Entry probes only: a
  * return probe on a function that spans the whole forward pass cost 6-9% tokens/s with two
@@ -204,6 +287,9 @@ int decode_public_enter(struct pt_regs *ctx) {
     if (p)
         bpf_probe_read_user(&pos0, sizeof(pos0), (void *)p);
     emit_small(EV_DECODE_BEGIN, PT_REGS_PARM1(ctx), n, tok0, pos0, b);
+#ifdef HEAD_KEEP_BELOW
+    head_batch(PT_REGS_PARM1(ctx), b, n);
+#endif
     return 0;
 }
 
@@ -214,6 +300,10 @@ int decode_ext_enter(struct pt_regs *ctx) {
         return 0;
     }
     emit_small(EV_DECODE_BEGIN, PT_REGS_PARM1(ctx), -1, -1, -1, PT_REGS_PARM2(ctx));
+#ifdef HEAD_KEEP_BELOW
+    u64 lctx = PT_REGS_PARM1(ctx);
+    ctx_batch.delete(&lctx); /* no public layout: its rows are copied without a draw */
+#endif
     return 0;
 }
 
@@ -397,6 +487,10 @@ int logits_return(struct pt_regs *ctx) {
     u64 row = PT_REGS_RC(ctx);
     if (!row)
         return 0;
+#ifdef HEAD_KEEP_BELOW
+    if (!head_keeps(lctx, idx))
+        return 0;
+#endif
     for (u32 c = 0; c < N_VOCAB / LOGITS_CHUNK && c < MAX_LOGITS_CHUNKS; c++)
         emit_chunk(lctx, idx, c, row, LOGITS_CHUNK);
 #if N_VOCAB % LOGITS_CHUNK

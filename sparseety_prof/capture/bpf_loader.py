@@ -176,13 +176,16 @@ class Session:
 
     def counters(self) -> dict[str, int]:
         c = self.bpf["counters"]
-        vals = [int(c[ctypes.c_int(i)].value) for i in range(5)]
+        vals = [int(c[ctypes.c_int(i)].value) for i in range(7)]
         return {
             "records_produced": vals[0],
             "kernel_drops": vals[1],
             "ubatch_rows_not_copied": vals[2],
             "sparse_rows_not_captured": vals[3],
             "attention_rows_not_counted": vals[4],
+            # head sampling in the probes (token_probes.bpf.c head_keeps): not losses
+            "head_logits_not_copied": vals[5],
+            "head_logits_without_draw": vals[6],
         }
 
     def program_misses(self) -> int:
@@ -258,7 +261,10 @@ def compile_and_attach(
     moe: MoePlan | None = None,
     ring_pages: int = RING_BUFFER_PAGES,
     n_layer: int | None = None,
+    head_keep_below: int | None = None,
 ) -> Session:
+    """`head_keep_below`: head sampling in the probes (session/policy.py probe_keep_below), or
+    None to copy every logits row."""
     if build.ubatch is None:
         raise ValueError("compile_and_attach needs a llama_ubatch layout (from the table or discovery)")
     bcc = import_bcc()
@@ -288,6 +294,7 @@ def compile_and_attach(
         f"-DAGG_LAYERS={agg_layers}",
         f"-DAGG_LAYER_MASK={agg_layers - 1}",
         *(["-DHAVE_TASK_STORAGE"] if task_storage_usable() else []),
+        *([f"-DHEAD_KEEP_BELOW={head_keep_below}ULL"] if head_keep_below is not None else []),
         "-Wno-macro-redefined",
     ]
     t0 = time.monotonic()

@@ -34,6 +34,7 @@ EV_SLOT_LAUNCH = 17
 EV_SLOT_CHILD = 18
 EV_SLOT_RELEASE = 19
 EV_SLOT_TOKEN = 20
+EV_HEAD_DRAW = 21  # head sampling in the probes: a sequence's draw (token_probes.bpf.c head_keeps)
 
 TAG_EXPERT_IDS = 1
 TAG_EXPERT_WEIGHTS = 2

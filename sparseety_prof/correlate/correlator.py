@@ -59,8 +59,11 @@ class Correlator:
         serving: ServingTracker | None = None,
         slot_tokens: bool = False,
         routes_rows: bool = True,
+        head_verdicts: dict[str, bool] | None = None,
     ) -> None:
-        """`routes_rows`: make the routes table's rows, or only count them (RoutesTables)."""
+        """`routes_rows`: make the routes table's rows, or only count them (RoutesTables).
+        `head_verdicts`: with head sampling in the probes, each request's verdict (the draw its
+        first token saw) is put there by request id, for the head policy (request_verdicts.Head)."""
         self.pid = pid
         self.n_vocab = n_vocab
         self.wall_offset_ns = wall_offset_ns
@@ -93,6 +96,7 @@ class Correlator:
             counters=self.counters,
             serving=serving,
             slot_tokens=slot_tokens,
+            head_verdicts=head_verdicts,
         )
         self.routes = RoutesTables(self.layers, self.problems, with_masks=with_masks, rows=routes_rows)
 
@@ -484,6 +488,14 @@ class Correlator:
                 self.counters.logits_incomplete += 1
         self.requests.sample_end(c, tid, idx, int(r["a"]), logits)
 
+    def _on_head_draw(self, r: dict[str, Any]) -> None:
+        keep = bool(r["b"])
+        self._ctx(int(r["ctx"])).head_draw[int(r["a"])] = keep
+        if keep:
+            self.counters.head_draws_kept += 1
+        else:
+            self.counters.head_draws_dropped += 1
+
     def _on_seq_rm(self, r: dict[str, Any]) -> None:
         self._seq_rm(int(r["tid"]), int(r["a"]), int(r["b"]))
 
@@ -554,4 +566,5 @@ _HANDLERS: dict[int, Callable[[Correlator, dict[str, Any]], None]] = {
     ev.EV_SLOT_CHILD: Correlator._on_slot_child,
     ev.EV_SLOT_RELEASE: Correlator._on_slot_release,
     ev.EV_SLOT_TOKEN: Correlator._on_slot_token,
+    ev.EV_HEAD_DRAW: Correlator._on_head_draw,
 }

@@ -78,8 +78,10 @@ class RequestTokens:
         counters: Counters,
         serving: ServingTracker | None,
         slot_tokens: bool,
+        head_verdicts: dict[str, bool] | None = None,
     ) -> None:
         self.pid = pid
+        self.head_verdicts = head_verdicts  # Correlator's `head_verdicts`
         self.wall_offset_ns = wall_offset_ns
         self.texts = texts
         self.layers = layers
@@ -531,6 +533,11 @@ class RequestTokens:
         sparse_values: tuple[object, ...],
     ) -> None:
         """The token row, and the sequence's state after it."""
+        if self.head_verdicts is not None and not st.head_judged:
+            # the request's first token: the probes copied its logits row if its sequence's last
+            # draw kept it (a sequence with no draw was copied: no public batch led to it)
+            st.head_judged = True
+            self.head_verdicts[st.request_id] = c.head_draw.get(seq, True)
         # in TOKEN_ROW order: one tuple per token, no keyword dict (a row per token)
         self.tokens.add_values(
             (

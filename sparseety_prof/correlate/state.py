@@ -79,6 +79,7 @@ class SeqState:
     samples: int = 0
     expect_token: int | None = None  # token sampled last, not yet fed back
     next_input_pending: tuple[Step, int] | None = None  # output row awaiting a next_input token
+    head_judged: bool = False  # its request's head verdict (the probes' draw) is taken
 
 
 @dataclass
@@ -112,6 +113,8 @@ class CtxState:
     unsure: set[int] = field(default_factory=set)
     requests: int = 0
     sampling: dict[int, SampleState] = field(default_factory=dict)  # by tid
+    # head sampling in the probes: each sequence's last draw (EV_HEAD_DRAW), True = logits copied
+    head_draw: dict[int, bool] = field(default_factory=dict)
 
 
 @dataclass
@@ -127,3 +130,5 @@ class Counters:
     samples_before_first_step: int = 0  # samples of a decode that ran before the attach
     sparse_before_first_step: int = 0  # graph-op records of the forward pass running at attach
     act_sampled_out: int = 0  # one-row passes whose activations --act-every left uncounted
+    head_draws_kept: int = 0  # head sampling in the probes: sequences that drew keep (EV_HEAD_DRAW)
+    head_draws_dropped: int = 0  # ... and drop

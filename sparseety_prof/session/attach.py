@@ -18,6 +18,7 @@ from sparseety_prof.capture.tensor_probe import ProcessMemory, TensorCheck, veri
 from sparseety_prof.capture.untrusted_files import PinnedFile
 from sparseety_prof.errors import NotAnEngine, UnsupportedEngineBuild, UsageError
 from sparseety_prof.session.options import Options
+from sparseety_prof.session.policy import probe_head_rate, probe_keep_below
 
 
 @dataclass
@@ -107,6 +108,7 @@ def _attach_probes(
     stop: Callable[[], bool],
 ) -> Attached:
     tensor_names = [ti.name for ti in tensors]
+    head_rate = probe_head_rate(opts.policy)
     n_layer = int(model.hyperparameters.get("block_count", 0) or 0)
     layers = layer_set(tensor_names, n_layer)
     plan = moe_plan(tensor_names, layers, model.architecture) if opts.moe_read == "auto" else MoePlan()
@@ -161,6 +163,7 @@ def _attach_probes(
         moe=plan,
         ring_pages=opts.ring_mb * (1 << 20) // mmap.PAGESIZE,
         n_layer=n_layer,
+        head_keep_below=None if head_rate is None else probe_keep_below(head_rate),
     )
     return Attached(
         t, build, model, model_file, vocab, sess, where, layers, layers_found, discovery, tensor_check

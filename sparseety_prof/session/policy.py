@@ -26,6 +26,25 @@ _DROPPED_TABLES: dict[str, frozenset[str]] = {
 }
 
 
+def probe_head_rate(specs: Sequence[str]) -> float | None:
+    """The rate of head sampling done in the probes, or None. When `head:RATE` is the only
+    per-request policy (`aggregate` may come with it), a request is decided at its start and
+    nothing else may keep it: the probes draw it there and copy no logits row of a request they
+    drop (token_probes.bpf.c head_keeps). With tail or anomaly, which decide at a request's end,
+    every request is captured and head is decided in the consumer, from the request id."""
+    per_request = [s for s in check(specs) if s not in _DROPPED_TABLES]
+    if len(per_request) != 1 or not per_request[0].startswith("head:"):
+        return None
+    head = request_verdicts.parse(per_request)[0]
+    assert isinstance(head, request_verdicts.Head)
+    return head.rate
+
+
+def probe_keep_below(rate: float) -> int:
+    """The probes' threshold for a rate: a draw of bpf_get_prandom_u32() below it keeps."""
+    return min(1 << 32, max(0, round(rate * (1 << 32))))
+
+
 def check(specs: Sequence[str]) -> tuple[str, ...]:
     """The `--policy` values, checked (ValueError with what is wrong)."""
     specs = tuple(specs) or ("full",)
@@ -64,12 +83,16 @@ class RecordingPolicy:
         meta: Mapping[str, Any] | None = None,
         *,
         window_bytes: int = DEFAULT_WINDOW_BYTES,
+        probe_verdicts: dict[str, bool] | None = None,
     ) -> None:
+        """`probe_verdicts`: with head sampling in the probes (probe_head_rate), the verdicts
+        the correlator takes from the probes' draws (request_verdicts.Head)."""
         self.specs = check(specs)
         per_request = [s for s in self.specs if s not in _DROPPED_TABLES]
         self._rows = RowPolicy(self.specs[0] if not per_request else "full")
+        self.probe_head = probe_verdicts is not None
         self.hold = (
-            RequestHold(request_verdicts.parse(per_request, meta), max_bytes=window_bytes)
+            RequestHold(request_verdicts.parse(per_request, meta, probe_verdicts), max_bytes=window_bytes)
             if per_request
             else None
         )
@@ -105,8 +128,12 @@ class RecordingPolicy:
         name = "+".join(self.specs)
         if self.hold is None:
             return {**self._rows.to_meta(), "name": name}
-        return {
+        out = {
             "name": name,
             "rows_dropped": dict(sorted(self.hold.rows_dropped.items())),
             **self.hold.meta(),
         }
+        if self.probe_head:
+            heads = [v for v in self.hold.verdicts if isinstance(v, request_verdicts.Head)]
+            out["head_in_probes"] = {"unjudged_requests": sum(h.unjudged for h in heads)}
+        return out

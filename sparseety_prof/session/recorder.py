@@ -41,7 +41,7 @@ from sparseety_prof.session.memory_budget import (
     trim_heap,
 )
 from sparseety_prof.session.options import Options, Progress
-from sparseety_prof.session.policy import RecordingPolicy
+from sparseety_prof.session.policy import RecordingPolicy, probe_head_rate
 from sparseety_prof.session.sched import ConsumerSched
 from sparseety_prof.session.sinks import FrameSink, SinkFanout
 from sparseety_prof.session.snapshot import engine_environment, host_info, process_info
@@ -73,7 +73,11 @@ class Recorder:
         self.opts = opts
         self._sink_list = list(sinks)
         self._sinks: SinkFanout | None = None
-        self._policy = RecordingPolicy(opts.policy, window_bytes=opts.policy_window)
+        # head sampling in the probes: the requests' verdicts, from the correlator to the policy
+        self._head_verdicts: dict[str, bool] | None = {} if probe_head_rate(opts.policy) is not None else None
+        self._policy = RecordingPolicy(
+            opts.policy, window_bytes=opts.policy_window, probe_verdicts=self._head_verdicts
+        )
         self._aggregates: Aggregator | None = None
         self.on_update = on_update
         self._rows = ColumnBuffer()
@@ -129,7 +133,9 @@ class Recorder:
         wall_offset = time.time_ns() - time.monotonic_ns()
         self.meta = metadata.run_metadata(a, opts)
         # the anomaly policy's detectors read the layer map
-        self._policy = RecordingPolicy(opts.policy, self.meta, window_bytes=opts.policy_window)
+        self._policy = RecordingPolicy(
+            opts.policy, self.meta, window_bytes=opts.policy_window, probe_verdicts=self._head_verdicts
+        )
         writer = None
         if opts.out is not None:
             try:
@@ -157,6 +163,7 @@ class Recorder:
             # routes rows nothing stores or reads (--policy aggregate without --metrics-port) are
             # counted, not made
             routes_rows=self._policy.stores("routes") or self._sinks.wants("routes") or opts.capture.masks,
+            head_verdicts=self._head_verdicts,
         )
         tracker = SeqTracker()
         self.attached.set()
@@ -335,6 +342,8 @@ class Recorder:
             self._store_aggregates(writer, final=True)
             stages.lap("flush")
             final["policy"] = self._policy.to_meta()
+            if "head_in_probes" in final["policy"]:
+                final["policy"]["head_in_probes"].update(metadata.head_in_probes(counters, corr, opts))
             final["aggregates"] = {
                 "bucket_s": opts.aggregate_s,
                 "left_out": sorted(self._aggregates.leave_out) if self._aggregates else [],

@@ -40,16 +40,30 @@ def head_fraction(request_id: str) -> float:
 
 class Head:
     """Keeps a request when its id falls below RATE: a share RATE of the requests, the same ones
-    when the same ids come again."""
+    when the same ids come again.
 
-    def __init__(self, rate: float) -> None:
+    With `probe_verdicts` (head sampling in the probes, session/policy.py probe_head_rate) the
+    probes have drawn each request at its start and copied the logits rows of those they kept
+    only: the verdict is theirs, which the correlator put there by request id at the request's
+    first token (taken once). A request with none is kept (`unjudged`): its rows are stored,
+    whatever the probes copied of them."""
+
+    def __init__(self, rate: float, probe_verdicts: dict[str, bool] | None = None) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"head:RATE needs 0 <= RATE <= 1, got {rate}")
         self.name = f"head:{rate:g}"
         self.rate = rate
+        self.probe_verdicts = probe_verdicts
+        self.unjudged = 0
 
     def keeps_at_start(self, request_id: str) -> bool:
-        return head_fraction(request_id) < self.rate
+        if self.probe_verdicts is None:
+            return head_fraction(request_id) < self.rate
+        kept = self.probe_verdicts.pop(request_id, None)
+        if kept is None:
+            self.unjudged += 1
+            return True
+        return kept
 
 
 def request_latency_ms(req: Mapping[str, Any]) -> float | None:
@@ -129,14 +143,19 @@ class Anomaly:
 Verdict = Head | Tail | Anomaly
 
 
-def parse(specs: list[str] | tuple[str, ...], meta: Mapping[str, Any] | None = None) -> list[Verdict]:
-    """The per-request policies of `--policy` values (full and aggregate are not per request)."""
+def parse(
+    specs: list[str] | tuple[str, ...],
+    meta: Mapping[str, Any] | None = None,
+    probe_verdicts: dict[str, bool] | None = None,
+) -> list[Verdict]:
+    """The per-request policies of `--policy` values (full and aggregate are not per request);
+    `probe_verdicts`: the head policy's verdicts, drawn in the probes (Head)."""
     out: list[Verdict] = []
     for spec in specs:
         name, _, arg = spec.partition(":")
         try:
             if name == "head":
-                out.append(Head(float(arg)))
+                out.append(Head(float(arg), probe_verdicts))
             elif name == "tail":
                 out.append(Tail(float(arg)))
             elif name == "anomaly":
