@@ -29,7 +29,7 @@ BPF_RINGBUF_OUTPUT(events, RB_PAGES);
  * [3] = sparse-decision rows not captured (beyond a record or counting budget),
  * [4] = attention output rows not counted (beyond ATT_MAX_ROWS / ATT_BLOCKS),
  * [5] = logits rows not copied: their sequence drew "drop" (head sampling, HEAD_KEEP_BELOW),
- * [6] = logits rows copied without a draw: no public batch leads to their sequence (head sampling) */
+ * [6] = logits rows copied without a draw: the sampler's index led to no output row listed (head sampling) */
 BPF_ARRAY(counters, u64, 8);
 
 struct sampler_state {
@@ -189,17 +189,31 @@ static __always_inline void agg_end(u64 serial, u64 lctx) {
  * next position, or the same row read again): a new prompt, or a sequence cut back, starts a new
  * request. Each draw is sent (EV_HEAD_DRAW) before the row's logits; the consumer keeps a request
  * when the draw its first token saw kept it (correlate/request_tokens.py), so what it keeps is
- * exactly what was copied. The row of a sampler's index comes from the public llama_batch of the
- * context's last decode call (the server's view of its batch included): index i >= 0 is row i,
- * i < 0 the row n_tokens + i (the last rows, which produce the outputs in the front ends that use
- * negative indices). Without a public batch, or positions, a row is copied (counters[6]). */
-struct batch_ref {
-    u64 pos;    /* llama_batch.pos: NULL when llama.cpp fills the positions itself */
-    u64 seq_id; /* llama_batch.seq_id */
-    s32 n_tokens;
-    u32 pad;
+ * exactly what was copied.
+ *
+ * The row a sampler's index names is found as the consumer finds it (RequestTokens._resolve):
+ * the output rows of the context's decode call, listed from its micro-batches in order (the
+ * rows the micro-batch record copied, whatever the decode's entry point: llama_batch or
+ * llama_batch_ext); index i >= 0 is the output at batch row i, i < 0 the output n_out + i. Up to
+ * HEAD_OUTS outputs per decode, found among the last HEAD_SCAN rows of each micro-batch (where
+ * prompts have theirs). A row found nowhere is copied without a draw (counters[6]). */
+#define HEAD_OUTS 64
+#define HEAD_SCAN 64
+_Static_assert((HEAD_OUTS & (HEAD_OUTS - 1)) == 0 && (UB_SMALL_TOK & (UB_SMALL_TOK - 1)) == 0 &&
+                   (MAX_UB_TOK & (MAX_UB_TOK - 1)) == 0,
+               "head sampling masks its indices: powers of two");
+/* i & mask in asm: clang checks a bound on one copy of an index and indexes with another, which
+ * the verifier cannot follow; the AND on the register used survives (see idx_agg_layer) */
+#define HEAD_MASK(i, mask) asm volatile("%[v] &= %[m]" : [v] "+r"(i) : [m] "i"(mask))
+struct head_rows {
+    u32 base;  /* batch rows of the decode's micro-batches before the running one */
+    u32 n_out; /* outputs listed */
+    s32 row[HEAD_OUTS];
+    s32 seq[HEAD_OUTS];
+    s32 pos[HEAD_OUTS];
 };
-BPF_HASH(ctx_batch, u64, struct batch_ref, 1024);
+BPF_HASH(head_rows, u64, struct head_rows, 1024);
+BPF_PERCPU_ARRAY(head_zero, struct head_rows, 1); /* never written: a zero value to insert */
 struct head_key {
     u64 ctx;
     s32 seq;
@@ -212,36 +226,77 @@ struct head_seq {
 /* least recently used sequences make room: one forgotten draws again at its next row */
 BPF_TABLE("lru_hash", struct head_key, struct head_seq, head_seqs, 16384);
 
-/* the public llama_batch of a decode call: pos@24, seq_id@40 (stable C API) */
-static __always_inline void head_batch(u64 lctx, u64 b, s32 n) {
-    struct batch_ref r = {};
-    r.n_tokens = n;
-    bpf_probe_read_user(&r.pos, sizeof(r.pos), (void *)(b + 24));
-    bpf_probe_read_user(&r.seq_id, sizeof(r.seq_id), (void *)(b + 40));
-    ctx_batch.update(&lctx, &r);
+/* A decode call begins: its outputs are listed afresh. */
+static __always_inline void head_decode(u64 lctx) {
+    struct head_rows *h = head_rows.lookup(&lctx);
+    if (h) {
+        h->base = 0;
+        h->n_out = 0;
+        return;
+    }
+    int k = 0;
+    struct head_rows *z = head_zero.lookup(&k);
+    if (z)
+        head_rows.update(&lctx, z);
 }
+
+/* The output rows of micro-batch record `e` (ROWS rows) into `h` (a macro, as the two records
+ * differ in their array sizes only; the caller looks `h` up: BCC takes no map call in a macro). */
+#define HEAD_OUTPUTS(h, e, ROWS, n)                                                             \
+    do {                                                                                        \
+        u32 m = e->n_copied;                                                                    \
+        u32 lo = m > HEAD_SCAN ? m - HEAD_SCAN : 0;                                             \
+        for (u32 j = 0; j < HEAD_SCAN; j++) {                                                   \
+            u64 i = lo + j;                                                                     \
+            if (i >= m || i >= (ROWS))                                                          \
+                break;                                                                          \
+            HEAD_MASK(i, (ROWS) - 1);                                                           \
+            if (!e->output[i])                                                                  \
+                continue;                                                                       \
+            u64 o = h->n_out;                                                                   \
+            if (o >= HEAD_OUTS)                                                                 \
+                break;                                                                          \
+            HEAD_MASK(o, HEAD_OUTS - 1);                                                        \
+            h->row[o] = (s32)(h->base + e->row_offset + i);                                     \
+            h->seq[o] = e->seq[i];                                                              \
+            h->pos[o] = e->pos[i];                                                              \
+            h->n_out = o + 1;                                                                   \
+        }                                                                                       \
+        h->base += (n);                                                                         \
+    } while (0)
 
 /* Whether the logits row a sampler reads at index idx of context lctx is copied. */
 static __always_inline int head_keeps(u64 lctx, s32 idx) {
-    struct batch_ref *b = ctx_batch.lookup(&lctx);
-    if (!b || !b->pos || !b->seq_id) {
+    struct head_rows *h = head_rows.lookup(&lctx);
+    if (!h) {
         count(6, 1);
         return 1;
     }
-    s32 n = b->n_tokens;
-    s32 row = idx < 0 ? n + idx : idx;
-    u64 sp = 0;
-    s32 seq = -1, pos = -1;
-    if (row < 0 || row >= n ||
-        bpf_probe_read_user(&sp, sizeof(sp), (void *)(b->seq_id + (u64)row * 8)) || !sp ||
-        bpf_probe_read_user(&seq, sizeof(seq), (void *)sp) ||
-        bpf_probe_read_user(&pos, sizeof(pos), (void *)(b->pos + (u64)row * 4))) {
+    s32 o = -1;
+    if (idx < 0) {
+        o = (s32)h->n_out + idx;
+    } else {
+        for (u64 j = 0; j < HEAD_OUTS; j++) {
+            if (j >= h->n_out)
+                break;
+            u64 jj = j;
+            HEAD_MASK(jj, HEAD_OUTS - 1);
+            if (h->row[jj] == idx) {
+                o = j;
+                break;
+            }
+        }
+    }
+    if (o < 0 || o >= HEAD_OUTS || o >= h->n_out) {
         count(6, 1);
         return 1;
     }
+    u64 oi = (u64)o;
+    HEAD_MASK(oi, HEAD_OUTS - 1);
     struct head_key k = {};
     k.ctx = lctx;
-    k.seq = seq;
+    k.seq = h->seq[oi];
+    s32 pos = h->pos[oi];
     struct head_seq *s = head_seqs.lookup(&k);
     u32 keep;
     if (s && (pos == s->last_pos + 1 || pos == s->last_pos)) {
@@ -253,7 +308,7 @@ static __always_inline int head_keeps(u64 lctx, s32 idx) {
         d.keep = (u64)bpf_get_prandom_u32() < (u64)HEAD_KEEP_BELOW;
         keep = d.keep;
         head_seqs.update(&k, &d);
-        emit_small(EV_HEAD_DRAW, lctx, seq, (s32)keep, pos, 0);
+        emit_small(EV_HEAD_DRAW, lctx, k.seq, (s32)keep, pos, 0);
     }
     if (!keep)
         count(5, 1);
@@ -288,7 +343,7 @@ int decode_public_enter(struct pt_regs *ctx) {
         bpf_probe_read_user(&pos0, sizeof(pos0), (void *)p);
     emit_small(EV_DECODE_BEGIN, PT_REGS_PARM1(ctx), n, tok0, pos0, b);
 #ifdef HEAD_KEEP_BELOW
-    head_batch(PT_REGS_PARM1(ctx), b, n);
+    head_decode(PT_REGS_PARM1(ctx));
 #endif
     return 0;
 }
@@ -301,8 +356,7 @@ int decode_ext_enter(struct pt_regs *ctx) {
     }
     emit_small(EV_DECODE_BEGIN, PT_REGS_PARM1(ctx), -1, -1, -1, PT_REGS_PARM2(ctx));
 #ifdef HEAD_KEEP_BELOW
-    u64 lctx = PT_REGS_PARM1(ctx);
-    ctx_batch.delete(&lctx); /* no public layout: its rows are copied without a draw */
+    head_decode(PT_REGS_PARM1(ctx));
 #endif
     return 0;
 }
@@ -373,6 +427,11 @@ int ubatch_enter(struct pt_regs *ctx) {
         }
         fill_hdr(&e->h, EV_UBATCH, lctx, seq);
         UBATCH_FILL(e, UB_SMALL_TOK, ub, n);
+#ifdef HEAD_KEEP_BELOW
+        struct head_rows *h = head_rows.lookup(&lctx);
+        if (h)
+            HEAD_OUTPUTS(h, e, UB_SMALL_TOK, n);
+#endif
         events.ringbuf_submit(e, rb_wake());
     } else {
         struct ev_ubatch *e = events.ringbuf_reserve(sizeof(struct ev_ubatch));
@@ -382,6 +441,11 @@ int ubatch_enter(struct pt_regs *ctx) {
         }
         fill_hdr(&e->h, EV_UBATCH, lctx, seq);
         UBATCH_FILL(e, MAX_UB_TOK, ub, n);
+#ifdef HEAD_KEEP_BELOW
+        struct head_rows *h = head_rows.lookup(&lctx);
+        if (h)
+            HEAD_OUTPUTS(h, e, MAX_UB_TOK, n);
+#endif
         events.ringbuf_submit(e, rb_wake());
     }
     struct ubatch_info ui = {};

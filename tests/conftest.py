@@ -232,10 +232,13 @@ class Recorder:
     def _wait_attached(self, timeout: float = 60) -> str:
         assert self.proc.stderr is not None
         deadline = time.monotonic() + timeout
+        seen: list[str] = []
         while time.monotonic() < deadline:
             line = self.proc.stderr.readline()
             if not line:
-                raise RuntimeError(f"recorder exited with {self.proc.wait()} before attaching")
+                tail = "".join(seen[-40:])
+                raise RuntimeError(f"recorder exited with {self.proc.wait()} before attaching:\n{tail}")
+            seen.append(line)
             if "attached to PID" in line:
                 return line
         raise TimeoutError("recorder did not attach")

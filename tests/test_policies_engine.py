@@ -1,7 +1,7 @@
 """The per-request policies on a real llama.cpp engine (llama-cpp-python in-process,
 tests/engines/llama_engine.py), three recorders attached at once: `full` (the reference),
-`head:0.3`, and `tail:0.9` combined with `anomaly:logprob_collapse`. The requests are ordinary ones,
-one planted slow request (the engine sleeps TOKEN_DELAY_S between its tokens: its process is slow,
+`head:0.3` (drawn in the probes), and `tail:0.9` combined with `anomaly:logprob_collapse`. The
+requests are ordinary ones, one planted slow request (the engine sleeps TOKEN_DELAY_S between its tokens: its process is slow,
 as a stalled engine would be) and one planted log-prob collapse (the least likely token forced at
 four decode orders). The planted requests must be kept, the ordinary ones dropped at the stated
 rate; every kept request's token ids equal the engine's, and what was dropped is counted."""
@@ -21,7 +21,7 @@ from conftest import ENGINES, Engine, Recorder
 from test_anomalies_planted import realtime
 
 import sparseety_prof
-from sparseety_prof.session.request_verdicts import TAIL_WARMUP, Tail, head_fraction
+from sparseety_prof.session.request_verdicts import TAIL_WARMUP, Tail
 
 pytestmark = [pytest.mark.root, pytest.mark.engine]
 
@@ -114,21 +114,37 @@ def _rows_of(runs: Runs, rec: Any, table: str, kept: set[str]) -> int:
     return n
 
 
-def test_head_keeps_the_hashed_share_with_all_their_rows_and_counts_the_rest(runs: Runs) -> None:
+def test_head_in_the_probes_keeps_the_drawn_share_whole_and_copies_no_logits_of_the_rest(runs: Runs) -> None:
+    """head:0.3 alone is drawn in the probes (session/policy.py probe_head_rate): one draw per
+    request at its first token, no logits row copied for a dropped request, and every row of a
+    kept one, equal to the full recording's."""
     kept = _kept_ids_match_the_engine(runs, runs.head)
-    want = {rid for rid in runs.ids if head_fraction(rid) < HEAD_RATE}
-    assert kept == want
     n = len(runs.ids)
     assert abs(len(kept) / n - HEAD_RATE) <= 4 * sqrt(HEAD_RATE * (1 - HEAD_RATE) / n)  # binomial bound
     meta = runs.head.meta["policy"]
     assert meta["requests"] == {"kept": len(kept), "dropped": n - len(kept)}
-    full_tokens = runs.full.tokens().height
-    assert meta["rows_dropped"]["tokens"] == full_tokens - runs.head.tokens().height
+    probes = meta["head_in_probes"]
+    assert probes["rate"] == HEAD_RATE and probes["keep_below"] == round(HEAD_RATE * 2**32)
+    assert probes["draws"] == {"kept": len(kept), "dropped": n - len(kept)}  # one per request
+    assert probes["unjudged_requests"] == 0 and probes["logits_rows_without_draw"] == 0
+    full_tokens = runs.full.tokens()
+    assert probes["logits_rows_not_copied"] == full_tokens.filter(~pl.col("request_id").is_in(kept)).height
+    # the kept requests' token rows are the full recording's, log-probs and routing included
+    cols = ["request_id", "step_id", "decode_order", "token_id", "log_prob", "top_ids", "entropy", "expert_ids"]
+    got = runs.head.tokens().sort("step_id").select(cols)
+    want = full_tokens.filter(pl.col("request_id").is_in(kept)).sort("step_id").select(cols)
+    assert got["log_prob"].null_count() == 0
+    assert got.equals(want)
+    assert meta["rows_dropped"]["tokens"] == full_tokens.height - runs.head.tokens().height
     for table in ("routes", "steps"):
         assert runs.head.table(table).height == _rows_of(runs, runs.head, table, kept), table
         assert meta["rows_dropped"][table] == runs.full.table(table).height - runs.head.table(table).height
     assert runs.head.requests().height == n  # one row per request whatever the policy
     assert runs.head.meta["losses"]["seq_gaps"] == 0 and runs.head.meta["losses"]["kernel_drops"] == 0
+    # the always-on aggregates count every token; the log-prob histogram those whose row was copied
+    agg = runs.head.aggregates()
+    count = {m: int(agg.filter(pl.col("metric") == m)["count"].sum()) for m in ("tokens", "log_prob")}
+    assert count == {"tokens": full_tokens.height, "log_prob": got.height}
 
 
 def test_tail_and_anomaly_keep_the_planted_requests_and_drop_the_ordinary_ones(runs: Runs) -> None:

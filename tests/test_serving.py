@@ -159,6 +159,56 @@ def test_concurrent_clients_each_get_their_own_tokens(server: Engine, tmp_path: 
     assert sv["slot_token_mismatch"] == 0
 
 
+def test_head_in_the_probes_keeps_whole_requests_on_shared_batches(server: Engine, tmp_path: Path) -> None:
+    """--policy head:0.5 on 12 clients over 4 slots, whose rows share forward passes: the probes
+    draw each request once (by the row the server's sampler index leads to in its batch view),
+    copy the logits of the kept ones only, and a kept request has every token with the server's
+    own log-probs; a full recorder attached at the same time sees every request."""
+    url = server.ready["url"]
+    full = Recorder(server.pid, tmp_path / "full")
+    head = Recorder(server.pid, tmp_path / "head", "--policy", "head:0.5")
+    n_clients = 12
+    answers: dict[str, dict[str, Any]] = {}
+    errors: list[BaseException] = []
+
+    def client(i: int) -> None:
+        try:
+            prompt = " ".join(WORDS[(i * 3 + k) % len(WORDS)] for k in range(3 + i % 5))
+            answers[f"client-{i:02d}"] = post(url, body(prompt, 16 + 3 * i), f"client-{i:02d}")
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for rec in (full, head):
+        rc, err = rec.stop(signal.SIGTERM)
+        assert rc == 0, err
+    r = sparseety_prof.open(tmp_path / "head")
+    tokens = r.tokens()
+    kept = set(tokens["request_id"].unique().to_list())
+    print("DEBUG", r.meta["policy"])
+    print("DEBUG", tokens.filter(pl.col("log_prob").is_null()).select("request_id","seq_id","decode_order","logits_pos","step_id"))
+    for rid in kept:
+        check_request(tokens, rid, answers[rid])
+    assert tokens["log_prob"].null_count() == 0
+    assert r.requests().height == n_clients  # every request has its row
+    meta = r.meta["policy"]
+    probes = meta["head_in_probes"]
+    assert meta["requests"] == {"kept": len(kept), "dropped": n_clients - len(kept)}
+    assert probes["draws"] == meta["requests"], probes  # one draw per request
+    assert probes["unjudged_requests"] == 0 and probes["logits_rows_without_draw"] == 0
+    dropped_tokens = sum(len(a["tokens"]) for rid, a in answers.items() if rid not in kept)
+    assert probes["logits_rows_not_copied"] == dropped_tokens
+    assert sparseety_prof.open(tmp_path / "full").tokens().height == tokens.height + dropped_tokens
+    assert r.steps().filter(pl.col("seq_ids").list.len() > 1).height > 0  # batches were shared
+    losses = r.meta["losses"]
+    assert losses["kernel_drops"] == 0 and losses["seq_gaps"] == 0 and losses["samples_unresolved"] == 0
+
+
 def test_slot_reuse_across_sequential_requests(server: Engine, tmp_path: Path) -> None:
     """The same slot serves one request after another (same prompt: the cached prefix makes the
     second look like a continuation to position-based segmentation): each keeps its own id."""
