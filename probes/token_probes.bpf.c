@@ -28,8 +28,8 @@ BPF_RINGBUF_OUTPUT(events, RB_PAGES);
  * [2] = ubatch rows not copied (micro-batch larger than MAX_UB_TOK),
  * [3] = sparse-decision rows not captured (beyond a record or counting budget),
  * [4] = attention output rows not counted (beyond ATT_MAX_ROWS / ATT_BLOCKS),
- * [5] = logits rows not copied: their sequence drew "drop" (head sampling, HEAD_KEEP_BELOW),
- * [6] = logits rows copied without a draw: the sampler's index led to no output row listed (head sampling) */
+ * [5] = logits rows not copied: every output of their decode drew "drop" (head sampling, HEAD_KEEP_BELOW),
+ * [6] = logits rows copied whose decode's outputs drew both keep and drop (head sampling) */
 BPF_ARRAY(counters, u64, 8);
 
 struct sampler_state {
@@ -183,20 +183,18 @@ static __always_inline void agg_end(u64 serial, u64 lctx) {
 #ifdef HEAD_KEEP_BELOW
 /* ---- head sampling in the probes (--policy head:RATE alone: session/policy.py probe_head_rate)
  * For a request head sampling drops, the probes copy no logits row: 97% of a decode step's bytes,
- * and the consumer's costliest per-token work. Each (context, sequence) draws keep or drop where a
- * sampler reads one of its rows: bpf_get_prandom_u32() below HEAD_KEEP_BELOW (RATE * 2^32) keeps.
- * It draws again when the row's position does not continue the sequence's last sampled row (the
- * next position, or the same row read again): a new prompt, or a sequence cut back, starts a new
- * request. Each draw is sent (EV_HEAD_DRAW) before the row's logits; the consumer keeps a request
- * when the draw its first token saw kept it (correlate/request_tokens.py), so what it keeps is
- * exactly what was copied.
- *
- * The row a sampler's index names is found as the consumer finds it (RequestTokens._resolve):
- * the output rows of the context's decode call, listed from its micro-batches in order (the
- * rows the micro-batch record copied, whatever the decode's entry point: llama_batch or
- * llama_batch_ext); index i >= 0 is the output at batch row i, i < 0 the output n_out + i. Up to
- * HEAD_OUTS outputs per decode, found among the last HEAD_SCAN rows of each micro-batch (where
- * prompts have theirs). A row found nowhere is copied without a draw (counters[6]). */
+ * and the consumer's costliest per-token work. Each (context, sequence) draws keep or drop at its
+ * output rows, as micro-batches list them (whatever the decode's entry point: llama_batch or
+ * llama_batch_ext): bpf_get_prandom_u32() below HEAD_KEEP_BELOW (RATE * 2^32) keeps. It draws
+ * again when the row's position does not continue the sequence's last output (the next
+ * position, or the same one): a new prompt, or a sequence cut back, starts a new request. Each
+ * draw is sent (EV_HEAD_DRAW); the consumer keeps a request when the draw its first token saw kept
+ * it (correlate/request_tokens.py). A sampler's row is copied unless every output of the decode
+ * drew drop (head_keeps): with one sequence per decode (llama-cpp-python and most front ends)
+ * exactly the kept requests' rows; on a server whose decode mixes slots, a dropped request's
+ * row is copied when a kept one shares its decode, and dropped with its request by the consumer.
+ * Up to HEAD_OUTS outputs per decode, found among the last HEAD_SCAN rows of each micro-batch
+ * (where prompts have theirs): a decode with more is copied whole. */
 #define HEAD_OUTS 64
 #define HEAD_SCAN 64
 _Static_assert((HEAD_OUTS & (HEAD_OUTS - 1)) == 0 && (UB_SMALL_TOK & (UB_SMALL_TOK - 1)) == 0 &&
@@ -206,9 +204,10 @@ _Static_assert((HEAD_OUTS & (HEAD_OUTS - 1)) == 0 && (UB_SMALL_TOK & (UB_SMALL_T
  * the verifier cannot follow; the AND on the register used survives (see idx_agg_layer) */
 #define HEAD_MASK(i, mask) asm volatile("%[v] &= %[m]" : [v] "+r"(i) : [m] "i"(mask))
 struct head_rows {
-    u32 base;  /* batch rows of the decode's micro-batches before the running one */
-    u32 n_out; /* outputs listed */
-    s32 row[HEAD_OUTS];
+    u32 n_out;  /* outputs listed */
+    u32 n_keep; /* of which drew keep */
+    u32 drawn;  /* outputs drawn so far */
+    u32 overflow; /* more outputs than listed: the decode is copied whole */
     s32 seq[HEAD_OUTS];
     s32 pos[HEAD_OUTS];
 };
@@ -230,8 +229,10 @@ BPF_TABLE("lru_hash", struct head_key, struct head_seq, head_seqs, 16384);
 static __always_inline void head_decode(u64 lctx) {
     struct head_rows *h = head_rows.lookup(&lctx);
     if (h) {
-        h->base = 0;
         h->n_out = 0;
+        h->n_keep = 0;
+        h->drawn = 0;
+        h->overflow = 0;
         return;
     }
     int k = 0;
@@ -242,7 +243,7 @@ static __always_inline void head_decode(u64 lctx) {
 
 /* The output rows of micro-batch record `e` (ROWS rows) into `h` (a macro, as the two records
  * differ in their array sizes only; the caller looks `h` up: BCC takes no map call in a macro). */
-#define HEAD_OUTPUTS(h, e, ROWS, n)                                                             \
+#define HEAD_OUTPUTS(h, e, ROWS)                                                             \
     do {                                                                                        \
         u32 m = e->n_copied;                                                                    \
         u32 lo = m > HEAD_SCAN ? m - HEAD_SCAN : 0;                                             \
@@ -254,65 +255,50 @@ static __always_inline void head_decode(u64 lctx) {
             if (!e->output[i])                                                                  \
                 continue;                                                                       \
             u64 o = h->n_out;                                                                   \
-            if (o >= HEAD_OUTS)                                                                 \
+            if (o >= HEAD_OUTS) {                                                               \
+                h->overflow = 1;                                                                \
                 break;                                                                          \
+            }                                                                                   \
             HEAD_MASK(o, HEAD_OUTS - 1);                                                        \
-            h->row[o] = (s32)(h->base + e->row_offset + i);                                     \
             h->seq[o] = e->seq[i];                                                              \
             h->pos[o] = e->pos[i];                                                              \
             h->n_out = o + 1;                                                                   \
         }                                                                                       \
-        h->base += (n);                                                                         \
     } while (0)
 
-/* Whether the logits row a sampler reads at index idx of context lctx is copied. */
-static __always_inline int head_keeps(u64 lctx, s32 idx) {
-    struct head_rows *h = head_rows.lookup(&lctx);
-    if (!h) {
-        count(6, 1);
-        return 1;
-    }
-    s32 o = -1;
-    if (idx < 0) {
-        o = (s32)h->n_out + idx;
-    } else {
-        for (u64 j = 0; j < HEAD_OUTS; j++) {
-            if (j >= h->n_out)
-                break;
-            u64 jj = j;
-            HEAD_MASK(jj, HEAD_OUTS - 1);
-            if (h->row[jj] == idx) {
-                o = j;
-                break;
-            }
-        }
-    }
-    if (o < 0 || o >= HEAD_OUTS || o >= h->n_out) {
-        count(6, 1);
-        return 1;
-    }
-    u64 oi = (u64)o;
-    HEAD_MASK(oi, HEAD_OUTS - 1);
+/* The draw of output o of the decode listed in h: the sequence's last one when the row continues
+ * it, else a new one, sent (EV_HEAD_DRAW). */
+static __always_inline u32 head_draw(u64 lctx, s32 seq, s32 pos) {
     struct head_key k = {};
     k.ctx = lctx;
-    k.seq = h->seq[oi];
-    s32 pos = h->pos[oi];
+    k.seq = seq;
     struct head_seq *s = head_seqs.lookup(&k);
-    u32 keep;
     if (s && (pos == s->last_pos + 1 || pos == s->last_pos)) {
         s->last_pos = pos;
-        keep = s->keep;
-    } else {
-        struct head_seq d = {};
-        d.last_pos = pos;
-        d.keep = (u64)bpf_get_prandom_u32() < (u64)HEAD_KEEP_BELOW;
-        keep = d.keep;
-        head_seqs.update(&k, &d);
-        emit_small(EV_HEAD_DRAW, lctx, k.seq, (s32)keep, pos, 0);
+        return s->keep;
     }
-    if (!keep)
+    struct head_seq d = {};
+    d.last_pos = pos;
+    d.keep = (u64)bpf_get_prandom_u32() < (u64)HEAD_KEEP_BELOW;
+    head_seqs.update(&k, &d);
+    emit_small(EV_HEAD_DRAW, lctx, seq, (s32)d.keep, pos, 0);
+    return d.keep;
+}
+
+/* Whether the logits row a sampler reads in context lctx is copied: when every output of the
+ * context's decode drew keep. None did: not copied. Some did: copied, and counted (counters[6]),
+ * as which output the sampler's index names is not known here (a split by sequence reorders the
+ * micro-batches' rows); the consumer drops it with its request. */
+static __always_inline int head_keeps(u64 lctx) {
+    struct head_rows *h = head_rows.lookup(&lctx);
+    if (!h || h->n_out == 0 || h->n_keep == h->n_out || h->overflow)
+        return 1;
+    if (h->n_keep == 0) {
         count(5, 1);
-    return keep;
+        return 0;
+    }
+    count(6, 1);
+    return 1;
 }
 #endif
 
@@ -430,7 +416,7 @@ int ubatch_enter(struct pt_regs *ctx) {
 #ifdef HEAD_KEEP_BELOW
         struct head_rows *h = head_rows.lookup(&lctx);
         if (h)
-            HEAD_OUTPUTS(h, e, UB_SMALL_TOK, n);
+            HEAD_OUTPUTS(h, e, UB_SMALL_TOK);
 #endif
         events.ringbuf_submit(e, rb_wake());
     } else {
@@ -444,10 +430,23 @@ int ubatch_enter(struct pt_regs *ctx) {
 #ifdef HEAD_KEEP_BELOW
         struct head_rows *h = head_rows.lookup(&lctx);
         if (h)
-            HEAD_OUTPUTS(h, e, MAX_UB_TOK, n);
+            HEAD_OUTPUTS(h, e, MAX_UB_TOK);
 #endif
         events.ringbuf_submit(e, rb_wake());
     }
+#ifdef HEAD_KEEP_BELOW
+    struct head_rows *hr = head_rows.lookup(&lctx);
+    if (hr) {
+        for (u64 j = 0; j < HEAD_OUTS; j++) {
+            u64 o = hr->drawn;
+            if (o >= hr->n_out || o >= HEAD_OUTS)
+                break;
+            HEAD_MASK(o, HEAD_OUTS - 1);
+            hr->n_keep += head_draw(lctx, hr->seq[o], hr->pos[o]);
+            hr->drawn = o + 1;
+        }
+    }
+#endif
     struct ubatch_info ui = {};
     ui.lctx = lctx;
     ui.ub = ub;
@@ -552,7 +551,7 @@ int logits_return(struct pt_regs *ctx) {
     if (!row)
         return 0;
 #ifdef HEAD_KEEP_BELOW
-    if (!head_keeps(lctx, idx))
+    if (!head_keeps(lctx))
         return 0;
 #endif
     for (u32 c = 0; c < N_VOCAB / LOGITS_CHUNK && c < MAX_LOGITS_CHUNKS; c++)

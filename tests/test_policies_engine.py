@@ -126,7 +126,7 @@ def test_head_in_the_probes_keeps_the_drawn_share_whole_and_copies_no_logits_of_
     probes = meta["head_in_probes"]
     assert probes["rate"] == HEAD_RATE and probes["keep_below"] == round(HEAD_RATE * 2**32)
     assert probes["draws"] == {"kept": len(kept), "dropped": n - len(kept)}  # one per request
-    assert probes["unjudged_requests"] == 0 and probes["logits_rows_without_draw"] == 0
+    assert probes["unjudged_requests"] == 0 and probes["logits_rows_copied_mixed"] == 0  # one sequence
     full_tokens = runs.full.tokens()
     assert probes["logits_rows_not_copied"] == full_tokens.filter(~pl.col("request_id").is_in(kept)).height
     # the kept requests' token rows are the full recording's, log-probs and routing included

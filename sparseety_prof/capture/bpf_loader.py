@@ -185,7 +185,7 @@ class Session:
             "attention_rows_not_counted": vals[4],
             # head sampling in the probes (token_probes.bpf.c head_keeps): not losses
             "head_logits_not_copied": vals[5],
-            "head_logits_without_draw": vals[6],
+            "head_logits_copied_mixed": vals[6],
         }
 
     def program_misses(self) -> int:

@@ -163,9 +163,9 @@ def head_in_probes(counters: dict[str, int], corr: Correlator, opts: Options) ->
         "keep_below": probe_keep_below(rate) if rate is not None else None,
         "draws": {"kept": corr.counters.head_draws_kept, "dropped": corr.counters.head_draws_dropped},
         "logits_rows_not_copied": counters.get("head_logits_not_copied", 0),
-        # rows whose sampler index led to no output row the probes listed (beyond 64 outputs in
-        # a decode, or its micro-batch record lost): copied without a draw
-        "logits_rows_without_draw": counters.get("head_logits_without_draw", 0),
+        # rows copied because their decode's outputs drew both keep and drop (a server's decode
+        # over several slots): the probes cannot tell which output a sampler reads
+        "logits_rows_copied_mixed": counters.get("head_logits_copied_mixed", 0),
     }
 
 
