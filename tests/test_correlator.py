@@ -1767,3 +1767,63 @@ def test_reduced_runs_leave_unpaired_and_other_token_rows_null() -> None:
     p.fill(tok)
     assert tok["log_prob"] == [-0.5, None, None] and tok["top_ids"] == [[4, 1], None, None]
     assert p.token_mismatch == 1
+
+
+def _drawn_requests(draws: bool) -> Script:
+    """Three requests on sequence 0, each a prompt then 12 one-row decode steps, with the
+    probes' head-sampling draws where token_probes.bpf.c sends them (after the micro-batch
+    record, at a sequence's output row that does not continue it): keep, drop, keep. The dropped
+    request's sampler calls read no logits row (the probes copied none)."""
+    s = Script()
+    logits = np.arange(N_VOCAB, dtype=np.float32)
+    for n, keep in enumerate((True, False, True)):
+        prompt = [1, 2 + n, 3]
+        s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+        s.ubatch(prompt, [0, 1, 2])
+        end = s.recs.pop()  # the micro-batch's end, which ubatch() appended last
+        if draws:
+            s.small(ev.EV_HEAD_DRAW, 0, int(keep), 2)
+        else:
+            s.t += 100  # the same clock either way
+        s.recs.append(end)
+        s.sample(4, logits=logits if keep else None)
+        for i in range(12):
+            s.decode([4 + i % 3], [3 + i])
+            s.sample(4 + (i + 1) % 3, logits=logits if keep else None)
+    return s
+
+
+def test_head_draws_in_the_probes_give_each_request_its_first_tokens_verdict() -> None:
+    verdicts: dict[str, bool] = {}
+    c = Correlator(
+        pid=1,
+        n_vocab=N_VOCAB,
+        wall_offset_ns=0,
+        texts=lambda ids: [f"t{i}" for i in ids],
+        head_verdicts=verdicts,
+    )
+    c.feed(decode_records(_drawn_requests(True).recs, 1024))
+    tok = c.take_tables()["tokens"]
+    rids = list(dict.fromkeys(tok["request_id"]))
+    assert len(rids) == 3
+    assert verdicts == {rids[0]: True, rids[1]: False, rids[2]: True}
+    assert (c.counters.head_draws_kept, c.counters.head_draws_dropped) == (2, 1)
+    # the draw records change no row: the same stream without them gives the same tokens
+    plain = run(_drawn_requests(False))
+    assert {k: list(v) for k, v in tok.items()} == plain
+    dropped = [lp for r, lp in zip(tok["request_id"], tok["log_prob"], strict=True) if r == rids[1]]
+    assert len(dropped) == 13 and set(dropped) == {None}
+
+
+def test_a_request_the_probes_drew_nothing_for_takes_its_sequences_last_draw() -> None:
+    """A new request the consumer segments where the probes saw a continuation (no draw) is
+    judged by the sequence's last draw: the probes copy (or not) its rows by that one."""
+    s = _drawn_requests(True)
+    s.small(ev.EV_SEQ_RM, 0, 5, -1, ctx=MEM)  # cells removed: a new request for the consumer
+    s.decode([9], [15])  # ... which continues the positions: the probes draw nothing
+    s.sample(5, logits=np.arange(N_VOCAB, dtype=np.float32))
+    verdicts: dict[str, bool] = {}
+    c = Correlator(pid=1, n_vocab=N_VOCAB, wall_offset_ns=0, head_verdicts=verdicts)
+    c.feed(decode_records(s.recs, 1024))
+    rids = [str(r) for r in dict.fromkeys(c.take_tables()["tokens"]["request_id"])]
+    assert len(rids) == 4 and verdicts[rids[3]] is True  # the third request's draw: keep

@@ -162,7 +162,7 @@ LAYOUT_KINDS: dict[str, list[int]] = {
     "small": [
         ev.EV_DECODE_BEGIN, ev.EV_UBATCH_END, ev.EV_SAMPLE_BEGIN, ev.EV_SAMPLE_END, ev.EV_SEQ_RM,
         ev.EV_MEM_CLEAR, ev.EV_TASK_POST, ev.EV_SLOT_LAUNCH, ev.EV_SLOT_CHILD, ev.EV_SLOT_RELEASE,
-        ev.EV_SLOT_TOKEN,
+        ev.EV_SLOT_TOKEN, ev.EV_HEAD_DRAW,
     ],
     "ubatch": [ev.EV_UBATCH],
     "logits": [ev.EV_LOGITS],
@@ -256,6 +256,7 @@ def test_fuzz_bpf_ring_records_through_the_correlator() -> None:
             with_masks=True,
             serving=ServingTracker(pid=1),
             slot_tokens=True,
+            head_verdicts={},  # head sampling in the probes: their draws reach it (EV_HEAD_DRAW)
         )
         if verified:  # an engine that passed the checks of its first records, then sends garbage
             corr.counters.verified_ubatches = VERIFY_UBATCHES

@@ -13,7 +13,7 @@ from math import sqrt
 import polars as pl
 import pytest
 
-from sparseety_prof.session.policy import RecordingPolicy, check
+from sparseety_prof.session.policy import RecordingPolicy, check, probe_head_rate, probe_keep_below
 from sparseety_prof.session.request_hold import DEFAULT_WINDOW_BYTES, STEPS_AROUND
 from sparseety_prof.session.request_verdicts import Tail, head_fraction
 from sparseety_prof.store import schema
@@ -105,10 +105,13 @@ def _frame(table: str, rows: list[dict[str, object]]) -> pl.DataFrame:
 
 
 def run(
-    sim: Sim, specs: list[str], window_bytes: int = DEFAULT_WINDOW_BYTES
+    sim: Sim,
+    specs: list[str],
+    window_bytes: int = DEFAULT_WINDOW_BYTES,
+    probe_verdicts: dict[str, bool] | None = None,
 ) -> tuple[dict[str, pl.DataFrame], RecordingPolicy]:
     """The policy over the simulated flushes: every frame it stores, by table."""
-    pol = RecordingPolicy(specs, window_bytes=window_bytes)
+    pol = RecordingPolicy(specs, window_bytes=window_bytes, probe_verdicts=probe_verdicts)
     out: dict[str, list[pl.DataFrame]] = {}
     for i, flush in enumerate(sim.flushes):
         for table, df in flush.items():
@@ -147,6 +150,49 @@ def test_head_keeps_the_requests_whose_id_hashes_below_the_rate_and_all_their_ro
     assert 0 < len(kept) < 40
     check_rows(sim, written, kept, pol)
     assert pol.to_meta()["by_policy"]["head:0.3"] == {"kept": len(kept), "dropped": 40 - len(kept)}
+
+
+def test_head_in_the_probes_keeps_the_requests_whose_draw_kept_them_and_all_their_rows() -> None:
+    """With head sampling in the probes the verdicts are the probes' draws (the correlator puts
+    them by request id at a request's first token): taken once each; a request without one is
+    kept and counted."""
+    sim = simulate(40)
+    draws = {r: i % 3 == 0 for i, r in enumerate(sorted(sim.n_tokens))}
+    verdicts = {r: k for r, k in draws.items() if r != "r1-39"}  # r1-39: no draw seen
+    written, pol = run(sim, ["head:0.3"], probe_verdicts=verdicts)
+    kept = {r for r, k in draws.items() if k} | {"r1-39"}
+    check_rows(sim, written, kept, pol)
+    assert verdicts == {}  # each taken at its request's start
+    meta = pol.to_meta()
+    assert meta["head_in_probes"] == {"unjudged_requests": 1}
+    assert meta["by_policy"]["head:0.3"] == {"kept": len(kept), "dropped": 40 - len(kept)}
+
+
+@pytest.mark.parametrize(
+    ("specs", "rate"),
+    [
+        (["head:0.25"], 0.25),
+        (["aggregate", "head:0.1"], 0.1),  # aggregate keeps nothing a request policy decides
+        (["head:0"], 0.0),
+        (["head:0.1", "tail:0.99"], None),  # tail decides at the end: every request is captured
+        (["head:0.1", "anomaly"], None),
+        (["head:0.1", "head:0.2"], None),
+        (["full"], None),
+        (["aggregate"], None),
+        (["tail:0.9"], None),
+    ],
+)
+def test_head_is_drawn_in_the_probes_only_when_nothing_else_may_keep_a_request(
+    specs: list[str], rate: float | None
+) -> None:
+    assert probe_head_rate(specs) == rate
+
+
+def test_the_probes_threshold_keeps_the_rate_of_32_bit_draws() -> None:
+    assert probe_keep_below(0.0) == 0  # no draw is below 0: every request dropped
+    assert probe_keep_below(1.0) == 1 << 32  # every u32 draw is below 2^32: every request kept
+    assert probe_keep_below(0.25) == 1 << 30
+    assert probe_keep_below(1e-12) == 0 and probe_keep_below(0.5) == 1 << 31
 
 
 def test_head_fraction_is_uniform_and_stable() -> None:

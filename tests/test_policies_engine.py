@@ -1,10 +1,11 @@
 """The per-request policies on a real llama.cpp engine (llama-cpp-python in-process,
 tests/engines/llama_engine.py), three recorders attached at once: `full` (the reference),
 `head:0.3` (drawn in the probes), and `tail:0.9` combined with `anomaly:logprob_collapse`. The
-requests are ordinary ones, one planted slow request (the engine sleeps TOKEN_DELAY_S between its tokens: its process is slow,
-as a stalled engine would be) and one planted log-prob collapse (the least likely token forced at
-four decode orders). The planted requests must be kept, the ordinary ones dropped at the stated
-rate; every kept request's token ids equal the engine's, and what was dropped is counted."""
+requests are ordinary ones, one planted slow request (the engine sleeps TOKEN_DELAY_S between its
+tokens: its process is slow, as a stalled engine would be) and one planted log-prob collapse (the
+least likely token forced at four decode orders). The planted requests must be kept, the ordinary
+ones dropped at the stated rate; every kept request's token ids equal the engine's, and what was
+dropped is counted."""
 
 from __future__ import annotations
 
@@ -130,7 +131,8 @@ def test_head_in_the_probes_keeps_the_drawn_share_whole_and_copies_no_logits_of_
     full_tokens = runs.full.tokens()
     assert probes["logits_rows_not_copied"] == full_tokens.filter(~pl.col("request_id").is_in(kept)).height
     # the kept requests' token rows are the full recording's, log-probs and routing included
-    cols = ["request_id", "step_id", "decode_order", "token_id", "log_prob", "top_ids", "entropy", "expert_ids"]
+    cols = ["request_id", "step_id", "decode_order", "token_id", "log_prob", "top_ids", "entropy"]
+    cols += ["expert_ids", "expert_weights", "act_zero_ratio", "attn_attended"]
     got = runs.head.tokens().sort("step_id").select(cols)
     want = full_tokens.filter(pl.col("request_id").is_in(kept)).sort("step_id").select(cols)
     assert got["log_prob"].null_count() == 0
