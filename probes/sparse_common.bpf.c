@@ -92,10 +92,11 @@ static __always_inline struct ev_step_agg *agg_active(void) {
 static __always_inline struct ev_step_agg *agg_active(void) { return 0; }
 #endif
 
-/* The pass running is a one-row pass whose activations --act-every leaves uncounted (agg_begin
- * marks it active = 2): the activation probes return at once. */
+/* The pass running is a one-row pass whose activations are left uncounted (active = 2): by
+ * --act-every (agg_begin), or because its request drew drop in head sampling (agg_head_drop): the
+ * activation probes return at once. */
 static __always_inline int act_sampled_out(void) {
-#if defined(AGG_STEPS) && defined(ACT_EVERY)
+#if defined(AGG_STEPS) && (defined(ACT_EVERY) || defined(HEAD_KEEP_BELOW))
     struct ev_step_agg *a = agg_active();
     return a && a->active == 2;
 #else

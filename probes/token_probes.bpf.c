@@ -178,6 +178,18 @@ static __always_inline void agg_end(u64 serial, u64 lctx) {
         count(1, 1);
     a->active = 0;
 }
+
+#ifdef HEAD_KEEP_BELOW
+/* The one-row pass `serial` is of a request head sampling dropped: its activations are not
+ * counted (active = 2, as --act-every's uncounted passes: counting them is the costliest probe
+ * work per token), its routing is (the always-on aggregates' expert load). */
+static __always_inline void agg_head_drop(u64 serial) {
+    int k = 0;
+    struct ev_step_agg *a = step_agg.lookup(&k);
+    if (a && a->active == 1 && a->serial == serial)
+        a->active = 2;
+}
+#endif
 #endif
 
 #ifdef HEAD_KEEP_BELOW
@@ -435,8 +447,10 @@ int ubatch_enter(struct pt_regs *ctx) {
         events.ringbuf_submit(e, rb_wake());
     }
 #ifdef HEAD_KEEP_BELOW
+    u32 ub_out = 0, ub_keep = 0; /* this micro-batch's outputs, and how many drew keep */
     struct head_rows *hr = head_rows.lookup(&lctx);
     if (hr) {
+        u32 out0 = hr->drawn, keep0 = hr->n_keep;
         for (u64 j = 0; j < HEAD_OUTS; j++) {
             u64 o = hr->drawn;
             if (o >= hr->n_out || o >= HEAD_OUTS)
@@ -445,6 +459,8 @@ int ubatch_enter(struct pt_regs *ctx) {
             hr->n_keep += head_draw(lctx, hr->seq[o], hr->pos[o]);
             hr->drawn = o + 1;
         }
+        ub_out = hr->drawn - out0;
+        ub_keep = hr->n_keep - keep0;
     }
 #endif
     struct ubatch_info ui = {};
@@ -454,6 +470,10 @@ int ubatch_enter(struct pt_regs *ctx) {
     ubatch_info.update(&tid, &ui);
 #ifdef AGG_STEPS
     agg_begin(n, seq);
+#ifdef HEAD_KEEP_BELOW
+    if (ub_out && !ub_keep)
+        agg_head_drop(seq);
+#endif
 #endif
     return 0;
 }

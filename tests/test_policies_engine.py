@@ -129,7 +129,11 @@ def test_head_in_the_probes_keeps_the_drawn_share_whole_and_copies_no_logits_of_
     assert probes["draws"] == {"kept": len(kept), "dropped": n - len(kept)}  # one per request
     assert probes["unjudged_requests"] == 0 and probes["logits_rows_copied_mixed"] == 0  # one sequence
     full_tokens = runs.full.tokens()
-    assert probes["logits_rows_not_copied"] == full_tokens.filter(~pl.col("request_id").is_in(kept)).height
+    dropped_tokens = full_tokens.filter(~pl.col("request_id").is_in(kept)).height
+    assert probes["logits_rows_not_copied"] == dropped_tokens
+    # nor counted the activations of their one-row decode steps (every token but the first)
+    assert runs.head.meta["act_sampling"]["steps_not_counted"] == dropped_tokens - (n - len(kept))
+    assert runs.full.meta["act_sampling"]["steps_not_counted"] == 0
     # the kept requests' token rows are the full recording's, log-probs and routing included
     cols = ["request_id", "step_id", "decode_order", "token_id", "log_prob", "top_ids", "entropy"]
     cols += ["expert_ids", "expert_weights", "act_zero_ratio", "attn_attended"]
