@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,24 @@ def server(models: dict[str, Path]) -> Iterator[Engine]:
     e.close()
 
 
+def at_once(n: int, send: Callable[[int], None]) -> None:
+    """send(0) .. send(n - 1), each on its own thread, all at once; any error is raised here."""
+    errors: list[BaseException] = []
+
+    def client(i: int) -> None:
+        try:
+            send(i)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
 def check_request(tokens: pl.DataFrame, rid: str, answer: dict[str, Any]) -> None:
     got = tokens.filter(pl.col("request_id") == rid).sort("decode_order")
     ids = answer["tokens"]
@@ -89,22 +107,13 @@ def test_concurrent_clients_each_get_their_own_tokens(server: Engine, tmp_path: 
     rec = Recorder(server.pid, tmp_path / "rec")
     n_clients = 10
     answers: dict[int, dict[str, Any]] = {}
-    errors: list[BaseException] = []
 
     def client(i: int) -> None:
-        try:
-            prompt = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(3 + i % 5))
-            rid = f"client-{i:02d}" if i < 8 else None
-            answers[i] = post(url, body(prompt, 20 + 7 * i), rid)
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
+        prompt = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(3 + i % 5))
+        rid = f"client-{i:02d}" if i < 8 else None
+        answers[i] = post(url, body(prompt, 20 + 7 * i), rid)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(n_clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    at_once(n_clients, client)
     rc, err = rec.stop(signal.SIGTERM)
     assert rc == 0, err
     r = sparseety_prof.open(tmp_path / "rec")
@@ -169,21 +178,12 @@ def test_head_in_the_probes_keeps_whole_requests_on_shared_batches(server: Engin
     head = Recorder(server.pid, tmp_path / "head", "--policy", "head:0.5")
     n_clients = 12
     answers: dict[str, dict[str, Any]] = {}
-    errors: list[BaseException] = []
 
     def client(i: int) -> None:
-        try:
-            prompt = " ".join(WORDS[(i * 3 + k) % len(WORDS)] for k in range(3 + i % 5))
-            answers[f"client-{i:02d}"] = post(url, body(prompt, 16 + 3 * i), f"client-{i:02d}")
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
+        prompt = " ".join(WORDS[(i * 3 + k) % len(WORDS)] for k in range(3 + i % 5))
+        answers[f"client-{i:02d}"] = post(url, body(prompt, 16 + 3 * i), f"client-{i:02d}")
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(n_clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    at_once(n_clients, client)
     for rec in (full, head):
         rc, err = rec.stop(signal.SIGTERM)
         assert rc == 0, err
