@@ -13,6 +13,7 @@ from math import sqrt
 import polars as pl
 import pytest
 
+from sparseety_prof.session.metadata import summary_line
 from sparseety_prof.session.policy import RecordingPolicy, check, probe_head_rate, probe_keep_below
 from sparseety_prof.session.request_hold import DEFAULT_WINDOW_BYTES, STEPS_AROUND
 from sparseety_prof.session.request_verdicts import Tail, head_fraction
@@ -321,3 +322,12 @@ def test_only_a_policy_that_never_stores_a_table_lets_its_rows_be_counted_unmade
         assert pol.stores("routes"), specs
         with pytest.raises(ValueError, match="must be made"):
             pol.count_dropped("routes", 1)
+
+
+def test_the_summary_line_says_what_head_sampling_in_the_probes_kept() -> None:
+    meta = {"counts": {"tokens": 90, "steps": 95}, "losses": {}, "profiler_cpu_s": 1.0, "bpf_compile_s": 0.5}
+    meta |= {"stop_reason": "SIGINT"}
+    assert "head sampling" not in summary_line(meta)
+    meta["policy"] = {"head_in_probes": {"draws": {"kept": 3, "dropped": 7}, "logits_rows_not_copied": 60}}
+    line = summary_line(meta)
+    assert "head sampling in the probes: 3 of 10 requests drawn kept, 60 logits rows not copied;" in line

@@ -195,6 +195,20 @@ def summary_line(meta: dict[str, Any]) -> str:
         f"{losses.get('seq_gaps', 0)} sequence gaps, "
         f"{losses.get('logits_incomplete', 0)} incomplete logits, "
         f"{losses.get('samples_unresolved', 0)} unresolved samples; "
+        f"{_head_part(meta)}"
         f"profiler CPU {meta['profiler_cpu_s']:.2f}s "
         f"(BPF compile {meta['bpf_compile_s']:.2f}s); stopped: {meta['stop_reason']}"
+    )
+
+
+def _head_part(meta: dict[str, Any]) -> str:
+    """What head sampling in the probes kept, for the summary line ("" without it)."""
+    head = (meta.get("policy") or {}).get("head_in_probes")
+    if not head:
+        return ""
+    draws = head.get("draws", {})
+    kept, dropped = draws.get("kept", 0), draws.get("dropped", 0)
+    return (
+        f"head sampling in the probes: {kept} of {kept + dropped} requests drawn kept, "
+        f"{head.get('logits_rows_not_copied', 0)} logits rows not copied; "
     )
