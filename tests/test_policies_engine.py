@@ -131,8 +131,11 @@ def test_head_in_the_probes_keeps_the_drawn_share_whole_and_copies_no_logits_of_
     full_tokens = runs.full.tokens()
     dropped_tokens = full_tokens.filter(~pl.col("request_id").is_in(kept)).height
     assert probes["logits_rows_not_copied"] == dropped_tokens
-    # nor counted the activations of their one-row decode steps (every token but the first)
-    assert runs.head.meta["act_sampling"]["steps_not_counted"] == dropped_tokens - (n - len(kept))
+    # nor counted the activations of their one-row steps: each token's but the first's, and the
+    # first's too where the engine re-evaluated only the prompt's last token (the same prompt twice
+    # in a row: llama-cpp-python reuses its cache)
+    one_row = full_tokens.filter(~pl.col("request_id").is_in(kept) & (pl.col("batch_size") == 1))
+    assert runs.head.meta["act_sampling"]["steps_not_counted"] == one_row.height
     assert runs.full.meta["act_sampling"]["steps_not_counted"] == 0
     # the kept requests' token rows are the full recording's, log-probs and routing included
     cols = ["request_id", "step_id", "decode_order", "token_id", "log_prob", "top_ids", "entropy"]
