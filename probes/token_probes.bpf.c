@@ -218,8 +218,8 @@ _Static_assert((HEAD_OUTS & (HEAD_OUTS - 1)) == 0 && (UB_SMALL_TOK & (UB_SMALL_T
 struct head_rows {
     u32 n_out;  /* outputs listed */
     u32 n_keep; /* of which drew keep */
-    u32 drawn;  /* outputs drawn so far */
     u32 overflow; /* more outputs than listed: the decode is copied whole */
+    u32 pad;
     s32 seq[HEAD_OUTS];
     s32 pos[HEAD_OUTS];
 };
@@ -243,7 +243,6 @@ static __always_inline void head_decode(u64 lctx) {
     if (h) {
         h->n_out = 0;
         h->n_keep = 0;
-        h->drawn = 0;
         h->overflow = 0;
         return;
     }
@@ -417,6 +416,11 @@ int ubatch_enter(struct pt_regs *ctx) {
     u64 seq = next_seq();
     u32 n = 0;
     bpf_probe_read_user(&n, sizeof(n), (void *)(ub + UB_N_TOKENS));
+#ifdef HEAD_KEEP_BELOW
+    /* the decode's outputs so far: this micro-batch lists its own after them, then draws them */
+    struct head_rows *hr = head_rows.lookup(&lctx);
+    u32 out0 = hr ? hr->n_out : 0, keep0 = hr ? hr->n_keep : 0;
+#endif
     if (n <= UB_SMALL_TOK) {
         struct ev_ubatch_s *e = events.ringbuf_reserve(sizeof(struct ev_ubatch_s));
         if (!e) {
@@ -426,9 +430,8 @@ int ubatch_enter(struct pt_regs *ctx) {
         fill_hdr(&e->h, EV_UBATCH, lctx, seq);
         UBATCH_FILL(e, UB_SMALL_TOK, ub, n);
 #ifdef HEAD_KEEP_BELOW
-        struct head_rows *h = head_rows.lookup(&lctx);
-        if (h)
-            HEAD_OUTPUTS(h, e, UB_SMALL_TOK);
+        if (hr)
+            HEAD_OUTPUTS(hr, e, UB_SMALL_TOK);
 #endif
         events.ringbuf_submit(e, rb_wake());
     } else {
@@ -440,26 +443,22 @@ int ubatch_enter(struct pt_regs *ctx) {
         fill_hdr(&e->h, EV_UBATCH, lctx, seq);
         UBATCH_FILL(e, MAX_UB_TOK, ub, n);
 #ifdef HEAD_KEEP_BELOW
-        struct head_rows *h = head_rows.lookup(&lctx);
-        if (h)
-            HEAD_OUTPUTS(h, e, MAX_UB_TOK);
+        if (hr)
+            HEAD_OUTPUTS(hr, e, MAX_UB_TOK);
 #endif
         events.ringbuf_submit(e, rb_wake());
     }
 #ifdef HEAD_KEEP_BELOW
     u32 ub_out = 0, ub_keep = 0; /* this micro-batch's outputs, and how many drew keep */
-    struct head_rows *hr = head_rows.lookup(&lctx);
     if (hr) {
-        u32 out0 = hr->drawn, keep0 = hr->n_keep;
         for (u64 j = 0; j < HEAD_OUTS; j++) {
-            u64 o = hr->drawn;
+            u64 o = out0 + j;
             if (o >= hr->n_out || o >= HEAD_OUTS)
                 break;
             HEAD_MASK(o, HEAD_OUTS - 1);
             hr->n_keep += head_draw(lctx, hr->seq[o], hr->pos[o]);
-            hr->drawn = o + 1;
         }
-        ub_out = hr->drawn - out0;
+        ub_out = hr->n_out - out0;
         ub_keep = hr->n_keep - keep0;
     }
 #endif

@@ -535,7 +535,7 @@ class RequestTokens:
         """The token row, and the sequence's state after it."""
         if self.head_verdicts is not None and not st.head_judged:
             # the request's first token: the probes copied its logits row if its sequence's last
-            # draw kept it (a sequence with no draw was copied: no public batch led to it)
+            # draw kept it (a sequence with no draw yet, none of its outputs listed, was copied)
             st.head_judged = True
             self.head_verdicts[st.request_id] = c.head_draw.get(seq, True)
         # in TOKEN_ROW order: one tuple per token, no keyword dict (a row per token)

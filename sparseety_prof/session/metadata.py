@@ -18,7 +18,7 @@ from sparseety_prof.errors import ProfError
 from sparseety_prof.session import redaction
 from sparseety_prof.session.attach import Attached
 from sparseety_prof.session.options import Options
-from sparseety_prof.session.policy import probe_head_rate, probe_keep_below
+from sparseety_prof.session.policy import probe_keep_below
 from sparseety_prof.session.snapshot import engine_environment, host_info, process_info, server_props
 
 
@@ -154,13 +154,12 @@ def losses(counters: dict[str, int], corr: Correlator, *, seq_gaps: int, records
     }
 
 
-def head_in_probes(counters: dict[str, int], corr: Correlator, opts: Options) -> dict[str, Any]:
-    """Head sampling done in the probes (session/policy.py probe_head_rate): their draws and the
-    logits rows they did not copy, by design (not losses)."""
-    rate = probe_head_rate(opts.policy)
+def head_in_probes(counters: dict[str, int], corr: Correlator, rate: float) -> dict[str, Any]:
+    """Head sampling done in the probes at `rate` (session/policy.py probe_head_rate): their draws
+    and the logits rows they did not copy, by design (not losses)."""
     return {
         "rate": rate,
-        "keep_below": probe_keep_below(rate) if rate is not None else None,
+        "keep_below": probe_keep_below(rate),
         "draws": {"kept": corr.counters.head_draws_kept, "dropped": corr.counters.head_draws_dropped},
         "logits_rows_not_copied": counters.get("head_logits_not_copied", 0),
         # rows copied because their decode's outputs drew both keep and drop (a server's decode

@@ -74,7 +74,8 @@ class Recorder:
         self._sink_list = list(sinks)
         self._sinks: SinkFanout | None = None
         # head sampling in the probes: the requests' verdicts, from the correlator to the policy
-        self._head_verdicts: dict[str, bool] | None = {} if probe_head_rate(opts.policy) is not None else None
+        self._head_rate = probe_head_rate(opts.policy)
+        self._head_verdicts: dict[str, bool] | None = {} if self._head_rate is not None else None
         self._policy = RecordingPolicy(
             opts.policy, window_bytes=opts.policy_window, probe_verdicts=self._head_verdicts
         )
@@ -342,8 +343,9 @@ class Recorder:
             self._store_aggregates(writer, final=True)
             stages.lap("flush")
             final["policy"] = self._policy.to_meta()
-            if "head_in_probes" in final["policy"]:
-                final["policy"]["head_in_probes"].update(metadata.head_in_probes(counters, corr, opts))
+            if self._head_rate is not None:
+                probes = metadata.head_in_probes(counters, corr, self._head_rate)
+                final["policy"]["head_in_probes"].update(probes)
             final["aggregates"] = {
                 "bucket_s": opts.aggregate_s,
                 "left_out": sorted(self._aggregates.leave_out) if self._aggregates else [],
