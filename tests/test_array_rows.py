@@ -30,6 +30,11 @@ def _routes(n: int, k: int, *, seed: int, counted: np.ndarray | None = None) -> 
     return ArrayRows(n, arrays, nulls)
 
 
+def _with(rows: ArrayRows, **cols: np.ndarray | list[object] | None) -> ArrayRows:
+    """The rows with some columns replaced."""
+    return ArrayRows(rows.n, {**rows.arrays, **cols}, rows.nulls, rows.null_items)
+
+
 def _as_lists(rows: ArrayRows) -> dict[str, list[object]]:
     return {name: rows.column(name) for name in schema.TABLES["routes"]}
 
@@ -52,10 +57,37 @@ def test_array_rows_make_the_frame_their_column_lists_make(with_nulls: bool) -> 
 def test_parts_of_one_shape_are_joined_and_others_kept_apart() -> None:
     a, b, c = _routes(3, 2, seed=1), _routes(4, 2, seed=2), _routes(2, 3, seed=3)
     d = _routes(2, 3, seed=4, counted=np.array([True, False]))
-    joined = ArrayRows.concat([a, b, c, d])
-    assert [p.n for p in joined] == [7, 2, 2]  # c and d differ: d has null masks
+    e = _routes(2, 3, seed=5)
+    e = _with(e, expert_weights=np.asarray(e.arrays["expert_weights"], dtype=np.float64))
+    joined = ArrayRows.concat([a, b, c, d, e])
+    # a and b alike; c and d differ only in d's null marks; e's weights have another dtype
+    assert [p.n for p in joined] == [7, 4, 2]
     assert joined[0].frame("routes").equals(pl.concat([a.frame("routes"), b.frame("routes")]))
+    assert joined[1].frame("routes").equals(pl.concat([c.frame("routes"), d.frame("routes")]))
     assert ArrayRows.concat([]) == []
+
+
+def test_parts_with_null_columns_join_parts_with_values() -> None:
+    """A part whose column is None (all null), or Python values, or without null marks joins
+    parts with arrays, marks and null items: the joined frame is the parts' frames one after
+    the other (with head sampling in the probes, a dropped request's routes rows have no
+    activation values and alternate with kept ones)."""
+    parts = [
+        _routes(3, 2, seed=s, counted=np.array([True, False, True]) if s % 2 else None) for s in range(6)
+    ]
+    parts[0] = _with(parts[0], act_zero_ratio=None)
+    parts[1] = _with(parts[1], act_values=None)
+    parts[2] = _with(parts[2], expert_weights=None)
+    parts[3].null_items["expert_weights"] = np.array([False, True, False])
+    parts[4] = _with(parts[4], router_probs=[[0.5, 0.5], None, [0.25, 0.75]])
+    joined = ArrayRows.concat(parts)
+    assert [p.n for p in joined] == [18]
+    want = pl.concat([p.frame("routes") for p in parts])
+    got = joined[0].frame("routes")
+    assert got.schema == want.schema
+    assert got.equals(want)
+    assert got["act_values"].null_count() == 3 + 1 + 1  # part 1 all null; parts 3 and 5 marked
+    assert got["router_probs"].null_count() == 15 + 1  # Python values in one part only
 
 
 def test_row_parts_read_as_columns_in_the_order_the_rows_came() -> None:

@@ -78,44 +78,75 @@ class ArrayRows:
 
     @staticmethod
     def concat(parts: list[ArrayRows]) -> list[ArrayRows]:
-        """Consecutive parts whose columns have the same shapes joined into one."""
+        """Consecutive parts whose columns agree joined into one: each column an array of one
+        width and dtype, Python values, or None (all null) in any of them. A part's None column
+        joins arrays as rows marked null, and a part without a null mark joins marked ones as
+        rows not null: with head sampling in the probes, the routes rows of a dropped request's
+        steps (activations not counted) alternate with kept ones, and every run apart is a
+        frame apart, whose cost is per column."""
         out: list[ArrayRows] = []
         run: list[ArrayRows] = []
+        kinds: dict[str, object] = {}  # the run's kind of each column (_kind), None while all null
         for p in [*parts, None]:
-            if run and (p is None or _shapes(p) != _shapes(run[0])):
-                out.append(_joined(run))
-                run = []
+            if run and (p is None or not _agrees(kinds, p)):
+                out.append(_joined(run, kinds))
+                run, kinds = [], {}
             if p is not None:
                 run.append(p)
+                for name, a in p.arrays.items():
+                    if kinds.get(name) is None:
+                        kinds[name] = _kind(a)
         return out
 
 
-def _shapes(p: ArrayRows) -> tuple[object, ...]:
-    return tuple(
-        (
-            name,
-            None if a is None else "list" if isinstance(a, list) else (a.shape[1:], a.dtype),
-            name in p.nulls,
-            name in p.null_items,
-        )
-        for name, a in p.arrays.items()
-    )
+def _kind(a: ArrayColumn) -> object:
+    """What a column must share with another's to be joined: None (all null) joins any."""
+    return None if a is None else "list" if isinstance(a, list) else (a.shape[1:], a.dtype)
 
 
-def _joined(run: list[ArrayRows]) -> ArrayRows:
+def _agrees(kinds: dict[str, object], p: ArrayRows) -> bool:
+    if kinds.keys() != p.arrays.keys():
+        return False
+    for name, a in p.arrays.items():
+        want, got = kinds[name], _kind(a)
+        if want is not None and got is not None and want != got:
+            return False
+    return True
+
+
+def _joined(run: list[ArrayRows], kinds: dict[str, object]) -> ArrayRows:
     if len(run) == 1:
         return run[0]
-    first = run[0]
     arrays: dict[str, ArrayColumn] = {}
-    for name, a in first.arrays.items():
-        if a is None:
+    nulls: dict[str, np.ndarray] = {}
+    items: dict[str, np.ndarray] = {}
+    for name, kind in kinds.items():
+        if kind is None:
             arrays[name] = None
-        elif isinstance(a, list):
-            arrays[name] = [v for p in run for v in p.arrays[name]]  # type: ignore[union-attr]
+        elif kind == "list":
+            values: list[object] = []
+            for p in run:
+                a = p.arrays[name]
+                values += a if isinstance(a, list) else [None] * p.n
+            arrays[name] = values
         else:
-            arrays[name] = np.concatenate([p.arrays[name] for p in run])
-    nulls = {name: np.concatenate([p.nulls[name] for p in run]) for name in first.nulls}
-    items = {name: np.concatenate([p.null_items[name] for p in run]) for name in first.null_items}
+            assert isinstance(kind, tuple)
+            width, dtype = kind
+            got = [p.arrays[name] for p in run]
+            arrays[name] = np.concatenate(
+                [
+                    a if isinstance(a, np.ndarray) else np.zeros((p.n, *width), dtype)
+                    for a, p in zip(got, run, strict=True)
+                ]
+            )
+            null = [
+                p.nulls.get(name, np.zeros(p.n, bool)) if isinstance(a, np.ndarray) else np.ones(p.n, bool)
+                for a, p in zip(got, run, strict=True)
+            ]
+            if any(name in p.nulls or not isinstance(a, np.ndarray) for a, p in zip(got, run, strict=True)):
+                nulls[name] = np.concatenate(null)
+            if any(name in p.null_items for p in run):
+                items[name] = np.concatenate([p.null_items.get(name, np.zeros(p.n, bool)) for p in run])
     return ArrayRows(sum(p.n for p in run), arrays, nulls, items)
 
 
