@@ -1827,3 +1827,83 @@ def test_a_request_the_probes_drew_nothing_for_takes_its_sequences_last_draw() -
     c.feed(decode_records(s.recs, 1024))
     rids = [str(r) for r in dict.fromkeys(c.take_tables()["tokens"]["request_id"])]
     assert len(rids) == 4 and verdicts[rids[3]] is True  # the third request's draw: keep
+
+
+def _drawn_block_requests() -> Script:
+    """Three requests on sequence 0 drawn keep, drop, keep by the probes (EV_HEAD_DRAW after the
+    prompt's micro-batch record), each a prompt then one-row decode steps with their aggregate
+    records: 24 for the first (the attention map learned on its first ones, its steps take the
+    AggBlock: fast_step, then plain_run's runs), 10 for the others; the third restarts the
+    sequence's positions, a new request on the dropped one's sequence."""
+    s = Script()
+    logits = np.linspace(-2, 2, N_VOCAB, dtype=np.float32)
+    k = 0
+    for n, keep in enumerate((True, False, True)):
+        s.small(ev.EV_SEQ_RM, -1, 0, -1, ctx=MEM)
+        s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+        s.ubatch([1, 2 + n, 3], [0, 1, 2])
+        end = s.recs.pop()
+        s.small(ev.EV_HEAD_DRAW, 0, int(keep), 2)
+        s.recs.append(end)
+        tok = 4 + n
+        s.sample(tok, logits=logits if keep else None)
+        for i in range(24 if n == 0 else 10):
+            pos = 3 + i
+            s.small(ev.EV_SEQ_RM, -1, pos, -1, ctx=MEM)
+            s.small(ev.EV_DECODE_BEGIN, 1, tok, pos)
+            _agg_step(s, tok, pos, ops=k < 8)
+            k += 1
+            tok = (tok * 7 + i) % N_VOCAB
+            s.sample(tok, logits=logits + 0.01 * i if keep else None)
+    return s
+
+
+@pytest.mark.parametrize("drains", [1, 5, 11])
+def test_head_dropped_requests_routes_rows_are_counted_not_made(
+    monkeypatch: pytest.MonkeyPatch, drains: int
+) -> None:
+    """With head sampling in the probes and nothing but the recording reading routes rows
+    (`head_drops_routes`), the routes rows of a dropped request's one-row steps after its first
+    token are counted instead of made: exactly those the hold would drop; every other row, and
+    the verdicts, as without."""
+    s = _drawn_block_requests()
+    plain, _, in_runs = _count_plain(monkeypatch)
+
+    def replay(drop: bool) -> tuple[dict[str, dict[str, list[object]]], int, dict[str, bool]]:
+        verdicts: dict[str, bool] = {}
+        c = _correlator(head_verdicts=verdicts, head_drops_routes=drop)
+        got: dict[str, dict[str, list[object]]] = {}
+        counted = 0
+        per = -(-len(s.recs) // drains)
+        for k in range(0, len(s.recs), per):
+            c.feed(decode_records(s.recs[k : k + per], 1024))
+            for table, cols in c.take_tables(final=k + per >= len(s.recs)).items():
+                for name, values in cols.items():
+                    got.setdefault(table, {}).setdefault(name, []).extend(values)
+            counted += c.routes.take_head_dropped()
+        assert counted == c.routes.rows_head_dropped_total
+        return got, counted, verdicts
+
+    made, none, verdicts = replay(False)
+    got, counted, same = replay(True)
+    # steps one by one (fast_step) and in runs (plain_run) both
+    assert 0 < in_runs[0] < plain[0]
+    assert none == 0 and same == verdicts
+    rids = [str(r) for r in dict.fromkeys(made["tokens"]["request_id"])]
+    assert [verdicts[r] for r in rids] == [True, False, True]
+    # the dropped request's steps after the one that sampled its first token
+    steps = [
+        st
+        for r, st, order in zip(
+            *(made["tokens"][c] for c in ("request_id", "step_id", "decode_order")), strict=True
+        )
+        if r == rids[1] and order != 0
+    ]
+    assert len(steps) == 10
+    routes = made["routes"]
+    dropped = [i for i, st in enumerate(routes["step_id"]) if st in steps]
+    assert counted == len(dropped) == 10 * 2  # two MoE layers per step
+    keep = [i for i in range(len(routes["step_id"])) if i not in set(dropped)]
+    assert got["routes"] == {name: [v[i] for i in keep] for name, v in routes.items()}
+    for table in made.keys() - {"routes"}:
+        assert got[table] == made[table], table

@@ -150,6 +150,15 @@ def test_head_in_the_probes_keeps_the_drawn_share_whole_and_copies_no_logits_of_
         assert meta["rows_dropped"][table] == runs.full.table(table).height - runs.head.table(table).height
     assert runs.head.requests().height == n  # one row per request whatever the policy
     assert runs.head.meta["losses"]["seq_gaps"] == 0 and runs.head.meta["losses"]["kernel_drops"] == 0
+    # the routes rows of a dropped request's one-row steps after its first token were never made
+    # (counted in rows_dropped above): its first token decides it, after its first step's rows.
+    # Not all of them: a step whose values came per layer (the passes that learn the attention
+    # map after attach) takes the per-row path, and the hold drops its rows once made
+    later = full_tokens.filter(
+        ~pl.col("request_id").is_in(kept) & (pl.col("batch_size") == 1) & (pl.col("decode_order") > 0)
+    )
+    could = runs.full.routes().join(later.select("step_id"), on="step_id").height
+    assert 0.9 * could <= probes["routes_rows_not_made"] <= could
     # the always-on aggregates count every token; the log-prob histogram those whose row was copied
     agg = runs.head.aggregates()
     count = {m: int(agg.filter(pl.col("metric") == m)["count"].sum()) for m in ("tokens", "log_prob")}

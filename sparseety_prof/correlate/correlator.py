@@ -60,10 +60,14 @@ class Correlator:
         slot_tokens: bool = False,
         routes_rows: bool = True,
         head_verdicts: dict[str, bool] | None = None,
+        head_drops_routes: bool = False,
     ) -> None:
         """`routes_rows`: make the routes table's rows, or only count them (RoutesTables).
         `head_verdicts`: with head sampling in the probes, each request's verdict (the draw its
-        first token saw) is put there by request id, for the head policy (request_verdicts.Head)."""
+        first token saw) is put there by request id, for the head policy (request_verdicts.Head).
+        `head_drops_routes` (with `head_verdicts`, when nothing but the recording reads routes
+        rows): the routes rows of a dropped request's one-row steps after its first token are
+        counted, not made (RoutesTables.take_head_dropped): the policy would drop them."""
         self.pid = pid
         self.n_vocab = n_vocab
         self.wall_offset_ns = wall_offset_ns
@@ -99,6 +103,8 @@ class Correlator:
             head_verdicts=head_verdicts,
         )
         self.routes = RoutesTables(self.layers, self.problems, with_masks=with_masks, rows=routes_rows)
+        if head_drops_routes and head_verdicts is not None and not with_masks:
+            self.routes.head_dropped = self.requests.head_dropped = set()
 
     # the one-row decode step, and a sampler call, from the records' columns (methods: fast_step.py)
     _fast_step = fast_step

@@ -82,6 +82,8 @@ class RequestTokens:
     ) -> None:
         self.pid = pid
         self.head_verdicts = head_verdicts  # Correlator's `head_verdicts`
+        # RoutesTables.head_dropped (the correlator shares it): sequences whose request drew drop
+        self.head_dropped: set[tuple[int, int]] | None = None
         self.wall_offset_ns = wall_offset_ns
         self.texts = texts
         self.layers = layers
@@ -194,6 +196,8 @@ class RequestTokens:
         old = c.seqs.get(seq)
         if old is not None:
             self.finish_request(old, old_end)
+        if self.head_dropped:
+            self.head_dropped.discard((c.ctx_id, seq))  # the new request is not judged yet
         c.requests += 1
         if launch is not None:
             rid, src, serial = launch.request_id, launch.id_source, launch.serial
@@ -537,7 +541,9 @@ class RequestTokens:
             # the request's first token: the probes copied its logits row if its sequence's last
             # draw kept it (a sequence with no draw yet, none of its outputs listed, was copied)
             st.head_judged = True
-            self.head_verdicts[st.request_id] = c.head_draw.get(seq, True)
+            keep = self.head_verdicts[st.request_id] = c.head_draw.get(seq, True)
+            if not keep and self.head_dropped is not None:
+                self.head_dropped.add((c.ctx_id, seq))
         # in TOKEN_ROW order: one tuple per token, no keyword dict (a row per token)
         self.tokens.add_values(
             (

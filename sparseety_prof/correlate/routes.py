@@ -44,6 +44,13 @@ class RoutesTables:
         self.with_masks = with_masks
         self.make_rows = rows
         self.rows_not_made = 0  # rows counted but not made, since take_not_made
+        # head sampling in the probes, with nothing but the recording reading routes rows: the
+        # sequences whose request the probes drew to drop, (ctx_id, seq_id), set at its first
+        # token and cleared at the next request (RequestTokens); None when every row is made.
+        # Their one-row steps' rows are counted instead of made: the policy would drop them.
+        self.head_dropped: set[tuple[int, int]] | None = None
+        self.rows_head_dropped = 0  # such rows, since take_head_dropped
+        self.rows_head_dropped_total = 0
         self._routes: Columns = {name: [] for name in ROUTE_ROW}
         self._layout: RouteLayout | None = None
         # rows of emit's common case not yet in _routes: (step_id, ctx_id, seq, pos, row, the
@@ -64,6 +71,19 @@ class RoutesTables:
         """The rows counted instead of made since the last call."""
         n, self.rows_not_made = self.rows_not_made, 0
         return n
+
+    def take_head_dropped(self) -> int:
+        """The rows of head-dropped requests counted instead of made since the last call."""
+        n, self.rows_head_dropped = self.rows_head_dropped, 0
+        return n
+
+    def _head_drops(self, ctx_id: int, seq: int, rows: int) -> bool:
+        """Whether the sequence's request was drawn to drop (its rows then counted, not made)."""
+        if self.head_dropped is None or (ctx_id, seq) not in self.head_dropped:
+            return False
+        self.rows_head_dropped += rows
+        self.rows_head_dropped_total += rows
+        return True
 
     def take(self) -> tuple[Columns | RowParts, Columns]:
         """Routes and masks rows produced since the last call: columns, or RowParts when rows
@@ -233,6 +253,9 @@ class RoutesTables:
         if self._slot_steps:
             self._flush_slots()
         n = len(step_ids)
+        if self.head_dropped and (ctx_id, seq) in self.head_dropped:
+            self._head_drops(ctx_id, seq, sum(self._block_layers((block, r)) for r in rows))
+            return
         if not self.make_rows:
             self.rows_not_made += sum(self._block_layers((block, r)) for r in rows)
             return
@@ -246,6 +269,8 @@ class RoutesTables:
     ) -> None:
         """A one-row step's rows, kept in the block (every MoE layer has its k ids there: the
         rows are the common case's, with no per-row values made)."""
+        if self.head_dropped and self._head_drops(ctx_id, seq, self._block_layers(block)):
+            return
         if not self.make_rows:  # as many rows as the per-row path would make
             self.rows_not_made += self._block_layers(block)
             return

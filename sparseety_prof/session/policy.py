@@ -112,6 +112,13 @@ class RecordingPolicy:
             raise ValueError(f"the policy stores {table} rows: they must be made")
         self._rows.keeps(table, rows)
 
+    def count_head_dropped(self, table: str, rows: int) -> None:
+        """Rows of requests head sampling in the probes dropped that were counted instead of
+        made (Correlator `head_drops_routes`): dropped, as the held rows of such a request are."""
+        if self.hold is None or not self.probe_head:
+            raise ValueError("only head sampling in the probes drops rows before they are made")
+        self.hold.rows_dropped[table] = self.hold.rows_dropped.get(table, 0) + rows
+
     def take(self, table: str, df: pl.DataFrame) -> list[tuple[str, pl.DataFrame]]:
         """A frame the consumer made: what of it to store now."""
         if self.hold is not None:

@@ -165,6 +165,7 @@ class Recorder:
             # counted, not made
             routes_rows=self._policy.stores("routes") or self._sinks.wants("routes") or opts.capture.masks,
             head_verdicts=self._head_verdicts,
+            head_drops_routes=not self._sinks.wants("routes"),
         )
         tracker = SeqTracker()
         self.attached.set()
@@ -573,6 +574,9 @@ class Recorder:
         unmade = corr.routes.take_not_made()
         if unmade:
             self._policy.count_dropped("routes", unmade)
+        unmade = corr.routes.take_head_dropped()
+        if unmade:
+            self._policy.count_head_dropped("routes", unmade)
         stages.lap("rows")
         stages.move(corr.logits_cpu_s - logits0, "rows", "logits")
         tok, steps = tables["tokens"], tables["steps"]
