@@ -1216,16 +1216,18 @@ def test_sparse_runs_equal_the_record_by_record_path(
     assert sum(planned) >= 20 and not all(planned)
 
 
-def _prompt_script() -> Script:
+def _prompt_script(draws: list[bool] | None = None) -> Script:
     """Prompts of 5 to 9 rows with per-layer routing and activation records, the last layer's
     for the output row only (as llama.cpp computes it), each followed by a few decode steps; and
     among them what the arrays must leave to the per-row path: a layer's router probabilities
     alone, a row of a layer not counted, a layer with no routing, a layer's rows neither the
     batch's nor its outputs'. Router probabilities on every layer, every layer computed for every
-    row, and two output rows take the arrays."""
+    row, and two output rows take the arrays. With `draws`, each prompt's head-sampling draw by
+    the probes (after its micro-batch record), and no logits row for a request drawn to drop."""
     s = Script()
     logits = np.linspace(-1, 1, N_VOCAB, dtype=np.float32)
     for i in range(12):
+        keep = draws is None or draws[i]
         n = 5 + i % 5
         outputs = [0] * (n - 1) + [1]
         if i == 9:
@@ -1238,6 +1240,8 @@ def _prompt_script() -> Script:
         r["token"][0, :n], r["pos"][0, :n], r["seq_id"][0, :n] = [(i + j) % 9 for j in range(n)], range(n), 0
         r["output"][0, :n] = outputs
         s.recs.append(r.tobytes())
+        if draws is not None:
+            s.small(ev.EV_HEAD_DRAW, 0, int(keep), n - 1)
         n_out = sum(outputs)
         for layer in (0, 1):
             rows = n if layer == 0 or i == 7 else n_out  # the last layer: output rows only, but in pass 7
@@ -1262,12 +1266,12 @@ def _prompt_script() -> Script:
                 _act_rec(s, layer, 0, total, total, base=i + layer)
         s.small(ev.EV_UBATCH_END)
         for j in np.flatnonzero(outputs).tolist():
-            s.sample((i * 5 + j) % N_VOCAB, idx=j, logits=logits + i)
+            s.sample((i * 5 + j) % N_VOCAB, idx=j, logits=logits + i if keep else None)
         tok = (i * 5 + n - 1) % N_VOCAB
         for k in range(3):
             s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
             _agg_step(s, tok, n + k)
-            s.sample((tok + k) % N_VOCAB, logits=logits)
+            s.sample((tok + k) % N_VOCAB, logits=logits if keep else None)
             tok = (tok + k) % N_VOCAB
     return s
 
@@ -1858,15 +1862,23 @@ def _drawn_block_requests() -> Script:
     return s
 
 
+#: the prompts' draws of _prompt_script in the head-sampling test: every kind of prompt both ways
+_PROMPT_DRAWS = [True, False, False, True, False, True, True, False, False, True, False, True]
+
+
+@pytest.mark.parametrize("script", ["decode", "prompts"])
 @pytest.mark.parametrize("drains", [1, 5, 11])
 def test_head_dropped_requests_routes_rows_are_counted_not_made(
-    monkeypatch: pytest.MonkeyPatch, drains: int
+    monkeypatch: pytest.MonkeyPatch, drains: int, script: str
 ) -> None:
     """With head sampling in the probes and nothing but the recording reading routes rows
-    (`head_drops_routes`), the routes rows of a dropped request's one-row steps after its first
-    token are counted instead of made: exactly those the hold would drop; every other row, and
-    the verdicts, as without."""
-    s = _drawn_block_requests()
+    (`head_drops_routes`), the routes rows of a request the probes drew to drop are counted
+    instead of made: its prompt's (the draw comes before them) and its one-row steps'. Exactly
+    the rows the policy's hold would drop (session/request_hold.py: a request owns its sequence's
+    steps after the previous request's last token step, up to its own); every other row, and the
+    verdicts, as without. `prompts`: _prompt_script's prompts, whose rows take the arrays and
+    the per-row path."""
+    s = _drawn_block_requests() if script == "decode" else _prompt_script(_PROMPT_DRAWS)
     plain, _, in_runs = _count_plain(monkeypatch)
 
     def replay(drop: bool) -> tuple[dict[str, dict[str, list[object]]], int, dict[str, bool]]:
@@ -1886,24 +1898,24 @@ def test_head_dropped_requests_routes_rows_are_counted_not_made(
 
     made, none, verdicts = replay(False)
     got, counted, same = replay(True)
-    # steps one by one (fast_step) and in runs (plain_run) both
-    assert 0 < in_runs[0] < plain[0]
     assert none == 0 and same == verdicts
-    rids = [str(r) for r in dict.fromkeys(made["tokens"]["request_id"])]
-    assert [verdicts[r] for r in rids] == [True, False, True]
-    # the dropped request's steps after the one that sampled its first token
-    steps = [
-        st
-        for r, st, order in zip(
-            *(made["tokens"][c] for c in ("request_id", "step_id", "decode_order")), strict=True
-        )
-        if r == rids[1] and order != 0
-    ]
-    assert len(steps) == 10
+    tokens = made["tokens"]
+    rids = [str(r) for r in dict.fromkeys(tokens["request_id"])]
+    draws = [True, False, True] if script == "decode" else _PROMPT_DRAWS
+    assert [verdicts[r] for r in rids] == draws
+    if script == "decode":  # steps one by one (fast_step) and in runs (plain_run) both
+        assert 0 < in_runs[0] < plain[0]
+    # each request's steps, as the hold owns them: one sequence, requests one after the other
+    last = {str(r): int(str(st)) for r, st in zip(tokens["request_id"], tokens["step_id"], strict=True)}
+    owner: dict[int, str] = {}
+    prev = -1
+    for rid in rids:
+        owner.update((st, rid) for st in range(prev + 1, last[rid] + 1))
+        prev = last[rid]
     routes = made["routes"]
-    dropped = [i for i, st in enumerate(routes["step_id"]) if st in steps]
-    assert counted == len(dropped) == 10 * 2  # two MoE layers per step
-    keep = [i for i in range(len(routes["step_id"])) if i not in set(dropped)]
-    assert got["routes"] == {name: [v[i] for i in keep] for name, v in routes.items()}
+    dropped = [i for i, st in enumerate(routes["step_id"]) if not verdicts[owner[int(str(st))]]]
+    assert counted == len(dropped) > 0
+    kept = [i for i in range(len(routes["step_id"])) if i not in set(dropped)]
+    assert got["routes"] == {name: [v[i] for i in kept] for name, v in routes.items()}
     for table in made.keys() - {"routes"}:
         assert got[table] == made[table], table

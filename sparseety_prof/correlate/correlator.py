@@ -496,7 +496,17 @@ class Correlator:
 
     def _on_head_draw(self, r: dict[str, Any]) -> None:
         keep = bool(r["b"])
-        self._ctx(int(r["ctx"])).head_draw[int(r["a"])] = keep
+        c, seq = self._ctx(int(r["ctx"])), int(r["a"])
+        c.head_draw[seq] = keep
+        dropped = self.routes.head_dropped
+        st = c.seqs.get(seq)
+        if dropped is not None and st is not None and not st.head_judged:
+            # the request has no token yet: this draw is the one its first token will take
+            # (RequestTokens._add_token_row), and its prompt's rows come after it
+            if keep:
+                dropped.discard((c.ctx_id, seq))
+            else:
+                dropped.add((c.ctx_id, seq))
         if keep:
             self.counters.head_draws_kept += 1
         else:

@@ -542,8 +542,11 @@ class RequestTokens:
             # draw kept it (a sequence with no draw yet, none of its outputs listed, was copied)
             st.head_judged = True
             keep = self.head_verdicts[st.request_id] = c.head_draw.get(seq, True)
-            if not keep and self.head_dropped is not None:
-                self.head_dropped.add((c.ctx_id, seq))
+            if self.head_dropped is not None:  # (the draw may have set it already)
+                if keep:
+                    self.head_dropped.discard((c.ctx_id, seq))
+                else:
+                    self.head_dropped.add((c.ctx_id, seq))
         # in TOKEN_ROW order: one tuple per token, no keyword dict (a row per token)
         self.tokens.add_values(
             (

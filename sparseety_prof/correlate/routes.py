@@ -45,9 +45,11 @@ class RoutesTables:
         self.make_rows = rows
         self.rows_not_made = 0  # rows counted but not made, since take_not_made
         # head sampling in the probes, with nothing but the recording reading routes rows: the
-        # sequences whose request the probes drew to drop, (ctx_id, seq_id), set at its first
-        # token and cleared at the next request (RequestTokens); None when every row is made.
-        # Their one-row steps' rows are counted instead of made: the policy would drop them.
+        # sequences whose request the probes drew to drop, (ctx_id, seq_id), set by the draw
+        # before its first token (Correlator._on_head_draw) or at it (RequestTokens), cleared at
+        # the next request; None when every row is made. Their steps' rows are counted instead
+        # of made (a step over several slots only when every slot's request drew drop): the
+        # policy would drop them.
         self.head_dropped: set[tuple[int, int]] | None = None
         self.rows_head_dropped = 0  # such rows, since take_head_dropped
         self.rows_head_dropped_total = 0
@@ -201,7 +203,25 @@ class RoutesTables:
             self._slot_steps.append(step)
             return
         self._flush_slots()
+        if self.head_dropped and self._all_head_dropped(step):
+            # a dropped request's step (its prompt; a one-row step whose values came per layer):
+            # its rows counted as the policy without routes rows counts them (the same paths,
+            # exactly as many), then moved to head's count
+            made, self.make_rows, before = self.make_rows, False, self.rows_not_made
+            try:
+                self._emit_now(step)
+            finally:
+                self.make_rows = made
+            n, self.rows_not_made = self.rows_not_made - before, before
+            self.rows_head_dropped += n
+            self.rows_head_dropped_total += n
+            return
         self._emit_now(step)
+
+    def _all_head_dropped(self, step: Step) -> bool:
+        """Whether every sequence with rows in the step is one whose request drew drop."""
+        assert self.head_dropped is not None
+        return all((step.ctx_id, seq) in self.head_dropped for seq in set(step.seq.tolist()))
 
     def _flush_slots(self) -> None:
         """The rows of the steps over several slots waiting: each run of steps of one shape made
