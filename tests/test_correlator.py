@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -1446,6 +1447,23 @@ def test_steps_of_several_slots_as_arrays_equal_the_per_row_path(
         assert got_unmade > 2 * (2 * 6 + 3 * 9)
 
 
+def _feed_counting(
+    c: Correlator, s: Script, drains: int, take_counted: Callable[[], int]
+) -> tuple[dict[str, dict[str, list[object]]], int]:
+    """The script's records fed in `drains` drains: every table's columns, and the rows
+    `take_counted` (a RoutesTables take_ method) said were counted instead of made."""
+    got: dict[str, dict[str, list[object]]] = {}
+    counted = 0
+    per = -(-len(s.recs) // drains)
+    for k in range(0, len(s.recs), per):
+        c.feed(decode_records(s.recs[k : k + per], 1024))
+        for table, cols in c.take_tables(final=k + per >= len(s.recs)).items():
+            for name, values in cols.items():
+                got.setdefault(table, {}).setdefault(name, []).extend(values)
+        counted += take_counted()
+    return got, counted
+
+
 @pytest.mark.parametrize("script", ["mixed", "dense_first", "runs"])
 @pytest.mark.parametrize("drains", [1, 7])
 def test_routes_rows_counted_unmade_are_the_rows_made(drains: int, script: str) -> None:
@@ -1457,15 +1475,7 @@ def test_routes_rows_counted_unmade_are_the_rows_made(drains: int, script: str) 
     layers = BLOCK_LAYOUTS.get(script)
     made, _ = _replay(s, drains, with_masks=False, layers=layers)
     c = _correlator(routes_rows=False, **({"layers": layers} if layers else {}))
-    unmade: dict[str, dict[str, list[object]]] = {}
-    counted = 0
-    per = -(-len(s.recs) // drains)
-    for k in range(0, len(s.recs), per):
-        c.feed(decode_records(s.recs[k : k + per], 1024))
-        for table, cols in c.take_tables(final=k + per >= len(s.recs)).items():
-            for name, values in cols.items():
-                unmade.setdefault(table, {}).setdefault(name, []).extend(values)
-        counted += c.routes.take_not_made()
+    unmade, counted = _feed_counting(c, s, drains, c.routes.take_not_made)
     assert counted == len(made["routes"]["step_id"]) > 60
     assert not any(unmade["routes"].values())
     for table in made.keys() - {"routes"}:
@@ -1884,15 +1894,7 @@ def test_head_dropped_requests_routes_rows_are_counted_not_made(
     def replay(drop: bool) -> tuple[dict[str, dict[str, list[object]]], int, dict[str, bool]]:
         verdicts: dict[str, bool] = {}
         c = _correlator(head_verdicts=verdicts, head_drops_routes=drop)
-        got: dict[str, dict[str, list[object]]] = {}
-        counted = 0
-        per = -(-len(s.recs) // drains)
-        for k in range(0, len(s.recs), per):
-            c.feed(decode_records(s.recs[k : k + per], 1024))
-            for table, cols in c.take_tables(final=k + per >= len(s.recs)).items():
-                for name, values in cols.items():
-                    got.setdefault(table, {}).setdefault(name, []).extend(values)
-            counted += c.routes.take_head_dropped()
+        got, counted = _feed_counting(c, s, drains, c.routes.take_head_dropped)
         assert counted == c.routes.rows_head_dropped_total
         return got, counted, verdicts
 
