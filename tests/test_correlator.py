@@ -1324,13 +1324,15 @@ def test_prompt_routes_rows_as_arrays_equal_the_per_row_path(
     assert len(r["step_id"]) < 2 * sum(5 + i % 5 for i in range(12)) + 2 * 36
 
 
-def _slots_script() -> Script:
+def _slots_script(draws: dict[int, bool] | None = None) -> Script:
     """Two, then three sequences decoded together (as a server's slots are): each one's prompt
     (no sparse records), then steps of one row per sequence, all outputs, with per-layer routing
     and activation records; among them a one-row step of the first sequence alone, a step with
     router probabilities, a step whose activations were not counted, and what must take the
     per-row path: a row of layer 0 not counted, a layer whose routing is missing, a step with a
-    prompt row (not an output)."""
+    prompt row (not an output). With `draws`, each sequence's head-sampling draw by the probes
+    after its prompt's micro-batch record (the logits rows are sent either way, as the probes
+    copy a row whose decode mixes draws)."""
     s = Script()
     logits = np.linspace(-1, 1, N_VOCAB, dtype=np.float32)
     toks = {0: 1, 1: 2, 2: 3}
@@ -1338,6 +1340,10 @@ def _slots_script() -> Script:
     for seq in (0, 1, 2):
         s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
         s.ubatch([seq + 1, seq + 2, seq + 3], [0, 1, 2], seqs=[seq] * 3, outputs=[0, 0, 1])
+        if draws is not None:
+            end = s.recs.pop()
+            s.small(ev.EV_HEAD_DRAW, seq, int(draws[seq]), 2)
+            s.recs.append(end)
         s.sample(toks[seq], idx=2, logits=logits)
     for i in range(16):
         seqs = [0] if i == 9 else [0, 1, 2] if i >= 6 else [0, 1]
@@ -1876,19 +1882,31 @@ def _drawn_block_requests() -> Script:
 _PROMPT_DRAWS = [True, False, False, True, False, True, True, False, False, True, False, True]
 
 
-@pytest.mark.parametrize("script", ["decode", "prompts"])
+#: the sequences' draws of _slots_script in the head-sampling test
+_SLOT_DRAWS = {"slots": {0: False, 1: False, 2: False}, "slots_mixed": {0: False, 1: True, 2: False}}
+
+
+@pytest.mark.parametrize("script", ["decode", "prompts", "slots", "slots_mixed"])
 @pytest.mark.parametrize("drains", [1, 5, 11])
 def test_head_dropped_requests_routes_rows_are_counted_not_made(
     monkeypatch: pytest.MonkeyPatch, drains: int, script: str
 ) -> None:
     """With head sampling in the probes and nothing but the recording reading routes rows
     (`head_drops_routes`), the routes rows of a request the probes drew to drop are counted
-    instead of made: its prompt's (the draw comes before them) and its one-row steps'. Exactly
-    the rows the policy's hold would drop (session/request_hold.py: a request owns its sequence's
-    steps after the previous request's last token step, up to its own); every other row, and the
-    verdicts, as without. `prompts`: _prompt_script's prompts, whose rows take the arrays and
-    the per-row path."""
-    s = _drawn_block_requests() if script == "decode" else _prompt_script(_PROMPT_DRAWS)
+    instead of made: its prompt's (the draw comes before them) and its one-row steps', and a
+    step's over several slots when every slot's request drew drop. Only rows the policy's hold
+    would drop (session/request_hold.py: a request owns its sequence's steps after the previous
+    request's last token step, up to its own); every other row, and the verdicts, as without.
+    `prompts`: _prompt_script's prompts, whose rows take the arrays and the per-row path;
+    `slots`: _slots_script's steps over several slots, every request dropped (the stacked runs
+    and the per-row path), and `slots_mixed`, one kept."""
+    slots = _SLOT_DRAWS.get(script)
+    if script == "decode":
+        s, draws = _drawn_block_requests(), [True, False, True]
+    elif slots is not None:
+        s, draws = _slots_script(slots), [slots[q] for q in (0, 1, 2)]
+    else:
+        s, draws = _prompt_script(_PROMPT_DRAWS), _PROMPT_DRAWS
     plain, _, in_runs = _count_plain(monkeypatch)
 
     def replay(drop: bool) -> tuple[dict[str, dict[str, list[object]]], int, dict[str, bool]]:
@@ -1903,21 +1921,32 @@ def test_head_dropped_requests_routes_rows_are_counted_not_made(
     assert none == 0 and same == verdicts
     tokens = made["tokens"]
     rids = [str(r) for r in dict.fromkeys(tokens["request_id"])]
-    draws = [True, False, True] if script == "decode" else _PROMPT_DRAWS
     assert [verdicts[r] for r in rids] == draws
     if script == "decode":  # steps one by one (fast_step) and in runs (plain_run) both
         assert 0 < in_runs[0] < plain[0]
-    # each request's steps, as the hold owns them: one sequence, requests one after the other
-    last = {str(r): int(str(st)) for r, st in zip(tokens["request_id"], tokens["step_id"], strict=True)}
-    owner: dict[int, str] = {}
-    prev = -1
-    for rid in rids:
-        owner.update((st, rid) for st in range(prev + 1, last[rid] + 1))
-        prev = last[rid]
     routes = made["routes"]
-    dropped = [i for i, st in enumerate(routes["step_id"]) if not verdicts[owner[int(str(st))]]]
+    if slots is not None:  # a step's rows when every sequence in it drew drop
+        seqs_of = dict(zip(made["steps"]["step_id"], made["steps"]["seq_ids"], strict=True))
+        dropped = [
+            i
+            for i, st in enumerate(routes["step_id"])
+            if all(slots.get(q, True) is False for q in seqs_of[st])  # type: ignore[attr-defined]
+        ]
+    else:  # each request's steps, as the hold owns them: requests one after the other
+        last = {str(r): int(str(st)) for r, st in zip(tokens["request_id"], tokens["step_id"], strict=True)}
+        owner: dict[int, str] = {}
+        prev = -1
+        for rid in rids:
+            owner.update((st, rid) for st in range(prev + 1, last[rid] + 1))
+            prev = last[rid]
+        dropped = [i for i, st in enumerate(routes["step_id"]) if not verdicts[owner[int(str(st))]]]
     assert counted == len(dropped) > 0
-    kept = [i for i in range(len(routes["step_id"])) if i not in set(dropped)]
-    assert got["routes"] == {name: [v[i] for i in kept] for name, v in routes.items()}
+    kept = sorted(set(range(len(routes["step_id"]))) - set(dropped))
+    names = list(routes)
+
+    def rows(cols: dict[str, list[object]], at: list[int]) -> list[str]:
+        return sorted(repr(tuple(cols[n][i] for n in names)) for i in at)
+
+    assert rows(got["routes"], list(range(len(got["routes"]["step_id"])))) == rows(routes, kept)
     for table in made.keys() - {"routes"}:
         assert got[table] == made[table], table

@@ -204,24 +204,29 @@ class RoutesTables:
             return
         self._flush_slots()
         if self.head_dropped and self._all_head_dropped(step):
-            # a dropped request's step (its prompt; a one-row step whose values came per layer):
-            # its rows counted as the policy without routes rows counts them (the same paths,
-            # exactly as many), then moved to head's count
-            made, self.make_rows, before = self.make_rows, False, self.rows_not_made
-            try:
-                self._emit_now(step)
-            finally:
-                self.make_rows = made
-            n, self.rows_not_made = self.rows_not_made - before, before
-            self.rows_head_dropped += n
-            self.rows_head_dropped_total += n
+            self._count_head_dropped(step)
             return
         self._emit_now(step)
 
     def _all_head_dropped(self, step: Step) -> bool:
         """Whether every sequence with rows in the step is one whose request drew drop."""
-        assert self.head_dropped is not None
-        return all((step.ctx_id, seq) in self.head_dropped for seq in set(step.seq.tolist()))
+        dropped = self.head_dropped
+        if not dropped:
+            return False
+        return all((step.ctx_id, seq) in dropped for seq in set(step.seq.tolist()))
+
+    def _count_head_dropped(self, step: Step) -> None:
+        """A step of dropped requests only (a prompt; a one-row step whose values came per layer;
+        a step over several slots the arrays cannot take): its rows counted as the policy
+        without routes rows counts them (the same paths, exactly as many), as head's."""
+        made, self.make_rows, before = self.make_rows, False, self.rows_not_made
+        try:
+            self._emit_now(step)
+        finally:
+            self.make_rows = made
+        n, self.rows_not_made = self.rows_not_made - before, before
+        self.rows_head_dropped += n
+        self.rows_head_dropped_total += n
 
     def _flush_slots(self) -> None:
         """The rows of the steps over several slots waiting: each run of steps of one shape made
@@ -234,16 +239,29 @@ class RoutesTables:
             j = i + 1
             while key is not None and j < len(steps) and keys[j] == key:
                 j += 1
-            spans = slot_runs(steps[i:j], key, self.layers, rows=self.make_rows) if key is not None else []
+            # a run all of whose steps' requests drew drop (head sampling in the probes): its
+            # token rows still read the arrays, its routes rows are counted (a run that mixes
+            # makes them all, and the policy drops the dropped requests')
+            drops = all(self._all_head_dropped(s) for s in steps[i:j])
+            rows = self.make_rows and not drops
+            spans = slot_runs(steps[i:j], key, self.layers, rows=rows) if key is not None else []
             for a, b, run in spans or [(0, j - i, None)]:
                 if run is None:
                     for s in steps[i + a : i + b]:
-                        self._emit_now(s)
+                        if drops:
+                            self._count_head_dropped(s)
+                        else:
+                            self._emit_now(s)
                     continue
                 for s, blk in zip(steps[i + a : i + b], run.blocks, strict=True):
                     s.sparse._slot_block = blk  # type: ignore[union-attr]
                 if run.routes is None:
-                    self.rows_not_made += (b - a) * len(steps[i + a].seq) * len(self.layers.moe)
+                    n = (b - a) * len(steps[i + a].seq) * len(self.layers.moe)
+                    if drops:
+                        self.rows_head_dropped += n
+                        self.rows_head_dropped_total += n
+                    else:
+                        self.rows_not_made += n
                 else:
                     self._arrays.extend(self._block_rows())  # (the rows before them first)
                     self._arrays.append(run.routes)
