@@ -579,8 +579,18 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream_id, uint8_t
 static void *flush_main(void *arg) {
     (void)arg;
     tls_busy = 1;
+    bool relaxed = false;
     pthread_mutex_lock(&g_flush_mu);
     while (!g_flush_stop) {
+        /* The flush's driver calls must not invalidate a global-mode stream capture on an engine
+         * thread (torch.cuda.graph's default mode): this thread switches to relaxed mode for good,
+         * once libcuda's entry points are loaded (they may come after this thread starts). */
+        CUresult (*exchange)(CUstreamCaptureMode *) =
+            relaxed ? NULL : __atomic_load_n(&cu.ThreadExchangeStreamCaptureMode, __ATOMIC_ACQUIRE);
+        if (exchange != NULL) {
+            CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+            relaxed = exchange(&mode) == CUDA_SUCCESS;
+        }
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
         uint64_t ns = (uint64_t)ts.tv_nsec + (uint64_t)cfg.flush_ms * 1000000ull;

@@ -116,6 +116,14 @@ static void *reader_main(void *arg) {
         if (r != CUDA_SUCCESS)
             report_error(ERRK_STAGING_CTX, (int)r, "staging reader: cuCtxSetCurrent failed: %s", cu_error_name(r));
     }
+    /* cuEventQuery is "potentially unsafe" while another thread captures a stream in global mode
+     * (torch.cuda.graph's default): from a thread in that mode it fails and invalidates the
+     * engine's capture (seen on an H200: a copy still pending when the engine began capturing
+     * made its capture_end fail). This thread only polls its own events: relaxed for good. */
+    if (cu.ThreadExchangeStreamCaptureMode != NULL) {
+        CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+        cu.ThreadExchangeStreamCaptureMode(&mode);
+    }
     while (!__atomic_load_n(&g_stop, __ATOMIC_ACQUIRE)) {
         unsigned pending = poll_once();
         /* 200 us while copies are in flight keeps the pinned ring free; idle polling is cheap. */
