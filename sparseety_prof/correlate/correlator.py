@@ -66,8 +66,8 @@ class Correlator:
         `head_verdicts`: with head sampling in the probes, each request's verdict (the draw its
         first token saw) is put there by request id, for the head policy (request_verdicts.Head).
         `head_drops_routes` (with `head_verdicts`, when nothing but the recording reads routes
-        rows): the routes rows of a dropped request's one-row steps after its first token are
-        counted, not made (RoutesTables.take_head_dropped): the policy would drop them."""
+        rows): the routes rows of a request the probes drew to drop are counted, not made, from
+        its draw on (RoutesTables.head_dropped, take_head_dropped): the policy would drop them."""
         self.pid = pid
         self.n_vocab = n_vocab
         self.wall_offset_ns = wall_offset_ns

@@ -291,7 +291,7 @@ class RoutesTables:
         if self._slot_steps:
             self._flush_slots()
         n = len(step_ids)
-        if self.head_dropped and (ctx_id, seq) in self.head_dropped:
+        if self.head_dropped and (ctx_id, seq) in self.head_dropped:  # (the sum only then)
             self._head_drops(ctx_id, seq, sum(self._block_layers((block, r)) for r in rows))
             return
         if not self.make_rows:

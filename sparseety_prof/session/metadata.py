@@ -165,8 +165,8 @@ def head_in_probes(counters: dict[str, int], corr: Correlator, rate: float) -> d
         # rows copied because their decode's outputs drew both keep and drop (a server's decode
         # over several slots): the probes cannot tell which output a sampler reads
         "logits_rows_copied_mixed": counters.get("head_logits_copied_mixed", 0),
-        # routes rows of dropped requests counted and never made (a one-row step after the
-        # request's first token; with no sink reading routes rows): in policy.rows_dropped too
+        # routes rows of dropped requests counted and never made (from the draw on; with no
+        # sink reading routes rows): in policy.rows_dropped too
         "routes_rows_not_made": corr.routes.rows_head_dropped_total,
     }
 
