@@ -464,8 +464,8 @@ def analyse_graphs(records: list[Any], out: Path, info: dict[str, Any]) -> dict[
         # every copy is tagged with the node id of a kernel record of the watched kernel, and every
         # such kernel execution has its copy
         "graph_node_ids_match": sorted(copied) == sorted(watched_kernels) and len(set(copied)) == len(copied),
-        # where they differ: how many on each side, and a few of each, with the kernel records'
-        # node ids per correlation id (to tell a node id apart from a correlation id that differs)
+        # where they differ: how many on each side, a few pairs of each, and the node ids on each
+        # side (to tell node ids that differ from correlation ids that do)
         "graph_id_pairs": {
             "copies": len(copied),
             "copies_distinct": len(set(copied)),

@@ -48,6 +48,9 @@ from make_models import make_model  # noqa: E402
 
 PYSPY_DIR = ROOT / "build" / "py-spy"
 
+#: samples preempted at a stage clock read: not CPU (STAGES says why)
+PREEMPTED = "preempted at a stage clock read"
+
 # (stage, the first frame in a sample's stack that puts it there), checked in this order: the first
 # match wins, so a finer stage comes before the one that contains it
 STAGES: list[tuple[str, str]] = [
@@ -55,7 +58,7 @@ STAGES: list[tuple[str, str]] = [
     # the stage clock's read (thread_time, a system call): a consumer at nice 10 is preempted right
     # after it, and wall-clock samples land there (a third of the busy samples of a full-mode run,
     # for well under a microsecond of CPU per read); not CPU, so left out like the waits
-    ("preempted at a stage clock read", "StageCpu.lap"),
+    (PREEMPTED, "StageCpu.lap"),
     # asleep in epoll until the probes wake it (its few wakeups per second are counted here too)
     ("ring watch (waiting)", "RingWatch._run"),
     ("probes' detach at close (waiting)", "Session.close"),
@@ -73,7 +76,7 @@ STAGES: list[tuple[str, str]] = [
 ]
 IDLE = {
     "waiting between drains",
-    "preempted at a stage clock read",
+    PREEMPTED,
     "ring watch (waiting)",
     "probes' detach at close (waiting)",
 }
@@ -176,7 +179,7 @@ def main() -> int:
         f"{n} tokens ({load}, {a.threads} engine thread(s)"
         f"{', ' + a.record_args if a.record_args else ''}): recorder CPU {cpu_us:.0f} µs/token "
         f"(attached, after start-up, to exit); {total} busy samples "
-        f"({counts.get('preempted at a stage clock read', 0)} more preempted at a stage clock read, left out)"
+        f"({counts.get(PREEMPTED, 0)} more {PREEMPTED}, left out)"
     )
     print("| stage | share of busy samples | ≈ µs per token |")
     print("| --- | --- | --- |")

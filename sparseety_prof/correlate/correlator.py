@@ -32,7 +32,7 @@ from sparseety_prof.correlate.routes import RoutesTables
 from sparseety_prof.correlate.server_layout_check import ServerLayoutCheck
 from sparseety_prof.correlate.serving import ServingTracker
 from sparseety_prof.correlate.sparse_run import RUN_KINDS, sparse_run
-from sparseety_prof.correlate.state import Counters, CtxState, SampleState, Step
+from sparseety_prof.correlate.state import Counters, CtxState, HeadDropped, SampleState, Step
 from sparseety_prof.correlate.step_sparse import Problems, StepSparse
 from sparseety_prof.correlate.tables import STEP_ROW, RowBuffer
 from sparseety_prof.correlate.verification import (
@@ -104,7 +104,7 @@ class Correlator:
         )
         self.routes = RoutesTables(self.layers, self.problems, with_masks=with_masks, rows=routes_rows)
         if head_drops_routes and head_verdicts is not None and not with_masks:
-            self.routes.head_dropped = self.requests.head_dropped = set()
+            self.routes.head_dropped = self.requests.head_dropped = HeadDropped()
 
     # the one-row decode step, and a sampler call, from the records' columns (methods: fast_step.py)
     _fast_step = fast_step
@@ -503,10 +503,7 @@ class Correlator:
         if dropped is not None and st is not None and not st.head_judged:
             # the request has no token yet: this draw is the one its first token will take
             # (RequestTokens._add_token_row), and its prompt's rows come after it
-            if keep:
-                dropped.discard((c.ctx_id, seq))
-            else:
-                dropped.add((c.ctx_id, seq))
+            dropped.judge(c.ctx_id, seq, keep)
         if keep:
             self.counters.head_draws_kept += 1
         else:

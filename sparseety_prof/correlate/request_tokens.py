@@ -28,7 +28,7 @@ from sparseety_prof.correlate.logit_stats import PendingStats
 from sparseety_prof.correlate.pass_arrays import pass_block
 from sparseety_prof.correlate.serving import ID_SEGMENTED, Launch, RequestAgg, ServingTracker
 from sparseety_prof.correlate.slot_steps import slot_step
-from sparseety_prof.correlate.state import Counters, CtxState, SeqState, Step
+from sparseety_prof.correlate.state import Counters, CtxState, HeadDropped, SeqState, Step
 from sparseety_prof.correlate.step_sparse import Problems
 from sparseety_prof.correlate.tables import (
     NO_SPARSE_VALUES,
@@ -83,7 +83,7 @@ class RequestTokens:
         self.pid = pid
         self.head_verdicts = head_verdicts  # Correlator's `head_verdicts`
         # RoutesTables.head_dropped (the correlator shares it): sequences whose request drew drop
-        self.head_dropped: set[tuple[int, int]] | None = None
+        self.head_dropped: HeadDropped | None = None
         self.wall_offset_ns = wall_offset_ns
         self.texts = texts
         self.layers = layers
@@ -197,7 +197,7 @@ class RequestTokens:
         if old is not None:
             self.finish_request(old, old_end)
         if self.head_dropped:
-            self.head_dropped.discard((c.ctx_id, seq))  # the new request is not judged yet
+            self.head_dropped.forget(c.ctx_id, seq)  # the new request is not judged yet
         c.requests += 1
         if launch is not None:
             rid, src, serial = launch.request_id, launch.id_source, launch.serial
@@ -542,11 +542,8 @@ class RequestTokens:
             # draw kept it (a sequence with no draw yet, none of its outputs listed, was copied)
             st.head_judged = True
             keep = self.head_verdicts[st.request_id] = c.head_draw.get(seq, True)
-            if self.head_dropped is not None:  # (the draw may have set it already)
-                if keep:
-                    self.head_dropped.discard((c.ctx_id, seq))
-                else:
-                    self.head_dropped.add((c.ctx_id, seq))
+            if self.head_dropped is not None:  # (the draw may have judged it already)
+                self.head_dropped.judge(c.ctx_id, seq, keep)
         # in TOKEN_ROW order: one tuple per token, no keyword dict (a row per token)
         self.tokens.add_values(
             (

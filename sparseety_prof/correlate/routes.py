@@ -14,7 +14,7 @@ from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate.agg_record import AggBlock
 from sparseety_prof.correlate.pass_arrays import PassArrays, pass_block
 from sparseety_prof.correlate.slot_steps import shape_key, slot_runs, slot_step
-from sparseety_prof.correlate.state import Step
+from sparseety_prof.correlate.state import HeadDropped, Step
 from sparseety_prof.correlate.step_sparse import Problems, StepSparse
 from sparseety_prof.correlate.tables import (
     MASK_ROW,
@@ -45,12 +45,10 @@ class RoutesTables:
         self.make_rows = rows
         self.rows_not_made = 0  # rows counted but not made, since take_not_made
         # head sampling in the probes, with nothing but the recording reading routes rows: the
-        # sequences whose request the probes drew to drop, (ctx_id, seq_id), set by the draw
-        # before its first token (Correlator._on_head_draw) or at it (RequestTokens), cleared at
-        # the next request; None when every row is made. Their steps' rows are counted instead
-        # of made (a step over several slots only when every slot's request drew drop): the
-        # policy would drop them.
-        self.head_dropped: set[tuple[int, int]] | None = None
+        # sequences whose request drew drop (None when every row is made). Their steps' rows are
+        # counted instead of made (a run of steps over several slots only when every slot's
+        # request drew drop): the policy would drop them.
+        self.head_dropped: HeadDropped | None = None
         self.rows_head_dropped = 0  # such rows, since take_head_dropped
         self.rows_head_dropped_total = 0
         self._routes: Columns = {name: [] for name in ROUTE_ROW}
@@ -79,13 +77,10 @@ class RoutesTables:
         n, self.rows_head_dropped = self.rows_head_dropped, 0
         return n
 
-    def _head_drops(self, ctx_id: int, seq: int, rows: int) -> bool:
-        """Whether the sequence's request was drawn to drop (its rows then counted, not made)."""
-        if self.head_dropped is None or (ctx_id, seq) not in self.head_dropped:
-            return False
+    def _count_head(self, rows: int) -> None:
+        """Rows of head-dropped requests counted instead of made."""
         self.rows_head_dropped += rows
         self.rows_head_dropped_total += rows
-        return True
 
     def take(self) -> tuple[Columns | RowParts, Columns]:
         """Routes and masks rows produced since the last call: columns, or RowParts when rows
@@ -203,17 +198,10 @@ class RoutesTables:
             self._slot_steps.append(step)
             return
         self._flush_slots()
-        if self.head_dropped and self._all_head_dropped(step):
+        if self.head_dropped and self.head_dropped.holds_all(step):
             self._count_head_dropped(step)
             return
         self._emit_now(step)
-
-    def _all_head_dropped(self, step: Step) -> bool:
-        """Whether every sequence with rows in the step is one whose request drew drop."""
-        dropped = self.head_dropped
-        if not dropped:
-            return False
-        return all((step.ctx_id, seq) in dropped for seq in set(step.seq.tolist()))
 
     def _count_head_dropped(self, step: Step) -> None:
         """A step of dropped requests only (a prompt; a one-row step whose values came per layer;
@@ -225,8 +213,7 @@ class RoutesTables:
         finally:
             self.make_rows = made
         n, self.rows_not_made = self.rows_not_made - before, before
-        self.rows_head_dropped += n
-        self.rows_head_dropped_total += n
+        self._count_head(n)
 
     def _flush_slots(self) -> None:
         """The rows of the steps over several slots waiting: each run of steps of one shape made
@@ -242,7 +229,8 @@ class RoutesTables:
             # a run all of whose steps' requests drew drop (head sampling in the probes): its
             # token rows still read the arrays, its routes rows are counted (a run that mixes
             # makes them all, and the policy drops the dropped requests')
-            drops = all(self._all_head_dropped(s) for s in steps[i:j])
+            dropped = self.head_dropped
+            drops = dropped is not None and all(dropped.holds_all(s) for s in steps[i:j])
             rows = self.make_rows and not drops
             spans = slot_runs(steps[i:j], key, self.layers, rows=rows) if key is not None else []
             for a, b, run in spans or [(0, j - i, None)]:
@@ -258,8 +246,7 @@ class RoutesTables:
                 if run.routes is None:
                     n = (b - a) * len(steps[i + a].seq) * len(self.layers.moe)
                     if drops:
-                        self.rows_head_dropped += n
-                        self.rows_head_dropped_total += n
+                        self._count_head(n)
                     else:
                         self.rows_not_made += n
                 else:
@@ -291,8 +278,8 @@ class RoutesTables:
         if self._slot_steps:
             self._flush_slots()
         n = len(step_ids)
-        if self.head_dropped and (ctx_id, seq) in self.head_dropped:  # (the sum only then)
-            self._head_drops(ctx_id, seq, sum(self._block_layers((block, r)) for r in rows))
+        if self.head_dropped and self.head_dropped.holds(ctx_id, seq):
+            self._count_head(sum(self._block_layers((block, r)) for r in rows))
             return
         if not self.make_rows:
             self.rows_not_made += sum(self._block_layers((block, r)) for r in rows)
@@ -307,7 +294,8 @@ class RoutesTables:
     ) -> None:
         """A one-row step's rows, kept in the block (every MoE layer has its k ids there: the
         rows are the common case's, with no per-row values made)."""
-        if self.head_dropped and self._head_drops(ctx_id, seq, self._block_layers(block)):
+        if self.head_dropped and self.head_dropped.holds(ctx_id, seq):
+            self._count_head(self._block_layers(block))
             return
         if not self.make_rows:  # as many rows as the per-row path would make
             self.rows_not_made += self._block_layers(block)

@@ -117,6 +117,36 @@ class CtxState:
     head_draw: dict[int, bool] = field(default_factory=dict)
 
 
+class HeadDropped:
+    """Head sampling in the probes: the sequences, (ctx_id, seq_id), whose current request the
+    probes drew to drop. Judged by the draw while the request has no token yet
+    (Correlator._on_head_draw) and at its first token (RequestTokens._add_token_row, the verdict
+    the policy takes), forgotten at the sequence's next request. RoutesTables counts their rows
+    instead of making them."""
+
+    def __init__(self) -> None:
+        self._keys: set[tuple[int, int]] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    def judge(self, ctx_id: int, seq: int, keep: bool) -> None:
+        if keep:
+            self._keys.discard((ctx_id, seq))
+        else:
+            self._keys.add((ctx_id, seq))
+
+    def forget(self, ctx_id: int, seq: int) -> None:
+        self._keys.discard((ctx_id, seq))
+
+    def holds(self, ctx_id: int, seq: int) -> bool:
+        return (ctx_id, seq) in self._keys
+
+    def holds_all(self, step: Step) -> bool:
+        """Whether every sequence with rows in the step is held."""
+        return bool(self._keys) and all((step.ctx_id, q) in self._keys for q in set(step.seq.tolist()))
+
+
 @dataclass
 class Counters:
     samples_unresolved: int = 0  # sampler index that matches no row of the last decode
