@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 
 from sparseety_prof.store import schema
-from sparseety_prof.store.array_rows import ArrayRows, RowParts
+from sparseety_prof.store.array_rows import ArrayRows, RowParts, split_rows
 from sparseety_prof.store.buffers import ColumnBuffer
 
 KEYS = ("step_id", "ctx_id", "seq_id", "pos", "row", "layer")
@@ -162,3 +162,38 @@ def test_column_buffer_keeps_the_order_rows_came_in_for_ordered_tables() -> None
         for name in schema.TABLES["routes"]
     }
     assert df.head(4).equals(schema.frame("routes", rows))
+
+
+@pytest.mark.parametrize("as_parts", [False, True])
+def test_rows_split_apart_frame_as_the_rows_they_were(as_parts: bool) -> None:
+    """split_rows: the rows left are the others in their order, every column; the rows set apart
+    hold the named columns' values (list rows and array rows, nulls kept) and nulls elsewhere."""
+    a, b = _routes(4, 2, seed=8, counted=np.array([True, False, True, True])), _routes(3, 2, seed=9)
+    given: dict[str, list[object]] = {
+        "step_id": [100, 101, 102],
+        "layer": [0, 1, 2],
+        "act_values": [7, None, 9],
+    }
+    lists = schema.fill_absent("routes", given, [c for c in schema.TABLES["routes"] if c not in given])
+    # list, a's four, list, b's three, list
+    is_array = np.array([False, True, True, True, True, False, True, True, True, False])
+    cols = RowParts(lists, [a, b], is_array) if as_parts else lists
+    n = len(is_array) if as_parts else 3
+    apart = np.zeros(n, dtype=bool)
+    apart[[0, 2, 3, 6, 7, 8] if as_parts else [1, 2]] = True
+    names = {"step_id", "act_values", "expert_ids"}
+    whole = schema.frame("routes", {name: list(cols[name]) for name in schema.TABLES["routes"]})
+    rest, parts = split_rows(cols, apart, names)
+    got_rest = schema.frame("routes", {name: list(rest[name]) for name in schema.TABLES["routes"]})
+    assert got_rest.equals(whole.filter(pl.Series(~apart)))
+    got = pl.concat([p.frame("routes") for p in parts])
+    want = whole.filter(pl.Series(apart))
+    order = ["step_id", "layer"]
+    for name in schema.TABLES["routes"]:
+        if name in names:
+            assert sorted(got[name].to_list(), key=repr) == sorted(want[name].to_list(), key=repr), name
+        else:
+            assert got[name].null_count() == got.height, name
+    assert got.height == int(apart.sum()) and got.sort(order)["step_id"].equals(want.sort(order)["step_id"])
+    nothing, none = split_rows(cols, np.zeros(n, dtype=bool), names)
+    assert nothing is cols and none == []

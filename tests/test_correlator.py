@@ -1950,3 +1950,81 @@ def test_head_dropped_requests_routes_rows_are_counted_not_made(
     assert rows(got["routes"], list(range(len(got["routes"]["step_id"])))) == rows(routes, kept)
     for table in made.keys() - {"routes"}:
         assert got[table] == made[table], table
+
+
+#: the columns the head-sampling test sets apart: what the aggregates and the policy's hold read
+_APART_COLUMNS = {
+    "tokens": frozenset(
+        {"request_id", "ctx_id", "seq_id", "step_id", "ts_unix_ms", "log_prob", "expert_ids"}
+    ),
+    "steps": frozenset({"ts_unix_ms", "t_start_ns", "t_end_ns"}),
+}
+
+
+@pytest.mark.parametrize("script", ["decode", "prompts", "slots", "slots_mixed"])
+@pytest.mark.parametrize("drains", [1, 5, 11])
+def test_head_dropped_requests_token_and_step_rows_are_set_apart(drains: int, script: str) -> None:
+    """With head sampling in the probes and `head_rows_apart` (nothing but the recording and the
+    aggregates reading token and steps rows), the token rows of every request the probes drew to
+    drop, and the steps rows all of whose sequences drew drop, leave the tables for take_apart:
+    each with the columns asked for, the others null; every other row, and every other table,
+    as without. The rows set apart frame to the dropped rows' values in those columns."""
+    slots = _SLOT_DRAWS.get(script)
+    if script == "decode":
+        s = _drawn_block_requests()
+    elif slots is not None:
+        s = _slots_script(slots)
+    else:
+        s = _prompt_script(_PROMPT_DRAWS)
+
+    def replay(apart: bool) -> tuple[dict[str, list[pl.DataFrame]], dict[str, bool], Correlator]:
+        verdicts: dict[str, bool] = {}
+        c = _correlator(head_verdicts=verdicts, head_rows_apart=_APART_COLUMNS if apart else None)
+        frames: dict[str, list[pl.DataFrame]] = {}
+        per = -(-len(s.recs) // drains)
+        for k in range(0, len(s.recs), per):
+            c.feed(decode_records(s.recs[k : k + per], 1024))
+            final = k + per >= len(s.recs)
+            for table, cols in c.take_tables(final=final).items():
+                buf = ColumnBuffer()
+                frames.setdefault(table, []).extend(buf.add(table, cols, final=True))
+            for table, parts in c.take_apart().items():
+                buf = ColumnBuffer()
+                frames.setdefault(f"{table}_apart", []).extend(buf.add(table, parts, final=True))
+        return frames, verdicts, c
+
+    def one(frames: dict[str, list[pl.DataFrame]], table: str) -> pl.DataFrame:
+        got = [df for df in frames.get(table, []) if df.height]
+        return pl.concat(got) if got else schema.empty(table.removesuffix("_apart"))
+
+    made, verdicts, _ = replay(False)
+    got, same, c = replay(True)
+    assert same == verdicts and False in verdicts.values()
+    tokens, steps = one(made, "tokens"), one(made, "steps")
+    dropped = [r for r, keep in verdicts.items() if not keep]
+    is_dropped = pl.col("request_id").is_in(dropped)
+    assert one(got, "tokens").equals(tokens.filter(~is_dropped))
+    apart = one(got, "tokens_apart")
+    assert apart.columns == tokens.columns  # every column, those not asked for null
+    keys = ["step_id", "seq_id"]
+    names = sorted(_APART_COLUMNS["tokens"])
+    assert apart.sort(keys).select(names).equals(tokens.filter(is_dropped).sort(keys).select(names))
+    for name in set(tokens.columns) - _APART_COLUMNS["tokens"]:
+        assert apart[name].null_count() == apart.height, name
+    # steps: those whose every sequence drew drop when it was made; none over no sequence
+    kept_steps, apart_steps = one(got, "steps"), one(got, "steps_apart")
+    assert apart_steps.height > 0 and kept_steps.height + apart_steps.height == steps.height
+    step_names = sorted(_APART_COLUMNS["steps"])
+    both = pl.concat([kept_steps.select(step_names), apart_steps.select(step_names)])
+    assert both.sort(step_names).equals(steps.select(step_names).sort(step_names))
+    assert kept_steps.equals(steps.filter(pl.col("step_id").is_in(kept_steps["step_id"].implode())))
+    last = tokens.group_by("request_id").agg(pl.col("step_id").max().alias("hi"), pl.col("seq_id").first())
+    for row in steps.filter(~pl.col("step_id").is_in(kept_steps["step_id"].implode())).iter_rows(named=True):
+        # owned by a dropped request on each of its sequences: the next request's last token
+        # step at or after it (what the policy's hold would judge it by)
+        for q in row["seq_ids"]:
+            owner = last.filter((pl.col("seq_id") == q) & (pl.col("hi") >= row["step_id"])).sort("hi")
+            assert owner.height and not verdicts[owner["request_id"][0]], (row["step_id"], q)
+    assert c.rows_set_apart == {"tokens": apart.height, "steps": apart_steps.height}
+    for table in made.keys() - {"tokens", "steps"}:
+        assert one(got, table).equals(one(made, table)), table

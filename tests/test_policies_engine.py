@@ -169,6 +169,26 @@ def test_head_in_the_probes_keeps_the_drawn_share_whole_and_copies_no_logits_of_
     agg = runs.head.aggregates()
     count = {m: int(agg.filter(pl.col("metric") == m)["count"].sum()) for m in ("tokens", "log_prob")}
     assert count == {"tokens": full_tokens.height, "log_prob": got.height}
+    # a dropped request's token rows were all set apart (counted by the aggregates and dropped,
+    # never framed whole nor held: nothing but the recording reads them), and its steps rows made
+    # after its draw; the aggregates of every token and step are still the full recording's
+    apart = probes["rows_set_apart"]
+    assert apart["tokens"] == meta["rows_dropped"]["tokens"] == dropped_tokens
+    step_ids = runs.full.steps()["step_id"]
+    steps_before, prev = 0, -1
+    for rid in runs.ids:
+        if rid not in kept:
+            steps_before += int(((step_ids > prev) & (step_ids < first[rid])).sum())
+        prev = last[rid]
+    dropped_steps = meta["rows_dropped"]["steps"]
+    assert dropped_steps - steps_before <= apart["steps"] <= dropped_steps and apart["steps"] > 0
+
+    def totals(rec: Any, metric: str) -> pl.DataFrame:
+        rows = rec.aggregates().filter(pl.col("metric") == metric)
+        return rows.group_by("layer", "bin").agg(pl.col("count").sum()).sort("layer", "bin")
+
+    for metric in ("tokens", "expert_load", "step_ms"):
+        assert totals(runs.head, metric).equals(totals(runs.full, metric)), metric
 
 
 def test_tail_and_anomaly_keep_the_planted_requests_and_drop_the_ordinary_ones(runs: Runs) -> None:

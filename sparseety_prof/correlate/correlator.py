@@ -14,7 +14,7 @@ _on_sparse does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,7 @@ from sparseety_prof.correlate.verification import (
     verify_ubatch,
     verifying_sparse,
 )
+from sparseety_prof.store.array_rows import ArrayRows, RowParts, split_rows
 from sparseety_prof.store.schema import PHASE_DECODE, PHASE_PREFILL, RowTables
 
 
@@ -61,13 +62,19 @@ class Correlator:
         routes_rows: bool = True,
         head_verdicts: dict[str, bool] | None = None,
         head_drops_routes: bool = False,
+        head_rows_apart: Mapping[str, Collection[str]] | None = None,
     ) -> None:
         """`routes_rows`: make the routes table's rows, or only count them (RoutesTables).
         `head_verdicts`: with head sampling in the probes, each request's verdict (the draw its
         first token saw) is put there by request id, for the head policy (request_verdicts.Head).
         `head_drops_routes` (with `head_verdicts`, when nothing but the recording reads routes
         rows): the routes rows of a request the probes drew to drop are counted, not made, from
-        its draw on (RoutesTables.head_dropped, take_head_dropped): the policy would drop them."""
+        its draw on (RoutesTables.head_dropped, take_head_dropped): the policy would drop them.
+        `head_rows_apart` (with `head_verdicts`, when nothing but the recording and the always-on
+        aggregates reads token and steps rows): the token rows of a request the probes drew to
+        drop, and the steps rows all of whose sequences' requests drew drop when made, are set
+        apart (take_apart) with only the columns named per table (the others null): what the
+        aggregates count and what the policy learns from them, never framed whole nor held."""
         self.pid = pid
         self.n_vocab = n_vocab
         self.wall_offset_ns = wall_offset_ns
@@ -91,6 +98,11 @@ class Correlator:
         # anything may read it, dropped when its context's next decode replaces it
         self._unmade: UnmadeStep | None = None
         self._steps = RowBuffer(STEP_ROW)
+        # head_rows_apart: the steps rows set apart, and the columns kept of each table's
+        self._steps_apart: RowBuffer | None = None
+        self._apart_columns = head_rows_apart
+        self._tokens_apart: list[ArrayRows] = []
+        self.rows_set_apart = {"tokens": 0, "steps": 0}  # since the start
         self.requests = RequestTokens(
             pid=pid,
             wall_offset_ns=wall_offset_ns,
@@ -103,8 +115,13 @@ class Correlator:
             head_verdicts=head_verdicts,
         )
         self.routes = RoutesTables(self.layers, self.problems, with_masks=with_masks, rows=routes_rows)
-        if head_drops_routes and head_verdicts is not None and not with_masks:
-            self.routes.head_dropped = self.requests.head_dropped = HeadDropped()
+        self.head_dropped: HeadDropped | None = None
+        if (head_drops_routes or head_rows_apart) and head_verdicts is not None and not with_masks:
+            self.head_dropped = self.requests.head_dropped = HeadDropped()
+            if head_drops_routes:
+                self.routes.head_dropped = self.head_dropped
+            if head_rows_apart:
+                self._steps_apart = RowBuffer(STEP_ROW)
 
     # the one-row decode step, and a sampler call, from the records' columns (methods: fast_step.py)
     _fast_step = fast_step
@@ -209,13 +226,49 @@ class Correlator:
         is finished too (end_reason "detached" unless one is known)."""
         routes, masks = self.routes.take()
         self.counters.sparse_unmapped_rows = self.problems.unmapped_rows
+        tokens = self.requests.take_tokens()
+        if self._apart_columns is not None:
+            tokens = self._set_tokens_apart(tokens)
         return {
-            "tokens": self.requests.take_tokens(),
+            "tokens": tokens,
             "steps": self._steps.take(),
             "routes": routes,
             "masks": masks,
             "requests": self.requests.take_requests(self.ctxs.values(), final=final),
         }
+
+    def take_apart(self) -> dict[str, RowParts]:
+        """The rows set apart (`head_rows_apart`) since the last call, by table, as RowParts
+        of ArrayRows (after take_tables: its tokens are split there)."""
+        if self._steps_apart is None or self._apart_columns is None:
+            return {}
+        out: dict[str, RowParts] = {}
+        tokens, self._tokens_apart = self._tokens_apart, []
+        steps_cols = self._steps_apart.take()
+        steps: list[ArrayRows] = []
+        n_steps = len(steps_cols["step_id"])
+        if n_steps:
+            _, steps = split_rows(steps_cols, np.ones(n_steps, dtype=bool), self._apart_columns["steps"])
+        for table, parts in (("tokens", tokens), ("steps", steps)):
+            n = sum(p.n for p in parts)
+            if n:
+                self.rows_set_apart[table] += n
+                names = parts[0].arrays.keys()
+                out[table] = RowParts({name: [] for name in names}, parts, np.ones(n, dtype=bool))
+        return out
+
+    def _set_tokens_apart(self, tokens: Any) -> Any:
+        """The token rows less those of requests the probes drew to drop (kept for take_apart)."""
+        verdicts = self.requests.head_verdicts
+        rids = tokens["request_id"]
+        if not verdicts or not rids:
+            return tokens
+        get = verdicts.get
+        apart = np.fromiter((get(r, True) is False for r in rids), dtype=bool, count=len(rids))
+        assert self._apart_columns is not None
+        rest, parts = split_rows(tokens, apart, self._apart_columns["tokens"])
+        self._tokens_apart += parts
+        return rest
 
     # ------------------------------------------------------------------ steps
     def _ctx(self, ptr: int) -> CtxState:
@@ -255,6 +308,14 @@ class Correlator:
             step.tid,
         )
 
+    def step_rows(self, ctx_id: int, seq_ids: list[int]) -> RowBuffer:
+        """Where a steps row over `seq_ids` goes: set apart when every one's request drew drop
+        (`head_rows_apart`; a row over no sequence is kept, as the policy keeps it)."""
+        apart = self._steps_apart
+        if apart is not None and self.head_dropped and self.head_dropped.holds_seqs(ctx_id, seq_ids):
+            return apart
+        return self._steps
+
     def _add_step_values(
         self,
         step_id: int,
@@ -276,7 +337,7 @@ class Correlator:
     ) -> None:
         """The same from the step's values (a tuple in STEP_ROW order: one per micro-batch, no
         keyword dict; fast_step's steps whose Step is not made yet)."""
-        self._steps.add_values(
+        self.step_rows(ctx_id, seq_ids).add_values(
             (
                 step_id,
                 ctx_id,
@@ -498,7 +559,7 @@ class Correlator:
         keep = bool(r["b"])
         c, seq = self._ctx(int(r["ctx"])), int(r["a"])
         c.head_draw[seq] = keep
-        dropped = self.routes.head_dropped
+        dropped = self.head_dropped
         st = c.seqs.get(seq)
         if dropped is not None and st is not None and not st.head_judged:
             # the request has no token yet: this draw is the one its first token will take

@@ -287,7 +287,7 @@ def _apply(
     if counted:
         corr.attn_map.passes_seen += m
     one = [1] * m
-    corr._steps.extend_values(
+    corr.step_rows(c.ctx_id, [seq]).extend_values(
         zip(
             step_ids,
             [c.ctx_id] * m,

@@ -4,6 +4,7 @@ resolved. Plain data: the logic that moves it lives in the correlator's other mo
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -145,6 +146,18 @@ class HeadDropped:
     def holds_all(self, step: Step) -> bool:
         """Whether every sequence with rows in the step is held."""
         return bool(self._keys) and all((step.ctx_id, q) in self._keys for q in set(step.seq.tolist()))
+
+    def holds_seqs(self, ctx_id: int, seqs: Iterable[int]) -> bool:
+        """Whether `seqs` (a steps row's sequences) are some and all held."""
+        keys = self._keys
+        if not keys:
+            return False
+        seen = False
+        for q in seqs:
+            if (ctx_id, q) not in keys:
+                return False
+            seen = True
+        return seen
 
 
 @dataclass

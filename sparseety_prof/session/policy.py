@@ -17,7 +17,7 @@ from typing import Any
 import polars as pl
 
 from sparseety_prof.session import request_verdicts
-from sparseety_prof.session.request_hold import DEFAULT_WINDOW_BYTES, RequestHold
+from sparseety_prof.session.request_hold import DEFAULT_WINDOW_BYTES, LEARNED_COLUMNS, RequestHold
 
 POLICIES: tuple[str, ...] = ("full", "aggregate", "head:RATE", "tail:Q", "anomaly[:KINDS]")
 _DROPPED_TABLES: dict[str, frozenset[str]] = {
@@ -118,6 +118,18 @@ class RecordingPolicy:
         if self.hold is None or not self.probe_head:
             raise ValueError("only head sampling in the probes drops rows before they are made")
         self.hold.rows_dropped[table] = self.hold.rows_dropped.get(table, 0) + rows
+
+    def learns(self, table: str) -> frozenset[str]:
+        """The columns of `table` set_apart reads."""
+        return LEARNED_COLUMNS.get(table, frozenset())
+
+    def set_apart(self, table: str, df: pl.DataFrame) -> None:
+        """Rows of requests head sampling in the probes dropped, set apart by the correlator
+        (Correlator head_rows_apart) with the columns `learns` names: dropped, as the held rows of
+        such a request are, and their requests learned as held token rows teach them."""
+        if self.hold is None or not self.probe_head:
+            raise ValueError("only head sampling in the probes sets rows apart")
+        self.hold.set_apart(table, df)
 
     def take(self, table: str, df: pl.DataFrame) -> list[tuple[str, pl.DataFrame]]:
         """A frame the consumer made: what of it to store now."""

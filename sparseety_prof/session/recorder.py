@@ -48,7 +48,7 @@ from sparseety_prof.session.snapshot import engine_environment, host_info, proce
 from sparseety_prof.session.stage_cpu import StageCpu
 from sparseety_prof.session.stop_flag import StopFlag
 from sparseety_prof.store import schema
-from sparseety_prof.store.aggregates import Aggregator
+from sparseety_prof.store.aggregates import COUNTED, Aggregator
 from sparseety_prof.store.buffers import ColumnBuffer, FlushSchedule
 from sparseety_prof.store.output_dir import sudo_owner
 from sparseety_prof.store.recording import list_layers
@@ -82,6 +82,9 @@ class Recorder:
         self._aggregates: Aggregator | None = None
         self.on_update = on_update
         self._rows = ColumnBuffer()
+        # head sampling in the probes: the rows of dropped requests the correlator set apart
+        # (Correlator head_rows_apart), framed with only what the aggregates and the policy read
+        self._apart_rows = ColumnBuffer()
         self._stages = StageCpu()  # where the consumer's CPU goes (meta.json consumer.cpu_s_by_stage)
         self._collector = FlushTimedCollector()
         sink = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -166,6 +169,7 @@ class Recorder:
             routes_rows=self._policy.stores("routes") or self._sinks.wants("routes") or opts.capture.masks,
             head_verdicts=self._head_verdicts,
             head_drops_routes=not self._sinks.wants("routes"),
+            head_rows_apart=self._apart_columns(gpu),
         )
         tracker = SeqTracker()
         self.attached.set()
@@ -340,6 +344,8 @@ class Recorder:
             stages.lap("loop")
             for table, df in self._rows.take_all():  # rows of drains before an error
                 self._emit(writer, table, df)
+            for table, df in self._apart_rows.take_all():
+                self._emit_apart(table, df)
             self._settle(writer, final=True)
             self._store_aggregates(writer, final=True)
             stages.lap("flush")
@@ -392,6 +398,8 @@ class Recorder:
         """The rows gathered since the last flush to the aggregates, the sinks and the recording."""
         for table, df in self._rows.take_all():
             self._emit(writer, table, df)
+        for table, df in self._apart_rows.take_all():
+            self._emit_apart(table, df)
         self._settle(writer, final=False)
         self._store_aggregates(writer, final=False)
         if writer is not None:
@@ -424,6 +432,30 @@ class Recorder:
                 writer.append(kept_table, kept)
         if self._sinks:
             self._sinks.take(table, df)
+
+    def _emit_apart(self, table: str, df: pl.DataFrame) -> None:
+        """One frame of rows set apart (dropped requests' rows, only the columns that are read)
+        to the aggregates, and to the policy, which counts them dropped."""
+        if self._aggregates is not None:
+            self._aggregates.add(table, df)
+        self._policy.set_apart(table, df)
+
+    def _apart_columns(self, gpu: GpuCapture | None) -> dict[str, frozenset[str]] | None:
+        """With head sampling in the probes, when the recording is the only reader of the token
+        and steps rows (no sink reads them, no live view, no GPU capture joining kernels to
+        steps, no masks), the rows of a dropped request are set apart from the others by the
+        correlator with only the columns the always-on aggregates and the policy read: they
+        are never framed whole nor held. None otherwise."""
+        sinks = self._sinks
+        if (
+            self._head_rate is None
+            or self.on_update is not None
+            or gpu is not None
+            or self.opts.capture.masks
+            or (sinks is not None and (sinks.wants("tokens") or sinks.wants("steps")))
+        ):
+            return None
+        return {table: COUNTED[table] | self._policy.learns(table) for table in ("tokens", "steps")}
 
     def _settle(self, writer: RecordingWriter | None, *, final: bool) -> None:
         """The rows the per-request policies decided since the last flush, to the recording. Called
@@ -581,13 +613,19 @@ class Recorder:
         stages.move(corr.logits_cpu_s - logits0, "rows", "logits")
         tok, steps = tables["tokens"], tables["steps"]
         gpu_tables = self._poll_gpu(gpu, steps, final=final)
+        apart = corr.take_apart()
         if writer is not None or self._sinks:
             rows = self._rows
             for table, cols in (*tables.items(), *gpu_tables.items()):
                 for df in rows.add(table, cols, final=final):
                     self._emit(writer, table, df)
+            for table, parts in apart.items():
+                for df in self._apart_rows.add(table, parts, final=final):
+                    self._emit_apart(table, df)
         stages.lap("frames_sinks")
         p = self.progress
+        p.tokens += len(apart["tokens"].is_array) if "tokens" in apart else 0
+        p.steps += len(apart["steps"].is_array) if "steps" in apart else 0
         p.records = tracker.seen
         p.seq_gaps = tracker.gaps
         p.kernel_drops = drops

@@ -37,6 +37,10 @@ DEFAULT_WINDOW_BYTES = 64 << 20
 _RANGE_SCHEMA = {"ctx_id": pl.Int32(), "seq_id": pl.Int32(), "hi": pl.Int64(), "request_id": pl.String()}
 
 
+#: the columns of a frame the hold learns requests from without holding it (set_apart)
+LEARNED_COLUMNS = {"tokens": frozenset({"request_id", "ctx_id", "seq_id", "step_id"})}
+
+
 class RequestHold:
     def __init__(self, verdicts: list[Verdict], *, max_bytes: int = DEFAULT_WINDOW_BYTES) -> None:
         self.verdicts = verdicts
@@ -79,6 +83,16 @@ class RequestHold:
         self._bytes += int(df.estimated_size())
         self.peak_bytes = max(self.peak_bytes, self._bytes)
         return None
+
+    def set_apart(self, table: str, df: pl.DataFrame) -> None:
+        """Rows of requests dropped at their start, never held (RecordingPolicy.set_apart):
+        counted dropped; token rows teach the requests and their steps as held ones would (the
+        steps still held are owned by them), in LEARNED_COLUMNS."""
+        if df.height == 0:
+            return
+        if table == "tokens":
+            self._learn(df)
+        self.rows_dropped[table] = self.rows_dropped.get(table, 0) + df.height
 
     # ------------------------------------------------------------------ decide
     def settle(self, *, final: bool = False) -> list[tuple[str, pl.DataFrame]]:
@@ -294,7 +308,9 @@ class RequestHold:
 
     def _prune(self) -> None:
         for ranges in self._ranges.values():
-            decided = [r for r in ranges if r[1] in self._decision]
+            # oldest first: the rows set apart teach their requests before the held ones of the
+            # same flush (set_apart), so a sequence's list is not always in step order
+            decided = sorted((r for r in ranges if r[1] in self._decision), key=lambda r: r[0])
             for r in decided[:-RANGES_KEPT]:
                 ranges.remove(r)
         live = {r[1] for rs in self._ranges.values() for r in rs}

@@ -23,6 +23,9 @@ _COUNTED = {
     "tokens": ("ts_unix_ms", "log_prob", "expert_ids", "act_zero_ratio", "act_below_ratio"),
     "steps": ("ts_unix_ms", "t_start_ns", "t_end_ns"),
 }
+#: the same, as sets: what a frame of those tables must hold to be counted (the rows a policy sets
+#: apart before they are made whole: Correlator head_rows_apart)
+COUNTED = {table: frozenset(cols) for table, cols in _COUNTED.items()}
 
 
 class Aggregator:

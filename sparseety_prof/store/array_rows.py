@@ -8,7 +8,7 @@ arrays they go to the frame as they are."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,6 +75,22 @@ class ArrayRows:
         if null is not None:
             values = [None if z else v for v, z in zip(values, null.tolist(), strict=True)]
         return values
+
+    def select(self, at: np.ndarray, names: Collection[str] | None = None) -> ArrayRows:
+        """The rows at indices `at`, in that order; with `names`, only those columns hold values
+        (the others None: all null)."""
+        rows = at.tolist()
+        arrays: dict[str, ArrayColumn] = {}
+        for name, a in self.arrays.items():
+            if a is None or (names is not None and name not in names):
+                arrays[name] = None
+            elif isinstance(a, list):
+                arrays[name] = [a[i] for i in rows]
+            else:
+                arrays[name] = a[at]
+        nulls = {k: v[at] for k, v in self.nulls.items() if arrays.get(k) is not None}
+        items = {k: v[at] for k, v in self.null_items.items() if arrays.get(k) is not None}
+        return ArrayRows(len(rows), arrays, nulls, items)
 
     @staticmethod
     def concat(parts: list[ArrayRows]) -> list[ArrayRows]:
@@ -178,3 +194,47 @@ class RowParts(Mapping[str, list[object]]):
 
     def __len__(self) -> int:
         return len(self.lists)
+
+
+def split_rows(
+    cols: schema.Columns | RowParts, apart: np.ndarray, names: Collection[str]
+) -> tuple[schema.Columns | RowParts, list[ArrayRows]]:
+    """One drain's rows of a table (every column, as column lists or RowParts) less the rows
+    flagged in `apart` (bool, one per row), in their order; and those rows as ArrayRows whose
+    columns but `names` are left null. The rows set apart keep the order of their list rows,
+    then of their array rows: they are counted, never stored."""
+    if not apart.any():
+        return cols, []
+    lists = cols.lists if isinstance(cols, RowParts) else cols
+    is_array = cols.is_array if isinstance(cols, RowParts) else np.zeros(len(apart), dtype=bool)
+    list_apart = apart[~is_array]
+    rest_lists = _list_rows(lists, np.flatnonzero(~list_apart))
+    parts: list[ArrayRows] = []
+    if list_apart.any():
+        at = np.flatnonzero(list_apart).tolist()
+        parts.append(
+            ArrayRows(
+                len(at),
+                {name: [values[i] for i in at] if name in names else None for name, values in lists.items()},
+            )
+        )
+    if not isinstance(cols, RowParts):
+        return rest_lists, parts
+    rest_arrays: list[ArrayRows] = []
+    array_apart = apart[is_array]
+    start = 0
+    for p in cols.arrays:
+        flags = array_apart[start : start + p.n]
+        start += p.n
+        if not flags.any():
+            rest_arrays.append(p)
+            continue
+        parts.append(p.select(np.flatnonzero(flags), names))
+        if not flags.all():
+            rest_arrays.append(p.select(np.flatnonzero(~flags)))
+    return RowParts(rest_lists, rest_arrays, is_array[~apart]), parts
+
+
+def _list_rows(lists: schema.Columns, at: np.ndarray) -> schema.Columns:
+    rows = at.tolist()
+    return {name: [values[i] for i in rows] for name, values in lists.items()}
