@@ -19,10 +19,11 @@ the same model file), checks that it made as many token and step rows as the rec
 1 if not), and prints, per recorded token, the bytes of records the probes sent by kind of record,
 and the CPU time of each stage the recorder's
 consumer has (`meta.json` consumer.cpu_s_by_stage names): `decode` (the records viewed by
-layout), `correlate` (Correlator.feed), `rows` (take_tables, less the logits statistics),
+layout), `correlate` (Correlator.feed), `rows` (take_tables and take_apart, less the logits statistics),
 `logits` (those statistics), `frames` (the tables' rows made Polars frames, as the recorder
 gathers them, and at each flush its garbage collection: session/collector.py) and `write` (the
-flush: those frames to the always-on aggregates and to a recording in a temporary folder,
+flush: those frames, and the rows a policy set apart (Correlator head_rows_apart), to the
+always-on aggregates, and the frames to a recording in a temporary folder,
 Parquet segments, meta.json and its close; process CPU time, since Polars writes on its own
 threads too; `--no-write` leaves it out). A flush comes every FLUSH_INTERVAL_S /
 DRAIN_INTERVAL_S drains, as under load. Not replayed: the policies and the sinks. The minimum
@@ -202,16 +203,20 @@ def _replay_once(
             t2 = clock()
             logits0 = corr.logits_cpu_s
             tables = corr.take_tables(final=last)
+            apart = corr.take_apart()  # (head sampling in the probes: a dropped request's rows)
             t3 = clock()
             due = [(table, df) for table, cols in tables.items() for df in rows.add(table, cols, final=last)]
             t4 = clock()
-            if writes is not None and due:  # the recorder hands a due frame on at once (_emit)
+            if writes is not None and (due or apart):  # the recorder hands them on at once (_emit)
                 p = time.process_time()
                 writes.emit(due)
+                writes.emit_apart(apart)
                 cpu["write"] += time.process_time() - p
             logits = corr.logits_cpu_s - logits0
             made["tokens"] += len(tables["tokens"]["step_id"])
             made["steps"] += len(tables["steps"]["step_id"])
+            for table, parts in apart.items():
+                made[table] += len(parts.is_array)
             stages = ("correlate", "rows", "logits", "frames")
             for stage, dt in zip(stages, (t2 - t1, t3 - t2 - logits, logits, t4 - t3), strict=True):
                 cpu[stage] += dt
@@ -252,6 +257,10 @@ class _Writes:
         for table, df in frames:
             self.aggregates.add(table, df)
             self.writer.append(table, df)
+
+    def emit_apart(self, apart: Any) -> None:
+        for table, parts in apart.items():  # (the recorder's _emit_apart, less the policy)
+            self.aggregates.add_rows(table, parts.arrays)
 
     def flush(self, frames: Any, *, final: bool) -> None:
         self.emit(frames)

@@ -16,6 +16,7 @@ from conftest import Engine, Recorder
 import sparseety_prof
 from sparseety_prof.store import schema
 from sparseety_prof.store.aggregates import Aggregator, combine
+from sparseety_prof.store.array_rows import ArrayRows
 
 PROMPTS = ["hello the expert router", "one two three four", "the sparse decode sample"]
 LAYERS = {"moe": [1, 3, 5], "ffn": [0, 1, 3, 5]}
@@ -119,6 +120,60 @@ def test_nulls_empty_lists_negative_ids_and_unknown_layers_are_counted_as_their_
     empty.add("tokens", tokens.head(0))
     empty.add("tokens", tokens.slice(1, 1).with_columns(pl.lit(None, dtype=pl.Int64()).alias("ts_unix_ms")))
     assert empty.take().height == 0
+
+
+def _token_arrays(n: int, seed: int) -> ArrayRows:
+    """Token rows as the correlator sets them apart: per-layer columns arrays (some rows null,
+    some with activations not counted), the others Python values (some null, a NaN log-prob)."""
+    rng = np.random.default_rng(seed)
+    arrays: dict[str, object] = {c: None for c in schema.TOKENS}
+    ts = [int(x) for x in np.sort(rng.integers(0, 60_000, n))]
+    ts[3] = None  # type: ignore[call-overload]
+    lp: list[object] = [float(x) for x in -rng.exponential(2.0, n)]
+    lp[5], lp[6] = None, float("nan")
+    arrays["ts_unix_ms"], arrays["log_prob"] = ts, lp
+    ids = rng.integers(-1, 8, (n, 4, 2)).astype(np.int32)  # one layer past meta's, some -1
+    arrays["expert_ids"] = ids
+    arrays["act_zero_ratio"] = rng.random((n, len(LAYERS["ffn"])))
+    arrays["act_below_ratio"] = rng.random((n, len(LAYERS["ffn"])))
+    uncounted = rng.random(n) < 0.3
+    nulls = {"expert_ids": rng.random(n) < 0.1}
+    return ArrayRows(n, arrays, nulls, {"act_zero_ratio": uncounted, "act_below_ratio": uncounted})  # type: ignore[arg-type]
+
+
+def test_rows_counted_from_their_arrays_count_as_their_frame() -> None:
+    """add_rows (the rows the correlator sets apart, never framed) counts what add counts of the
+    same rows' frame: tokens with per-layer arrays, null rows and lists, uncounted activations, a
+    NaN log-prob, ids of no expert and past the layers; steps; and rows with per-row lists,
+    counted as their frame."""
+    parts = [_token_arrays(300, seed=4), _token_arrays(200, seed=5)]
+    lists = ArrayRows(2, {**{c: None for c in schema.TOKENS}, "ts_unix_ms": [1000, 2000]})
+    lists.arrays["expert_ids"] = [[[1, 2], None, [3, None]], None]  # type: ignore[index]
+    steps = ArrayRows(
+        3,
+        {
+            **{c: None for c in schema.STEPS},
+            "ts_unix_ms": [10, 20_000, None],
+            "t_start_ns": [5, 7_000_000, 1],
+            "t_end_ns": [4_000_005, 9_000_000, 2],
+        },
+    )
+    by_rows, by_frames = Aggregator(LAYERS, bucket_s=10), Aggregator(LAYERS, bucket_s=10)
+    by_rows.add_rows("tokens", [*parts, lists])
+    by_rows.add_rows("steps", [steps])
+    for p in [*parts, lists]:
+        by_frames.add("tokens", p.frame("tokens"))
+    by_frames.add("steps", steps.frame("steps"))
+    got, want = by_rows.take(), by_frames.take()
+    assert _as_dict(got) == _as_dict(want)
+    assert {m for (_, m, _, _) in _as_dict(got)} == {
+        "tokens",
+        "log_prob",
+        "expert_load",
+        "act_zero_ratio",
+        "act_below_ratio",
+        "step_ms",
+    }
 
 
 def test_buckets_handed_out_as_they_close_add_up_to_the_same_counts() -> None:

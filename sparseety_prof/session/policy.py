@@ -18,6 +18,7 @@ import polars as pl
 
 from sparseety_prof.session import request_verdicts
 from sparseety_prof.session.request_hold import DEFAULT_WINDOW_BYTES, LEARNED_COLUMNS, RequestHold
+from sparseety_prof.store.array_rows import ArrayRows
 
 POLICIES: tuple[str, ...] = ("full", "aggregate", "head:RATE", "tail:Q", "anomaly[:KINDS]")
 _DROPPED_TABLES: dict[str, frozenset[str]] = {
@@ -123,13 +124,13 @@ class RecordingPolicy:
         """The columns of `table` set_apart reads."""
         return LEARNED_COLUMNS.get(table, frozenset())
 
-    def set_apart(self, table: str, df: pl.DataFrame) -> None:
+    def set_apart(self, table: str, parts: list[ArrayRows]) -> None:
         """Rows of requests head sampling in the probes dropped, set apart by the correlator
         (Correlator head_rows_apart) with the columns `learns` names: dropped, as the held rows of
         such a request are, and their requests learned as held token rows teach them."""
         if self.hold is None or not self.probe_head:
             raise ValueError("only head sampling in the probes sets rows apart")
-        self.hold.set_apart(table, df)
+        self.hold.set_apart(table, parts)
 
     def take(self, table: str, df: pl.DataFrame) -> list[tuple[str, pl.DataFrame]]:
         """A frame the consumer made: what of it to store now."""

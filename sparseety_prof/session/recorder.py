@@ -49,6 +49,7 @@ from sparseety_prof.session.stage_cpu import StageCpu
 from sparseety_prof.session.stop_flag import StopFlag
 from sparseety_prof.store import schema
 from sparseety_prof.store.aggregates import COUNTED, Aggregator
+from sparseety_prof.store.array_rows import ArrayRows
 from sparseety_prof.store.buffers import ColumnBuffer, FlushSchedule
 from sparseety_prof.store.output_dir import sudo_owner
 from sparseety_prof.store.recording import list_layers
@@ -82,9 +83,6 @@ class Recorder:
         self._aggregates: Aggregator | None = None
         self.on_update = on_update
         self._rows = ColumnBuffer()
-        # head sampling in the probes: the rows of dropped requests the correlator set apart
-        # (Correlator head_rows_apart), framed with only what the aggregates and the policy read
-        self._apart_rows = ColumnBuffer()
         self._stages = StageCpu()  # where the consumer's CPU goes (meta.json consumer.cpu_s_by_stage)
         self._collector = FlushTimedCollector()
         sink = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -344,8 +342,6 @@ class Recorder:
             stages.lap("loop")
             for table, df in self._rows.take_all():  # rows of drains before an error
                 self._emit(writer, table, df)
-            for table, df in self._apart_rows.take_all():
-                self._emit_apart(table, df)
             self._settle(writer, final=True)
             self._store_aggregates(writer, final=True)
             stages.lap("flush")
@@ -398,8 +394,6 @@ class Recorder:
         """The rows gathered since the last flush to the aggregates, the sinks and the recording."""
         for table, df in self._rows.take_all():
             self._emit(writer, table, df)
-        for table, df in self._apart_rows.take_all():
-            self._emit_apart(table, df)
         self._settle(writer, final=False)
         self._store_aggregates(writer, final=False)
         if writer is not None:
@@ -433,19 +427,20 @@ class Recorder:
         if self._sinks:
             self._sinks.take(table, df)
 
-    def _emit_apart(self, table: str, df: pl.DataFrame) -> None:
-        """One frame of rows set apart (dropped requests' rows, only the columns that are read)
-        to the aggregates, and to the policy, which counts them dropped."""
+    def _emit_apart(self, table: str, parts: list[ArrayRows]) -> None:
+        """One drain's rows set apart (dropped requests' rows, only the columns that are read,
+        as arrays: never framed) to the aggregates, and to the policy, which counts them dropped
+        and learns their requests."""
         if self._aggregates is not None:
-            self._aggregates.add(table, df)
-        self._policy.set_apart(table, df)
+            self._aggregates.add_rows(table, parts)
+        self._policy.set_apart(table, parts)
 
     def _apart_columns(self, gpu: GpuCapture | None) -> dict[str, frozenset[str]] | None:
         """With head sampling in the probes, when the recording is the only reader of the token
         and steps rows (no sink reads them, no live view, no GPU capture joining kernels to
         steps, no masks), the rows of a dropped request are set apart from the others by the
         correlator with only the columns the always-on aggregates and the policy read: they
-        are never framed whole nor held. None otherwise."""
+        are counted from their arrays, never framed nor held. None otherwise."""
         sinks = self._sinks
         if (
             self._head_rate is None
@@ -620,8 +615,7 @@ class Recorder:
                 for df in rows.add(table, cols, final=final):
                     self._emit(writer, table, df)
             for table, parts in apart.items():
-                for df in self._apart_rows.add(table, parts, final=final):
-                    self._emit_apart(table, df)
+                self._emit_apart(table, parts.arrays)
         stages.lap("frames_sinks")
         p = self.progress
         p.tokens += len(apart["tokens"].is_array) if "tokens" in apart else 0

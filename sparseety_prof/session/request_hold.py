@@ -19,11 +19,13 @@ Tables that are not per request (requests, kernels, aggregates) pass through."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import polars as pl
 
 from sparseety_prof.session.request_verdicts import Anomaly, Head, Tail, Verdict
+from sparseety_prof.store.array_rows import ArrayRows
 
 HELD_TABLES = ("tokens", "steps", "routes", "masks")
 #: the anomaly policy keeps the steps rows this many steps either side of a detector firing
@@ -84,15 +86,26 @@ class RequestHold:
         self.peak_bytes = max(self.peak_bytes, self._bytes)
         return None
 
-    def set_apart(self, table: str, df: pl.DataFrame) -> None:
+    def set_apart(self, table: str, parts: list[ArrayRows]) -> None:
         """Rows of requests dropped at their start, never held (RecordingPolicy.set_apart):
         counted dropped; token rows teach the requests and their steps as held ones would (the
-        steps still held are owned by them), in LEARNED_COLUMNS."""
-        if df.height == 0:
+        steps still held are owned by them), from LEARNED_COLUMNS."""
+        n = sum(p.n for p in parts)
+        if not n:
             return
         if table == "tokens":
-            self._learn(df)
-        self.rows_dropped[table] = self.rows_dropped.get(table, 0) + df.height
+            last: dict[tuple[int, int, str], int] = {}  # first seen first, as _learn's group-by
+            for p in parts:
+                cols = (p.column(c) for c in ("ctx_id", "seq_id", "request_id", "step_id"))
+                for ctx, seq, rid, step in zip(*cols, strict=True):
+                    if rid is None:
+                        continue
+                    key = (int(ctx), int(seq), str(rid))
+                    hi = last.get(key)
+                    if hi is None or int(step) > hi:
+                        last[key] = int(step)
+            self._learn_ranges((ctx, seq, rid, hi) for (ctx, seq, rid), hi in last.items())
+        self.rows_dropped[table] = self.rows_dropped.get(table, 0) + n
 
     # ------------------------------------------------------------------ decide
     def settle(self, *, final: bool = False) -> list[tuple[str, pl.DataFrame]]:
@@ -121,7 +134,11 @@ class RequestHold:
             .group_by("ctx_id", "seq_id", "request_id", maintain_order=True)
             .agg(pl.col("step_id").max())
         )
-        for ctx, seq, rid, hi in seen.iter_rows():
+        self._learn_ranges(seen.iter_rows())
+
+    def _learn_ranges(self, seen: Iterable[tuple[Any, ...]]) -> None:
+        """(ctx_id, seq_id, request_id, its last step so far) of requests seen in token rows."""
+        for ctx, seq, rid, hi in seen:
             ranges = self._ranges.setdefault((ctx, seq), [])
             for r in ranges:
                 if r[1] == rid:

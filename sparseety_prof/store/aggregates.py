@@ -16,6 +16,7 @@ import polars as pl
 
 from sparseety_prof.store import schema
 from sparseety_prof.store.aggregate_counts import NO_LAYER, count_keys, flat_list, layer_of, valid
+from sparseety_prof.store.array_rows import ArrayRows
 
 _KEYS = ["bucket_unix_ms", "metric", "layer", "bin"]
 # the columns each aggregated table is counted from
@@ -52,6 +53,8 @@ class Aggregator:
         # (a dozen group-bys), so rows wait here until a bucket of theirs closes, or until
         # FOLD_ROWS of them wait, instead of being counted at every flush.
         self._raw: list[tuple[str, pl.DataFrame]] = []
+        # rows held as arrays (add_rows), counted with the frames
+        self._raw_arrays: list[tuple[str, ArrayRows]] = []
         self._raw_rows = 0
         self._raw_first_ms: int | None = None  # the earliest ts_unix_ms among them
 
@@ -69,6 +72,24 @@ class Aggregator:
             self._raw_first_ms = first if self._raw_first_ms is None else min(self._raw_first_ms, first)
         self._raw.append((table, got))
         self._raw_rows += got.height
+        if self._raw_rows >= self.FOLD_ROWS:
+            self._fold()
+
+    def add_rows(self, table: str, parts: list[ArrayRows]) -> None:
+        """Count rows of a tokens or steps table held as ArrayRows (the rows set apart by the
+        correlator, Correlator head_rows_apart) as `add` counts their frame, without making it:
+        their per-layer arrays are counted as they are."""
+        if table not in _COUNTED:
+            return
+        for p in parts:
+            if not p.n:
+                continue
+            ts = _floats(p.arrays.get("ts_unix_ms"), p.n)
+            if not np.isnan(ts).all():
+                first = int(np.nanmin(ts))
+                self._raw_first_ms = first if self._raw_first_ms is None else min(self._raw_first_ms, first)
+            self._raw_arrays.append((table, p))
+            self._raw_rows += p.n
         if self._raw_rows >= self.FOLD_ROWS:
             self._fold()
 
@@ -98,8 +119,16 @@ class Aggregator:
     def _fold(self) -> None:
         """Count the waiting rows into the pending counts."""
         raw, self._raw, self._raw_rows, self._raw_first_ms = self._raw, [], 0, None
+        arrays, self._raw_arrays = self._raw_arrays, []
         for table in _COUNTED:
             frames = [df for t, df in raw if t == table]
+            for rows in ArrayRows.concat([p for t, p in arrays if t == table]):
+                if table == "tokens" and _countable(rows):
+                    self._pending.extend(p for p in self._token_array_counts(rows) if p.height)
+                elif table == "steps":
+                    self._pending.append(self._step_array_counts(rows))
+                else:  # per-row lists among them: counted as their frame
+                    frames.append(rows.frame(table).select(c for c in _COUNTED[table]))
             if not frames:
                 continue
             df = pl.concat(frames) if len(frames) > 1 else frames[0]
@@ -126,6 +155,43 @@ class Aggregator:
             if ratio not in self.leave_out:
                 parts.append(self._per_layer_histogram(df, bucket, ratio))
         return parts
+
+    def _token_array_counts(self, rows: ArrayRows) -> list[pl.DataFrame]:
+        """_token_counts of token rows whose per-layer columns are arrays (_countable)."""
+        ts = _floats(rows.arrays["ts_unix_ms"], rows.n)
+        sel = np.flatnonzero(~np.isnan(ts))
+        bucket = self._bucket_index(ts[sel].astype(np.int64))
+        parts = [self._counts("tokens", bucket, np.zeros(len(bucket), dtype=np.int64))]
+        if "log_prob" not in self.leave_out:
+            lp = rows.arrays["log_prob"]
+            if lp is not None:
+                assert isinstance(lp, list)  # (_countable)
+                given = np.fromiter((v is not None for v in lp), dtype=bool, count=rows.n)[sel]
+                values = np.array([np.nan if v is None else v for v in lp], dtype=np.float64)[sel]
+                parts.append(self._counts("log_prob", bucket[given], _bins("log_prob", values[given])))
+        if "expert_load" not in self.leave_out:
+            got = _per_layer(rows, "expert_ids", sel)
+            if got is not None:
+                row, index, ids = got
+                e = ids.astype(np.int64)
+                ok = e >= 0
+                layer = layer_of(index[ok], self._layers.get("moe"))
+                parts.append(self._counts("expert_load", bucket[row[ok]], e[ok], layer))
+        for ratio in ("act_zero_ratio", "act_below_ratio"):
+            if ratio in self.leave_out:
+                continue
+            got = _per_layer(rows, ratio, sel)
+            if got is not None:
+                row, index, values = got
+                layer = layer_of(index, self._layers.get(schema.TOKEN_LIST_LAYERS[ratio]))
+                parts.append(self._counts(ratio, bucket[row], _bins(ratio, values), layer))
+        return parts
+
+    def _step_array_counts(self, rows: ArrayRows) -> pl.DataFrame:
+        """_step_counts of steps rows held as ArrayRows."""
+        (ts, t0, t1), ok = _ints(rows, ("ts_unix_ms", "t_start_ns", "t_end_ns"))
+        ms = (t1[ok] - t0[ok]) / 1e6
+        return self._counts("step_ms", self._bucket_index(ts[ok]), _bins("step_ms", ms))
 
     def _step_counts(self, df: pl.DataFrame) -> pl.DataFrame:
         ts, t0, t1 = df["ts_unix_ms"], df["t_start_ns"], df["t_end_ns"]
@@ -194,3 +260,71 @@ def _bins(metric: str, values: np.ndarray) -> np.ndarray:
     edges = np.asarray(schema.AGGREGATE_EDGES[metric])
     b = np.searchsorted(edges, values.astype(np.float64), side="right") - 1
     return np.clip(b, 0, len(edges) - 2).astype(np.int32)
+
+
+#: the tokens table's per-layer columns the aggregates count
+_PER_LAYER = ("expert_ids", "act_zero_ratio", "act_below_ratio")
+
+
+def _countable(rows: ArrayRows) -> bool:
+    """Whether add_rows counts these token rows from their arrays: the per-layer columns arrays
+    (or all null), the others Python values."""
+    for name in _PER_LAYER:
+        a = rows.arrays.get(name)
+        if a is not None and not isinstance(a, np.ndarray):
+            return False
+    return all(not isinstance(rows.arrays.get(c), np.ndarray) for c in ("ts_unix_ms", "log_prob"))
+
+
+def _ints(rows: ArrayRows, names: tuple[str, ...]) -> tuple[list[np.ndarray], np.ndarray]:
+    """Integer columns as int64 arrays, and which rows have every one of them."""
+    ok = np.ones(rows.n, dtype=bool)
+    out = []
+    for name in names:
+        values = rows.arrays.get(name)
+        if values is None:
+            return [np.zeros(rows.n, dtype=np.int64) for _ in names], np.zeros(rows.n, dtype=bool)
+        if isinstance(values, np.ndarray):
+            null = rows.nulls.get(name)
+            if null is not None:
+                ok &= ~null
+            out.append(values.astype(np.int64))
+            continue
+        ok &= np.fromiter((v is not None for v in values), dtype=bool, count=rows.n)
+        out.append(np.array([0 if v is None else v for v in values], dtype=np.int64))
+    return out, ok
+
+
+def _floats(values: object, n: int) -> np.ndarray:
+    """A column of Python numbers (None: NaN) or an array, as float64 (a millisecond time since
+    the epoch is exact there)."""
+    if values is None:
+        return np.full(n, np.nan)
+    if isinstance(values, np.ndarray):
+        return values.astype(np.float64)
+    return np.array([np.nan if v is None else v for v in values], dtype=np.float64)  # type: ignore[attr-defined]
+
+
+def _per_layer(
+    rows: ArrayRows, name: str, sel: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The elements of per-layer column `name` in rows `sel` (flat_list's row, in positions of
+    `sel`, list index and value), leaving out null rows and rows whose list is all null; None
+    when the column is all null. A 3-D column (a list of lists per row) counts each inner
+    element at its outer list's index."""
+    a = rows.arrays.get(name)
+    if a is None:
+        return None
+    assert isinstance(a, np.ndarray)
+    ok = np.ones(rows.n, dtype=bool)
+    for marks in (rows.nulls.get(name), rows.null_items.get(name)):
+        if marks is not None:
+            ok &= ~marks
+    ok = ok[sel]
+    values = a[sel][ok]
+    at = np.flatnonzero(ok)
+    width = values.shape[1]
+    inner = int(np.prod(values.shape[2:], dtype=np.int64))  # 1 for a list of values per row
+    row = np.repeat(at, width * inner)
+    index = np.tile(np.repeat(np.arange(width, dtype=np.int64), inner), len(at))
+    return row, index, values.reshape(-1)
