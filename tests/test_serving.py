@@ -203,8 +203,16 @@ def test_head_in_the_probes_keeps_whole_requests_on_shared_batches(server: Engin
     dropped_tokens = sum(len(a["tokens"]) for rid, a in answers.items() if rid not in kept)
     assert probes["logits_rows_not_copied"] <= dropped_tokens
     assert probes["logits_rows_not_copied"] + probes["logits_rows_copied_mixed"] >= dropped_tokens
-    assert sparseety_prof.open(tmp_path / "full").tokens().height == tokens.height + dropped_tokens
+    full_rec = sparseety_prof.open(tmp_path / "full")
+    assert full_rec.tokens().height == tokens.height + dropped_tokens
     assert r.steps().filter(pl.col("seq_ids").list.len() > 1).height > 0  # batches were shared
+    # a dropped request's token rows were set apart (nothing but the recording reads them): counted
+    # by the aggregates and dropped, as the steps rows whose every slot's request drew drop
+    apart, dropped = probes["rows_set_apart"], meta["rows_dropped"]
+    assert apart["tokens"] == dropped["tokens"] == dropped_tokens
+    assert 0 < apart["steps"] <= dropped["steps"]
+    assert full_rec.steps().height == r.steps().height + dropped["steps"]
+    assert int(r.aggregates().filter(pl.col("metric") == "tokens")["count"].sum()) == full_rec.tokens().height
     losses = r.meta["losses"]
     assert losses["kernel_drops"] == 0 and losses["seq_gaps"] == 0 and losses["samples_unresolved"] == 0
 
