@@ -1968,7 +1968,9 @@ def test_head_dropped_requests_token_and_step_rows_are_set_apart(drains: int, sc
     aggregates reading token and steps rows), the token rows of every request the probes drew to
     drop, and the steps rows all of whose sequences drew drop, leave the tables for take_apart:
     each with the columns asked for, the others null; every other row, and every other table,
-    as without. The rows set apart frame to the dropped rows' values in those columns."""
+    as without. The rows set apart frame to the dropped rows' values in those columns. The policy
+    takes each verdict away as it learns the request (request_verdicts.Head pops it), here after
+    every drain: the correlator keeps its own."""
     slots = _SLOT_DRAWS.get(script)
     if script == "decode":
         s = _drawn_block_requests()
@@ -1979,6 +1981,7 @@ def test_head_dropped_requests_token_and_step_rows_are_set_apart(drains: int, sc
 
     def replay(apart: bool) -> tuple[dict[str, list[pl.DataFrame]], dict[str, bool], Correlator]:
         verdicts: dict[str, bool] = {}
+        taken: dict[str, bool] = {}
         c = _correlator(head_verdicts=verdicts, head_rows_apart=_APART_COLUMNS if apart else None)
         frames: dict[str, list[pl.DataFrame]] = {}
         per = -(-len(s.recs) // drains)
@@ -1991,7 +1994,10 @@ def test_head_dropped_requests_token_and_step_rows_are_set_apart(drains: int, sc
             for table, parts in c.take_apart().items():
                 buf = ColumnBuffer()
                 frames.setdefault(f"{table}_apart", []).extend(buf.add(table, parts, final=True))
-        return frames, verdicts, c
+            taken.update(verdicts)  # the policy learns them
+            verdicts.clear()
+        assert not c.requests.dropped_requests  # every request finished: none left behind
+        return frames, taken, c
 
     def one(frames: dict[str, list[pl.DataFrame]], table: str) -> pl.DataFrame:
         got = [df for df in frames.get(table, []) if df.height]

@@ -122,6 +122,7 @@ class Correlator:
                 self.routes.head_dropped = self.head_dropped
             if head_rows_apart:
                 self._steps_apart = RowBuffer(STEP_ROW)
+                self.requests.dropped_requests = set()
 
     # the one-row decode step, and a sampler call, from the records' columns (methods: fast_step.py)
     _fast_step = fast_step
@@ -229,12 +230,17 @@ class Correlator:
         tokens = self.requests.take_tokens()
         if self._apart_columns is not None:
             tokens = self._set_tokens_apart(tokens)
+        requests = self.requests.take_requests(self.ctxs.values(), final=final)
+        if self.requests.dropped_finished:  # their rows are all taken: forgotten (a bounded set)
+            assert self.requests.dropped_requests is not None
+            self.requests.dropped_requests.difference_update(self.requests.dropped_finished)
+            self.requests.dropped_finished = []
         return {
             "tokens": tokens,
             "steps": self._steps.take(),
             "routes": routes,
             "masks": masks,
-            "requests": self.requests.take_requests(self.ctxs.values(), final=final),
+            "requests": requests,
         }
 
     def take_apart(self) -> dict[str, RowParts]:
@@ -259,12 +265,12 @@ class Correlator:
 
     def _set_tokens_apart(self, tokens: Any) -> Any:
         """The token rows less those of requests the probes drew to drop (kept for take_apart)."""
-        verdicts = self.requests.head_verdicts
+        reqs = self.requests
+        dropped = reqs.dropped_requests
         rids = tokens["request_id"]
-        if not verdicts or not rids:
+        if not dropped or not rids:
             return tokens
-        get = verdicts.get
-        apart = np.fromiter((get(r, True) is False for r in rids), dtype=bool, count=len(rids))
+        apart = np.fromiter((r in dropped for r in rids), dtype=bool, count=len(rids))
         assert self._apart_columns is not None
         rest, parts = split_rows(tokens, apart, self._apart_columns["tokens"])
         self._tokens_apart += parts

@@ -84,6 +84,11 @@ class RequestTokens:
         self.head_verdicts = head_verdicts  # Correlator's `head_verdicts`
         # RoutesTables.head_dropped (the correlator shares it): sequences whose request drew drop
         self.head_dropped: HeadDropped | None = None
+        # Correlator head_rows_apart: the requests whose first token took a drop verdict, until
+        # their rows are taken after they finish (the policy pops `head_verdicts` as it learns a
+        # request: the correlator keeps its own)
+        self.dropped_requests: set[str] | None = None
+        self.dropped_finished: list[str] = []
         self.wall_offset_ns = wall_offset_ns
         self.texts = texts
         self.layers = layers
@@ -222,6 +227,8 @@ class RequestTokens:
             st.agg.end_reason = reason
         self.requests.add(**st.agg.row())
         st.agg = None
+        if self.dropped_requests and st.request_id in self.dropped_requests:
+            self.dropped_finished.append(st.request_id)
 
     def _maybe_next_input(self, c: CtxState, st: SeqState, step: Step, row: int, n_rows: int) -> None:
         """Engines that sample without a probed sampler call: the token is the next input.
@@ -544,6 +551,8 @@ class RequestTokens:
             keep = self.head_verdicts[st.request_id] = c.head_draw.get(seq, True)
             if self.head_dropped is not None:  # (the draw may have judged it already)
                 self.head_dropped.judge(c.ctx_id, seq, keep)
+            if not keep and self.dropped_requests is not None:
+                self.dropped_requests.add(st.request_id)
         # in TOKEN_ROW order: one tuple per token, no keyword dict (a row per token)
         self.tokens.add_values(
             (
