@@ -216,7 +216,7 @@ def _replay_once(
             made["tokens"] += len(tables["tokens"]["step_id"])
             made["steps"] += len(tables["steps"]["step_id"])
             for table, parts in apart.items():
-                made[table] += len(parts.is_array)
+                made[table] += sum(p.n for p in parts)
             stages = ("correlate", "rows", "logits", "frames")
             for stage, dt in zip(stages, (t2 - t1, t3 - t2 - logits, logits, t4 - t3), strict=True):
                 cpu[stage] += dt
@@ -260,7 +260,7 @@ class _Writes:
 
     def emit_apart(self, apart: Any) -> None:
         for table, parts in apart.items():  # (the recorder's _emit_apart, less the policy)
-            self.aggregates.add_rows(table, parts.arrays)
+            self.aggregates.add_rows(table, parts)
 
     def flush(self, frames: Any, *, final: bool) -> None:
         self.emit(frames)

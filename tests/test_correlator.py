@@ -1993,7 +1993,8 @@ def test_head_dropped_requests_token_and_step_rows_are_set_apart(drains: int, sc
                 frames.setdefault(table, []).extend(buf.add(table, cols, final=True))
             for table, parts in c.take_apart().items():
                 buf = ColumnBuffer()
-                frames.setdefault(f"{table}_apart", []).extend(buf.add(table, parts, final=True))
+                cols = RowParts({}, parts, np.ones(sum(p.n for p in parts), dtype=bool))
+                frames.setdefault(f"{table}_apart", []).extend(buf.add(table, cols, final=True))
             taken.update(verdicts)  # the policy learns them
             verdicts.clear()
         assert not c.requests.dropped_requests  # every request finished: none left behind

@@ -42,7 +42,7 @@ from sparseety_prof.correlate.verification import (
     verifying_sparse,
 )
 from sparseety_prof.store.array_rows import ArrayRows, RowParts, split_rows
-from sparseety_prof.store.schema import PHASE_DECODE, PHASE_PREFILL, RowTables
+from sparseety_prof.store.schema import PHASE_DECODE, PHASE_PREFILL, Columns, RowTables
 
 
 class Correlator:
@@ -230,40 +230,31 @@ class Correlator:
         tokens = self.requests.take_tokens()
         if self._apart_columns is not None:
             tokens = self._set_tokens_apart(tokens)
-        requests = self.requests.take_requests(self.ctxs.values(), final=final)
-        if self.requests.dropped_finished:  # their rows are all taken: forgotten (a bounded set)
-            assert self.requests.dropped_requests is not None
-            self.requests.dropped_requests.difference_update(self.requests.dropped_finished)
-            self.requests.dropped_finished = []
         return {
             "tokens": tokens,
             "steps": self._steps.take(),
             "routes": routes,
             "masks": masks,
-            "requests": requests,
+            "requests": self.requests.take_requests(self.ctxs.values(), final=final),
         }
 
-    def take_apart(self) -> dict[str, RowParts]:
-        """The rows set apart (`head_rows_apart`) since the last call, by table, as RowParts
-        of ArrayRows (after take_tables: its tokens are split there)."""
+    def take_apart(self) -> dict[str, list[ArrayRows]]:
+        """The rows set apart (`head_rows_apart`) since the last call, by table (after
+        take_tables: its tokens are split there)."""
         if self._steps_apart is None or self._apart_columns is None:
             return {}
-        out: dict[str, RowParts] = {}
-        tokens, self._tokens_apart = self._tokens_apart, []
-        steps_cols = self._steps_apart.take()
-        steps: list[ArrayRows] = []
-        n_steps = len(steps_cols["step_id"])
+        out: dict[str, list[ArrayRows]] = {}
+        steps = self._steps_apart.take()
+        n_steps = len(steps["step_id"])
         if n_steps:
-            _, steps = split_rows(steps_cols, np.ones(n_steps, dtype=bool), self._apart_columns["steps"])
-        for table, parts in (("tokens", tokens), ("steps", steps)):
-            n = sum(p.n for p in parts)
-            if n:
-                self.rows_set_apart[table] += n
-                names = parts[0].arrays.keys()
-                out[table] = RowParts({name: [] for name in names}, parts, np.ones(n, dtype=bool))
+            out["steps"] = [ArrayRows.of_lists(steps, list(range(n_steps)), self._apart_columns["steps"])]
+        if self._tokens_apart:
+            out["tokens"], self._tokens_apart = self._tokens_apart, []
+        for table, parts in out.items():
+            self.rows_set_apart[table] += sum(p.n for p in parts)
         return out
 
-    def _set_tokens_apart(self, tokens: Any) -> Any:
+    def _set_tokens_apart(self, tokens: Columns | RowParts) -> Columns | RowParts:
         """The token rows less those of requests the probes drew to drop (kept for take_apart)."""
         reqs = self.requests
         dropped = reqs.dropped_requests

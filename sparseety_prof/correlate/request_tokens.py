@@ -85,8 +85,8 @@ class RequestTokens:
         # RoutesTables.head_dropped (the correlator shares it): sequences whose request drew drop
         self.head_dropped: HeadDropped | None = None
         # Correlator head_rows_apart: the requests whose first token took a drop verdict, until
-        # their rows are taken after they finish (the policy pops `head_verdicts` as it learns a
-        # request: the correlator keeps its own)
+        # their rows are taken after they finish (take_requests; the policy pops `head_verdicts`
+        # as it learns a request: the correlator keeps its own)
         self.dropped_requests: set[str] | None = None
         self.dropped_finished: list[str] = []
         self.wall_offset_ns = wall_offset_ns
@@ -138,6 +138,10 @@ class RequestTokens:
             for c in ctxs:
                 for st in c.seqs.values():
                     self.finish_request(st, "detached")
+        if self.dropped_finished:  # their rows are all taken (take_tokens first): forgotten
+            assert self.dropped_requests is not None
+            self.dropped_requests.difference_update(self.dropped_finished)
+            self.dropped_finished = []
         return self.requests.take()
 
     def keep_deferred(self) -> None:

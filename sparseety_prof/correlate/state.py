@@ -145,7 +145,7 @@ class HeadDropped:
 
     def holds_all(self, step: Step) -> bool:
         """Whether every sequence with rows in the step is held."""
-        return bool(self._keys) and all((step.ctx_id, q) in self._keys for q in set(step.seq.tolist()))
+        return self.holds_seqs(step.ctx_id, set(step.seq.tolist()))
 
     def holds_seqs(self, ctx_id: int, seqs: Iterable[int]) -> bool:
         """Whether `seqs` (a steps row's sequences) are some and all held."""

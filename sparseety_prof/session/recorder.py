@@ -615,11 +615,11 @@ class Recorder:
                 for df in rows.add(table, cols, final=final):
                     self._emit(writer, table, df)
             for table, parts in apart.items():
-                self._emit_apart(table, parts.arrays)
+                self._emit_apart(table, parts)
         stages.lap("frames_sinks")
         p = self.progress
-        p.tokens += len(apart["tokens"].is_array) if "tokens" in apart else 0
-        p.steps += len(apart["steps"].is_array) if "steps" in apart else 0
+        p.tokens += sum(r.n for r in apart.get("tokens", ()))
+        p.steps += sum(r.n for r in apart.get("steps", ()))
         p.records = tracker.seen
         p.seq_gaps = tracker.gaps
         p.kernel_drops = drops

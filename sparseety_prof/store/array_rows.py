@@ -76,6 +76,15 @@ class ArrayRows:
             values = [None if z else v for v, z in zip(values, null.tolist(), strict=True)]
         return values
 
+    @staticmethod
+    def of_lists(lists: schema.Columns, at: list[int], names: Collection[str]) -> ArrayRows:
+        """Rows `at` of column lists as ArrayRows of Python values, only the `names` columns
+        holding values (the others None: all null)."""
+        arrays: dict[str, ArrayColumn] = {
+            name: [values[i] for i in at] if name in names else None for name, values in lists.items()
+        }
+        return ArrayRows(len(at), arrays)
+
     def select(self, at: np.ndarray, names: Collection[str] | None = None) -> ArrayRows:
         """The rows at indices `at`, in that order; with `names`, only those columns hold values
         (the others None: all null)."""
@@ -211,13 +220,7 @@ def split_rows(
     rest_lists = _list_rows(lists, np.flatnonzero(~list_apart))
     parts: list[ArrayRows] = []
     if list_apart.any():
-        at = np.flatnonzero(list_apart).tolist()
-        parts.append(
-            ArrayRows(
-                len(at),
-                {name: [values[i] for i in at] if name in names else None for name, values in lists.items()},
-            )
-        )
+        parts.append(ArrayRows.of_lists(lists, np.flatnonzero(list_apart).tolist(), names))
     if not isinstance(cols, RowParts):
         return rest_lists, parts
     rest_arrays: list[ArrayRows] = []
