@@ -32,7 +32,8 @@ least disturbed by the rest of the machine. `--profile N` adds the Python functi
 token in Correlator.feed (a count the VM's drift does not move) and the N functions with the
 most own time there, or with `--profile-sort cumulative` the most time with what they call
 (cProfile, on one more replay; its overhead inflates every figure of that replay, so it is
-printed apart).
+printed apart); `--profile-stage rows` profiles take_tables and take_apart instead, `write` the
+writes (their Python on the consumer's thread: Polars's own threads are not seen).
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ def _replay_once(
     out: Path | None,
     *,
     correlate_every: float,
+    profile_stage: str = "correlate",
 ) -> tuple[dict[str, float], dict[str, int]]:
     from sparseety_prof.capture.events import decode_groups
     from sparseety_prof.correlate.correlator import Correlator
@@ -195,22 +197,30 @@ def _replay_once(
         for b, batch in enumerate(batches):
             last = final and b == len(batches) - 1
             t1 = clock()
-            if prof is not None:
+            if prof is not None and profile_stage == "correlate":
                 prof.enable()
             corr.feed(batch)
-            if prof is not None:
+            if prof is not None and profile_stage == "correlate":
                 prof.disable()
             t2 = clock()
             logits0 = corr.logits_cpu_s
+            if prof is not None and profile_stage == "rows":
+                prof.enable()
             tables = corr.take_tables(final=last)
             apart = corr.take_apart()  # (head sampling in the probes: a dropped request's rows)
+            if prof is not None and profile_stage == "rows":
+                prof.disable()
             t3 = clock()
             due = [(table, df) for table, cols in tables.items() for df in rows.add(table, cols, final=last)]
             t4 = clock()
             if writes is not None and (due or apart):  # the recorder hands them on at once (_emit)
                 p = time.process_time()
+                if prof is not None and profile_stage == "write":
+                    prof.enable()
                 writes.emit(due)
                 writes.emit_apart(apart)
+                if prof is not None and profile_stage == "write":
+                    prof.disable()
                 cpu["write"] += time.process_time() - p
             logits = corr.logits_cpu_s - logits0
             made["tokens"] += len(tables["tokens"]["step_id"])
@@ -225,7 +235,11 @@ def _replay_once(
             frames = rows.take_all()
             t5, p5 = clock(), time.process_time()  # Polars writes and aggregates on its own threads too
             if writes is not None:
+                if prof is not None and profile_stage == "write":
+                    prof.enable()
                 writes.flush(frames, final=final)
+                if prof is not None and profile_stage == "write":
+                    prof.disable()
             t6, p6 = clock(), time.process_time()
             collector.after_flush()
             cpu["frames"] += t5 - t + clock() - t6
@@ -315,12 +329,23 @@ def replay(a: argparse.Namespace) -> int:
     )
     if a.profile:
         prof = cProfile.Profile()
-        _replay_once(kept, texts, prof, None, correlate_every=a.correlate_every)
+        with tempfile.TemporaryDirectory(prefix="sparseety-replay-") as tmp:
+            _replay_once(
+                kept,
+                texts,
+                prof,
+                None if a.no_write else Path(tmp) / "rec",
+                correlate_every=a.correlate_every,
+                profile_stage=a.profile_stage,
+            )
         out = io.StringIO()
         stats = pstats.Stats(prof, stream=out)
         stats.sort_stats(a.profile_sort).print_stats(a.profile)
         order = "own time" if a.profile_sort == "tottime" else "with what it calls"
-        print(f"\nCorrelator.feed under cProfile ({order}, one more replay):")
+        where = {"correlate": "Correlator.feed", "rows": "take_tables and take_apart", "write": "the writes"}[
+            a.profile_stage
+        ]
+        print(f"\n{where} under cProfile ({order}, one more replay):")
         # the Python calls per token: a count the VM's speed does not move, unlike the times
         calls: int = stats.total_calls  # type: ignore[attr-defined]  # (set by pstats, not in its stubs)
         print(f"{calls / n:.1f} Python function calls per token")
@@ -377,6 +402,13 @@ def main() -> int:
         choices=("tottime", "cumulative"),
         default="tottime",
         help="--profile's order: a function's own time, or with what it calls",
+    )
+    r.add_argument(
+        "--profile-stage",
+        choices=("correlate", "rows", "write"),
+        default="correlate",
+        help="--profile's stage: Correlator.feed, take_tables and take_apart, or the writes (the "
+        "aggregates, the Parquet segments and meta.json; on the consumer's thread only)",
     )
     a = ap.parse_args()
     return capture(a) if a.cmd == "capture" else replay(a)

@@ -543,9 +543,14 @@ def _plain(x: Any) -> Any:
         out = {
             f.name: _plain(getattr(x, f.name))
             for f in fields(x)
-            if f.name not in ("_output_index", "_seq_rows")
+            if f.name not in ("_output_index", "_seq_rows", "_over_slots")
         }
-        return {**out, "output_index": x.output_index(), "seq_rows": _plain(x.seq_rows())}
+        return {
+            **out,
+            "output_index": x.output_index(),
+            "seq_rows": _plain(x.seq_rows()),
+            "over_slots": x.over_slots(),
+        }
     if isinstance(x, StepSparse):  # its per-row values are made when asked for (memos)
         memos = ("_row_cache", "_plan", "_pass_block", "_slot_block")
         out = {f.name: _plain(getattr(x, f.name)) for f in fields(x) if f.name not in memos}
@@ -1157,24 +1162,30 @@ def _multirow_script() -> Script:
     return s
 
 
-@pytest.mark.parametrize("plan", ["loop", "arrays"])
+@pytest.mark.parametrize("cells", ["default", "none"])
 @pytest.mark.parametrize("drains", [1, 6, 35])
 def test_sparse_runs_equal_the_record_by_record_path(
-    monkeypatch: pytest.MonkeyPatch, drains: int, plan: str
+    monkeypatch: pytest.MonkeyPatch, drains: int, cells: str
 ) -> None:
     """Every table, every column, and every piece of state after each drain: a run of per-layer
-    records taken at once must leave exactly what _on_sparse leaves record by record, with the
-    activation records' plan made by its loop or by its arrays (sparse_run.PLAN_LOOP_MAX)."""
-    monkeypatch.setattr(sparse_run_module, "PLAN_LOOP_MAX", 10**9 if plan == "loop" else 0)
-    planned: list[bool] = []  # per plan made that way: whether it took the run
-    way = getattr(sparse_run_module._ActColumns, f"_plan_{plan}")
+    records taken at once must leave exactly what _on_sparse leaves record by record; and so
+    must a drain whose activation counts are past what the runs gather at once
+    (sparse_run._ACT_CELLS_MAX: then the handlers take them)."""
+    if cells == "none":
+        monkeypatch.setattr(sparse_run_module, "_ACT_CELLS_MAX", 0)
+    planned: list[bool] = []  # per run met: whether the drain's plan could take it
+    with_acts: list[bool] = []  # per run planned: whether it held activation counts
+    store = sparse_run_module.SparseColumns.store_run
 
-    def planning(self: Any, rows: list[int], sp: StepSparse) -> Any:
-        got = way(self, rows, sp)
-        planned.append(got is not None)
+    def storing(self: Any, idx: Any, sp: StepSparse, i: int, j: int, seen: dict[str, set[int]]) -> bool:
+        got = store(self, idx, sp, i, j, seen)
+        run = (self._runs or {}).get(i)
+        planned.append(run is not None)
+        if run is not None:
+            with_acts.append(bool(run.acts))
         return got
 
-    monkeypatch.setattr(sparse_run_module._ActColumns, f"_plan_{plan}", planning)
+    monkeypatch.setattr(sparse_run_module.SparseColumns, "store_run", storing)
     s = _multirow_script()
     stored = []
     run = Correlator._sparse_run
@@ -1211,6 +1222,10 @@ def test_sparse_runs_equal_the_record_by_record_path(
     assert want_states[-1]["counters"]["sparse_unattributed"] == ("int", 1)
     # the four rows of the pass whose layer 1 counts came in two sizes: the last size fits no row
     assert want_states[-1]["problems"]["unmapped_rows"] == ("int", 4)
+    if cells == "none":  # every run with activation counts went to the handlers
+        assert planned and not any(with_acts)
+        return
+    assert sum(with_acts) >= 20
     # most runs were stored at once once verification was done; the planted ones were not
     assert sum(stored) >= 20 and not all(stored)
     # the plans of the planted runs (a node row counted twice, two sizes for a layer) refused them

@@ -420,7 +420,8 @@ class Correlator:
         self.requests.segment(c, step, clears)
         c.rows.extend([None] * step.row_offset)  # batch positions whose rows were not copied
         c.rows.extend((step, i) for i in range(m))
-        c.outputs.extend((step, i) for i in range(m) if step.output[i])
+        off = step.row_offset
+        c.outputs.extend((step, r - off) for r in step.output_index())
         if not c.sampler_seen:  # remember each sequence's last output row for a next_input token
             for i in np.flatnonzero(step.output):
                 st = c.seqs.get(int(step.seq[i]))
@@ -434,15 +435,16 @@ class Correlator:
         step.t_end = int(r["ts_ns"])
         groups = step.seq_rows()
         most_rows = max((len(rows) for rows in groups.values()), default=0)
+        outputs = list(step.output_index())  # the output rows, in batch order
         self._add_step_row(
             step,
-            int(np.count_nonzero(step.output)),
+            len(outputs),
             PHASE_PREFILL if most_rows > 1 else PHASE_DECODE,
             sorted(groups),
             step.token.tolist(),
             step.pos.tolist(),
             step.seq.tolist(),
-            (np.flatnonzero(step.output) + step.row_offset).tolist(),
+            outputs,
         )
         if step.sparse is not None:
             # layers whose masks were counted where the engine wrote them (graph-op probes gone)

@@ -40,8 +40,7 @@ class SlotRun(NamedTuple):
 
 def slot_step(step: Step) -> bool:
     """A step over several slots: several rows, all copied, every one an output."""
-    n = len(step.seq)
-    return n > 1 and step.row_offset == 0 and n == step.n_tokens and bool(step.output.all())
+    return step.over_slots()
 
 
 def shape_key(sp: StepSparse, n_rows: int, layers: LayerSet) -> tuple[object, ...] | None:

@@ -17,6 +17,7 @@ paths table by table and state by state. Any other run goes to the handlers, rec
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,7 +39,13 @@ if TYPE_CHECKING:
     from sparseety_prof.correlate.correlator import Correlator
 
 RUN_KINDS = frozenset((ev.EV_TENSOR, ev.EV_ACT))
-_STORES = {ev.TAG_EXPERT_IDS: "ids", ev.TAG_EXPERT_WEIGHTS: "weights", ev.TAG_ROUTER_PROBS: "probs"}
+_STORE_NAMES = ("ids", "weights", "probs")  # StepSparse's routing stores
+_STORE_OF_TAG = {ev.TAG_EXPERT_IDS: 0, ev.TAG_EXPERT_WEIGHTS: 1, ev.TAG_ROUTER_PROBS: 2}
+# layer numbers are below this (a record naming another is left to the handlers): the runs'
+# keys combine a run, a store and a layer in one integer
+_LAYER_SPAN = 1 << 20
+# the node rows whose activation counts a drain's runs gather at once, at most (two int64 arrays)
+_ACT_CELLS_MAX = 1 << 22
 
 
 def sparse_run(corr: Correlator, idx: DrainIndex, i: int) -> int:
@@ -55,7 +62,7 @@ def sparse_run(corr: Correlator, idx: DrainIndex, i: int) -> int:
         cols: SparseColumns | None = idx.cache.get("sparse")
         if cols is None:
             cols = idx.cache["sparse"] = SparseColumns(idx)
-        if cols.store_run(sp, idx.group[i:j], idx.row[i:j], corr.layers_seen):
+        if cols.store_run(idx, sp, i, j, corr.layers_seen):
             step.sparse = sp
             return j
     for k in range(i, j):
@@ -63,52 +70,182 @@ def sparse_run(corr: Correlator, idx: DrainIndex, i: int) -> int:
     return j
 
 
+@dataclass
+class _Run:
+    """What a run of records stores when the step has none of its layers yet: its routing
+    tensors (store, layer, their columns, their record) and its layers' activation counts
+    (layer, zero and below counts per node row, width, node rows per token)."""
+
+    end: int
+    tensors: list[tuple[str, int, _TensorColumns, int]]
+    acts: list[tuple[int, np.ndarray, np.ndarray, int, int]]
+
+
 class SparseColumns:
-    """What each routing tensor and activation record of one drain holds, for all of them."""
+    """What each routing tensor and activation record of one drain holds, for all of them, and
+    what each run of them stores (planned for the whole drain at once, when first asked)."""
 
     def __init__(self, idx: DrainIndex) -> None:
+        # (the drain index is not kept: it holds this in its cache, and a cycle would keep the
+        # drain's records alive until the garbage collector's next full pass)
         self.tensors = {
             g: _TensorColumns(idx.arrays[g]) for g in (G_TENSOR_S, G_TENSOR_L) if len(idx.arrays[g])
         }
         self.acts = _ActColumns(idx.arrays[G_ACT]) if len(idx.arrays[G_ACT]) else None
+        self._runs: dict[int, _Run] | None = None
 
-    def store_run(
-        self, sp: StepSparse, groups: list[int], rows: list[int], seen: dict[str, set[int]]
-    ) -> bool:
-        """Store a run of records (their layouts and rows) into the step's values, when every
-        one is the common case (see the module's docstring); False, with nothing stored, when
-        not."""
-        tensors: list[tuple[_TensorColumns, int]] = []
-        keys: set[tuple[str, int]] = set()
-        act_rows: list[int] = []
-        for g, r in zip(groups, rows, strict=True):
-            tc = self.tensors.get(g)
-            if tc is not None:
-                key = tc.keys[r]
-                if key is None or key in keys or key[1] in getattr(sp, key[0]):
-                    return False  # a tensor in chunks or twice: add_tensor merges, record by record
-                keys.add(key)
-                tensors.append((tc, r))
-            elif g == G_ACT and self.acts is not None:
-                act_rows.append(r)
-            else:
-                return False
-        act = self.acts.plan(act_rows, sp) if act_rows and self.acts is not None else None
-        if act_rows and act is None:
+    def store_run(self, idx: DrainIndex, sp: StepSparse, i: int, j: int, seen: dict[str, set[int]]) -> bool:
+        """Store records i..j (a whole run) into the step's values, when every one is the common
+        case (see the module's docstring) and the step has none of their layers yet; False, with
+        nothing stored, when not."""
+        if self._runs is None:
+            self._runs = _plan_runs(self, idx)
+        run = self._runs.get(i)
+        if run is None or run.end != j:
             return False
-        for tc, r in tensors:
-            store, layer = tc.keys[r]  # type: ignore[misc]
+        for store, layer, _, _ in run.tensors:
+            if layer in getattr(sp, store):
+                return False  # values of this layer came before: add_tensor merges, record by record
+        act_zeros = sp.act_zeros
+        for layer, _, _, _, _ in run.acts:
+            if layer in act_zeros:
+                return False  # counts of this layer came before: add_act merges, record by record
+        moe = seen["moe"]
+        for store, layer, tc, r in run.tensors:
             getattr(sp, store)[layer] = LayerRows(tc.values[r], tc.filled[r])
-            seen["moe"].add(layer)
-        if act is not None:
-            assert self.acts is not None
-            seen["ffn"].update(self.acts.store(sp, *act))
+            moe.add(layer)
+        if run.acts:
+            ffn = seen["ffn"]
+            for layer, zeros, below, width, slots in run.acts:
+                act_zeros[layer], sp.act_below[layer] = zeros, below
+                sp.act_width[layer], sp.act_slots[layer] = width, slots
+                ffn.add(layer)
         return True
 
 
+def _plan_runs(cols: SparseColumns, idx: DrainIndex) -> dict[int, _Run]:
+    """Each run of routing and activation records of the drain (a stretch of them between other
+    records) that can be stored at once, by its first record: every record one add_tensor or
+    add_act would take whole, no routing tensor twice, each layer's activation records of one
+    size, no node row counted twice. The activation counts of all of them are gathered with a
+    few numpy calls for the drain: a run per server step over a few slots, done one by one, was
+    about a fifth of the correlation at four clients (scripts/replay_drains.py)."""
+    kinds = np.fromiter(idx.kinds, np.int64, len(idx))
+    at = np.flatnonzero((kinds == ev.EV_TENSOR) | (kinds == ev.EV_ACT))
+    if not len(at):
+        return {}
+    first = np.ones(len(at), dtype=bool)
+    first[1:] = at[1:] != at[:-1] + 1
+    run_of = np.cumsum(first) - 1  # per record of a run: its run
+    starts = at[first]
+    last = np.append(np.flatnonzero(first)[1:] - 1, len(at) - 1)
+    ends = at[last] + 1
+    groups = np.fromiter(idx.group, np.int64, len(idx))[at]
+    rows = np.fromiter(idx.row, np.int64, len(idx))[at]
+    bad = np.zeros(len(starts), dtype=bool)
+    taken = np.zeros(len(at), dtype=bool)
+    tensor_at: list[tuple[np.ndarray, _TensorColumns]] = []
+    for g, tc in cols.tensors.items():
+        sel = np.flatnonzero(groups == g)
+        taken[sel] = True
+        code = tc.code[rows[sel]]
+        bad[run_of[sel[code < 0]]] = True  # a tensor in chunks, or not one add_tensor takes whole
+        tensor_at.append((sel, tc))
+    if tensor_at:  # a routing tensor twice in a run: add_tensor merges, record by record
+        sel = np.concatenate([s for s, _ in tensor_at])
+        key = np.concatenate([tc.code[rows[s]] * _LAYER_SPAN + tc.layer[rows[s]] for s, tc in tensor_at])
+        key = run_of[sel] * (_LAYER_SPAN * len(_STORE_NAMES)) + key
+        uniq, count = np.unique(key, return_counts=True)
+        if (count > 1).any():
+            bad[uniq[count > 1] // (_LAYER_SPAN * len(_STORE_NAMES))] = True
+    acts: dict[int, list[tuple[int, np.ndarray, np.ndarray, int, int]]] = {}
+    if cols.acts is not None:
+        act_sel = np.flatnonzero(groups == G_ACT)
+        taken[act_sel] = True
+        if len(act_sel):
+            acts = _plan_acts(cols.acts, rows[act_sel], run_of[act_sel], bad)
+    bad[run_of[~taken]] = True  # records of another layout (an activation mask): record by record
+    out: dict[int, _Run] = {}
+    good = np.flatnonzero(~bad)
+    if not len(good):
+        return out
+    for k, start, end in zip(good.tolist(), starts[good].tolist(), ends[good].tolist(), strict=True):
+        out[start] = _Run(end, [], acts.get(k, []))
+    if tensor_at:  # each run's tensors in the order they came
+        is_tensor = np.zeros(len(at), dtype=bool)
+        for sel, _ in tensor_at:
+            is_tensor[sel] = True
+        pick = np.flatnonzero(is_tensor & ~bad[run_of])
+        run_start = starts.tolist()
+        tensors = cols.tensors
+        for run, g, r in zip(run_of[pick].tolist(), groups[pick].tolist(), rows[pick].tolist(), strict=True):
+            tc = tensors[g]
+            out[run_start[run]].tensors.append((_STORE_NAMES[tc.code_l[r]], tc.layer_l[r], tc, r))
+    return out
+
+
+def _plan_acts(
+    ac: _ActColumns, rows: np.ndarray, run_of: np.ndarray, bad: np.ndarray
+) -> dict[int, list[tuple[int, np.ndarray, np.ndarray, int, int]]]:
+    """The activation records `rows` (in the order they came), of runs `run_of`: per run, its
+    layers in the order they first come, each with its node rows' zero and below counts (-1
+    where no record counted a row), as add_act leaves them. Marks in `bad` the runs whose
+    records add_act would not all take, a layer's records of two sizes, or a node row counted
+    twice (add_act's order decides those, record by record)."""
+    bad[run_of[~ac.ok[rows]]] = True
+    layer = ac.layer[rows]
+    # (run, layer) groups, in the order their first records came
+    key = run_of * _LAYER_SPAN + (layer + 1)
+    _, head, inv = np.unique(key, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    order = np.argsort(head, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    head, inv = head[order], rank[inv]  # groups renumbered in that order
+    head_rows = rows[head]
+    total, width, slots = ac.nr[head_rows], ac.ne0[head_rows], ac.slots[head_rows]
+    same = (ac.nr[rows] == total[inv]) & (ac.ne0[rows] == width[inv]) & (ac.slots[rows] == slots[inv])
+    bad[run_of[~same]] = True
+    total = np.where(bad[run_of[head]], 0, total)  # (no room for a run not taken)
+    size = int(total.sum())
+    if size > _ACT_CELLS_MAX:
+        # node rows from the target's memory past any drain of a real model's: not allocated at
+        # once, the handlers take those runs layer by layer
+        bad[run_of] = True
+        return {}
+    base = np.cumsum(total) - total  # each group's first node row, all groups one after another
+    n = np.where(bad[run_of], 0, ac.n[rows])
+    within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    dst = np.repeat(base[inv] + ac.ir0[rows], n) + within
+    src = np.repeat(rows * ac.width, n) + within
+    if len(dst):
+        counted = np.bincount(dst, minlength=size)
+        twice = np.flatnonzero(counted > 1)
+        if len(twice):
+            group_of = np.repeat(np.arange(len(total)), total)
+            bad[run_of[head[group_of[twice]]]] = True
+    zeros = np.full(size, -1, dtype=np.int64)
+    below = np.full(size, -1, dtype=np.int64)
+    zeros[dst] = ac.zeros.reshape(-1)[src]
+    below[dst] = ac.below.reshape(-1)[src]
+    out: dict[int, list[tuple[int, np.ndarray, np.ndarray, int, int]]] = {}
+    for run, lay, b, t, w, sl in zip(
+        run_of[head].tolist(),
+        layer[head].tolist(),
+        base.tolist(),
+        total.tolist(),
+        width.tolist(),
+        slots.tolist(),
+        strict=True,
+    ):
+        if not bad[run]:
+            out.setdefault(run, []).append((lay, zeros[b : b + t], below[b : b + t], w, sl))
+    return out
+
+
 class _TensorColumns:
-    """Per record of one tensor layout: its (store, layer) when it holds a whole routing tensor
-    that add_tensor would take (else None), and then its values and filled flags: arrays of
+    """Per record of one tensor layout: its store and layer when it holds a whole routing tensor
+    that add_tensor would take (else -1), and then its values and filled flags: arrays of
     their own (copies, made per shape for all records of that shape at once), as add_tensor
     leaves them."""
 
@@ -125,21 +262,25 @@ class _TensorColumns:
             & (f["rows_total"] * f["ne0"] <= MAX_TENSOR_CELLS)
         )
         n = len(arr)
-        self.keys: list[tuple[str, int] | None] = [None] * n
         self.values: list[Any] = [None] * n
         self.filled: list[Any] = [None] * n
         # a model has a few node names per layer: each parsed once
         names, at = np.unique(arr["name"], return_inverse=True)
-        layer_of = [None if p is None else p[1] for p in map(parse_name, names.tolist())]
-        at = at.reshape(-1)
-        rows_ok = np.flatnonzero(ok)
-        for r, tag, name_at in zip(
-            rows_ok.tolist(), f["tag"][rows_ok].tolist(), at[rows_ok].tolist(), strict=True
-        ):
-            store, layer = _STORES.get(tag), layer_of[name_at]
-            if store is not None and layer is not None:
-                self.keys[r] = (store, layer)
-        rows = np.array([r for r, k in enumerate(self.keys) if k is not None], dtype=np.intp)
+        layer_of = np.array(
+            [-1 if p is None else p[1] for p in map(parse_name, names.tolist())], dtype=np.int64
+        )
+        layer = layer_of[at.reshape(-1)]
+        store = np.full(n, -1, dtype=np.int64)
+        for tag, k in _STORE_OF_TAG.items():
+            store[f["tag"] == tag] = k
+        taken = ok & (store >= 0) & (layer >= 0) & (layer < _LAYER_SPAN)
+        # the store (its index in _STORE_NAMES) and layer of each record add_tensor would take
+        # whole, -1 for the others (lists: read one record at a time, as Python ints)
+        self.code = np.where(taken, store, -1)
+        self.layer = np.where(taken, layer, -1)
+        self.code_l: list[int] = self.code.tolist()
+        self.layer_l: list[int] = self.layer.tolist()
+        rows = np.flatnonzero(taken)
         if not len(rows):
             return
         # the records by the shape of their values, one code each: type, values per row, row
@@ -173,20 +314,12 @@ class _TensorColumns:
                 self.values[r], self.filled[r] = v, fl
 
 
-# a run of at most this many activation records is planned by a loop over them, a longer one by
-# numpy calls: their fixed cost (~30 us) is what a loop spends on about thirty records
-PLAN_LOOP_MAX = 32
-
-# each layer of a run: (layer, node rows, width, slots)
-_ActLayers = list[tuple[int, int, int, int]]
-
-
 class _ActColumns:
     """Per activation record: its layer, node rows per token (slots), node rows in all, width,
     first row and rows counted (as add_act clips them), and whether add_act would take it; its
     counts stay in the drained records until stored. Arrays over the drain's records: a prompt
     sends about fifteen records per layer (each engine thread's rows, a few rows a record), and
-    a loop per record here, and per record of a run in plan, was a tenth of the correlation."""
+    a loop per record here was a tenth of the correlation."""
 
     def __init__(self, arr: np.ndarray) -> None:
         self.zeros = np.ascontiguousarray(arr["zeros"]).astype(np.int64)
@@ -205,112 +338,11 @@ class _ActColumns:
         at = at.reshape(-1)
         self.layer = layer_of[at]
         slots = self.slots = np.where(known_of[at], np.where(moe_of[at], arr["ne1"].astype(np.int64), 1), 0)
-        self._lists: tuple[list[Any], ...] | None = None  # the columns above as lists (_plan_loop)
         self.ok = (
             (slots > 0)
             & (nr % np.maximum(slots, 1) == 0)
             & (nr <= MAX_ACT_ROWS)
             & (ne0 > 0)
             & (ne0 <= MAX_ACT_WIDTH)
+            & (self.layer < _LAYER_SPAN - 1)
         )
-
-    def plan(self, rows: list[int], sp: StepSparse) -> tuple[_ActLayers, Any, Any] | None:
-        """For records `rows` of one run: their layers (in the order they first come), and each
-        counted node row's position in the layers' rows one after another and in this drain's
-        counts; None unless every record is one add_act would take, for a layer the step has no
-        counts of yet, each layer's records of one size, no node row counted twice. A loop over
-        the records for a short run (a server step over a few slots: two records a layer), numpy
-        for a long one (a prompt: fifteen a layer), each where it costs less."""
-        if len(rows) <= PLAN_LOOP_MAX:
-            return self._plan_loop(rows, sp)
-        return self._plan_arrays(rows, sp)
-
-    def _plan_loop(self, rows: list[int], sp: StepSparse) -> tuple[_ActLayers, list[int], list[int]] | None:
-        if self._lists is None:
-            self._lists = tuple(
-                a.tolist() for a in (self.layer, self.nr, self.ne0, self.slots, self.ok, self.ir0, self.n)
-            )
-        layer_of, nr, ne0, slots_of, ok, ir0, n_of = self._lists
-        layers: _ActLayers = []
-        base_of: dict[int, tuple[int, int]] = {}  # layer -> (its index in layers, its first position)
-        size = 0
-        dst: list[int] = []
-        src: list[int] = []
-        for r in rows:
-            if not ok[r]:
-                return None
-            layer, total, width, slots = layer_of[r], nr[r], ne0[r], slots_of[r]
-            got = base_of.get(layer)
-            if got is None:
-                if layer in sp.act_zeros:
-                    return None  # counts of this layer came before: add_act merges, record by record
-                got = base_of[layer] = (len(layers), size)
-                layers.append((layer, total, width, slots))
-                size += total
-            elif layers[got[0]][1:] != (total, width, slots):
-                return None
-            start, first, n = got[1] + ir0[r], r * self.width, n_of[r]
-            dst.extend(range(start, start + n))
-            src.extend(range(first, first + n))
-        if len(set(dst)) != len(dst):
-            return None  # node rows counted by two records: add_act's order decides, record by record
-        return layers, dst, src
-
-    def _plan_arrays(
-        self, rows: list[int], sp: StepSparse
-    ) -> tuple[_ActLayers, np.ndarray, np.ndarray] | None:
-        r = np.asarray(rows, dtype=np.intp)
-        if not self.ok[r].all():
-            return None
-        layers_u, first, inv = np.unique(self.layer[r], return_index=True, return_inverse=True)
-        inv = inv.reshape(-1)
-        head = r[first]  # each layer's first record
-        total, width, slots = self.nr[head], self.ne0[head], self.slots[head]
-        if not (
-            (self.nr[r] == total[inv]).all()
-            and (self.ne0[r] == width[inv]).all()
-            and (self.slots[r] == slots[inv]).all()
-        ):
-            return None
-        order = np.argsort(first, kind="stable")  # the layers in the order they first come
-        layers: _ActLayers = list(
-            zip(
-                layers_u[order].tolist(),
-                total[order].tolist(),
-                width[order].tolist(),
-                slots[order].tolist(),
-                strict=True,
-            )
-        )
-        if any(layer in sp.act_zeros for layer, _, _, _ in layers):
-            return None  # counts of this layer came before: add_act merges, record by record
-        base = np.empty(len(order), dtype=np.int64)
-        base[order] = np.cumsum(total[order]) - total[order]  # each layer's first position
-        n = self.n[r]
-        # record j's rows: start_j, start_j + 1, ... (n_j of them), all records' one after another
-        within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-        dst = np.repeat(base[inv] + self.ir0[r], n) + within
-        src = np.repeat(r * self.width, n) + within
-        if len(dst) and np.bincount(dst).max() > 1:
-            return None  # node rows counted by two records: add_act's order decides, record by record
-        return layers, dst, src
-
-    def store(self, sp: StepSparse, layers: _ActLayers, dst: Any, src: Any) -> set[int]:
-        """The planned counts into the step's stores: per layer its node rows' zero and below
-        counts (-1 where no record counted a row), as add_act leaves them."""
-        size = sum(total for _, total, _, _ in layers)
-        zeros = np.full(size, -1, dtype=np.int64)
-        below = np.full(size, -1, dtype=np.int64)
-        if len(dst):
-            at, frm = np.asarray(dst), np.asarray(src)
-            zeros[at] = self.zeros.reshape(-1)[frm]
-            below[at] = self.below.reshape(-1)[frm]
-        start = 0
-        for layer, total, width, slots in layers:
-            sp.act_zeros[layer], sp.act_below[layer] = (
-                zeros[start : start + total],
-                below[start : start + total],
-            )
-            sp.act_width[layer], sp.act_slots[layer] = width, slots
-            start += total
-        return {layer for layer, _, _, _ in layers}

@@ -41,6 +41,17 @@ class Step:
     sparse: StepSparse | None = None  # routing, activation and attention records of this pass
     _output_index: dict[int, int] | None = None
     _seq_rows: dict[int, np.ndarray] | None = None
+    _over_slots: bool | None = None
+
+    def over_slots(self) -> bool:
+        """Several rows, all copied, every one an output: a step over several slots (a
+        llama-server decode), asked a few times per row, so worked out once."""
+        if self._over_slots is None:
+            n = len(self.seq)
+            self._over_slots = (
+                n > 1 and self.row_offset == 0 and n == self.n_tokens and bool(self.output.all())
+            )
+        return self._over_slots
 
     def seq_rows(self) -> dict[int, np.ndarray]:
         """Sequence id -> its row indices (in batch order). One-row steps, the bulk of a decode,
@@ -63,8 +74,12 @@ class Step:
         """Batch row -> ordinal among the rows that produce logits (the rows a tensor has when
         the engine computed a layer for output rows only)."""
         if self._output_index is None:
-            rows = np.flatnonzero(self.output) + self.row_offset
-            self._output_index = {int(r): k for k, r in enumerate(rows)}
+            off = self.row_offset
+            if len(self.output) <= _FEW_ROWS:  # (numpy's calls cost more on a few rows)
+                rows = [i + off for i, o in enumerate(self.output.tolist()) if o]
+            else:
+                rows = (np.flatnonzero(self.output) + off).tolist()
+            self._output_index = {r: k for k, r in enumerate(rows)}
         return self._output_index
 
 
