@@ -42,16 +42,20 @@ class DrainIndex:
     __slots__ = (
         "_cols",
         "_fast",
+        "_fields",
         "_rows",
         "arrays",
         "cache",
         "group",
+        "group_a",
         "kinds",
+        "kinds_a",
         "logits_chunk",
         "logits_data",
         "logits_stats",
         "logits_vals",
         "row",
+        "row_a",
         "seqs",
     )
 
@@ -64,11 +68,15 @@ class DrainIndex:
         present = [(g, a) for g, a in enumerate(self.arrays) if len(a)]
         self._rows: dict[int, list[tuple[Any, ...]]] = {}
         self._cols: dict[tuple[int, str], list[Any]] = {}
+        self._fields: dict[int, list[tuple[str, Any]]] = {}
         self._fast: FastColumns | None = None
         # what the correlator's other column paths work out once per drain (sparse_run.py)
         self.cache: dict[str, Any] = {}
         if not present:
             self.seqs: np.ndarray = np.empty(0, np.uint64)
+            self.kinds_a: np.ndarray = np.empty(0, np.int64)
+            self.group_a: np.ndarray = np.empty(0, np.int8)
+            self.row_a: np.ndarray = np.empty(0, np.int64)
             self.kinds: list[int] = []
             self.group: list[int] = []
             self.row: list[int] = []
@@ -76,9 +84,13 @@ class DrainIndex:
         seq = np.concatenate([a["seq"] for _, a in present])
         order = np.argsort(seq, kind="stable")
         self.seqs = seq[order]  # sequence numbers, ascending
-        self.kinds = np.concatenate([a["kind"] for _, a in present])[order].tolist()
-        self.group = np.concatenate([np.full(len(a), g, dtype=np.int8) for g, a in present])[order].tolist()
-        self.row = np.concatenate([np.arange(len(a)) for _, a in present])[order].tolist()
+        # each as an array too, for the paths that work on all records at once (sparse_run.py)
+        self.kinds_a = np.concatenate([a["kind"] for _, a in present])[order]
+        self.group_a = np.concatenate([np.full(len(a), g, dtype=np.int8) for g, a in present])[order]
+        self.row_a = np.concatenate([np.arange(len(a)) for _, a in present])[order]
+        self.kinds = self.kinds_a.tolist()
+        self.group = self.group_a.tolist()
+        self.row = self.row_a.tolist()
 
     def __len__(self) -> int:
         return len(self.kinds)
@@ -124,10 +136,11 @@ class DrainIndex:
                 "ts_ns": int(h["ts_ns"]),
                 "data": ev.http_copied(h),
             }
-        dt = arr.dtype
-        d: dict[str, Any] = {}
-        for n in names:
-            d[n] = arr[n][r] if dt[n].shape else self.col(g, n)[r]
+        fields = self._fields.get(g)
+        if fields is None:  # per field: its column (array fields) or its values as a list
+            dt = arr.dtype
+            fields = self._fields[g] = [(n, arr[n]) if dt[n].shape else (n, self.col(g, n)) for n in names]
+        d: dict[str, Any] = {n: col[r] for n, col in fields}
         if g == G_LOGITS:
             d["vals"] = self.logits_vals(r)
         return d

@@ -154,9 +154,10 @@ class RequestTokens:
     # ------------------------------------------------------------------ requests
     def segment(self, c: CtxState, step: Step, clears: list[tuple[int, int]]) -> None:
         """Give each sequence of a new micro-batch its request: the one it continues, or a new one."""
+        tokens, positions = step.token.tolist(), step.pos.tolist()  # (read per sequence)
         for seq, rows in sorted(step.seq_rows().items()):
             first = int(rows[0])
-            tok, pos = int(step.token[first]), int(step.pos[first])
+            tok, pos = tokens[first], positions[first]
             st = c.seqs.get(seq)
             unsure = seq in c.unsure
             c.unsure.discard(seq)

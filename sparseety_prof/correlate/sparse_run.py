@@ -40,7 +40,10 @@ if TYPE_CHECKING:
 
 RUN_KINDS = frozenset((ev.EV_TENSOR, ev.EV_ACT))
 _STORE_NAMES = ("ids", "weights", "probs")  # StepSparse's routing stores
-_STORE_OF_TAG = {ev.TAG_EXPERT_IDS: 0, ev.TAG_EXPERT_WEIGHTS: 1, ev.TAG_ROUTER_PROBS: 2}
+# a routing tensor's tag -> its store's index in _STORE_NAMES (-1: none; the last entry is every
+# tag past the known ones)
+_STORE_OF_TAG = np.full(max(ev.TAG_EXPERT_IDS, ev.TAG_EXPERT_WEIGHTS, ev.TAG_ROUTER_PROBS) + 2, -1, np.int64)
+_STORE_OF_TAG[[ev.TAG_EXPERT_IDS, ev.TAG_EXPERT_WEIGHTS, ev.TAG_ROUTER_PROBS]] = [0, 1, 2]
 # layer numbers are below this (a record naming another is left to the handlers): the runs'
 # keys combine a run, a store and a layer in one integer
 _LAYER_SPAN = 1 << 20
@@ -130,7 +133,7 @@ def _plan_runs(cols: SparseColumns, idx: DrainIndex) -> dict[int, _Run]:
     size, no node row counted twice. The activation counts of all of them are gathered with a
     few numpy calls for the drain: a run per server step over a few slots, done one by one, was
     about a fifth of the correlation at four clients (scripts/replay_drains.py)."""
-    kinds = np.fromiter(idx.kinds, np.int64, len(idx))
+    kinds = idx.kinds_a
     at = np.flatnonzero((kinds == ev.EV_TENSOR) | (kinds == ev.EV_ACT))
     if not len(at):
         return {}
@@ -140,8 +143,8 @@ def _plan_runs(cols: SparseColumns, idx: DrainIndex) -> dict[int, _Run]:
     starts = at[first]
     last = np.append(np.flatnonzero(first)[1:] - 1, len(at) - 1)
     ends = at[last] + 1
-    groups = np.fromiter(idx.group, np.int64, len(idx))[at]
-    rows = np.fromiter(idx.row, np.int64, len(idx))[at]
+    groups = idx.group_a[at].astype(np.int64)
+    rows = idx.row_a[at].astype(np.int64)
     bad = np.zeros(len(starts), dtype=bool)
     taken = np.zeros(len(at), dtype=bool)
     tensor_at: list[tuple[np.ndarray, _TensorColumns]] = []
@@ -270,9 +273,7 @@ class _TensorColumns:
             [-1 if p is None else p[1] for p in map(parse_name, names.tolist())], dtype=np.int64
         )
         layer = layer_of[at.reshape(-1)]
-        store = np.full(n, -1, dtype=np.int64)
-        for tag, k in _STORE_OF_TAG.items():
-            store[f["tag"] == tag] = k
+        store = _STORE_OF_TAG[np.minimum(f["tag"], len(_STORE_OF_TAG) - 1)]
         taken = ok & (store >= 0) & (layer >= 0) & (layer < _LAYER_SPAN)
         # the store (its index in _STORE_NAMES) and layer of each record add_tensor would take
         # whole, -1 for the others (lists: read one record at a time, as Python ints)

@@ -49,7 +49,7 @@ class Step:
         if self._over_slots is None:
             n = len(self.seq)
             self._over_slots = (
-                n > 1 and self.row_offset == 0 and n == self.n_tokens and bool(self.output.all())
+                n > 1 and self.row_offset == 0 and n == self.n_tokens and all(self.output.tolist())
             )
         return self._over_slots
 
@@ -59,13 +59,13 @@ class Step:
         if self._seq_rows is None:
             if len(self.seq) == 1:
                 self._seq_rows = {int(self.seq[0]): _ROW0}
-            elif len(self.seq) and not (self.seq != self.seq[0]).any():  # one sequence's rows: a prompt
-                self._seq_rows = {int(self.seq[0]): np.arange(len(self.seq))}
             elif len(self.seq) <= _FEW_ROWS:  # a server step over a few slots: unique/flatnonzero cost more
                 rows: dict[int, list[int]] = {}
                 for i, v in enumerate(self.seq.tolist()):
                     rows.setdefault(v, []).append(i)
                 self._seq_rows = {v: np.array(rows[v], dtype=np.intp) for v in sorted(rows)}
+            elif not (self.seq != self.seq[0]).any():  # one sequence's rows: a prompt
+                self._seq_rows = {int(self.seq[0]): np.arange(len(self.seq))}
             else:
                 self._seq_rows = {int(v): np.flatnonzero(self.seq == v) for v in np.unique(self.seq)}
         return self._seq_rows
