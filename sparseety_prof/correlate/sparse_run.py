@@ -47,8 +47,11 @@ _STORE_OF_TAG[[ev.TAG_EXPERT_IDS, ev.TAG_EXPERT_WEIGHTS, ev.TAG_ROUTER_PROBS]] =
 # layer numbers are below this (a record naming another is left to the handlers): the runs'
 # keys combine a run, a store and a layer in one integer
 _LAYER_SPAN = 1 << 20
-# the node rows whose activation counts a drain's runs gather at once, at most (two int64 arrays)
-_ACT_CELLS_MAX = 1 << 22
+# the node rows whose activation counts a drain's runs gather at once, at most: their arrays (a
+# few int64 arrays of this size) stay within tens of MiB whatever sizes the target's records
+# claim. A drain past it (a prompt of thousands of rows on a large MoE model) goes to the
+# handlers, which allocate a layer at a time.
+_ACT_CELLS_MAX = 1 << 20
 
 
 def sparse_run(corr: Correlator, idx: DrainIndex, i: int) -> int:
