@@ -67,3 +67,21 @@ def test_replayed_drains_make_the_recorders_rows(tmp_path: Path) -> None:
     calls = [line for line in prof.stdout.splitlines() if line.endswith(" Python function calls per token")]
     assert len(calls) == 1 and float(calls[0].split()[0]) > 10  # a token's records take more than that
     assert "Correlator.feed under cProfile (with what it calls" in prof.stdout
+    # --profile-stage: the rows' and the writes' Python instead of the correlation's
+    for stage, heading, called in (
+        ("rows", "take_tables and take_apart under cProfile", "take_tables"),
+        ("write", "the writes under cProfile", "write_parquet"),
+    ):
+        got = subprocess.run(
+            [
+                *(sys.executable, str(SCRIPT), "replay", str(drains), "--repeat", "1"),
+                *("--profile", "40", "--profile-sort", "cumulative", "--profile-stage", stage),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
+        assert got.returncode == 0, got.stdout + got.stderr[-2000:]
+        assert heading in got.stdout and f"({called})" in got.stdout, got.stdout[-3000:]
+        assert "(feed)" not in got.stdout  # the correlation is left out of that profile
