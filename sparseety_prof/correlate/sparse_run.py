@@ -40,6 +40,33 @@ if TYPE_CHECKING:
 
 RUN_KINDS = frozenset((ev.EV_TENSOR, ev.EV_ACT))
 _STORE_NAMES = ("ids", "weights", "probs")  # StepSparse's routing stores
+# node name -> its layer * 4 + its kind (0: not a node name parse_name knows, 1: a dense node,
+# 2: an "ffn_moe_" node; layer -1 for none). A model has a few names per layer, seen on every pass:
+# each parsed once, and the drain's records looked up one by one (numpy's unique over the names,
+# with its sort, cost more at a drain's sizes).
+_NAME_CODES: dict[bytes, int] = {}
+_UNKNOWN, _DENSE, _MOE = 0, 1, 2
+
+
+def _name_code(name: bytes) -> int:
+    got = _NAME_CODES.get(name)
+    if got is None:
+        parsed = parse_name(name)
+        if parsed is None:
+            got = -1 * 4 + _UNKNOWN
+        else:
+            got = parsed[1] * 4 + (_MOE if parsed[0].startswith("ffn_moe_") else _DENSE)
+        if len(_NAME_CODES) < 65536:  # (names come from the target's memory: bounded)
+            _NAME_CODES[name] = got
+    return got
+
+
+def _name_codes(names: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The layer and kind of each of these node names (a drain's records'), as arrays."""
+    codes = np.fromiter(map(_name_code, names.tolist()), np.int64, len(names))
+    return codes >> 2, codes & 3
+
+
 # a routing tensor's tag -> its store's index in _STORE_NAMES (-1: none; the last entry is every
 # tag past the known ones)
 _STORE_OF_TAG = np.full(max(ev.TAG_EXPERT_IDS, ev.TAG_EXPERT_WEIGHTS, ev.TAG_ROUTER_PROBS) + 2, -1, np.int64)
@@ -160,10 +187,9 @@ def _plan_runs(cols: SparseColumns, idx: DrainIndex) -> dict[int, _Run]:
     if tensor_at:  # a routing tensor twice in a run: add_tensor merges, record by record
         sel = np.concatenate([s for s, _ in tensor_at])
         key = np.concatenate([tc.code[rows[s]] * _LAYER_SPAN + tc.layer[rows[s]] for s, tc in tensor_at])
-        key = run_of[sel] * (_LAYER_SPAN * len(_STORE_NAMES)) + key
-        uniq, count = np.unique(key, return_counts=True)
-        if (count > 1).any():
-            bad[uniq[count > 1] // (_LAYER_SPAN * len(_STORE_NAMES))] = True
+        _mark_repeated(
+            run_of[sel] * (_LAYER_SPAN * len(_STORE_NAMES)) + key, bad, _LAYER_SPAN * len(_STORE_NAMES)
+        )
     acts: dict[int, list[tuple[int, np.ndarray, np.ndarray, int, int]]] = {}
     if cols.acts is not None:
         act_sel = np.flatnonzero(groups == G_ACT)
@@ -190,6 +216,15 @@ def _plan_runs(cols: SparseColumns, idx: DrainIndex) -> dict[int, _Run]:
     return out
 
 
+def _mark_repeated(keys: np.ndarray, bad: np.ndarray, span: int = _LAYER_SPAN) -> None:
+    """Mark in `bad` the run (key // span) of every key found more than once."""
+    if len(keys) > 1:
+        k = np.sort(keys)
+        twice = k[1:][k[1:] == k[:-1]]
+        if len(twice):
+            bad[twice // span] = True
+
+
 def _plan_acts(
     ac: _ActColumns, rows: np.ndarray, run_of: np.ndarray, bad: np.ndarray
 ) -> dict[int, list[tuple[int, np.ndarray, np.ndarray, int, int]]]:
@@ -200,14 +235,15 @@ def _plan_acts(
     twice (add_act's order decides those, record by record)."""
     bad[run_of[~ac.ok[rows]]] = True
     layer = ac.layer[rows]
-    # (run, layer) groups, in the order their first records came
+    # (run, layer) groups: a layer's records come one after another (its op ends before the next
+    # layer's starts), so a group is a stretch of one key; a key in two stretches leaves its run
+    # to the handlers
     key = run_of * _LAYER_SPAN + (layer + 1)
-    _, head, inv = np.unique(key, return_index=True, return_inverse=True)
-    inv = inv.reshape(-1)
-    order = np.argsort(head, kind="stable")
-    rank = np.empty_like(order)
-    rank[order] = np.arange(len(order))
-    head, inv = head[order], rank[inv]  # groups renumbered in that order
+    new = np.ones(len(key), dtype=bool)
+    new[1:] = key[1:] != key[:-1]
+    head = np.flatnonzero(new)  # each group's first record, in the order they came
+    inv = np.cumsum(new) - 1  # each record's group
+    _mark_repeated(key[head], bad)
     head_rows = rows[head]
     total, width, slots = ac.nr[head_rows], ac.ne0[head_rows], ac.slots[head_rows]
     same = (ac.nr[rows] == total[inv]) & (ac.ne0[rows] == width[inv]) & (ac.slots[rows] == slots[inv])
@@ -270,12 +306,7 @@ class _TensorColumns:
         n = len(arr)
         self.values: list[Any] = [None] * n
         self.filled: list[Any] = [None] * n
-        # a model has a few node names per layer: each parsed once
-        names, at = np.unique(arr["name"], return_inverse=True)
-        layer_of = np.array(
-            [-1 if p is None else p[1] for p in map(parse_name, names.tolist())], dtype=np.int64
-        )
-        layer = layer_of[at.reshape(-1)]
+        layer, _ = _name_codes(arr["name"])
         store = _STORE_OF_TAG[np.minimum(f["tag"], len(_STORE_OF_TAG) - 1)]
         taken = ok & (store >= 0) & (layer >= 0) & (layer < _LAYER_SPAN)
         # the store (its index in _STORE_NAMES) and layer of each record add_tensor would take
@@ -295,14 +326,13 @@ class _TensorColumns:
             | (stride[rows] << 16)
             | f["n_rows"][rows]
         )
-        codes, of = np.unique(code, return_inverse=True)
-        of = of.reshape(-1)
-        by_shape = rows[np.argsort(of, kind="stable")]
-        ends = np.cumsum(np.bincount(of, minlength=len(codes))).tolist()
+        order = np.argsort(code, kind="stable")
+        by_shape, code = rows[order], code[order]
+        cut = (np.flatnonzero(code[1:] != code[:-1]) + 1).tolist()
         data = arr["data"]
-        start = 0
-        for key, end in zip(codes.tolist(), ends, strict=True):
-            sel, start = by_shape[start:end], end
+        for start, end in zip([0, *cut], [*cut, len(code)], strict=True):
+            key = int(code[start])
+            sel = by_shape[start:end]
             is_int, ne0, row_stride, n_rows = (
                 key >> 48,
                 (key >> 32) & 0xFFFF,
@@ -333,15 +363,10 @@ class _ActColumns:
         ir0 = self.ir0 = arr["ir0"].astype(np.int64)
         self.n = np.minimum(np.minimum(arr["n_rows"].astype(np.int64), nr - ir0), ev.ACT_MAX_ROWS).clip(0)
         ne0 = self.ne0 = arr["ne0"].astype(np.int64)
-        # a model has a few node names per layer: each parsed once
-        names, at = np.unique(arr["name"], return_inverse=True)
-        parsed = [parse_name(name) for name in names.tolist()]
-        layer_of = np.array([-1 if p is None else p[1] for p in parsed], dtype=np.int64)
-        moe_of = np.array([p is not None and p[0].startswith("ffn_moe_") for p in parsed], dtype=bool)
-        known_of = np.array([p is not None for p in parsed], dtype=bool)
-        at = at.reshape(-1)
-        self.layer = layer_of[at]
-        slots = self.slots = np.where(known_of[at], np.where(moe_of[at], arr["ne1"].astype(np.int64), 1), 0)
+        self.layer, kind = _name_codes(arr["name"])
+        slots = self.slots = np.where(
+            kind == _MOE, arr["ne1"].astype(np.int64), (kind == _DENSE).astype(np.int64)
+        )
         self.ok = (
             (slots > 0)
             & (nr % np.maximum(slots, 1) == 0)
