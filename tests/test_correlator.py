@@ -1232,6 +1232,73 @@ def test_sparse_runs_equal_the_record_by_record_path(
     assert sum(planned) >= 20 and not all(planned)
 
 
+def test_a_drains_run_plan_leaves_each_irregular_run_to_the_handlers() -> None:
+    """sparse_run._plan_runs on one drain of runs (each between two small records): the regular
+    ones planned with their layers' arrays as add_tensor and add_act make them, and each of the
+    runs whose records taken at once could differ from the handlers' order refused: a routing
+    tensor twice, a node row counted twice, a layer's records of two sizes, a layer's records
+    in two stretches (another layer's between)."""
+    s = Script()
+    ids = np.array([[1, 2], [3, 4]], np.int32)
+    wts = np.array([[0.6, 0.4], [0.7, 0.3]], np.float32)
+
+    def run(kind: str) -> None:
+        s.small(ev.EV_UBATCH_END)  # (a record of another kind ends the run before)
+        for layer in (0, 1):
+            _tensor_rec(s, layer, ev.TAG_EXPERT_IDS, ids)
+            _tensor_rec(s, layer, ev.TAG_EXPERT_WEIGHTS, wts)
+            if kind == "tensor twice" and layer == 1:
+                _tensor_rec(s, layer, ev.TAG_EXPERT_IDS, ids)
+            if kind == "row twice" and layer == 0:
+                _act_rec(s, layer, 0, 3, 4)
+                _act_rec(s, layer, 2, 2, 4, ith=1)
+            elif kind == "two sizes" and layer == 1:
+                _act_rec(s, layer, 0, 2, 4)
+                _act_rec(s, layer, 2, 2, 6, ith=1)
+            elif kind == "two stretches" and layer == 1:
+                _act_rec(s, layer, 0, 2, 4)
+                _act_rec(s, 0, 0, 0, 4, ith=1)  # (layer 0 again, between layer 1's)
+                _act_rec(s, layer, 2, 2, 4, ith=1)
+            else:
+                _act_rec(s, layer, 0, 2, 4, base=layer)
+                _act_rec(s, layer, 2, 2, 4, ith=1, base=layer)
+
+    kinds = ["regular", "tensor twice", "row twice", "two sizes", "regular", "two stretches"]
+    for kind in kinds:
+        run(kind)
+    s.small(ev.EV_UBATCH_END)
+    batch = decode_records(s.recs, 1024)
+    from sparseety_prof.capture.drain_index import DrainIndex
+
+    idx = DrainIndex(batch)
+    cols = sparse_run_module.SparseColumns(idx)
+    plan = sparse_run_module._plan_runs(cols, idx)
+    starts = [
+        i
+        for i in range(1, len(idx))
+        if idx.kinds[i] in sparse_run_module.RUN_KINDS and idx.kinds[i - 1] == ev.EV_UBATCH_END
+    ]
+    assert len(starts) == len(kinds)
+    assert [k for k, i in zip(kinds, starts, strict=True) if i in plan] == ["regular", "regular"]
+    for i in (starts[0], starts[4]):
+        want = StepSparse()
+        for k in range(i, plan[i].end):
+            r = idx.record(k)
+            if r["kind"] == ev.EV_TENSOR:
+                want.add_tensor(r)
+            else:
+                want.add_act(r, with_bits=False)
+        got = StepSparse()
+        assert cols.store_run(idx, got, i, plan[i].end, {"moe": set(), "ffn": set()})
+        for store in ("ids", "weights", "act_zeros", "act_below", "act_width", "act_slots"):
+            g, w = getattr(got, store), getattr(want, store)
+            assert g.keys() == w.keys() == {0, 1}, store
+            for layer in (0, 1):
+                assert _plain(g[layer]) == _plain(w[layer]), (store, layer)
+        # a step that holds one of the run's layers already: the handlers merge, record by record
+        assert not cols.store_run(idx, got, i, plan[i].end, {"moe": set(), "ffn": set()})
+
+
 def _prompt_script(draws: list[bool] | None = None) -> Script:
     """Prompts of 5 to 9 rows with per-layer routing and activation records, the last layer's
     for the output row only (as llama.cpp computes it), each followed by a few decode steps; and
