@@ -27,61 +27,47 @@ def test_replayed_drains_make_the_recorders_rows(tmp_path: Path) -> None:
     )
     assert cap.returncode == 0, cap.stderr[-2000:]
     assert drains.stat().st_mode & 0o777 == 0o600  # tokens and logits of the run: owner only
-    rep = subprocess.run(
-        [sys.executable, str(SCRIPT), "replay", str(drains), "--repeat", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert rep.returncode == 0, rep.stdout + rep.stderr[-2000:]
-    head = rep.stdout.splitlines()[0]
+    rep = _replay(drains)
+    head = rep.splitlines()[0]
     # "... the recorder made N token rows and M step rows of them, this replay N and M"
     made = head.split("the recorder made ")[1]
     recorded, replayed = made.split(" of them, this replay ")
     n_tok, n_steps = int(recorded.split()[0]), int(recorded.split(" and ")[1].split()[0])
     assert n_tok > 16 and n_steps >= n_tok  # several requests: a step per token, prompts too
     assert replayed == f"{n_tok} and {n_steps}"
-    header, stages = rep.stdout.splitlines()[-3], rep.stdout.splitlines()[-1]
+    header, stages = rep.splitlines()[-3], rep.splitlines()[-1]
     assert header == "| decode | correlate | rows | logits | frames | write | sum |"  # the flush's writes too
     assert stages.startswith("| ") and stages.endswith(" µs |")
     assert os.path.getsize(drains) > 0
     # what the probes sent per token by kind: the logits rows (32,000 floats a token here) first
-    (sent,) = [line for line in rep.stdout.splitlines() if line.startswith("record bytes per token: ")]
+    (sent,) = [line for line in rep.splitlines() if line.startswith("record bytes per token: ")]
     kinds = dict(part.rsplit(" ", 1) for part in sent.removeprefix("record bytes per token: ").split(", "))
     assert next(iter(kinds)) == "logits" and 128_000 <= float(kinds["logits"].replace(",", "")) < 140_000
     assert {"small", "ubatch_s", "step_agg"} <= set(kinds)  # a decode step's own records
     # --profile: the Python calls per token (the count a change to the correlator is judged by
     # where the VM's speed drifts), then the costliest functions
-    prof = subprocess.run(
-        [
-            *(sys.executable, str(SCRIPT), "replay", str(drains), "--repeat", "1"),
-            *("--profile", "3", "--profile-sort", "cumulative"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert prof.returncode == 0, prof.stdout + prof.stderr[-2000:]
-    calls = [line for line in prof.stdout.splitlines() if line.endswith(" Python function calls per token")]
+    out = _replay(drains, "--profile", "3", "--profile-sort", "cumulative")
+    calls = [line for line in out.splitlines() if line.endswith(" Python function calls per token")]
     assert len(calls) == 1 and float(calls[0].split()[0]) > 10  # a token's records take more than that
-    assert "Correlator.feed under cProfile (with what it calls" in prof.stdout
+    assert "Correlator.feed under cProfile (with what it calls" in out
     # --profile-stage: the rows' and the writes' Python instead of the correlation's
     for stage, heading, called in (
         ("rows", "take_tables and take_apart under cProfile", "take_tables"),
         ("write", "the writes under cProfile", "write_parquet"),
     ):
-        got = subprocess.run(
-            [
-                *(sys.executable, str(SCRIPT), "replay", str(drains), "--repeat", "1"),
-                *("--profile", "40", "--profile-sort", "cumulative", "--profile-stage", stage),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=ROOT,
-        )
-        assert got.returncode == 0, got.stdout + got.stderr[-2000:]
-        assert heading in got.stdout and f"({called})" in got.stdout, got.stdout[-3000:]
-        assert "(feed)" not in got.stdout  # the correlation is left out of that profile
+        out = _replay(drains, "--profile", "40", "--profile-sort", "cumulative", "--profile-stage", stage)
+        assert heading in out and f"({called})" in out, out[-3000:]
+        assert "(feed)" not in out  # the correlation is left out of that profile
+
+
+def _replay(drains: Path, *args: str) -> str:
+    """`replay_drains.py replay DRAINS --repeat 1 ARGS...`'s output, checked to have succeeded."""
+    got = subprocess.run(
+        [sys.executable, str(SCRIPT), "replay", str(drains), "--repeat", "1", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert got.returncode == 0, got.stdout + got.stderr[-2000:]
+    return got.stdout
