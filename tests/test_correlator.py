@@ -1054,12 +1054,27 @@ def _tensor_rec(
 
 
 def _act_rec(
-    s: Script, layer: int, ir0: int, n: int, total: int, *, ith: int = 0, ne0: int = 16, base: int = 0
+    s: Script,
+    layer: int,
+    ir0: int,
+    n: int,
+    total: int,
+    *,
+    ith: int = 0,
+    ne0: int = 16,
+    base: int = 0,
+    name: bytes | None = None,
 ) -> None:
     """The activation counts of node rows ir0..ir0+n of an expert GLU (2 slots per token)."""
     a = np.zeros(1, ev.ACT_DTYPE)
     s._hdr(a, ev.EV_ACT)
-    a["name"], a["ne0"], a["ne1"], a["ir0"], a["n_rows"] = b"ffn_moe_swiglu-%d" % layer, ne0, 2, ir0, n
+    a["name"], a["ne0"], a["ne1"], a["ir0"], a["n_rows"] = (
+        name or b"ffn_moe_swiglu-%d" % layer,
+        ne0,
+        2,
+        ir0,
+        n,
+    )
     a["nr_total"], a["ith"] = total, ith
     m = min(n, ev.ACT_MAX_ROWS)
     a["zeros"][0, :m] = (np.arange(m) + base + ir0) % ne0
@@ -1297,6 +1312,58 @@ def test_a_drains_run_plan_leaves_each_irregular_run_to_the_handlers() -> None:
                 assert _plain(g[layer]) == _plain(w[layer]), (store, layer)
         # a step that holds one of the run's layers already: the handlers merge, record by record
         assert not cols.store_run(idx, got, i, plan[i].end, {"moe": set(), "ffn": set()})
+
+
+@pytest.mark.parametrize("drains", [1, 3])
+def test_node_names_with_a_layer_number_past_any_model_are_ignored(drains: int) -> None:
+    """Node names come from the target's memory: routing and activation records named with a
+    layer of 25 digits (past any integer numpy holds) among a step's records, as a hostile or
+    corrupted engine could plant them, crash nothing and leave every table and state as records
+    of a name no probe reads do (they made the drain's arrays overflow: an OverflowError, or an
+    IndexError from a wrapped key)."""
+
+    def script(planted: bool) -> Script:
+        s = Script()
+        ids = np.array([[1, 2], [3, 4], [5, 6], [7, 0]], np.int32)
+        wts = np.full((4, 2), 0.5, np.float32)
+        for i in range(6):
+            s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+            r = np.zeros(1, ev.UBATCH_DTYPE)
+            s._hdr(r, ev.EV_UBATCH)
+            r["n_tokens"] = r["n_copied"] = 4
+            r["token"][0, :4], r["pos"][0, :4] = [1 + i, 2, 3, 4], [10 + i, 20 + i, 30 + i, 40 + i]
+            r["seq_id"][0, :4], r["output"][0, :4] = [0, 1, 2, 3], [1, 1, 1, 1]
+            s.recs.append(r.tobytes())
+            for layer in (0, 1):
+                _tensor_rec(s, layer, ev.TAG_EXPERT_IDS, ids)
+                _tensor_rec(s, layer, ev.TAG_EXPERT_WEIGHTS, wts)
+                _act_rec(s, layer, 0, 4, 8, base=i)
+                _act_rec(s, layer, 4, 4, 8, ith=1, base=i)
+                huge = 10**25
+                _tensor_rec(
+                    s,
+                    0,
+                    ev.TAG_EXPERT_IDS,
+                    ids,
+                    name=b"ffn_moe_weights-%d" % huge if planted else b"attn_norm-0",
+                )
+                _tensor_rec(
+                    s,
+                    0,
+                    ev.TAG_EXPERT_WEIGHTS,
+                    wts,
+                    name=b"ffn_moe_weighted-%d" % huge if planted else b"attn_norm-0",
+                )
+                _act_rec(s, 0, 0, 4, 8, name=b"ffn_moe_swiglu-%d" % huge if planted else b"attn_norm-0")
+            s.small(ev.EV_UBATCH_END)
+            for j in range(4):
+                s.sample((i + j) % N_VOCAB, idx=j)
+        return s
+
+    got = _replay(script(True), drains, with_masks=False)
+    want = _replay(script(False), drains, with_masks=False)
+    assert len(want[0]["tokens"]["token_id"]) == 24
+    _assert_same(got, want)
 
 
 def _prompt_script(draws: list[bool] | None = None) -> Script:

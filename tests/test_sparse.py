@@ -56,6 +56,9 @@ def test_parse_name_and_layer_set() -> None:
     assert parse_name(b"ffn_moe_swiglu-3") == ("ffn_moe_swiglu", 3)
     assert parse_name(b"kq_soft_max-0") == ("kq_soft_max", 0)
     assert parse_name(b"attn_norm-1") is None
+    assert parse_name(b"ffn_moe_weights-99999") == ("ffn_moe_weights", 99999)
+    # a longer number is no model's layer (and would overflow the arrays layers are gathered in)
+    assert parse_name(b"ffn_moe_weights-" + b"9" * 25) is None
     names = [
         "blk.0.ffn_gate_inp.weight",
         "blk.0.ffn_down_exps.weight",

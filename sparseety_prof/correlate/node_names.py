@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import re
 
-_NAME_RE = re.compile(rb"^(ffn_moe_weights|ffn_moe_weighted|ffn_[a-z0-9_]+|kq_soft_max|__fattn__)-(\d+)$")
+# (a layer of at most five digits: the name comes from the target's memory, and a longer number,
+# past any model's layers, would overflow the int64 arrays the layers are gathered into)
+_NAME_RE = re.compile(rb"^(ffn_moe_weights|ffn_moe_weighted|ffn_[a-z0-9_]+|kq_soft_max|__fattn__)-(\d{1,5})$")
 _PARSED: dict[bytes, tuple[str, int] | None] = {}
 
 
