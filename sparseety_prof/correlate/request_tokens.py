@@ -27,7 +27,6 @@ from sparseety_prof.correlate.block_tokens import block_tokens
 from sparseety_prof.correlate.logit_stats import PendingStats
 from sparseety_prof.correlate.pass_arrays import pass_block
 from sparseety_prof.correlate.serving import ID_SEGMENTED, Launch, RequestAgg, ServingTracker
-from sparseety_prof.correlate.slot_steps import slot_step
 from sparseety_prof.correlate.state import Counters, CtxState, HeadDropped, SeqState, Step
 from sparseety_prof.correlate.step_sparse import Problems
 from sparseety_prof.correlate.tables import (
@@ -366,7 +365,7 @@ class RequestTokens:
         """A step over several slots whose arrays are made when the routes rows are taken, with
         the steps after it (slot_steps.py): its token rows' per-layer lists wait for them."""
         layers = self.layers
-        return bool(layers.moe) and layers.moe == layers.ffn and slot_step(step)
+        return bool(layers.moe) and layers.moe == layers.ffn and step.over_slots()
 
     def emit_token(
         self,

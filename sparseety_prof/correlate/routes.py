@@ -13,7 +13,7 @@ import numpy as np
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate.agg_record import AggBlock
 from sparseety_prof.correlate.pass_arrays import PassArrays, pass_block
-from sparseety_prof.correlate.slot_steps import shape_key, slot_runs, slot_step
+from sparseety_prof.correlate.slot_steps import shape_key, slot_runs
 from sparseety_prof.correlate.state import HeadDropped, Step
 from sparseety_prof.correlate.step_sparse import Problems, StepSparse
 from sparseety_prof.correlate.tables import (
@@ -194,7 +194,7 @@ class RoutesTables:
         """The rows of a finished step. A step over several slots waits for the steps after it
         (slot_steps.py: their rows made arrays a run at a time, when the run ends); any other
         step's rows are made now, after those of the steps waiting."""
-        if self.layout()[3] and not self.with_masks and slot_step(step):
+        if self.layout()[3] and not self.with_masks and step.over_slots():
             self._slot_steps.append(step)
             return
         self._flush_slots()

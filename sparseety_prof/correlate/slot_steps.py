@@ -38,11 +38,6 @@ class SlotRun(NamedTuple):
     blocks: list[tuple[AggBlock, int]]
 
 
-def slot_step(step: Step) -> bool:
-    """A step over several slots: several rows, all copied, every one an output."""
-    return step.over_slots()
-
-
 def shape_key(sp: StepSparse, n_rows: int, layers: LayerSet) -> tuple[object, ...] | None:
     """What a step's values must share with the other steps of a stack: its rows, the routing's
     width and kind, and per FFN layer the node rows per token and the values per node row; None

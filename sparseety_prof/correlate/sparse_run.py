@@ -184,6 +184,7 @@ def _plan_runs(cols: SparseColumns, idx: DrainIndex) -> dict[int, _Run]:
         code = tc.code[rows[sel]]
         bad[run_of[sel[code < 0]]] = True  # a tensor in chunks, or not one add_tensor takes whole
         tensor_at.append((sel, tc))
+    is_tensor = taken.copy()  # (only the tensor layouts marked so far)
     if tensor_at:  # a routing tensor twice in a run: add_tensor merges, record by record
         sel = np.concatenate([s for s, _ in tensor_at])
         key = np.concatenate([tc.code[rows[s]] * _LAYER_SPAN + tc.layer[rows[s]] for s, tc in tensor_at])
@@ -204,9 +205,6 @@ def _plan_runs(cols: SparseColumns, idx: DrainIndex) -> dict[int, _Run]:
     for k, start, end in zip(good.tolist(), starts[good].tolist(), ends[good].tolist(), strict=True):
         out[start] = _Run(end, [], acts.get(k, []))
     if tensor_at:  # each run's tensors in the order they came
-        is_tensor = np.zeros(len(at), dtype=bool)
-        for sel, _ in tensor_at:
-            is_tensor[sel] = True
         pick = np.flatnonzero(is_tensor & ~bad[run_of])
         run_start = starts.tolist()
         tensors = cols.tensors
