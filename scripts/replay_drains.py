@@ -32,13 +32,15 @@ least disturbed by the rest of the machine. `--profile N` adds the Python functi
 token in Correlator.feed (a count the VM's drift does not move) and the N functions with the
 most own time there, or with `--profile-sort cumulative` the most time with what they call
 (cProfile, on one more replay; its overhead inflates every figure of that replay, so it is
-printed apart); `--profile-stage rows` profiles take_tables and take_apart instead, `write` the
-writes (their Python on the consumer's thread: Polars's own threads are not seen).
+printed apart); `--profile-stage rows` profiles take_tables and take_apart instead, `frames` the
+rows made frames (ColumnBuffer), `write` the writes (their Python on the consumer's thread:
+Polars's own threads are not seen).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -51,6 +53,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +149,19 @@ def capture(a: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------ replay
+@contextlib.contextmanager
+def _profiled(prof: cProfile.Profile | None, on: bool) -> Iterator[None]:
+    """cProfile on around the block when `on` (the stage --profile-stage names)."""
+    if prof is None or not on:
+        yield
+        return
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+
+
 def _replay_once(
     kept: dict[str, Any],
     texts: Any,
@@ -197,30 +213,22 @@ def _replay_once(
         for b, batch in enumerate(batches):
             last = final and b == len(batches) - 1
             t1 = clock()
-            if prof is not None and profile_stage == "correlate":
-                prof.enable()
-            corr.feed(batch)
-            if prof is not None and profile_stage == "correlate":
-                prof.disable()
+            with _profiled(prof, profile_stage == "correlate"):
+                corr.feed(batch)
             t2 = clock()
             logits0 = corr.logits_cpu_s
-            if prof is not None and profile_stage == "rows":
-                prof.enable()
-            tables = corr.take_tables(final=last)
-            apart = corr.take_apart()  # (head sampling in the probes: a dropped request's rows)
-            if prof is not None and profile_stage == "rows":
-                prof.disable()
+            with _profiled(prof, profile_stage == "rows"):
+                tables = corr.take_tables(final=last)
+                apart = corr.take_apart()  # (head sampling in the probes: a dropped request's rows)
             t3 = clock()
-            due = [(table, df) for table, cols in tables.items() for df in rows.add(table, cols, final=last)]
+            with _profiled(prof, profile_stage == "frames"):
+                due = [(t, df) for t, cols in tables.items() for df in rows.add(t, cols, final=last)]
             t4 = clock()
             if writes is not None and (due or apart):  # the recorder hands them on at once (_emit)
                 p = time.process_time()
-                if prof is not None and profile_stage == "write":
-                    prof.enable()
-                writes.emit(due)
-                writes.emit_apart(apart)
-                if prof is not None and profile_stage == "write":
-                    prof.disable()
+                with _profiled(prof, profile_stage == "write"):
+                    writes.emit(due)
+                    writes.emit_apart(apart)
                 cpu["write"] += time.process_time() - p
             logits = corr.logits_cpu_s - logits0
             made["tokens"] += len(tables["tokens"]["step_id"])
@@ -232,14 +240,12 @@ def _replay_once(
                 cpu[stage] += dt
         if (k + 1) % flush_every == 0 or final:  # the recorder's flush: the rest of the rows framed
             t = clock()
-            frames = rows.take_all()
+            with _profiled(prof, profile_stage == "frames"):
+                frames = rows.take_all()
             t5, p5 = clock(), time.process_time()  # Polars writes and aggregates on its own threads too
             if writes is not None:
-                if prof is not None and profile_stage == "write":
-                    prof.enable()
-                writes.flush(frames, final=final)
-                if prof is not None and profile_stage == "write":
-                    prof.disable()
+                with _profiled(prof, profile_stage == "write"):
+                    writes.flush(frames, final=final)
             t6, p6 = clock(), time.process_time()
             collector.after_flush()
             cpu["frames"] += t5 - t + clock() - t6
@@ -342,9 +348,12 @@ def replay(a: argparse.Namespace) -> int:
         stats = pstats.Stats(prof, stream=out)
         stats.sort_stats(a.profile_sort).print_stats(a.profile)
         order = "own time" if a.profile_sort == "tottime" else "with what it calls"
-        where = {"correlate": "Correlator.feed", "rows": "take_tables and take_apart", "write": "the writes"}[
-            a.profile_stage
-        ]
+        where = {
+            "correlate": "Correlator.feed",
+            "rows": "take_tables and take_apart",
+            "frames": "the frames",
+            "write": "the writes",
+        }[a.profile_stage]
         print(f"\n{where} under cProfile ({order}, one more replay):")
         # the Python calls per token: a count the VM's speed does not move, unlike the times
         calls: int = stats.total_calls  # type: ignore[attr-defined]  # (set by pstats, not in its stubs)
@@ -405,9 +414,10 @@ def main() -> int:
     )
     r.add_argument(
         "--profile-stage",
-        choices=("correlate", "rows", "write"),
+        choices=("correlate", "rows", "frames", "write"),
         default="correlate",
-        help="--profile's stage: Correlator.feed, take_tables and take_apart, or the writes (the "
+        help="--profile's stage: Correlator.feed, take_tables and take_apart, the frames (the rows "
+        "gathered and made Polars frames, as the recorder's ColumnBuffer does), or the writes (the "
         "aggregates, the Parquet segments and meta.json; on the consumer's thread only)",
     )
     a = ap.parse_args()

@@ -50,9 +50,10 @@ def test_replayed_drains_make_the_recorders_rows(tmp_path: Path) -> None:
     calls = [line for line in out.splitlines() if line.endswith(" Python function calls per token")]
     assert len(calls) == 1 and float(calls[0].split()[0]) > 10  # a token's records take more than that
     assert "Correlator.feed under cProfile (with what it calls" in out
-    # --profile-stage: the rows' and the writes' Python instead of the correlation's
+    # --profile-stage: the rows', the frames' and the writes' Python instead of the correlation's
     for stage, heading, called in (
         ("rows", "take_tables and take_apart under cProfile", "take_tables"),
+        ("frames", "the frames under cProfile", "_frame"),
         ("write", "the writes under cProfile", "write_parquet"),
     ):
         out = _replay(drains, "--profile", "40", "--profile-sort", "cumulative", "--profile-stage", stage)
