@@ -309,14 +309,18 @@ def bench(
                 if which == "A":
                     sides["A"] = eng.load(a.seconds, a.tokens)
                 else:
-                    rec = Recording(
-                        eng.pid, tmp / f"{eng.name}-{clients}-{mode}-{i}", mode, shlex.split(a.record_args)
-                    )
+                    extra = shlex.split(a.record_args) + (["--ablate-consumer"] if a.ablate_consumer else [])
+                    rec = Recording(eng.pid, tmp / f"{eng.name}-{clients}-{mode}-{i}", mode, extra)
                     sides["B"] = eng.load(a.seconds, a.tokens)
                     rec_out = rec.stop()
             pa, pb = sides["A"], sides["B"]
             meta = rec_out["meta"]
             n_rec = int(meta["counts"]["tokens"])
+            ablated = (meta.get("consumer") or {}).get("ablated")
+            if a.ablate_consumer:  # the recording holds the start-up work's tokens only
+                if not ablated or ablated.get("began_after_s") is None:
+                    raise RuntimeError(f"the recorder never began discarding: {meta.get('consumer')}")
+                n_rec = pb.tokens
             rows["tps"].append(pb.tps() / pa.tps())
             rows["ttft_p50"].append(np.percentile(pb.ttft_ms(), 50) / np.percentile(pa.ttft_ms(), 50))
             rows["ttft_p99"].append(np.percentile(pb.ttft_ms(), 99) / np.percentile(pa.ttft_ms(), 99))
@@ -367,6 +371,7 @@ def bench(
         "clients": clients,
         "mode": mode
         + (f" {a.record_args}" if a.record_args else "")
+        + (" (consumer ablated: probes only)" if a.ablate_consumer else "")
         + (f" (+{a.contend} spinning processes)" if a.contend else ""),
         "pairs": a.pairs,
         "seconds": a.seconds,
@@ -440,6 +445,13 @@ def main() -> int:
         default=0,
         metavar="N",
         help="N more processes spinning on the CPU during the whole run (losses under contention)",
+    )
+    ap.add_argument(
+        "--ablate-consumer",
+        action="store_true",
+        help="the recorder drains and discards the records once its start-up work is done (its "
+        "--ablate-consumer): the probes' cost in the engine alone; CPU per token is then per token "
+        "the engine generated on side B",
     )
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args()

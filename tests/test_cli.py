@@ -28,3 +28,11 @@ def test_correlate_every_is_checked_and_off_by_default() -> None:
     for bad in ("-1", "11"):
         with pytest.raises(UsageError, match="--correlate-every"):
             _options(p.parse_args([*base, "--correlate-every", bad]))
+
+
+def test_ablate_consumer_is_off_by_default() -> None:
+    p = build_parser()
+    for cmd in ("record", "attach"):
+        base = [cmd, "--pid", "7", "-o", "r"]
+        assert not _options(p.parse_args(base)).ablate_consumer
+        assert _options(p.parse_args([*base, "--ablate-consumer"])).ablate_consumer

@@ -159,6 +159,49 @@ def _assert_nothing_left(before: set[int]) -> None:
     assert "sparseety" not in uprobe_events() and "p__" not in uprobe_events()
 
 
+def test_ablated_consumer_discards_after_its_start_up_work(models: dict[str, Path], tmp_path: Path) -> None:
+    """--ablate-consumer (the probes' cost alone, scripts/bench_sustained.py): the start-up work is
+    recorded as usual, then every record is drained and dropped, counted in meta.json; the engine's
+    output is unchanged and nothing stays attached."""
+    before = bpf_prog_ids()
+    e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
+    try:
+        base = e.generate(PROMPTS[:2], max_tokens=64)
+        rec = Recorder(e.pid, tmp_path / "rec", "--ablate-consumer")
+        started = []  # requests until the start-up work is done (the attention map learned)
+        for _ in range(20):
+            started += e.generate(PROMPTS[:2], max_tokens=64)
+            try:
+                line = rec.wait_for("from now on its records are drained and discarded", timeout=2)
+                break
+            except TimeoutError:
+                continue
+        else:
+            raise AssertionError("the recorder never began discarding")
+        during = e.generate(PROMPTS[:2] * 2, max_tokens=64)
+        rc, err = rec.stop(signal.SIGINT)
+        assert rc == 0, err
+        for got in (started[:2], during[:2], during[2:]):
+            _assert_same_output(got, base)
+    finally:
+        e.close()
+    _assert_nothing_left(before)
+    r = sparseety_prof.open(tmp_path / "rec")
+    assert r.complete
+    ablated = r.meta["consumer"]["ablated"]
+    assert ablated["began_after_s"] is not None and ablated["drains"] > 0
+    assert ablated["records_discarded"] > 0 and ablated["bytes_discarded"] > 0
+    tokens = r.tokens()
+    # the start-up work's rows, then nothing
+    assert 0 < tokens.height <= sum(len(t["ids"]) for t in started)
+    assert f"({tokens.height} tokens recorded)" in line
+    # the graph-op attention probes were detached before the discarding began
+    assert r.meta["attention_masks"]["mask_read"] == "set_input_kq_mask"
+    losses = r.meta["losses"]
+    assert losses["kernel_drops"] == 0 and losses["seq_gaps"] == 0
+    assert losses["records_seen"] >= ablated["records_discarded"]
+
+
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL", "target-exit"])
 def test_detach_leaves_nothing_behind(models: dict[str, Path], tmp_path: Path, how: str) -> None:
     before = bpf_prog_ids()

@@ -215,6 +215,14 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         "BPF statistics, on while attached; two clock reads per probe hit), in meta.json bpf_programs",
     )
     p.add_argument(
+        "--ablate-consumer",
+        action="store_true",
+        help="measure the probes' cost alone: after the start-up work (first tokens recorded, the "
+        "attention layer map learned and its graph-op probes detached), drain the ring and discard "
+        "the records; the recording keeps only the rows made before (meta.json consumer.ablated). "
+        "For benchmarks: scripts/bench_sustained.py --ablate-consumer",
+    )
+    p.add_argument(
         "--request-header",
         default=DEFAULT_HEADER,
         metavar="NAME",
@@ -441,6 +449,7 @@ def options_from(args: argparse.Namespace) -> Options:
         ring_mb=args.ring_mb,
         aggregate_s=args.aggregate_interval,
         bpf_stats=getattr(args, "bpf_stats", False),
+        ablate_consumer=getattr(args, "ablate_consumer", False),
     )
 
 

@@ -51,6 +51,9 @@ class Options:
     max_memory: int | None = DEFAULT_MAX_MEMORY  # the consumer's anonymous memory (session/memory_budget.py)
     aggregate_s: int = 10  # bucket of the always-on aggregates table
     bpf_stats: bool = False  # count each probe program's runs and run time (capture/bpf_stats.py)
+    # after the start-up work, drain the ring and discard the records: the probes' cost alone
+    # (session/ablation.py)
+    ablate_consumer: bool = False
 
 
 @dataclass

@@ -30,6 +30,7 @@ from sparseety_prof.errors import NotAnEngine, ProfError
 from sparseety_prof.gpu.capture import GpuCapture
 from sparseety_prof.gpu.shm_ring import RingError
 from sparseety_prof.session import metadata
+from sparseety_prof.session.ablation import ConsumerAblation
 from sparseety_prof.session.attach import attach
 from sparseety_prof.session.collector import FlushTimedCollector
 from sparseety_prof.session.drain_batches import DrainBatches
@@ -219,6 +220,7 @@ class Recorder:
         flush = FlushSchedule(opts.flush_interval)
         budget = MemoryBudget(opts.max_memory)
         watch = sched.watch(reader.pending_share, reader.wake_fd, reader.arm_watch)
+        ablation = ConsumerAblation(opts.ablate_consumer)
         # --correlate-every: drains reduced as taken and correlated together (None: each as taken)
         drains = (
             DrainBatches(opts.correlate_every) if opts.correlate_every and DrainBatches.available() else None
@@ -237,11 +239,15 @@ class Recorder:
                 filled = reader.last_take_bytes / (a.session.ring_pages * mmap.PAGESIZE)
                 sched.after_drain(filled, (now - t_prev) * 1e3)
                 t_prev = now
-                batch = self._decode(records, tracker, a.session, ring_data=reader.data)
-                if drains is None:
+                if ablation.active:  # --ablate-consumer: drained and dropped, nothing else
+                    ablation.discard(records, reader.last_take_bytes)
+                    reader.release()
+                elif drains is None:
+                    batch = self._decode(records, tracker, a.session, ring_data=reader.data)
                     self._consume(batch, corr, tracker, writer, a.session, gpu=gpu)
                     reader.release()  # the logits rows read where they lay: their space goes back now
                 else:
+                    batch = self._decode(records, tracker, a.session, ring_data=reader.data)
                     drains.add(batch)  # the logits rows reduced to their statistics
                     stages.lap("logits")
                     reader.release()
@@ -254,6 +260,15 @@ class Recorder:
                 self._watch_memory(writer, budget, now)
                 stages.lap("flush")
                 self._maybe_detach_attention_ops(corr, a.session)
+                if ablation.begins(self.progress.tokens, a.session.kv_mask_probe, corr.attn_map.detach_tried):
+                    for b in drains.take() if drains is not None else ():  # (those still waiting)
+                        self._consume(b, corr, tracker, writer, a.session, gpu=gpu)
+                    self._flush_now(writer)  # the rows of the start-up work: the recording's last
+                    self.log(
+                        "sparseety-prof: --ablate-consumer: start-up work done after "
+                        f"{ablation.began_after_s:.1f} s ({self.progress.tokens} tokens recorded); "
+                        "from now on its records are drained and discarded"
+                    )
                 if deadline is not None and time.monotonic() >= deadline:
                     self.stop("duration reached")
                 if not _alive(opts.pid):
@@ -271,7 +286,16 @@ class Recorder:
             programs = a.session.program_costs() if bpf_stats == "on" else {}
             a.session.close()
             stages.lap("detach")
-            if error is None:
+            if error is None and ablation.active:  # the last records dropped too; open requests ended
+                ablation.discard(rest, 0)
+                try:
+                    empty = EventBatch(logits_chunk=a.session.logits_chunk)
+                    self._consume(
+                        empty, corr, tracker, writer, a.session, counters=counters, final=True, gpu=gpu
+                    )
+                except BaseException as e:
+                    error = e
+            elif error is None:
                 try:
                     batch = self._decode(rest, tracker, a.session, final=True)
                     batches = [batch]
@@ -293,7 +317,9 @@ class Recorder:
                 "start_unix_ms": start_unix_ms,
                 "end_unix_ms": time.time_ns() // 1_000_000,
                 "stop_reason": self.stop_reason or (type(error).__name__ if error else ""),
-                "losses": metadata.losses(counters, corr, seq_gaps=tracker.gaps, records_seen=tracker.seen),
+                "losses": metadata.losses(
+                    counters, corr, seq_gaps=tracker.gaps, records_seen=tracker.seen + ablation.records
+                ),
                 **metadata.outcome(a, opts, corr),
                 "counts": {"tokens": self.progress.tokens, "steps": self.progress.steps},
                 "profiler_cpu_s": round(self.progress.cpu_s, 3),
@@ -312,6 +338,7 @@ class Recorder:
                     # (never expected: both are the sampler call's result); left null
                     "logits_token_mismatch": corr.requests.stats.token_mismatch,
                     "gc_collections": self._collector.collections,
+                    "ablated": ablation.meta(),  # --ablate-consumer (session/ablation.py)
                 },
                 "bpf_compile_s": round(a.session.compile_s, 3),
                 "bpf_programs": {
