@@ -69,9 +69,12 @@ PROMPTS = [
 
 @dataclass
 class Side:
-    """One side of a pair: every request's send time and token arrival times (ns, CLOCK_MONOTONIC)."""
+    """One side of a pair: every request's send time and token arrival times (ns, CLOCK_MONOTONIC),
+    and the engine process's user and system CPU time over the side (timed_load)."""
 
     requests: list[tuple[int, list[int]]] = field(default_factory=list)
+    engine_user_s: float = 0.0
+    engine_sys_s: float = 0.0
 
     def add(self, t_request: int, times: list[int]) -> None:
         if times:
@@ -288,12 +291,44 @@ class Contenders:
 
 
 # ------------------------------------------------------------------ pairs
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _engine_cpu(pid: int) -> tuple[float, float]:
+    """The engine process's user and system CPU time so far (all its threads): the probes' run
+    time and their traps are the engine's system time."""
+    f = proc_stat(pid)
+    return int(f[11]) * _TICK_S, int(f[12]) * _TICK_S
+
+
+def timed_load(eng: Any, seconds: float, tokens: int) -> Side:
+    """eng.load, with the engine's CPU time over it."""
+    u0, s0 = _engine_cpu(eng.pid)
+    side: Side = eng.load(seconds, tokens)
+    u1, s1 = _engine_cpu(eng.pid)
+    side.engine_user_s, side.engine_sys_s = u1 - u0, s1 - s0
+    return side
+
+
 def bench(
     engine_cls: type, model: Path, a: argparse.Namespace, clients: int, mode: str, tmp: Path
 ) -> dict[str, Any]:
     eng = engine_cls(model, a.threads, clients)
     rows: dict[str, list[float]] = {
-        k: [] for k in ("tps", "ttft_p50", "ttft_p99", "itl_p99", "cpu_us_per_token", "attach_cpu_s", "rss")
+        k: []
+        for k in (
+            "tps",
+            "ttft_p50",
+            "ttft_p99",
+            "itl_p99",
+            "cpu_us_per_token",
+            "attach_cpu_s",
+            "rss",
+            "engine_user_a",
+            "engine_user_b",
+            "engine_sys_a",
+            "engine_sys_b",
+        )
     }
     losses = records = tokens = bpf_runs = bpf_ns = 0
     try:
@@ -307,11 +342,11 @@ def bench(
             rec_out: dict[str, Any] = {}
             for which in order:
                 if which == "A":
-                    sides["A"] = eng.load(a.seconds, a.tokens)
+                    sides["A"] = timed_load(eng, a.seconds, a.tokens)
                 else:
                     extra = shlex.split(a.record_args) + (["--ablate-consumer"] if a.ablate_consumer else [])
                     rec = Recording(eng.pid, tmp / f"{eng.name}-{clients}-{mode}-{i}", mode, extra)
-                    sides["B"] = eng.load(a.seconds, a.tokens)
+                    sides["B"] = timed_load(eng, a.seconds, a.tokens)
                     rec_out = rec.stop()
             pa, pb = sides["A"], sides["B"]
             meta = rec_out["meta"]
@@ -328,6 +363,9 @@ def bench(
             rows["cpu_us_per_token"].append(rec_out["cpu_attached_s"] / max(n_rec, 1) * 1e6)
             rows["attach_cpu_s"].append(rec_out["attach_cpu_s"])
             rows["rss"].append(rec_out["peak_rss_mib"])
+            for side, p in (("a", pa), ("b", pb)):  # the engine's CPU per token it generated
+                rows[f"engine_user_{side}"].append(p.engine_user_s / max(p.tokens, 1) * 1e6)
+                rows[f"engine_sys_{side}"].append(p.engine_sys_s / max(p.tokens, 1) * 1e6)
             lz = meta["losses"]
             # a record dropped in the kernel has taken its sequence number: it is also a gap,
             # so the two counts are two views of the same records (the larger one counts both)
@@ -359,7 +397,8 @@ def bench(
                 f"ring peak {cons.get('ring_fill_peak')}, longest gap {cons.get('drain_gap_max_ms')} ms "
                 f"(ending {cons.get('drain_gap_max_at_s')} s after the consumer's start; graph-op probes "
                 f"detached in {(meta.get('attention_masks') or {}).get('ops_detach_ms')} ms), "
-                f"{cons.get('drains_logits_by_ref')} of {cons.get('drains')} drains read logits in the ring"
+                f"{cons.get('drains_logits_by_ref')} of {cons.get('drains')} drains read logits in the ring, "
+                f"engine system CPU {rows['engine_sys_a'][-1]:.0f} → {rows['engine_sys_b'][-1]:.0f} µs/token"
                 + probes,
                 file=sys.stderr,
             )
@@ -419,6 +458,20 @@ def print_stages(results: list[dict[str, Any]]) -> None:
             )
             top = list(r["bpf_us_per_token_by_program"].items())[:5]
             print("  the costliest: " + ", ".join(f"{name} {us:.1f} µs" for name, us in top))
+
+
+def print_engine_cpu(results: list[dict[str, Any]]) -> None:
+    """The engine process's CPU per generated token, plain (A) and profiled (B), medians over the
+    pairs: the probes' run time and traps land in its system time; its user time holds its
+    threads' spinning at the graph's barriers, so it follows the wall time."""
+    print()
+    print("| engine | clients | mode | engine user µs/token, plain → profiled | system, plain → profiled |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in results:
+        u_a, u_b = r["engine_user_a"]["median"], r["engine_user_b"]["median"]
+        s_a, s_b = r["engine_sys_a"]["median"], r["engine_sys_b"]["median"]
+        cells = f"{u_a:.0f} → {u_b:.0f} | {s_a:.0f} → {s_b:.0f}"
+        print(f"| {r['engine']} | {r['clients']} | {r['mode']} | {cells} |")
 
 
 def main() -> int:
@@ -485,6 +538,7 @@ def main() -> int:
             f"| {r['rss']['median']:.0f} MiB | {r['losses']} of {r['records']} records |"
         )
     print_stages(results)
+    print_engine_cpu(results)
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
     return 0
