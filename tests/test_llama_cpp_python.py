@@ -195,6 +195,9 @@ def test_ablated_consumer_discards_after_its_start_up_work(models: dict[str, Pat
     # the start-up work's rows, then nothing
     assert 0 < tokens.height <= sum(len(t["ids"]) for t in started)
     assert f"({tokens.height} tokens recorded)" in line
+    # every probe point of this build sits on an instruction the kernel emulates (no single-step)
+    uprobes = [p for p in r.meta["probes"] if p["kind"] in ("entry", "return")]
+    assert uprobes and all(p["emulated"] for p in uprobes), uprobes
     # the graph-op attention probes were detached before the discarding began
     assert r.meta["attention_masks"]["mask_read"] == "set_input_kq_mask"
     losses = r.meta["losses"]

@@ -49,7 +49,7 @@ def read_at_vaddr(path: Path, vaddr: int, n: int) -> bytes:
 ENDBR64 = b"\xf3\x0f\x1e\xfa"
 
 
-def _emulated(code: bytes) -> bool:
+def emulated(code: bytes) -> bool:
     """Instructions the x86 uprobe code emulates instead of single-stepping: push reg, nop,
     short/near jcc, jmp and call rel32."""
     if not code:
@@ -115,7 +115,7 @@ def cheap_entry_probe_offset(code: bytes) -> int:
     (lea/and/mov/push memory, all single-stepped at 9-14 us a hit) up to the first `push reg`."""
     off = 0
     for _ in range(8):
-        if _emulated(code[off:]):
+        if emulated(code[off:]):
             return off
         n = _harmless_len(code[off:]) or _stack_realign_len(code[off:])
         if n == 0:
@@ -135,7 +135,7 @@ def cheap_probe_offset(code: bytes) -> int:
     """
     off = 0
     for _ in range(2):
-        if _emulated(code[off:]):
+        if emulated(code[off:]):
             return off
         n = _harmless_len(code[off:])
         if n == 0:
