@@ -127,12 +127,18 @@ def profiled(
     return times, meta
 
 
+def cpu_times(pid: int) -> tuple[float, float, float, float]:
+    """A running process's utime, stime, and those of the children it has reaped, in seconds."""
+    tick = os.sysconf("SC_CLK_TCK")
+    utime, stime, cutime, cstime = (int(x) / tick for x in proc_stat(pid)[11:15])
+    return utime, stime, cutime, cstime
+
+
 def process_cpu_s(pid: int) -> float:
     """utime + stime of a running process, in seconds, with those of the children it has reaped
     (the recorder runs nm and c++filt while it attaches): wait4's rusage at its exit counts them
     too, so a window taken as "wait4's figure minus this one" must subtract them as well."""
-    f = proc_stat(pid)
-    return sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
+    return sum(cpu_times(pid))
 
 
 def proc_stat(pid: int) -> list[str]:

@@ -52,6 +52,7 @@ from scripts.bench_overhead import (  # noqa: E402
     SPARSE_LOSSES,
     EngineProc,
     bootstrap_median_ci,
+    cpu_times,
     proc_stat,
     wait_quiet,
 )
@@ -291,21 +292,12 @@ class Contenders:
 
 
 # ------------------------------------------------------------------ pairs
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-
-
-def _engine_cpu(pid: int) -> tuple[float, float]:
-    """The engine process's user and system CPU time so far (all its threads): the probes' run
-    time and their traps are the engine's system time."""
-    f = proc_stat(pid)
-    return int(f[11]) * _TICK_S, int(f[12]) * _TICK_S
-
-
 def timed_load(eng: Any, seconds: float, tokens: int) -> Side:
-    """eng.load, with the engine's CPU time over it."""
-    u0, s0 = _engine_cpu(eng.pid)
+    """eng.load, with the engine's user and system CPU time over it (all its threads: the probes'
+    run time and their traps are its system time)."""
+    u0, s0, _, _ = cpu_times(eng.pid)
     side: Side = eng.load(seconds, tokens)
-    u1, s1 = _engine_cpu(eng.pid)
+    u1, s1, _, _ = cpu_times(eng.pid)
     side.engine_user_s, side.engine_sys_s = u1 - u0, s1 - s0
     return side
 
@@ -351,8 +343,8 @@ def bench(
             pa, pb = sides["A"], sides["B"]
             meta = rec_out["meta"]
             n_rec = int(meta["counts"]["tokens"])
-            ablated = (meta.get("consumer") or {}).get("ablated")
             if a.ablate_consumer:  # the recording holds the start-up work's tokens only
+                ablated = (meta.get("consumer") or {}).get("ablated")
                 if not ablated or ablated.get("began_after_s") is None:
                     raise RuntimeError(f"the recorder never began discarding: {meta.get('consumer')}")
                 n_rec = pb.tokens

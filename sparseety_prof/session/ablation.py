@@ -26,7 +26,6 @@ from sparseety_prof.capture.events import LOGITS_REF, LOGITS_REF_DTYPE
 class ConsumerAblation:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.active = False
         self._t0 = time.monotonic()
         self.began_after_s: float | None = None
         self.records = 0  # discarded
@@ -38,10 +37,14 @@ class ConsumerAblation:
         graph-op attention probes detached where the session counts the masks elsewhere (until
         then the probes are not the set a recording keeps)."""
         if self.enabled and not self.active and tokens > 0 and (ops_detach_tried or not kv_mask_probe):
-            self.active = True
             self.began_after_s = time.monotonic() - self._t0
             return True
         return False
+
+    @property
+    def active(self) -> bool:
+        """Discarding: every drain from now on."""
+        return self.began_after_s is not None
 
     def discard(self, records: dict[int, np.ndarray], n_bytes: int) -> None:
         """One drain's records (RingReader.take's groups: {record size: their bytes}, the logits
