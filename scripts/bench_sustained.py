@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python scripts/bench_sustained.py [--engine llama-cpp-python server]
         [--clients 1 4] [--seconds 60] [--pairs 6] [--mode full tokens] [--contend N] [--json FILE]
+        [--record-args '...'] [--ablate-consumer | --bare-traps]
 
 Each A/B pair runs the same load twice on one warm engine: A plain, B with `sparseety-prof record`
 attached BEFORE the load starts and stopped (SIGINT, then its close: last drains, Parquet writes,
@@ -21,6 +22,13 @@ time from the end of its attach to its exit (utime + stime from wait4, which inc
 per token it recorded, its CPU for the attach itself, its peak RSS, and its losses. Ratios are
 profiled / plain per pair; medians with bootstrap 95% intervals. Prints a Markdown table; the
 figures in the README come from this command.
+
+Taking the cost apart: `--ablate-consumer` has the recorder discard its records once its start-up
+work is done (the probes' programs and the drains alone); `--bare-traps` makes B
+scripts/bare_traps.py instead, a no-op program on each probe point that a calibration recording
+(same `--record-args`, before the pairs) kept on the engine: the uprobe traps alone, with each
+point's traps per generated token printed. Both print the engine's user and system CPU per
+token on each side.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ from scripts.bench_overhead import (  # noqa: E402
 )
 
 ENGINES = ROOT / "tests" / "engines"
+CALIBRATION_MAX_S = 30.0  # --bare-traps: the longest load added for the recorder's start-up work
 # prompts of different lengths: prompt processing is part of the load
 PROMPTS = [
     "hello the expert router decode sample",
@@ -263,6 +272,45 @@ class Recording:
         }
 
 
+class BareTrapsSide:
+    """scripts/bare_traps.py on the engine: a no-op program at each probe point of a recording
+    (`probes` the meta.json of a calibration recording on the same engine), attached before the
+    load and detached, with its run statistics read, before B's figures are taken."""
+
+    def __init__(self, pid: int, probes: Path) -> None:
+        cmd = [sys.executable, str(ROOT / "scripts" / "bare_traps.py"), "--pid", str(pid), "--probes"]
+        self.p = subprocess.Popen(
+            [*cmd, str(probes), "--stats"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        assert self.p.stderr is not None
+        lines: list[str] = []
+        for line in self.p.stderr:  # BCC's compiler may say things first
+            lines.append(line)
+            if "attached to PID" in line:
+                break
+        else:
+            raise RuntimeError(f"bare_traps failed ({self.p.wait()}): {''.join(lines)}")
+        self.attach_cpu_s = wait_quiet(self.p.pid, 30.0)
+
+    def stop(self) -> dict[str, Any]:
+        """SIGINT, then its exit (the detach inside the window, as the recorder's close is)."""
+        assert self.p.stdout is not None and self.p.stderr is not None
+        self.p.send_signal(signal.SIGINT)
+        _, status, ru = os.wait4(self.p.pid, 0)
+        self.p.returncode = os.waitstatus_to_exitcode(status)
+        out, err = self.p.stdout.read(), self.p.stderr.read()
+        if self.p.returncode != 0:
+            raise RuntimeError(f"bare_traps exited {self.p.returncode}: {err}")
+        runs = json.loads(out.splitlines()[-1])["runs"]
+        return {
+            "runs": runs,
+            "traps": sum(runs.values()),
+            "cpu_attached_s": ru.ru_utime + ru.ru_stime - self.attach_cpu_s,
+            "attach_cpu_s": self.attach_cpu_s,
+            "peak_rss_mib": ru.ru_maxrss / 1024,
+        }
+
+
 def _minor_faults(pid: int) -> int:
     """minflt + cminflt of a running process (wait4's rusage at its exit counts the reaped
     children's too, as process_cpu_s says of the CPU times)."""
@@ -302,6 +350,51 @@ def timed_load(eng: Any, seconds: float, tokens: int) -> Side:
     return side
 
 
+def calibrate(eng: Any, a: argparse.Namespace, mode: str, tmp: Path) -> Path:
+    """--bare-traps: a recording with the recorder options of the run, long enough for its start-up
+    work (the attention layer map learned, the graph-op probes detached), whose meta.json names
+    the probe points the recorder keeps on this engine."""
+    out = tmp / f"{eng.name}-calibration-{mode}"
+    rec = Recording(eng.pid, out, mode, shlex.split(a.record_args))
+    eng.load(min(10.0, a.seconds), a.tokens)
+    # until the graph-op probes go (3 forward passes that agree, usually the first request; tokens
+    # mode has none): an engine build without the mask-writing symbol never detaches them
+    waited = 0.0
+    while mode == "full" and waited < CALIBRATION_MAX_S:
+        if any("graph-op probes detached" in line for line in rec.lines):
+            break
+        eng.load(2.0, a.tokens)
+        waited += 2.0
+    rec.stop()
+    meta = out / "meta.json"
+    points = json.loads(meta.read_text())["probes"]
+    kept = [p for p in points if not p.get("detached")]
+    print(
+        f"  calibration: the recorder keeps {len(kept)} probe points on this engine "
+        f"({len(points) - len(kept)} detached once its start-up work was done)",
+        file=sys.stderr,
+    )
+    return meta
+
+
+def pair_figures(
+    rows: dict[str, list[float]], pa: Side, pb: Side, out: dict[str, Any], per_tokens: int
+) -> None:
+    """One pair's figures: B's ratios to A, the profiler's CPU per token (`per_tokens`: the tokens
+    it recorded, or B's generated tokens where it records none) and the engine's CPU per token
+    it generated on each side."""
+    rows["tps"].append(pb.tps() / pa.tps())
+    rows["ttft_p50"].append(np.percentile(pb.ttft_ms(), 50) / np.percentile(pa.ttft_ms(), 50))
+    rows["ttft_p99"].append(np.percentile(pb.ttft_ms(), 99) / np.percentile(pa.ttft_ms(), 99))
+    rows["itl_p99"].append(np.percentile(pb.itl_ms(), 99) / np.percentile(pa.itl_ms(), 99))
+    rows["cpu_us_per_token"].append(out["cpu_attached_s"] / max(per_tokens, 1) * 1e6)
+    rows["attach_cpu_s"].append(out["attach_cpu_s"])
+    rows["rss"].append(out["peak_rss_mib"])
+    for side, p in (("a", pa), ("b", pb)):
+        rows[f"engine_user_{side}"].append(p.engine_user_s / max(p.tokens, 1) * 1e6)
+        rows[f"engine_sys_{side}"].append(p.engine_sys_s / max(p.tokens, 1) * 1e6)
+
+
 def bench(
     engine_cls: type, model: Path, a: argparse.Namespace, clients: int, mode: str, tmp: Path
 ) -> dict[str, Any]:
@@ -323,8 +416,12 @@ def bench(
         )
     }
     losses = records = tokens = bpf_runs = bpf_ns = 0
+    traps_per_token: list[float] = []  # --bare-traps: the no-op programs' runs per token B generated
+    bare_runs: dict[str, int] = {}  # ... and each point's, summed over the pairs
+    bare_tokens = 0
     try:
         eng.load(min(10.0, a.seconds), a.tokens)  # warm-up: weights paged in, allocator settled
+        bare_probes = calibrate(eng, a, mode, tmp) if a.bare_traps else None
         consumer: list[dict[str, Any]] = []
         stage_s: dict[str, float] = {}  # the consumer's CPU by stage, summed over the pairs
         bpf_by_program: dict[str, int] = {}  # with --bpf-stats: each probe program's ns, summed
@@ -335,12 +432,30 @@ def bench(
             for which in order:
                 if which == "A":
                     sides["A"] = timed_load(eng, a.seconds, a.tokens)
+                elif bare_probes is not None:
+                    bare = BareTrapsSide(eng.pid, bare_probes)
+                    sides["B"] = timed_load(eng, a.seconds, a.tokens)
+                    rec_out = bare.stop()
                 else:
                     extra = shlex.split(a.record_args) + (["--ablate-consumer"] if a.ablate_consumer else [])
                     rec = Recording(eng.pid, tmp / f"{eng.name}-{clients}-{mode}-{i}", mode, extra)
                     sides["B"] = timed_load(eng, a.seconds, a.tokens)
                     rec_out = rec.stop()
             pa, pb = sides["A"], sides["B"]
+            if bare_probes is not None:
+                pair_figures(rows, pa, pb, rec_out, pb.tokens)
+                traps_per_token.append(rec_out["traps"] / max(pb.tokens, 1))
+                bare_tokens += pb.tokens
+                for point, n in rec_out["runs"].items():
+                    bare_runs[point] = bare_runs.get(point, 0) + n
+                print(
+                    f"  {eng.name} clients={clients} mode={mode} (bare traps) pair {i + 1}/{a.pairs}: "
+                    f"tokens/s ratio {rows['tps'][-1]:.4f}, {pb.tokens} tokens in B, "
+                    f"{traps_per_token[-1]:.1f} traps/token, engine system CPU "
+                    f"{rows['engine_sys_a'][-1]:.0f} → {rows['engine_sys_b'][-1]:.0f} µs/token",
+                    file=sys.stderr,
+                )
+                continue
             meta = rec_out["meta"]
             n_rec = int(meta["counts"]["tokens"])
             if a.ablate_consumer:  # the recording holds the start-up work's tokens only
@@ -348,16 +463,7 @@ def bench(
                 if not ablated or ablated.get("began_after_s") is None:
                     raise RuntimeError(f"the recorder never began discarding: {meta.get('consumer')}")
                 n_rec = pb.tokens
-            rows["tps"].append(pb.tps() / pa.tps())
-            rows["ttft_p50"].append(np.percentile(pb.ttft_ms(), 50) / np.percentile(pa.ttft_ms(), 50))
-            rows["ttft_p99"].append(np.percentile(pb.ttft_ms(), 99) / np.percentile(pa.ttft_ms(), 99))
-            rows["itl_p99"].append(np.percentile(pb.itl_ms(), 99) / np.percentile(pa.itl_ms(), 99))
-            rows["cpu_us_per_token"].append(rec_out["cpu_attached_s"] / max(n_rec, 1) * 1e6)
-            rows["attach_cpu_s"].append(rec_out["attach_cpu_s"])
-            rows["rss"].append(rec_out["peak_rss_mib"])
-            for side, p in (("a", pa), ("b", pb)):  # the engine's CPU per token it generated
-                rows[f"engine_user_{side}"].append(p.engine_user_s / max(p.tokens, 1) * 1e6)
-                rows[f"engine_sys_{side}"].append(p.engine_sys_s / max(p.tokens, 1) * 1e6)
+            pair_figures(rows, pa, pb, rec_out, n_rec)
             lz = meta["losses"]
             # a record dropped in the kernel has taken its sequence number: it is also a gap,
             # so the two counts are two views of the same records (the larger one counts both)
@@ -397,12 +503,18 @@ def bench(
     finally:
         eng.close()
     out: dict[str, Any] = {
+        "bare_traps": a.bare_traps,
+        "traps_per_token": traps_per_token,
+        "traps_per_token_by_point": {
+            k: v / max(bare_tokens, 1) for k, v in sorted(bare_runs.items(), key=lambda kv: -kv[1])
+        },
         "contend": a.contend,
         "engine": eng.name,
         "clients": clients,
         "mode": mode
         + (f" {a.record_args}" if a.record_args else "")
         + (" (consumer ablated: probes only)" if a.ablate_consumer else "")
+        + (" (bare traps: no-op programs at its probe points)" if a.bare_traps else "")
         + (f" (+{a.contend} spinning processes)" if a.contend else ""),
         "pairs": a.pairs,
         "seconds": a.seconds,
@@ -452,6 +564,16 @@ def print_stages(results: list[dict[str, Any]]) -> None:
             print("  the costliest: " + ", ".join(f"{name} {us:.1f} µs" for name, us in top))
 
 
+def print_traps(results: list[dict[str, Any]]) -> None:
+    """--bare-traps: how often each probe point trapped per token B generated."""
+    for r in results:
+        if r["traps_per_token_by_point"]:
+            print()
+            print(f"{r['engine']} {r['clients']} client(s): traps per generated token by probe point")
+            for point, n in r["traps_per_token_by_point"].items():
+                print(f"  {n:7.2f}  {point}")
+
+
 def print_engine_cpu(results: list[dict[str, Any]]) -> None:
     """The engine process's CPU per generated token, plain (A) and profiled (B), medians over the
     pairs: the probes' run time and traps land in its system time; its user time holds its
@@ -498,8 +620,17 @@ def main() -> int:
         "--ablate-consumer): the probes' cost in the engine alone; CPU per token is then per token "
         "the engine generated on side B",
     )
+    ap.add_argument(
+        "--bare-traps",
+        action="store_true",
+        help="B runs scripts/bare_traps.py instead of the recorder: a no-op program at each probe "
+        "point the recorder keeps on the engine (a calibration recording with --record-args finds "
+        "them): the uprobe traps' cost alone",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args()
+    if a.bare_traps and a.ablate_consumer:
+        raise SystemExit("--bare-traps and --ablate-consumer are two different B sides: one at a time")
     if os.geteuid() != 0:
         raise SystemExit("run as root: the recorder attaches eBPF uprobes")
     model = make_model(ROOT / "models" / f"{a.model}.gguf", a.model)
@@ -530,6 +661,7 @@ def main() -> int:
             f"| {r['rss']['median']:.0f} MiB | {r['losses']} of {r['records']} records |"
         )
     print_stages(results)
+    print_traps(results)
     print_engine_cpu(results)
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))

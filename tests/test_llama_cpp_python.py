@@ -4,15 +4,18 @@ and compare every recorded token with the engine's own ground truth from the sam
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 import pytest
-from conftest import ENGINES, Engine, Recorder, bpf_prog_ids, uprobe_events
+from conftest import ENGINES, ROOT, Engine, Recorder, bpf_prog_ids, uprobe_events
 
 import sparseety_prof
 
@@ -203,6 +206,68 @@ def test_ablated_consumer_discards_after_its_start_up_work(models: dict[str, Pat
     losses = r.meta["losses"]
     assert losses["kernel_drops"] == 0 and losses["seq_gaps"] == 0
     assert losses["records_seen"] >= ablated["records_discarded"]
+
+
+def test_bare_traps_trap_at_the_recorders_points_and_change_nothing(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """scripts/bare_traps.py (scripts/bench_sustained.py --bare-traps, the traps' cost alone): a
+    no-op program at each probe point a recording kept, each trapping as often as the recorder's
+    own program there; the engine's output is unchanged and nothing stays attached."""
+    before = bpf_prog_ids()
+    e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
+    try:
+        base = e.generate(PROMPTS[:2], max_tokens=48)
+        # a recording long enough for the graph-op probes to go: the probe set a recording keeps
+        rec = Recorder(e.pid, tmp_path / "rec", "--bpf-stats")
+        for _ in range(20):
+            e.generate(PROMPTS[:2], max_tokens=48)
+            try:
+                rec.wait_for("graph-op probes detached", timeout=2)
+                break
+            except TimeoutError:
+                continue
+        else:
+            raise AssertionError("the recorder never detached its graph-op probes")
+        rc, err = rec.stop(signal.SIGINT)
+        assert rc == 0, err
+        meta = sparseety_prof.open(tmp_path / "rec").meta
+        # meta.json lists every point attached; the graph-op ones say they were detached
+        kept = [p for p in meta["probes"] if not p["detached"]]
+        gone = {p["symbol"] for p in meta["probes"] if p["detached"]}
+        assert gone and gone <= {"ggml_compute_forward_soft_max", "ggml_compute_forward_flash_attn_ext"}
+        cmd = [sys.executable, str(ROOT / "scripts" / "bare_traps.py"), "--pid", str(e.pid)]
+        bare = subprocess.Popen(
+            [*cmd, "--probes", str(tmp_path / "rec" / "meta.json"), "--stats"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert bare.stderr is not None
+        line = bare.stderr.readline()
+        assert f"attached to PID {e.pid} ({len(kept)} points, no-op programs)" in line, line
+        during = e.generate(PROMPTS[:2], max_tokens=48)
+        bare.send_signal(signal.SIGINT)
+        out, err = bare.communicate(timeout=60)
+        assert bare.returncode == 0, err
+        _assert_same_output(during, base)
+    finally:
+        e.close()
+    _assert_nothing_left(before)
+    runs = json.loads(out.splitlines()[-1])["runs"]
+    assert len(runs) == len(kept), runs
+    # each program's points trap as often per token as the recorder's program there ran per token
+    # of its own recording (the same requests; its runs from --bpf-stats)
+    n_tokens = sum(len(t["ids"]) for t in during)
+    bare_runs: dict[str, int] = {}
+    for p in kept:
+        point = f"{p['kind']} {p['symbol']} {Path(p['library']).name}+{p['address']:#x}"
+        bare_runs[p["program"]] = bare_runs.get(p["program"], 0) + runs[point]
+    recorded = meta["bpf_programs"]["programs"]
+    assert {"moe_mul_enter", "logits_enter", "kvmask_enter"} <= set(bare_runs)
+    for prog, n in bare_runs.items():  # (a cache-clearing call may not come at all: 0 and 0)
+        want = recorded.get(prog, {"runs": 0})["runs"] / meta["counts"]["tokens"]
+        assert n / n_tokens == pytest.approx(want, rel=0.25, abs=0.02), (prog, n, recorded.get(prog))
 
 
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL", "target-exit"])

@@ -160,6 +160,8 @@ class AttachedProbe:
     # whether the kernel emulates the probed instruction (0.5-0.7 us a hit) instead of
     # single-stepping it (9-14 us): capture/elf.py cheap_probe_offset; None for a tracepoint
     emulated: bool | None = None
+    program: str = ""  # the BPF program the point runs (meta.json bpf_programs names its runs)
+    detached: bool = False  # detached before the end (Session.detach_attention_ops)
 
 
 @dataclass
@@ -169,6 +171,7 @@ class Session:
     bpf: Any
     pid: int
     attached: list[AttachedProbe] = field(default_factory=list)
+    detached: list[AttachedProbe] = field(default_factory=list)  # detached while running
     compile_s: float = 0.0
     logits_chunk: int = 1024
     agg_layers: int = AGG_MAX_LAYERS  # layers an aggregate record holds (events.agg_layers_for)
@@ -218,8 +221,14 @@ class Session:
             except Exception:  # still attached: its records keep coming, and agree with the map
                 continue
             self.attached.remove(p)
+            p.detached = True
+            self.detached.append(p)
             n += 1
         return n
+
+    def probes_meta(self) -> list[dict[str, object]]:
+        """meta.json `probes`: every point attached, those detached while running marked so."""
+        return [p.__dict__ for p in [*self.attached, *self.detached]]
 
     def enable_run_stats(self) -> str:
         """Have the kernel count each program's runs and run time until close(); "" when on,
@@ -359,9 +368,13 @@ def compile_and_attach(
                 via = _attach(b.attach_uretprobe, lib, at, spec.fn_return, pid)
             if spec.fn_entry:
                 via = _attach(b.attach_uprobe, lib, at, spec.fn_entry, pid)
-                sess.attached.append(AttachedProbe(spec.symbol, str(lib), off, "entry", at, via, cheap))
+                sess.attached.append(
+                    AttachedProbe(spec.symbol, str(lib), off, "entry", at, via, cheap, spec.fn_entry)
+                )
             if spec.fn_return:
-                sess.attached.append(AttachedProbe(spec.symbol, str(lib), off, "return", at, via, cheap))
+                sess.attached.append(
+                    AttachedProbe(spec.symbol, str(lib), off, "return", at, via, cheap, spec.fn_return)
+                )
     except BaseException:
         sess.close()
         raise

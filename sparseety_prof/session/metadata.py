@@ -40,7 +40,7 @@ def run_metadata(a: Attached, opts: Options) -> dict[str, Any]:
                 c.name: {"available": c.available, "detail": c.detail} for c in a.capture_layers
             },
         },
-        "probes": [p.__dict__ for p in a.session.attached],
+        "probes": a.session.probes_meta(),
         "moe_read_points": a.session.moe.to_meta(),
         # the sizes the probes' records were built with (events.h: AGG_LAYERS, UB_SMALL_TOK)
         "record_layout": {

@@ -314,6 +314,7 @@ class Recorder:
                 tracker.update(decode_groups(rest, a.session.logits_chunk).seqs(), final=True)
             self.progress.cpu_s = _cpu_s() - cpu0
             final = {
+                "probes": a.session.probes_meta(),  # the graph-op probes now marked detached
                 "start_unix_ms": start_unix_ms,
                 "end_unix_ms": time.time_ns() // 1_000_000,
                 "stop_reason": self.stop_reason or (type(error).__name__ if error else ""),
