@@ -53,6 +53,15 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: make_model(d / f"{name}.gguf", name) for name in ("moe", "dense")}
 
 
+class EngineDied(RuntimeError):
+    """The engine process ended before it answered; `returncode` as Popen reports it (-N: killed
+    by signal N), None if it closed its output without ending."""
+
+    def __init__(self, returncode: int | None) -> None:
+        super().__init__(f"engine exited with {returncode}")
+        self.returncode = returncode
+
+
 class Engine:
     """A child engine process speaking the JSON-lines protocol of tests/engines/*.py."""
 
@@ -74,7 +83,11 @@ class Engine:
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"engine exited with {self.proc.poll()}")
+                try:  # its output closed as it died: reaped in a moment
+                    code: int | None = self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    code = None
+                raise EngineDied(code)
             line = line.strip()
             if line.startswith("{"):
                 return dict(json.loads(line))
@@ -134,6 +147,23 @@ def llama_cpp_python_builds() -> list[tuple[str, dict[str, str]]]:
         (f"llama-cpp-python-{v}", {"PYTHONPATH": str(MATRIX_DIR / f"llama-cpp-python-{v}")})
         for (v,) in _matrix_lines("matrix-llama-cpp-python.txt")
     ]
+
+
+def start_build(name: str, args: list[str], env: dict[str, str] | None) -> Engine:
+    """A build-matrix engine, skipped where this machine's CPU cannot run the build at all: a
+    release compiled for an instruction set the CPU lacks (xllamacpp 2026.4.8672's wheel holds
+    AVX-512 code outside any CPU dispatch) dies of SIGILL while it loads the model."""
+    try:
+        return Engine(args, env=env)
+    except EngineDied as e:
+        if e.returncode != -signal.SIGILL:
+            raise
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+        has = "avx512f" in next((ln for ln in cpuinfo if ln.startswith("flags")), "").split()
+        pytest.skip(
+            f"{name} dies of SIGILL on this CPU (an instruction it was built for is missing here; "
+            f"avx512f {'present' if has else 'absent'} in /proc/cpuinfo)"
+        )
 
 
 def require_build(env: dict[str, str] | None) -> None:

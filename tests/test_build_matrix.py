@@ -34,6 +34,7 @@ from conftest import (
     run_cli,
     server_builds,
     server_engine_args,
+    start_build,
 )
 from routing_oracle import compare, oracle_routes, read_trace, routes_by_request
 
@@ -84,9 +85,9 @@ def attach_during(pid: int, out: Path, traffic: Callable[[], object], *extra: st
 
 @pytest.fixture(params=server_builds(), ids=lambda b: b[0])
 def server(models: dict[str, Path], request: pytest.FixtureRequest) -> Iterator[Engine]:
-    _name, env = request.param
+    name, env = request.param
     require_build(env)
-    e = Engine(server_engine_args(env, models["moe"], free_port()), env=env)
+    e = start_build(name, server_engine_args(env, models["moe"], free_port()), env)
     yield e
     e.close()
 
