@@ -61,13 +61,17 @@ def probe_points(meta: dict[str, Any]) -> list[dict[str, Any]]:
     return [p for p in points if not p.get("detached")]
 
 
+def point_label(p: dict[str, Any]) -> str:
+    """How a uprobe point of meta.json `probes` is named in the runs this script prints."""
+    return f"{p['kind']} {p['symbol']} {Path(p['library']).name}+{int(p['address']):#x}"
+
+
 class BareTraps:
     """No-op programs at `points` in process `pid`; close() detaches them (idempotent)."""
 
     def __init__(self, pid: int, points: list[dict[str, Any]], stats: bool = False) -> None:
         import bcc  # Debian's python3-bpfcc (scripts/setup.sh)
 
-        self.pid = pid
         self.stats_fd: int | None = None
         if stats:
             self.stats_fd, why = enable_run_stats()
@@ -86,13 +90,12 @@ class BareTraps:
                         self.b.attach_tracepoint(tp=f"syscalls:{tp}", fn_name=fn.name)
                         self.fds.append((f"tracepoint syscalls:{tp}", fn.fd))
                     continue
-                lib, addr = Path(p["library"]), int(p["address"])
                 fn = self.b.load_func(f"noop_{len(self.fds)}", bcc.BPF.KPROBE)
                 # through the process's own mapping of the library, as the recorder attaches
-                name = tg.pinned_path(pid, lib)
+                name = tg.pinned_path(pid, Path(p["library"]))
                 attach = self.b.attach_uretprobe if p["kind"] == "return" else self.b.attach_uprobe
-                attach(name=name, addr=addr, fn_name=fn.name, pid=pid)
-                self.fds.append((f"{p['kind']} {p['symbol']} {lib.name}+{addr:#x}", fn.fd))
+                attach(name=name, addr=int(p["address"]), fn_name=fn.name, pid=pid)
+                self.fds.append((point_label(p), fn.fd))
         except BaseException:
             self.close()
             raise

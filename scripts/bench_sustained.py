@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the model generator and the test engi
 
 from make_models import make_model  # noqa: E402
 
+from scripts.bare_traps import probe_points  # noqa: E402
 from scripts.bench_overhead import (  # noqa: E402
     SPARSE_LOSSES,
     EngineProc,
@@ -253,9 +254,7 @@ class Recording:
 
     def stop(self) -> dict[str, Any]:
         """SIGINT, then wait for its exit: its close is inside the measured window."""
-        self.p.send_signal(signal.SIGINT)
-        _, status, ru = os.wait4(self.p.pid, 0)
-        self.p.returncode = os.waitstatus_to_exitcode(status)
+        ru = interrupt_and_reap(self.p)
         self._reader.join(timeout=10)
         if self.p.returncode != 0:
             raise RuntimeError(f"recorder exited {self.p.returncode}: {''.join(self.lines)}")
@@ -270,6 +269,14 @@ class Recording:
             # page faults served without I/O (a fresh page zeroed, or mapped), attach left out
             "minflt_attached": ru.ru_minflt - self.attach_minflt,
         }
+
+
+def interrupt_and_reap(p: subprocess.Popen[str]) -> Any:
+    """SIGINT to `p`, then its exit, its return code set: wait4's rusage (its CPU and peak RSS)."""
+    p.send_signal(signal.SIGINT)
+    _, status, ru = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return ru
 
 
 class BareTrapsSide:
@@ -295,9 +302,7 @@ class BareTrapsSide:
     def stop(self) -> dict[str, Any]:
         """SIGINT, then its exit (the detach inside the window, as the recorder's close is)."""
         assert self.p.stdout is not None and self.p.stderr is not None
-        self.p.send_signal(signal.SIGINT)
-        _, status, ru = os.wait4(self.p.pid, 0)
-        self.p.returncode = os.waitstatus_to_exitcode(status)
+        ru = interrupt_and_reap(self.p)
         out, err = self.p.stdout.read(), self.p.stderr.read()
         if self.p.returncode != 0:
             raise RuntimeError(f"bare_traps exited {self.p.returncode}: {err}")
@@ -367,8 +372,8 @@ def calibrate(eng: Any, a: argparse.Namespace, mode: str, tmp: Path) -> Path:
         waited += 2.0
     rec.stop()
     meta = out / "meta.json"
-    points = json.loads(meta.read_text())["probes"]
-    kept = [p for p in points if not p.get("detached")]
+    recorded = json.loads(meta.read_text())
+    points, kept = recorded["probes"], probe_points(recorded)
     print(
         f"  calibration: the recorder keeps {len(kept)} probe points on this engine "
         f"({len(points) - len(kept)} detached once its start-up work was done)",

@@ -18,6 +18,7 @@ import pytest
 from conftest import ENGINES, ROOT, Engine, Recorder, bpf_prog_ids, uprobe_events
 
 import sparseety_prof
+from scripts.bare_traps import point_label
 
 pytestmark = [pytest.mark.root, pytest.mark.engine]
 
@@ -261,8 +262,7 @@ def test_bare_traps_trap_at_the_recorders_points_and_change_nothing(
     n_tokens = sum(len(t["ids"]) for t in during)
     bare_runs: dict[str, int] = {}
     for p in kept:
-        point = f"{p['kind']} {p['symbol']} {Path(p['library']).name}+{p['address']:#x}"
-        bare_runs[p["program"]] = bare_runs.get(p["program"], 0) + runs[point]
+        bare_runs[p["program"]] = bare_runs.get(p["program"], 0) + runs[point_label(p)]
     recorded = meta["bpf_programs"]["programs"]
     assert {"moe_mul_enter", "logits_enter", "kvmask_enter"} <= set(bare_runs)
     for prog, n in bare_runs.items():  # (a cache-clearing call may not come at all: 0 and 0)
