@@ -200,6 +200,17 @@ int moe_mul_enter(struct pt_regs *ctx) {
         return 0;
     s32 ith = 0, nth = 0;
     thread_split(params, &ith, &nth);
+    /* Thread 0 reads the routing; the other threads only count their share of the activations.
+     * Where there are none to count (not captured, or a pass --act-every or a head-dropped
+     * request leaves uncounted) they return before the tensor headers: three user reads a layer
+     * that led nowhere. */
+#ifdef ACT_AT_MUL
+    if (ith != 0 && act_sampled_out())
+        return 0;
+#else
+    if (ith != 0)
+        return 0;
+#endif
     /* the layer: up to three digits after "ffn_moe_weighted-" (bytes 1-3 of the third word) */
     s32 layer = -1;
     for (int j = 1; j <= 3; j++) {
