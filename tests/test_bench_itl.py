@@ -1,0 +1,41 @@
+"""scripts/bench_sustained.py's inter-token gaps: the gaps of a step that ran another request's
+prompt are told from the decode steps' (Side.prefill_gaps), whichever side of the other slots'
+tokens the new request's first token reaches its client."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scripts.bench_sustained import Side
+
+MS = 1_000_000
+
+
+def side(*requests: tuple[int, list[int]]) -> Side:
+    s = Side()
+    for t_request, times in requests:
+        s.add(t_request * MS, [t * MS for t in times])
+    return s
+
+
+@pytest.mark.parametrize("first", [288, 290, 291, 300])
+def test_the_gap_that_waited_for_another_prompt_is_set_apart(first: int) -> None:
+    # request 1 streams every 30 ms; request 2 arrives, and its prompt's step holds request 1's
+    # token 4 back by 170 ms; request 2's first token reaches its client about then
+    s = side((-20, [0, 30, 60, 90, 290, 320, 350]), (95, [first, first + 30, first + 60]))
+    gaps = s.itl_ms()
+    assert gaps.tolist() == [30, 30, 30, 200, 30, 30, 30, 30]
+    assert s.prefill_gaps().tolist() == [False, False, False, True, False, False, False, False]
+    assert s.itl_decode_ms().tolist() == [30.0] * 7
+
+
+def test_one_request_at_a_time_has_no_prefill_gaps() -> None:
+    s = side((0, [10, 40, 75, 100]), (110, [150, 180, 400]))  # one after the other: no overlap
+    assert not s.prefill_gaps().any()
+    assert np.array_equal(s.itl_decode_ms(), s.itl_ms())
+
+
+def test_a_lone_request_keeps_every_gap() -> None:
+    s = side((0, [10, 40, 300]))
+    assert s.prefill_gaps().tolist() == [False, False]
