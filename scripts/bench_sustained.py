@@ -20,11 +20,11 @@ Per side: tokens/s over the whole window (all requests' tokens over first reques
 token received), time to first token p50/p99, inter-token latency p99, over every gap and over
 the gaps of decode steps alone: on a server a step that takes in another request's prompt is a
 prefill long for every slot streaming (Side.prefill_gaps; the share of such gaps is printed),
-and with 1-2% of such gaps, a p99 over all gaps sits at the edge of that population. Per B: the recorder's CPU
-time from the end of its attach to its exit (utime + stime from wait4, which includes its close)
-per token it recorded, its CPU for the attach itself, its peak RSS, and its losses. Ratios are
-profiled / plain per pair; medians with bootstrap 95% intervals. Prints a Markdown table; the
-figures in the README come from this command.
+and with up to 2% of such gaps a p99 over all gaps sits at the edge of that population. Per B:
+the recorder's CPU time from the end of its attach to its exit (utime + stime from wait4, which
+includes its close) per token it recorded, its CPU for the attach itself, its peak RSS, and its
+losses. Ratios are profiled / plain per pair; medians with bootstrap 95% intervals. Prints a
+Markdown table; the figures in the README come from this command.
 
 Taking the cost apart: `--ablate-consumer` has the recorder discard its records once its start-up
 work is done (the probes' programs and the drains alone); `--bare-traps` makes B
@@ -113,7 +113,7 @@ class Side:
         """Per inter-token gap (itl_ms's order), whether another request's prompt ran in its step.
         On a server whose slots share forward passes, a step that takes in a new prompt is as
         long as that prompt's prefill for every other slot streaming: those gaps are their own
-        population (1-2% of the gaps at 4 clients and 64-token answers), and a p99 over all gaps
+        population (up to 2% of the gaps at 4 clients and 64-token answers), and a p99 over all gaps
         sits at its edge. A request's first token comes with the step that ran its prompt, and
         reaches its client about when the other slots' tokens of that step reach theirs: the gap
         of another request holding that time, shifted back by half the median gap (the clients
