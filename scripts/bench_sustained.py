@@ -119,14 +119,15 @@ class Side:
         of another request holding that time, shifted back by half the median gap (the clients
         read their streams a little apart), is the one that waited for the prompt. One request
         at a time (llama-cpp-python): none."""
-        gaps = [np.array(t, dtype=np.int64) for _, t in self.requests]
-        flags = [np.zeros(max(len(t) - 1, 0), dtype=bool) for t in gaps]
-        if len(self.requests) < 2:
+        times = [np.array(t, dtype=np.int64) for _, t in self.requests]  # (add keeps none empty)
+        flags = [np.zeros(len(t) - 1, dtype=bool) for t in times]
+        if len(times) < 2:
             return np.concatenate(flags) if flags else np.zeros(0, dtype=bool)
-        half = int(np.median(np.concatenate([np.diff(t) for t in gaps]))) // 2
-        for k, t in enumerate(gaps):
-            others = np.array([g[0] for j, g in enumerate(gaps) if j != k and len(g)], dtype=np.int64)
-            at = np.searchsorted(t, others - half, side="left")  # gap i is (t[i-1], t[i]]
+        half = int(np.median(self.itl_ms()) * 1e6) // 2
+        firsts = np.array([t[0] for t in times], dtype=np.int64)
+        for k, t in enumerate(times):
+            others = np.delete(firsts, k) - half
+            at = np.searchsorted(t, others, side="left")  # gap i is (t[i], t[i + 1]]: at = i + 1
             inside = (at > 0) & (at < len(t))
             flags[k][at[inside] - 1] = True
         return np.concatenate(flags)
@@ -420,16 +421,15 @@ def pair_figures(
     rows["tps"].append(pb.tps() / pa.tps())
     rows["ttft_p50"].append(np.percentile(pb.ttft_ms(), 50) / np.percentile(pa.ttft_ms(), 50))
     rows["ttft_p99"].append(np.percentile(pb.ttft_ms(), 99) / np.percentile(pa.ttft_ms(), 99))
-    rows["itl_p99"].append(np.percentile(pb.itl_ms(), 99) / np.percentile(pa.itl_ms(), 99))
-    rows["itl_p99_decode"].append(
-        np.percentile(pb.itl_decode_ms(), 99) / np.percentile(pa.itl_decode_ms(), 99)
-    )
-    for side, p in (("a", pa), ("b", pb)):
-        rows[f"prefill_gaps_{side}"].append(float(np.mean(p.prefill_gaps())))
+    gaps = {side: p.itl_ms() for side, p in (("a", pa), ("b", pb))}
+    decode = {side: p.itl_decode_ms() for side, p in (("a", pa), ("b", pb))}
+    rows["itl_p99"].append(np.percentile(gaps["b"], 99) / np.percentile(gaps["a"], 99))
+    rows["itl_p99_decode"].append(np.percentile(decode["b"], 99) / np.percentile(decode["a"], 99))
     rows["cpu_us_per_token"].append(out["cpu_attached_s"] / max(per_tokens, 1) * 1e6)
     rows["attach_cpu_s"].append(out["attach_cpu_s"])
     rows["rss"].append(out["peak_rss_mib"])
     for side, p in (("a", pa), ("b", pb)):
+        rows[f"prefill_gaps_{side}"].append(1.0 - len(decode[side]) / max(len(gaps[side]), 1))
         rows[f"engine_user_{side}"].append(p.engine_user_s / max(p.tokens, 1) * 1e6)
         rows[f"engine_sys_{side}"].append(p.engine_sys_s / max(p.tokens, 1) * 1e6)
 
