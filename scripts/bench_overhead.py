@@ -87,10 +87,12 @@ def start_recorder(cmd: list[str]) -> subprocess.Popen[str]:
     stderr is left to the caller from there); RuntimeError when it exits first."""
     rec = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     assert rec.stderr is not None
+    said: list[str] = []
     for line in rec.stderr:
         if "attached to PID" in line:
             return rec
-    raise RuntimeError(f"recorder failed: {rec.wait()}")
+        said.append(line)
+    raise RuntimeError(f"recorder failed (exit {rec.wait()}): {''.join(said[-20:]).strip()}")
 
 
 def profiled(

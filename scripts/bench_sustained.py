@@ -2,13 +2,18 @@
 
     sudo .venv/bin/python scripts/bench_sustained.py [--engine llama-cpp-python server]
         [--clients 1 4] [--seconds 60] [--pairs 6] [--mode full tokens] [--contend N] [--json FILE]
-        [--record-args '...'] [--ablate-consumer | --bare-traps]
+        [--tokens 64] [--spread 0.5] [--record-args '...'] [--ablate-consumer | --bare-traps]
 
 Each A/B pair runs the same load twice on one warm engine: A plain, B with `sparseety-prof record`
 attached BEFORE the load starts and stopped (SIGINT, then its close: last drains, Parquet writes,
 meta.json) before B's figures are taken. The order alternates AB, BA, ... so drift hits both
 sides alike. The load is requests back to back for `--seconds`: prompts of several lengths
-(prompt processing and time to first token are inside the window), `--tokens` generated each.
+(prompt processing and time to first token are inside the window), answers of `--tokens` on
+average, each request's length drawn within ±`--spread` of it from a seeded sequence per client,
+the same sequence on both sides (AnswerLengths). With answers all of one length, the server's
+clients end and send together by chance and fall out of step again, and the share of steps that
+run a prompt (and with it the inter-token p99 and TTFT) moves from side to side; lengths that
+differ keep them out of step. `--spread 0` is the load of one length.
 
 - llama-cpp-python (tests/engines/llama_engine.py, logits_all off as in serving): one request
   at a time; times are taken in the engine process.
@@ -37,6 +42,7 @@ token on each side.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import http.client
 import json
 import os
@@ -79,6 +85,29 @@ PROMPTS = [
     "token expert router decode " * 6,
     "the sparse decode sample of a longer request that keeps the prompt phase busy " * 3,
 ]
+
+
+@dataclass(frozen=True)
+class AnswerLengths:
+    """Each request's answer length: `tokens` within ±`spread` of it (a fraction), drawn from a
+    hash of (client, request number) so that both sides of a pair, and every pair, ask for the
+    same lengths in the same order."""
+
+    tokens: int
+    spread: float = 0.0
+
+    def __call__(self, client: int, i: int) -> int:
+        if self.spread <= 0:
+            return self.tokens
+        digest = hashlib.blake2b(f"{client}:{i}".encode(), digest_size=8).digest()
+        u = int.from_bytes(digest, "little") / 2**64  # uniform in [0, 1)
+        lo = self.tokens * (1 - self.spread)
+        return max(1, round(lo + u * 2 * self.spread * self.tokens))
+
+
+def answer_lengths(tokens: int | AnswerLengths) -> AnswerLengths:
+    """A load's lengths: other scripts pass one length for every request."""
+    return tokens if isinstance(tokens, AnswerLengths) else AnswerLengths(tokens)
 
 
 @dataclass
@@ -148,13 +177,13 @@ class LlamaCppPython(EngineProc):
             raise SystemExit("llama-cpp-python serves one request at a time: --clients 1 only")
         super().__init__(model, threads, n_ctx=1024)
 
-    def load(self, seconds: float, tokens: int) -> Side:
+    def load(self, seconds: float, tokens: int | AnswerLengths) -> Side:
         assert self.p.stdin is not None
-        side, i = Side(), 0
+        side, i, lengths = Side(), 0, answer_lengths(tokens)
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             self.p.stdin.write(
-                json.dumps({"prompts": [PROMPTS[i % len(PROMPTS)]], "max_tokens": tokens}) + "\n"
+                json.dumps({"prompts": [PROMPTS[i % len(PROMPTS)]], "max_tokens": lengths(0, i)}) + "\n"
             )
             self.p.stdin.flush()
             (r,) = self._read()["results"]
@@ -218,17 +247,18 @@ class Server:
         conn.close()
         return t0, times
 
-    def load(self, seconds: float, tokens: int) -> Side:
-        side, lock = Side(), threading.Lock()
+    def load(self, seconds: float, tokens: int | AnswerLengths) -> Side:
+        side, lock, lengths = Side(), threading.Lock(), answer_lengths(tokens)
         deadline = time.monotonic() + seconds
 
         def client(k: int) -> None:
-            i = k
+            i, n = k, 0
             while time.monotonic() < deadline:
-                t0, times = self._stream(PROMPTS[i % len(PROMPTS)], tokens)
+                t0, times = self._stream(PROMPTS[i % len(PROMPTS)], lengths(k, n))
                 with lock:
                     side.add(t0, times)
                 i += self.clients
+                n += 1
 
         threads = [threading.Thread(target=client, args=(k,)) for k in range(self.clients)]
         for t in threads:
@@ -375,7 +405,7 @@ class Contenders:
 
 
 # ------------------------------------------------------------------ pairs
-def timed_load(eng: Any, seconds: float, tokens: int) -> Side:
+def timed_load(eng: Any, seconds: float, tokens: AnswerLengths) -> Side:
     """eng.load, with the engine's user and system CPU time over it (all its threads: the probes'
     run time and their traps are its system time)."""
     u0, s0, _, _ = cpu_times(eng.pid)
@@ -438,6 +468,7 @@ def bench(
     engine_cls: type, model: Path, a: argparse.Namespace, clients: int, mode: str, tmp: Path
 ) -> dict[str, Any]:
     eng = engine_cls(model, a.threads, clients)
+    lengths = AnswerLengths(a.tokens, a.spread)
     rows: dict[str, list[float]] = {
         k: []
         for k in (
@@ -473,15 +504,15 @@ def bench(
             rec_out: dict[str, Any] = {}
             for which in order:
                 if which == "A":
-                    sides["A"] = timed_load(eng, a.seconds, a.tokens)
+                    sides["A"] = timed_load(eng, a.seconds, lengths)
                 elif bare_probes is not None:
                     bare = BareTrapsSide(eng.pid, bare_probes)
-                    sides["B"] = timed_load(eng, a.seconds, a.tokens)
+                    sides["B"] = timed_load(eng, a.seconds, lengths)
                     rec_out = bare.stop()
                 else:
                     extra = shlex.split(a.record_args) + (["--ablate-consumer"] if a.ablate_consumer else [])
                     rec = Recording(eng.pid, tmp / f"{eng.name}-{clients}-{mode}-{i}", mode, extra)
-                    sides["B"] = timed_load(eng, a.seconds, a.tokens)
+                    sides["B"] = timed_load(eng, a.seconds, lengths)
                     rec_out = rec.stop()
             pa, pb = sides["A"], sides["B"]
             if bare_probes is not None:
@@ -562,6 +593,8 @@ def bench(
         + (" (bare traps: no-op programs at its probe points)" if a.bare_traps else "")
         + (f" (+{a.contend} spinning processes)" if a.contend else ""),
         "pairs": a.pairs,
+        "tokens": a.tokens,
+        "spread": a.spread,
         "seconds": a.seconds,
         "threads": a.threads,
         "losses": losses,
@@ -641,7 +674,14 @@ def main() -> int:
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4], help="concurrent clients (server)")
     ap.add_argument("--seconds", type=float, default=60.0, help="sustained load per side of a pair")
     ap.add_argument("--pairs", type=int, default=6)
-    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request, on average")
+    ap.add_argument(
+        "--spread",
+        type=float,
+        default=0.5,
+        help="each request's answer length within ±SPREAD × --tokens (seeded, the same on both sides); "
+        "0: every answer --tokens long",
+    )
     ap.add_argument("--threads", type=int, default=2, help="engine threads")
     ap.add_argument("--mode", nargs="+", default=["full"], choices=["full", "tokens"])
     ap.add_argument("--model", default="bench", help="tests/make_models.py preset (default: bench)")
@@ -687,7 +727,8 @@ def main() -> int:
                 for mode in a.mode:
                     print(
                         f"[bench] {name}, {clients} client(s), mode {mode}, "
-                        f"{a.pairs} pairs of {a.seconds:.0f} s",
+                        f"{a.pairs} pairs of {a.seconds:.0f} s, "
+                        f"answers of {a.tokens} tokens ± {a.spread:.0%}",
                         file=sys.stderr,
                     )
                     results.append(bench(cls, model, a, clients, mode, Path(tmp)))

@@ -24,7 +24,8 @@ SCHED_FIFO while it is recorded, so that the other processes of a shared CI mach
 it; the kernel still can (interrupts, the 5% of each second realtime tasks leave to others), and on
 a loaded 2-core VM a step of ~1 ms was flagged in about one run in five, and one of 11.7 ms that no
 stall touched in one CI run. Such a step is really slow, so the tests allow slow steps shorter than
-NOISE_MS, half a stall (a step a stall lands in lasts a whole stall), and no other."""
+NOISE_MS, half a stall (a step a stall lands in lasts a whole stall), and in the stall test a few
+longer ones (LONG_NOISE_PER)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,10 @@ IMBALANCE_TOKENS = 160
 STALL_S = 0.05
 STALLS = 12
 NOISE_MS = STALL_S * 1e3 / 2
+#: one decode step in LONG_NOISE_PER (at least 2 a run) may be longer than NOISE_MS without a stall:
+#: on a slow shared VM a fresh-clone CI run saw steps of 26-51 ms that no stall touched (the
+#: hypervisor's, which the engine's SCHED_FIFO cannot keep off)
+LONG_NOISE_PER = 100
 #: kinds each comparison ignores: the loops greedy decoding makes (tested in test_anomalies.py)
 LOOPS = ("repetition_loop",)
 
@@ -422,5 +427,12 @@ def test_slow_steps_are_found_where_the_engine_was_stopped(
     found = run.found.filter(pl.col("kind") == "slow_step")["step_id"].to_list()
     assert set(stalled) <= set(found)
     extra = run.steps.filter(pl.col("step_id").is_in(set(found) - set(stalled)))
-    assert ((extra["t_end_ns"] - extra["t_start_ns"]) < NOISE_MS * 1e6).all(), extra
+    decode = run.steps.filter(pl.col("phase") == "decode")
+    decode_ns = decode["t_end_ns"] - decode["t_start_ns"]
+    n_decode, median_ns = len(decode_ns), float(np.median(decode_ns.to_numpy()))
+    extra_ns = extra["t_end_ns"] - extra["t_start_ns"]
+    # each step found that no stall touched was really slow (twice the usual decode step at least:
+    # the host took it, not the detector's noise), and few of them are longer than NOISE_MS
+    assert (extra_ns >= 2 * median_ns).all(), (median_ns, extra)
+    assert int((extra_ns >= NOISE_MS * 1e6).sum()) <= max(2, n_decode // LONG_NOISE_PER), (n_decode, extra)
     assert run.kinds() - {"slow_step", "attention_collapse"} == set()

@@ -1,13 +1,13 @@
 """scripts/bench_sustained.py's inter-token gaps: the gaps of a step that ran another request's
 prompt are told from the decode steps' (Side.prefill_gaps), whichever side of the other slots'
-tokens the new request's first token reaches its client."""
+tokens the new request's first token reaches its client; and the answer lengths both sides ask for."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from scripts.bench_sustained import Side
+from scripts.bench_sustained import AnswerLengths, Side
 
 MS = 1_000_000
 
@@ -39,3 +39,16 @@ def test_one_request_at_a_time_has_no_prefill_gaps() -> None:
 def test_a_lone_request_keeps_every_gap() -> None:
     s = side((0, [10, 40, 300]))
     assert s.prefill_gaps().tolist() == [False, False]
+
+
+def test_answer_lengths_are_the_same_sequence_on_every_side() -> None:
+    lengths = AnswerLengths(64, 0.5)
+    drawn = [[lengths(k, i) for i in range(200)] for k in range(4)]
+    again = AnswerLengths(64, 0.5)
+    assert drawn == [[again(k, i) for i in range(200)] for k in range(4)]  # both sides, every pair
+    flat = np.array(drawn).ravel()
+    assert flat.min() >= 32 and flat.max() <= 96
+    assert abs(flat.mean() - 64) < 3  # about --tokens on average
+    assert drawn[0] != drawn[1]  # each client its own sequence: they do not end together
+    assert len(set(flat.tolist())) > 40
+    assert {AnswerLengths(64)(k, i) for k in range(4) for i in range(50)} == {64}  # --spread 0

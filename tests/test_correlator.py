@@ -988,6 +988,14 @@ def test_fast_one_row_steps_equal_the_handlers_on_the_server(
     taken = _count_taken(monkeypatch, "_fast_step")
     samples = _count_taken(monkeypatch, "_fast_sample")
     plain, made, in_runs = _count_plain(monkeypatch)
+    to_slot: list[int] = []  # fast_sample's samples whose slot's call came next
+    sample_to_slot = RequestTokens.sample_to_slot
+
+    def counting_to_slot(self: RequestTokens, *a: Any) -> None:
+        to_slot.append(a[-1])
+        sample_to_slot(self, *a)
+
+    monkeypatch.setattr(RequestTokens, "sample_to_slot", counting_to_slot)
     got, got_states = _replay(s, drains, with_masks=False, server=True)
     monkeypatch.setattr(Correlator, "_fast_step", lambda self, idx, i: 0)
     monkeypatch.setattr(Correlator, "_fast_sample", lambda self, idx, i: 0)
@@ -1010,6 +1018,7 @@ def test_fast_one_row_steps_equal_the_handlers_on_the_server(
     if drains != 40:  # (40 drains hold too few steps each for a run)
         assert in_runs[0] > 10
     assert sum(samples) > 5  # the two-slot step's, the prompts'
+    assert {0, 1} <= set(to_slot)  # the two-slot step's samples, each named its slot at once
     # the steps whose slot's call came next, without a Step made for most
     assert plain[0] > (20 if drains == 40 else 30) and 0 < made[0] < plain[0]
 

@@ -338,8 +338,9 @@ def fast_sample(corr: Correlator, idx: DrainIndex, i: int) -> int:
     """A sampler call whose begin is record i, its logits and its end, when nothing else comes
     between them and its context has run a micro-batch: the effect of _on_sample_begin,
     _on_logits and _on_sample_end, from the records' columns (the samples of a micro-batch of
-    several rows, where fast_step does not apply). Returns the index after its end record, or 0
-    (the handlers take every record as usual)."""
+    several rows, where fast_step does not apply), and on llama-server _on_slot_token's when the
+    call that names the sample's slot is the next record. Returns the index after the last record
+    taken, or 0 (the handlers take every record as usual)."""
     kinds, n = idx.kinds, len(idx)
     j = i + 1
     while j < n and kinds[j] == ev.EV_LOGITS:
@@ -359,5 +360,15 @@ def fast_sample(corr: Correlator, idx: DrainIndex, i: int) -> int:
         return 0
     c.sampler_seen = True
     c.sampling.pop(tid, None)  # a begin whose end was lost: this begin replaced it, this end ends it
+    k = j + 1
+    if corr.slot_tokens and k < n and kinds[k] == ev.EV_SLOT_TOKEN and idx.group[k] == G_SMALL:
+        r = idx.row[k]
+        if f.s_tid[r] == tid:
+            # llama-server's process_token call for this sample, next: sample_end's deferral and
+            # _on_slot_token's emission at once (each slot of a step over several: its own)
+            sampled = f.s_a[e]
+            _slot_token_check(corr, idx, k, sampled)
+            corr.requests.sample_to_slot(c, tid, f.s_a[b], sampled, logits, int(f.s_a[r]))
+            return k + 1
     corr.requests.sample_end(c, tid, f.s_a[b], f.s_a[e], logits)
     return j + 1

@@ -258,6 +258,14 @@ class RequestTokens:
             return
         self.emit_sample(c, idx, token, tid, logits)
 
+    def sample_to_slot(
+        self, c: CtxState, tid: int, idx: int, token: int, logits: list[LogitsChunk] | None, slot: int
+    ) -> None:
+        """sample_end, then slot_token naming `slot` for it (the server's process_token call came
+        right after the sampler call), without the deferral in between."""
+        self.flush_deferred(tid)
+        self.emit_sample(c, idx, token, tid, logits, slot=slot, decode=(c.rows, c.outputs))
+
     def slot_token(self, tid: int, slot: int, token: int) -> None:
         """The server handed the thread's last sampled token to `slot`."""
         d = self.deferred.pop(tid, None)
