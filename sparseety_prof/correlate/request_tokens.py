@@ -346,7 +346,7 @@ class RequestTokens:
         if sp._slot_block is not None:
             block, row0 = sp._slot_block
             return block, row0 + i
-        if len(step.seq) > 1:
+        if len(step.seq) > 1 and not step.over_slots():  # (a step over slots is no prompt: takes_arrays)
             got = pass_block(step, layers)
             if got is not None and got.whole[i]:
                 return got.block, i
