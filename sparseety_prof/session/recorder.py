@@ -256,8 +256,10 @@ class Recorder:
                         for b in drains.take():
                             self._consume(b, corr, tracker, writer, a.session, gpu=gpu)
                 watch.rearm()
+                t_flush, cpu_flush = time.monotonic(), time.thread_time()
                 self._keep_durable(writer, flush, now)
                 self._watch_memory(writer, budget, now)
+                sched.after_flush((time.monotonic() - t_flush) * 1e3, (time.thread_time() - cpu_flush) * 1e3)
                 stages.lap("flush")
                 self._maybe_detach_attention_ops(corr, a.session)
                 if ablation.begins(self.progress.tokens, a.session.kv_mask_probe, corr.attn_map.detach_tried):

@@ -129,6 +129,14 @@ class ConsumerSched:
             if self.mode == "idle":
                 self._policy(os.SCHED_IDLE)
 
+    def after_flush(self, wall_ms: float, cpu_ms: float) -> None:
+        """The loop's flush work after a drain (none most of the time) took `wall_ms`, `cpu_ms` of
+        it on the consumer's thread: the longest is kept. At nice 10 on a busy machine the wall
+        time is several times the CPU, and the next drain waits for all of it."""
+        p = self.progress
+        if wall_ms > p.flush_wall_max_ms:
+            p.flush_wall_max_ms, p.flush_cpu_ms = wall_ms, cpu_ms
+
     def meta(self) -> dict[str, Any]:
         p = self.progress
         return {
@@ -137,6 +145,8 @@ class ConsumerSched:
             "ring_fill_peak": round(p.ring_fill_peak, 4),
             "drain_gap_max_ms": round(p.drain_gap_max_ms, 1),
             "drain_gap_max_at_s": round(p.drain_gap_max_at_s, 1),  # (after the consumer's start)
+            "flush_wall_max_ms": round(p.flush_wall_max_ms, 1),
+            "flush_cpu_ms": round(p.flush_cpu_ms, 1),  # (of that flush, on the consumer's thread)
             "escalations": p.escalations,
             "drain_wait_min_ms": round(self.wait_min_s * 1e3, 1),  # the shortest pause the pace chose
             "slice_us_asked": self.slice_us,
