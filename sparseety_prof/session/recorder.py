@@ -231,7 +231,9 @@ class Recorder:
         try:
             t_prev = time.monotonic()
             while not self._stop.is_set():
-                self._stop.wait(flush.wait_s(sched.wait_s))
+                # the pace is counted from the last drain: the work since (its correlation, a
+                # flush that waited for the CPU at nice 10) is part of the wait, not added to it
+                self._stop.wait(flush.wait_s(max(0.0, sched.wait_s - (time.monotonic() - t_prev))))
                 stages.lap("loop")
                 records = reader.take(sched.on_backlog)
                 stages.lap("ring_walk")
