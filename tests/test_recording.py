@@ -181,6 +181,34 @@ def test_flush_writes_a_partial_segment(tmp_path: Path) -> None:
     assert meta["complete"] is False
 
 
+def test_flush_in_steps_writes_one_table_per_step_and_meta_json_last(tmp_path: Path) -> None:
+    """RecordingWriter.flush_steps: the consumer drains between its steps (session/flush_round.py);
+    rows appended in between are written by their table's step when it comes later."""
+    w = RecordingWriter(tmp_path / "rec", META)
+    tok, st = tokens_frame(6), steps_frame(4)
+    w.append("tokens", tok.slice(0, 4))
+    w.append("steps", st.slice(0, 3))
+    steps = w.flush_steps()
+    next(steps)  # tokens come first in schema.TABLES
+    assert [p.name for p in (tmp_path / "rec" / "tokens").iterdir()] == ["part-000000.parquet"]
+    assert not (tmp_path / "rec" / "steps").exists()
+    assert json.loads((tmp_path / "rec" / META_FILE).read_text())["tables"]["tokens"]["rows"] == 0
+    w.append("steps", st.slice(3))  # a drain between two steps
+    w.append("tokens", tok.slice(4))
+    next(steps)
+    assert pl.read_parquet(tmp_path / "rec" / "steps" / "part-000000.parquet").height == 4
+    with pytest.raises(StopIteration):
+        next(steps)
+    tables = json.loads((tmp_path / "rec" / META_FILE).read_text())["tables"]
+    assert tables["steps"] == {"rows": 4, "segments": 1} and tables["tokens"] == {"rows": 4, "segments": 1}
+    late = w.flush_steps()
+    w.close()  # writes the tokens appended late; a step after it does nothing
+    assert list(late) == []
+    r = sparseety_prof.open(tmp_path / "rec")
+    assert_frame_equal(r.tokens(), tok)
+    assert_frame_equal(r.steps(), st)
+
+
 def test_a_failed_segment_write_leaves_no_file_behind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

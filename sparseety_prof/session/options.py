@@ -71,8 +71,8 @@ class Progress:
     ring_fill_peak: float = 0.0  # largest share of the ring one drain found filled
     drain_gap_max_ms: float = 0.0  # longest time between two drains (the consumer waited for CPU)
     drain_gap_max_at_s: float = 0.0  # when it ended, in seconds after the consumer's start
-    flush_wall_max_ms: float = 0.0  # longest flush between two drains, wall time (waits for CPU included)
-    flush_cpu_ms: float = 0.0  # the consumer thread's CPU in that flush
+    flush_wall_max_ms: float = 0.0  # longest piece of a flush between two drains, wall (waits for CPU too)
+    flush_cpu_ms: float = 0.0  # the consumer thread's CPU in that piece
     escalations: int = 0  # times the consumer left SCHED_IDLE because the ring was filling
     rss_bytes: int = 0  # the recorder's resident memory at the last drain
     anon_bytes: int = 0  # and its anonymous part (what --max-memory bounds)

@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from sparseety_prof.session.ablation import ConsumerAblation
 from sparseety_prof.session.attach import attach
 from sparseety_prof.session.collector import FlushTimedCollector
 from sparseety_prof.session.drain_batches import DrainBatches
+from sparseety_prof.session.flush_round import FlushRound
 from sparseety_prof.session.memory_budget import (
     PRESSURE_GAP_S,
     MemoryBudget,
@@ -84,6 +85,7 @@ class Recorder:
         self._aggregates: Aggregator | None = None
         self.on_update = on_update
         self._rows = ColumnBuffer()
+        self._round = FlushRound()  # the flush under way, done in pieces between drains
         self._stages = StageCpu()  # where the consumer's CPU goes (meta.json consumer.cpu_s_by_stage)
         self._collector = FlushTimedCollector()
         sink = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -231,8 +233,10 @@ class Recorder:
         try:
             t_prev = time.monotonic()
             while not self._stop.is_set():
-                # the pace is counted from the last drain: the work since (its correlation, a
-                # flush that waited for the CPU at nice 10) is part of the wait, not added to it
+                # the pieces of a flush under way until the next drain is due; the pace is counted
+                # from the last drain: the work since (its correlation, a flush's pieces that
+                # waited for the CPU at nice 10) is part of the wait, not added to it
+                self._flush_pieces(writer, sched, until=t_prev + sched.wait_s)
                 self._stop.wait(flush.wait_s(max(0.0, sched.wait_s - (time.monotonic() - t_prev))))
                 stages.lap("loop")
                 records = reader.take(sched.on_backlog)
@@ -258,8 +262,8 @@ class Recorder:
                         for b in drains.take():
                             self._consume(b, corr, tracker, writer, a.session, gpu=gpu)
                 watch.rearm()
+                self._keep_durable(writer, flush, now, in_pieces=True)  # (its pieces: _flush_pieces)
                 t_flush, cpu_flush = time.monotonic(), time.thread_time()
-                self._keep_durable(writer, flush, now)
                 self._watch_memory(writer, budget, now)
                 sched.after_flush((time.monotonic() - t_flush) * 1e3, (time.thread_time() - cpu_flush) * 1e3)
                 stages.lap("flush")
@@ -372,6 +376,10 @@ class Recorder:
                 final["gpu"] = gpu.meta()
                 gpu.close()
             stages.lap("loop")
+            try:
+                self._round.finish()  # a flush under way: its rows before those gathered since
+            except BaseException as e:
+                error = error or e
             for table, df in self._rows.take_all():  # rows of drains before an error
                 self._emit(writer, table, df)
             self._settle(writer, final=True)
@@ -411,26 +419,69 @@ class Recorder:
             log=self.log,
         )
 
-    def _keep_durable(self, writer: RecordingWriter | None, flush: FlushSchedule, drained_at: float) -> None:
+    def _keep_durable(
+        self,
+        writer: RecordingWriter | None,
+        flush: FlushSchedule,
+        drained_at: float,
+        *,
+        in_pieces: bool = False,
+    ) -> None:
         """Flush on schedule (a SIGKILL then loses only the last flush interval; sinks get rows
-        no older than that either); after a write error (disk full), stop: the writer keeps count
-        of what is lost."""
+        no older than that either), at once or, `in_pieces`, started here and done by
+        `_flush_pieces` between drains; after a write error (disk full), stop: the writer keeps
+        count of what is lost."""
         if writer is None and not self._sinks:
             return
         if flush.due(drained_at):
-            self._flush_now(writer)
+            if in_pieces:
+                self._start_flush(writer)
+            else:
+                self._flush_now(writer)
+        self._stop_on_write_error(writer)
+
+    def _stop_on_write_error(self, writer: RecordingWriter | None) -> None:
         if writer is not None and writer.write_error is not None:
             self.stop("write error")
 
+    def _start_flush(self, writer: RecordingWriter | None) -> None:
+        """A flush of the rows gathered since the last one to the aggregates, the sinks and the
+        recording, in pieces (flush_round.py): the rows are fixed now, their writes follow."""
+        self._round.start(
+            self._rows.detach(), lambda table, df: self._emit(writer, table, df), self._flush_writes(writer)
+        )
+
     def _flush_now(self, writer: RecordingWriter | None) -> None:
-        """The rows gathered since the last flush to the aggregates, the sinks and the recording."""
-        for table, df in self._rows.take_all():
-            self._emit(writer, table, df)
+        """A flush of the rows gathered since the last one (after the one under way), all at once."""
+        self._start_flush(writer)
+        self._round.finish()
+
+    def _flush_writes(self, writer: RecordingWriter | None) -> Iterator[None]:
+        """A flush's pieces after its rows were handed over: the requests the policies decided,
+        the closed aggregate buckets, a Parquet segment per table and meta.json, and the
+        collector's pass (collector.py)."""
         self._settle(writer, final=False)
         self._store_aggregates(writer, final=False)
         if writer is not None:
-            writer.flush()
+            yield
+            yield from writer.flush_steps()
+        yield
         self._collector.after_flush()
+
+    def _flush_pieces(self, writer: RecordingWriter | None, sched: ConsumerSched, *, until: float) -> None:
+        """The pieces of a flush under way until `until` (time.monotonic), when the next drain is
+        due; one at least, so that a consumer pressed to drain all the time still flushes."""
+        if not self._round.active:
+            return
+        self._stages.lap("loop")
+        first = True
+        while self._round.active and (first or time.monotonic() < until) and not self._stop.is_set():
+            t, cpu = time.monotonic(), time.thread_time()
+            self._round.step()
+            sched.after_flush((time.monotonic() - t) * 1e3, (time.thread_time() - cpu) * 1e3)
+            first = False
+        self._stages.lap("flush")
+        self._stop_on_write_error(writer)
 
     def _watch_memory(self, writer: RecordingWriter | None, budget: MemoryBudget, now: float) -> None:
         """Above --max-memory: the gathered rows go out now, and the freed heap back to the kernel
@@ -645,6 +696,7 @@ class Recorder:
             rows = self._rows
             for table, cols in (*tables.items(), *gpu_tables.items()):
                 for df in rows.add(table, cols, final=final):
+                    self._round.before_frames(table)  # a flush under way holds older rows of it
                     self._emit(writer, table, df)
             for table, parts in apart.items():
                 self._emit_apart(table, parts)

@@ -68,6 +68,22 @@ class ColumnBuffer:
         """Frames of every row still gathered."""
         return [(table, self._frame(table)) for table in list(self._rows)]
 
+    def detach(self) -> ColumnBuffer:
+        """A buffer holding every row gathered so far, this one left empty: a flush done in
+        pieces (session/flush_round.py) frames them a table at a time while new rows gather here."""
+        held = ColumnBuffer()
+        held._cols, held._arrays, held._rows, held._kinds = self._cols, self._arrays, self._rows, self._kinds
+        self._cols, self._arrays, self._rows, self._kinds = {}, {}, {}, {}
+        return held
+
+    def tables(self) -> list[str]:
+        """The tables with rows gathered, in the order they first came."""
+        return list(self._rows)
+
+    def take(self, table: str) -> pl.DataFrame | None:
+        """A frame of every gathered row of `table` (None when it has none)."""
+        return self._frame(table) if table in self._rows else None
+
     def _add_lists(self, table: str, cols: Mapping[str, list[Any]]) -> int:
         """Gather column lists; the rows gathered."""
         n = len(next(iter(cols.values()), ())) if cols else 0
@@ -103,9 +119,11 @@ class ColumnBuffer:
 class FlushSchedule:
     """When the consumer writes what it holds to disk: often enough that a recorder killed at
     any moment has every row older than `interval_s` on disk. A flush drains the ring first, so a
-    row waits at most one `period` plus the time to decode and write it (MARGIN_S)."""
+    row waits at most one `period` plus the time to decode and write it (MARGIN_S): the write is
+    done in pieces between drains (session/flush_round.py), at nice 10 on a busy machine up to
+    about half a second of wall time, and the drains in between take their share."""
 
-    MARGIN_S = 0.5
+    MARGIN_S = 1.0
 
     def __init__(self, interval_s: float) -> None:
         if interval_s <= 0:

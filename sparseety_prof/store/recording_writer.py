@@ -12,7 +12,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -202,6 +202,24 @@ class RecordingWriter:
         with self._lock:
             self._check_open()
             self._flush_all()
+
+    def flush_steps(self) -> Iterator[None]:
+        """`flush` in steps, for a caller that does other work between them: a yield after each
+        table's segments, then meta.json. Rows appended in between are written by the step of
+        their table if it comes later, else by the next flush. Nothing is done once the writer
+        is closed (its close wrote everything) or a write failed."""
+        wrote = False
+        for table in schema.TABLES:
+            with self._lock:
+                if self._closed or self.write_error is not None:
+                    return
+                wrote_table = self._flush_table(table, full_only=False)
+            if wrote_table:
+                wrote = True
+                yield
+        with self._lock:
+            if wrote and not self._closed and self.write_error is None:
+                self._store_meta()
 
     def update_meta(self, **kv: Any) -> None:
         """Merge `kv` into the metadata and rewrite meta.json."""
