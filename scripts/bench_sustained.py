@@ -571,7 +571,9 @@ def bench(
                 f"ring peak {cons.get('ring_fill_peak')}, longest gap {cons.get('drain_gap_max_ms')} ms "
                 f"(ending {cons.get('drain_gap_max_at_s')} s after the consumer's start; graph-op probes "
                 f"detached in {(meta.get('attention_masks') or {}).get('ops_detach_ms')} ms), "
-                f"longest flush {cons.get('flush_wall_max_ms')} ms ({cons.get('flush_cpu_ms')} ms of CPU), "
+                f"longest piece of a flush {cons.get('flush_wall_max_ms')} ms ({cons.get('flush_cpu_ms')} ms "
+                f"of CPU, {cons.get('flush_piece_max')}; {cons.get('flush_pieces')} pieces in "
+                f"{cons.get('flushes')} flushes), "
                 f"{cons.get('drains_logits_by_ref')} of {cons.get('drains')} drains read logits in the ring, "
                 f"engine system CPU {rows['engine_sys_a'][-1]:.0f} → {rows['engine_sys_b'][-1]:.0f} µs/token"
                 + probes,

@@ -55,9 +55,9 @@ def test_escalates_to_nice_0_while_the_ring_fills_and_relaxes_after() -> None:
         s.after_drain(0.02, 500.0, now=103.0 + s.RELAX_HOLD_S)  # calm long enough: back to --nice
         assert os.getpriority(os.PRIO_PROCESS, tid) == 10 and p.escalations == 1
         assert p.ring_fill_peak == 0.3 and p.drain_gap_max_ms == 900.0
-        s.after_flush(0.01, 0.01)  # a drain without a flush
-        s.after_flush(400.0, 30.0)  # a flush that waited for the CPU
-        s.after_flush(200.0, 35.0)  # more CPU, less wall: not the longest
+        s.after_flush(0.01, 0.01, "collector")  # a short piece of a flush
+        s.after_flush(400.0, 30.0, "rows tokens")  # a piece that waited for the CPU
+        s.after_flush(200.0, 35.0, "segment routes")  # more CPU, less wall: not the longest
         assert s.meta() == {
             "sched": "nice",
             "nice": 10,
@@ -66,6 +66,7 @@ def test_escalates_to_nice_0_while_the_ring_fills_and_relaxes_after() -> None:
             "drain_gap_max_at_s": 10.0,  # the longest gap ended at the first drain
             "flush_wall_max_ms": 400.0,
             "flush_cpu_ms": 30.0,
+            "flush_piece_max": "rows tokens",
             "escalations": 1,
             "drain_wait_min_ms": 500.0,
             "slice_us_asked": 0,

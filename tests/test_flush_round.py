@@ -35,12 +35,13 @@ class Readers:
         key = "step_id" if table == "steps" else "request_id"
         self.got.append((table, df[key].to_list()))
 
-    def writes(self, name: str) -> Iterator[None]:
+    def writes(self, name: str) -> Iterator[str]:
         self.log.append(f"{name}: settle")
-        yield
+        yield "settle"
         self.log.append(f"{name}: segments")
-        yield
+        yield "segments"
         self.log.append(f"{name}: meta")
+        yield "meta"
 
 
 def test_a_flush_frames_one_table_per_piece_then_writes_and_leaves_later_rows_for_the_next() -> None:
@@ -50,14 +51,14 @@ def test_a_flush_frames_one_table_per_piece_then_writes_and_leaves_later_rows_fo
     flush.start(rows.detach(), readers.emit, readers.writes("first"))
     assert flush.active and readers.got == []
     rows.add("steps", _steps([3]), final=False)  # a drain between two pieces
-    assert flush.step()
+    assert flush.step() == "rows steps"
     assert readers.got == [("steps", [1, 2])]
-    assert flush.step()
+    assert flush.step() == "rows requests"
     assert readers.got == [("steps", [1, 2]), ("requests", ["a"])] and readers.log == []
-    assert flush.step() and readers.log == ["first: settle"]
-    assert flush.step() and readers.log == ["first: settle", "first: segments"]
-    assert not flush.step() and not flush.active
-    assert readers.log[-1] == "first: meta"
+    assert flush.step() == "settle" and readers.log == ["first: settle"]
+    assert flush.step() == "segments" and readers.log == ["first: settle", "first: segments"]
+    assert flush.step() == "meta" and readers.log[-1] == "first: meta"
+    assert flush.step() is None and not flush.active
     assert rows.tables() == ["steps"]  # the drain's row: the next flush's
     assert (flush.rounds, flush.pieces) == (1, 5)
 
@@ -68,7 +69,7 @@ def test_a_drains_frames_of_a_table_the_flush_holds_come_after_its_older_rows() 
     rows.add("requests", _requests(["a"]), final=False)
     rows.add("steps", _steps([1]), final=False)
     flush.start(rows.detach(), readers.emit, readers.writes("first"))
-    assert flush.step()  # requests framed; steps [1] still held
+    assert flush.step() == "rows requests"  # steps [1] still held
     # a drain gathers enough steps rows for a frame: the held row goes first
     for df in rows.add("steps", _steps([2, 3, 4]), final=False):
         flush.before_frames("steps")
@@ -95,8 +96,8 @@ def test_a_flush_started_while_one_is_under_way_finishes_that_one_first() -> Non
 def test_a_piece_that_fails_ends_its_flush() -> None:
     rows, readers, flush = ColumnBuffer(), Readers(), FlushRound()
 
-    def failing() -> Iterator[None]:
-        yield
+    def failing() -> Iterator[str]:
+        yield "settle"
         raise OSError("No space left on device")
 
     rows.add("steps", _steps([1]), final=False)
@@ -105,6 +106,6 @@ def test_a_piece_that_fails_ends_its_flush() -> None:
     flush.step()
     with pytest.raises(OSError, match="No space"):
         flush.step()
-    assert not flush.active and not flush.step()
+    assert not flush.active and flush.step() is None
     flush.before_frames("steps")  # nothing held any more
     assert readers.got == [("steps", [1])]

@@ -189,16 +189,15 @@ def test_flush_in_steps_writes_one_table_per_step_and_meta_json_last(tmp_path: P
     w.append("tokens", tok.slice(0, 4))
     w.append("steps", st.slice(0, 3))
     steps = w.flush_steps()
-    next(steps)  # tokens come first in schema.TABLES
+    assert next(steps) == "segment tokens"  # tokens come first in schema.TABLES
     assert [p.name for p in (tmp_path / "rec" / "tokens").iterdir()] == ["part-000000.parquet"]
     assert not (tmp_path / "rec" / "steps").exists()
     assert json.loads((tmp_path / "rec" / META_FILE).read_text())["tables"]["tokens"]["rows"] == 0
     w.append("steps", st.slice(3))  # a drain between two steps
     w.append("tokens", tok.slice(4))
-    next(steps)
+    assert next(steps) == "segment steps"
     assert pl.read_parquet(tmp_path / "rec" / "steps" / "part-000000.parquet").height == 4
-    with pytest.raises(StopIteration):
-        next(steps)
+    assert list(steps) == [META_FILE]
     tables = json.loads((tmp_path / "rec" / META_FILE).read_text())["tables"]
     assert tables["steps"] == {"rows": 4, "segments": 1} and tables["tokens"] == {"rows": 4, "segments": 1}
     late = w.flush_steps()

@@ -30,7 +30,7 @@ class FlushRound:
     def __init__(self) -> None:
         self._emit: Callable[[str, pl.DataFrame], None] = _nowhere  # a frame of a table's rows to its readers
         self._gathered: ColumnBuffer | None = None  # the rows this flush has not framed yet
-        self._steps: Iterator[None] | None = None
+        self._steps: Iterator[str] | None = None
         self.rounds = 0  # flushes started
         self.pieces = 0  # steps taken over all of them
 
@@ -39,33 +39,34 @@ class FlushRound:
         return self._steps is not None
 
     def start(
-        self, gathered: ColumnBuffer, emit: Callable[[str, pl.DataFrame], None], rest: Iterator[None]
+        self, gathered: ColumnBuffer, emit: Callable[[str, pl.DataFrame], None], rest: Iterator[str]
     ) -> None:
         """A flush of the rows `gathered`, framed a table at a time and given to `emit`, then
-        `rest` (its writes, a yield between two pieces). One still under way is finished first:
-        flushes never overlap."""
+        `rest` (its writes: a yield after each piece, naming it). One still under way is
+        finished first: flushes never overlap."""
         self.finish()
         self._gathered, self._emit = gathered, emit
         self._steps = self._run(rest)
         self.rounds += 1
 
-    def step(self) -> bool:
-        """Do the next piece; whether pieces remain."""
+    def step(self) -> str | None:
+        """Do the next piece; what it was (None: nothing was left, the flush is over)."""
         if self._steps is None:
-            return False
-        self.pieces += 1
+            return None
         try:
-            next(self._steps)
+            done = next(self._steps)
         except StopIteration:
             self._steps = None
+            return None
         except BaseException:
             self._steps = self._gathered = None  # a failed flush is not resumed
             raise
-        return self._steps is not None
+        self.pieces += 1
+        return done
 
     def finish(self) -> None:
         """Every piece left, now (before a flush forced by memory pressure, and at the end)."""
-        while self.step():
+        while self.step() is not None:
             pass
 
     def before_frames(self, table: str) -> None:
@@ -76,14 +77,14 @@ class FlushRound:
             if df is not None:
                 self._emit(table, df)
 
-    def _run(self, rest: Iterator[None]) -> Iterator[None]:
+    def _run(self, rest: Iterator[str]) -> Iterator[str]:
         gathered = self._gathered
         assert gathered is not None
         for table in gathered.tables():
             df = gathered.take(table)  # (None when a drain's frames took it first)
             if df is not None:
                 self._emit(table, df)
-                yield
+                yield f"rows {table}"
         self._gathered = None
         yield from rest
 

@@ -73,6 +73,7 @@ class Progress:
     drain_gap_max_at_s: float = 0.0  # when it ended, in seconds after the consumer's start
     flush_wall_max_ms: float = 0.0  # longest piece of a flush between two drains, wall (waits for CPU too)
     flush_cpu_ms: float = 0.0  # the consumer thread's CPU in that piece
+    flush_piece_max: str = ""  # what that piece was ("rows tokens", "segment routes", "aggregates", ...)
     escalations: int = 0  # times the consumer left SCHED_IDLE because the ring was filling
     rss_bytes: int = 0  # the recorder's resident memory at the last drain
     anon_bytes: int = 0  # and its anonymous part (what --max-memory bounds)

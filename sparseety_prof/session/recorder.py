@@ -265,7 +265,8 @@ class Recorder:
                 self._keep_durable(writer, flush, now, in_pieces=True)  # (its pieces: _flush_pieces)
                 t_flush, cpu_flush = time.monotonic(), time.thread_time()
                 self._watch_memory(writer, budget, now)
-                sched.after_flush((time.monotonic() - t_flush) * 1e3, (time.thread_time() - cpu_flush) * 1e3)
+                wall_ms, cpu_ms = (time.monotonic() - t_flush) * 1e3, (time.thread_time() - cpu_flush) * 1e3
+                sched.after_flush(wall_ms, cpu_ms, "memory pressure")
                 stages.lap("flush")
                 self._maybe_detach_attention_ops(corr, a.session)
                 if ablation.begins(self.progress.tokens, a.session.kv_mask_probe, corr.attn_map.detach_tried):
@@ -335,6 +336,8 @@ class Recorder:
                 "profiler_memory": {**_memory_meta(), "budget": budget.meta()},
                 "consumer": {
                     **sched.meta(),
+                    "flushes": self._round.rounds,  # each done in pieces between drains (flush_round.py)
+                    "flush_pieces": self._round.pieces,
                     "ring_watch_wakeups": watch.wakeups,
                     "drains": reader.takes,  # that took any record; with the logits read in the ring:
                     "drains_logits_by_ref": reader.takes_by_ref,
@@ -456,17 +459,18 @@ class Recorder:
         self._start_flush(writer)
         self._round.finish()
 
-    def _flush_writes(self, writer: RecordingWriter | None) -> Iterator[None]:
-        """A flush's pieces after its rows were handed over: the requests the policies decided,
-        the closed aggregate buckets, a Parquet segment per table and meta.json, and the
-        collector's pass (collector.py)."""
+    def _flush_writes(self, writer: RecordingWriter | None) -> Iterator[str]:
+        """A flush's pieces after its rows were handed over, each named: the requests the
+        policies decided, the closed aggregate buckets, a Parquet segment per table and
+        meta.json, and the collector's pass (collector.py)."""
         self._settle(writer, final=False)
+        yield "policy"
         self._store_aggregates(writer, final=False)
+        yield "aggregates"
         if writer is not None:
-            yield
             yield from writer.flush_steps()
-        yield
         self._collector.after_flush()
+        yield "collector"
 
     def _flush_pieces(self, writer: RecordingWriter | None, sched: ConsumerSched, *, until: float) -> None:
         """The pieces of a flush under way until `until` (time.monotonic), when the next drain is
@@ -477,8 +481,8 @@ class Recorder:
         first = True
         while self._round.active and (first or time.monotonic() < until) and not self._stop.is_set():
             t, cpu = time.monotonic(), time.thread_time()
-            self._round.step()
-            sched.after_flush((time.monotonic() - t) * 1e3, (time.thread_time() - cpu) * 1e3)
+            piece = self._round.step()
+            sched.after_flush((time.monotonic() - t) * 1e3, (time.thread_time() - cpu) * 1e3, piece or "")
             first = False
         self._stages.lap("flush")
         self._stop_on_write_error(writer)

@@ -129,14 +129,14 @@ class ConsumerSched:
             if self.mode == "idle":
                 self._policy(os.SCHED_IDLE)
 
-    def after_flush(self, wall_ms: float, cpu_ms: float) -> None:
+    def after_flush(self, wall_ms: float, cpu_ms: float, piece: str = "") -> None:
         """A piece of the loop's flush work between two drains (flush_round.py; or a whole
         flush forced by memory pressure) took `wall_ms`, `cpu_ms` of it on the consumer's thread:
-        the longest is kept. At nice 10 on a busy machine the wall time is several times the CPU,
-        and a drain that comes due waits for the piece under way."""
+        the longest is kept, with what it was (`piece`). At nice 10 on a busy machine the wall time
+        is several times the CPU, and a drain that comes due waits for the piece under way."""
         p = self.progress
         if wall_ms > p.flush_wall_max_ms:
-            p.flush_wall_max_ms, p.flush_cpu_ms = wall_ms, cpu_ms
+            p.flush_wall_max_ms, p.flush_cpu_ms, p.flush_piece_max = wall_ms, cpu_ms, piece
 
     def meta(self) -> dict[str, Any]:
         p = self.progress
@@ -148,6 +148,7 @@ class ConsumerSched:
             "drain_gap_max_at_s": round(p.drain_gap_max_at_s, 1),  # (after the consumer's start)
             "flush_wall_max_ms": round(p.flush_wall_max_ms, 1),
             "flush_cpu_ms": round(p.flush_cpu_ms, 1),  # (of that piece, on the consumer's thread)
+            "flush_piece_max": p.flush_piece_max,  # what that piece was (flush_round.py)
             "escalations": p.escalations,
             "drain_wait_min_ms": round(self.wait_min_s * 1e3, 1),  # the shortest pause the pace chose
             "slice_us_asked": self.slice_us,

@@ -203,11 +203,11 @@ class RecordingWriter:
             self._check_open()
             self._flush_all()
 
-    def flush_steps(self) -> Iterator[None]:
+    def flush_steps(self) -> Iterator[str]:
         """`flush` in steps, for a caller that does other work between them: a yield after each
-        table's segments, then meta.json. Rows appended in between are written by the step of
-        their table if it comes later, else by the next flush. Nothing is done once the writer
-        is closed (its close wrote everything) or a write failed."""
+        table's segments (naming the table), then meta.json. Rows appended in between are written
+        by the step of their table if it comes later, else by the next flush. Nothing is done
+        once the writer is closed (its close wrote everything) or a write failed."""
         wrote = False
         for table in schema.TABLES:
             with self._lock:
@@ -216,10 +216,12 @@ class RecordingWriter:
                 wrote_table = self._flush_table(table, full_only=False)
             if wrote_table:
                 wrote = True
-                yield
+                yield f"segment {table}"
         with self._lock:
-            if wrote and not self._closed and self.write_error is None:
-                self._store_meta()
+            if not wrote or self._closed or self.write_error is not None:
+                return
+            self._store_meta()
+        yield META_FILE
 
     def update_meta(self, **kv: Any) -> None:
         """Merge `kv` into the metadata and rewrite meta.json."""
