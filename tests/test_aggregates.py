@@ -190,6 +190,31 @@ def test_buckets_handed_out_as_they_close_add_up_to_the_same_counts() -> None:
     assert _as_dict(pl.concat(parts)) == _count_by_hand(tokens, 5, LAYERS)
 
 
+def test_a_take_in_steps_counts_a_metric_per_step_and_leaves_rows_added_between_for_later() -> None:
+    """Aggregator.take_steps, the recorder's flush in pieces (session/flush_round.py): a step per
+    metric, the closed buckets at the end; rows added between two steps are counted by a later
+    take; everything adds up to the counts of the rows."""
+    tokens = _random_tokens(400, seed=5)
+    agg = Aggregator(LAYERS, bucket_s=5, grace_s=2)
+    first, late = tokens.slice(0, 300), tokens.slice(300)
+    agg.add("tokens", first)
+    out: list[pl.DataFrame] = []
+    now = int(first["ts_unix_ms"].cast(pl.Int64).max())  # type: ignore[arg-type]
+    steps = agg.take_steps(now, out)
+    assert next(steps) == "aggregates tokens"
+    agg.add("tokens", late)  # a drain between two steps
+    assert list(steps) == [
+        "aggregates log_prob",
+        "aggregates expert_load",
+        "aggregates act_zero_ratio",
+        "aggregates act_below_ratio",
+    ]
+    [closed] = out
+    assert closed.height and (closed["bucket_unix_ms"] + 7000 <= now).all()
+    assert agg._raw_rows == late.height  # waiting for a later take
+    assert _as_dict(pl.concat([closed, agg.take()])) == _count_by_hand(tokens, 5, LAYERS)
+
+
 def test_rows_waiting_to_be_counted_are_bounded_and_counted_alike() -> None:
     """Rows are counted when a bucket of theirs closes, or once FOLD_ROWS of them wait: a run
     whose buckets never close in time (a long grace) still holds at most FOLD_ROWS raw rows."""

@@ -386,7 +386,8 @@ class Recorder:
             for table, df in self._rows.take_all():  # rows of drains before an error
                 self._emit(writer, table, df)
             self._settle(writer, final=True)
-            self._store_aggregates(writer, final=True)
+            for _ in self._store_aggregates(writer, final=True):
+                pass
             stages.lap("flush")
             final["policy"] = self._policy.to_meta()
             if self._head_rate is not None:
@@ -465,8 +466,7 @@ class Recorder:
         meta.json, and the collector's pass (collector.py)."""
         self._settle(writer, final=False)
         yield "policy"
-        self._store_aggregates(writer, final=False)
-        yield "aggregates"
+        yield from self._store_aggregates(writer, final=False)
         if writer is not None:
             yield from writer.flush_steps()
         self._collector.after_flush()
@@ -546,13 +546,17 @@ class Recorder:
             for table, df in self._policy.settle(final=final):
                 writer.append(table, df)
 
-    def _store_aggregates(self, writer: RecordingWriter | None, *, final: bool) -> None:
-        """The aggregates of buckets now closed (all of them at the end) into the recording."""
+    def _store_aggregates(self, writer: RecordingWriter | None, *, final: bool) -> Iterator[str]:
+        """The aggregates of buckets now closed (all of them at the end) into the recording: a
+        yield after each metric's counts (a flush's pieces, flush_round.py) and at the end."""
         if self._aggregates is None or writer is None:
             return
-        rows = self._aggregates.take(None if final else time.time_ns() // 1_000_000)
-        if rows.height:
-            writer.append("aggregates", rows)
+        closed: list[pl.DataFrame] = []
+        yield from self._aggregates.take_steps(None if final else time.time_ns() // 1_000_000, closed)
+        for rows in closed:
+            if rows.height:
+                writer.append("aggregates", rows)
+        yield "aggregates"
 
     def _maybe_detach_attention_ops(self, corr: Correlator, sess: Session) -> None:
         """Once the layer -> mask map is learned (attention_map), the soft_max / flash-attention

@@ -9,7 +9,7 @@ row of the same bucket, metric, layer and bin: readers sum `count` over those ke
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import polars as pl
@@ -96,10 +96,25 @@ class Aggregator:
     def take(self, now_unix_ms: int | None = None) -> pl.DataFrame:
         """The counts of buckets that ended more than `grace_s` before `now_unix_ms` (every
         bucket when None: at the end of the recording), as schema.AGGREGATES rows."""
+        for _ in self.fold_steps(now_unix_ms):
+            pass
+        return self._take_folded(now_unix_ms)
+
+    def take_steps(self, now_unix_ms: int | None, out: list[pl.DataFrame]) -> Iterator[str]:
+        """`take` in steps, for a caller that does other work between them (the recorder's
+        flush, session/flush_round.py): a yield after each metric's counts (naming it); the
+        rows go to `out` at the end. Rows added in between wait for a later take."""
+        yield from self.fold_steps(now_unix_ms)
+        out.append(self._take_folded(now_unix_ms))
+
+    def fold_steps(self, now_unix_ms: int | None) -> Iterator[str]:
+        """The waiting rows counted, when `take` at `now_unix_ms` needs them: a metric at a time."""
         if now_unix_ms is None or (
             self._raw_first_ms is not None and self._closed_by(self._raw_first_ms, now_unix_ms)
         ):
-            self._fold()
+            yield from self._fold_steps()
+
+    def _take_folded(self, now_unix_ms: int | None) -> pl.DataFrame:
         if not self._pending:
             return schema.empty("aggregates")
         counts = combine(pl.concat(self._pending))
@@ -118,6 +133,12 @@ class Aggregator:
 
     def _fold(self) -> None:
         """Count the waiting rows into the pending counts."""
+        for _ in self._fold_steps():
+            pass
+
+    def _fold_steps(self) -> Iterator[str]:
+        """_fold, a yield after each metric's counts of the frames (naming it). The waiting rows
+        are taken at the start: rows added in between wait for the next fold."""
         raw, self._raw, self._raw_rows, self._raw_first_ms = self._raw, [], 0, None
         arrays, self._raw_arrays = self._raw_arrays, []
         for table in _COUNTED:
@@ -132,29 +153,35 @@ class Aggregator:
             if not frames:
                 continue
             df = pl.concat(frames) if len(frames) > 1 else frames[0]
-            parts = self._token_counts(df) if table == "tokens" else [self._step_counts(df)]
-            self._pending.extend(p for p in parts if p.height)
+            named = self._token_counts(df) if table == "tokens" else self._step_parts(df)
+            for metric, part in named:
+                if part.height:
+                    self._pending.append(part)
+                yield f"aggregates {metric}"
         if len(self._pending) > 64:  # keep the pending list short: fold it now and then
             self._pending = [combine(pl.concat(self._pending))]
 
     # ---------------------------------------------------------------- per metric
-    def _token_counts(self, df: pl.DataFrame) -> list[pl.DataFrame]:
+    def _token_counts(self, df: pl.DataFrame) -> Iterator[tuple[str, pl.DataFrame]]:
+        """Each metric's counts of token rows, with its name, one at a time."""
         ts = df["ts_unix_ms"]
         keep = valid(ts)
         if not keep.all():
             df = df.filter(pl.Series(keep))
         bucket = self._bucket_index(df["ts_unix_ms"].to_numpy())
-        parts = [self._counts("tokens", bucket, np.zeros(len(bucket), dtype=np.int64))]
+        yield "tokens", self._counts("tokens", bucket, np.zeros(len(bucket), dtype=np.int64))
         if "log_prob" not in self.leave_out:
             lp = df["log_prob"]
             ok = valid(lp)
-            parts.append(self._counts("log_prob", bucket[ok], _bins("log_prob", lp.to_numpy()[ok])))
+            yield "log_prob", self._counts("log_prob", bucket[ok], _bins("log_prob", lp.to_numpy()[ok]))
         if "expert_load" not in self.leave_out:
-            parts.append(self._expert_load(df, bucket))
+            yield "expert_load", self._expert_load(df, bucket)
         for ratio in ("act_zero_ratio", "act_below_ratio"):
             if ratio not in self.leave_out:
-                parts.append(self._per_layer_histogram(df, bucket, ratio))
-        return parts
+                yield ratio, self._per_layer_histogram(df, bucket, ratio)
+
+    def _step_parts(self, df: pl.DataFrame) -> Iterator[tuple[str, pl.DataFrame]]:
+        yield "step_ms", self._step_counts(df)
 
     def _token_array_counts(self, rows: ArrayRows) -> list[pl.DataFrame]:
         """_token_counts of token rows whose per-layer columns are arrays (_countable)."""
