@@ -85,3 +85,17 @@ def test_agreement_must_be_consecutive() -> None:
     assert not amap.ready
     amap.observe(_pass())
     assert amap.ready
+
+
+def test_attended_gives_each_layer_its_masks_count_of_the_row_and_none_where_nothing_counted() -> None:
+    """StepSparse.attended, per attention layer: the count of the row under the layer's mask;
+    None for a layer with no mask, a mask never counted, or a row its mask did not count."""
+    sp = StepSparse()
+    sp.attn_mask.update({0: FULL, 1: SWA, 2: FULL, 4: 0x3000})  # layer 3: no mask; 0x3000: no counts
+    sp.attn_counts.update({FULL: {0: 7, 1: 8}, SWA: {0: 4}})
+    layers = (0, 1, 2, 3, 4)
+    assert sp.attended(0, layers) == [7, 4, 7, None, None]
+    assert sp.attended(1, layers) == [8, None, 8, None, None]  # the window mask did not count row 1
+    assert sp.attended(5, layers) == [None] * 5
+    assert sp.attended(0, ()) == []
+    assert _pass().attended(0, LAYERS) == [7, 4, 7, 4]

@@ -63,6 +63,11 @@ def test_recording_stays_within_max_disk_and_keeps_the_latest_tokens_exactly(
     assert kept[1:] == truth[len(truth) - len(kept) + 1 :]
     first_truth = truth[len(truth) - len(kept)]
     assert kept[0] == first_truth[len(first_truth) - len(kept[0]) :]
+    # every flush went in pieces between drains (session/flush_round.py), the longest named
+    cons = r.meta["consumer"]
+    assert cons["flushes"] >= 2 and cons["flush_pieces"] > cons["flushes"]
+    pieces = {"rows", "policy", "aggregates", "segment", recording.META_FILE, "collector", "memory"}
+    assert cons["flush_piece_max"].split(" ")[0] in pieces, cons["flush_piece_max"]
 
 
 def _request_order(tokens: object) -> list[str]:
