@@ -164,12 +164,8 @@ class AttentionRecords:
 
     def attended(self, batch_row: int, attn_layers: tuple[int, ...]) -> list[int | None]:
         """Per attention layer: the cells batch row attends (None when not counted)."""
-        # a token's row, every attention layer: the layers share one or two masks (full and
-        # sliding window), so each mask's count is looked up once and the per-layer list made
-        # by C-level maps (a Python loop over the layers cost ~5% of the server's correlation)
-        masks = list(map(self.attn_mask.get, attn_layers))
-        counts = self.attn_counts
-        by_mask: dict[int | None, int | None] = {
-            m: c.get(batch_row) for m in set(masks) if m is not None and (c := counts.get(m)) is not None
-        }
-        return list(map(by_mask.get, masks))
+        att: list[int | None] = []
+        for layer in attn_layers:
+            mask = self.attn_mask.get(layer)
+            att.append(None if mask is None else self.attn_counts.get(mask, {}).get(batch_row))
+        return att
