@@ -118,6 +118,7 @@ class Side:
     requests: list[tuple[int, list[int]]] = field(default_factory=list)
     engine_user_s: float = 0.0
     engine_sys_s: float = 0.0
+    engine_preempted: int = 0  # its threads' involuntary context switches over the side
 
     def add(self, t_request: int, times: list[int]) -> None:
         if times:
@@ -409,10 +410,28 @@ def timed_load(eng: Any, seconds: float, tokens: AnswerLengths) -> Side:
     """eng.load, with the engine's user and system CPU time over it (all its threads: the probes'
     run time and their traps are its system time)."""
     u0, s0, _, _ = cpu_times(eng.pid)
+    p0 = preemptions(eng.pid)
     side: Side = eng.load(seconds, tokens)
     u1, s1, _, _ = cpu_times(eng.pid)
     side.engine_user_s, side.engine_sys_s = u1 - u0, s1 - s0
+    side.engine_preempted = preemptions(eng.pid) - p0
     return side
+
+
+def preemptions(pid: int) -> int:
+    """The involuntary context switches of a process's threads so far (/proc/PID/task/*/status
+    nonvoluntary_ctxt_switches): how often another thread took their core while they could run.
+    Threads that exited in between are not counted (the engines' threads live as long as they)."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            text = status.read_text()
+        except OSError:  # the thread exited
+            continue
+        for line in text.splitlines():
+            if line.startswith("nonvoluntary_ctxt_switches:"):
+                total += int(line.split()[1])
+    return total
 
 
 def calibrate(eng: Any, a: argparse.Namespace, mode: str, tmp: Path) -> Path:
@@ -462,6 +481,7 @@ def pair_figures(
         rows[f"prefill_gaps_{side}"].append(1.0 - len(decode[side]) / max(len(gaps[side]), 1))
         rows[f"engine_user_{side}"].append(p.engine_user_s / max(p.tokens, 1) * 1e6)
         rows[f"engine_sys_{side}"].append(p.engine_sys_s / max(p.tokens, 1) * 1e6)
+        rows[f"engine_preempted_{side}"].append(p.engine_preempted / max(p.tokens, 1))
 
 
 def bench(
@@ -486,6 +506,8 @@ def bench(
             "engine_user_b",
             "engine_sys_a",
             "engine_sys_b",
+            "engine_preempted_a",
+            "engine_preempted_b",
         )
     }
     losses = records = tokens = bpf_runs = bpf_ns = 0
@@ -575,8 +597,10 @@ def bench(
                 f"of CPU, {cons.get('flush_piece_max')}; {cons.get('flush_pieces')} pieces in "
                 f"{cons.get('flushes')} flushes), "
                 f"{cons.get('drains_logits_by_ref')} of {cons.get('drains')} drains read logits in the ring, "
-                f"engine system CPU {rows['engine_sys_a'][-1]:.0f} → {rows['engine_sys_b'][-1]:.0f} µs/token"
-                + probes,
+                f"engine system CPU {rows['engine_sys_a'][-1]:.0f} → {rows['engine_sys_b'][-1]:.0f} "
+                f"µs/token, user {rows['engine_user_a'][-1]:.0f} → {rows['engine_user_b'][-1]:.0f}, "
+                f"its threads preempted {rows['engine_preempted_a'][-1]:.2f} → "
+                f"{rows['engine_preempted_b'][-1]:.2f} times/token" + probes,
                 file=sys.stderr,
             )
     finally:
@@ -658,14 +682,20 @@ def print_traps(results: list[dict[str, Any]]) -> None:
 def print_engine_cpu(results: list[dict[str, Any]]) -> None:
     """The engine process's CPU per generated token, plain (A) and profiled (B), medians over the
     pairs: the probes' run time and traps land in its system time; its user time holds its
-    threads' spinning at the graph's barriers, so it follows the wall time."""
+    threads' spinning at the graph's barriers, so it follows the wall time; how often its threads
+    were preempted (involuntary context switches) says how often another thread (the recorder's,
+    at a low priority) took one of their cores."""
     print()
-    print("| engine | clients | mode | engine user µs/token, plain → profiled | system, plain → profiled |")
-    print("| --- | --- | --- | --- | --- |")
+    print(
+        "| engine | clients | mode | engine user µs/token, plain → profiled | system, plain → profiled "
+        "| its threads preempted per token, plain → profiled |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
     for r in results:
         u_a, u_b = r["engine_user_a"]["median"], r["engine_user_b"]["median"]
         s_a, s_b = r["engine_sys_a"]["median"], r["engine_sys_b"]["median"]
-        cells = f"{u_a:.0f} → {u_b:.0f} | {s_a:.0f} → {s_b:.0f}"
+        p_a, p_b = r["engine_preempted_a"]["median"], r["engine_preempted_b"]["median"]
+        cells = f"{u_a:.0f} → {u_b:.0f} | {s_a:.0f} → {s_b:.0f} | {p_a:.2f} → {p_b:.2f}"
         print(f"| {r['engine']} | {r['clients']} | {r['mode']} | {cells} |")
 
 

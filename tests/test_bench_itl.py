@@ -1,13 +1,18 @@
 """scripts/bench_sustained.py's inter-token gaps: the gaps of a step that ran another request's
 prompt are told from the decode steps' (Side.prefill_gaps), whichever side of the other slots'
-tokens the new request's first token reaches its client; and the answer lengths both sides ask for."""
+tokens the new request's first token reaches its client; the answer lengths both sides ask for; and
+the engine threads' preemptions it counts."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
-from scripts.bench_sustained import AnswerLengths, Side
+from scripts.bench_sustained import AnswerLengths, Side, preemptions
 
 MS = 1_000_000
 
@@ -52,3 +57,24 @@ def test_answer_lengths_are_the_same_sequence_on_every_side() -> None:
     assert drawn[0] != drawn[1]  # each client its own sequence: they do not end together
     assert len(set(flat.tolist())) > 40
     assert {AnswerLengths(64)(k, i) for k in range(4) for i in range(50)} == {64}  # --spread 0
+
+
+def test_preemptions_count_the_involuntary_switches_of_every_thread() -> None:
+    """bench_sustained.preemptions: three processes spinning on one CPU take it from each other
+    many times in half a second, and each one's count says so."""
+    spin = "\n".join(
+        [
+            "import os, time",
+            "os.sched_setaffinity(0, {0})",
+            "t = time.monotonic() + 0.6",
+            "while time.monotonic() < t: pass",
+        ]
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(3)]
+    time.sleep(0.45)
+    try:
+        counts = [preemptions(p.pid) for p in procs]
+    finally:
+        for p in procs:
+            p.wait()
+    assert all(n >= 5 for n in counts), counts
