@@ -564,6 +564,9 @@ def bench(
             # so the two counts are two views of the same records (the larger one counts both)
             ring_lost = max(int(lz["kernel_drops"]), int(lz["seq_gaps"]))
             losses += ring_lost + sum(int(lz.get(k, 0)) for k in SPARSE_LOSSES)
+            # each kind that lost anything, for the per-pair line: a loss is named, never a bare count
+            lost_kinds = {k: int(lz.get(k, 0)) for k in ("kernel_drops", "seq_gaps", *SPARSE_LOSSES)}
+            lost_text = ", ".join(f"{k} {v}" for k, v in lost_kinds.items() if v) or "none"
             records += int(lz["records_produced"])
             tokens += n_rec
             cons = meta.get("consumer", {})
@@ -600,7 +603,7 @@ def bench(
                 f"engine system CPU {rows['engine_sys_a'][-1]:.0f} → {rows['engine_sys_b'][-1]:.0f} "
                 f"µs/token, user {rows['engine_user_a'][-1]:.0f} → {rows['engine_user_b'][-1]:.0f}, "
                 f"its threads preempted {rows['engine_preempted_a'][-1]:.2f} → "
-                f"{rows['engine_preempted_b'][-1]:.2f} times/token" + probes,
+                f"{rows['engine_preempted_b'][-1]:.2f} times/token, losses: {lost_text}" + probes,
                 file=sys.stderr,
             )
     finally:
