@@ -263,10 +263,7 @@ class Recorder:
                             self._consume(b, corr, tracker, writer, a.session, gpu=gpu)
                 watch.rearm()
                 self._keep_durable(writer, flush, now, in_pieces=True)  # (its pieces: _flush_pieces)
-                t_flush, cpu_flush = time.monotonic(), time.thread_time()
-                self._watch_memory(writer, budget, now)
-                wall_ms, cpu_ms = (time.monotonic() - t_flush) * 1e3, (time.thread_time() - cpu_flush) * 1e3
-                sched.after_flush(wall_ms, cpu_ms, "memory pressure")
+                self._watch_memory(writer, budget, now, sched)
                 stages.lap("flush")
                 self._maybe_detach_attention_ops(corr, a.session)
                 if ablation.begins(self.progress.tokens, a.session.kv_mask_probe, corr.attn_map.detach_tried):
@@ -487,12 +484,16 @@ class Recorder:
         self._stages.lap("flush")
         self._stop_on_write_error(writer)
 
-    def _watch_memory(self, writer: RecordingWriter | None, budget: MemoryBudget, now: float) -> None:
-        """Above --max-memory: the gathered rows go out now, and the freed heap back to the kernel
-        (memory_budget.py)."""
+    def _watch_memory(
+        self, writer: RecordingWriter | None, budget: MemoryBudget, now: float, sched: ConsumerSched
+    ) -> None:
+        """Above --max-memory: the gathered rows go out now (a whole flush, timed as a piece of
+        one), and the freed heap back to the kernel (memory_budget.py)."""
         if not budget.pressed(self.progress.anon_bytes, now):  # read by this drain's _consume
             return
+        t, cpu = time.monotonic(), time.thread_time()
         self._flush_now(writer)
+        sched.after_flush((time.monotonic() - t) * 1e3, (time.thread_time() - cpu) * 1e3, "memory pressure")
         trim_heap()
         anon = anon_bytes()
         if not budget.relieved(anon) and budget.over_after_flush == 1:
