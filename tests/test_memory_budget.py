@@ -5,6 +5,7 @@ attached."""
 
 from __future__ import annotations
 
+import gc
 import json
 import signal
 import time
@@ -40,12 +41,15 @@ def test_pressure_flushes_are_spaced_and_counted() -> None:
 
 
 def test_anonymous_memory_is_read_and_grows_with_an_allocation() -> None:
+    gc.collect()  # the earlier tests' garbage freed now, not while the block is measured
     before = anon_bytes()
     # every page written: bytearray(n) comes from calloc, whose fresh pages stay unmapped until
-    # touched (a CI run saw only 59.7 of the 64 MiB resident)
+    # touched (a CI run saw only 59.7 of the 64 MiB resident). The count is the whole process's:
+    # memory freed meanwhile elsewhere in it is subtracted (a CI run saw 59.2 MiB of growth), so
+    # the bar is three quarters of the block.
     block = bytearray(b"\x01") * (64 << 20)
     after = anon_bytes()
-    assert before > 0 and after - before >= 60 << 20
+    assert before > 0 and after - before >= 48 << 20
     del block
 
 
