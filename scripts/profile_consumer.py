@@ -69,8 +69,9 @@ STAGES: list[tuple[str, str]] = [
     ("record handlers (prompts, first tokens)", "Correlator.feed"),
     ("token, step, request rows", "Correlator.take_tables"),
     ("frames from rows (Polars)", "ColumnBuffer.add"),
-    ("flushes: Parquet segments, meta.json", "_keep_durable"),
-    ("aggregates, policy, sinks", "Recorder._emit"),
+    ("flushes: Parquet segments, meta.json", "RowOutlet.flush_pieces"),
+    ("flushes under memory pressure", "RowOutlet.relieve_memory"),
+    ("aggregates, policy, sinks", "RowOutlet.emit"),
     ("decode of record groups", "decode_groups"),
     ("rest of a drain", "Recorder._consume"),
 ]

@@ -11,19 +11,17 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import polars as pl
 
 from sparseety_prof import __version__
 from sparseety_prof.capture import target as tg
 from sparseety_prof.capture.bpf_loader import ATTENTION_OPS, RingReader, Session, is_server
 from sparseety_prof.capture.events import EventBatch, SeqTracker, decode_groups
-from sparseety_prof.capture.weight_sparsity import analyze as analyze_weights
-from sparseety_prof.capture.weight_sparsity import model_sha256
 from sparseety_prof.correlate.correlator import Correlator
 from sparseety_prof.correlate.serving import ServingTracker
 from sparseety_prof.errors import NotAnEngine, ProfError
@@ -31,19 +29,15 @@ from sparseety_prof.gpu.capture import GpuCapture
 from sparseety_prof.gpu.shm_ring import RingError
 from sparseety_prof.session import metadata
 from sparseety_prof.session.ablation import ConsumerAblation
-from sparseety_prof.session.attach import attach
+from sparseety_prof.session.attach import Attached, attach
 from sparseety_prof.session.collector import FlushTimedCollector
 from sparseety_prof.session.drain_batches import DrainBatches
-from sparseety_prof.session.flush_round import FlushRound
-from sparseety_prof.session.memory_budget import (
-    PRESSURE_GAP_S,
-    MemoryBudget,
-    anon_bytes,
-    resident_bytes,
-    trim_heap,
-)
+from sparseety_prof.session.memory_budget import MemoryBudget, resident_bytes
+from sparseety_prof.session.model_hasher import ModelHasher
 from sparseety_prof.session.options import Options, Progress
 from sparseety_prof.session.policy import RecordingPolicy, probe_head_rate
+from sparseety_prof.session.ring_watch import RingWatch
+from sparseety_prof.session.row_outlet import RowOutlet
 from sparseety_prof.session.sched import ConsumerSched
 from sparseety_prof.session.sinks import FrameSink, SinkFanout
 from sparseety_prof.session.snapshot import engine_environment, host_info, process_info
@@ -51,15 +45,13 @@ from sparseety_prof.session.stage_cpu import StageCpu
 from sparseety_prof.session.stop_flag import StopFlag
 from sparseety_prof.store import schema
 from sparseety_prof.store.aggregates import COUNTED, Aggregator
-from sparseety_prof.store.array_rows import ArrayRows
-from sparseety_prof.store.buffers import ColumnBuffer, FlushSchedule
+from sparseety_prof.store.buffers import FlushSchedule
 from sparseety_prof.store.output_dir import sudo_owner
 from sparseety_prof.store.recording import list_layers
 from sparseety_prof.store.recording_writer import RecordingWriter
 from sparseety_prof.terminal_text import line as terminal_line
 
 DRAIN_INTERVAL_S = 0.5  # the longest pause between drains: fewer, larger ones cost less CPU per token
-HASH_STALL_S = 30.0  # close gives up on the model's sha256 after this long without progress
 
 
 class Recorder:
@@ -75,17 +67,14 @@ class Recorder:
     ) -> None:
         self.opts = opts
         self._sink_list = list(sinks)
-        self._sinks: SinkFanout | None = None
         # head sampling in the probes: the requests' verdicts, from the correlator to the policy
         self._head_rate = probe_head_rate(opts.policy)
         self._head_verdicts: dict[str, bool] | None = {} if self._head_rate is not None else None
         self._policy = RecordingPolicy(
             opts.policy, window_bytes=opts.policy_window, probe_verdicts=self._head_verdicts
         )
-        self._aggregates: Aggregator | None = None
         self.on_update = on_update
-        self._rows = ColumnBuffer()
-        self._round = FlushRound()  # the flush under way, done in pieces between drains
+        self._outlet: RowOutlet | None = None  # where the rows go (run opens it)
         self._stages = StageCpu()  # where the consumer's CPU goes (meta.json consumer.cpu_s_by_stage)
         self._collector = FlushTimedCollector()
         sink = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -151,58 +140,10 @@ class Recorder:
                 if gpu is not None:
                     gpu.close()
                 raise
-        self._sinks = self._open_sinks()
-        self._aggregates = _aggregator(opts, self.meta)
-        hp = a.model.hyperparameters
-        corr = self._corr = Correlator(
-            pid=opts.pid,
-            n_vocab=len(a.vocab),
-            wall_offset_ns=wall_offset,
-            texts=a.vocab.texts,
-            layers=a.layers,
-            n_expert=int(hp.get("expert_count", 0) or 0),
-            n_expert_used=int(hp.get("expert_used_count", 0) or 0),
-            with_masks=opts.capture.masks,
-            serving=ServingTracker(opts.pid, opts.request_header) if is_server(a.where) else None,
-            slot_tokens=any(p.symbol == tg.SYM_PROCESS_TOKEN for p in a.session.attached),
-            # routes rows nothing stores or reads (--policy aggregate without --metrics-port) are
-            # counted, not made
-            routes_rows=self._policy.stores("routes") or self._sinks.wants("routes") or opts.capture.masks,
-            head_verdicts=self._head_verdicts,
-            head_drops_routes=not self._sinks.wants("routes"),
-            head_rows_apart=self._apart_columns(gpu),
-        )
-        tracker = SeqTracker()
+        out = self._open_outlet(writer, _aggregator(opts, self.meta))
+        corr = self._corr = self._open_correlator(a, gpu, wall_offset)
         self.attached.set()
-        reader = RingReader(a.session)
-        model_hash: dict[str, Any] = {}
-        hash_moved = [time.monotonic()]  # when the hashing thread last read something
-
-        def hash_and_scan() -> None:
-            # the model's sha256, then its static weight sparsity (cached per sha256)
-            def moved(_done: int, _total: int) -> None:
-                hash_moved[0] = time.monotonic()
-
-            try:
-                model_hash["sha256"] = model_sha256(a.model_file, progress=moved)
-            except OSError as e:  # the file is the target's: gone, swapped, unreadable
-                model_hash["weights"] = {"error": f"model file not hashed: {e}"}
-                return
-            try:
-                model_hash["weights"] = analyze_weights(
-                    a.model_file, sha256=model_hash["sha256"], progress=moved
-                )
-            except Exception as e:  # a cache problem must not lose the recording
-                model_hash["weights"] = {"error": str(e)}
-
-        def hasher_run() -> None:
-            try:
-                hash_and_scan()
-            finally:
-                hash_cpu_s[0] = time.thread_time()  # this thread's CPU, from its start
-
-        hash_cpu_s = [0.0]  # the hasher's CPU time (meta.json consumer.cpu_s_by_stage model_hash)
-        hasher = threading.Thread(target=hasher_run, name="model-sha256", daemon=True)
+        hasher = ModelHasher(a.model_file)
         hasher.start()
         start_unix_ms = time.time_ns() // 1_000_000
         self.log(
@@ -218,63 +159,14 @@ class Recorder:
             bpf_stats = "on" if not why else f"unavailable: {why}"
             if why:
                 self.log(f"sparseety-prof: --bpf-stats: {why}")
-        sched = ConsumerSched(opts, self.progress, DRAIN_INTERVAL_S)
-        flush = FlushSchedule(opts.flush_interval)
-        budget = MemoryBudget(opts.max_memory)
-        watch = sched.watch(reader.pending_share, reader.wake_fd, reader.arm_watch)
-        ablation = ConsumerAblation(opts.ablate_consumer)
-        # --correlate-every: drains reduced as taken and correlated together (None: each as taken)
-        drains = (
-            DrainBatches(opts.correlate_every) if opts.correlate_every and DrainBatches.available() else None
-        )
+        c = _Consumer.open(opts, a.session, self.progress)
         stages, cpu_drains0 = self._stages, _cpu_s()
         stages.restart()  # on this thread; attach's CPU is not a stage's
         self._collector.start()  # the cyclic collector runs after flushes only (collector.py)
         try:
             t_prev = time.monotonic()
             while not self._stop.is_set():
-                # the pieces of a flush under way until the next drain is due; the pace is counted
-                # from the last drain: the work since (its correlation, a flush's pieces that
-                # waited for the CPU at nice 10) is part of the wait, not added to it
-                self._flush_pieces(writer, sched, until=t_prev + sched.wait_s)
-                self._stop.wait(flush.wait_s(max(0.0, sched.wait_s - (time.monotonic() - t_prev))))
-                stages.lap("loop")
-                records = reader.take(sched.on_backlog)
-                stages.lap("ring_walk")
-                now = time.monotonic()
-                filled = reader.last_take_bytes / (a.session.ring_pages * mmap.PAGESIZE)
-                sched.after_drain(filled, (now - t_prev) * 1e3)
-                t_prev = now
-                if ablation.active:  # --ablate-consumer: drained and dropped, nothing else
-                    ablation.discard(records, reader.last_take_bytes)
-                    reader.release()
-                elif drains is None:
-                    batch = self._decode(records, tracker, a.session, ring_data=reader.data)
-                    self._consume(batch, corr, tracker, writer, a.session, gpu=gpu)
-                    reader.release()  # the logits rows read where they lay: their space goes back now
-                else:
-                    batch = self._decode(records, tracker, a.session, ring_data=reader.data)
-                    drains.add(batch)  # the logits rows reduced to their statistics
-                    stages.lap("logits")
-                    reader.release()
-                    behind = filled > ConsumerSched.PACE_FILL or sched.escalated
-                    if drains.due(now, flush_due=flush.is_due(now), behind=behind):
-                        for b in drains.take():
-                            self._consume(b, corr, tracker, writer, a.session, gpu=gpu)
-                watch.rearm()
-                self._keep_durable(writer, flush, now, in_pieces=True)  # (its pieces: _flush_pieces)
-                self._watch_memory(writer, budget, now, sched)
-                stages.lap("flush")
-                self._maybe_detach_attention_ops(corr, a.session)
-                if ablation.begins(self.progress.tokens, a.session.kv_mask_probe, corr.attn_map.detach_tried):
-                    for b in drains.take() if drains is not None else ():  # (those still waiting)
-                        self._consume(b, corr, tracker, writer, a.session, gpu=gpu)
-                    self._flush_now(writer)  # the rows of the start-up work: the recording's last
-                    self.log(
-                        "sparseety-prof: --ablate-consumer: start-up work done after "
-                        f"{ablation.began_after_s:.1f} s ({self.progress.tokens} tokens recorded); "
-                        "from now on its records are drained and discarded"
-                    )
+                t_prev = self._drain_once(c, corr, a.session, gpu, t_prev)
                 if deadline is not None and time.monotonic() >= deadline:
                     self.stop("duration reached")
                 if not _alive(opts.pid):
@@ -283,41 +175,16 @@ class Recorder:
             error = e
         finally:
             self._collector.stop()  # what follows runs once: the collector as usual
-            watch.close()
+            c.watch.close()
             stages.lap("loop")
-            rest = reader.stop()
+            rest = c.reader.stop()
             stages.lap("ring_walk")
             counters = a.session.counters()
             counters["program_misses"] = a.session.program_misses()  # before close: read off the fds
             programs = a.session.program_costs() if bpf_stats == "on" else {}
             a.session.close()
             stages.lap("detach")
-            if error is None and ablation.active:  # the last records dropped too; open requests ended
-                ablation.discard(rest, 0)
-                try:
-                    empty = EventBatch(logits_chunk=a.session.logits_chunk)
-                    self._consume(
-                        empty, corr, tracker, writer, a.session, counters=counters, final=True, gpu=gpu
-                    )
-                except BaseException as e:
-                    error = e
-            elif error is None:
-                try:
-                    batch = self._decode(rest, tracker, a.session, final=True)
-                    batches = [batch]
-                    if drains is not None:
-                        drains.add(batch, final=True)
-                        stages.lap("logits")
-                        batches = drains.take()
-                    for i, b in enumerate(batches):
-                        last = i == len(batches) - 1
-                        self._consume(
-                            b, corr, tracker, writer, a.session, counters=counters, final=last, gpu=gpu
-                        )
-                except BaseException as e:
-                    error = e
-            else:
-                tracker.update(decode_groups(rest, a.session.logits_chunk).seqs(), final=True)
+            error = self._drain_rest(c, rest, corr, a.session, counters, gpu, error)
             self.progress.cpu_s = _cpu_s() - cpu0
             final = {
                 "probes": a.session.probes_meta(),  # the graph-op probes now marked detached
@@ -325,30 +192,13 @@ class Recorder:
                 "end_unix_ms": time.time_ns() // 1_000_000,
                 "stop_reason": self.stop_reason or (type(error).__name__ if error else ""),
                 "losses": metadata.losses(
-                    counters, corr, seq_gaps=tracker.gaps, records_seen=tracker.seen + ablation.records
+                    counters, corr, seq_gaps=c.tracker.gaps, records_seen=c.tracker.seen + c.ablation.records
                 ),
                 **metadata.outcome(a, opts, corr),
                 "counts": {"tokens": self.progress.tokens, "steps": self.progress.steps},
                 "profiler_cpu_s": round(self.progress.cpu_s, 3),
-                "profiler_memory": {**_memory_meta(), "budget": budget.meta()},
-                "consumer": {
-                    **sched.meta(),
-                    "flushes": self._round.rounds,  # each done in pieces between drains (flush_round.py)
-                    "flush_pieces": self._round.pieces,
-                    "ring_watch_wakeups": watch.wakeups,
-                    "drains": reader.takes,  # that took any record; with the logits read in the ring:
-                    "drains_logits_by_ref": reader.takes_by_ref,
-                    # drains go to the correlator together (drain_batches.py): how often it ran,
-                    # and the logits records of a sampler call a drain cut, reduced with the next
-                    "correlate_every_s": opts.correlate_every if drains is not None else 0,
-                    "correlations": drains.correlations if drains is not None else reader.takes,
-                    "logits_carried": drains.reducer.carried if drains is not None else 0,
-                    # reduced rows whose statistics were of another token than the token row's
-                    # (never expected: both are the sampler call's result); left null
-                    "logits_token_mismatch": corr.requests.stats.token_mismatch,
-                    "gc_collections": self._collector.collections,
-                    "ablated": ablation.meta(),  # --ablate-consumer (session/ablation.py)
-                },
+                "profiler_memory": {**_memory_meta(), "budget": c.budget.meta()},
+                "consumer": self._consumer_meta(c, corr),
                 "bpf_compile_s": round(a.session.compile_s, 3),
                 "bpf_programs": {
                     "stats": bpf_stats,
@@ -357,34 +207,19 @@ class Recorder:
                     "programs": programs,
                 },
             }
-            if hasher.is_alive():
-                self.log("sparseety-prof: finishing the model file's sha256 ...")
-            # waited for as long as it reads on (a big model takes minutes), not for a read that hangs
-            while hasher.is_alive() and time.monotonic() - hash_moved[0] < HASH_STALL_S:
-                hasher.join(0.5)
-            if hasher.is_alive():
-                self.log(
-                    f"sparseety-prof: model file's sha256 abandoned (no progress for {HASH_STALL_S:.0f} s)"
-                )
-                model_hash.clear()
-                model_hash["weights"] = {"error": "model file not hashed: reading it stalled"}
+            sha256, weights = hasher.finish(self.log)
             # a hasher still reading gets refused from here on (PinnedFile.reopen), never another file
             a.model_file.close()
-            final["model"] = {**self.meta["model"], "sha256": model_hash.get("sha256")}
-            final["weight_sparsity"] = metadata.weight_summary(model_hash.get("weights"))
+            final["model"] = {**self.meta["model"], "sha256": sha256}
+            final["weight_sparsity"] = metadata.weight_summary(weights)
             if gpu is not None:
                 final["gpu"] = gpu.meta()
                 gpu.close()
             stages.lap("loop")
             try:
-                self._round.finish()  # a flush under way: its rows before those gathered since
+                out.close_rows()  # a flush under way, the rows gathered since, every aggregate
             except BaseException as e:
                 error = error or e
-            for table, df in self._rows.take_all():  # rows of drains before an error
-                self._emit(writer, table, df)
-            self._settle(writer, final=True)
-            for _ in self._store_aggregates(writer, final=True):
-                pass
             stages.lap("flush")
             final["policy"] = self._policy.to_meta()
             if self._head_rate is not None:
@@ -392,14 +227,14 @@ class Recorder:
                 final["policy"]["head_in_probes"].update(probes)
             final["aggregates"] = {
                 "bucket_s": opts.aggregate_s,
-                "left_out": sorted(self._aggregates.leave_out) if self._aggregates else [],
+                "left_out": sorted(out.aggregates.leave_out) if out.aggregates else [],
             }
-            if self._sinks is not None and self._sink_list:
-                final["sinks"] = self._sinks.close({**self.meta, **final})
+            if self._sink_list:
+                final["sinks"] = out.sinks.close({**self.meta, **final})
             stages.lap("frames_sinks")
             # (the hasher starts a few statements before the span: its CPU is counted whole)
             final["consumer"]["cpu_s_by_stage"] = stages.meta(
-                _cpu_s() - cpu_drains0, {"model_hash": hash_cpu_s[0]}
+                _cpu_s() - cpu_drains0, {"model_hash": hasher.cpu_s}
             )
             self.meta.update(final)
             if writer is not None:
@@ -409,9 +244,144 @@ class Recorder:
         _raise_write_failure(writer)
         return self.meta
 
-    def _open_sinks(self) -> SinkFanout:
+    def _drain_once(
+        self, c: _Consumer, corr: Correlator, sess: Session, gpu: GpuCapture | None, t_prev: float
+    ) -> float:
+        """One turn of the consumer's loop: a flush's pieces while they fit, the pause, a drain
+        and its records through the correlator, the flush schedule and the memory budget.
+        Returns when this drain was taken (time.monotonic), the pace's origin for the next."""
+        out, stages, sched = self._out, self._stages, c.sched
+        # the pieces of a flush under way until the next drain is due; the pace is counted from
+        # the last drain: the work since (its correlation, a flush's pieces that waited for the
+        # CPU at nice 10) is part of the wait, not added to it
+        out.flush_pieces(sched, until=t_prev + sched.wait_s, stopped=self._stop.is_set)
+        self._stop_on_write_error()
+        self._stop.wait(c.flush.wait_s(max(0.0, sched.wait_s - (time.monotonic() - t_prev))))
+        stages.lap("loop")
+        records = c.reader.take(sched.on_backlog)
+        stages.lap("ring_walk")
+        now = time.monotonic()
+        filled = c.reader.last_take_bytes / (sess.ring_pages * mmap.PAGESIZE)
+        sched.after_drain(filled, (now - t_prev) * 1e3)
+        if c.ablation.active:  # --ablate-consumer: drained and dropped, nothing else
+            c.ablation.discard(records, c.reader.last_take_bytes)
+            c.reader.release()
+        elif c.batches is None:
+            batch = self._decode(records, c.tracker, sess, ring_data=c.reader.data)
+            self._consume(batch, corr, c.tracker, sess, gpu=gpu)
+            c.reader.release()  # the logits rows read where they lay: their space goes back now
+        else:
+            batch = self._decode(records, c.tracker, sess, ring_data=c.reader.data)
+            c.batches.add(batch)  # the logits rows reduced to their statistics
+            stages.lap("logits")
+            c.reader.release()
+            behind = filled > ConsumerSched.PACE_FILL or sched.escalated
+            if c.batches.due(now, flush_due=c.flush.is_due(now), behind=behind):
+                for b in c.batches.take():
+                    self._consume(b, corr, c.tracker, sess, gpu=gpu)
+        c.watch.rearm()
+        out.keep_durable(c.flush, now, in_pieces=True)  # (its pieces: flush_pieces)
+        self._stop_on_write_error()
+        out.relieve_memory(c.budget, self.progress.anon_bytes, now, sched)  # (read by this drain)
+        stages.lap("flush")
+        self._maybe_detach_attention_ops(corr, sess)
+        if c.ablation.begins(self.progress.tokens, sess.kv_mask_probe, corr.attn_map.detach_tried):
+            for b in c.batches.take() if c.batches is not None else ():  # (those still waiting)
+                self._consume(b, corr, c.tracker, sess, gpu=gpu)
+            out.flush_now()  # the rows of the start-up work: the recording's last
+            self.log(
+                "sparseety-prof: --ablate-consumer: start-up work done after "
+                f"{c.ablation.began_after_s:.1f} s ({self.progress.tokens} tokens recorded); "
+                "from now on its records are drained and discarded"
+            )
+        return now
+
+    def _drain_rest(
+        self,
+        c: _Consumer,
+        rest: dict[int, np.ndarray],
+        corr: Correlator,
+        sess: Session,
+        counters: dict[str, int],
+        gpu: GpuCapture | None,
+        error: BaseException | None,
+    ) -> BaseException | None:
+        """The records left in the ring once the probes are gone, through the correlator (its
+        open requests ended); after an error, only their sequence numbers counted. Returns the
+        error, the one it met if there was none before."""
+        if error is None and c.ablation.active:  # the last records dropped too; open requests ended
+            c.ablation.discard(rest, 0)
+            try:
+                empty = EventBatch(logits_chunk=sess.logits_chunk)
+                self._consume(empty, corr, c.tracker, sess, counters=counters, final=True, gpu=gpu)
+            except BaseException as e:
+                return e
+        elif error is None:
+            try:
+                batch = self._decode(rest, c.tracker, sess, final=True)
+                batches = [batch]
+                if c.batches is not None:
+                    c.batches.add(batch, final=True)
+                    self._stages.lap("logits")
+                    batches = c.batches.take()
+                for i, b in enumerate(batches):
+                    last = i == len(batches) - 1
+                    self._consume(b, corr, c.tracker, sess, counters=counters, final=last, gpu=gpu)
+            except BaseException as e:
+                return e
+        else:
+            c.tracker.update(decode_groups(rest, sess.logits_chunk).seqs(), final=True)
+        return error
+
+    def _consumer_meta(self, c: _Consumer, corr: Correlator) -> dict[str, Any]:
+        """meta.json `consumer`: how the consumer kept pace (cpu_s_by_stage is added at close)."""
+        batches, out = c.batches, self._out
+        return {
+            **c.sched.meta(),
+            "flushes": out.round.rounds,  # each done in pieces between drains (flush_round.py)
+            "flush_pieces": out.round.pieces,
+            "ring_watch_wakeups": c.watch.wakeups,
+            "drains": c.reader.takes,  # that took any record; with the logits read in the ring:
+            "drains_logits_by_ref": c.reader.takes_by_ref,
+            # drains go to the correlator together (drain_batches.py): how often it ran, and the
+            # logits records of a sampler call a drain cut, reduced with the next
+            "correlate_every_s": self.opts.correlate_every if batches is not None else 0,
+            "correlations": batches.correlations if batches is not None else c.reader.takes,
+            "logits_carried": batches.reducer.carried if batches is not None else 0,
+            # reduced rows whose statistics were of another token than the token row's (never
+            # expected: both are the sampler call's result); left null
+            "logits_token_mismatch": corr.requests.stats.token_mismatch,
+            "gc_collections": self._collector.collections,
+            "ablated": c.ablation.meta(),  # --ablate-consumer (session/ablation.py)
+        }
+
+    def _open_correlator(self, a: Attached, gpu: GpuCapture | None, wall_offset_ns: int) -> Correlator:
+        """The correlator for this engine, making the rows that something reads."""
+        opts, hp = self.opts, a.model.hyperparameters
+        wants_routes = self._out.sinks.wants("routes")
+        return Correlator(
+            pid=opts.pid,
+            n_vocab=len(a.vocab),
+            wall_offset_ns=wall_offset_ns,
+            texts=a.vocab.texts,
+            layers=a.layers,
+            n_expert=int(hp.get("expert_count", 0) or 0),
+            n_expert_used=int(hp.get("expert_used_count", 0) or 0),
+            with_masks=opts.capture.masks,
+            serving=ServingTracker(opts.pid, opts.request_header) if is_server(a.where) else None,
+            slot_tokens=any(p.symbol == tg.SYM_PROCESS_TOKEN for p in a.session.attached),
+            # routes rows nothing stores or reads (--policy aggregate without --metrics-port) are
+            # counted, not made
+            routes_rows=self._policy.stores("routes") or wants_routes or opts.capture.masks,
+            head_verdicts=self._head_verdicts,
+            head_drops_routes=not wants_routes,
+            head_rows_apart=self._apart_columns(gpu),
+        )
+
+    def _open_outlet(self, writer: RecordingWriter | None, aggregates: Aggregator | None) -> RowOutlet:
+        """The rows' readers: the recording, the aggregates, the policy, the sinks."""
         opts = self.opts
-        return SinkFanout(
+        sinks = SinkFanout(
             self._sink_list,
             self.meta,
             redact_text=opts.redact_text,
@@ -419,109 +389,25 @@ class Recorder:
             redact_layers=opts.redact_layers,
             log=self.log,
         )
-
-    def _keep_durable(
-        self,
-        writer: RecordingWriter | None,
-        flush: FlushSchedule,
-        drained_at: float,
-        *,
-        in_pieces: bool = False,
-    ) -> None:
-        """Flush on schedule (a SIGKILL then loses only the last flush interval; sinks get rows
-        no older than that either), at once or, `in_pieces`, started here and done by
-        `_flush_pieces` between drains; after a write error (disk full), stop: the writer keeps
-        count of what is lost."""
-        if writer is None and not self._sinks:
-            return
-        if flush.due(drained_at):
-            if in_pieces:
-                self._start_flush(writer)
-            else:
-                self._flush_now(writer)
-        self._stop_on_write_error(writer)
-
-    def _stop_on_write_error(self, writer: RecordingWriter | None) -> None:
-        if writer is not None and writer.write_error is not None:
-            self.stop("write error")
-
-    def _start_flush(self, writer: RecordingWriter | None) -> None:
-        """A flush of the rows gathered since the last one to the aggregates, the sinks and the
-        recording, in pieces (flush_round.py): the rows are fixed now, their writes follow."""
-        self._round.start(
-            self._rows.detach(), lambda table, df: self._emit(writer, table, df), self._flush_writes(writer)
+        self._outlet = RowOutlet(
+            writer,
+            self._policy,
+            aggregates,
+            sinks,
+            stages=self._stages,
+            collector=self._collector,
+            log=self.log,
         )
+        return self._outlet
 
-    def _flush_now(self, writer: RecordingWriter | None) -> None:
-        """A flush of the rows gathered since the last one (after the one under way), all at once."""
-        self._start_flush(writer)
-        self._round.finish()
+    @property
+    def _out(self) -> RowOutlet:
+        assert self._outlet is not None, "run() opens the outlet before any row"
+        return self._outlet
 
-    def _flush_writes(self, writer: RecordingWriter | None) -> Iterator[str]:
-        """A flush's pieces after its rows were handed over, each named: the requests the
-        policies decided, the closed aggregate buckets, a Parquet segment per table and
-        meta.json, and the collector's pass (collector.py)."""
-        self._settle(writer, final=False)
-        yield "policy"
-        yield from self._store_aggregates(writer, final=False)
-        if writer is not None:
-            yield from writer.flush_steps()
-        self._collector.after_flush()
-        yield "collector"
-
-    def _flush_pieces(self, writer: RecordingWriter | None, sched: ConsumerSched, *, until: float) -> None:
-        """The pieces of a flush under way until `until` (time.monotonic), when the next drain is
-        due; one at least, so that a consumer pressed to drain all the time still flushes."""
-        if not self._round.active:
-            return
-        self._stages.lap("loop")
-        first = True
-        while self._round.active and (first or time.monotonic() < until) and not self._stop.is_set():
-            t, cpu = time.monotonic(), time.thread_time()
-            piece = self._round.step()
-            sched.after_flush((time.monotonic() - t) * 1e3, (time.thread_time() - cpu) * 1e3, piece or "")
-            first = False
-        self._stages.lap("flush")
-        self._stop_on_write_error(writer)
-
-    def _watch_memory(
-        self, writer: RecordingWriter | None, budget: MemoryBudget, now: float, sched: ConsumerSched
-    ) -> None:
-        """Above --max-memory: the gathered rows go out now (a whole flush, timed as a piece of
-        one), and the freed heap back to the kernel (memory_budget.py)."""
-        if not budget.pressed(self.progress.anon_bytes, now):  # read by this drain's _consume
-            return
-        t, cpu = time.monotonic(), time.thread_time()
-        self._flush_now(writer)
-        sched.after_flush((time.monotonic() - t) * 1e3, (time.thread_time() - cpu) * 1e3, "memory pressure")
-        trim_heap()
-        anon = anon_bytes()
-        if not budget.relieved(anon) and budget.over_after_flush == 1:
-            assert budget.limit is not None
-            self.log(
-                f"sparseety-prof: --max-memory {budget.limit >> 20} MiB is below what the recorder holds "
-                f"with its rows written out ({anon >> 20} MiB anonymous): it writes them out every "
-                f"{PRESSURE_GAP_S:g} s while it stays above (counted in meta.json profiler_memory.budget)"
-            )
-
-    def _emit(self, writer: RecordingWriter | None, table: str, df: pl.DataFrame) -> None:
-        """One frame of rows to the aggregates and the sinks (all of them), and to the recording
-        (what the policy keeps)."""
-        if self._aggregates is not None:
-            self._aggregates.add(table, df)
-        if writer is not None:
-            for kept_table, kept in self._policy.take(table, df):
-                writer.append(kept_table, kept)
-        if self._sinks:
-            self._sinks.take(table, df)
-
-    def _emit_apart(self, table: str, parts: list[ArrayRows]) -> None:
-        """One drain's rows set apart (dropped requests' rows, only the columns that are read,
-        as arrays: never framed) to the aggregates, and to the policy, which counts them dropped
-        and learns their requests."""
-        if self._aggregates is not None:
-            self._aggregates.add_rows(table, parts)
-        self._policy.set_apart(table, parts)
+    def _stop_on_write_error(self) -> None:
+        if self._out.write_failed:
+            self.stop("write error")
 
     def _apart_columns(self, gpu: GpuCapture | None) -> dict[str, frozenset[str]] | None:
         """With head sampling in the probes, when the recording is the only reader of the token
@@ -529,35 +415,17 @@ class Recorder:
         steps, no masks), the rows of a dropped request are set apart from the others by the
         correlator with only the columns the always-on aggregates and the policy read: they
         are counted from their arrays, never framed nor held. None otherwise."""
-        sinks = self._sinks
+        sinks = self._out.sinks
         if (
             self._head_rate is None
             or self.on_update is not None
             or gpu is not None
             or self.opts.capture.masks
-            or (sinks is not None and (sinks.wants("tokens") or sinks.wants("steps")))
+            or sinks.wants("tokens")
+            or sinks.wants("steps")
         ):
             return None
         return {table: COUNTED[table] | self._policy.learns(table) for table in ("tokens", "steps")}
-
-    def _settle(self, writer: RecordingWriter | None, *, final: bool) -> None:
-        """The rows the per-request policies decided since the last flush, to the recording. Called
-        after a flush's frames (the requests rows among them) have all been emitted."""
-        if writer is not None:
-            for table, df in self._policy.settle(final=final):
-                writer.append(table, df)
-
-    def _store_aggregates(self, writer: RecordingWriter | None, *, final: bool) -> Iterator[str]:
-        """The aggregates of buckets now closed (all of them at the end) into the recording: a
-        yield after each metric's counts (a flush's pieces, flush_round.py) and at the end."""
-        if self._aggregates is None or writer is None:
-            return
-        closed: list[pl.DataFrame] = []
-        yield from self._aggregates.take_steps(None if final else time.time_ns() // 1_000_000, closed)
-        for rows in closed:
-            if rows.height:
-                writer.append("aggregates", rows)
-        yield "aggregates"
 
     def _maybe_detach_attention_ops(self, corr: Correlator, sess: Session) -> None:
         """Once the layer -> mask map is learned (attention_map), the soft_max / flash-attention
@@ -603,7 +471,7 @@ class Recorder:
         writer = None
         if opts.out is not None:
             writer = _open_writer(opts, opts.out, self.meta)
-        self._sinks = self._open_sinks()
+        out = self._open_outlet(writer, None)
         self.log(f"sparseety-prof: attached to PID {opts.pid} (GPU only: {len(gpu.rings)} CUPTI ring(s))")
         start_unix_ms = time.time_ns() // 1_000_000
         deadline = time.monotonic() + opts.duration if opts.duration else None
@@ -620,11 +488,12 @@ class Recorder:
                 for table, cols in gpu.poll(final=final).items():
                     df = schema.frame(table, cols)
                     if df.height:
-                        self._emit(writer, table, df)
+                        out.emit(table, df)
                     if table == "steps":
                         self.progress.steps += df.height
                 self.progress.cpu_s = _cpu_s() - self._cpu0
-                self._keep_durable(writer, flush, time.monotonic())
+                out.keep_durable(flush, time.monotonic())
+                self._stop_on_write_error()
                 if final:
                     break
         except BaseException as e:
@@ -641,10 +510,10 @@ class Recorder:
                 "bpf_compile_s": 0.0,
             }
             gpu.close()
-            self._settle(writer, final=True)
+            out.settle_policy()
             final_meta["policy"] = self._policy.to_meta()
             if self._sink_list:
-                final_meta["sinks"] = self._sinks.close({**self.meta, **final_meta})
+                final_meta["sinks"] = out.sinks.close({**self.meta, **final_meta})
             self.meta.update(final_meta)
             if writer is not None:
                 writer.close(complete=error is None, **final_meta)
@@ -675,7 +544,6 @@ class Recorder:
         batch: EventBatch,
         corr: Correlator,
         tracker: SeqTracker,
-        writer: RecordingWriter | None,
         sess: Session,
         *,
         counters: dict[str, int] | None = None,
@@ -683,7 +551,7 @@ class Recorder:
         gpu: GpuCapture | None = None,
     ) -> None:
         """Drained records through the correlator to the rows' destinations."""
-        stages = self._stages
+        stages, out = self._stages, self._out
         drops = (counters or sess.counters())["kernel_drops"]
         if len(batch):
             corr.feed(batch, losses_seen=drops > 0 or tracker.gaps > 0)
@@ -692,23 +560,20 @@ class Recorder:
         tables = corr.take_tables(final=final)
         unmade = corr.routes.take_not_made()
         if unmade:
-            self._policy.count_dropped("routes", unmade)
+            out.policy.count_dropped("routes", unmade)
         unmade = corr.routes.take_head_dropped()
         if unmade:
-            self._policy.count_head_dropped("routes", unmade)
+            out.policy.count_head_dropped("routes", unmade)
         stages.lap("rows")
         stages.move(corr.logits_cpu_s - logits0, "rows", "logits")
         tok, steps = tables["tokens"], tables["steps"]
         gpu_tables = self._poll_gpu(gpu, steps, final=final)
         apart = corr.take_apart()
-        if writer is not None or self._sinks:
-            rows = self._rows
+        if out.wanted:
             for table, cols in (*tables.items(), *gpu_tables.items()):
-                for df in rows.add(table, cols, final=final):
-                    self._round.before_frames(table)  # a flush under way holds older rows of it
-                    self._emit(writer, table, df)
+                out.add(table, cols, final=final)
             for table, parts in apart.items():
-                self._emit_apart(table, parts)
+                out.emit_apart(table, parts)
         stages.lap("frames_sinks")
         p = self.progress
         p.tokens += sum(r.n for r in apart.get("tokens", ()))
@@ -725,10 +590,45 @@ class Recorder:
             p.lag_ms = (time.monotonic_ns() - int(str(tok["t_end_ns"][-1]))) / 1e6
         p.cpu_s = _cpu_s() - self._cpu0
         p.rss_bytes, p.anon_bytes = resident_bytes()
-        if self._sinks:
-            self._sinks.drained(p)
+        if out.sinks:
+            out.sinks.drained(p)
         if self.on_update is not None:
             self.on_update(tok, steps, p)
+
+
+@dataclass
+class _Consumer:
+    """The consumer's ring reader and what paces it, for one run: the drain pace and priority
+    (sched.py), the flush schedule, the memory budget, the ring watch, --ablate-consumer, the
+    drains kept for --correlate-every (None: each correlated as taken), the sequence numbers."""
+
+    reader: RingReader
+    sched: ConsumerSched
+    flush: FlushSchedule
+    budget: MemoryBudget
+    watch: RingWatch
+    ablation: ConsumerAblation
+    batches: DrainBatches | None
+    tracker: SeqTracker
+
+    @classmethod
+    def open(cls, opts: Options, sess: Session, progress: Progress) -> _Consumer:
+        reader = RingReader(sess)
+        sched = ConsumerSched(opts, progress, DRAIN_INTERVAL_S)
+        return cls(
+            reader=reader,
+            sched=sched,
+            flush=FlushSchedule(opts.flush_interval),
+            budget=MemoryBudget(opts.max_memory),
+            watch=sched.watch(reader.pending_share, reader.wake_fd, reader.arm_watch),
+            ablation=ConsumerAblation(opts.ablate_consumer),
+            batches=(
+                DrainBatches(opts.correlate_every)
+                if opts.correlate_every and DrainBatches.available()
+                else None
+            ),
+            tracker=SeqTracker(),
+        )
 
 
 def _open_writer(opts: Options, out: Path, meta: dict[str, Any]) -> RecordingWriter:

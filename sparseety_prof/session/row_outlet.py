@@ -1,0 +1,197 @@
+"""Where the consumer's rows go, and when.
+
+Every drain's rows (tokens, steps, requests, routes, masks, kernels) are gathered in a
+ColumnBuffer; a flush frames them and hands each frame to its readers: the always-on aggregates
+(every row), the recording (what the policy keeps) and the sinks (OpenTelemetry, Prometheus: every
+row). A flush comes on schedule (`--flush-interval`, so that a SIGKILL loses one interval at
+most), done in pieces between drains (flush_round.py), or at once under memory pressure
+(`--max-memory`) and at the end. The rows a policy set apart in the correlator (a head-dropped
+request's, as arrays) go to the aggregates and the policy only.
+
+The recorder drives it (recorder.py); this module decides nothing about the engine or the ring.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import polars as pl
+
+from sparseety_prof.session.collector import FlushTimedCollector
+from sparseety_prof.session.flush_round import FlushRound
+from sparseety_prof.session.memory_budget import PRESSURE_GAP_S, MemoryBudget, anon_bytes, trim_heap
+from sparseety_prof.session.policy import RecordingPolicy
+from sparseety_prof.session.sched import ConsumerSched
+from sparseety_prof.session.sinks import SinkFanout
+from sparseety_prof.session.stage_cpu import StageCpu
+from sparseety_prof.store.aggregates import Aggregator
+from sparseety_prof.store.array_rows import ArrayRows
+from sparseety_prof.store.buffers import ColumnBuffer, FlushSchedule
+from sparseety_prof.store.recording_writer import RecordingWriter
+
+
+class RowOutlet:
+    """The rows' readers (`writer` may be None: nothing recorded; `aggregates` None: none kept)
+    and the flushes that feed them. `collector` is told after each flush (collector.py);
+    `stages` is charged for the flushes' pieces ("flush")."""
+
+    def __init__(
+        self,
+        writer: RecordingWriter | None,
+        policy: RecordingPolicy,
+        aggregates: Aggregator | None,
+        sinks: SinkFanout,
+        *,
+        stages: StageCpu,
+        collector: FlushTimedCollector,
+        log: Callable[[str], None],
+    ) -> None:
+        self.writer = writer
+        self.policy = policy
+        self.aggregates = aggregates
+        self.sinks = sinks
+        self.round = FlushRound()  # the flush under way, done in pieces between drains
+        self._rows = ColumnBuffer()
+        self._stages = stages
+        self._collector = collector
+        self._log = log
+
+    @property
+    def wanted(self) -> bool:
+        """Whether anything reads the rows: a recording or a sink (a live view alone does not)."""
+        return self.writer is not None or bool(self.sinks)
+
+    @property
+    def write_failed(self) -> bool:
+        """The recording could not be written (a full disk): the writer counts what is lost."""
+        return self.writer is not None and self.writer.write_error is not None
+
+    # ------------------------------------------------------------------ rows in
+    def add(self, table: str, cols: Mapping[str, Any], *, final: bool = False) -> None:
+        """One drain's rows of `table` (columns); a frame goes out whenever the buffer makes one."""
+        for df in self._rows.add(table, cols, final=final):
+            self.round.before_frames(table)  # a flush under way holds older rows of it
+            self.emit(table, df)
+
+    def emit(self, table: str, df: pl.DataFrame) -> None:
+        """One frame of rows to the aggregates and the sinks (all of them), and to the recording
+        (what the policy keeps)."""
+        if self.aggregates is not None:
+            self.aggregates.add(table, df)
+        if self.writer is not None:
+            for kept_table, kept in self.policy.take(table, df):
+                self.writer.append(kept_table, kept)
+        if self.sinks:
+            self.sinks.take(table, df)
+
+    def emit_apart(self, table: str, parts: list[ArrayRows]) -> None:
+        """One drain's rows set apart (dropped requests' rows, only the columns that are read,
+        as arrays: never framed) to the aggregates, and to the policy, which counts them dropped
+        and learns their requests."""
+        if self.aggregates is not None:
+            self.aggregates.add_rows(table, parts)
+        self.policy.set_apart(table, parts)
+
+    # ------------------------------------------------------------------ flushes
+    def keep_durable(self, flush: FlushSchedule, drained_at: float, *, in_pieces: bool = False) -> None:
+        """Flush on schedule (a SIGKILL then loses only the last flush interval; sinks get rows
+        no older than that either): at once or, `in_pieces`, started here and done by
+        `flush_pieces` between drains."""
+        if self.wanted and flush.due(drained_at):
+            if in_pieces:
+                self._start_flush()
+            else:
+                self.flush_now()
+
+    def flush_now(self) -> None:
+        """A flush of the rows gathered since the last one (after the one under way), all at once."""
+        self._start_flush()
+        self.round.finish()
+
+    def flush_pieces(self, sched: ConsumerSched, *, until: float, stopped: Callable[[], bool]) -> None:
+        """The pieces of a flush under way until `until` (time.monotonic), when the next drain is
+        due, or until `stopped()`; one at least, so that a consumer pressed to drain all the time
+        still flushes."""
+        if not self.round.active:
+            return
+        self._stages.lap("loop")
+        first = True
+        while self.round.active and (first or time.monotonic() < until) and not stopped():
+            t, cpu = time.monotonic(), time.thread_time()
+            piece = self.round.step()
+            sched.after_flush((time.monotonic() - t) * 1e3, (time.thread_time() - cpu) * 1e3, piece or "")
+            first = False
+        self._stages.lap("flush")
+
+    def relieve_memory(self, budget: MemoryBudget, anon: int, now: float, sched: ConsumerSched) -> None:
+        """Above --max-memory (`anon`: the recorder's anonymous bytes, read by this drain): the
+        gathered rows go out now (a whole flush, timed as a piece of one), and the freed heap
+        back to the kernel (memory_budget.py)."""
+        if not budget.pressed(anon, now):
+            return
+        t, cpu = time.monotonic(), time.thread_time()
+        self.flush_now()
+        sched.after_flush((time.monotonic() - t) * 1e3, (time.thread_time() - cpu) * 1e3, "memory pressure")
+        trim_heap()
+        left = anon_bytes()
+        if not budget.relieved(left) and budget.over_after_flush == 1:
+            assert budget.limit is not None
+            self._log(
+                f"sparseety-prof: --max-memory {budget.limit >> 20} MiB is below what the recorder holds "
+                f"with its rows written out ({left >> 20} MiB anonymous): it writes them out every "
+                f"{PRESSURE_GAP_S:g} s while it stays above (counted in meta.json profiler_memory.budget)"
+            )
+
+    def close_rows(self) -> None:
+        """At the end: a flush under way finished, then every row still gathered (those of drains
+        before an error too), the policies' last decisions and every aggregate bucket, open or
+        not, into the recording."""
+        self.round.finish()  # its rows before those gathered since
+        for table, df in self._rows.take_all():
+            self.emit(table, df)
+        self._settle(final=True)
+        for _ in self._store_aggregates(final=True):
+            pass
+
+    def settle_policy(self) -> None:
+        """The policies' decisions still pending, to the recording (an engine without host
+        probes: no aggregates, nothing gathered here)."""
+        self._settle(final=True)
+
+    def _start_flush(self) -> None:
+        """A flush of the rows gathered since the last one to the aggregates, the sinks and the
+        recording, in pieces (flush_round.py): the rows are fixed now, their writes follow."""
+        self.round.start(self._rows.detach(), self.emit, self._flush_writes())
+
+    def _flush_writes(self) -> Iterator[str]:
+        """A flush's pieces after its rows were handed over, each named: the requests the
+        policies decided, the closed aggregate buckets, a Parquet segment per table and
+        meta.json, and the collector's pass (collector.py)."""
+        self._settle(final=False)
+        yield "policy"
+        yield from self._store_aggregates(final=False)
+        if self.writer is not None:
+            yield from self.writer.flush_steps()
+        self._collector.after_flush()
+        yield "collector"
+
+    def _settle(self, *, final: bool) -> None:
+        """The rows the per-request policies decided since the last flush, to the recording. Called
+        after a flush's frames (the requests rows among them) have all been emitted."""
+        if self.writer is not None:
+            for table, df in self.policy.settle(final=final):
+                self.writer.append(table, df)
+
+    def _store_aggregates(self, *, final: bool) -> Iterator[str]:
+        """The aggregates of buckets now closed (all of them at the end) into the recording: a
+        yield after each metric's counts (a flush's pieces, flush_round.py) and at the end."""
+        if self.aggregates is None or self.writer is None:
+            return
+        closed: list[pl.DataFrame] = []
+        yield from self.aggregates.take_steps(None if final else time.time_ns() // 1_000_000, closed)
+        for rows in closed:
+            if rows.height:
+                self.writer.append("aggregates", rows)
+        yield "aggregates"
