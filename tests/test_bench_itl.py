@@ -1,7 +1,8 @@
 """scripts/bench_sustained.py's inter-token gaps: the gaps of a step that ran another request's
 prompt are told from the decode steps' (Side.prefill_gaps), whichever side of the other slots'
-tokens the new request's first token reaches its client; the answer lengths both sides ask for; and
-the engine threads' preemptions it counts."""
+tokens the new request's first token reaches its client; the answer lengths both sides ask for; the
+engine threads' preemptions it counts; and its losses cell, which keeps the ring's records apart from
+rows the probes did not count."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from scripts.bench_sustained import AnswerLengths, Side, preemptions
+from scripts.bench_sustained import AnswerLengths, Side, losses_text, preemptions
 
 MS = 1_000_000
 
@@ -78,3 +79,15 @@ def test_preemptions_count_the_involuntary_switches_of_every_thread() -> None:
         for p in procs:
             p.wait()
     assert all(n >= 5 for n in counts), counts
+
+
+def test_the_losses_cell_never_adds_rows_not_counted_to_the_rings_lost_records() -> None:
+    assert losses_text({"losses": 0, "records": 290_000, "not_captured": {}}) == "0 of 290000 records"
+    cell = losses_text(
+        {
+            "losses": 3,
+            "records": 290_000,
+            "not_captured": {"sparse_rows_not_captured": 7182, "program_misses": 2},
+        }
+    )
+    assert cell == "3 of 290000 records; sparse_rows_not_captured 7182; program_misses 2"
