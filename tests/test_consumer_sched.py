@@ -1,6 +1,7 @@
-"""The consumer's CPU policy: low priority while it keeps up, the engine's priority (nice 0) once a
-drain finds more of the ring filled than its pace allows for, back once drains have found it
-nearly empty for a while; SCHED_IDLE with --sched idle; drains sooner when the ring fills fast."""
+"""The consumer's CPU policy: at --nice (default 0) while it keeps up, the engine's priority (nice 0,
+or a negative --nice kept) once a drain finds more of the ring filled than its pace allows for, back
+once drains have found it nearly empty for a while; SCHED_IDLE with --sched idle; drains sooner
+when the ring fills fast."""
 
 from __future__ import annotations
 
@@ -31,6 +32,26 @@ def run_in_thread(fn: object) -> None:
     t.join()
     if err:
         raise err[0]
+
+
+@pytest.mark.root  # a negative niceness needs CAP_SYS_NICE
+def test_an_escalation_never_lowers_a_priority_above_the_engines() -> None:
+    def body() -> None:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, -5)
+        try:
+            p = Progress()
+            s = _ConsumerSched(Options(pid=1, out=None, nice=-5), p)
+            s.on_backlog(0.9)  # behind: counted, and the consumer keeps its -5 (not 0)
+            assert os.getpriority(os.PRIO_PROCESS, tid) == -5 and p.escalations == 1
+        finally:
+            os.setpriority(os.PRIO_PROCESS, tid, 0)
+
+    run_in_thread(body)
+
+
+def test_the_default_niceness_is_the_engines() -> None:
+    assert Options(pid=1, out=None).nice == 0
 
 
 @pytest.mark.root  # lowering a thread's niceness back to 0 needs CAP_SYS_NICE
