@@ -74,7 +74,7 @@ def attach_during(pid: int, out: Path, traffic: Callable[[], object], *extra: st
     deadline = time.monotonic() + 120
     while t.is_alive() and time.monotonic() < deadline:
         traffic()
-        time.sleep(0.05)  # a steady engine, not a flood: the consumer shares the 2 cores
+        time.sleep(0.05)  # a steady engine, not a flood: the consumer starts at nice 10 on 2 cores
     t.join(timeout=5)
     if "err" in box:
         raise box["err"]  # type: ignore[misc]

@@ -17,7 +17,7 @@ def test_shared_flags_reach_the_options() -> None:
         o = _options(p.parse_args([*argv, "--duration", "2.5", "--redact-text", "--nice", "3"]))
         assert (o.pid, o.out, o.duration, o.redact_text, o.nice) == (7, Path("rec"), 2.5, True, 3)
     assert _options(p.parse_args(["attach", "--pid", "7"])).out is None
-    assert _options(p.parse_args(["record", "--pid", "7", "-o", "r"])).nice == 0  # the engine's own
+    assert _options(p.parse_args(["record", "--pid", "7", "-o", "r"])).nice == 10
 
 
 def test_correlate_every_is_checked_and_off_by_default() -> None:

@@ -1,7 +1,6 @@
-"""The consumer's CPU policy: at --nice (default 0) while it keeps up, the engine's priority (nice 0,
-or a negative --nice kept) once a drain finds more of the ring filled than its pace allows for, back
-once drains have found it nearly empty for a while; SCHED_IDLE with --sched idle; drains sooner
-when the ring fills fast."""
+"""The consumer's CPU policy: low priority while it keeps up, the engine's priority (nice 0) once a
+drain finds more of the ring filled than its pace allows for, back once drains have found it
+nearly empty for a while; SCHED_IDLE with --sched idle; drains sooner when the ring fills fast."""
 
 from __future__ import annotations
 
@@ -48,10 +47,6 @@ def test_an_escalation_never_lowers_a_priority_above_the_engines() -> None:
             os.setpriority(os.PRIO_PROCESS, tid, 0)
 
     run_in_thread(body)
-
-
-def test_the_default_niceness_is_the_engines() -> None:
-    assert Options(pid=1, out=None).nice == 0
 
 
 @pytest.mark.root  # lowering a thread's niceness back to 0 needs CAP_SYS_NICE

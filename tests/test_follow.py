@@ -211,9 +211,9 @@ class _Follower:
     """`sparseety-prof record|attach --follow NAME -o DIR` as a child process; stderr read as it
     comes (attach's live view draws there too, wide enough that no message is wrapped)."""
 
-    def __init__(self, command: str, name: str, out: Path, *extra: str) -> None:
+    def __init__(self, command: str, name: str, out: Path) -> None:
         self.proc = subprocess.Popen(
-            [*CLI, command, "--follow", name, "-o", str(out), *extra],
+            [*CLI, command, "--follow", name, "-o", str(out)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -301,8 +301,7 @@ def test_follow_records_each_run_of_a_restarted_engine(
     name = "spf-" + secrets.token_hex(4)  # no other process on the machine has it
     out = tmp_path / "follow"
     engine_args = ["-c", NAMED, name, str(ENGINES / "llama_engine.py"), str(models["moe"])]
-    # a niceness above the default 0, so that a second run that lowered it again would show
-    follower = _Follower(command, name, out, "--nice", "10")
+    follower = _Follower(command, name, out)
     engines: list[Engine] = []
     try:
         follower.wait_for(f"waiting for a process named {name!r}")
@@ -323,7 +322,7 @@ def test_follow_records_each_run_of_a_restarted_engine(
         # the first engine's programs were unloaded when it exited, while the follower ran on
         assert held[0] and held[1] and not held[0] & held[1]
         assert not held[0] & bpf_prog_ids()
-        # each attach runs at --nice: the first run's lowering was undone, not added to
+        # each attach runs at --nice (default 10): the first run's lowering was undone, not added to
         assert nice == [10, 10]
         rc = follower.stop()
         assert rc == 0, "".join(follower.lines)

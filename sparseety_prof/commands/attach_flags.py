@@ -148,10 +148,8 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
     p.add_argument(
         "--nice",
         type=int,
-        default=0,
-        help="niceness the consumer takes once attached (default 0: the engine's own; on cores the engine "
-        "keeps busy, a consumer that yields stretches its work into many short slices between the "
-        "engine's, and costs the engine more)",
+        default=10,
+        help="niceness the consumer takes once attached, so the engine wins CPU contention (default 10)",
     )
     p.add_argument(
         "--mode",

@@ -32,9 +32,7 @@ class Options:
     redact_layers: frozenset[int] | None = None  # the layers the per-layer levels apply to (None: all)
     model: Path | None = None  # override when the process has no GGUF file mapped or open
     skip_probes: frozenset[str] = frozenset()  # for tests: disable a probe point on purpose
-    # consumer priority once attached: the engine's own (README, Overhead: "The consumer at the
-    # engine's priority"); a higher value yields to the engine, escalating when the ring fills
-    nice: int = 0
+    nice: int = 10  # consumer priority once attached: the engine's threads win any contention
     sched: str = "nice"  # "nice": compete at `nice`; "idle": SCHED_IDLE, escalating when the ring fills
     slice_us: int = SLICE_US  # the consumer's CPU slice at SCHED_OTHER (session/sched_slice.py); 0: kernel's
     request_header: str = DEFAULT_HEADER  # HTTP header carrying the client's request id

@@ -16,18 +16,17 @@ from sparseety_prof.session.sched_slice import set_thread_slice, thread_slice_us
 
 
 class ConsumerSched:
-    """Where the consumer's CPU comes from, and when it drains. It runs at `--nice` (default 0,
-    the engine's priority), or with `--sched idle` as SCHED_IDLE (only CPU the engine leaves idle).
-    It drains every `drain_s`, or sooner when the ring fills fast (PACE_FILL). A low priority
-    (`--nice` above 0, or idle) can starve it while the engine keeps every core busy
+    """Where the consumer's CPU comes from, and when it drains. It runs at a low priority
+    (`--nice`, default 10), or with `--sched idle` as SCHED_IDLE (only CPU the engine leaves idle),
+    so that the engine's threads win contention. It drains every `drain_s`, or sooner when the ring
+    fills fast (PACE_FILL). A low priority can starve it while the engine keeps every core busy
     (meta.json shows the longest gap between drains, `drain_gap_max_ms`): when a drain finds more of
     the ring filled than the pace allows for (ESCALATE_FILL), the consumer did not get the CPU to
     keep up, and it takes the engine's own priority (nice 0, SCHED_OTHER; a negative `--nice` is
     kept) until drains have found less than RELAX_FILL of it filled for RELAX_HOLD_S: losing
     records is worse than taking a few percent of the engine's time, and a consumer that relaxed
     at once would fall behind again.
-    Escalations are counted in meta.json ("consumer"), at the default nice 0 too, where one changes
-    no priority but says that the drains fell behind. With `--slice-us`, it asks for that CPU slice
+    Escalations are counted in meta.json ("consumer"). With `--slice-us`, it asks for that CPU slice
     while it runs as SCHED_OTHER (sched_slice.py)."""
 
     # Pace: at the rate the last drain saw, the next one should find at most this share of the
