@@ -567,12 +567,12 @@ def bench(
             # so the two counts are two views of the same records (the larger one counts both)
             ring_lost = max(int(lz["kernel_drops"]), int(lz["seq_gaps"]))
             losses += ring_lost
-            for k in SPARSE_LOSSES:
-                if int(lz.get(k, 0)):
-                    not_captured[k] = not_captured.get(k, 0) + int(lz[k])
             # each kind that lost anything, for the per-pair line: a loss is named, never a bare count
             lost_kinds = {k: int(lz.get(k, 0)) for k in ("kernel_drops", "seq_gaps", *SPARSE_LOSSES)}
             lost_text = ", ".join(f"{k} {v}" for k, v in lost_kinds.items() if v) or "none"
+            for k in SPARSE_LOSSES:
+                if lost_kinds[k]:
+                    not_captured[k] = not_captured.get(k, 0) + lost_kinds[k]
             records += int(lz["records_produced"])
             tokens += n_rec
             cons = meta.get("consumer", {})
