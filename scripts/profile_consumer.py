@@ -21,6 +21,10 @@ and that share of the CPU per token. A sample counts as waiting when it is in th
 drains, or in the probes' detach at close (the kernel waits for running probes to finish there:
 wall time, not CPU). Samples are wall-clock, so a stage that waits in a system call is overstated;
 the shares of pure computation are what this is for.
+
+py-spy sees no frame inside the correlator compiled by mypyc (correlate/build_stamp.py): its work
+is counted under the stage that called it. `SPARSEETY_PROF_PURE_PYTHON=1` (inherited by the
+recorder) profiles the correlator's source, stage by stage, at the source's cost.
 """
 
 from __future__ import annotations

@@ -35,6 +35,11 @@ most own time there, or with `--profile-sort cumulative` the most time with what
 printed apart); `--profile-stage rows` profiles take_tables and take_apart instead, `frames` the
 rows made frames (ColumnBuffer), `write` the writes (their Python on the consumer's thread:
 Polars's own threads are not seen).
+
+The correlator replayed is the one the package imports: compiled by mypyc where scripts/setup.sh
+built it (the first line printed says which), its Python source with SPARSEETY_PROF_PURE_PYTHON=1
+(cProfile sees no call inside compiled modules: profile the source). `capture` records with the
+source's correlator (it replaces Correlator.__init__); the probes' records are the same.
 """
 
 from __future__ import annotations
@@ -75,6 +80,9 @@ _WRITER_META = frozenset(
 def _record(dump: Path, argv: list[str]) -> int:
     """The recorder (`sparseety-prof record argv...`) with its drains and correlator settings
     kept in `dump` when it exits."""
+    # (the source's correlator: a compiled class's __init__ cannot be replaced; the drains are the
+    # probes' records either way)
+    os.environ["SPARSEETY_PROF_PURE_PYTHON"] = "1"
     from sparseety_prof import cli
     from sparseety_prof.capture.bpf_loader import RingReader
     from sparseety_prof.correlate.correlator import Correlator
@@ -298,7 +306,15 @@ def replay(a: argparse.Namespace) -> int:
     from make_models import make_model
 
     from sparseety_prof.capture.gguf_info import Vocab
+    from sparseety_prof.correlate import build_stamp
 
+    print(f"correlator: {build_stamp.STATE}")
+    if a.profile and build_stamp.STATE == "compiled":
+        print(
+            "[replay] cProfile sees no call inside the compiled correlator: "
+            f"{build_stamp.PURE_ENV}=1 profiles its source",
+            file=sys.stderr,
+        )
     with a.drains.open("rb") as f:
         kept = pickle.load(f)
     texts = Vocab.from_gguf(make_model(ROOT / "models" / "bench.gguf", "bench")).texts

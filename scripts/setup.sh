@@ -158,6 +158,15 @@ if ! bash sparseety_prof/native/build.sh >/dev/null; then
 fi
 step "5c/6 built sparseety_prof/native/build/librowstats.so and libringwalk.so"
 
+# 5d. the correlator compiled by mypyc (about a minute; nothing when its sources are unchanged):
+#     the consumer's per-token Python calls run without the interpreter. A checkout edited since
+#     runs the Python source until this runs again (sparseety_prof/correlate/build_stamp.py).
+if ! "$PY" sparseety_prof/native/compile_correlator.py sparseety_prof/native/build/compiled --require; then
+  echo "[setup] compiling the correlator with mypyc failed (above)" >&2
+  exit 1
+fi
+step "5d/6 the correlator compiled (sparseety_prof/native/build/compiled)"
+
 # 6. smoke test: compile, load and hit a uprobe
 "$PY" - <<'PYEOF'
 import ctypes, os

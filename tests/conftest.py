@@ -27,6 +27,18 @@ CLI = [PY, "-m", "sparseety_prof.cli"]
 sys.path.insert(0, str(ROOT))
 from make_models import make_model  # noqa: E402
 
+# This process runs the correlator's Python source: tests here replace its functions and read its
+# objects' attributes (monkeypatch, vars()), which mypyc's compiled classes do not allow. The
+# recorders the tests start as processes run the compiled build where it is built and current;
+# tests/test_compiled_correlator.py checks that both make the same tables.
+# (build_stamp.PURE_ENV, spelled out: importing it would import the package first)
+os.environ["SPARSEETY_PROF_PURE_PYTHON"] = "1"
+from sparseety_prof.correlate import build_stamp  # noqa: E402
+
+del os.environ[build_stamp.PURE_ENV]
+_pure = f"source: {build_stamp.PURE_ENV} is set"
+assert _pure == build_stamp.STATE, build_stamp.STATE
+
 
 def _bpf_reason() -> str | None:
     if os.geteuid() != 0:

@@ -594,6 +594,7 @@ def _replay(
     reduce_every: int = 0,
     chunk: int = 1024,
     reducers: list[LogitsReducer] | None = None,
+    states: bool = True,
 ) -> tuple[dict[str, dict[str, list[object]]], list[Any]]:
     """Feeds the script in `drains` drains; the tables concatenated over them, and the
     correlator's state after each. `server`: as on llama-server (slots name the samples);
@@ -602,13 +603,14 @@ def _replay(
     sequence numbers have holes); `reduce_every`: as the recorder with the C backend, each
     drain's logits rows reduced as taken (logits_reduce.py) and the drains correlated
     `reduce_every` at a time (the state is then the one after each correlation); `chunk`: the
-    floats per logits record."""
+    floats per logits record; `states`: False leaves them out (a compiled correlator has no
+    attributes to list: tests/test_compiled_correlator.py)."""
     kw: dict[str, Any] = {"serving": ServingTracker(pid=1), "slot_tokens": True} if server else {}
     if layers is not None:
         kw["layers"] = layers
     c = _correlator(with_masks=with_masks, routes_rows=routes_rows, **kw)
     out: dict[str, dict[str, list[object]]] = {}
-    states = []
+    kept = []
     per = -(-len(s.recs) // drains)
     together = DrainBatches() if reduce_every else None
     if together is not None and reducers is not None:
@@ -629,8 +631,9 @@ def _replay(
                     out.setdefault(table, {}).setdefault(name, []).extend(values)
         if not_made is not None:
             not_made.append(c.routes.take_not_made())
-        states.append(_state(c))
-    return out, states
+        if states:
+            kept.append(_state(c))
+    return out, kept
 
 
 def _assert_same(got: tuple[Any, list[Any]], want: tuple[Any, list[Any]]) -> None:
@@ -1894,6 +1897,12 @@ def _chunked_script(rows: list[np.ndarray]) -> Script:
     return s
 
 
+def chunked_rows() -> list[np.ndarray]:
+    """Sixteen logits rows for _chunked_script (each over several records at chunk=4)."""
+    rng = np.random.default_rng(5)
+    return [rng.normal(0, 3, N_VOCAB).astype(np.float32) for _ in range(16)]
+
+
 @pytest.mark.parametrize("reduce_every", [1, 2])
 @pytest.mark.parametrize("drains", [1, 5, 23])
 def test_logits_rows_of_several_records_reduced_as_the_correlator_assembles_them(
@@ -1903,8 +1912,7 @@ def test_logits_rows_of_several_records_reduced_as_the_correlator_assembles_them
     order, a chunk read twice counts its last read, a row missing a chunk is incomplete (null,
     counted), a call begun again drops what it had read; and the log-probs are the row's."""
     _need_c_backend()
-    rng = np.random.default_rng(5)
-    rows = [rng.normal(0, 3, N_VOCAB).astype(np.float32) for _ in range(16)]
+    rows = chunked_rows()
     reducers: list[LogitsReducer] = []
     got = _replay(
         _chunked_script(rows), drains, with_masks=False, chunk=4, reduce_every=reduce_every, reducers=reducers

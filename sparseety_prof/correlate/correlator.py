@@ -124,14 +124,26 @@ class Correlator:
                 self._steps_apart = RowBuffer(STEP_ROW)
                 self.requests.dropped_requests = set()
 
-    # the one-row decode step, and a sampler call, from the records' columns (methods: fast_step.py)
-    _fast_step = fast_step
-    _fast_sample = fast_sample
-    _make_unmade = make_unmade
-    # a run of plain steps at once (a method: plain_run.py)
-    _plain_run = plain_run
-    # a run of per-layer routing and activation records at once (a method: sparse_run.py)
-    _sparse_run = sparse_run
+    # Methods written in other modules, as methods that call them: a compiled module's function
+    # does not bind as a method when assigned in a class body (build_stamp.py).
+    def _fast_step(self, idx: DrainIndex, i: int) -> int:
+        """The one-row decode step at record i, from the records' columns (fast_step.py)."""
+        return fast_step(self, idx, i)
+
+    def _fast_sample(self, idx: DrainIndex, i: int) -> int:
+        """A sampler call at record i, from the records' columns (fast_step.py)."""
+        return fast_sample(self, idx, i)
+
+    def _make_unmade(self) -> None:
+        make_unmade(self)
+
+    def _plain_run(self, idx: DrainIndex, p: int, stop: int) -> int:
+        """A run of plain steps at once (plain_run.py)."""
+        return plain_run(self, idx, p, stop)
+
+    def _sparse_run(self, idx: DrainIndex, i: int) -> int:
+        """A run of per-layer routing and activation records at once (sparse_run.py)."""
+        return sparse_run(self, idx, i)
 
     # ------------------------------------------------------------------ public
     def records_lost(self) -> None:

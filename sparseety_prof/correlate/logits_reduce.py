@@ -244,6 +244,10 @@ class LogitsReducer:
                     addresses[j] = row.ctypes.data
             tokens = tokens_all[which]
             st = row_stats_at(addresses, int(width), tokens)
+            # Read after the call, so that the joined rows live until it returns: the compiled
+            # correlator (mypyc) drops a reference after its last use, and a list only appended
+            # to would be freed before the C code reads the rows through their addresses.
+            keep_alive.clear()
             parts.append((which, LogitsStats(tokens, st.log_prob, st.top_ids, st.top_log_probs, st.entropy)))
         if len(parts) == 1:
             return parts[0][1]

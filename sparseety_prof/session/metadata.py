@@ -3,6 +3,7 @@ run did (losses, coverage, verification counts; written at close), plus the one-
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from sparseety_prof.capture.bpf_loader import is_server
 from sparseety_prof.capture.events import UB_SMALL_TOK
 from sparseety_prof.capture.options import Capture
 from sparseety_prof.capture.plans import LayerSet
-from sparseety_prof.correlate import logits
+from sparseety_prof.correlate import build_stamp, logits
 from sparseety_prof.correlate.correlator import Correlator
 from sparseety_prof.errors import ProfError
 from sparseety_prof.session import redaction
@@ -61,6 +62,8 @@ def run_metadata(a: Attached, opts: Options) -> dict[str, Any]:
         "capture": opts.capture.to_meta(),
         "act_threshold": opts.capture.act_threshold,
         "logits_stats": {"backend": logits.BACKEND, "x86_level": logits.native_level()},
+        # "compiled" (mypyc), or "source: <why>" (correlate/build_stamp.py)
+        "correlator": {"build": build_stamp.STATE},
         "layers": a.layers.to_meta(),
     }
 
@@ -95,7 +98,8 @@ def serving_meta(corr: Correlator, a: Attached, opts: Options) -> dict[str, Any]
     return {
         "request_id_header": opts.request_header,
         "http_reads_probed": any(p.kind == "tracepoint" for p in a.session.attached),
-        **sv.counters.__dict__,
+        # (asdict: a compiled dataclass has no __dict__)
+        **dataclasses.asdict(sv.counters),
     }
 
 
