@@ -6,12 +6,19 @@
 - The native helpers (sparseety_prof/native/*.c, shared libraries loaded with ctypes, not
   extension modules) are compiled by sparseety_prof/native/build.sh into the wheel, or into the
   checkout for an editable install. The wheel is then platform-specific but fits any Python 3.
+- The correlator (sparseety_prof/correlate) is compiled by mypyc into the wheel
+  (sparseety_prof/native/compile_correlator.py, next to the helpers; the package uses it where
+  its stamp matches: correlate/build_stamp.py). Those are extension modules of this interpreter,
+  so the wheel is then tagged for it (cp311-cp311-...). Where mypyc cannot compile (no C
+  compiler or Python headers), the wheel carries the source only and fits any Python 3 as
+  before. A checkout's editable install leaves it to scripts/setup.sh.
 """
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from setuptools import Distribution, setup
@@ -56,6 +63,21 @@ class BuildPy(build_py):
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(src, dst)
         build_native(pkg / "native" / "build")
+        compile_correlator(pkg / "native")
+
+
+# whether this build compiled the correlator (BuildPy, then PlatformWheel in the same process)
+_compiled = False
+
+
+def compile_correlator(native: Path) -> None:
+    global _compiled
+    script = HERE / "sparseety_prof" / "native" / "compile_correlator.py"
+    shutil.copy2(script, native / script.name)  # (shipped: an installed package can rebuild it)
+    out = native / "build" / "compiled"
+    # not --require: without mypyc's needs the wheel carries the source (the script says why)
+    subprocess.run([sys.executable, str(script), str(out)], check=True)
+    _compiled = (out / "stamp.json").is_file()
 
 
 class WithSharedLibraries(Distribution):
@@ -66,10 +88,12 @@ class WithSharedLibraries(Distribution):
 
 
 class PlatformWheel(bdist_wheel):
-    """Tied to the platform by the helpers, but to no Python ABI: they do not link libpython."""
+    """Tied to the platform by the helpers, but to no Python ABI (they do not link libpython),
+    unless the correlator was compiled: its modules are this interpreter's extension modules."""
 
     def get_tag(self) -> tuple[str, str, str]:
-        return "py3", "none", super().get_tag()[2]
+        tag = super().get_tag()
+        return tag if _compiled else ("py3", "none", tag[2])
 
 
 setup(distclass=WithSharedLibraries, cmdclass={"build_py": BuildPy, "bdist_wheel": PlatformWheel})

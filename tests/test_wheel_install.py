@@ -14,6 +14,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import time
 import zipfile
@@ -91,9 +92,18 @@ def test_sdist_ships_every_source_a_wheel_is_built_from(dist: dict[str, Path]) -
 
 
 def test_wheel_holds_every_subpackage_the_probes_and_the_built_helpers(dist: dict[str, Path]) -> None:
-    assert dist["wheel"].name.startswith(f"sparseety_prof-{sparseety_prof.__version__}-py3-none-linux_")
+    # the correlator compiled by mypyc: extension modules of the interpreter that built the wheel
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    assert dist["wheel"].name.startswith(f"sparseety_prof-{sparseety_prof.__version__}-{tag}-{tag}-linux_")
     with zipfile.ZipFile(dist["wheel"]) as z:
         names = set(z.namelist())
+    compiled = "sparseety_prof/native/build/compiled/"
+    assert compiled + "stamp.json" in names
+    ext = sysconfig.get_config_var("EXT_SUFFIX")
+    built = {n for n in names if n.startswith(compiled + "sparseety_prof/correlate/") and n.endswith(ext)}
+    sources = [p for p in (ROOT / "sparseety_prof" / "correlate").glob("*.py")]
+    # one module per source but __init__ and build_stamp, and the group's shared library
+    assert len(built) == len(sources) - 2 + 1, sorted(built)
     modules = {str(p.relative_to(ROOT)) for p in (ROOT / "sparseety_prof").rglob("*.py")}
     probes = {f"sparseety_prof/{p.relative_to(ROOT)}" for p in (ROOT / "probes").glob("*.[ch]")}
     cupti = {f"sparseety_prof/{p.relative_to(ROOT)}" for p in (ROOT / "cupti_ext").glob("*/*.[ch]")}
@@ -107,11 +117,12 @@ def _where(venv: Path, cwd: Path) -> dict[str, str]:
     code = """if True:
         import json, os, bcc, sparseety_prof
         from sparseety_prof.capture import bpf_loader, resources
-        from sparseety_prof.correlate import logits
+        from sparseety_prof.correlate import build_stamp, correlator, logits
         from sparseety_prof.gpu.launch import library_path
         print(json.dumps({"package": sparseety_prof.__file__, "bcc": os.path.realpath(bcc.__file__),
             "probes": str(resources.PROBES_DIR), "cupti": str(library_path()),
-            "rowstats": logits.BACKEND, "ringwalk": bpf_loader._ring_walk is not None}))
+            "rowstats": logits.BACKEND, "ringwalk": bpf_loader._ring_walk is not None,
+            "correlator": build_stamp.STATE, "correlator_file": correlator.__file__}))
     """
     return dict(json.loads(_run([str(venv / "bin" / "python"), "-c", code], cwd=cwd).stdout))
 
@@ -124,6 +135,8 @@ def test_installed_tool_records_a_running_engine(venv: Path, llama_engine: Engin
     assert where["package"].startswith(site) and where["probes"].startswith(site), where
     assert where["cupti"].startswith(site) and where["bcc"].startswith("/usr/lib/python3/"), where
     assert where["rowstats"] == "c" and where["ringwalk"], "the native helpers were not built"
+    # the wheel's compiled correlator runs under Debian's python3 (another 3.11 than the build's)
+    assert where["correlator"] == "compiled" and where["correlator_file"].startswith(site), where
 
     cmd = [str(venv / "bin" / "sparseety-prof"), "record", "--pid", str(llama_engine.pid), "-o", "rec"]
     rec = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stderr=subprocess.PIPE, text=True)
@@ -145,6 +158,7 @@ def test_installed_tool_records_a_running_engine(venv: Path, llama_engine: Engin
     assert sorted(tokens["token_id"].to_list()) == sorted(i for t in truth for i in t["ids"])
     want = np.sort(np.concatenate([t["log_probs"] for t in truth]))
     assert np.abs(np.sort(tokens["log_prob"].to_numpy()) - want).max() < 1e-3
+    assert json.loads((tmp_path / "rec" / "meta.json").read_text())["correlator"] == {"build": "compiled"}
 
 
 @pytest.mark.root

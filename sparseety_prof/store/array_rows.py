@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import numpy as np
 import polars as pl
@@ -17,7 +18,8 @@ import polars as pl
 from sparseety_prof.store import schema
 
 #: a column of ArrayRows: an array (2-D, n x width, for a list column), Python values, or None
-ArrayColumn = np.ndarray | list[object] | None
+# (TypeAlias: a checker that cannot see numpy, as when mypyc builds a wheel, still reads it as one)
+ArrayColumn: TypeAlias = np.ndarray | list[object] | None
 
 
 @dataclass(frozen=True)
