@@ -178,7 +178,10 @@ def _replay_once(
     *,
     correlate_every: float,
     profile_stage: str = "correlate",
+    evict_mib: int = 0,
 ) -> tuple[dict[str, float], dict[str, int]]:
+    import numpy as np
+
     from sparseety_prof.capture.events import decode_groups
     from sparseety_prof.correlate.correlator import Correlator
     from sparseety_prof.correlate.serving import ServingTracker
@@ -204,8 +207,12 @@ def _replay_once(
     drains = kept["drains"]
     collector = FlushTimedCollector()
     collector.start()
+    # live, the engine runs between two drains and streams its weights through the caches
+    evict = np.zeros(evict_mib << 17, dtype=np.float64) if evict_mib else None
     for k, groups in enumerate(drains):
         final = k == len(drains) - 1
+        if evict is not None:
+            evict += 1.0  # (read and written: the caches hold these lines, dirty, and not the consumer's)
         t0 = clock()
         batch = decode_groups(groups, kept["logits_chunk"])
         t1 = clock()
@@ -328,6 +335,7 @@ def replay(a: argparse.Namespace) -> int:
                 None,
                 None if a.no_write else Path(tmp) / "rec",
                 correlate_every=a.correlate_every,
+                evict_mib=a.evict_mib,
             )
         best = {s: min(best.get(s, float("inf")), v) for s, v in cpu.items()}
     n = max(made["tokens"], 1)
@@ -358,6 +366,7 @@ def replay(a: argparse.Namespace) -> int:
                 prof,
                 None if a.no_write else Path(tmp) / "rec",
                 correlate_every=a.correlate_every,
+                evict_mib=a.evict_mib,
                 profile_stage=a.profile_stage,
             )
         out = io.StringIO()
@@ -420,6 +429,14 @@ def main() -> int:
         help="as the recorder's --correlate-every: each drain's logits rows reduced as taken and "
         "the drains of SECONDS (at its 0.5 s drain interval) correlated together; default 0, each "
         "drain correlated as taken",
+    )
+    r.add_argument(
+        "--evict-mib",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="before each drain (not timed), write MIB MiB of memory, as the engine's weights "
+        "pass through the caches between two drains live",
     )
     r.add_argument("--profile", type=int, default=0, metavar="N", help="also the N costliest functions")
     r.add_argument(

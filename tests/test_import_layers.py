@@ -18,6 +18,9 @@ STAGES: dict[str, int] = {
     "errors": 0,  # the exceptions and their exit codes: every stage raises them
     "checks": 0,  # a check's result line, shared by doctor and the GPU diagnosis
     "terminal_text": 0,  # untrusted strings made safe to print: every stage that prints uses it
+    # the build of the C helpers and of the compiled correlator (compile_correlator.py reads
+    # correlate/build_stamp.py by its path, never through the package)
+    "native": 0,
     "capture": 1,  # the only importer of bcc: probes, ring, plans, target inspection, layouts
     "store": 2,  # the schema (every column) and the on-disk recording format
     "correlate": 3,  # probe records -> steps, tokens, routes, requests

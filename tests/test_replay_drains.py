@@ -28,7 +28,9 @@ def test_replayed_drains_make_the_recorders_rows(tmp_path: Path) -> None:
     assert cap.returncode == 0, cap.stderr[-2000:]
     assert drains.stat().st_mode & 0o777 == 0o600  # tokens and logits of the run: owner only
     rep = _replay(drains)
-    head = rep.splitlines()[0]
+    # the package's correlator, compiled by scripts/setup.sh (which the test command runs first)
+    which, head = rep.splitlines()[:2]
+    assert which == "correlator: compiled"
     # "... the recorder made N token rows and M step rows of them, this replay N and M"
     made = head.split("the recorder made ")[1]
     recorded, replayed = made.split(" of them, this replay ")
@@ -45,8 +47,9 @@ def test_replayed_drains_make_the_recorders_rows(tmp_path: Path) -> None:
     assert next(iter(kinds)) == "logits" and 128_000 <= float(kinds["logits"].replace(",", "")) < 140_000
     assert {"small", "ubatch_s", "step_agg"} <= set(kinds)  # a decode step's own records
     # --profile: the Python calls per token (the count a change to the correlator is judged by
-    # where the VM's speed drifts), then the costliest functions
-    out = _replay(drains, "--profile", "3", "--profile-sort", "cumulative")
+    # where the VM's speed drifts), then the costliest functions; of the correlator's source
+    # (cProfile sees no call inside compiled modules)
+    out = _replay(drains, "--profile", "3", "--profile-sort", "cumulative", pure=True)
     calls = [line for line in out.splitlines() if line.endswith(" Python function calls per token")]
     assert len(calls) == 1 and float(calls[0].split()[0]) > 10  # a token's records take more than that
     assert "Correlator.feed under cProfile (with what it calls" in out
@@ -56,19 +59,26 @@ def test_replayed_drains_make_the_recorders_rows(tmp_path: Path) -> None:
         ("frames", "the frames under cProfile", "_frame"),
         ("write", "the writes under cProfile", "write_parquet"),
     ):
-        out = _replay(drains, "--profile", "40", "--profile-sort", "cumulative", "--profile-stage", stage)
+        out = _replay(
+            drains, "--profile", "40", "--profile-sort", "cumulative", "--profile-stage", stage, pure=True
+        )
         assert heading in out and f"({called})" in out, out[-3000:]
         assert "(feed)" not in out  # the correlation is left out of that profile
 
 
-def _replay(drains: Path, *args: str) -> str:
-    """`replay_drains.py replay DRAINS --repeat 1 ARGS...`'s output, checked to have succeeded."""
+def _replay(drains: Path, *args: str, pure: bool = False) -> str:
+    """`replay_drains.py replay DRAINS --repeat 1 ARGS...`'s output, checked to have succeeded;
+    `pure`: with the correlator's source (SPARSEETY_PROF_PURE_PYTHON=1)."""
+    env = {k: v for k, v in os.environ.items() if k != "SPARSEETY_PROF_PURE_PYTHON"}
     got = subprocess.run(
         [sys.executable, str(SCRIPT), "replay", str(drains), "--repeat", "1", *args],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=ROOT,
+        env={**env, "SPARSEETY_PROF_PURE_PYTHON": "1"} if pure else env,
     )
     assert got.returncode == 0, got.stdout + got.stderr[-2000:]
+    if pure:
+        assert got.stdout.startswith("correlator: source: SPARSEETY_PROF_PURE_PYTHON is set\n")
     return got.stdout

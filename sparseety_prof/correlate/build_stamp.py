@@ -78,7 +78,7 @@ def compiled_dir(pkg: Path) -> tuple[Path | None, str]:
         with stamp_file.open("rb") as f:
             stamp = json.loads(f.read(_STAMP_MAX + 1)[:_STAMP_MAX])
     except FileNotFoundError:
-        return None, "source: no compiled build (sparseety_prof/native/build.sh makes one)"
+        return None, "source: no compiled build (scripts/setup.sh makes one)"
     except (OSError, ValueError) as e:
         return None, f"source: the compiled build's stamp is unreadable ({type(e).__name__})"
     if not isinstance(stamp, dict):
