@@ -1295,7 +1295,7 @@ def test_a_drains_run_plan_leaves_each_irregular_run_to_the_handlers() -> None:
         run(kind)
     s.small(ev.EV_UBATCH_END)
     batch = decode_records(s.recs, 1024)
-    from sparseety_prof.capture.drain_index import DrainIndex
+    from sparseety_prof.correlate.drain_index import DrainIndex
 
     idx = DrainIndex(batch)
     cols = sparse_run_module.SparseColumns(idx)

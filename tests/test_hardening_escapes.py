@@ -29,8 +29,8 @@ import pytest
 from conftest import run_cli
 
 from sparseety_prof.capture import events as ev
-from sparseety_prof.capture.drain_index import DrainIndex
 from sparseety_prof.capture.gguf_info import Vocab, read_model_info, read_tensor_infos
+from sparseety_prof.correlate.drain_index import DrainIndex
 from sparseety_prof.correlate.serving import ID_GENERATED, ServingTracker
 from sparseety_prof.correlate.step_sparse import StepSparse
 from sparseety_prof.errors import ProfError

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 
 from sparseety_prof.capture import events as ev
-from sparseety_prof.capture.drain_index import G_SMALL, DrainIndex
 from sparseety_prof.capture.logits_rows import owned
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate.agg_record import AggRow, agg_rows_batch
 from sparseety_prof.correlate.attention_map import AttentionMap
+from sparseety_prof.correlate.drain_index import G_SMALL, DrainIndex
 from sparseety_prof.correlate.fast_step import UnmadeStep, fast_sample, fast_step, make_unmade
 from sparseety_prof.correlate.plain_run import plain_run
 from sparseety_prof.correlate.request_tokens import RequestTokens

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from sparseety_prof.capture import events as ev
-from sparseety_prof.capture.drain_index import G_SMALL, G_UBATCH_S, DrainIndex
 from sparseety_prof.capture.logits_rows import LogitsChunk
 from sparseety_prof.correlate.agg_record import AggRow
+from sparseety_prof.correlate.drain_index import G_SMALL, G_UBATCH_S, DrainIndex
 from sparseety_prof.correlate.state import CtxState, SeqState, Step
 from sparseety_prof.correlate.step_sparse import StepSparse
 from sparseety_prof.correlate.verification import VERIFY_UBATCHES, verifying_sparse

@@ -28,8 +28,15 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from sparseety_prof.capture import events as ev
-from sparseety_prof.capture.drain_index import G_LOGITS, G_SMALL, G_STEP_AGG, G_UBATCH, G_UBATCH_S, DrainIndex
 from sparseety_prof.correlate.agg_record import AggRow
+from sparseety_prof.correlate.drain_index import (
+    G_LOGITS,
+    G_SMALL,
+    G_STEP_AGG,
+    G_UBATCH,
+    G_UBATCH_S,
+    DrainIndex,
+)
 from sparseety_prof.correlate.fast_step import UNMADE_ROWS, UnmadeStep
 from sparseety_prof.correlate.state import CtxState, SeqState
 from sparseety_prof.store.schema import PHASE_DECODE

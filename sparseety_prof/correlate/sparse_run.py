@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sparseety_prof.capture import events as ev
-from sparseety_prof.capture.drain_index import G_ACT, G_TENSOR_L, G_TENSOR_S, DrainIndex
+from sparseety_prof.correlate.drain_index import G_ACT, G_TENSOR_L, G_TENSOR_S, DrainIndex
 from sparseety_prof.correlate.node_names import parse_name
 from sparseety_prof.correlate.step_sparse import (
     GGML_TYPE_I32,
