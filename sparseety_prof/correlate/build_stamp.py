@@ -10,7 +10,8 @@ from: the sha256 of every source module, the interpreter (cache tag and extensio
 mypyc's version. The package (correlate/__init__.py) puts them first on its `__path__` only when
 each stamped source is unchanged and the interpreter is the one they were built for: a checkout
 edited since its build, another Python, or `SPARSEETY_PROF_PURE_PYTHON=1` runs the source, never
-a stale build. `STATE` says which, and why (meta.json `consumer.correlator`, `doctor`).
+a stale build. `STATE` says which, and why (meta.json `correlator.build`, and the first line
+of `scripts/replay_drains.py replay`).
 
 This module and the package's __init__ are never compiled: they decide.
 """

@@ -6,8 +6,8 @@ OUT is the compiled tree's root (sparseety_prof/native/build/compiled): its
 sparseety_prof/correlate/ gets one extension module per source module and the group's shared
 library, and OUT/stamp.json what they were built from (correlate/build_stamp.py, which decides at
 import whether they are used). Nothing is done when the stamp already matches the sources, this
-interpreter and this mypyc. Run by sparseety_prof/native/build.sh (a checkout's editable install,
-or a wheel's build); about a minute on two cores.
+interpreter and this mypyc. Run by scripts/setup.sh for a checkout (with --require) and by
+setup.py into a wheel; about a minute on two cores.
 
 Without mypyc or a C compiler and the interpreter's headers, it says so and leaves the correlator
 to run as Python (exit 0), unless --require (exit 1). The new tree replaces the old by renames: a
@@ -30,7 +30,9 @@ HERE = Path(__file__).resolve().parent
 PKG = HERE.parent / "correlate"
 
 
-def _stamp_module():  # type: ignore[no-untyped-def]  # (loaded by path: no package import here)
+# (build_stamp is loaded by its path: importing it through the package would import
+# sparseety_prof's own dependencies, which a wheel's build environment does not have)
+def _stamp_module():  # type: ignore[no-untyped-def]
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_sparseety_build_stamp", PKG / "build_stamp.py")
