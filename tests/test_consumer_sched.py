@@ -157,6 +157,32 @@ def test_idle_policy_leaves_sched_idle_while_escalated() -> None:
     run_in_thread(body)
 
 
+@pytest.mark.root
+def test_the_ring_watch_leaves_sched_idle_to_the_consumer() -> None:
+    """With --sched idle the consumer's thread is SCHED_IDLE when it makes the watch's thread,
+    which inherits the policy: a niceness does not change it, and a SCHED_IDLE watch would not
+    run while the engine keeps the cores busy, the time it is there for. It takes SCHED_OTHER at
+    nice 0; the consumer stays SCHED_IDLE."""
+    seen: dict[str, object] = {}
+
+    def consumer() -> None:
+        s = _ConsumerSched(Options(pid=1, out=None, nice=10, sched="idle"), Progress())
+        wake = os.eventfd(0, os.EFD_NONBLOCK)
+        watch = s.watch(lambda: 0.0, wake, lambda: None)
+        try:
+            assert watch.started.wait(timeout=5)
+            assert watch.tid is not None
+            seen["watch"] = (os.sched_getscheduler(watch.tid), os.getpriority(os.PRIO_PROCESS, watch.tid))
+            seen["consumer"] = os.sched_getscheduler(0)
+        finally:
+            watch.close()
+            os.close(wake)
+
+    run_in_thread(consumer)
+    assert seen["watch"] == (os.SCHED_OTHER, 0)
+    assert seen["consumer"] == os.SCHED_IDLE
+
+
 def test_rows_gathered_over_drains_become_one_frame_per_frame_rows() -> None:
     import pytest
 

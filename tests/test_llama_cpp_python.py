@@ -91,6 +91,7 @@ def test_tokens_match_engine_ground_truth(
     consumer = meta["consumer"]
     assert consumer["correlate_every_s"] == (1 if together else 0)
     assert consumer["logits_token_mismatch"] == 0
+    assert consumer["polars_threads"] == 1  # the package's default (sparseety_prof/__init__.py)
     if together:  # no more correlations than drains (the drains of 1 s together)
         assert 0 < consumer["correlations"] <= consumer["drains"]
 

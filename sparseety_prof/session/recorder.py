@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 
 from sparseety_prof import __version__
 from sparseety_prof.capture import target as tg
@@ -352,6 +353,8 @@ class Recorder:
             # expected: both are the sampler call's result); left null
             "logits_token_mismatch": corr.requests.stats.token_mismatch,
             "gc_collections": self._collector.collections,
+            # Polars' thread pool: 1 unless the user set POLARS_MAX_THREADS (sparseety_prof/__init__.py)
+            "polars_threads": pl.thread_pool_size(),
             "ablated": c.ablation.meta(),  # --ablate-consumer (session/ablation.py)
         }
 

@@ -52,14 +52,24 @@ class RingWatch:
         self._ep.register(wake_fd, select.EPOLLIN | select.EPOLLET)
         self._ep.register(self._stop_fd, select.EPOLLIN)
         arm()
+        self.started = threading.Event()  # set once the thread has taken its priority
+        self.tid: int | None = None  # the thread's id, once started
         self._thread = threading.Thread(target=self._run, name="ring-watch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        # the recorder lowered its own priority before this thread was made: take the engine's
-        # back (root may; without CAP_SYS_NICE it stays low and only the drains escalate)
+        # the recorder lowered its own priority before this thread was made, and a new thread
+        # inherits it: take the engine's back, its policy first (with --sched idle this thread
+        # would otherwise stay SCHED_IDLE, which a niceness does not change, and never run while
+        # the engine keeps the cores busy: the very time it is for), then its niceness (root may;
+        # without CAP_SYS_NICE it stays low and only the drains escalate)
+        tid = self.tid = threading.get_native_id()
         with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 0)
+            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, 0)
+        self.started.set()
         while True:
             try:
                 events = self._ep.poll()
