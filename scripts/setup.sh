@@ -156,7 +156,7 @@ if ! bash sparseety_prof/native/build.sh >/dev/null; then
   echo "[setup] sparseety_prof/native/build.sh failed: the C compiler rejected sparseety_prof/native/*.c" >&2
   exit 1
 fi
-step "5c/6 built sparseety_prof/native/build/librowstats.so and libringwalk.so"
+step "5c/6 built sparseety_prof/native/build/librowstats.so, libringwalk.so and libringwatch.so"
 
 # 5d. the correlator compiled by mypyc (about a minute; nothing when its sources are unchanged):
 #     the consumer's per-token Python calls run without the interpreter. A checkout edited since

@@ -4,7 +4,10 @@ nearly empty for a while; SCHED_IDLE with --sched idle; drains sooner when the r
 
 from __future__ import annotations
 
+import ctypes
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,6 +16,7 @@ import pytest
 from conftest import run_cli
 
 from sparseety_prof.session.options import Options, Progress
+from sparseety_prof.session.ring_watch import NativeRingWatch, native_available
 from sparseety_prof.session.sched import ConsumerSched as _ConsumerSched
 from sparseety_prof.session.sched_slice import set_thread_slice, thread_slice_us
 
@@ -76,6 +80,7 @@ def test_escalates_to_nice_0_while_the_ring_fills_and_relaxes_after() -> None:
         s.after_flush(200.0, 35.0, "segment routes")  # more CPU, less wall: not the longest
         assert s.meta() == {
             "sched": "nice",
+            "ring_watch": None,  # (no watch made here)
             "nice": 10,
             "ring_fill_peak": 0.3,
             "drain_gap_max_ms": 900.0,
@@ -157,30 +162,159 @@ def test_idle_policy_leaves_sched_idle_while_escalated() -> None:
     run_in_thread(body)
 
 
+def _fake_ring(
+    pending: int, size: int = 1 << 20
+) -> tuple[ctypes.Array[ctypes.c_uint64], tuple[int, int, int]]:
+    """Producer and consumer positions in memory, `pending` bytes apart, as RingReader.positions
+    gives them for the ring's pages."""
+    pos = (ctypes.c_uint64 * 2)(pending, 0)
+    addr = ctypes.addressof(pos)
+    return pos, (addr, addr + 8, size)
+
+
 @pytest.mark.root
-def test_the_ring_watch_leaves_sched_idle_to_the_consumer() -> None:
+@pytest.mark.parametrize("kind", ["python", "native"])
+def test_the_ring_watch_leaves_sched_idle_to_the_consumer(kind: str) -> None:
     """With --sched idle the consumer's thread is SCHED_IDLE when it makes the watch's thread,
     which inherits the policy: a niceness does not change it, and a SCHED_IDLE watch would not
     run while the engine keeps the cores busy, the time it is there for. It takes SCHED_OTHER at
     nice 0; the consumer stays SCHED_IDLE."""
+    if kind == "native" and not native_available():
+        pytest.fail("libringwatch.so is not built: run sparseety_prof/native/build.sh")
     seen: dict[str, object] = {}
+    _pos, positions = _fake_ring(0)  # (alive while the watch reads it)
 
     def consumer() -> None:
         s = _ConsumerSched(Options(pid=1, out=None, nice=10, sched="idle"), Progress())
         wake = os.eventfd(0, os.EFD_NONBLOCK)
-        watch = s.watch(lambda: 0.0, wake, lambda: None)
+        watch = s.watch(lambda: 0.0, wake, lambda: None, positions if kind == "native" else None)
         try:
-            assert watch.started.wait(timeout=5)
-            assert watch.tid is not None
-            seen["watch"] = (os.sched_getscheduler(watch.tid), os.getpriority(os.PRIO_PROCESS, watch.tid))
+            assert isinstance(watch, NativeRingWatch) == (kind == "native")
+            tid = watch.thread_id()
+            assert tid is not None
+            seen["watch"] = (os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid))
             seen["consumer"] = os.sched_getscheduler(0)
+            seen["meta"] = s.meta()["ring_watch"]
         finally:
             watch.close()
+            watch.close()  # twice is fine
             os.close(wake)
 
     run_in_thread(consumer)
     assert seen["watch"] == (os.SCHED_OTHER, 0)
     assert seen["consumer"] == os.SCHED_IDLE
+    assert seen["meta"] == kind
+
+
+@pytest.mark.root
+def test_the_native_watch_escalates_and_the_policy_learns_it_at_the_next_drain() -> None:
+    """Woken with the ring past the threshold, the C watch raises the consumer's thread itself
+    (SCHED_IDLE -> SCHED_OTHER at nice 0), once; the next drain counts it, and relaxing lets it
+    escalate again. Woken below the threshold it does nothing."""
+    if not native_available():
+        pytest.fail("libringwatch.so is not built: run sparseety_prof/native/build.sh")
+    seen: dict[str, object] = {}
+    pos, positions = _fake_ring(1 << 18)  # a quarter of the ring pending: below the threshold
+
+    def wait_for(cond: object) -> None:
+        deadline = time.monotonic() + 5
+        while not cond() and time.monotonic() < deadline:  # type: ignore[operator]
+            time.sleep(0.005)
+
+    def consumer() -> None:
+        p = Progress()
+        s = _ConsumerSched(Options(pid=1, out=None, nice=10, sched="idle"), p)
+        wake = os.eventfd(0, os.EFD_NONBLOCK)
+        armed: list[int] = []
+        watch = s.watch(lambda: 0.0, wake, lambda: armed.append(1), positions)
+        assert isinstance(watch, NativeRingWatch)
+        try:
+            os.eventfd_write(wake, 1)
+            wait_for(lambda: watch.readings == 1)
+            seen["below"] = (os.sched_getscheduler(0), watch.escalations)
+            os.eventfd_read(wake)  # (edge-triggered: the next write is a new edge)
+            pos[0] = 900_000  # 86% pending
+            os.eventfd_write(wake, 1)
+            wait_for(lambda: watch.escalations == 1)
+            seen["raised"] = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0), p.escalations)
+            os.eventfd_read(wake)
+            os.eventfd_write(wake, 1)  # escalated already: not again
+            wait_for(lambda: watch.readings == 3)
+            s.after_drain(0.9, 500.0, now=10.0)  # the drain learns of it: counted once
+            seen["counted"] = (watch.escalations, p.escalations, s.escalated)
+            s.after_drain(0.0, 500.0, now=10.5)
+            s.after_drain(0.0, 500.0, now=10.5 + s.RELAX_HOLD_S)  # calm: relaxed
+            seen["relaxed"] = (os.sched_getscheduler(0), s.escalated)
+            os.eventfd_read(wake)
+            os.eventfd_write(wake, 1)  # still filled: the watch escalates again
+            wait_for(lambda: watch.escalations == 2)
+            s.after_drain(0.9, 500.0, now=12.0)
+            seen["again"] = (os.sched_getscheduler(0), p.escalations, s.meta()["escalations"])
+            seen["armed"] = len(armed)
+        finally:
+            watch.close()
+            os.close(wake)
+        # closed (before the ring goes): its counters stay, and nothing is counted twice
+        seen["closed"] = (watch.escalations, watch.wakeups, s.meta()["escalations"], s.escalated)
+
+    run_in_thread(consumer)
+    assert seen["below"] == (os.SCHED_IDLE, 0)
+    assert seen["raised"] == (os.SCHED_OTHER, 0, 0)  # raised by the watch; counted at the drain
+    assert seen["counted"] == (1, 1, True)
+    assert seen["relaxed"] == (os.SCHED_IDLE, False)
+    assert seen["again"] == (os.SCHED_OTHER, 2, 2)
+    assert seen["armed"] == 1  # at the start (the recorder rearms after each drain)
+    assert seen["closed"] == (2, 4, 2, True)
+
+
+_GIL_HELD = r"""
+import ctypes, os, subprocess, sys, threading
+from sparseety_prof.session.options import Options, Progress
+from sparseety_prof.session.sched import ConsumerSched
+native = sys.argv[1] == "native"
+pos = (ctypes.c_uint64 * 2)(900_000, 0)  # 86% of the ring pending
+positions = (ctypes.addressof(pos), ctypes.addressof(pos) + 8, 1 << 20)
+holding = ctypes.PyDLL(None)  # its calls keep the GIL
+out = {}
+def consumer():
+    s = ConsumerSched(Options(pid=1, out=None, nice=10, sched="idle"), Progress())
+    r, w = os.pipe()
+    watch = s.watch(lambda: 0.86, r, lambda: None, positions if native else None)
+    watch.thread_id()
+    tid = threading.get_native_id()
+    # another process wakes the watch as a producer would, then reads this thread's scheduling
+    # policy (/proc .../stat field 41) while the thread still holds the GIL
+    script = "sleep 0.3; printf x >&%d; sleep 0.5; " % w
+    script += "sed 's/.*) //' /proc/%d/task/%d/stat | cut -d' ' -f39" % (os.getpid(), tid)
+    probe = subprocess.Popen(["sh", "-c", script], pass_fds=(w,), stdout=subprocess.PIPE, text=True)
+    os.close(w)
+    holding.usleep(1_500_000)  # the GIL held, as by a consumer the kernel stopped mid-Python
+    out["policy"] = probe.communicate()[0].strip()
+    out["kind"] = type(watch).__name__
+    watch.close()
+t = threading.Thread(target=consumer)
+t.start()
+t.join()
+print(out["kind"], out["policy"])
+"""
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_only_the_native_watch_raises_a_consumer_that_holds_the_gil(kind: str) -> None:
+    """The case the C watch is for, performed: the consumer's thread holds Python's GIL without
+    running (here: in a C call that keeps it, as a SCHED_IDLE consumer the kernel stopped mid-
+    Python holds it on busy cores) when the producers wake the watch with the ring 86% full.
+    The C watch raises it to SCHED_OTHER at once, GIL or not; the Python watch cannot run until
+    the GIL comes back, and the consumer is still SCHED_IDLE half a second later (another process
+    reads its policy meanwhile)."""
+    if not native_available():
+        pytest.fail("libringwatch.so is not built: run sparseety_prof/native/build.sh")
+    r = subprocess.run([sys.executable, "-c", _GIL_HELD, kind], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    watch, policy = r.stdout.split()
+    assert watch == ("NativeRingWatch" if kind == "native" else "RingWatch")
+    assert int(policy) == (os.SCHED_OTHER if kind == "native" else os.SCHED_IDLE)
 
 
 def test_rows_gathered_over_drains_become_one_frame_per_frame_rows() -> None:

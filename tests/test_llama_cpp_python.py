@@ -92,6 +92,7 @@ def test_tokens_match_engine_ground_truth(
     assert consumer["correlate_every_s"] == (1 if together else 0)
     assert consumer["logits_token_mismatch"] == 0
     assert consumer["polars_threads"] == 1  # the package's default (sparseety_prof/__init__.py)
+    assert consumer["ring_watch"] == "native"  # the watch's thread in C (ringwatch.c), built by setup
     if together:  # no more correlations than drains (the drains of 1 s together)
         assert 0 < consumer["correlations"] <= consumer["drains"]
 

@@ -107,7 +107,8 @@ def test_wheel_holds_every_subpackage_the_probes_and_the_built_helpers(dist: dic
     modules = {str(p.relative_to(ROOT)) for p in (ROOT / "sparseety_prof").rglob("*.py")}
     probes = {f"sparseety_prof/{p.relative_to(ROOT)}" for p in (ROOT / "probes").glob("*.[ch]")}
     cupti = {f"sparseety_prof/{p.relative_to(ROOT)}" for p in (ROOT / "cupti_ext").glob("*/*.[ch]")}
-    native = {f"sparseety_prof/native/build/{n}" for n in ("librowstats.so", "libringwalk.so")}
+    libs = ("librowstats.so", "libringwalk.so", "libringwatch.so")
+    native = {f"sparseety_prof/native/build/{n}" for n in libs}
     want = modules | probes | cupti | native | {"sparseety_prof/cupti_ext/build.sh"}
     assert not want - names, sorted(want - names)
 

@@ -610,6 +610,11 @@ class RingReader:
         """The sequence number the producers give their next record (counters[0])."""
         return int(self._sess.bpf["counters"][ctypes.c_int(0)].value)
 
+    def positions(self) -> tuple[int, int, int]:
+        """The addresses of the ring's producer and consumer positions and its data bytes, for a
+        watch in C (session/ring_watch.py NativeRingWatch), which must stop before stop()."""
+        return self._data_addr - self._page, ctypes.addressof(self._cons), self._size
+
     def pending_share(self) -> float:
         """The share of the ring produced but not yet drained: two reads of the ring's memory, safe
         from another thread than the one that drains (ring_watch.py)."""

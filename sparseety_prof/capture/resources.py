@@ -29,6 +29,7 @@ NATIVE_BUILD_DIR = PACKAGE_DIR / "native" / "build"
 
 
 def native_library(name: str) -> Path:
-    """A helper library of sparseety_prof/native (librowstats.so, libringwalk.so): loaded with
-    ctypes, and optional to its callers, which fall back to numpy or Python without it."""
+    """A helper library of sparseety_prof/native (librowstats.so, libringwalk.so,
+    libringwatch.so): loaded with ctypes, and optional to its callers, which fall back to numpy or
+    Python without it."""
     return NATIVE_BUILD_DIR / name

@@ -37,7 +37,7 @@ from sparseety_prof.session.memory_budget import MemoryBudget, resident_bytes
 from sparseety_prof.session.model_hasher import ModelHasher
 from sparseety_prof.session.options import Options, Progress
 from sparseety_prof.session.policy import RecordingPolicy, probe_head_rate
-from sparseety_prof.session.ring_watch import RingWatch
+from sparseety_prof.session.ring_watch import NativeRingWatch, RingWatch
 from sparseety_prof.session.row_outlet import RowOutlet
 from sparseety_prof.session.sched import ConsumerSched
 from sparseety_prof.session.sinks import FrameSink, SinkFanout
@@ -609,7 +609,7 @@ class _Consumer:
     sched: ConsumerSched
     flush: FlushSchedule
     budget: MemoryBudget
-    watch: RingWatch
+    watch: RingWatch | NativeRingWatch
     ablation: ConsumerAblation
     batches: DrainBatches | None
     tracker: SeqTracker
@@ -623,7 +623,7 @@ class _Consumer:
             sched=sched,
             flush=FlushSchedule(opts.flush_interval),
             budget=MemoryBudget(opts.max_memory),
-            watch=sched.watch(reader.pending_share, reader.wake_fd, reader.arm_watch),
+            watch=sched.watch(reader.pending_share, reader.wake_fd, reader.arm_watch, reader.positions()),
             ablation=ConsumerAblation(opts.ablate_consumer),
             batches=(
                 DrainBatches(opts.correlate_every)

@@ -16,15 +16,28 @@ probes/token_probes.bpf.c). A calm ring costs nothing here. Polling every
 50 ms, as this did, cost 86-225 µs of CPU per wakeup on this project's VMs (a timer wakeup alone,
 even from C, cost 50 µs there): 1,838 wakeups, 0.31 s of CPU, in a one-minute profile
 (scripts/profile_consumer.py), about 50 µs per generated token.
+
+Its thread needs the GIL to run at all, and the consumer holds it wherever the kernel stopped it:
+at nice 10 the consumer runs again within milliseconds, but under --sched idle on cores the engine
+keeps busy it may wait seconds, and the escalation with it (README, "--sched idle").
+NativeRingWatch is the same watch in C (sparseety_prof/native/ringwatch.c), whose thread never
+takes the GIL and raises the consumer's priority itself; the consumer's policy learns of it at its
+next drain (ConsumerSched). It is used where libringwatch.so is built; RingWatch otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import select
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sparseety_prof.capture.resources import native_library
 
 
 class RingWatch:
@@ -85,6 +98,10 @@ class RingWatch:
             self.readings += 1
             self._on_backlog(share)
 
+    def thread_id(self, timeout: float = 5.0) -> int | None:
+        """The watch's thread id, once it has taken its priority (None if not within `timeout`)."""
+        return self.tid if self.started.wait(timeout) else None
+
     def rearm(self) -> None:
         """After a drain (the consumer's thread): the mark moves with the consumer, so this arms
         the watch whether or not it was woken."""
@@ -101,3 +118,125 @@ class RingWatch:
         if not self._thread.is_alive():
             self._ep.close()
             os.close(self._stop_fd)
+
+
+# sparseety_prof/native/ringwatch.c, built by sparseety_prof/native/build.sh
+_WATCH_LIB = native_library("libringwatch.so")
+_WATCH_ABI = 2
+_WAKEUPS, _READINGS, _ESCALATIONS, _TID = range(4)  # sparseety_watch_counter's counters
+
+
+def _load_watch(path: Path) -> Any:
+    """The C watch's library, or None (missing, unloadable, or of another ABI version)."""
+    try:
+        lib = ctypes.CDLL(str(path), use_errno=True)
+        if lib.sparseety_watch_abi() != _WATCH_ABI:
+            return None
+        p = ctypes.c_void_p
+        lib.sparseety_watch_start.argtypes = [
+            ctypes.c_int,
+            p,
+            p,
+            ctypes.c_uint64,
+            ctypes.c_double,
+            ctypes.c_int,
+            ctypes.c_int,
+        ]
+        lib.sparseety_watch_start.restype = p
+        lib.sparseety_watch_stop.argtypes = [p]
+        lib.sparseety_watch_stop.restype = None
+        lib.sparseety_watch_free.argtypes = [p]
+        lib.sparseety_watch_free.restype = None
+        lib.sparseety_watch_set_escalated.argtypes = [p, ctypes.c_int]
+        lib.sparseety_watch_set_escalated.restype = None
+        lib.sparseety_watch_counter.argtypes = [p, ctypes.c_int]
+        lib.sparseety_watch_counter.restype = ctypes.c_uint64
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+_watch_lib = _load_watch(_WATCH_LIB)
+
+
+def native_available() -> bool:
+    """Whether NativeRingWatch can be made (libringwatch.so built and loaded)."""
+    return _watch_lib is not None
+
+
+class NativeRingWatch:
+    """RingWatch's job in a C thread that never takes the GIL (ringwatch.c): woken by the producers
+    through `wake_fd`, it reads the ring's positions at `positions` (RingReader.positions: the
+    producer's and consumer's addresses and the ring's data bytes) and, past `threshold` of the
+    ring pending, makes thread `consumer_tid` SCHED_OTHER at niceness `nice_to`, once until
+    `set_escalated(False)`. `escalations` counts them (ConsumerSched reads it at each drain).
+    close() must come before the ring is unmapped (RingReader.stop)."""
+
+    def __init__(
+        self,
+        wake_fd: int,
+        arm: Callable[[], None],
+        positions: tuple[int, int, int],
+        *,
+        threshold: float,
+        consumer_tid: int,
+        nice_to: int,
+    ) -> None:
+        if _watch_lib is None:
+            raise OSError("libringwatch.so is not built (sparseety_prof/native/build.sh)")
+        self._arm = arm
+        prod, cons, size = positions
+        arm()
+        handle = _watch_lib.sparseety_watch_start(wake_fd, prod, cons, size, threshold, consumer_tid, nice_to)
+        if not handle:
+            err = ctypes.get_errno()
+            raise OSError(err, f"the ring watch's thread did not start: {os.strerror(err)}")
+        self._handle: int | None = handle
+        self._final: dict[int, int] = {}  # the counters at close
+
+    def _counter(self, which: int) -> int:
+        if self._handle is None or _watch_lib is None:
+            return self._final.get(which, 0)  # closed: as they were when it stopped
+        return int(_watch_lib.sparseety_watch_counter(self._handle, which))
+
+    @property
+    def wakeups(self) -> int:
+        return self._counter(_WAKEUPS)
+
+    @property
+    def readings(self) -> int:
+        return self._counter(_READINGS)
+
+    @property
+    def escalations(self) -> int:
+        return self._counter(_ESCALATIONS)
+
+    def thread_id(self, timeout: float = 5.0) -> int | None:
+        """The watch's thread id, once it has taken its priority (None if not within `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while self._handle is not None:
+            tid = self._counter(_TID)
+            if tid or time.monotonic() >= deadline:
+                return tid or None
+            time.sleep(0.001)
+        return None
+
+    def set_escalated(self, escalated: bool) -> None:
+        """The consumer escalated (True: the watch does not again) or relaxed (False: it may)."""
+        if self._handle is not None and _watch_lib is not None:
+            _watch_lib.sparseety_watch_set_escalated(self._handle, int(escalated))
+
+    def rearm(self) -> None:
+        """After a drain, as RingWatch.rearm."""
+        with contextlib.suppress(OSError, KeyError, ValueError):  # the ring is gone
+            self._arm()
+
+    def close(self) -> None:
+        """Stop the thread (before the ring is unmapped). Closing twice is fine."""
+        handle = self._handle
+        if handle is None or _watch_lib is None:
+            return
+        _watch_lib.sparseety_watch_stop(handle)  # the thread is gone: its counters hold still
+        self._final = {k: int(_watch_lib.sparseety_watch_counter(handle, k)) for k in range(3)}
+        self._handle = None
+        _watch_lib.sparseety_watch_free(handle)

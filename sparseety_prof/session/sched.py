@@ -11,7 +11,7 @@ from typing import Any
 
 from sparseety_prof.capture.bpf_loader import RING_WAKE_FILL
 from sparseety_prof.session.options import Options, Progress
-from sparseety_prof.session.ring_watch import RingWatch
+from sparseety_prof.session.ring_watch import NativeRingWatch, RingWatch, native_available
 from sparseety_prof.session.sched_slice import set_thread_slice, thread_slice_us
 
 
@@ -60,6 +60,10 @@ class ConsumerSched:
         # the ring watch's thread escalates too: one change of priority at a time (never taken in a
         # signal handler)
         self._lock = threading.Lock()
+        # the watch in C (watch()), and how many escalations of its after_drain has seen
+        self._native: NativeRingWatch | None = None
+        self._native_seen = 0
+        self._watch_kind: str | None = None  # "native" or "python" once watch() made it
         self.slice_us = opts.slice_us
         self.slice_set = False
         if self.mode == "idle":
@@ -85,14 +89,55 @@ class ConsumerSched:
             if not self.escalated and backlog > self.ESCALATE_FILL:
                 self._escalate()
 
-    def watch(self, pending: Callable[[], float], wake_fd: int, arm: Callable[[], None]) -> RingWatch:
+    def watch(
+        self,
+        pending: Callable[[], float],
+        wake_fd: int,
+        arm: Callable[[], None],
+        positions: tuple[int, int, int] | None = None,
+    ) -> RingWatch | NativeRingWatch:
         """Watch the backlog from a thread at the engine's priority, woken by the producers through
-        `wake_fd` once `arm`ed (ring_watch.py); the caller closes it before the ring goes away."""
+        `wake_fd` once `arm`ed (ring_watch.py); the caller closes it before the ring goes away.
+        Given the ring's `positions` (RingReader.positions), the watch runs in C without the GIL
+        where libringwatch.so is built (NativeRingWatch: it escalates by itself, and each drain
+        learns of it, after_drain); else in Python, through on_backlog."""
+        if positions is not None and native_available():
+            with contextlib.suppress(OSError):  # (a thread it could not start: the Python watch)
+                self._native = NativeRingWatch(
+                    wake_fd,
+                    arm,
+                    positions,
+                    threshold=self.ESCALATE_FILL,
+                    consumer_tid=self.tid,
+                    nice_to=min(0, self.nice),
+                )
+                self._watch_kind = "native"
+                return self._native
+        self._watch_kind = "python"
         return RingWatch(pending, self.on_backlog, wake_fd, arm)
+
+    def _sync_native(self) -> None:
+        """What the C watch did since the last drain: an escalation it made is this policy's too
+        (counted, the slice asked for, the priority set again: a relax since may have lowered
+        it). One made while this policy had escalated too (both saw the fill) is the same."""
+        w = self._native
+        if w is None:
+            return
+        n = w.escalations
+        if n == self._native_seen:
+            return
+        self._native_seen = n
+        if not self.escalated:
+            self._escalate()
 
     def _escalate(self) -> None:
         self.escalated = True
         self.progress.escalations += 1
+        self._raise()
+        if self._native is not None:
+            self._native.set_escalated(True)  # (it does not escalate again until relaxed)
+
+    def _raise(self) -> None:
         if self.mode == "idle":
             self._policy(os.SCHED_OTHER)
             self._apply_slice()
@@ -107,6 +152,7 @@ class ConsumerSched:
             self._after_drain(fill, gap_ms, now)
 
     def _after_drain(self, fill: float, gap_ms: float, now: float) -> None:
+        self._sync_native()
         self.wait_s = self.drain_s
         if fill > 0 and gap_ms > 0:
             self.wait_s = min(self.drain_s, max(self.MIN_WAIT_S, self.PACE_FILL * gap_ms / 1e3 / fill))
@@ -129,6 +175,8 @@ class ConsumerSched:
             self._niceness(self.nice)
             if self.mode == "idle":
                 self._policy(os.SCHED_IDLE)
+            if self._native is not None:  # lowered first: an escalation from now on is the watch's
+                self._native.set_escalated(False)
 
     def after_flush(self, wall_ms: float, cpu_ms: float, piece: str = "") -> None:
         """A piece of the loop's flush work between two drains (flush_round.py; or a whole
@@ -140,9 +188,13 @@ class ConsumerSched:
             p.flush_wall_max_ms, p.flush_cpu_ms, p.flush_piece_max = wall_ms, cpu_ms, piece
 
     def meta(self) -> dict[str, Any]:
+        with self._lock:
+            self._sync_native()  # (an escalation the watch made since the last drain counts)
         p = self.progress
         return {
             "sched": self.mode,
+            # where the ring watch ran: "native" (C, without the GIL) or "python" (ring_watch.py)
+            "ring_watch": self._watch_kind,
             "nice": self.nice,
             "ring_fill_peak": round(p.ring_fill_peak, 4),
             "drain_gap_max_ms": round(p.drain_gap_max_ms, 1),

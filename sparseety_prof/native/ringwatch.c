@@ -1,0 +1,163 @@
+/* The ring watch's thread in C (sparseety_prof/session/ring_watch.py NativeRingWatch): it raises
+ * the consumer's priority the moment the producers say the ring is filling, without Python's GIL.
+ *
+ * Why not in Python: to raise the priority a Python thread needs the GIL, and the consumer holds
+ * it wherever the kernel stopped it. At nice 10 the consumer runs again within milliseconds and
+ * hands the GIL over; under --sched idle (SCHED_IDLE) on cores the engine keeps busy it may not run
+ * for seconds, and a Python watch then escalated 6 s late, after the ring had filled and dropped
+ * records (README, "--sched idle"). This thread never takes the GIL: it sleeps in epoll on the
+ * ring's map fd (edge-triggered: woken by the producer that passes the armed mark, rb_wake() in
+ * probes/token_probes.bpf.c), reads the two ring positions, and when the pending share passes the
+ * threshold it makes the consumer's thread SCHED_OTHER (if it was SCHED_IDLE) at `nice_to`, once
+ * until reset. The Python side learns of it at its next drain (the escalation count) and keeps
+ * the rest of the rule (counting, the slice, relaxing).
+ *
+ * The thread takes SCHED_OTHER at nice 0 itself first: a thread inherits its creator's policy
+ * and niceness, and a watch that stays SCHED_IDLE never runs when it is needed.
+ *
+ * Built by build.sh next to libringwalk.so; without it the Python watch is used.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define RW_EXPORT __attribute__((visibility("default")))
+#define RWATCH_ABI_VERSION 2
+
+struct sparseety_watch {
+    pthread_t thread;
+    int epfd, stop_fd;
+    const volatile uint64_t *prod, *cons; /* the ring's producer and consumer positions */
+    uint64_t size;                        /* the ring's data bytes */
+    double threshold;                     /* pending share that escalates */
+    pid_t consumer_tid;
+    int nice_to;
+    pid_t tid; /* the watch's own thread, once started */
+    /* written by the watch's thread, read by the consumer's (atomics) */
+    uint64_t wakeups, readings, escalations;
+    int escalated; /* set here when escalating, cleared by sparseety_watch_reset */
+    int started;
+};
+
+RW_EXPORT int sparseety_watch_abi(void) { return RWATCH_ABI_VERSION; }
+
+static void escalate(struct sparseety_watch *w) {
+    struct sched_param p = {0};
+    /* the niceness first: a SCHED_IDLE thread made SCHED_OTHER keeps the niceness it had */
+    setpriority(PRIO_PROCESS, (id_t)w->consumer_tid, w->nice_to);
+    if (sched_getscheduler(w->consumer_tid) == SCHED_IDLE)
+        sched_setscheduler(w->consumer_tid, SCHED_OTHER, &p);
+}
+
+static void *run(void *arg) {
+    struct sparseety_watch *w = arg;
+    struct sched_param p = {0};
+    pid_t self = (pid_t)syscall(SYS_gettid);
+    if (sched_getscheduler(0) == SCHED_IDLE) sched_setscheduler(0, SCHED_OTHER, &p);
+    setpriority(PRIO_PROCESS, (id_t)self, 0); /* root may; without CAP_SYS_NICE it stays low */
+    __atomic_store_n(&w->tid, self, __ATOMIC_RELEASE);
+    __atomic_store_n(&w->started, 1, __ATOMIC_RELEASE);
+    struct epoll_event ev[2];
+    for (;;) {
+        int n = epoll_wait(w->epfd, ev, 2, -1);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return NULL;
+        }
+        for (int i = 0; i < n; i++)
+            if (ev[i].data.fd == w->stop_fd) return NULL;
+        __atomic_add_fetch(&w->wakeups, 1, __ATOMIC_RELAXED);
+        uint64_t prod = __atomic_load_n(w->prod, __ATOMIC_ACQUIRE);
+        uint64_t cons = __atomic_load_n(w->cons, __ATOMIC_ACQUIRE);
+        double share = prod > cons ? (double)(prod - cons) / (double)w->size : 0.0;
+        __atomic_add_fetch(&w->readings, 1, __ATOMIC_RELAXED);
+        if (share > w->threshold && !__atomic_exchange_n(&w->escalated, 1, __ATOMIC_ACQ_REL)) {
+            escalate(w);
+            __atomic_add_fetch(&w->escalations, 1, __ATOMIC_RELEASE);
+        }
+    }
+}
+
+/* Start watching: `wake_fd` the ring's map fd, `prod` and `cons` the addresses of its positions
+ * (mapped by the caller, kept mapped until sparseety_watch_stop returns), `size` its data bytes.
+ * NULL on failure (errno set). */
+RW_EXPORT struct sparseety_watch *sparseety_watch_start(int wake_fd, const uint64_t *prod, const uint64_t *cons,
+                                                        uint64_t size, double threshold, int consumer_tid,
+                                                        int nice_to) {
+    struct sparseety_watch *w = calloc(1, sizeof(*w));
+    if (w == NULL) return NULL;
+    w->prod = prod;
+    w->cons = cons;
+    w->size = size ? size : 1;
+    w->threshold = threshold;
+    w->consumer_tid = consumer_tid;
+    w->nice_to = nice_to;
+    w->epfd = epoll_create1(EPOLL_CLOEXEC);
+    w->stop_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (w->epfd < 0 || w->stop_fd < 0) goto fail;
+    struct epoll_event ring = {.events = EPOLLIN | EPOLLET, .data.fd = wake_fd};
+    struct epoll_event stop = {.events = EPOLLIN, .data.fd = w->stop_fd};
+    if (epoll_ctl(w->epfd, EPOLL_CTL_ADD, wake_fd, &ring) || epoll_ctl(w->epfd, EPOLL_CTL_ADD, w->stop_fd, &stop))
+        goto fail;
+    if (pthread_create(&w->thread, NULL, run, w) != 0) goto fail;
+    return w;
+fail: {
+    int e = errno;
+    if (w->epfd >= 0) close(w->epfd);
+    if (w->stop_fd >= 0) close(w->stop_fd);
+    free(w);
+    errno = e;
+    return NULL;
+}
+}
+
+/* Stop the thread (before the ring is unmapped); its counters stay readable until
+ * sparseety_watch_free. */
+RW_EXPORT void sparseety_watch_stop(struct sparseety_watch *w) {
+    if (w == NULL || w->epfd < 0) return;
+    uint64_t one = 1;
+    while (write(w->stop_fd, &one, sizeof(one)) < 0 && errno == EINTR) {
+    }
+    pthread_join(w->thread, NULL);
+    close(w->epfd);
+    close(w->stop_fd);
+    w->epfd = w->stop_fd = -1;
+}
+
+/* Stop the watch if it runs, then free it. */
+RW_EXPORT void sparseety_watch_free(struct sparseety_watch *w) {
+    if (w == NULL) return;
+    sparseety_watch_stop(w);
+    free(w);
+}
+
+/* The consumer escalated or relaxed by its own rule: `escalated` 1 keeps the watch from escalating
+ * again (and counting it), 0 lets it escalate at the next wakeup past the threshold. */
+RW_EXPORT void sparseety_watch_set_escalated(struct sparseety_watch *w, int escalated) {
+    __atomic_store_n(&w->escalated, escalated ? 1 : 0, __ATOMIC_RELEASE);
+}
+
+/* Counters: 0 wakeups, 1 readings, 2 escalations, 3 the watch's thread id (0 until started). */
+RW_EXPORT uint64_t sparseety_watch_counter(const struct sparseety_watch *w, int which) {
+    switch (which) {
+    case 0:
+        return __atomic_load_n(&w->wakeups, __ATOMIC_RELAXED);
+    case 1:
+        return __atomic_load_n(&w->readings, __ATOMIC_RELAXED);
+    case 2:
+        return __atomic_load_n(&w->escalations, __ATOMIC_ACQUIRE);
+    case 3:
+        return __atomic_load_n(&w->started, __ATOMIC_ACQUIRE) ? (uint64_t)__atomic_load_n(&w->tid, __ATOMIC_ACQUIRE)
+                                                                : 0;
+    default:
+        return 0;
+    }
+}
