@@ -5,6 +5,7 @@ nearly empty for a while; SCHED_IDLE with --sched idle; drains sooner when the r
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import subprocess
 import sys
@@ -265,6 +266,24 @@ def test_the_native_watch_escalates_and_the_policy_learns_it_at_the_next_drain()
     assert seen["again"] == (os.SCHED_OTHER, 2, 2)
     assert seen["armed"] == 1  # at the start (the recorder rearms after each drain)
     assert seen["closed"] == (2, 4, 2, True)
+
+
+def test_a_native_watch_dropped_without_close_stops_its_thread() -> None:
+    """An error path that loses the watch without close(): its thread is stopped when the watch
+    goes (before what maps the ring can), not left reading the ring's memory."""
+    if not native_available():
+        pytest.fail("libringwatch.so is not built: run sparseety_prof/native/build.sh")
+    pos, positions = _fake_ring(0)
+    wake = os.eventfd(0, os.EFD_NONBLOCK)
+    watch = NativeRingWatch(
+        wake, lambda: None, positions, threshold=0.35, consumer_tid=0, nice_to=0, owner=pos
+    )
+    tid = watch.thread_id()
+    assert tid is not None and os.path.exists(f"/proc/self/task/{tid}")
+    del watch
+    gc.collect()
+    assert not os.path.exists(f"/proc/self/task/{tid}")
+    os.close(wake)
 
 
 _GIL_HELD = r"""

@@ -623,7 +623,9 @@ class _Consumer:
             sched=sched,
             flush=FlushSchedule(opts.flush_interval),
             budget=MemoryBudget(opts.max_memory),
-            watch=sched.watch(reader.pending_share, reader.wake_fd, reader.arm_watch, reader.positions()),
+            watch=sched.watch(
+                reader.pending_share, reader.wake_fd, reader.arm_watch, reader.positions(), owner=reader
+            ),
             ablation=ConsumerAblation(opts.ablate_consumer),
             batches=(
                 DrainBatches(opts.correlate_every)

@@ -33,6 +33,7 @@ import os
 import select
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -181,10 +182,14 @@ class NativeRingWatch:
         threshold: float,
         consumer_tid: int,
         nice_to: int,
+        owner: object = None,
     ) -> None:
+        """`owner`: what keeps the ring's positions mapped (the RingReader), held while the
+        thread may read them."""
         if _watch_lib is None:
             raise OSError("libringwatch.so is not built (sparseety_prof/native/build.sh)")
         self._arm = arm
+        self._owner = owner
         prod, cons, size = positions
         arm()
         handle = _watch_lib.sparseety_watch_start(wake_fd, prod, cons, size, threshold, consumer_tid, nice_to)
@@ -193,6 +198,8 @@ class NativeRingWatch:
             raise OSError(err, f"the ring watch's thread did not start: {os.strerror(err)}")
         self._handle: int | None = handle
         self._final: dict[int, int] = {}  # the counters at close
+        # a watch dropped without close() (an error path) still stops its thread
+        self._finalizer = weakref.finalize(self, _watch_lib.sparseety_watch_free, handle)
 
     def _counter(self, which: int) -> int:
         if self._handle is None or _watch_lib is None:
@@ -239,4 +246,5 @@ class NativeRingWatch:
         _watch_lib.sparseety_watch_stop(handle)  # the thread is gone: its counters hold still
         self._final = {k: int(_watch_lib.sparseety_watch_counter(handle, k)) for k in range(3)}
         self._handle = None
-        _watch_lib.sparseety_watch_free(handle)
+        self._finalizer()  # frees it, once
+        self._owner = None

@@ -95,12 +95,14 @@ class ConsumerSched:
         wake_fd: int,
         arm: Callable[[], None],
         positions: tuple[int, int, int] | None = None,
+        owner: object = None,
     ) -> RingWatch | NativeRingWatch:
         """Watch the backlog from a thread at the engine's priority, woken by the producers through
         `wake_fd` once `arm`ed (ring_watch.py); the caller closes it before the ring goes away.
-        Given the ring's `positions` (RingReader.positions), the watch runs in C without the GIL
-        where libringwatch.so is built (NativeRingWatch: it escalates by itself, and each drain
-        learns of it, after_drain); else in Python, through on_backlog."""
+        Given the ring's `positions` (RingReader.positions; `owner` keeps them mapped), the watch
+        runs in C without the GIL where libringwatch.so is built (NativeRingWatch: it escalates
+        by itself, and each drain learns of it, after_drain); else in Python, through
+        on_backlog."""
         if positions is not None and native_available():
             with contextlib.suppress(OSError):  # (a thread it could not start: the Python watch)
                 self._native = NativeRingWatch(
@@ -110,6 +112,7 @@ class ConsumerSched:
                     threshold=self.ESCALATE_FILL,
                     consumer_tid=self.tid,
                     nice_to=min(0, self.nice),
+                    owner=owner,
                 )
                 self._watch_kind = "native"
                 return self._native
