@@ -196,8 +196,9 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         choices=["idle", "nice"],
         default="nice",
         help="consumer CPU policy once attached: nice (default) = run at --nice; idle = SCHED_IDLE (only CPU "
-        "the engine leaves idle). Either way it takes nice 0 once it falls behind (a drain finds over a "
-        "third of the ring filled) until it has caught up",
+        "the engine leaves idle). Either way it takes nice 0 once it falls behind (over a third of the "
+        "ring filled, seen by the ring watch's thread as the probes write or by a drain) until it has "
+        "caught up",
     )
     p.add_argument(
         "--slice-us",
