@@ -41,7 +41,19 @@ from typing import Any
 from sparseety_prof.capture.resources import native_library
 
 
-class RingWatch:
+class _Armed:
+    """What both watches share: the producers wake them once per arming (RingReader.arm_watch)."""
+
+    _arm: Callable[[], None]
+
+    def rearm(self) -> None:
+        """After a drain (the consumer's thread): the mark moves with the consumer, so this arms
+        the watch whether or not it was woken."""
+        with contextlib.suppress(OSError, KeyError, ValueError):  # the ring is gone
+            self._arm()
+
+
+class RingWatch(_Armed):
     def __init__(
         self,
         pending: Callable[[], float],
@@ -103,12 +115,6 @@ class RingWatch:
         """The watch's thread id, once it has taken its priority (None if not within `timeout`)."""
         return self.tid if self.started.wait(timeout) else None
 
-    def rearm(self) -> None:
-        """After a drain (the consumer's thread): the mark moves with the consumer, so this arms
-        the watch whether or not it was woken."""
-        with contextlib.suppress(OSError, KeyError, ValueError):  # the ring is gone
-            self._arm()
-
     def close(self) -> None:
         """Stop watching (before the ring is unmapped). Closing twice is fine."""
         if self._ep.closed:
@@ -165,7 +171,7 @@ def native_available() -> bool:
     return _watch_lib is not None
 
 
-class NativeRingWatch:
+class NativeRingWatch(_Armed):
     """RingWatch's job in a C thread that never takes the GIL (ringwatch.c): woken by the producers
     through `wake_fd`, it reads the ring's positions at `positions` (RingReader.positions: the
     producer's and consumer's addresses and the ring's data bytes) and, past `threshold` of the
@@ -232,11 +238,6 @@ class NativeRingWatch:
         """The consumer escalated (True: the watch does not again) or relaxed (False: it may)."""
         if self._handle is not None and _watch_lib is not None:
             _watch_lib.sparseety_watch_set_escalated(self._handle, int(escalated))
-
-    def rearm(self) -> None:
-        """After a drain, as RingWatch.rearm."""
-        with contextlib.suppress(OSError, KeyError, ValueError):  # the ring is gone
-            self._arm()
 
     def close(self) -> None:
         """Stop the thread (before the ring is unmapped). Closing twice is fine."""
