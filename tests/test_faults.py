@@ -115,9 +115,10 @@ def test_the_producers_wake_the_ring_watch_once_per_arming(llama_engine: Engine)
     """The ring watch sleeps until a producer passes the mark it was armed with (rb_wake() in
     token_probes.bpf.c), performed with the real probes: attached in this process to a real
     engine, a 1 MiB ring that nobody drains wakes the watch once (early: before the first drain
-    the mark assumes the largest records); not rearmed, it stays asleep however full the ring
-    gets; rearmed at a drain's position, a few records do not wake it, and the ring filling again
-    wakes it at about RING_WAKE_FILL."""
+    the mark assumes the largest records); not rearmed, no producer wakes it again however full
+    the ring gets, and the watch follows the ring on its own instead (readings without a wakeup,
+    seeing it fill); rearmed at a drain's position, it sleeps again, a few records do not wake
+    it, and the ring filling again wakes it at about RING_WAKE_FILL."""
     from sparseety_prof.capture.bpf_loader import RING_WAKE_FILL, RingReader
     from sparseety_prof.session.attach import attach
     from sparseety_prof.session.options import Options
@@ -131,24 +132,27 @@ def test_the_producers_wake_the_ring_watch_once_per_arming(llama_engine: Engine)
         try:
             llama_engine.generate([PROMPT] * 4, max_tokens=200)  # fills the ring past the mark
             time.sleep(0.3)
-            assert watch.wakeups == 1 and len(woke) == 1
+            assert watch.wakeups == 1 and watch.polls > 0  # woken, and following since
             # armed from sequence 0 with no drain yet, at the largest record's size: early
             assert 0 < woke[0] <= RING_WAKE_FILL
             llama_engine.generate([PROMPT], max_tokens=40)  # disarmed: no more wakeups
             time.sleep(0.3)
             assert watch.wakeups == 1
+            assert woke[-1] > woke[0]  # but the watch saw the ring fill by its own readings
             records = reader.take(by_ref=False)  # a drain, then armed at its position
             reader.release()
             assert len(decode_groups(records, a.session.logits_chunk))
             watch.rearm()
+            time.sleep(0.1)  # (a reading under way at the rearm may still come)
+            polls, n = watch.polls, len(woke)
             llama_engine.generate([PROMPT], max_tokens=4)  # a few records: far from the mark
             time.sleep(0.3)
-            assert watch.wakeups == 1
+            assert watch.wakeups == 1 and watch.polls == polls and len(woke) == n  # asleep
             llama_engine.generate([PROMPT] * 4, max_tokens=200)
             time.sleep(0.3)
             assert watch.wakeups == 2
             # armed with the mean record size that drain measured: about at the threshold
-            assert 0.5 * RING_WAKE_FILL < woke[1] < 2 * RING_WAKE_FILL
+            assert 0.5 * RING_WAKE_FILL < woke[n] < 2 * RING_WAKE_FILL
         finally:
             watch.close()
             reader.stop()

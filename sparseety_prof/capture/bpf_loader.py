@@ -622,7 +622,7 @@ class RingReader:
         return float(max(0, prod - self._cons.value) / self._size)
 
     def take(
-        self, on_backlog: Callable[[float], None] | None = None, *, by_ref: bool = True
+        self, on_backlog: Callable[[float], object] | None = None, *, by_ref: bool = True
     ) -> dict[int, np.ndarray]:
         """Drain the ring up to where the producer was when called: {record size: the records
         back to back}, and under LOGITS_REF the logits records taken by reference (`by_ref`, when

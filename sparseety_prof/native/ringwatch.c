@@ -12,6 +12,17 @@
  * until reset. The Python side learns of it at its next drain (the escalation count) and keeps
  * the rest of the rule (counting, the slice, relaxing).
  *
+ * One wakeup per arming: a producer's wakeup that finds the ring below the threshold (the mark is an
+ * estimate from the mean record size, and errs early before the first drain, when it assumes the
+ * largest records) leaves it disarmed until the consumer's next drain rearms it. A consumer
+ * starved of CPU does not drain, so nothing would wake the watch again while the ring filled: under
+ * --sched idle the first drain's early wakeup was followed by 6-8 s of records lost. So after such
+ * a wakeup the thread follows the ring, reading its positions every FOLLOW_MS, until the
+ * consumer rearms it (sparseety_watch_armed; not merely moves its position: a starved consumer
+ * releases part of the ring now and then, long before its drain ends) or it escalates. A timer wakeup costs about
+ * 50 us of CPU on this project's VMs: a few a second, and only between an early wakeup and the
+ * next drain.
+ *
  * The thread takes SCHED_OTHER at nice 0 itself first: a thread inherits its creator's policy
  * and niceness, and a watch that stays SCHED_IDLE never runs when it is needed.
  *
@@ -30,7 +41,8 @@
 #include <unistd.h>
 
 #define RW_EXPORT __attribute__((visibility("default")))
-#define RWATCH_ABI_VERSION 2
+#define RWATCH_ABI_VERSION 3
+#define FOLLOW_MS 20 /* between readings while following the ring (above) */
 
 struct sparseety_watch {
     pthread_t thread;
@@ -42,7 +54,8 @@ struct sparseety_watch {
     int nice_to;
     pid_t tid; /* the watch's own thread, once started */
     /* written by the watch's thread, read by the consumer's (atomics) */
-    uint64_t wakeups, readings, escalations;
+    uint64_t wakeups, readings, escalations, polls; /* polls: timed readings while following */
+    uint64_t arms; /* times the consumer rearmed the producers' wakeup (sparseety_watch_armed) */
     int escalated; /* set here when escalating, cleared by sparseety_watch_reset */
     int started;
 };
@@ -66,15 +79,17 @@ static void *run(void *arg) {
     __atomic_store_n(&w->tid, self, __ATOMIC_RELEASE);
     __atomic_store_n(&w->started, 1, __ATOMIC_RELEASE);
     struct epoll_event ev[2];
+    int timeout = -1;       /* FOLLOW_MS while following the ring, else -1 (until woken) */
+    uint64_t arms_seen = 0; /* the consumer's arms when the following began */
     for (;;) {
-        int n = epoll_wait(w->epfd, ev, 2, -1);
+        int n = epoll_wait(w->epfd, ev, 2, timeout);
         if (n < 0) {
             if (errno == EINTR) continue;
             return NULL;
         }
         for (int i = 0; i < n; i++)
             if (ev[i].data.fd == w->stop_fd) return NULL;
-        __atomic_add_fetch(&w->wakeups, 1, __ATOMIC_RELAXED);
+        __atomic_add_fetch(n > 0 ? &w->wakeups : &w->polls, 1, __ATOMIC_RELAXED);
         uint64_t prod = __atomic_load_n(w->prod, __ATOMIC_ACQUIRE);
         uint64_t cons = __atomic_load_n(w->cons, __ATOMIC_ACQUIRE);
         double share = prod > cons ? (double)(prod - cons) / (double)w->size : 0.0;
@@ -82,6 +97,14 @@ static void *run(void *arg) {
         if (share > w->threshold && !__atomic_exchange_n(&w->escalated, 1, __ATOMIC_ACQ_REL)) {
             escalate(w);
             __atomic_add_fetch(&w->escalations, 1, __ATOMIC_RELEASE);
+        }
+        if (__atomic_load_n(&w->escalated, __ATOMIC_ACQUIRE)) {
+            timeout = -1; /* the consumer runs at the engine's priority: its drains rearm */
+        } else if (n > 0) {
+            timeout = FOLLOW_MS; /* woken below the threshold: disarmed until the next arming */
+            arms_seen = __atomic_load_n(&w->arms, __ATOMIC_ACQUIRE);
+        } else if (__atomic_load_n(&w->arms, __ATOMIC_ACQUIRE) != arms_seen) {
+            timeout = -1; /* the consumer rearmed the producers' wakeup since */
         }
     }
 }
@@ -145,7 +168,12 @@ RW_EXPORT void sparseety_watch_set_escalated(struct sparseety_watch *w, int esca
     __atomic_store_n(&w->escalated, escalated ? 1 : 0, __ATOMIC_RELEASE);
 }
 
-/* Counters: 0 wakeups, 1 readings, 2 escalations, 3 the watch's thread id (0 until started). */
+/* The consumer armed the producers' wakeup again (after a drain): a watch following the ring
+ * since a wakeup below the threshold goes back to sleeping until woken. */
+RW_EXPORT void sparseety_watch_armed(struct sparseety_watch *w) { __atomic_add_fetch(&w->arms, 1, __ATOMIC_RELEASE); }
+
+/* Counters: 0 wakeups, 1 readings, 2 escalations, 3 the watch's thread id (0 until started), 4 polls
+ * (readings while following the ring). */
 RW_EXPORT uint64_t sparseety_watch_counter(const struct sparseety_watch *w, int which) {
     switch (which) {
     case 0:
@@ -157,6 +185,8 @@ RW_EXPORT uint64_t sparseety_watch_counter(const struct sparseety_watch *w, int 
     case 3:
         return __atomic_load_n(&w->started, __ATOMIC_ACQUIRE) ? (uint64_t)__atomic_load_n(&w->tid, __ATOMIC_ACQUIRE)
                                                                 : 0;
+    case 4:
+        return __atomic_load_n(&w->polls, __ATOMIC_RELAXED);
     default:
         return 0;
     }

@@ -342,6 +342,8 @@ class Recorder:
             "flushes": out.round.rounds,  # each done in pieces between drains (flush_round.py)
             "flush_pieces": out.round.pieces,
             "ring_watch_wakeups": c.watch.wakeups,
+            # its readings while following the ring after a wakeup below the threshold (ring_watch.py)
+            "ring_watch_polls": c.watch.polls,
             "drains": c.reader.takes,  # that took any record; with the logits read in the ring:
             "drains_logits_by_ref": c.reader.takes_by_ref,
             # drains go to the correlator together (drain_batches.py): how often it ran, and the

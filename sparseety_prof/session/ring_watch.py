@@ -8,14 +8,24 @@ id) as soon as the backlog passes the consumer's escalation threshold. It needs 
 which the consumer drops at least every 5 ms of its own running time, so the priority is raised
 within one of the consumer's time slices instead of after its drain.
 
-It does not poll. It sleeps in epoll on the ring's map fd, edge-triggered, and the producers wake
-it. After each drain the consumer arms it (`rearm`) with the record sequence number at which the
-ring will be about as full as the threshold again (RingReader.arm_watch); the first record past that
-number is submitted with BPF_RB_FORCE_WAKEUP and disarms it (rb_wake() in
-probes/token_probes.bpf.c). A calm ring costs nothing here. Polling every
-50 ms, as this did, cost 86-225 µs of CPU per wakeup on this project's VMs (a timer wakeup alone,
-even from C, cost 50 µs there): 1,838 wakeups, 0.31 s of CPU, in a one-minute profile
-(scripts/profile_consumer.py), about 50 µs per generated token.
+It does not poll a calm ring. It sleeps in epoll on the ring's map fd, edge-triggered, and the
+producers wake it. After each drain the consumer arms it (`rearm`) with the record sequence number
+at which the ring will be about as full as the threshold again (RingReader.arm_watch); the first
+record past that number is submitted with BPF_RB_FORCE_WAKEUP and disarms it (rb_wake() in
+probes/token_probes.bpf.c). A calm ring costs nothing here. Polling every 50 ms, as this did, cost
+86-225 µs of CPU per wakeup on this project's VMs (a timer wakeup alone, even from C, cost 50 µs
+there): 1,838 wakeups, 0.31 s of CPU, in a one-minute profile (scripts/profile_consumer.py), about
+50 µs per generated token.
+
+One wakeup per arming, though, and the mark is an estimate (from the mean record size; before the
+first drain, from the largest record's, early on purpose): a wakeup that finds the ring below the
+threshold leaves the watch disarmed until the next drain rearms it, and a consumer starved of CPU
+does not drain. Under --sched idle the first drain's early wakeup was followed by 6-8 s in which
+nothing watched the ring filling, and ~40% of the run's records were lost. So after a wakeup that
+did not escalate, the watch follows the ring: it reads it every FOLLOW_S until the consumer rearms
+it (`rearm`: not merely when the backlog falls, as a starved consumer releases part of the ring
+now and then long before its drain ends) or the backlog passes the threshold. That is a few timer
+wakeups, only between an early wakeup and the next drain.
 
 Its thread needs the GIL to run at all, and the consumer holds it wherever the kernel stopped it:
 at nice 10 the consumer runs again within milliseconds, but under --sched idle on cores the engine
@@ -40,6 +50,11 @@ from typing import Any
 
 from sparseety_prof.capture.resources import native_library
 
+# Between readings while following the ring after a wakeup below the threshold (module docstring;
+# FOLLOW_MS in ringwatch.c): at the fastest fill measured (a small model filling the ring in about
+# a second) the ring goes from the threshold to full in ~0.6 s.
+FOLLOW_S = 0.02
+
 
 class _Armed:
     """What both watches share: the producers wake them once per arming (RingReader.arm_watch)."""
@@ -48,28 +63,37 @@ class _Armed:
 
     def rearm(self) -> None:
         """After a drain (the consumer's thread): the mark moves with the consumer, so this arms
-        the watch whether or not it was woken."""
+        the watch whether or not it was woken (and ends its following the ring)."""
         with contextlib.suppress(OSError, KeyError, ValueError):  # the ring is gone
             self._arm()
+            self._armed()
+
+    def _armed(self) -> None:
+        """Tell the watch's thread that the producers' wakeup is armed again."""
+        raise NotImplementedError
 
 
 class RingWatch(_Armed):
     def __init__(
         self,
         pending: Callable[[], float],
-        on_backlog: Callable[[float], None],
+        on_backlog: Callable[[float], object],
         wake_fd: int,
         arm: Callable[[], None],
     ) -> None:
         """`pending`: the share of the ring not yet drained (read off the ring's memory, from this
         thread); `on_backlog`: told each reading (the consumer's escalation rule); `wake_fd`: an fd
         that becomes readable when the producers wake the watch (the ring's map fd); `arm`: lets
-        the producers wake it once more (RingReader.arm_watch)."""
+        the producers wake it once more (RingReader.arm_watch). `on_backlog` returns whether the
+        consumer is escalated (then the watch waits for the next wakeup instead of following the
+        ring)."""
         self._pending = pending
         self._on_backlog = on_backlog
         self._arm = arm
         self.wakeups = 0  # times the thread woke for the ring (the first may be the registration)
         self.readings = 0
+        self.polls = 0  # readings while following the ring (after a wakeup below the threshold)
+        self._arms = 0  # rearm()s so far (read by the thread: an int's update is atomic under the GIL)
         # set by the consumer's loop (close), never from a signal handler
         self._stop_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._ep = select.epoll()
@@ -96,20 +120,32 @@ class RingWatch(_Armed):
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, tid, 0)
         self.started.set()
+        following: int | None = None  # while following the ring: the arms at its start
         while True:
             try:
-                events = self._ep.poll()
+                events = self._ep.poll(-1 if following is None else FOLLOW_S)
             except (ValueError, OSError):  # closed under it
                 return
             if any(fd == self._stop_fd for fd, _ in events):
                 return
-            self.wakeups += 1
+            if events:
+                self.wakeups += 1
+            else:
+                self.polls += 1
             try:
                 share = self._pending()
             except (ValueError, OSError):  # the ring is gone (closed at detach)
                 return
             self.readings += 1
-            self._on_backlog(share)
+            if self._on_backlog(share):
+                following = None  # escalated: the consumer's drains rearm the watch
+            elif events:
+                following = self._arms  # woken below the threshold: disarmed until the next arming
+            elif following is not None and self._arms != following:
+                following = None  # the consumer rearmed the producers' wakeup since
+
+    def _armed(self) -> None:
+        self._arms += 1
 
     def thread_id(self, timeout: float = 5.0) -> int | None:
         """The watch's thread id, once it has taken its priority (None if not within `timeout`)."""
@@ -129,8 +165,8 @@ class RingWatch(_Armed):
 
 # sparseety_prof/native/ringwatch.c, built by sparseety_prof/native/build.sh
 _WATCH_LIB = native_library("libringwatch.so")
-_WATCH_ABI = 2
-_WAKEUPS, _READINGS, _ESCALATIONS, _TID = range(4)  # sparseety_watch_counter's counters
+_WATCH_ABI = 3
+_WAKEUPS, _READINGS, _ESCALATIONS, _TID, _POLLS = range(5)  # sparseety_watch_counter's counters
 
 
 def _load_watch(path: Path) -> Any:
@@ -156,6 +192,8 @@ def _load_watch(path: Path) -> Any:
         lib.sparseety_watch_free.restype = None
         lib.sparseety_watch_set_escalated.argtypes = [p, ctypes.c_int]
         lib.sparseety_watch_set_escalated.restype = None
+        lib.sparseety_watch_armed.argtypes = [p]
+        lib.sparseety_watch_armed.restype = None
         lib.sparseety_watch_counter.argtypes = [p, ctypes.c_int]
         lib.sparseety_watch_counter.restype = ctypes.c_uint64
     except (OSError, AttributeError):
@@ -224,6 +262,11 @@ class NativeRingWatch(_Armed):
     def escalations(self) -> int:
         return self._counter(_ESCALATIONS)
 
+    @property
+    def polls(self) -> int:
+        """Readings while following the ring after a wakeup below the threshold."""
+        return self._counter(_POLLS)
+
     def thread_id(self, timeout: float = 5.0) -> int | None:
         """The watch's thread id, once it has taken its priority (None if not within `timeout`)."""
         deadline = time.monotonic() + timeout
@@ -233,6 +276,10 @@ class NativeRingWatch(_Armed):
                 return tid or None
             time.sleep(0.001)
         return None
+
+    def _armed(self) -> None:
+        if self._handle is not None and _watch_lib is not None:
+            _watch_lib.sparseety_watch_armed(self._handle)
 
     def set_escalated(self, escalated: bool) -> None:
         """The consumer escalated (True: the watch does not again) or relaxed (False: it may)."""
@@ -245,7 +292,8 @@ class NativeRingWatch(_Armed):
         if handle is None or _watch_lib is None:
             return
         _watch_lib.sparseety_watch_stop(handle)  # the thread is gone: its counters hold still
-        self._final = {k: int(_watch_lib.sparseety_watch_counter(handle, k)) for k in range(3)}
+        counters = (_WAKEUPS, _READINGS, _ESCALATIONS, _POLLS)
+        self._final = {k: int(_watch_lib.sparseety_watch_counter(handle, k)) for k in counters}
         self._handle = None
         self._finalizer()  # frees it, once
         self._owner = None

@@ -83,11 +83,13 @@ class ConsumerSched:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, self.tid, value)  # Linux: a TID sets one thread
 
-    def on_backlog(self, backlog: float) -> None:
-        """The share of the ring pending, seen while draining or by the ring watch's thread."""
+    def on_backlog(self, backlog: float) -> bool:
+        """The share of the ring pending, seen while draining or by the ring watch's thread;
+        whether the consumer is escalated now (the watch stops following the ring then)."""
         with self._lock:
             if not self.escalated and backlog > self.ESCALATE_FILL:
                 self._escalate()
+            return self.escalated
 
     def watch(
         self,
