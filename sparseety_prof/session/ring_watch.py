@@ -22,7 +22,8 @@ first drain, from the largest record's, early on purpose): a wakeup that finds t
 threshold leaves the watch disarmed until the next drain rearms it, and a consumer starved of CPU
 does not drain. Under --sched idle the first drain's early wakeup was followed by 6-8 s in which
 nothing watched the ring filling, and ~40% of the run's records were lost. So after a wakeup that
-did not escalate, the watch follows the ring: it reads it every FOLLOW_S until the consumer rearms
+did not escalate, the watch follows the ring: it reads it every FOLLOW_S (longer while it fills
+slowly, up to FOLLOW_MAX_S) until the consumer rearms
 it (`rearm`: not merely when the backlog falls, as a starved consumer releases part of the ring
 now and then long before its drain ends) or the backlog passes the threshold. That is a few timer
 wakeups, only between an early wakeup and the next drain.
@@ -51,9 +52,13 @@ from typing import Any
 from sparseety_prof.capture.resources import native_library
 
 # Between readings while following the ring after a wakeup below the threshold (module docstring;
-# FOLLOW_MS in ringwatch.c): at the fastest fill measured (a small model filling the ring in about
-# a second) the ring goes from the threshold to full in ~0.6 s.
+# FOLLOW_MS in ringwatch.c): FOLLOW_S, doubled after each reading that finds the ring filled by
+# less than FOLLOW_STEP of it since the last, up to FOLLOW_MAX_S (a consumer starved for 20 s of a
+# slow-filling ring read it 1,073 times at a fixed 20 ms). At the fastest fill measured (a small
+# model filling the ring in about a second) the ring goes from the threshold to full in ~0.6 s.
 FOLLOW_S = 0.02
+FOLLOW_MAX_S = 0.25
+FOLLOW_STEP = 0.05
 
 
 class _Armed:
@@ -121,9 +126,10 @@ class RingWatch(_Armed):
             os.setpriority(os.PRIO_PROCESS, tid, 0)
         self.started.set()
         following: int | None = None  # while following the ring: the arms at its start
+        wait, last = FOLLOW_S, 0.0  # while following: the wait before the next reading, the last share
         while True:
             try:
-                events = self._ep.poll(-1 if following is None else FOLLOW_S)
+                events = self._ep.poll(-1 if following is None else wait)
             except (ValueError, OSError):  # closed under it
                 return
             if any(fd == self._stop_fd for fd, _ in events):
@@ -141,8 +147,12 @@ class RingWatch(_Armed):
                 following = None  # escalated: the consumer's drains rearm the watch
             elif events:
                 following = self._arms  # woken below the threshold: disarmed until the next arming
+                wait = FOLLOW_S
             elif following is not None and self._arms != following:
                 following = None  # the consumer rearmed the producers' wakeup since
+            else:
+                wait = min(2 * wait, FOLLOW_MAX_S) if share - last < FOLLOW_STEP else FOLLOW_S
+            last = share
 
     def _armed(self) -> None:
         self._arms += 1
