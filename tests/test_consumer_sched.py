@@ -17,7 +17,7 @@ import pytest
 from conftest import run_cli
 
 from sparseety_prof.session.options import Options, Progress
-from sparseety_prof.session.ring_watch import NativeRingWatch, native_available
+from sparseety_prof.session.ring_watch import FOLLOW_MAX_S, NativeRingWatch, native_available
 from sparseety_prof.session.sched import ConsumerSched as _ConsumerSched
 from sparseety_prof.session.sched_slice import set_thread_slice, thread_slice_us
 
@@ -207,7 +207,7 @@ def test_a_watch_woken_early_follows_the_ring_until_rearmed(kind: str) -> None:
             os.eventfd_read(wake)
             wait_for(lambda: watch.polls >= 2)  # following: it reads the ring on its own
             watch.rearm()
-            time.sleep(0.1)  # (a reading under way when rearmed may still come)
+            time.sleep(FOLLOW_MAX_S + 0.1)  # (the reading under way when rearmed still comes)
             polls = watch.polls
             pos[0] = 900_000  # 86% pending, and no producer wakes the watch: rearmed, it sleeps
             time.sleep(0.3)

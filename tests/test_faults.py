@@ -122,7 +122,7 @@ def test_the_producers_wake_the_ring_watch_once_per_arming(llama_engine: Engine)
     from sparseety_prof.capture.bpf_loader import RING_WAKE_FILL, RingReader
     from sparseety_prof.session.attach import attach
     from sparseety_prof.session.options import Options
-    from sparseety_prof.session.ring_watch import RingWatch
+    from sparseety_prof.session.ring_watch import FOLLOW_MAX_S, RingWatch
 
     a = attach(Options(pid=llama_engine.pid, out=None, ring_mb=1), log=lambda _s: None)
     try:
@@ -143,7 +143,7 @@ def test_the_producers_wake_the_ring_watch_once_per_arming(llama_engine: Engine)
             reader.release()
             assert len(decode_groups(records, a.session.logits_chunk))
             watch.rearm()
-            time.sleep(0.1)  # (a reading under way at the rearm may still come)
+            time.sleep(FOLLOW_MAX_S + 0.1)  # (the reading under way at the rearm still comes)
             polls, n = watch.polls, len(woke)
             llama_engine.generate([PROMPT], max_tokens=4)  # a few records: far from the mark
             time.sleep(0.3)
