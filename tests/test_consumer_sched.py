@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -402,6 +403,70 @@ def test_only_the_native_watch_raises_a_consumer_that_holds_the_gil(kind: str) -
     watch, policy = r.stdout.split()
     assert watch == ("NativeRingWatch" if kind == "native" else "RingWatch")
     assert int(policy) == (os.SCHED_OTHER if kind == "native" else os.SCHED_IDLE)
+
+
+_MIRRORED = r"""
+import ctypes, json, os, sys, threading, time
+import polars as pl
+from sparseety_prof.session.options import Options, Progress
+from sparseety_prof.session.sched import ConsumerSched
+native = sys.argv[1] == "native"
+pos = (ctypes.c_uint64 * 2)(900_000, 0)  # 86% of the ring pending
+positions = (ctypes.addressof(pos), ctypes.addressof(pos) + 8, 1 << 20)
+def states():
+    out = {}
+    for t in os.listdir("/proc/self/task"):
+        stat = open(f"/proc/self/task/{t}/stat").read()
+        f = stat[stat.rfind(")") + 2 :].split()
+        out[t] = [open(f"/proc/self/task/{t}/comm").read().strip(), int(f[38]), int(f[16])]
+    return out
+stop = threading.Event()
+threading.Thread(target=stop.wait, daemon=True).start()  # made before the consumer lowered itself
+os.nice(10)  # as the recorder does, then its policy
+s = ConsumerSched(Options(pid=1, out=None, nice=10, sched="idle"), Progress(), mirror_threads=True)
+wake = os.eventfd(0, os.EFD_NONBLOCK)
+watch = s.watch(lambda: 0.86, wake, lambda: None, positions if native else None)
+pl.DataFrame({"a": list(range(1000))}).group_by("a").len()  # Polars' pool, made by the lowered consumer
+out = {"watch": str(watch.thread_id()), "kind": type(watch).__name__, "low": states()}
+os.eventfd_write(wake, 1)  # a producer past the mark: the watch escalates
+deadline = time.monotonic() + 5
+while not (watch.escalations if native else s.escalated) and time.monotonic() < deadline:
+    time.sleep(0.005)
+out["raised"] = states()
+s.after_drain(0.9, 500.0, now=10.0)
+s.after_drain(0.0, 500.0, now=10.5)
+s.after_drain(0.0, 500.0, now=10.5 + s.RELAX_HOLD_S)  # calm: relaxed
+out["relaxed"] = states()
+watch.close()
+stop.set()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_every_thread_of_the_recorder_follows_the_consumers_priority(kind: str) -> None:
+    """The consumer's work also runs on Polars' threads, which a lowered consumer makes lowered
+    and which kept that priority when it escalated: the raised consumer waited on a SCHED_IDLE
+    worker. Performed in a child process: a thread made before, Polars' pool made after the
+    consumer went SCHED_IDLE at nice 10; the watch escalates (raising every thread itself, the C
+    watch without the GIL), then the policy relaxes: each time every thread has the consumer's
+    policy and niceness, but the watch's, at the engine's (SCHED_OTHER, nice 0) throughout."""
+    if kind == "native" and not native_available():
+        pytest.fail("libringwatch.so is not built: run sparseety_prof/native/build.sh")
+    r = subprocess.run([sys.executable, "-c", _MIRRORED, kind], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["kind"] == ("NativeRingWatch" if kind == "native" else "RingWatch")
+    watch = out["watch"]
+    low, raised, relaxed = out["low"], out["raised"], out["relaxed"]
+    assert "polars-0" in [name for name, _p, _n in low.values()]
+    assert len(low) >= 4 and set(low) <= set(raised) and set(low) <= set(relaxed)
+    for tid in low:
+        expected_low = [os.SCHED_OTHER, 0] if tid == watch else [os.SCHED_IDLE, 10]
+        assert low[tid][1:] == expected_low, (tid, low[tid])
+        assert raised[tid][1:] == [os.SCHED_OTHER, 0], (tid, raised[tid])
+        assert relaxed[tid][1:] == expected_low, (tid, relaxed[tid])
 
 
 def test_rows_gathered_over_drains_become_one_frame_per_frame_rows() -> None:

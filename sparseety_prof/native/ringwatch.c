@@ -23,12 +23,18 @@
  * 50 us of CPU on this project's VMs: a few a second, and only between an early wakeup and the
  * next drain.
  *
+ * With `all_threads`, the escalation raises every other thread of the process too (the recorder's:
+ * Polars' pool and its Parquet writers' runtime run the consumer's frames and writes, and a thread
+ * made while the consumer was low keeps the priority it inherited, so the raised consumer would
+ * wait on a SCHED_IDLE worker; session/thread_priority.py).
+ *
  * The thread takes SCHED_OTHER at nice 0 itself first: a thread inherits its creator's policy
  * and niceness, and a watch that stays SCHED_IDLE never runs when it is needed.
  *
  * Built by build.sh next to libringwalk.so; without it the Python watch is used.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
@@ -41,7 +47,7 @@
 #include <unistd.h>
 
 #define RW_EXPORT __attribute__((visibility("default")))
-#define RWATCH_ABI_VERSION 3
+#define RWATCH_ABI_VERSION 4
 /* Between readings while following the ring (above): FOLLOW_MS, doubled after each reading that
  * finds the ring filled by less than FOLLOW_STEP of it since the last, up to FOLLOW_MAX_MS (a
  * consumer starved for 20 s of a slow-filling ring read it 1,073 times at a fixed 20 ms). At the
@@ -59,6 +65,7 @@ struct sparseety_watch {
     double threshold;                     /* pending share that escalates */
     pid_t consumer_tid;
     int nice_to;
+    int all_threads; /* escalate every thread of the process but this one, not the consumer's alone */
     pid_t tid; /* the watch's own thread, once started */
     /* written by the watch's thread, read by the consumer's (atomics) */
     uint64_t wakeups, readings, escalations, polls; /* polls: timed readings while following */
@@ -69,12 +76,26 @@ struct sparseety_watch {
 
 RW_EXPORT int sparseety_watch_abi(void) { return RWATCH_ABI_VERSION; }
 
-static void escalate(struct sparseety_watch *w) {
+static void raise_thread(pid_t tid, int nice_to) {
     struct sched_param p = {0};
     /* the niceness first: a SCHED_IDLE thread made SCHED_OTHER keeps the niceness it had */
-    setpriority(PRIO_PROCESS, (id_t)w->consumer_tid, w->nice_to);
-    if (sched_getscheduler(w->consumer_tid) == SCHED_IDLE)
-        sched_setscheduler(w->consumer_tid, SCHED_OTHER, &p);
+    setpriority(PRIO_PROCESS, (id_t)tid, nice_to);
+    if (sched_getscheduler(tid) == SCHED_IDLE) sched_setscheduler(tid, SCHED_OTHER, &p);
+}
+
+static void escalate(struct sparseety_watch *w) {
+    raise_thread(w->consumer_tid, w->nice_to);
+    if (!w->all_threads) return;
+    DIR *d = opendir("/proc/self/task");
+    if (d == NULL) return;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        char *end;
+        long tid = strtol(e->d_name, &end, 10);
+        if (*end != '\0' || tid <= 0 || tid == w->tid || tid == w->consumer_tid) continue;
+        raise_thread((pid_t)tid, w->nice_to);
+    }
+    closedir(d);
 }
 
 static void *run(void *arg) {
@@ -122,11 +143,12 @@ static void *run(void *arg) {
 }
 
 /* Start watching: `wake_fd` the ring's map fd, `prod` and `cons` the addresses of its positions
- * (mapped by the caller, kept mapped until sparseety_watch_stop returns), `size` its data bytes.
- * NULL on failure (errno set). */
+ * (mapped by the caller, kept mapped until sparseety_watch_stop returns), `size` its data bytes;
+ * past `threshold` raise `consumer_tid` to `nice_to` (and, with `all_threads`, every other thread
+ * of the process but the watch's). NULL on failure (errno set). */
 RW_EXPORT struct sparseety_watch *sparseety_watch_start(int wake_fd, const uint64_t *prod, const uint64_t *cons,
                                                         uint64_t size, double threshold, int consumer_tid,
-                                                        int nice_to) {
+                                                        int nice_to, int all_threads) {
     struct sparseety_watch *w = calloc(1, sizeof(*w));
     if (w == NULL) return NULL;
     w->prod = prod;
@@ -135,6 +157,7 @@ RW_EXPORT struct sparseety_watch *sparseety_watch_start(int wake_fd, const uint6
     w->threshold = threshold;
     w->consumer_tid = consumer_tid;
     w->nice_to = nice_to;
+    w->all_threads = all_threads;
     w->epfd = epoll_create1(EPOLL_CLOEXEC);
     w->stop_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (w->epfd < 0 || w->stop_fd < 0) goto fail;

@@ -619,7 +619,7 @@ class _Consumer:
     @classmethod
     def open(cls, opts: Options, sess: Session, progress: Progress) -> _Consumer:
         reader = RingReader(sess)
-        sched = ConsumerSched(opts, progress, DRAIN_INTERVAL_S)
+        sched = ConsumerSched(opts, progress, DRAIN_INTERVAL_S, mirror_threads=True)
         return cls(
             reader=reader,
             sched=sched,

@@ -175,7 +175,7 @@ class RingWatch(_Armed):
 
 # sparseety_prof/native/ringwatch.c, built by sparseety_prof/native/build.sh
 _WATCH_LIB = native_library("libringwatch.so")
-_WATCH_ABI = 3
+_WATCH_ABI = 4
 _WAKEUPS, _READINGS, _ESCALATIONS, _TID, _POLLS = range(5)  # sparseety_watch_counter's counters
 
 
@@ -192,6 +192,7 @@ def _load_watch(path: Path) -> Any:
             p,
             ctypes.c_uint64,
             ctypes.c_double,
+            ctypes.c_int,
             ctypes.c_int,
             ctypes.c_int,
         ]
@@ -223,7 +224,8 @@ class NativeRingWatch(_Armed):
     """RingWatch's job in a C thread that never takes the GIL (ringwatch.c): woken by the producers
     through `wake_fd`, it reads the ring's positions at `positions` (RingReader.positions: the
     producer's and consumer's addresses and the ring's data bytes) and, past `threshold` of the
-    ring pending, makes thread `consumer_tid` SCHED_OTHER at niceness `nice_to`, once until
+    ring pending, makes thread `consumer_tid` (with `all_threads`, every thread of the process
+    but its own) SCHED_OTHER at niceness `nice_to`, once until
     `set_escalated(False)`. `escalations` counts them (ConsumerSched reads it at each drain).
     close() must come before the ring is unmapped (RingReader.stop)."""
 
@@ -237,16 +239,20 @@ class NativeRingWatch(_Armed):
         consumer_tid: int,
         nice_to: int,
         owner: object = None,
+        all_threads: bool = False,
     ) -> None:
         """`owner`: what keeps the ring's positions mapped (the RingReader), held while the
-        thread may read them."""
+        thread may read them. `all_threads`: an escalation raises every other thread of the
+        process too, but the watch's own (thread_priority.py)."""
         if _watch_lib is None:
             raise OSError("libringwatch.so is not built (sparseety_prof/native/build.sh)")
         self._arm = arm
         self._owner = owner
         prod, cons, size = positions
         arm()
-        handle = _watch_lib.sparseety_watch_start(wake_fd, prod, cons, size, threshold, consumer_tid, nice_to)
+        handle = _watch_lib.sparseety_watch_start(
+            wake_fd, prod, cons, size, threshold, consumer_tid, nice_to, int(all_threads)
+        )
         if not handle:
             err = ctypes.get_errno()
             raise OSError(err, f"the ring watch's thread did not start: {os.strerror(err)}")

@@ -13,6 +13,7 @@ from sparseety_prof.capture.bpf_loader import RING_WAKE_FILL
 from sparseety_prof.session.options import Options, Progress
 from sparseety_prof.session.ring_watch import NativeRingWatch, RingWatch, native_available
 from sparseety_prof.session.sched_slice import set_thread_slice, thread_slice_us
+from sparseety_prof.session.thread_priority import mirror_priority
 
 
 class ConsumerSched:
@@ -27,7 +28,9 @@ class ConsumerSched:
     records is worse than taking a few percent of the engine's time, and a consumer that relaxed
     at once would fall behind again.
     Escalations are counted in meta.json ("consumer"). With `--slice-us`, it asks for that CPU slice
-    while it runs as SCHED_OTHER (sched_slice.py)."""
+    while it runs as SCHED_OTHER (sched_slice.py). With `mirror_threads` (the recorder), each change
+    of the consumer's priority is given to every other thread of the process but the ring watch's:
+    Polars' threads run the consumer's frames and writes (thread_priority.py)."""
 
     # Pace: at the rate the last drain saw, the next one should find at most this share of the
     # ring filled, so a burst has room before the escalation and before any loss. At ordinary
@@ -46,7 +49,9 @@ class ConsumerSched:
     RELAX_FILL = 0.2
     RELAX_HOLD_S = 1.0
 
-    def __init__(self, opts: Options, progress: Progress, drain_s: float = 0.5) -> None:
+    def __init__(
+        self, opts: Options, progress: Progress, drain_s: float = 0.5, *, mirror_threads: bool = False
+    ) -> None:
         self.progress = progress
         self.drain_s = drain_s
         self.wait_s = drain_s  # before the next drain (after_drain sets it)
@@ -66,10 +71,18 @@ class ConsumerSched:
         self._watch_kind: str | None = None  # "native" or "python" once watch() made it
         self.slice_us = opts.slice_us
         self.slice_set = False
+        self._mirror_threads = mirror_threads
+        self._watch_tid: int | None = None  # left at the engine's priority by _mirror
         if self.mode == "idle":
             self._policy(os.SCHED_IDLE)
         else:
             self._apply_slice()
+        self._mirror()
+
+    def _mirror(self) -> None:
+        """The consumer's policy and niceness to the recorder's other threads, but the watch's."""
+        if self._mirror_threads:
+            mirror_priority(self.tid, () if self._watch_tid is None else (self._watch_tid,))
 
     def _apply_slice(self) -> None:
         if self.slice_us:
@@ -115,11 +128,15 @@ class ConsumerSched:
                     consumer_tid=self.tid,
                     nice_to=min(0, self.nice),
                     owner=owner,
+                    all_threads=self._mirror_threads,
                 )
                 self._watch_kind = "native"
+                self._watch_tid = self._native.thread_id() if self._mirror_threads else None
                 return self._native
         self._watch_kind = "python"
-        return RingWatch(pending, self.on_backlog, wake_fd, arm)
+        w = RingWatch(pending, self.on_backlog, wake_fd, arm)
+        self._watch_tid = w.thread_id() if self._mirror_threads else None
+        return w
 
     def _sync_native(self) -> None:
         """What the C watch did since the last drain: an escalation it made is this policy's too
@@ -147,6 +164,7 @@ class ConsumerSched:
             self._policy(os.SCHED_OTHER)
             self._apply_slice()
         self._niceness(min(0, self.nice))
+        self._mirror()
 
     def after_drain(self, fill: float, gap_ms: float, now: float | None = None) -> None:
         """After a drain that found `fill` of the ring filled, `gap_ms` after the one before (at
@@ -180,6 +198,7 @@ class ConsumerSched:
             self._niceness(self.nice)
             if self.mode == "idle":
                 self._policy(os.SCHED_IDLE)
+            self._mirror()
             if self._native is not None:  # lowered first: an escalation from now on is the watch's
                 self._native.set_escalated(False)
 
