@@ -2125,18 +2125,28 @@ _APART_COLUMNS = {
     ),
     "steps": frozenset({"ts_unix_ms", "t_start_ns", "t_end_ns"}),
 }
+#: the same with the attention columns (a policy that learns them)
+_APART_COLUMNS_ATTENTION = {
+    "tokens": _APART_COLUMNS["tokens"] | {"attn_attended", "kv_cells_used"},
+    "steps": _APART_COLUMNS["steps"],
+}
 
 
 @pytest.mark.parametrize("script", ["decode", "prompts", "slots", "slots_mixed"])
 @pytest.mark.parametrize("drains", [1, 5, 11])
-def test_head_dropped_requests_token_and_step_rows_are_set_apart(drains: int, script: str) -> None:
+@pytest.mark.parametrize("attention", [False, True])
+def test_head_dropped_requests_token_and_step_rows_are_set_apart(
+    drains: int, script: str, attention: bool
+) -> None:
     """With head sampling in the probes and `head_rows_apart` (nothing but the recording and the
     aggregates reading token and steps rows), the token rows of every request the probes drew to
     drop, and the steps rows all of whose sequences drew drop, leave the tables for take_apart:
     each with the columns asked for, the others null; every other row, and every other table,
     as without. The rows set apart frame to the dropped rows' values in those columns. The policy
     takes each verdict away as it learns the request (request_verdicts.Head pops it), here after
-    every drain: the correlator keeps its own."""
+    every drain: the correlator keeps its own. The attention of a dropped request's later tokens
+    is not made when the columns set apart leave it out, and is, equal, when they keep it."""
+    apart_columns = _APART_COLUMNS_ATTENTION if attention else _APART_COLUMNS
     slots = _SLOT_DRAWS.get(script)
     if script == "decode":
         s = _drawn_block_requests()
@@ -2148,7 +2158,7 @@ def test_head_dropped_requests_token_and_step_rows_are_set_apart(drains: int, sc
     def replay(apart: bool) -> tuple[dict[str, list[pl.DataFrame]], dict[str, bool], Correlator]:
         verdicts: dict[str, bool] = {}
         taken: dict[str, bool] = {}
-        c = _correlator(head_verdicts=verdicts, head_rows_apart=_APART_COLUMNS if apart else None)
+        c = _correlator(head_verdicts=verdicts, head_rows_apart=apart_columns if apart else None)
         frames: dict[str, list[pl.DataFrame]] = {}
         per = -(-len(s.recs) // drains)
         for k in range(0, len(s.recs), per):
@@ -2173,6 +2183,7 @@ def test_head_dropped_requests_token_and_step_rows_are_set_apart(drains: int, sc
     made, verdicts, _ = replay(False)
     got, same, c = replay(True)
     assert same == verdicts and False in verdicts.values()
+    assert c.requests.apart_without_attention is not attention
     tokens, steps = one(made, "tokens"), one(made, "steps")
     dropped = [r for r, keep in verdicts.items() if not keep]
     is_dropped = pl.col("request_id").is_in(dropped)
@@ -2180,9 +2191,9 @@ def test_head_dropped_requests_token_and_step_rows_are_set_apart(drains: int, sc
     apart = one(got, "tokens_apart")
     assert apart.columns == tokens.columns  # every column, those not asked for null
     keys = ["step_id", "seq_id"]
-    names = sorted(_APART_COLUMNS["tokens"])
+    names = sorted(apart_columns["tokens"])
     assert apart.sort(keys).select(names).equals(tokens.filter(is_dropped).sort(keys).select(names))
-    for name in set(tokens.columns) - _APART_COLUMNS["tokens"]:
+    for name in set(tokens.columns) - apart_columns["tokens"]:
         assert apart[name].null_count() == apart.height, name
     # steps: those whose every sequence drew drop when it was made; none over no sequence
     kept_steps, apart_steps = one(got, "steps"), one(got, "steps_apart")

@@ -34,7 +34,7 @@ from sparseety_prof.correlate.serving import ServingTracker
 from sparseety_prof.correlate.sparse_run import RUN_KINDS, sparse_run
 from sparseety_prof.correlate.state import Counters, CtxState, HeadDropped, SampleState, Step
 from sparseety_prof.correlate.step_sparse import Problems, StepSparse
-from sparseety_prof.correlate.tables import STEP_ROW, RowBuffer
+from sparseety_prof.correlate.tables import ATTENTION_COLUMNS, STEP_ROW, RowBuffer
 from sparseety_prof.correlate.verification import (
     MAX_BATCH_ROWS,
     verify_routing,
@@ -123,6 +123,8 @@ class Correlator:
             if head_rows_apart:
                 self._steps_apart = RowBuffer(STEP_ROW)
                 self.requests.dropped_requests = set()
+                kept = head_rows_apart.get("tokens", ())
+                self.requests.apart_without_attention = not any(c in kept for c in ATTENTION_COLUMNS)
 
     # Methods written in other modules, as methods that call them: a compiled module's function
     # does not bind as a method when assigned in a class body (build_stamp.py).

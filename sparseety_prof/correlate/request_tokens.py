@@ -88,6 +88,9 @@ class RequestTokens:
         # as it learns a request: the correlator keeps its own)
         self.dropped_requests: set[str] | None = None
         self.dropped_finished: list[str] = []
+        # the rows set apart keep no attention columns: a dropped request's later token rows do
+        # not count its attended cells (Correlator, from head_rows_apart's columns)
+        self.apart_without_attention = False
         self.wall_offset_ns = wall_offset_ns
         self.texts = texts
         self.layers = layers
@@ -407,19 +410,25 @@ class RequestTokens:
         sparse_values: tuple[object, ...] = NO_SPARSE_VALUES
         sp = step.sparse
         block = self._block_of(step, i) if sp is not None else None
+        # a token of a request already judged dropped, whose row goes apart without attention
+        # columns (the first token's verdict is taken with its row: counted as usual)
+        no_attention = (
+            self.apart_without_attention
+            and st.head_judged
+            and self.dropped_requests is not None
+            and st.request_id in self.dropped_requests
+        )
         if sp is not None and block is not None:
             # the row's routing and activations are all in an AggBlock (the drain's aggregate
             # records, or the pass's arrays): its per-layer lists stay there (block_tokens), only
             # the attention is made here
-            attended = sp.attended(step.row_offset + i, self.layers.attn)
-            cells = [a for a in attended if a is not None]
-            sparse_values = (None, None, None, None, None, attended, max(cells) if cells else None)
+            if not no_attention:
+                sparse_values = self._attention_values(sp.attended(step.row_offset + i, self.layers.attn))
             self._block_rows.append((len(self.tokens), *block))
         elif sp is not None and self._later(step):
             # its lists are set when the rows are taken (take_tokens), from the run's arrays
-            attended = sp.attended(step.row_offset + i, self.layers.attn)
-            cells = [a for a in attended if a is not None]
-            sparse_values = (None, None, None, None, None, attended, max(cells) if cells else None)
+            if not no_attention:
+                sparse_values = self._attention_values(sp.attended(step.row_offset + i, self.layers.attn))
             self._later_rows.append((len(self.tokens), step, i))
         elif sp is not None:
             sparse_values = self._row_lists(step, i)
@@ -437,6 +446,13 @@ class RequestTokens:
             tid,
             sparse_values,
         )
+
+    @staticmethod
+    def _attention_values(attended: list[int | None]) -> tuple[object, ...]:
+        """A row's sparse columns when only its attention is made here: the attended cells per
+        attention layer and the most of them (the other lists come from an AggBlock)."""
+        cells = [a for a in attended if a is not None]
+        return (None, None, None, None, None, attended, max(cells) if cells else None)
 
     def one_row_token(
         self,

@@ -20,6 +20,8 @@ SPARSE_TOKEN_COLUMNS = schema.columns(
     "kv_cells_used",
 )
 NO_SPARSE_VALUES: tuple[object, ...] = (None,) * len(SPARSE_TOKEN_COLUMNS)
+#: of those, the attention's (RequestTokens._attention_values)
+ATTENTION_COLUMNS = SPARSE_TOKEN_COLUMNS[5:]
 #: a token row as it is emitted, one tuple per token in this order
 TOKEN_ROW = schema.columns(
     "tokens",
