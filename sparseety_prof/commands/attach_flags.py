@@ -198,9 +198,10 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         help="consumer CPU policy once attached: nice (default) = run at --nice; idle = SCHED_IDLE (only CPU "
         "the engine leaves idle). Either way it takes nice 0 once it falls behind (over a third of the "
         "ring filled, seen by the ring watch's thread as the probes write or by a drain) until it has "
-        "caught up. idle suits sampling policies in production (measured: no records lost, under 5%% on "
-        "the inter-token p99 with --policy head:0.01 on saturated cores), but the consumer then drains "
-        "seldom while the engine is busy (gaps of 20 s): rows reach the recording and live view late",
+        "caught up. idle suits sampling policies in production (measured with --policy head:0.01 on "
+        "saturated cores: no records lost, 37-43 us of CPU per token, the inter-token p99 0.97-1.12 "
+        "times the engine's alone), but the consumer then drains seldom while the engine is busy (gaps "
+        "of 20 s): rows reach the recording and live view late",
     )
     p.add_argument(
         "--slice-us",
