@@ -410,26 +410,19 @@ class RequestTokens:
         sparse_values: tuple[object, ...] = NO_SPARSE_VALUES
         sp = step.sparse
         block = self._block_of(step, i) if sp is not None else None
-        # a token of a request already judged dropped, whose row goes apart without attention
-        # columns (the first token's verdict is taken with its row: counted as usual)
-        no_attention = (
-            self.apart_without_attention
-            and st.head_judged
-            and self.dropped_requests is not None
-            and st.request_id in self.dropped_requests
-        )
-        if sp is not None and block is not None:
+        if sp is not None and (block is not None or self._later(step)):
             # the row's routing and activations are all in an AggBlock (the drain's aggregate
-            # records, or the pass's arrays): its per-layer lists stay there (block_tokens), only
-            # the attention is made here
-            if not no_attention:
+            # records, or the pass's arrays): its per-layer lists stay there (block_tokens); or
+            # they are set when the rows are taken (take_tokens), from the run's arrays. Only the
+            # attention is made here, unless the row goes apart without attention columns (a
+            # request already judged dropped: the first token's verdict is taken with its row)
+            dropped = self.dropped_requests
+            if not (self.apart_without_attention and st.head_judged and dropped and st.request_id in dropped):
                 sparse_values = self._attention_values(sp.attended(step.row_offset + i, self.layers.attn))
-            self._block_rows.append((len(self.tokens), *block))
-        elif sp is not None and self._later(step):
-            # its lists are set when the rows are taken (take_tokens), from the run's arrays
-            if not no_attention:
-                sparse_values = self._attention_values(sp.attended(step.row_offset + i, self.layers.attn))
-            self._later_rows.append((len(self.tokens), step, i))
+            if block is not None:
+                self._block_rows.append((len(self.tokens), *block))
+            else:
+                self._later_rows.append((len(self.tokens), step, i))
         elif sp is not None:
             sparse_values = self._row_lists(step, i)
         self._add_token_row(
@@ -475,7 +468,6 @@ class RequestTokens:
         layer."""
         if logits is not None:
             self.stats.add(len(self.tokens), logits)
-        cells = [a for a in attended if a is not None]
         self._block_rows.append((len(self.tokens), *block))
         self._add_token_row(
             c,
@@ -489,7 +481,7 @@ class RequestTokens:
             t_end,
             1,
             tid,
-            (None, None, None, None, None, attended, max(cells) if cells else None),
+            self._attention_values(attended),
         )
 
     def one_row_tokens(
