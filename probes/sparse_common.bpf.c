@@ -92,16 +92,23 @@ static __always_inline struct ev_step_agg *agg_active(void) {
 static __always_inline struct ev_step_agg *agg_active(void) { return 0; }
 #endif
 
-/* The pass running is a one-row pass whose activations are left uncounted (active = 2): by
- * --act-every (agg_begin), or because its request drew drop in head sampling (agg_head_drop): the
- * activation probes return at once. */
+/* The pass running leaves its activations uncounted: a one-row pass (active = 2) by --act-every
+ * (agg_begin), or because its request drew drop in head sampling (agg_head_drop); a pass of
+ * several rows whose every row's request drew drop (head_pass_drop). The activation probes
+ * return at once. */
 static __always_inline int act_sampled_out(void) {
 #if defined(AGG_STEPS) && (defined(ACT_EVERY) || defined(HEAD_KEEP_BELOW))
     struct ev_step_agg *a = agg_active();
-    return a && a->active == 2;
-#else
-    return 0;
+    if (a && a->active == 2)
+        return 1;
 #endif
+#ifdef HEAD_KEEP_BELOW
+    int k = 0;
+    u64 *pd = head_pass_drop.lookup(&k);
+    if (pd && *pd)
+        return 1;
+#endif
+    return 0;
 }
 
 /* Array indices the verifier can bound: an AND in asm survives clang's range reasoning (it drops

@@ -236,6 +236,13 @@ struct head_seq {
 };
 /* least recently used sequences make room: one forgotten draws again at its next row */
 BPF_TABLE("lru_hash", struct head_key, struct head_seq, head_seqs, 16384);
+/* A pass of several rows whose every row is an output of a sequence that drew drop (a server's
+ * decode step when head sampling dropped the request of every slot in it): its activations are
+ * not counted (act_sampled_out), as a one-row pass's are not (agg_head_drop), and its end record
+ * says so (EV_UBATCH_END a = 1: the consumer counts it). The pass's serial, 0 when none. One
+ * value for the process: a pass that overlaps another (a second context) resets it, and its
+ * records cannot be attributed to either pass anyway. */
+BPF_ARRAY(head_pass_drop, u64, 1);
 
 /* A decode call begins: its outputs are listed afresh. */
 static __always_inline void head_decode(u64 lctx) {
@@ -461,6 +468,14 @@ int ubatch_enter(struct pt_regs *ctx) {
         ub_out = hr->n_out - out0;
         ub_keep = hr->n_keep - keep0;
     }
+    {
+        /* every row an output (a prompt's other rows may be a kept request's) and none kept; one
+         * row: the aggregate's, or counted as before without it (the one-row fast paths) */
+        int k = 0;
+        u64 *pd = head_pass_drop.lookup(&k);
+        if (pd)
+            *pd = (n > 1 && ub_out == n && !ub_keep) ? seq : 0;
+    }
 #endif
     struct ubatch_info ui = {};
     ui.lctx = lctx;
@@ -485,7 +500,16 @@ int ubatch_return(struct pt_regs *ctx) {
 #ifdef AGG_STEPS
     agg_end(ui->serial, ui->lctx); /* before the end record: the consumer needs it first */
 #endif
-    emit_small(EV_UBATCH_END, ui->lctx, 0, 0, 0, PT_REGS_RC(ctx));
+    s32 uncounted = 0; /* a = 1: the pass's activations were left uncounted (head_pass_drop) */
+#ifdef HEAD_KEEP_BELOW
+    int k = 0;
+    u64 *pd = head_pass_drop.lookup(&k);
+    if (pd && *pd && *pd == ui->serial) {
+        uncounted = 1;
+        *pd = 0;
+    }
+#endif
+    emit_small(EV_UBATCH_END, ui->lctx, uncounted, 0, 0, PT_REGS_RC(ctx));
     ubatch_info.delete(&tid);
     return 0;
 }

@@ -131,11 +131,15 @@ def test_head_in_the_probes_keeps_the_drawn_share_whole_and_copies_no_logits_of_
     full_tokens = runs.full.tokens()
     dropped_tokens = full_tokens.filter(~pl.col("request_id").is_in(kept)).height
     assert probes["logits_rows_not_copied"] == dropped_tokens
-    # nor counted the activations of their one-row steps: each token's but the first's, and the
-    # first's too where the engine re-evaluated only the prompt's last token (the same prompt twice
-    # in a row: llama-cpp-python reuses its cache)
-    one_row = full_tokens.filter(~pl.col("request_id").is_in(kept) & (pl.col("batch_size") == 1))
-    assert runs.head.meta["act_sampling"]["steps_not_counted"] == one_row.height
+    # nor counted the activations of their steps whose every row is an output: the one-row steps
+    # (each token's but the first's, and the first's too where the engine re-evaluated only the
+    # prompt's last token: the same prompt twice in a row, llama-cpp-python reuses its cache) and
+    # the prompt steps where the engine asked for every row's logits (logits_all)
+    shapes = runs.full.steps().select("step_id", "n_tokens", "n_outputs")
+    dropped_rows = full_tokens.filter(~pl.col("request_id").is_in(kept)).join(shapes, on="step_id")
+    all_outputs = dropped_rows.filter(pl.col("n_tokens") == pl.col("n_outputs"))
+    assert all_outputs["step_id"].n_unique() == all_outputs.height  # one sequence: a token per step
+    assert runs.head.meta["act_sampling"]["steps_not_counted"] == all_outputs.height
     assert runs.full.meta["act_sampling"]["steps_not_counted"] == 0
     # the kept requests' token rows are the full recording's, log-probs and routing included
     cols = ["request_id", "step_id", "decode_order", "token_id", "log_prob", "top_ids", "entropy"]

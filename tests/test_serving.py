@@ -176,6 +176,7 @@ def test_head_in_the_probes_keeps_whole_requests_on_shared_batches(server: Engin
     url = server.ready["url"]
     full = Recorder(server.pid, tmp_path / "full")
     head = Recorder(server.pid, tmp_path / "head", "--policy", "head:0.5")
+    low = Recorder(server.pid, tmp_path / "low", "--policy", "head:0.05")
     n_clients = 12
     answers: dict[str, dict[str, Any]] = {}
 
@@ -184,7 +185,7 @@ def test_head_in_the_probes_keeps_whole_requests_on_shared_batches(server: Engin
         answers[f"client-{i:02d}"] = post(url, body(prompt, 16 + 3 * i), f"client-{i:02d}")
 
     at_once(n_clients, client)
-    for rec in (full, head):
+    for rec in (full, head, low):
         rc, err = rec.stop(signal.SIGTERM)
         assert rc == 0, err
     r = sparseety_prof.open(tmp_path / "head")
@@ -213,8 +214,38 @@ def test_head_in_the_probes_keeps_whole_requests_on_shared_batches(server: Engin
     assert 0 < apart["steps"] <= dropped["steps"]
     assert full_rec.steps().height == r.steps().height + dropped["steps"]
     assert int(r.aggregates().filter(pl.col("metric") == "tokens")["count"].sum()) == full_rec.tokens().height
+    _counts_no_activations_of_dropped_steps(r, full_rec)
+    # at head:0.05 most steps the slots share hold dropped requests only
+    low_rec = sparseety_prof.open(tmp_path / "low")
+    assert _counts_no_activations_of_dropped_steps(low_rec, full_rec) > 0
+    assert full_rec.meta["act_sampling"]["steps_not_counted"] == 0
     losses = r.meta["losses"]
     assert losses["kernel_drops"] == 0 and losses["seq_gaps"] == 0 and losses["samples_unresolved"] == 0
+
+
+def _counts_no_activations_of_dropped_steps(rec: Any, full_rec: Any) -> int:
+    """The head-sampling recording `rec` counted no activations of a step whose every row is an
+    output of a request it dropped (one row: its aggregate record says so; several: its end
+    record), as `full_rec`, made at the same time, shows those steps; its kept requests' rows,
+    shared steps' included, have every layer's. Returns how many such steps had several rows."""
+    kept = rec.tokens()["request_id"].unique().to_list()
+    per_step = full_rec.tokens().group_by("step_id").agg(
+        pl.len().alias("outputs"), pl.col("request_id").is_in(kept).any().alias("any_kept")
+    )
+    all_dropped = (
+        full_rec.steps()
+        .join(per_step, on="step_id")
+        .filter(
+            (pl.col("n_tokens") == pl.col("n_outputs"))
+            & (pl.col("outputs") == pl.col("n_outputs"))
+            & ~pl.col("any_kept")
+        )
+    )
+    assert rec.meta["act_sampling"]["steps_not_counted"] == all_dropped.height
+    act = rec.tokens()["act_zero_ratio"]
+    assert act.list.eval(pl.element().is_null()).list.any().sum() == 0
+    assert act.is_empty() or act.list.len().min() > 0
+    return all_dropped.filter(pl.col("n_tokens") > 1).height
 
 
 def test_slot_reuse_across_sequential_requests(server: Engine, tmp_path: Path) -> None:

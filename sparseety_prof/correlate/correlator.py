@@ -446,6 +446,8 @@ class Correlator:
         step = self.open_steps.pop(int(r["tid"]), None)
         if step is None:
             return
+        if int(r["a"]):  # a pass of several rows, every one a head-dropped request's: no activations
+            self.counters.act_sampled_out += 1
         step.t_end = int(r["ts_ns"])
         groups = step.seq_rows()
         most_rows = max((len(rows) for rows in groups.values()), default=0)

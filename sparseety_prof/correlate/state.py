@@ -187,6 +187,8 @@ class Counters:
     slot_tokens_unresolved: int = 0  # server samples whose slot has no output row in the decode
     samples_before_first_step: int = 0  # samples of a decode that ran before the attach
     sparse_before_first_step: int = 0  # graph-op records of the forward pass running at attach
-    act_sampled_out: int = 0  # one-row passes whose activations --act-every left uncounted
+    # passes whose activations the probes left uncounted: one-row passes by --act-every or head
+    # sampling (the aggregate's active = 2), passes of several head-dropped rows (EV_UBATCH_END a)
+    act_sampled_out: int = 0
     head_draws_kept: int = 0  # head sampling in the probes: sequences that drew keep (EV_HEAD_DRAW)
     head_draws_dropped: int = 0  # ... and drop
