@@ -229,8 +229,10 @@ def _counts_no_activations_of_dropped_steps(rec: Any, full_rec: Any) -> int:
     record), as `full_rec`, made at the same time, shows those steps; its kept requests' rows,
     shared steps' included, have every layer's. Returns how many such steps had several rows."""
     kept = rec.tokens()["request_id"].unique().to_list()
-    per_step = full_rec.tokens().group_by("step_id").agg(
-        pl.len().alias("outputs"), pl.col("request_id").is_in(kept).any().alias("any_kept")
+    per_step = (
+        full_rec.tokens()
+        .group_by("step_id")
+        .agg(pl.len().alias("outputs"), pl.col("request_id").is_in(kept).any().alias("any_kept"))
     )
     all_dropped = (
         full_rec.steps()
