@@ -91,6 +91,8 @@ def test_escalates_to_nice_0_while_the_ring_fills_and_relaxes_after() -> None:
             "flush_cpu_ms": 30.0,
             "flush_piece_max": "rows tokens",
             "escalations": 1,
+            "gap_escalations": 0,
+            "max_drain_gap_s": 5.0,  # (the default)
             "drain_wait_min_ms": 500.0,
             "slice_us_asked": 0,
             "slice_us": None,
@@ -239,6 +241,59 @@ def test_a_watch_woken_early_follows_the_ring_until_rearmed(kind: str) -> None:
     assert seen["raised"] == (os.SCHED_OTHER, 2)
     assert seen["counted"] == 1
     assert seen["escalated_polls"] == 0
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("kind", ["python", "native"])
+def test_a_consumer_that_does_not_drain_is_raised_after_the_drain_gap(kind: str) -> None:
+    """--sched idle on cores the engine keeps busy, with a sampling policy: the ring never fills, so
+    neither a producer's wakeup nor the watch's following raises the consumer, and rows waited
+    20 s in the ring between drains. Performed: with records pending (an eighth of the ring, below
+    the threshold), no wakeup and no drain, the watch raises the SCHED_IDLE consumer about
+    --max-drain-gap later; a consumer that drains (rearms the watch) more often than that, or an
+    empty ring, is left alone; and these checks are neither wakeups nor readings."""
+    if kind == "native" and not native_available():
+        pytest.fail("libringwatch.so is not built: run sparseety_prof/native/build.sh")
+    gap = 0.3
+    seen: dict[str, object] = {}
+    pos, positions = _fake_ring(1 << 17)
+
+    def pending() -> float:
+        return (pos[0] - pos[1]) / (1 << 20)
+
+    def consumer() -> None:
+        p = Progress()
+        s = _ConsumerSched(Options(pid=1, out=None, nice=10, sched="idle", max_drain_gap=gap), p)
+        wake = os.eventfd(0, os.EFD_NONBLOCK)
+        watch = s.watch(pending, wake, lambda: None, positions if kind == "native" else None)
+        try:
+            for _ in range(12):  # drains every 0.1 s, records pending: left alone
+                time.sleep(0.1)
+                watch.rearm()
+            seen["draining"] = (os.sched_getscheduler(0), s.gap_escalations)
+            pos[1] = pos[0]  # no drain, nothing pending: left alone
+            time.sleep(4 * gap)
+            seen["empty"] = (os.sched_getscheduler(0), s.gap_escalations)
+            pos[0] += 1 << 17  # no drain, records pending
+            t0 = time.monotonic()
+            deadline = t0 + 10 * gap
+            while os.sched_getscheduler(0) != os.SCHED_OTHER and time.monotonic() < deadline:
+                time.sleep(0.005)
+            seen["after_s"] = time.monotonic() - t0
+            seen["raised"] = (os.sched_getscheduler(0), s.gap_escalations, watch.wakeups, watch.polls)
+            if kind == "native":
+                s.after_drain(0.125, 500.0, now=10.0)  # the drain counts the watch's escalation
+            seen["counted"] = (p.escalations, s.meta()["gap_escalations"])
+        finally:
+            watch.close()
+            os.close(wake)
+
+    run_in_thread(consumer)
+    assert seen["draining"] == (os.SCHED_IDLE, 0)
+    assert seen["empty"] == (os.SCHED_IDLE, 0)
+    assert seen["raised"] == (os.SCHED_OTHER, 1, 0, 0)
+    assert seen["after_s"] <= 2 * gap + 0.5, seen  # (never, without the check)
+    assert seen["counted"] == (1, 1)
 
 
 @pytest.mark.root

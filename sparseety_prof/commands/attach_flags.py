@@ -200,8 +200,17 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         "ring filled, seen by the ring watch's thread as the probes write or by a drain) until it has "
         "caught up. idle suits sampling policies in production (measured with --policy head:0.01 on "
         "saturated cores: no records lost, 37-43 us of CPU per token, the inter-token p99 0.97-1.12 "
-        "times the engine's alone), but the consumer then drains seldom while the engine is busy (gaps "
-        "of 20 s): rows reach the recording and live view late",
+        "times the engine's alone), but the consumer then drains seldom while the engine is busy: rows "
+        "reach the recording, live view and sinks up to about twice --max-drain-gap late",
+    )
+    p.add_argument(
+        "--max-drain-gap",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="when records have waited this long with no drain (a consumer starved under --sched idle), "
+        "the consumer takes nice 0 until it has caught up, as when the ring fills (default 5; 0 = only a "
+        "filling ring raises it: under --sched idle with a sampling policy, drains 20 s apart)",
     )
     p.add_argument(
         "--slice-us",
@@ -391,6 +400,8 @@ def options_from(args: argparse.Namespace) -> Options:
         policy = check_policy(args.policy or ["full"])
     except ValueError as e:
         raise UsageError(f"--policy: {e}") from None
+    if not (args.max_drain_gap == 0 or 0.1 <= args.max_drain_gap <= 3600):
+        raise UsageError(f"--max-drain-gap must be 0 (none) or 0.1-3600 s, got {args.max_drain_gap}")
     if args.slice_us != 0 and not SLICE_MIN_US <= args.slice_us <= SLICE_MAX_US:
         raise UsageError(
             f"--slice-us must be 0 (the kernel's) or {SLICE_MIN_US}-{SLICE_MAX_US}, got {args.slice_us}"
@@ -443,6 +454,7 @@ def options_from(args: argparse.Namespace) -> Options:
         skip_probes=frozenset(getattr(args, "skip_probe", None) or ()),
         request_header=args.request_header,
         sched=args.sched,
+        max_drain_gap=args.max_drain_gap,
         slice_us=args.slice_us,
         capture=capture,
         moe_read=getattr(args, "moe_read", "auto"),

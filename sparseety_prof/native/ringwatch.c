@@ -23,6 +23,13 @@
  * 50 us of CPU on this project's VMs: a few a second, and only between an early wakeup and the
  * next drain.
  *
+ * With `max_gap_ms`, records never wait in the ring longer than about that for a consumer that does
+ * not drain: every max_gap_ms the thread checks whether the consumer rearmed it since the last
+ * check (it does after every drain), and escalates when it did not while records are pending. A
+ * consumer under --sched idle on cores the engine keeps busy otherwise drains only when the ring
+ * fills: with a sampling policy, every 20 s (README, "--sched idle"), so the live view and the
+ * sinks saw rows 20 s late. Once per max_gap_ms, a timer wakeup (~50 us).
+ *
  * With `all_threads`, the escalation raises every other thread of the process too (the recorder's:
  * Polars' pool and its Parquet writers' runtime run the consumer's frames and writes, and a thread
  * made while the consumer was low keeps the priority it inherited, so the raised consumer would
@@ -44,10 +51,11 @@
 #include <sys/eventfd.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #define RW_EXPORT __attribute__((visibility("default")))
-#define RWATCH_ABI_VERSION 4
+#define RWATCH_ABI_VERSION 5
 /* Between readings while following the ring (above): FOLLOW_MS, doubled after each reading that
  * finds the ring filled by less than FOLLOW_STEP of it since the last, up to FOLLOW_MAX_MS (a
  * consumer starved for 20 s of a slow-filling ring read it 1,073 times at a fixed 20 ms). At the
@@ -66,9 +74,11 @@ struct sparseety_watch {
     pid_t consumer_tid;
     int nice_to;
     int all_threads; /* escalate every thread of the process but this one, not the consumer's alone */
+    int max_gap_ms;  /* escalate when no drain came for this long while records wait; 0: never */
     pid_t tid; /* the watch's own thread, once started */
     /* written by the watch's thread, read by the consumer's (atomics) */
     uint64_t wakeups, readings, escalations, polls; /* polls: timed readings while following */
+    uint64_t gap_escalations; /* escalations for a drain overdue (max_gap_ms), of `escalations` */
     uint64_t arms; /* times the consumer rearmed the producers' wakeup (sparseety_watch_armed) */
     int escalated; /* set here when escalating, cleared by sparseety_watch_reset */
     int started;
@@ -98,6 +108,26 @@ static void escalate(struct sparseety_watch *w) {
     closedir(d);
 }
 
+static uint64_t now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000 + (uint64_t)t.tv_nsec / 1000000;
+}
+
+static double pending_share(const struct sparseety_watch *w) {
+    uint64_t prod = __atomic_load_n(w->prod, __ATOMIC_ACQUIRE);
+    uint64_t cons = __atomic_load_n(w->cons, __ATOMIC_ACQUIRE);
+    return prod > cons ? (double)(prod - cons) / (double)w->size : 0.0;
+}
+
+/* Escalate unless escalated already; `gap`: because a drain is overdue (counted apart too). */
+static void escalate_once(struct sparseety_watch *w, int gap) {
+    if (__atomic_exchange_n(&w->escalated, 1, __ATOMIC_ACQ_REL)) return;
+    escalate(w);
+    if (gap) __atomic_add_fetch(&w->gap_escalations, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&w->escalations, 1, __ATOMIC_RELEASE);
+}
+
 static void *run(void *arg) {
     struct sparseety_watch *w = arg;
     struct sched_param p = {0};
@@ -107,10 +137,17 @@ static void *run(void *arg) {
     __atomic_store_n(&w->tid, self, __ATOMIC_RELEASE);
     __atomic_store_n(&w->started, 1, __ATOMIC_RELEASE);
     struct epoll_event ev[2];
-    int timeout = -1;       /* while following the ring, the wait before the next reading; else -1 */
-    uint64_t arms_seen = 0; /* the consumer's arms when the following began */
-    double last = 0.0;      /* the share pending at the last reading while following */
+    uint64_t follow_at = 0;  /* while following the ring: when the next reading is due; else 0 */
+    int follow_wait = FOLLOW_MS;
+    uint64_t arms_seen = 0;  /* the consumer's arms when the following began */
+    double last = 0.0;       /* the share pending at the last reading while following */
+    /* the drain check (max_gap_ms): when it is due (0: never), and the arms at the last one */
+    uint64_t check_at = w->max_gap_ms > 0 ? now_ms() + (uint64_t)w->max_gap_ms : 0;
+    uint64_t arms_checked = __atomic_load_n(&w->arms, __ATOMIC_ACQUIRE);
     for (;;) {
+        uint64_t due = follow_at && check_at ? (follow_at < check_at ? follow_at : check_at) : follow_at | check_at;
+        uint64_t now = now_ms();
+        int timeout = !due ? -1 : due > now ? (int)(due - now) : 0;
         int n = epoll_wait(w->epfd, ev, 2, timeout);
         if (n < 0) {
             if (errno == EINTR) continue;
@@ -118,25 +155,31 @@ static void *run(void *arg) {
         }
         for (int i = 0; i < n; i++)
             if (ev[i].data.fd == w->stop_fd) return NULL;
-        __atomic_add_fetch(n > 0 ? &w->wakeups : &w->polls, 1, __ATOMIC_RELAXED);
-        uint64_t prod = __atomic_load_n(w->prod, __ATOMIC_ACQUIRE);
-        uint64_t cons = __atomic_load_n(w->cons, __ATOMIC_ACQUIRE);
-        double share = prod > cons ? (double)(prod - cons) / (double)w->size : 0.0;
-        __atomic_add_fetch(&w->readings, 1, __ATOMIC_RELAXED);
-        if (share > w->threshold && !__atomic_exchange_n(&w->escalated, 1, __ATOMIC_ACQ_REL)) {
-            escalate(w);
-            __atomic_add_fetch(&w->escalations, 1, __ATOMIC_RELEASE);
+        now = now_ms();
+        if (check_at && now >= check_at) {
+            /* no drain since the last check (none rearmed the watch) and records waiting */
+            uint64_t arms = __atomic_load_n(&w->arms, __ATOMIC_ACQUIRE);
+            if (arms == arms_checked && pending_share(w) > 0.0) escalate_once(w, 1);
+            arms_checked = arms;
+            check_at = now + (uint64_t)w->max_gap_ms;
         }
+        if (n == 0 && !(follow_at && now >= follow_at)) continue; /* the drain check's wakeup alone */
+        __atomic_add_fetch(n > 0 ? &w->wakeups : &w->polls, 1, __ATOMIC_RELAXED);
+        double share = pending_share(w);
+        __atomic_add_fetch(&w->readings, 1, __ATOMIC_RELAXED);
+        if (share > w->threshold) escalate_once(w, 0);
         if (__atomic_load_n(&w->escalated, __ATOMIC_ACQUIRE)) {
-            timeout = -1; /* the consumer runs at the engine's priority: its drains rearm */
+            follow_at = 0; /* the consumer runs at the engine's priority: its drains rearm */
         } else if (n > 0) {
-            timeout = FOLLOW_MS; /* woken below the threshold: disarmed until the next arming */
+            follow_wait = FOLLOW_MS; /* woken below the threshold: disarmed until the next arming */
+            follow_at = now + (uint64_t)follow_wait;
             arms_seen = __atomic_load_n(&w->arms, __ATOMIC_ACQUIRE);
         } else if (__atomic_load_n(&w->arms, __ATOMIC_ACQUIRE) != arms_seen) {
-            timeout = -1; /* the consumer rearmed the producers' wakeup since */
+            follow_at = 0; /* the consumer rearmed the producers' wakeup since */
         } else {
-            timeout = share - last < FOLLOW_STEP ? (timeout * 2 < FOLLOW_MAX_MS ? timeout * 2 : FOLLOW_MAX_MS)
-                                                 : FOLLOW_MS;
+            if (share - last < FOLLOW_STEP) follow_wait = follow_wait * 2 < FOLLOW_MAX_MS ? follow_wait * 2 : FOLLOW_MAX_MS;
+            else follow_wait = FOLLOW_MS;
+            follow_at = now + (uint64_t)follow_wait;
         }
         last = share;
     }
@@ -145,10 +188,11 @@ static void *run(void *arg) {
 /* Start watching: `wake_fd` the ring's map fd, `prod` and `cons` the addresses of its positions
  * (mapped by the caller, kept mapped until sparseety_watch_stop returns), `size` its data bytes;
  * past `threshold` raise `consumer_tid` to `nice_to` (and, with `all_threads`, every other thread
- * of the process but the watch's). NULL on failure (errno set). */
+ * of the process but the watch's), and the same when records wait while no drain came for
+ * `max_gap_ms` (0: never). NULL on failure (errno set). */
 RW_EXPORT struct sparseety_watch *sparseety_watch_start(int wake_fd, const uint64_t *prod, const uint64_t *cons,
                                                         uint64_t size, double threshold, int consumer_tid,
-                                                        int nice_to, int all_threads) {
+                                                        int nice_to, int all_threads, int max_gap_ms) {
     struct sparseety_watch *w = calloc(1, sizeof(*w));
     if (w == NULL) return NULL;
     w->prod = prod;
@@ -158,6 +202,7 @@ RW_EXPORT struct sparseety_watch *sparseety_watch_start(int wake_fd, const uint6
     w->consumer_tid = consumer_tid;
     w->nice_to = nice_to;
     w->all_threads = all_threads;
+    w->max_gap_ms = max_gap_ms > 0 ? max_gap_ms : 0;
     w->epfd = epoll_create1(EPOLL_CLOEXEC);
     w->stop_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (w->epfd < 0 || w->stop_fd < 0) goto fail;
@@ -208,7 +253,7 @@ RW_EXPORT void sparseety_watch_set_escalated(struct sparseety_watch *w, int esca
 RW_EXPORT void sparseety_watch_armed(struct sparseety_watch *w) { __atomic_add_fetch(&w->arms, 1, __ATOMIC_RELEASE); }
 
 /* Counters: 0 wakeups, 1 readings, 2 escalations, 3 the watch's thread id (0 until started), 4 polls
- * (readings while following the ring). */
+ * (readings while following the ring), 5 escalations for a drain overdue (max_gap_ms). */
 RW_EXPORT uint64_t sparseety_watch_counter(const struct sparseety_watch *w, int which) {
     switch (which) {
     case 0:
@@ -222,6 +267,8 @@ RW_EXPORT uint64_t sparseety_watch_counter(const struct sparseety_watch *w, int 
                                                                 : 0;
     case 4:
         return __atomic_load_n(&w->polls, __ATOMIC_RELAXED);
+    case 5:
+        return __atomic_load_n(&w->gap_escalations, __ATOMIC_RELAXED);
     default:
         return 0;
     }

@@ -34,6 +34,9 @@ class Options:
     skip_probes: frozenset[str] = frozenset()  # for tests: disable a probe point on purpose
     nice: int = 10  # consumer priority once attached: the engine's threads win any contention
     sched: str = "nice"  # "nice": compete at `nice`; "idle": SCHED_IDLE, escalating when the ring fills
+    # the longest records wait in the ring for a consumer that does not drain (starved under
+    # --sched idle) before it takes the engine's priority; 0: only a filling ring raises it
+    max_drain_gap: float = 5.0
     slice_us: int = SLICE_US  # the consumer's CPU slice at SCHED_OTHER (session/sched_slice.py); 0: kernel's
     request_header: str = DEFAULT_HEADER  # HTTP header carrying the client's request id
     capture: Capture = field(default_factory=Capture)  # sparse decisions to capture

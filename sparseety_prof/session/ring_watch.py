@@ -28,6 +28,13 @@ it (`rearm`: not merely when the backlog falls, as a starved consumer releases p
 now and then long before its drain ends) or the backlog passes the threshold. That is a few timer
 wakeups, only between an early wakeup and the next drain.
 
+A consumer that gets no CPU (--sched idle on cores the engine keeps busy) but whose ring does not
+fill drains only when it does: with a sampling policy, every 20 s, so rows reached the recording,
+the live view and the sinks that late. With `max_gap_s` the watch also checks, every `max_gap_s`,
+whether the consumer rearmed it since the last check (it does after every drain), and escalates
+it when not while records are pending: records wait at most about twice that. One timer wakeup
+per `max_gap_s`.
+
 Its thread needs the GIL to run at all, and the consumer holds it wherever the kernel stopped it:
 at nice 10 the consumer runs again within milliseconds, but under --sched idle on cores the engine
 keeps busy it may wait seconds, and the escalation with it (README, "--sched idle").
@@ -85,19 +92,26 @@ class RingWatch(_Armed):
         on_backlog: Callable[[float], object],
         wake_fd: int,
         arm: Callable[[], None],
+        *,
+        max_gap_s: float = 0.0,
+        on_gap: Callable[[], object] | None = None,
     ) -> None:
         """`pending`: the share of the ring not yet drained (read off the ring's memory, from this
         thread); `on_backlog`: told each reading (the consumer's escalation rule); `wake_fd`: an fd
         that becomes readable when the producers wake the watch (the ring's map fd); `arm`: lets
         the producers wake it once more (RingReader.arm_watch). `on_backlog` returns whether the
         consumer is escalated (then the watch waits for the next wakeup instead of following the
-        ring)."""
+        ring). `on_gap`: called when records are pending and no drain rearmed the watch for
+        `max_gap_s` (0: never checked)."""
         self._pending = pending
         self._on_backlog = on_backlog
+        self._on_gap = on_gap
+        self._max_gap_s = max_gap_s if on_gap is not None and max_gap_s > 0 else 0.0
         self._arm = arm
         self.wakeups = 0  # times the thread woke for the ring (the first may be the registration)
         self.readings = 0
         self.polls = 0  # readings while following the ring (after a wakeup below the threshold)
+        self.gap_checks = 0  # drain checks made (max_gap_s)
         self._arms = 0  # rearm()s so far (read by the thread: an int's update is atomic under the GIL)
         # set by the consumer's loop (close), never from a signal handler
         self._stop_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -126,14 +140,33 @@ class RingWatch(_Armed):
             os.setpriority(os.PRIO_PROCESS, tid, 0)
         self.started.set()
         following: int | None = None  # while following the ring: the arms at its start
+        follow_at = 0.0  # ... and when the next reading is due
         wait, last = FOLLOW_S, 0.0  # while following: the wait before the next reading, the last share
+        gap = self._max_gap_s
+        check_at = time.monotonic() + gap if gap else 0.0  # the drain check: when due (0: never)
+        arms_checked = self._arms
         while True:
+            due = min((t for t in (follow_at if following is not None else 0.0, check_at) if t), default=0.0)
+            timeout = -1.0 if not due else max(0.0, due - time.monotonic())
             try:
-                events = self._ep.poll(-1 if following is None else wait)
+                events = self._ep.poll(timeout)
             except (ValueError, OSError):  # closed under it
                 return
             if any(fd == self._stop_fd for fd, _ in events):
                 return
+            now = time.monotonic()
+            if check_at and now >= check_at:
+                # no drain since the last check (none rearmed the watch) and records waiting
+                self.gap_checks += 1
+                try:
+                    waiting = self._arms == arms_checked and self._pending() > 0
+                except (ValueError, OSError):  # the ring is gone (closed at detach)
+                    return
+                if waiting and self._on_gap is not None:
+                    self._on_gap()
+                arms_checked, check_at = self._arms, now + gap
+            if not events and not (following is not None and now >= follow_at):
+                continue  # the drain check's wakeup alone
             if events:
                 self.wakeups += 1
             else:
@@ -152,6 +185,7 @@ class RingWatch(_Armed):
                 following = None  # the consumer rearmed the producers' wakeup since
             else:
                 wait = min(2 * wait, FOLLOW_MAX_S) if share - last < FOLLOW_STEP else FOLLOW_S
+            follow_at = now + wait
             last = share
 
     def _armed(self) -> None:
@@ -175,8 +209,8 @@ class RingWatch(_Armed):
 
 # sparseety_prof/native/ringwatch.c, built by sparseety_prof/native/build.sh
 _WATCH_LIB = native_library("libringwatch.so")
-_WATCH_ABI = 4
-_WAKEUPS, _READINGS, _ESCALATIONS, _TID, _POLLS = range(5)  # sparseety_watch_counter's counters
+_WATCH_ABI = 5
+_WAKEUPS, _READINGS, _ESCALATIONS, _TID, _POLLS, _GAP_ESCALATIONS = range(6)  # sparseety_watch_counter's
 
 
 def _load_watch(path: Path) -> Any:
@@ -192,6 +226,7 @@ def _load_watch(path: Path) -> Any:
             p,
             ctypes.c_uint64,
             ctypes.c_double,
+            ctypes.c_int,
             ctypes.c_int,
             ctypes.c_int,
             ctypes.c_int,
@@ -226,7 +261,9 @@ class NativeRingWatch(_Armed):
     producer's and consumer's addresses and the ring's data bytes) and, past `threshold` of the
     ring pending, makes thread `consumer_tid` (with `all_threads`, every thread of the process
     but its own) SCHED_OTHER at niceness `nice_to`, once until
-    `set_escalated(False)`. `escalations` counts them (ConsumerSched reads it at each drain).
+    `set_escalated(False)`; the same when records are pending and no drain rearmed it for
+    `max_gap_s` (0: never checked). `escalations` counts them (ConsumerSched reads it at each
+    drain), `gap_escalations` those of the second kind.
     close() must come before the ring is unmapped (RingReader.stop)."""
 
     def __init__(
@@ -240,6 +277,7 @@ class NativeRingWatch(_Armed):
         nice_to: int,
         owner: object = None,
         all_threads: bool = False,
+        max_gap_s: float = 0.0,
     ) -> None:
         """`owner`: what keeps the ring's positions mapped (the RingReader), held while the
         thread may read them. `all_threads`: an escalation raises every other thread of the
@@ -250,8 +288,9 @@ class NativeRingWatch(_Armed):
         self._owner = owner
         prod, cons, size = positions
         arm()
+        gap_ms = round(max_gap_s * 1e3)
         handle = _watch_lib.sparseety_watch_start(
-            wake_fd, prod, cons, size, threshold, consumer_tid, nice_to, int(all_threads)
+            wake_fd, prod, cons, size, threshold, consumer_tid, nice_to, int(all_threads), gap_ms
         )
         if not handle:
             err = ctypes.get_errno()
@@ -283,6 +322,11 @@ class NativeRingWatch(_Armed):
         """Readings while following the ring after a wakeup below the threshold."""
         return self._counter(_POLLS)
 
+    @property
+    def gap_escalations(self) -> int:
+        """Escalations because records waited while no drain came for `max_gap_s`."""
+        return self._counter(_GAP_ESCALATIONS)
+
     def thread_id(self, timeout: float = 5.0) -> int | None:
         """The watch's thread id, once it has taken its priority (None if not within `timeout`)."""
         deadline = time.monotonic() + timeout
@@ -308,7 +352,7 @@ class NativeRingWatch(_Armed):
         if handle is None or _watch_lib is None:
             return
         _watch_lib.sparseety_watch_stop(handle)  # the thread is gone: its counters hold still
-        counters = (_WAKEUPS, _READINGS, _ESCALATIONS, _POLLS)
+        counters = (_WAKEUPS, _READINGS, _ESCALATIONS, _POLLS, _GAP_ESCALATIONS)
         self._final = {k: int(_watch_lib.sparseety_watch_counter(handle, k)) for k in counters}
         self._handle = None
         self._finalizer()  # frees it, once

@@ -27,6 +27,9 @@ class ConsumerSched:
     kept) until drains have found less than RELAX_FILL of it filled for RELAX_HOLD_S: losing
     records is worse than taking a few percent of the engine's time, and a consumer that relaxed
     at once would fall behind again.
+    It escalates the same way when records have waited while no drain came for `max_drain_gap` s
+    (the ring watch checks: ring_watch.py), so that a consumer under --sched idle on busy cores
+    still drains that often, not only when the ring fills.
     Escalations are counted in meta.json ("consumer"). With `--slice-us`, it asks for that CPU slice
     while it runs as SCHED_OTHER (sched_slice.py). With `mirror_threads` (the recorder), each change
     of the consumer's priority is given to every other thread of the process but the ring watch's:
@@ -58,6 +61,8 @@ class ConsumerSched:
         self.started = time.monotonic()
         self.wait_min_s = drain_s
         self.mode = opts.sched
+        self.max_gap_s = opts.max_drain_gap
+        self._gap_escalations = 0  # by the Python watch's drain check (on_gap)
         self.nice = opts.nice
         self.tid = threading.get_native_id()
         self.escalated = False
@@ -104,6 +109,19 @@ class ConsumerSched:
                 self._escalate()
             return self.escalated
 
+    def on_gap(self) -> None:
+        """The Python ring watch's drain check: records have waited while no drain came for
+        `max_gap_s`."""
+        with self._lock:
+            if not self.escalated:
+                self._gap_escalations += 1
+                self._escalate()
+
+    @property
+    def gap_escalations(self) -> int:
+        """Escalations because a drain was overdue (of `progress.escalations`)."""
+        return self._native.gap_escalations if self._native is not None else self._gap_escalations
+
     def watch(
         self,
         pending: Callable[[], float],
@@ -129,12 +147,13 @@ class ConsumerSched:
                     nice_to=min(0, self.nice),
                     owner=owner,
                     all_threads=self._mirror_threads,
+                    max_gap_s=self.max_gap_s,
                 )
                 self._watch_kind = "native"
                 self._watch_tid = self._native.thread_id() if self._mirror_threads else None
                 return self._native
         self._watch_kind = "python"
-        w = RingWatch(pending, self.on_backlog, wake_fd, arm)
+        w = RingWatch(pending, self.on_backlog, wake_fd, arm, max_gap_s=self.max_gap_s, on_gap=self.on_gap)
         self._watch_tid = w.thread_id() if self._mirror_threads else None
         return w
 
@@ -227,6 +246,9 @@ class ConsumerSched:
             "flush_cpu_ms": round(p.flush_cpu_ms, 1),  # (of that piece, on the consumer's thread)
             "flush_piece_max": p.flush_piece_max,  # what that piece was (flush_round.py)
             "escalations": p.escalations,
+            # of those, because records waited while no drain came for max_drain_gap_s (0: never)
+            "gap_escalations": self.gap_escalations,
+            "max_drain_gap_s": self.max_gap_s,
             "drain_wait_min_ms": round(self.wait_min_s * 1e3, 1),  # the shortest pause the pace chose
             "slice_us_asked": self.slice_us,
             # what the kernel held at the end (its default where no slice was set or kept)
