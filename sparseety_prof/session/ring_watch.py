@@ -111,7 +111,6 @@ class RingWatch(_Armed):
         self.wakeups = 0  # times the thread woke for the ring (the first may be the registration)
         self.readings = 0
         self.polls = 0  # readings while following the ring (after a wakeup below the threshold)
-        self.gap_checks = 0  # drain checks made (max_gap_s)
         self._arms = 0  # rearm()s so far (read by the thread: an int's update is atomic under the GIL)
         # set by the consumer's loop (close), never from a signal handler
         self._stop_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -157,7 +156,6 @@ class RingWatch(_Armed):
             now = time.monotonic()
             if check_at and now >= check_at:
                 # no drain since the last check (none rearmed the watch) and records waiting
-                self.gap_checks += 1
                 try:
                     waiting = self._arms == arms_checked and self._pending() > 0
                 except (ValueError, OSError):  # the ring is gone (closed at detach)
