@@ -119,6 +119,7 @@ class Side:
     engine_user_s: float = 0.0
     engine_sys_s: float = 0.0
     engine_preempted: int = 0  # its threads' involuntary context switches over the side
+    machine_idle_s: float = 0.0  # CPU time the machine's cores spent idle over the side (idle_cpu_s)
 
     def add(self, t_request: int, times: list[int]) -> None:
         if times:
@@ -411,11 +412,25 @@ def timed_load(eng: Any, seconds: float, tokens: AnswerLengths) -> Side:
     run time and their traps are its system time)."""
     u0, s0, _, _ = cpu_times(eng.pid)
     p0 = preemptions(eng.pid)
+    i0 = idle_cpu_s()
     side: Side = eng.load(seconds, tokens)
+    side.machine_idle_s = idle_cpu_s() - i0
     u1, s1, _, _ = cpu_times(eng.pid)
     side.engine_user_s, side.engine_sys_s = u1 - u0, s1 - s0
     side.engine_preempted = preemptions(eng.pid) - p0
     return side
+
+
+def idle_cpu_s() -> float:
+    """CPU time all of the machine's cores have spent idle since boot (/proc/stat's cpu line: idle
+    and iowait, in USER_HZ ticks). Per token over a side, it is the room the engine and the load
+    leave: what a consumer at SCHED_IDLE could run in without taking a core from the engine (README,
+    Overhead). A tick is 10 ms, so over a 40-s side it is exact to a few parts in a thousand."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    if fields[0] != "cpu":
+        raise RuntimeError(f"/proc/stat begins with {fields[0]!r}, not the cpu line")
+    return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
 
 
 def preemptions(pid: int) -> int:
@@ -482,6 +497,7 @@ def pair_figures(
         rows[f"engine_user_{side}"].append(p.engine_user_s / max(p.tokens, 1) * 1e6)
         rows[f"engine_sys_{side}"].append(p.engine_sys_s / max(p.tokens, 1) * 1e6)
         rows[f"engine_preempted_{side}"].append(p.engine_preempted / max(p.tokens, 1))
+        rows[f"idle_{side}"].append(p.machine_idle_s / max(p.tokens, 1) * 1e6)
 
 
 def bench(
@@ -508,6 +524,8 @@ def bench(
             "engine_sys_b",
             "engine_preempted_a",
             "engine_preempted_b",
+            "idle_a",
+            "idle_b",
         )
     }
     losses = records = tokens = bpf_runs = bpf_ns = 0  # losses: ring records, of `records`
@@ -609,7 +627,8 @@ def bench(
                 f"engine system CPU {rows['engine_sys_a'][-1]:.0f} → {rows['engine_sys_b'][-1]:.0f} "
                 f"µs/token, user {rows['engine_user_a'][-1]:.0f} → {rows['engine_user_b'][-1]:.0f}, "
                 f"its threads preempted {rows['engine_preempted_a'][-1]:.2f} → "
-                f"{rows['engine_preempted_b'][-1]:.2f} times/token, losses: {lost_text}" + probes,
+                f"{rows['engine_preempted_b'][-1]:.2f} times/token, machine idle CPU "
+                f"{rows['idle_a'][-1]:.0f} → {rows['idle_b'][-1]:.0f} µs/token, losses: {lost_text}" + probes,
                 file=sys.stderr,
             )
     finally:
@@ -702,18 +721,21 @@ def print_engine_cpu(results: list[dict[str, Any]]) -> None:
     pairs: the probes' run time and traps land in its system time; its user time holds its
     threads' spinning at the graph's barriers, so it follows the wall time; how often its threads
     were preempted (involuntary context switches) says how often another thread (the recorder's,
-    at a low priority) took one of their cores."""
+    at a low priority) took one of their cores; the machine's idle CPU per token (idle_cpu_s) is
+    the room left on the cores, which a recorder can use without taking one from the engine."""
     print()
     print(
         "| engine | clients | mode | engine user µs/token, plain → profiled | system, plain → profiled "
-        "| its threads preempted per token, plain → profiled |"
+        "| its threads preempted per token, plain → profiled | machine idle CPU µs/token, plain → profiled |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         u_a, u_b = r["engine_user_a"]["median"], r["engine_user_b"]["median"]
         s_a, s_b = r["engine_sys_a"]["median"], r["engine_sys_b"]["median"]
         p_a, p_b = r["engine_preempted_a"]["median"], r["engine_preempted_b"]["median"]
+        i_a, i_b = r["idle_a"]["median"], r["idle_b"]["median"]
         cells = f"{u_a:.0f} → {u_b:.0f} | {s_a:.0f} → {s_b:.0f} | {p_a:.2f} → {p_b:.2f}"
+        cells += f" | {i_a:.0f} → {i_b:.0f}"
         print(f"| {r['engine']} | {r['clients']} | {r['mode']} | {cells} |")
 
 

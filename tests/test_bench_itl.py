@@ -6,6 +6,7 @@ rows the probes did not count."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from scripts.bench_sustained import AnswerLengths, Side, losses_text, preemptions
+from scripts.bench_sustained import AnswerLengths, Side, idle_cpu_s, losses_text, preemptions
 
 MS = 1_000_000
 
@@ -79,6 +80,26 @@ def test_preemptions_count_the_involuntary_switches_of_every_thread() -> None:
         for p in procs:
             p.wait()
     assert all(n >= 5 for n in counts), counts
+
+
+def test_idle_cpu_counts_the_time_the_cores_are_left_idle() -> None:
+    """bench_sustained.idle_cpu_s: a process spinning on every core takes more than half a
+    core-second per second from the idle time a second of sleep finds (whatever else runs)."""
+    cores = len(os.sched_getaffinity(0))
+    i0 = idle_cpu_s()
+    time.sleep(1.0)
+    quiet = idle_cpu_s() - i0
+    spin = "import time\nt = time.monotonic() + 1.2\nwhile time.monotonic() < t: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(cores)]
+    try:
+        time.sleep(0.1)  # (started)
+        i0 = idle_cpu_s()
+        time.sleep(1.0)
+        busy = idle_cpu_s() - i0
+    finally:
+        for p in procs:
+            p.wait()
+    assert quiet - busy > 0.5, (quiet, busy)
 
 
 def test_the_losses_cell_never_adds_rows_not_counted_to_the_rings_lost_records() -> None:
