@@ -2,7 +2,7 @@
 """Sample the recorder's threads from /proc while it runs: for each thread, its name, state,
 scheduling policy, niceness, CPU time and where it sleeps (wchan), one line per sample.
 
-Made to see why a consumer did not drain (README, "--sched idle"): a SCHED_IDLE thread that stays
+Made to see why a consumer did not drain (docs/overhead.md, "How the consumer keeps up"): a SCHED_IDLE thread that stays
 runnable (`R`) with its CPU time standing still is starved; one asleep in `do_epoll_wait` is waiting
 to be woken. Run it beside a benchmark or a recording:
 

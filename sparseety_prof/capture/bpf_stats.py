@@ -8,7 +8,7 @@ never changed: closing the fd, or the recorder's death, ends them. They cost two
 program run, which is why they are not on by default.
 
 The time counted is the programs' own: the uprobe's trap into the kernel and back (about 0.7 us
-per hit or more on these VMs, README "Overhead") comes on top of it."""
+per hit or more on these VMs, docs/overhead.md) comes on top of it."""
 
 from __future__ import annotations
 

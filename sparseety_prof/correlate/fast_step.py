@@ -13,7 +13,7 @@ activations are all in the drain's AggBlock, the attention comes from the learne
 (AttentionMap.attend_one_row). _plain_step makes their rows from the step's values, and the Step
 object (with its sparse values and attention state) only for the last of them, when anything
 may read it (make_unmade): the step before is dropped unread when its context's next decode
-replaces its rows. (README, Overhead: "Decode steps without a Step object".) The plain steps
+replaces its rows. (docs/overhead.md: "Decode steps without a Step object".) The plain steps
 that follow one another after it are taken at once, as columns (plain_run.py).
 
 Both must stay in lockstep with the handlers: tests/test_correlator.py's

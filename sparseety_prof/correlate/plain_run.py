@@ -6,7 +6,7 @@ sampler's begin, its logits records and its end (on llama-server, then the call 
 step's slot). plain_run takes every such step that follows at once: fast_step's checks as numpy
 comparisons over the drain's columns, its effects (and those of the feed loop's _decode_begin
 before each step) as columns zipped into rows. The last step is left unmade, as _plain_step
-leaves it. (README, Overhead: "Runs of decode steps as columns".)
+leaves it. (docs/overhead.md: "Runs of decode steps as columns".)
 
 What fast_step reads and a plain step does not change holds for the whole run as it held for
 the step before it: verification done, no open step, the server's checks done, no sample

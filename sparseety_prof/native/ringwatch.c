@@ -5,7 +5,7 @@
  * it wherever the kernel stopped it. At nice 10 the consumer runs again within milliseconds and
  * hands the GIL over; under --sched idle (SCHED_IDLE) on cores the engine keeps busy it may not run
  * for seconds, and a Python watch then escalated 6 s late, after the ring had filled and dropped
- * records (README, "--sched idle"). This thread never takes the GIL: it sleeps in epoll on the
+ * records (docs/overhead.md, "How the consumer keeps up"). This thread never takes the GIL: it sleeps in epoll on the
  * ring's map fd (edge-triggered: woken by the producer that passes the armed mark, rb_wake() in
  * probes/token_probes.bpf.c), reads the two ring positions, and when the pending share passes the
  * threshold it makes the consumer's thread SCHED_OTHER (if it was SCHED_IDLE) at `nice_to`, once
@@ -27,7 +27,7 @@
  * not drain: every max_gap_ms the thread checks whether the consumer rearmed it since the last
  * check (it does after every drain), and escalates when it did not while records are pending. A
  * consumer under --sched idle on cores the engine keeps busy otherwise drains only when the ring
- * fills: with a sampling policy, every 20 s (README, "--sched idle"), so the live view and the
+ * fills: with a sampling policy, every 20 s (docs/overhead.md), so the live view and the
  * sinks saw rows 20 s late. Once per max_gap_ms, a timer wakeup (~50 us).
  *
  * With `all_threads`, the escalation raises every other thread of the process too (the recorder's:

@@ -6,8 +6,8 @@ its space goes back as soon as a drain's logits rows are reduced. The correlatio
 the frames run less often, each on more drains: each wake-up of the consumer starts from caches
 the engine has emptied. With a core of its own (`scripts/profile_consumer.py`, one engine thread
 on two cores) that cut the recorder's CPU per token by a sixth; with both cores kept busy by the
-engine (`scripts/bench_sustained.py`) it cost more, so it is not the default (README "Logits
-rows reduced as they are drained"). Drains wait no longer than SECONDS, not at all while
+engine (`scripts/bench_sustained.py`) it cost more, so it is not the default (docs/overhead.md,
+"Logits rows reduced as they are drained"). Drains wait no longer than SECONDS, not at all while
 the consumer is behind, and never past a flush (FlushSchedule: what a flush writes is what the
 drains before it held) or the end. Their records are small (about 4 KiB a token beside the
 ~130 KiB of floats they no longer hold), so waiting costs little memory."""

@@ -16,7 +16,7 @@ from sparseety_prof.session.memory_budget import DEFAULT_MAX_MEMORY
 #: cut) loses at most this much; Ctrl-C, SIGTERM and SIGHUP lose nothing.
 FLUSH_INTERVAL_S = 10.0
 #: default --slice-us: 0, the kernel's own slice. The shortest one (100 µs) was measured worse
-#: (README, "Usage"): EEVDF runs a short-slice thread sooner, so it preempts the engine more often
+#: (docs/overhead.md): EEVDF runs a short-slice thread sooner, so it preempts the engine more often
 SLICE_US = 0
 
 

@@ -37,7 +37,7 @@ per `max_gap_s`.
 
 Its thread needs the GIL to run at all, and the consumer holds it wherever the kernel stopped it:
 at nice 10 the consumer runs again within milliseconds, but under --sched idle on cores the engine
-keeps busy it may wait seconds, and the escalation with it (README, "--sched idle").
+keeps busy it may wait seconds, and the escalation with it (docs/overhead.md, "How the consumer keeps up").
 NativeRingWatch is the same watch in C (sparseety_prof/native/ringwatch.c), whose thread never
 takes the GIL and raises the consumer's priority itself; the consumer's policy learns of it at its
 next drain (ConsumerSched). It is used where libringwatch.so is built; RingWatch otherwise.

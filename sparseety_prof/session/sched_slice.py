@@ -8,7 +8,7 @@ another slice with sched_setattr's `sched_runtime` (0.1-100 ms); its CPU share i
 niceness sets that). A short slice spreads the consumer's CPU over more steps, but EEVDF also runs
 a short-slice thread sooner (an earlier virtual deadline), so it preempts the engine more often:
 on this project's saturated 2-core VM, 100 µs cost the engine more than the kernel's default
-(README), which stays the default (`--slice-us 0`). Older kernels ignore the field or refuse it.
+(docs/overhead.md), which stays the default (`--slice-us 0`). Older kernels ignore the field or refuse it.
 """
 
 from __future__ import annotations
