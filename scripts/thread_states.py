@@ -2,9 +2,9 @@
 """Sample the recorder's threads from /proc while it runs: for each thread, its name, state,
 scheduling policy, niceness, CPU time and where it sleeps (wchan), one line per sample.
 
-Made to see why a consumer did not drain (docs/overhead.md, "How the consumer keeps up"): a SCHED_IDLE thread that stays
-runnable (`R`) with its CPU time standing still is starved; one asleep in `do_epoll_wait` is waiting
-to be woken. Run it beside a benchmark or a recording:
+Made to see why a consumer did not drain (docs/overhead.md, "How the consumer keeps up"): a
+SCHED_IDLE thread that stays runnable (`R`) with its CPU time standing still is starved; one asleep
+in `do_epoll_wait` is waiting to be woken. Run it beside a benchmark or a recording:
 
     sudo .venv/bin/python scripts/thread_states.py --seconds 120 -o /tmp/threads.txt &
     sudo .venv/bin/python scripts/bench_sustained.py --pairs 1 --seconds 30 --record-args='--sched idle'
