@@ -6,8 +6,8 @@
  * hands the GIL over; under --sched idle (SCHED_IDLE) on cores the engine keeps busy it may not run
  * for seconds, and a Python watch then escalated 6 s late, after the ring had filled and dropped
  * records (docs/overhead.md, "How the consumer keeps up"). This thread never takes the GIL: it
- * sleeps in epoll on the ring's map fd (edge-triggered: woken by the producer that passes the armed mark, rb_wake() in
- * probes/token_probes.bpf.c), reads the two ring positions, and when the pending share passes the
+ * sleeps in epoll on the ring's map fd (edge-triggered: woken by the producer that passes the
+ * armed mark, rb_wake() in probes/token_probes.bpf.c), reads the two ring positions, and when the pending share passes the
  * threshold it makes the consumer's thread SCHED_OTHER (if it was SCHED_IDLE) at `nice_to`, once
  * until reset. The Python side learns of it at its next drain (the escalation count) and keeps
  * the rest of the rule (counting, the slice, relaxing).
