@@ -1,16 +1,16 @@
 /* The ring watch's thread in C (sparseety_prof/session/ring_watch.py NativeRingWatch): it raises
  * the consumer's priority the moment the producers say the ring is filling, without Python's GIL.
  *
- * Why not in Python: to raise the priority a Python thread needs the GIL, and the consumer holds
- * it wherever the kernel stopped it. At nice 10 the consumer runs again within milliseconds and
- * hands the GIL over; under --sched idle (SCHED_IDLE) on cores the engine keeps busy it may not run
- * for seconds, and a Python watch then escalated 6 s late, after the ring had filled and dropped
+ * Why not in Python: to raise the priority a Python thread needs the GIL, and the consumer holds it
+ * wherever the kernel stopped it. At nice 10 the consumer runs again within milliseconds and hands
+ * the GIL over; under --sched idle (SCHED_IDLE) on cores the engine keeps busy it may not run for
+ * seconds, and a Python watch then escalated 6 s late, after the ring had filled and dropped
  * records (docs/overhead.md, "How the consumer keeps up"). This thread never takes the GIL: it
- * sleeps in epoll on the ring's map fd (edge-triggered: woken by the producer that passes the
- * armed mark, rb_wake() in probes/token_probes.bpf.c), reads the two ring positions, and when the pending share passes the
- * threshold it makes the consumer's thread SCHED_OTHER (if it was SCHED_IDLE) at `nice_to`, once
- * until reset. The Python side learns of it at its next drain (the escalation count) and keeps
- * the rest of the rule (counting, the slice, relaxing).
+ * sleeps in epoll on the ring's map fd (edge-triggered: woken by the producer that passes the armed
+ * mark, rb_wake() in probes/token_probes.bpf.c), reads the two ring positions, and when the pending
+ * share passes the threshold it makes the consumer's thread SCHED_OTHER (if it was SCHED_IDLE) at
+ * `nice_to`, once until reset. The Python side learns of it at its next drain (the escalation
+ * count) and keeps the rest of the rule (counting, the slice, relaxing).
  *
  * One wakeup per arming: a producer's wakeup that finds the ring below the threshold (the mark is an
  * estimate from the mean record size, and errs early before the first drain, when it assumes the
