@@ -236,13 +236,54 @@ struct head_seq {
 };
 /* least recently used sequences make room: one forgotten draws again at its next row */
 BPF_TABLE("lru_hash", struct head_key, struct head_seq, head_seqs, 16384);
-/* A pass of several rows whose every row is an output of a sequence that drew drop (a server's
- * decode step when head sampling dropped the request of every slot in it): its activations are
- * not counted (act_sampled_out), as a one-row pass's are not (agg_head_drop), and its end record
- * says so (EV_UBATCH_END a = 1: the consumer counts it). The pass's serial, 0 when none. One
- * value for the process: a pass that overlaps another (a second context) resets it, and its
- * records cannot be attributed to either pass anyway. */
+/* A pass of several rows that is all a dropped request's or requests' (head_drops_pass): its
+ * activations are not counted (act_sampled_out), as a one-row pass's are not (agg_head_drop), and
+ * its end record says so (EV_UBATCH_END a = 1: the consumer counts it). The pass's serial, 0 when
+ * none. One value for the process: a pass that overlaps another (a second context) resets it, and
+ * its records cannot be attributed to either pass anyway. */
 BPF_ARRAY(head_pass_drop, u64, 1);
+
+/* Whether every row of the micro-batch at `ub` (n rows) belongs to sequence `seq` and to no other
+ * (one sequence id per row): a prompt of one request, whose output drew drop. Read again from the
+ * engine's memory: three reads per row, only for passes whose every output drew drop, against the
+ * activation count of every row and MoE layer they spare. A micro-batch larger than the ubatch
+ * record (MAX_UB_TOK rows) is not checked: counted as before. */
+static __always_inline int ub_all_one_seq(u64 ub, u32 n, s32 seq) {
+    u64 sid = 0, nsid = 0;
+    bpf_probe_read_user(&sid, sizeof(sid), (void *)(ub + UB_SEQ_ID));
+    bpf_probe_read_user(&nsid, sizeof(nsid), (void *)(ub + UB_N_SEQ_ID));
+    if (!sid || !nsid || n > MAX_UB_TOK)
+        return 0;
+    for (u32 i = 0; i < MAX_UB_TOK; i++) {
+        if (i >= n)
+            break;
+        s32 c = 0, s = -1;
+        u64 p = 0;
+        if (bpf_probe_read_user(&c, sizeof(c), (void *)(nsid + (u64)i * 4)) || c != 1)
+            return 0;
+        if (bpf_probe_read_user(&p, sizeof(p), (void *)(sid + (u64)i * 8)) || !p)
+            return 0;
+        if (bpf_probe_read_user(&s, sizeof(s), (void *)p) || s != seq)
+            return 0;
+    }
+    return 1;
+}
+
+/* Whether the micro-batch at `ub` (n > 1 rows, ub_out of them outputs, listed in `hr` from out0,
+ * none of which drew keep) is all dropped requests' rows: every row an output (a server's decode
+ * step over slots whose requests all drew drop), or every row one sequence's (a dropped request's
+ * prompt; any other prompt row may be a kept request's). */
+static __always_inline int head_drops_pass(struct head_rows *hr, u32 out0, u64 ub, u32 n, u32 ub_out) {
+    if (n <= 1 || !ub_out)
+        return 0;
+    if (ub_out == n)
+        return 1;
+    u64 o = out0;
+    if (o >= HEAD_OUTS)
+        return 0;
+    HEAD_MASK(o, HEAD_OUTS - 1);
+    return ub_all_one_seq(ub, n, hr->seq[o]);
+}
 
 /* A decode call begins: its outputs are listed afresh. */
 static __always_inline void head_decode(u64 lctx) {
@@ -457,6 +498,8 @@ int ubatch_enter(struct pt_regs *ctx) {
     }
 #ifdef HEAD_KEEP_BELOW
     u32 ub_out = 0, ub_keep = 0; /* this micro-batch's outputs, and how many drew keep */
+    u32 drops = 0; /* several rows, all dropped requests' (one row: the aggregate's, or counted as
+                    * before without it: the one-row fast paths) */
     if (hr) {
         for (u64 j = 0; j < HEAD_OUTS; j++) {
             u64 o = out0 + j;
@@ -467,14 +510,14 @@ int ubatch_enter(struct pt_regs *ctx) {
         }
         ub_out = hr->n_out - out0;
         ub_keep = hr->n_keep - keep0;
+        if (!ub_keep && !hr->overflow)
+            drops = head_drops_pass(hr, out0, ub, n, ub_out);
     }
     {
-        /* every row an output (a prompt's other rows may be a kept request's) and none kept; one
-         * row: the aggregate's, or counted as before without it (the one-row fast paths) */
         int k = 0;
         u64 *pd = head_pass_drop.lookup(&k);
         if (pd)
-            *pd = (n > 1 && ub_out == n && !ub_keep) ? seq : 0;
+            *pd = drops ? seq : 0;
     }
 #endif
     struct ubatch_info ui = {};

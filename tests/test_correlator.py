@@ -1378,14 +1378,16 @@ def test_node_names_with_a_layer_number_past_any_model_are_ignored(drains: int) 
     _assert_same(got, want)
 
 
-def _prompt_script(draws: list[bool] | None = None) -> Script:
+def _prompt_script(draws: list[bool] | None = None, uncounted: tuple[int, ...] = ()) -> Script:
     """Prompts of 5 to 9 rows with per-layer routing and activation records, the last layer's
     for the output row only (as llama.cpp computes it), each followed by a few decode steps; and
     among them what the arrays must leave to the per-row path: a layer's router probabilities
     alone, a row of a layer not counted, a layer with no routing, a layer's rows neither the
     batch's nor its outputs'. Router probabilities on every layer, every layer computed for every
     row, and two output rows take the arrays. With `draws`, each prompt's head-sampling draw by
-    the probes (after its micro-batch record), and no logits row for a request drawn to drop."""
+    the probes (after its micro-batch record), and no logits row for a request drawn to drop.
+    Passes in `uncounted` have no activation record and an end record that says the probes left
+    them uncounted (head sampling in the probes: a dropped request's prompt)."""
     s = Script()
     logits = np.linspace(-1, 1, N_VOCAB, dtype=np.float32)
     for i in range(12):
@@ -1422,11 +1424,13 @@ def _prompt_script(draws: list[bool] | None = None) -> Script:
                 probs[:, layer] += 0.01 * i
                 _tensor_rec(s, layer, ev.TAG_ROUTER_PROBS, probs)
             total = 2 * rows
-            if i == 5 and layer == 0:
+            if i in uncounted:
+                pass
+            elif i == 5 and layer == 0:
                 _act_rec(s, layer, 0, total - 2, total, base=i)  # the last row not counted
             else:
                 _act_rec(s, layer, 0, total, total, base=i + layer)
-        s.small(ev.EV_UBATCH_END)
+        s.small(ev.EV_UBATCH_END, int(i in uncounted))
         for j in np.flatnonzero(outputs).tolist():
             s.sample((i * 5 + j) % N_VOCAB, idx=j, logits=logits + i if keep else None)
         tok = (i * 5 + n - 1) % N_VOCAB
@@ -1439,14 +1443,16 @@ def _prompt_script(draws: list[bool] | None = None) -> Script:
 
 
 @pytest.mark.parametrize("drains", [1, 5])
+@pytest.mark.parametrize("uncounted", [(), (2, 6)])
 def test_prompt_routes_rows_as_arrays_equal_the_per_row_path(
-    monkeypatch: pytest.MonkeyPatch, drains: int
+    monkeypatch: pytest.MonkeyPatch, drains: int, uncounted: tuple[int, ...]
 ) -> None:
     """A regular prompt's routes rows, and its token row's per-layer lists, made as arrays from its
     per-layer stores, equal the rows the per-row path makes, and so does every other table; an
     irregular prompt leaves them to the per-row path, which counts what it counts (the same
-    problems either way)."""
-    s = _prompt_script()
+    problems either way). A prompt whose activations the probes left uncounted (`uncounted`: a
+    head-dropped request's) still takes the arrays, its activation columns null in every row."""
+    s = _prompt_script(uncounted=uncounted)
     _block_tokens_mode(monkeypatch, "split")  # block rows as arrays (counted), the others lists
     calls: list[bool] = []
 
@@ -1483,6 +1489,23 @@ def test_prompt_routes_rows_as_arrays_equal_the_per_row_path(
     assert any(v is not None for v in r["router_probs"]) and None in r["act_zero_ratio"]
     # rows of the last layer for the output rows only: fewer rows than rows x layers
     assert len(r["step_id"]) < 2 * sum(5 + i % 5 for i in range(12)) + 2 * 36
+    if uncounted:  # against the same prompts counted: as many rows, routed, and in the rows of
+        # passes 2 and 6 (7 + 1 and 6 + 1: the last layer for the output row only) and in their
+        # output rows' token lists, every activation null
+        counted, _ = _replay(_prompt_script(), drains, with_masks=False, states=False)
+        c_r = counted["routes"]
+        assert r["expert_ids"] == c_r["expert_ids"]
+
+        def nulls(zero: list[Any]) -> int:
+            return sum(z is None for z in zero)
+
+        assert nulls(r["act_zero_ratio"]) == nulls(c_r["act_zero_ratio"]) + 8 + 7
+        assert nulls(r["act_values"]) == nulls(c_r["act_values"]) + 8 + 7
+
+        def all_null(lists: list[Any]) -> int:
+            return sum(v is not None and all(x is None for x in v) for v in lists)
+
+        assert all_null(want["tokens"]["act_zero_ratio"]) == all_null(counted["tokens"]["act_zero_ratio"]) + 2
 
 
 def _slots_script(draws: dict[int, bool] | None = None) -> Script:

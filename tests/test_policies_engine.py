@@ -22,6 +22,7 @@ from conftest import ENGINES, Engine, Recorder
 from test_anomalies_planted import realtime
 
 import sparseety_prof
+from sparseety_prof.capture import events as ev
 from sparseety_prof.session.request_verdicts import TAIL_WARMUP, Tail
 
 pytestmark = [pytest.mark.root, pytest.mark.engine]
@@ -131,15 +132,16 @@ def test_head_in_the_probes_keeps_the_drawn_share_whole_and_copies_no_logits_of_
     full_tokens = runs.full.tokens()
     dropped_tokens = full_tokens.filter(~pl.col("request_id").is_in(kept)).height
     assert probes["logits_rows_not_copied"] == dropped_tokens
-    # nor counted the activations of their steps whose every row is an output: the one-row steps
-    # (each token's but the first's, and the first's too where the engine re-evaluated only the
-    # prompt's last token: the same prompt twice in a row, llama-cpp-python reuses its cache) and
-    # the prompt steps where the engine asked for every row's logits (logits_all)
-    shapes = runs.full.steps().select("step_id", "n_tokens", "n_outputs")
+    # nor counted the activations of the steps of their tokens: llama-cpp-python runs one sequence,
+    # so every row of such a step is the dropped request's, its prompt's rows included (its last
+    # micro-batch's: the one with the output row); up to MAX_UB_TOK rows, which the probes check
+    shapes = runs.full.steps().select("step_id", "n_tokens", "n_outputs", "seq_ids")
     dropped_rows = full_tokens.filter(~pl.col("request_id").is_in(kept)).join(shapes, on="step_id")
-    all_outputs = dropped_rows.filter(pl.col("n_tokens") == pl.col("n_outputs"))
-    assert all_outputs["step_id"].n_unique() == all_outputs.height  # one sequence: a token per step
-    assert runs.head.meta["act_sampling"]["steps_not_counted"] == all_outputs.height
+    assert dropped_rows["step_id"].n_unique() == dropped_rows.height  # one sequence: a token per step
+    assert (dropped_rows["seq_ids"].list.len() == 1).all()
+    assert (dropped_rows["n_tokens"] > 1).any()  # prompts among them
+    uncounted = dropped_rows.filter(pl.col("n_tokens") <= ev.MAX_UB_TOK)
+    assert runs.head.meta["act_sampling"]["steps_not_counted"] == uncounted.height
     assert runs.full.meta["act_sampling"]["steps_not_counted"] == 0
     # the kept requests' token rows are the full recording's, log-probs and routing included
     cols = ["request_id", "step_id", "decode_order", "token_id", "log_prob", "top_ids", "entropy"]

@@ -20,6 +20,7 @@ import pytest
 from conftest import ENGINES, Engine, Recorder, align_server_probs, free_port
 
 import sparseety_prof
+from sparseety_prof.capture import events as ev
 
 pytestmark = [pytest.mark.root, pytest.mark.engine]
 
@@ -224,21 +225,24 @@ def test_head_in_the_probes_keeps_whole_requests_on_shared_batches(server: Engin
 
 
 def _counts_no_activations_of_dropped_steps(rec: Any, full_rec: Any) -> int:
-    """The head-sampling recording `rec` counted no activations of a step whose every row is an
-    output of a request it dropped (one row: its aggregate record says so; several: its end
-    record), as `full_rec`, made at the same time, shows those steps; its kept requests' rows,
-    shared steps' included, have every layer's. Returns how many such steps had several rows."""
+    """The head-sampling recording `rec` counted no activations of a step all of whose rows are
+    requests' it dropped (one row: its aggregate record says so; several: its end record): every
+    row an output of such a request, or every row one sequence's whose outputs are (a dropped
+    request's prompt, up to MAX_UB_TOK rows), as `full_rec`, made at the same time, shows those
+    steps; its kept requests' rows, shared steps' included, have every layer's. Returns how many
+    such steps had several rows."""
     kept = rec.tokens()["request_id"].unique().to_list()
     per_step = (
         full_rec.tokens()
         .group_by("step_id")
         .agg(pl.len().alias("outputs"), pl.col("request_id").is_in(kept).any().alias("any_kept"))
     )
+    one_prompt = (pl.col("seq_ids").list.len() == 1) & (pl.col("n_tokens") <= ev.MAX_UB_TOK)
     all_dropped = (
         full_rec.steps()
         .join(per_step, on="step_id")
         .filter(
-            (pl.col("n_tokens") == pl.col("n_outputs"))
+            ((pl.col("n_tokens") == pl.col("n_outputs")) | one_prompt)
             & (pl.col("outputs") == pl.col("n_outputs"))
             & ~pl.col("any_kept")
         )

@@ -448,6 +448,8 @@ class Correlator:
             return
         if int(r["a"]):  # a pass of several rows, every one a head-dropped request's: no activations
             self.counters.act_sampled_out += 1
+            if step.sparse is not None:
+                step.sparse.act_uncounted = True
         step.t_end = int(r["ts_ns"])
         groups = step.seq_rows()
         most_rows = max((len(rows) for rows in groups.values()), default=0)

@@ -51,6 +51,9 @@ class PassArrays(NamedTuple):
 
     values: dict[str, np.ndarray | None]
     present: np.ndarray
+    # False for a pass whose activations the probes left uncounted (StepSparse.act_uncounted):
+    # its activation columns are null in every row
+    act_counted: bool = True
 
 
 class PassBlock(NamedTuple):
@@ -98,7 +101,8 @@ def _as_block(got: PassArrays) -> PassBlock:
         v["act_zero_ratio"],  # type: ignore[arg-type]
         v["act_below_ratio"],  # type: ignore[arg-type]
         v["act_values"],  # type: ignore[arg-type]
-        whole,  # every layer counted where a row holds every layer
+        # every layer counted where a row holds every layer, unless nothing was counted
+        whole if got.act_counted else np.zeros_like(whole),
         v["router_probs"],
     )
     return PassBlock(got, block, whole)
@@ -121,6 +125,12 @@ def route_arrays(sp: StepSparse, at: PassRows, layers: LayerSet) -> PassArrays |
             return None
         probs = got[0]
     act = _act(sp, at, layers.ffn)
+    counted = True
+    if act is None and sp.act_uncounted and not sp.act_zeros:
+        # a dropped request's prompt (head sampling in the probes): routing only
+        counted = False
+        shape = (len(at.batch), len(layers.ffn))
+        act = (np.zeros(shape), np.zeros(shape), np.zeros(shape, dtype=np.int64), ids[1])
     if act is None or not (act[3] == ids[1]).all():
         return None
     zero, below, n_values, _ = act
@@ -134,6 +144,7 @@ def route_arrays(sp: StepSparse, at: PassRows, layers: LayerSet) -> PassArrays |
             "act_values": n_values,
         },
         ids[1],
+        counted,
     )
 
 

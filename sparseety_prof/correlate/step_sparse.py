@@ -84,6 +84,9 @@ class StepSparse(AttentionRecords):
     act_width: dict[int, int] = field(default_factory=dict)  # values per node row
     act_slots: dict[int, int] = field(default_factory=dict)  # node rows per token (k for MoE)
     act_bits: dict[int, np.ndarray] = field(default_factory=dict)  # node rows x width, uint8 0/1
+    # the probes left the pass's activations uncounted on purpose (head sampling: every row a
+    # dropped request's; its end record's a = 1): no activation record is missing from it
+    act_uncounted: bool = False
     # row 0's routing and activation values read straight off an aggregate record (one-row
     # micro-batches: see from_agg_row); None when the per-layer stores above hold them
     _agg_row: dict[str, list[Any]] | None = None
