@@ -243,46 +243,21 @@ BPF_TABLE("lru_hash", struct head_key, struct head_seq, head_seqs, 16384);
  * its records cannot be attributed to either pass anyway. */
 BPF_ARRAY(head_pass_drop, u64, 1);
 
-/* Whether every row of the micro-batch at `ub` (n rows) belongs to sequence `seq` and to no other
- * (one sequence id per row): a prompt of one request, whose output drew drop. Read again from the
- * engine's memory: three reads per row, only for passes whose every output drew drop, against the
- * activation count of every row and MoE layer they spare. A micro-batch larger than the ubatch
- * record (MAX_UB_TOK rows) is not checked: counted as before. */
-static __always_inline int ub_all_one_seq(u64 ub, u32 n, s32 seq) {
-    u64 sid = 0, nsid = 0;
-    bpf_probe_read_user(&sid, sizeof(sid), (void *)(ub + UB_SEQ_ID));
-    bpf_probe_read_user(&nsid, sizeof(nsid), (void *)(ub + UB_N_SEQ_ID));
-    if (!sid || !nsid || n > MAX_UB_TOK)
-        return 0;
-    for (u32 i = 0; i < MAX_UB_TOK; i++) {
-        if (i >= n)
-            break;
-        s32 c = 0, s = -1;
-        u64 p = 0;
-        if (bpf_probe_read_user(&c, sizeof(c), (void *)(nsid + (u64)i * 4)) || c != 1)
-            return 0;
-        if (bpf_probe_read_user(&p, sizeof(p), (void *)(sid + (u64)i * 8)) || !p)
-            return 0;
-        if (bpf_probe_read_user(&s, sizeof(s), (void *)p) || s != seq)
-            return 0;
-    }
-    return 1;
-}
-
-/* Whether the micro-batch at `ub` (n > 1 rows, ub_out of them outputs, listed in `hr` from out0,
- * none of which drew keep) is all dropped requests' rows: every row an output (a server's decode
- * step over slots whose requests all drew drop), or every row one sequence's (a dropped request's
- * prompt; any other prompt row may be a kept request's). */
-static __always_inline int head_drops_pass(struct head_rows *hr, u32 out0, u64 ub, u32 n, u32 ub_out) {
+/* Whether a micro-batch of n > 1 rows, ub_out of them outputs (listed in `hr` from out0, none of
+ * which drew keep), is all dropped requests' rows: every row an output (a server's decode step
+ * over slots whose requests all drew drop), or every row one sequence's and that sequence's alone
+ * (`one_seq`: the rows' sequence, -1 when they are not one's: HEAD_ROW below) and its outputs
+ * drew drop: a dropped request's prompt. Any other prompt row may be a kept request's. */
+static __always_inline int head_drops_pass(struct head_rows *hr, u32 out0, u32 n, u32 ub_out, s32 one_seq) {
     if (n <= 1 || !ub_out)
         return 0;
     if (ub_out == n)
         return 1;
     u64 o = out0;
-    if (o >= HEAD_OUTS)
+    if (o >= HEAD_OUTS || one_seq < 0)
         return 0;
     HEAD_MASK(o, HEAD_OUTS - 1);
-    return ub_all_one_seq(ub, n, hr->seq[o]);
+    return hr->seq[o] == one_seq;
 }
 
 /* A decode call begins: its outputs are listed afresh. */
@@ -407,6 +382,24 @@ int decode_ext_enter(struct pt_regs *ctx) {
 }
 
 /* ---- micro-batch = one forward pass: llama_context::process_ubatch(const llama_ubatch &, ...) */
+#ifdef HEAD_KEEP_BELOW
+/* The rows' sequence ids checked as UBATCH_FILL copies them, for head_drops_pass: head_bad stays 0
+ * while every row has one sequence id (its n_seq_id is 1) and it is the first row's (head_first).
+ * Branch-free: the verifier walks the copy loop once per row, and a branch on a value read would
+ * double the states it walks; the loop's counter is exact, so `i == 0` is no branch to it. */
+#define HEAD_ROWS_BEGIN(ub) bpf_probe_read_user(&head_nsid, sizeof(head_nsid), (void *)((ub) + UB_N_SEQ_ID))
+#define HEAD_ROW(i, off, s)                                                                    \
+    do {                                                                                        \
+        if ((i) == 0)                                                                           \
+            head_first = (s);                                                                   \
+        s32 c_ = 0;                                                                             \
+        bpf_probe_read_user(&c_, sizeof(c_), (void *)(head_nsid + ((u64)(off) + (i)) * 4));     \
+        head_bad |= (u32)((s) ^ head_first) | (u32)(c_ ^ 1);                                     \
+    } while (0)
+#else
+#define HEAD_ROWS_BEGIN(ub)
+#define HEAD_ROW(i, off, s)
+#endif
 /* Fill a micro-batch record `e` of ROWS rows (struct ev_ubatch or ev_ubatch_s: the same fields)
  * from the llama_ubatch at `ub` with `n` rows. A macro, as the two records differ in their array
  * sizes only, which the verifier needs as constants (BCC does not take map calls in a macro: the
@@ -444,6 +437,7 @@ int decode_ext_enter(struct pt_regs *ctx) {
             osz = (ROWS);                                                                       \
         if (out)                                                                                \
             bpf_probe_read_user(e->output, osz, (void *)(out + off));                           \
+        HEAD_ROWS_BEGIN(ub);                                                                    \
         for (u32 i = 0; i < (ROWS); i++) {                                                      \
             if (i >= m || !sid)                                                                 \
                 break;                                                                          \
@@ -453,6 +447,7 @@ int decode_ext_enter(struct pt_regs *ctx) {
             if (p)                                                                              \
                 bpf_probe_read_user(&s, sizeof(s), (void *)p);                                  \
             e->seq[i] = s;                                                                      \
+            HEAD_ROW(i, off, s);                                                                \
         }                                                                                       \
     } while (0)
 
@@ -468,6 +463,9 @@ int ubatch_enter(struct pt_regs *ctx) {
     /* the decode's outputs so far: this micro-batch lists its own after them, then draws them */
     struct head_rows *hr = head_rows.lookup(&lctx);
     u32 out0 = hr ? hr->n_out : 0, keep0 = hr ? hr->n_keep : 0;
+    u64 head_nsid = 0;   /* HEAD_ROW: the micro-batch's n_seq_id array */
+    s32 head_first = -1; /* its first row's sequence */
+    u32 head_bad = n > MAX_UB_TOK; /* a row not one sequence's, or not copied (so not checked) */
 #endif
     if (n <= UB_SMALL_TOK) {
         struct ev_ubatch_s *e = events.ringbuf_reserve(sizeof(struct ev_ubatch_s));
@@ -511,7 +509,7 @@ int ubatch_enter(struct pt_regs *ctx) {
         ub_out = hr->n_out - out0;
         ub_keep = hr->n_keep - keep0;
         if (!ub_keep && !hr->overflow)
-            drops = head_drops_pass(hr, out0, ub, n, ub_out);
+            drops = head_drops_pass(hr, out0, n, ub_out, head_bad ? -1 : head_first);
     }
     {
         int k = 0;
