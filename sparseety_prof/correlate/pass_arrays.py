@@ -51,9 +51,6 @@ class PassArrays(NamedTuple):
 
     values: dict[str, np.ndarray | None]
     present: np.ndarray
-    # False for a pass whose activations the probes left uncounted (StepSparse.act_uncounted):
-    # its activation columns are null in every row
-    act_counted: bool = True
 
 
 class PassBlock(NamedTuple):
@@ -95,14 +92,21 @@ def pass_block(step: Step, layers: LayerSet) -> PassBlock | None:
 def _as_block(got: PassArrays) -> PassBlock:
     v = got.values
     whole: np.ndarray = np.asarray(got.present.all(axis=1))
+    zero, below, n_values = v["act_zero_ratio"], v["act_below_ratio"], v["act_values"]
+    counted = whole  # every layer counted where a row holds every layer
+    if zero is None or below is None or n_values is None:  # activations not counted at all: the
+        # block's arrays hold zeros per row and layer (the layers are MoE and FFN alike), which no
+        # row reads as values (none is counted)
+        zero, below = np.zeros(got.present.shape), np.zeros(got.present.shape)
+        n_values = np.zeros(got.present.shape, dtype=np.int64)
+        counted = np.zeros_like(whole)
     block = AggBlock(
         v["expert_ids"],  # type: ignore[arg-type]
         v["expert_weights"],  # type: ignore[arg-type]
-        v["act_zero_ratio"],  # type: ignore[arg-type]
-        v["act_below_ratio"],  # type: ignore[arg-type]
-        v["act_values"],  # type: ignore[arg-type]
-        # every layer counted where a row holds every layer, unless nothing was counted
-        whole if got.act_counted else np.zeros_like(whole),
+        zero,
+        below,
+        n_values,
+        counted,
         v["router_probs"],
     )
     return PassBlock(got, block, whole)
@@ -125,15 +129,17 @@ def route_arrays(sp: StepSparse, at: PassRows, layers: LayerSet) -> PassArrays |
             return None
         probs = got[0]
     act = _act(sp, at, layers.ffn)
-    counted = True
+    zero: np.ndarray | None
+    below: np.ndarray | None
+    n_values: np.ndarray | None
     if act is None and sp.act_uncounted and not sp.act_zeros:
-        # a dropped request's prompt (head sampling in the probes): routing only
-        counted = False
-        shape = (len(at.batch), len(layers.ffn))
-        act = (np.zeros(shape), np.zeros(shape), np.zeros(shape, dtype=np.int64), ids[1])
-    if act is None or not (act[3] == ids[1]).all():
+        # a dropped request's prompt (head sampling in the probes): routing only, the activation
+        # columns null in every row
+        zero = below = n_values = None
+    elif act is None or not (act[3] == ids[1]).all():
         return None
-    zero, below, n_values, _ = act
+    else:
+        zero, below, n_values, _ = act
     return PassArrays(
         {
             "expert_ids": ids[0],
@@ -144,7 +150,6 @@ def route_arrays(sp: StepSparse, at: PassRows, layers: LayerSet) -> PassArrays |
             "act_values": n_values,
         },
         ids[1],
-        counted,
     )
 
 

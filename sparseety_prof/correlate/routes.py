@@ -433,11 +433,7 @@ class RoutesTables:
             arrays[name] = None if v is None else v.reshape(n, *v.shape[2:])
         if not keep.all():
             arrays = {name: None if a is None else a[keep] for name, a in arrays.items()}
-        n_kept = int(keep.sum())
-        if not got.act_counted:  # (activations left uncounted in the probes: null, as per row)
-            none = np.ones(n_kept, dtype=bool)
-            return ArrayRows(n_kept, arrays, {name: none for name in (_ZERO, _BELOW, _VALUES)})
-        return ArrayRows(n_kept, arrays)
+        return ArrayRows(int(keep.sum()), arrays)
 
     def _emit_masks(
         self,
