@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""How long the engine's threads wait when something preempts them, and who took their CPU.
+
+Made to see how the consumer's CPU reaches the engine's inter-token tail (docs/overhead.md, "Why
+the inter-token tail follows the consumer's CPU"): llama.cpp's threads meet at a barrier after
+each graph node, so a thread that waits for its CPU holds the whole step back by about as long
+as it waits. What matters for the tail is not only how much CPU the recorder takes but in what
+pieces: one 4 ms stall in one step in a hundred moves the p99, 100 µs in every step does not.
+
+A BCC program on the sched_switch tracepoint notes when an engine thread is switched out while
+still runnable (preempted) and which process's thread took the CPU; when the engine thread runs
+again the wait is added to a log2 histogram by who took it: the recorder (a process whose
+command line holds `--recorder-match`), another process, or the kernel's own threads. Run it
+beside a benchmark:
+
+    sudo .venv/bin/python scripts/preempt_stalls.py --seconds 100 &
+    sudo .venv/bin/python scripts/bench_sustained.py --pairs 1 --seconds 45
+
+Engines are the processes whose command line holds `--engine-match` (default: the engines of
+tests/engines), found again every second. The figures are per wait: count, total, the median's
+and the p99's bucket, and the histogram.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import NamedTuple
+
+BPF_TEXT = r"""
+struct stall_key_t {
+    u32 culprit_tgid;  // the process whose thread took the CPU (0: not known)
+    u32 slot;          // log2 of the wait in µs
+};
+BPF_HASH(engine_tgid, u32, u8, 64);
+BPF_HASH(tgid_of, u32, u32, 65536);       // tid -> tgid, learnt as threads are switched out
+BPF_HASH(out_at, u32, u64, 4096);         // engine tid preempted -> when
+BPF_HASH(out_by, u32, u32, 4096);         // engine tid preempted -> the tgid that took its CPU
+BPF_HASH(stalls, struct stall_key_t, u64, 4096);
+BPF_HASH(stall_ns, u32, u64, 4096);       // culprit tgid -> total wait
+BPF_HASH(long_ns, u32, u64, 4096);        // culprit tgid -> total of the waits of 1 ms and more
+
+TRACEPOINT_PROBE(sched, sched_switch) {
+    u64 id = bpf_get_current_pid_tgid();  // the task switched out
+    u32 prev = args->prev_pid, next = args->next_pid, tgid = id >> 32;
+    u64 now = bpf_ktime_get_ns();
+    if (prev != 0)
+        tgid_of.update(&prev, &tgid);
+    // switched out while runnable: preempted (the state has no sleep bits)
+    if (engine_tgid.lookup(&tgid) && (args->prev_state & 0xff) == 0) {
+        u32 by = 0, *t = tgid_of.lookup(&next);
+        if (t)
+            by = *t;
+        out_at.update(&prev, &now);
+        out_by.update(&prev, &by);
+    }
+    u64 *at = out_at.lookup(&next);
+    if (at) {
+        u64 wait = now - *at;
+        u32 *by = out_by.lookup(&next);
+        struct stall_key_t k = {};
+        k.culprit_tgid = by ? *by : 0;
+        k.slot = bpf_log2l(wait / 1000 + 1);
+        stalls.increment(k);
+        stall_ns.increment(k.culprit_tgid, wait);
+        if (wait >= 1000000)
+            long_ns.increment(k.culprit_tgid, wait);
+        out_at.delete(&next);
+        out_by.delete(&next);
+    }
+    return 0;
+}
+"""
+
+
+#: who took an engine thread's CPU, as the tables name it
+CLASSES = ("recorder", "engine", "other", "unknown")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:  # (bounded: any process sets its own)
+            return f.read(4096).replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _matching(pattern: str) -> set[int]:
+    pids = (int(p) for p in os.listdir("/proc") if p.isdigit())
+    return {p for p in pids if p != os.getpid() and pattern in _cmdline(p)}
+
+
+class Stalls(NamedTuple):
+    """The waits of engine threads preempted, by who took the CPU: log2 µs bucket -> count, and
+    the total wait in ns."""
+
+    hist: dict[str, dict[int, int]]
+    total_ns: dict[str, int]
+    long_ns: dict[str, int]  # of total_ns, in waits of 1 ms and more
+    engines: set[int]
+    recorders: set[int]
+
+
+def trace(seconds: float, engine_match: str, recorder_match: str) -> Stalls:
+    """Trace for `seconds` (or until SIGINT), finding engines and recorders by command line
+    every second."""
+    from bcc import BPF  # (root only; imported late so --help works anywhere)
+
+    b = BPF(text=BPF_TEXT)
+    try:
+        table = b["engine_tgid"]
+        engines: set[int] = set()
+        recorders: set[int] = set()
+        end = time.monotonic() + seconds
+        try:
+            while True:
+                for pid in _matching(engine_match) - engines:
+                    table[table.Key(pid)] = table.Leaf(1)
+                    engines.add(pid)
+                recorders |= _matching(recorder_match)
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                time.sleep(min(1.0, left))
+        except KeyboardInterrupt:  # (SIGINT ends the trace early: what was counted is reported)
+            pass
+
+        def cls(tgid: int) -> str:
+            if tgid in recorders:
+                return "recorder"
+            if tgid in engines:
+                return "engine"
+            return "other" if tgid else "unknown"
+
+        hist: dict[str, dict[int, int]] = {}
+        for k, v in b["stalls"].items():
+            slots = hist.setdefault(cls(k.culprit_tgid), {})
+            slots[k.slot] = slots.get(k.slot, 0) + v.value
+        total: dict[str, int] = {}
+        long: dict[str, int] = {}
+        for name, into in (("stall_ns", total), ("long_ns", long)):
+            for k, v in b[name].items():
+                into[cls(k.value)] = into.get(cls(k.value), 0) + v.value
+        return Stalls(hist, total, long, engines, recorders)
+    finally:
+        b.cleanup()
+
+
+def bucket(slot: int) -> str:
+    """A log2 slot's upper bound in µs (slot s: waits below 2**s µs)."""
+    return f"<{2**slot}" if slot else "<1"
+
+
+def table(st: Stalls) -> list[str]:
+    """Markdown rows: per class, waits, total, median and p99 bucket, and the histogram."""
+    out = [
+        "| CPU taken by | waits | total ms | of it in waits ≥ 1 ms | median | p99 | histogram (µs: waits) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in CLASSES:
+        h = st.hist.get(name)
+        if not h:
+            continue
+        n = sum(h.values())
+        acc, med, p99 = 0, 0, 0
+        for slot in sorted(h):
+            acc += h[slot]
+            med = med or (slot if acc >= n / 2 else 0)
+            p99 = p99 or (slot if acc >= n * 0.99 else 0)
+        total_ms = st.total_ns.get(name, 0) / 1e6
+        share = f"{st.long_ns.get(name, 0) / 1e6 / total_ms:.0%}" if total_ms else "-"
+        cells = ", ".join(f"{bucket(s)}: {h[s]}" for s in sorted(h))
+        out.append(f"| {name} | {n} | {total_ms:.1f} | {share} | {bucket(med)} | {bucket(p99)} | {cells} |")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--engine-match", default="tests/engines/", help="an engine's command line holds this")
+    ap.add_argument("--recorder-match", default="sparseety_prof.cli record")
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        print("preempt_stalls: needs root (BPF)", file=sys.stderr)
+        return 2
+    st = trace(a.seconds, a.engine_match, a.recorder_match)
+    print(f"engines {sorted(st.engines)}, recorders {sorted(st.recorders)}, {a.seconds:.0f} s")
+    print("\n".join(table(st)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
