@@ -74,6 +74,7 @@ from scripts.bench_overhead import (  # noqa: E402
     proc_stat,
     wait_quiet,
 )
+from scripts.preempt_stalls import Stalls, StallTracer  # noqa: E402
 
 ENGINES = ROOT / "tests" / "engines"
 CALIBRATION_MAX_S = 30.0  # --bare-traps: the longest load added for the recorder's start-up work
@@ -120,6 +121,7 @@ class Side:
     engine_sys_s: float = 0.0
     engine_preempted: int = 0  # its threads' involuntary context switches over the side
     machine_idle_s: float = 0.0  # CPU time the machine's cores spent idle over the side (idle_cpu_s)
+    stalls: Stalls | None = None  # with --stalls: the engine threads' waits when preempted, by culprit
 
     def add(self, t_request: int, times: list[int]) -> None:
         if times:
@@ -407,9 +409,14 @@ class Contenders:
 
 
 # ------------------------------------------------------------------ pairs
-def timed_load(eng: Any, seconds: float, tokens: AnswerLengths) -> Side:
+def timed_load(
+    eng: Any, seconds: float, tokens: AnswerLengths, tracer: StallTracer | None = None, recorder: int = 0
+) -> Side:
     """eng.load, with the engine's user and system CPU time over it (all its threads: the probes'
-    run time and their traps are its system time)."""
+    run time and their traps are its system time); with a `tracer` (--stalls), its threads' waits
+    when preempted over the side, the process `recorder` (its PID; 0: none) as the recorder's."""
+    if tracer is not None:
+        tracer.take(set())  # (what came before this side: the other side, the recorder's attach)
     u0, s0, _, _ = cpu_times(eng.pid)
     p0 = preemptions(eng.pid)
     i0 = idle_cpu_s()
@@ -418,6 +425,8 @@ def timed_load(eng: Any, seconds: float, tokens: AnswerLengths) -> Side:
     u1, s1, _, _ = cpu_times(eng.pid)
     side.engine_user_s, side.engine_sys_s = u1 - u0, s1 - s0
     side.engine_preempted = preemptions(eng.pid) - p0
+    if tracer is not None:
+        side.stalls = tracer.take({recorder} if recorder else set())
     return side
 
 
@@ -498,6 +507,32 @@ def pair_figures(
         rows[f"engine_sys_{side}"].append(p.engine_sys_s / max(p.tokens, 1) * 1e6)
         rows[f"engine_preempted_{side}"].append(p.engine_preempted / max(p.tokens, 1))
         rows[f"idle_{side}"].append(p.machine_idle_s / max(p.tokens, 1) * 1e6)
+    if pa.stalls is not None and pb.stalls is not None:
+        stall_figures(rows, pa, pb)
+
+
+#: --stalls: per side, µs of engine-thread waits per generated token, for the recorder's threads
+#: (B) and for every other process (A and B); of the recorder's, the share in waits of 1 ms and
+#: more, and how many such waits per 100 tokens
+STALL_ROWS = ("wait_rec_b", "wait_rec_long_share_b", "long_waits_rec_b", "wait_other_a", "wait_other_b")
+#: log2 slots of preempt_stalls' histogram whose waits are 1 ms or more (slot 11: 1,023-2,046 µs)
+_LONG_SLOT = 11
+
+
+def stall_figures(rows: dict[str, list[float]], pa: Side, pb: Side) -> None:
+    """One pair's --stalls figures (STALL_ROWS)."""
+    assert pa.stalls is not None and pb.stalls is not None
+    rec_ns = pb.stalls.total_ns.get("recorder", 0)
+    rows["wait_rec_b"].append(rec_ns / max(pb.tokens, 1) / 1e3)
+    rows["wait_rec_long_share_b"].append(pb.stalls.long_ns.get("recorder", 0) / rec_ns if rec_ns else 0.0)
+    hist = pb.stalls.hist.get("recorder", {})
+    rows["long_waits_rec_b"].append(
+        sum(n for slot, n in hist.items() if slot >= _LONG_SLOT) / max(pb.tokens, 1) * 100
+    )
+    for side, p in (("a", pa), ("b", pb)):
+        assert p.stalls is not None
+        other = sum(ns for name, ns in p.stalls.total_ns.items() if name != "recorder")
+        rows[f"wait_other_{side}"].append(other / max(p.tokens, 1) / 1e3)
 
 
 def bench(
@@ -535,6 +570,11 @@ def bench(
     traps_per_token: list[float] = []  # --bare-traps: the no-op programs' runs per token B generated
     bare_runs: dict[str, int] = {}  # ... and each point's, summed over the pairs
     bare_tokens = 0
+    tracer: StallTracer | None = None
+    if a.stalls:
+        rows.update({k: [] for k in STALL_ROWS})
+        tracer = StallTracer()
+        tracer.add_engine(eng.pid)
     try:
         eng.load(min(10.0, a.seconds), a.tokens)  # warm-up: weights paged in, allocator settled
         bare_probes = calibrate(eng, a, mode, tmp) if a.bare_traps else None
@@ -547,15 +587,15 @@ def bench(
             rec_out: dict[str, Any] = {}
             for which in order:
                 if which == "A":
-                    sides["A"] = timed_load(eng, a.seconds, lengths)
+                    sides["A"] = timed_load(eng, a.seconds, lengths, tracer)
                 elif bare_probes is not None:
                     bare = BareTrapsSide(eng.pid, bare_probes)
-                    sides["B"] = timed_load(eng, a.seconds, lengths)
+                    sides["B"] = timed_load(eng, a.seconds, lengths, tracer, bare.p.pid)
                     rec_out = bare.stop()
                 else:
                     extra = shlex.split(a.record_args) + (["--ablate-consumer"] if a.ablate_consumer else [])
                     rec = Recording(eng.pid, tmp / f"{eng.name}-{clients}-{mode}-{i}", mode, extra)
-                    sides["B"] = timed_load(eng, a.seconds, lengths)
+                    sides["B"] = timed_load(eng, a.seconds, lengths, tracer, rec.p.pid)
                     rec_out = rec.stop()
             pa, pb = sides["A"], sides["B"]
             if bare_probes is not None:
@@ -633,6 +673,8 @@ def bench(
             )
     finally:
         eng.close()
+        if tracer is not None:
+            tracer.close()
     out: dict[str, Any] = {
         "bare_traps": a.bare_traps,
         "traps_per_token": traps_per_token,
@@ -739,6 +781,29 @@ def print_engine_cpu(results: list[dict[str, Any]]) -> None:
         print(f"| {r['engine']} | {r['clients']} | {r['mode']} | {cells} |")
 
 
+def print_stalls(results: list[dict[str, Any]]) -> None:
+    """--stalls: how the engine's threads waited when preempted, medians over the pairs: for the
+    recorder (B), in all and in waits of 1 ms and more (a wait holds the whole step back at the
+    next barrier, so the inter-token tail follows the long ones: docs/overhead.md), and for every
+    other process on each side (the machine's own noise, the benchmark's process included)."""
+    stalled = [r for r in results if "wait_rec_b" in r]
+    if not stalled:
+        return
+    print()
+    print(
+        "| engine | clients | mode | engine waits for the recorder, µs/token | of it in waits ≥ 1 ms "
+        "| waits ≥ 1 ms per 100 tokens | engine waits for other processes, µs/token, plain → profiled |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in stalled:
+        m = {k: r[k]["median"] for k in STALL_ROWS}
+        print(
+            f"| {r['engine']} | {r['clients']} | {r['mode']} | {m['wait_rec_b']:.0f} "
+            f"| {m['wait_rec_long_share_b']:.0%} | {m['long_waits_rec_b']:.1f} "
+            f"| {m['wait_other_a']:.0f} → {m['wait_other_b']:.0f} |"
+        )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -785,6 +850,13 @@ def main() -> int:
         "point the recorder keeps on the engine (a calibration recording with --record-args finds "
         "them): the uprobe traps' cost alone",
     )
+    ap.add_argument(
+        "--stalls",
+        action="store_true",
+        help="also trace the engine threads' waits when preempted, per side, by who took their CPU "
+        "(scripts/preempt_stalls.py: a BPF program on sched_switch, which runs on every context "
+        "switch of the machine, on both sides alike)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args()
     if a.bare_traps and a.ablate_consumer:
@@ -825,6 +897,7 @@ def main() -> int:
     print_stages(results)
     print_traps(results)
     print_engine_cpu(results)
+    print_stalls(results)
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
     return 0

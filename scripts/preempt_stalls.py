@@ -10,21 +10,24 @@ pieces: one 4 ms stall in one step in a hundred moves the p99, 100 µs in every 
 A BCC program on the sched_switch tracepoint notes when an engine thread is switched out while
 still runnable (preempted) and which process's thread took the CPU; when the engine thread runs
 again the wait is added to a log2 histogram by who took it: the recorder (a process whose
-command line holds `--recorder-match`), another process, or the kernel's own threads. Run it
-beside a benchmark:
+command line holds `--recorder-match`), another process (the kernel's threads among them), or
+this tracer (its scan of /proc for engines, once a second). Run it beside a benchmark:
 
     sudo .venv/bin/python scripts/preempt_stalls.py --seconds 100 &
     sudo .venv/bin/python scripts/bench_sustained.py --pairs 1 --seconds 45
 
 Engines are the processes whose command line holds `--engine-match` (default: the engines of
-tests/engines), found again every second. The figures are per wait: count, total, the median's
-and the p99's bucket, and the histogram.
+tests/engines), found again every second. The figures are per wait: count, total, the share of
+the total in waits of 1 ms and more, the median's and the p99's bucket, and the histogram; then
+the other processes that took the most. `scripts/bench_sustained.py --stalls` counts the same
+per side of each pair (StallTracer).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from typing import NamedTuple
@@ -76,7 +79,9 @@ TRACEPOINT_PROBE(sched, sched_switch) {
 
 
 #: who took an engine thread's CPU, as the tables name it
-CLASSES = ("recorder", "engine", "other", "unknown")
+CLASSES = ("recorder", "engine", "other", "tracer", "unknown")
+#: how many of the other processes the report names
+TOP_OTHERS = 5
 
 
 def _cmdline(pid: int) -> str:
@@ -85,6 +90,16 @@ def _cmdline(pid: int) -> str:
             return f.read(4096).replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def _comm(pid: int) -> str:
+    """A process's name, printable (it sets its own), or "?" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            name = f.read(64).decode(errors="replace").strip()
+    except OSError:
+        return "?"
+    return "".join(c if c.isprintable() else "?" for c in name)
 
 
 def _matching(pattern: str) -> set[int]:
@@ -101,24 +116,70 @@ class Stalls(NamedTuple):
     long_ns: dict[str, int]  # of total_ns, in waits of 1 ms and more
     engines: set[int]
     recorders: set[int]
+    top_others: list[tuple[str, int, int]]  # the "other" processes that took the most: name, pid, ns
+
+
+class StallTracer:
+    """The BPF program loaded, counting the waits of the engines added (add_engine) until take()
+    reads and clears them; close() unloads it."""
+
+    def __init__(self) -> None:
+        from bcc import BPF  # (root only; imported late so --help works anywhere)
+
+        self._bpf = BPF(text=BPF_TEXT)
+        self.engines: set[int] = set()
+
+    def add_engine(self, pid: int) -> None:
+        t = self._bpf["engine_tgid"]
+        t[t.Key(pid)] = t.Leaf(1)
+        self.engines.add(pid)
+
+    def take(self, recorders: set[int]) -> Stalls:
+        """The waits counted since the last take (or the start), the processes in `recorders` as
+        the recorder's; the counts start again from zero."""
+        me = os.getpid()
+
+        def cls(tgid: int) -> str:
+            if tgid in recorders:
+                return "recorder"
+            if tgid in self.engines:
+                return "engine"
+            if tgid == me:
+                return "tracer"
+            return "other" if tgid else "unknown"
+
+        hist: dict[str, dict[int, int]] = {}
+        for k, v in self._bpf["stalls"].items():
+            slots = hist.setdefault(cls(k.culprit_tgid), {})
+            slots[k.slot] = slots.get(k.slot, 0) + v.value
+        total: dict[str, int] = {}
+        long: dict[str, int] = {}
+        by_tgid = [(v.value, k.value) for k, v in self._bpf["stall_ns"].items()]
+        for ns, tgid in by_tgid:
+            total[cls(tgid)] = total.get(cls(tgid), 0) + ns
+        for k, v in self._bpf["long_ns"].items():
+            long[cls(k.value)] = long.get(cls(k.value), 0) + v.value
+        others = sorted(((ns, tgid) for ns, tgid in by_tgid if cls(tgid) == "other"), reverse=True)
+        top = [(_comm(tgid), tgid, ns) for ns, tgid in others[:TOP_OTHERS]]
+        for name in ("stalls", "stall_ns", "long_ns"):
+            self._bpf[name].clear()
+        return Stalls(hist, total, long, set(self.engines), set(recorders), top)
+
+    def close(self) -> None:
+        self._bpf.cleanup()
 
 
 def trace(seconds: float, engine_match: str, recorder_match: str) -> Stalls:
-    """Trace for `seconds` (or until SIGINT), finding engines and recorders by command line
-    every second."""
-    from bcc import BPF  # (root only; imported late so --help works anywhere)
-
-    b = BPF(text=BPF_TEXT)
+    """Trace for `seconds` (or until KeyboardInterrupt), finding engines and recorders by command
+    line every second."""
+    tracer = StallTracer()
     try:
-        table = b["engine_tgid"]
-        engines: set[int] = set()
         recorders: set[int] = set()
         end = time.monotonic() + seconds
         try:
             while True:
-                for pid in _matching(engine_match) - engines:
-                    table[table.Key(pid)] = table.Leaf(1)
-                    engines.add(pid)
+                for pid in _matching(engine_match) - tracer.engines:
+                    tracer.add_engine(pid)
                 recorders |= _matching(recorder_match)
                 left = end - time.monotonic()
                 if left <= 0:
@@ -126,26 +187,9 @@ def trace(seconds: float, engine_match: str, recorder_match: str) -> Stalls:
                 time.sleep(min(1.0, left))
         except KeyboardInterrupt:  # (SIGINT ends the trace early: what was counted is reported)
             pass
-
-        def cls(tgid: int) -> str:
-            if tgid in recorders:
-                return "recorder"
-            if tgid in engines:
-                return "engine"
-            return "other" if tgid else "unknown"
-
-        hist: dict[str, dict[int, int]] = {}
-        for k, v in b["stalls"].items():
-            slots = hist.setdefault(cls(k.culprit_tgid), {})
-            slots[k.slot] = slots.get(k.slot, 0) + v.value
-        total: dict[str, int] = {}
-        long: dict[str, int] = {}
-        for name, into in (("stall_ns", total), ("long_ns", long)):
-            for k, v in b[name].items():
-                into[cls(k.value)] = into.get(cls(k.value), 0) + v.value
-        return Stalls(hist, total, long, engines, recorders)
+        return tracer.take(recorders)
     finally:
-        b.cleanup()
+        tracer.close()
 
 
 def bucket(slot: int) -> str:
@@ -185,9 +229,16 @@ def main() -> int:
     if os.geteuid() != 0:
         print("preempt_stalls: needs root (BPF)", file=sys.stderr)
         return 2
+    # SIGINT or SIGTERM end the trace early, as its report says (a shell's background job starts
+    # with SIGINT ignored: the handler is set here, not inherited)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     st = trace(a.seconds, a.engine_match, a.recorder_match)
     print(f"engines {sorted(st.engines)}, recorders {sorted(st.recorders)}, {a.seconds:.0f} s")
     print("\n".join(table(st)))
+    if st.top_others:
+        named = ", ".join(f"{name} ({pid}) {ns / 1e6:.1f} ms" for name, pid, ns in st.top_others)
+        print(f"the other processes that took the most: {named}")
     return 0
 
 

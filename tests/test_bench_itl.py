@@ -112,3 +112,27 @@ def test_the_losses_cell_never_adds_rows_not_counted_to_the_rings_lost_records()
         }
     )
     assert cell == "3 of 290000 records; sparse_rows_not_captured 7182; program_misses 2"
+
+
+def test_stall_figures_are_per_generated_token_and_split_by_culprit() -> None:
+    from scripts.bench_sustained import STALL_ROWS, stall_figures
+    from scripts.preempt_stalls import Stalls
+
+    a = side((0, list(range(0, 1000, 10))))  # 100 tokens
+    b = side((0, list(range(0, 2000, 10))))  # 200 tokens
+    a.stalls = Stalls({"other": {6: 10}}, {"other": 4_000_000}, {"other": 0}, {1}, set(), [])
+    # the recorder: 4 waits of 2-4 ms (slot 12) and 100 of 16-32 µs (slot 5)
+    b.stalls = Stalls(
+        {"recorder": {12: 4, 5: 100}, "other": {6: 10}, "unknown": {3: 1}},
+        {"recorder": 14_000_000, "other": 3_000_000, "unknown": 1_000_000},
+        {"recorder": 12_000_000},
+        {1},
+        {2},
+        [],
+    )
+    rows: dict[str, list[float]] = {k: [] for k in STALL_ROWS}
+    stall_figures(rows, a, b)
+    assert rows["wait_rec_b"] == [70.0]  # 14 ms over 200 tokens
+    assert rows["wait_rec_long_share_b"] == [12 / 14]
+    assert rows["long_waits_rec_b"] == [2.0]  # 4 waits per 200 tokens
+    assert rows["wait_other_a"] == [40.0] and rows["wait_other_b"] == [20.0]

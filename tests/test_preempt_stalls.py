@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
 
-from scripts.preempt_stalls import table, trace
+from scripts.preempt_stalls import StallTracer, table, trace
 
 SPIN = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end: pass\n"
 
@@ -45,3 +46,27 @@ def test_waits_of_an_engine_thread_are_counted_by_who_took_its_cpu() -> None:
     assert "engine" not in st.hist
     rows = table(st)
     assert rows[2].startswith("| recorder | ")
+
+
+@pytest.mark.root
+def test_a_take_starts_the_counts_again() -> None:
+    tag = uuid.uuid4().hex
+    cpu = min(os.sched_getaffinity(0))
+    tracer = StallTracer()
+    try:
+        engine = _spinner(30, f"engine-{tag}", cpu)
+        recorder = _spinner(1.5, f"recorder-{tag}", cpu)
+        tracer.add_engine(engine.pid)
+        recorder.wait()
+        # a wait is counted when the engine runs again, and charged to whoever first took its
+        # CPU: let a wait the recorder began end before the take
+        time.sleep(0.2)
+        first = tracer.take({recorder.pid})
+        time.sleep(1.0)  # the engine spins alone: nothing of the recorder's is left to count
+        second = tracer.take({recorder.pid})
+    finally:
+        tracer.close()
+        engine.kill()
+        engine.wait()
+    assert first.total_ns["recorder"] > 0.1e9
+    assert "recorder" not in second.total_ns and "recorder" not in second.hist
