@@ -512,8 +512,9 @@ def pair_figures(
 
 
 #: --stalls: per side, µs of engine-thread waits per generated token, for the recorder's threads
-#: (B) and for every other process (A and B); of the recorder's, the share in waits of 1 ms and
-#: more, and how many such waits per 100 tokens
+#: (B) and for anything else (A and B: other processes, the benchmark's own clients, and the
+#: engine's other threads, such as a server's HTTP threads); of the recorder's, the share in waits
+#: of 1 ms and more, and how many such waits per 100 tokens
 STALL_ROWS = ("wait_rec_b", "wait_rec_long_share_b", "long_waits_rec_b", "wait_other_a", "wait_other_b")
 #: log2 slots of preempt_stalls' histogram whose waits are 1 ms or more (slot 11: 1,023-2,046 µs)
 _LONG_SLOT = 11
@@ -784,15 +785,16 @@ def print_engine_cpu(results: list[dict[str, Any]]) -> None:
 def print_stalls(results: list[dict[str, Any]]) -> None:
     """--stalls: how the engine's threads waited when preempted, medians over the pairs: for the
     recorder (B), in all and in waits of 1 ms and more (a wait holds the whole step back at the
-    next barrier, so the inter-token tail follows the long ones: docs/overhead.md), and for every
-    other process on each side (the machine's own noise, the benchmark's process included)."""
+    next barrier, so the inter-token tail follows the long ones: docs/overhead.md), and for
+    anything else on each side (the machine's own noise, the benchmark's clients, the engine's
+    other threads)."""
     stalled = [r for r in results if "wait_rec_b" in r]
     if not stalled:
         return
     print()
     print(
         "| engine | clients | mode | engine waits for the recorder, µs/token | of it in waits ≥ 1 ms "
-        "| waits ≥ 1 ms per 100 tokens | engine waits for other processes, µs/token, plain → profiled |"
+        "| waits ≥ 1 ms per 100 tokens | engine waits for anything else, µs/token, plain → profiled |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in stalled:
