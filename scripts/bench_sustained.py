@@ -516,8 +516,6 @@ def pair_figures(
 #: engine's other threads, such as a server's HTTP threads); of the recorder's, the share in waits
 #: of 1 ms and more, and how many such waits per 100 tokens
 STALL_ROWS = ("wait_rec_b", "wait_rec_long_share_b", "long_waits_rec_b", "wait_other_a", "wait_other_b")
-#: log2 slots of preempt_stalls' histogram whose waits are 1 ms or more (slot 11: 1,023-2,046 µs)
-_LONG_SLOT = 11
 
 
 def stall_figures(rows: dict[str, list[float]], pa: Side, pb: Side) -> None:
@@ -526,10 +524,7 @@ def stall_figures(rows: dict[str, list[float]], pa: Side, pb: Side) -> None:
     rec_ns = pb.stalls.total_ns.get("recorder", 0)
     rows["wait_rec_b"].append(rec_ns / max(pb.tokens, 1) / 1e3)
     rows["wait_rec_long_share_b"].append(pb.stalls.long_ns.get("recorder", 0) / rec_ns if rec_ns else 0.0)
-    hist = pb.stalls.hist.get("recorder", {})
-    rows["long_waits_rec_b"].append(
-        sum(n for slot, n in hist.items() if slot >= _LONG_SLOT) / max(pb.tokens, 1) * 100
-    )
+    rows["long_waits_rec_b"].append(pb.stalls.long_waits.get("recorder", 0) / max(pb.tokens, 1) * 100)
     for side, p in (("a", pa), ("b", pb)):
         assert p.stalls is not None
         other = sum(ns for name, ns in p.stalls.total_ns.items() if name != "recorder")

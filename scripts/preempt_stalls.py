@@ -30,7 +30,11 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from sparseety_prof.terminal_text import visible
 
 BPF_TEXT = r"""
 struct stall_key_t {
@@ -44,6 +48,7 @@ BPF_HASH(out_by, u32, u32, 4096);         // engine tid preempted -> the tgid th
 BPF_HASH(stalls, struct stall_key_t, u64, 4096);
 BPF_HASH(stall_ns, u32, u64, 4096);       // culprit tgid -> total wait
 BPF_HASH(long_ns, u32, u64, 4096);        // culprit tgid -> total of the waits of 1 ms and more
+BPF_HASH(long_n, u32, u64, 4096);         // culprit tgid -> how many waits of 1 ms and more
 
 TRACEPOINT_PROBE(sched, sched_switch) {
     u64 id = bpf_get_current_pid_tgid();  // the task switched out
@@ -68,8 +73,10 @@ TRACEPOINT_PROBE(sched, sched_switch) {
         k.slot = bpf_log2l(wait / 1000 + 1);
         stalls.increment(k);
         stall_ns.increment(k.culprit_tgid, wait);
-        if (wait >= 1000000)
+        if (wait >= 1000000) {
             long_ns.increment(k.culprit_tgid, wait);
+            long_n.increment(k.culprit_tgid);
+        }
         out_at.delete(&next);
         out_by.delete(&next);
     }
@@ -82,6 +89,9 @@ TRACEPOINT_PROBE(sched, sched_switch) {
 CLASSES = ("recorder", "engine", "other", "tracer", "unknown")
 #: how many of the other processes the report names
 TOP_OTHERS = 5
+#: the maps summed per culprit: total wait, the part in waits of 1 ms and more, and how many such
+#: waits (the one threshold for "long" is the BPF program's)
+_PER_CULPRIT = ("stall_ns", "long_ns", "long_n")
 
 
 def _cmdline(pid: int) -> str:
@@ -93,13 +103,12 @@ def _cmdline(pid: int) -> str:
 
 
 def _comm(pid: int) -> str:
-    """A process's name, printable (it sets its own), or "?" once it is gone."""
+    """A process's name as it set it (shown through terminal_text), or "?" once it is gone."""
     try:
         with open(f"/proc/{pid}/comm", "rb") as f:
-            name = f.read(64).decode(errors="replace").strip()
+            return f.read(64).decode(errors="replace").strip()
     except OSError:
         return "?"
-    return "".join(c if c.isprintable() else "?" for c in name)
 
 
 def _matching(pattern: str) -> set[int]:
@@ -114,6 +123,7 @@ class Stalls(NamedTuple):
     hist: dict[str, dict[int, int]]
     total_ns: dict[str, int]
     long_ns: dict[str, int]  # of total_ns, in waits of 1 ms and more
+    long_waits: dict[str, int]  # how many waits of 1 ms and more
     engines: set[int]
     recorders: set[int]
     top_others: list[tuple[str, int, int]]  # the "other" processes that took the most: name, pid, ns
@@ -152,18 +162,18 @@ class StallTracer:
         for k, v in self._bpf["stalls"].items():
             slots = hist.setdefault(cls(k.culprit_tgid), {})
             slots[k.slot] = slots.get(k.slot, 0) + v.value
-        total: dict[str, int] = {}
-        long: dict[str, int] = {}
+        by_class: dict[str, dict[str, int]] = {}  # map -> class -> its sum
+        for name in _PER_CULPRIT:
+            sums = by_class[name] = {}
+            for k, v in self._bpf[name].items():
+                sums[cls(k.value)] = sums.get(cls(k.value), 0) + v.value
         by_tgid = [(v.value, k.value) for k, v in self._bpf["stall_ns"].items()]
-        for ns, tgid in by_tgid:
-            total[cls(tgid)] = total.get(cls(tgid), 0) + ns
-        for k, v in self._bpf["long_ns"].items():
-            long[cls(k.value)] = long.get(cls(k.value), 0) + v.value
         others = sorted(((ns, tgid) for ns, tgid in by_tgid if cls(tgid) == "other"), reverse=True)
-        top = [(_comm(tgid), tgid, ns) for ns, tgid in others[:TOP_OTHERS]]
-        for name in ("stalls", "stall_ns", "long_ns"):
+        top = [(visible(_comm(tgid)), tgid, ns) for ns, tgid in others[:TOP_OTHERS]]
+        for name in ("stalls", *_PER_CULPRIT):
             self._bpf[name].clear()
-        return Stalls(hist, total, long, set(self.engines), set(recorders), top)
+        total, long_ns, long_n = (by_class[name] for name in _PER_CULPRIT)
+        return Stalls(hist, total, long_ns, long_n, set(self.engines), set(recorders), top)
 
     def close(self) -> None:
         self._bpf.cleanup()

@@ -120,12 +120,13 @@ def test_stall_figures_are_per_generated_token_and_split_by_culprit() -> None:
 
     a = side((0, list(range(0, 1000, 10))))  # 100 tokens
     b = side((0, list(range(0, 2000, 10))))  # 200 tokens
-    a.stalls = Stalls({"other": {6: 10}}, {"other": 4_000_000}, {"other": 0}, {1}, set(), [])
+    a.stalls = Stalls({"other": {6: 10}}, {"other": 4_000_000}, {"other": 0}, {"other": 0}, {1}, set(), [])
     # the recorder: 4 waits of 2-4 ms (slot 12) and 100 of 16-32 µs (slot 5)
     b.stalls = Stalls(
         {"recorder": {12: 4, 5: 100}, "other": {6: 10}, "unknown": {3: 1}},
         {"recorder": 14_000_000, "other": 3_000_000, "unknown": 1_000_000},
         {"recorder": 12_000_000},
+        {"recorder": 4},
         {1},
         {2},
         [],
