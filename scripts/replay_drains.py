@@ -187,8 +187,7 @@ def _replay_once(
     from sparseety_prof.correlate.serving import ServingTracker
     from sparseety_prof.session.collector import FlushTimedCollector
     from sparseety_prof.session.drain_batches import DrainBatches
-    from sparseety_prof.session.options import FLUSH_INTERVAL_S
-    from sparseety_prof.session.recorder import DRAIN_INTERVAL_S
+    from sparseety_prof.session.options import DRAIN_INTERVAL_S, FLUSH_INTERVAL_S
     from sparseety_prof.store.buffers import ColumnBuffer
 
     flush_every = max(1, round(FLUSH_INTERVAL_S / DRAIN_INTERVAL_S))  # drains, under load

@@ -61,7 +61,7 @@ def test_escalates_to_nice_0_while_the_ring_fills_and_relaxes_after() -> None:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, 10)
         p = Progress()
-        s = _ConsumerSched(Options(pid=1, out=None, nice=10), p)
+        s = _ConsumerSched(Options(pid=1, out=None, nice=10, drain_interval=0.5), p)
         s.started = 90.0  # (the drains below give their own times)
         s.on_backlog(0.2)
         assert os.getpriority(os.PRIO_PROCESS, tid) == 10 and p.escalations == 0
@@ -93,6 +93,7 @@ def test_escalates_to_nice_0_while_the_ring_fills_and_relaxes_after() -> None:
             "escalations": 1,
             "gap_escalations": 0,
             "max_drain_gap_s": 5.0,  # (the default)
+            "drain_interval_s": 0.5,
             "drain_wait_min_ms": 500.0,
             "slice_us_asked": 0,
             "slice_us": None,
@@ -562,8 +563,25 @@ def test_a_slice_the_kernel_would_not_grant_is_a_usage_error(tmp_path: Path, val
     assert not (tmp_path / "rec").exists()
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--drain-interval", "0.01"], "--drain-interval must be from 0.05 to 10 s"),
+        (["--drain-interval", "11"], "--drain-interval must be from 0.05 to 10 s"),
+        # every pause would look like a starved consumer and raise its priority
+        (["--drain-interval", "2", "--max-drain-gap", "1"], "must be shorter than --max-drain-gap"),
+    ],
+)
+def test_a_drain_interval_out_of_range_is_a_usage_error(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    r = run_cli("record", "--pid", "1", "-o", str(tmp_path / "rec"), *args)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert not (tmp_path / "rec").exists()
+
+
 def test_drains_come_sooner_when_the_ring_fills_fast() -> None:
-    s = _ConsumerSched(Options(pid=1, out=None, nice=0), Progress(), drain_s=0.5)
+    s = _ConsumerSched(Options(pid=1, out=None, nice=0, drain_interval=0.5), Progress())
     assert s.wait_s == 0.5
     s.after_drain(0.01, 500.0)  # an ordinary rate: a quarter of the ring is seconds away
     assert s.wait_s == 0.5

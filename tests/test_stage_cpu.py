@@ -77,3 +77,20 @@ def test_a_full_recording_says_where_its_cpu_went(llama_engine: Engine, tmp_path
     # the drains that took records, and of them those that read the logits rows in the ring
     cons = meta["consumer"]
     assert cons["drains"] >= 1 and 0 <= cons["drains_logits_by_ref"] <= cons["drains"]
+
+
+@pytest.mark.root
+@pytest.mark.engine
+def test_the_recorder_drains_at_the_interval_asked(llama_engine: Engine, tmp_path: Path) -> None:
+    out = tmp_path / "rec"
+    rec = Recorder(llama_engine.pid, out, "--drain-interval", "0.2")
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:
+        llama_engine.generate(["hello the expert router"], max_tokens=16)
+    rc, err = rec.stop(signal.SIGINT)
+    assert rc == 0, err
+    cons = json.loads((out / recording.META_FILE).read_text())["consumer"]
+    assert cons["drain_interval_s"] == 0.2
+    # three seconds of generation drained at most 0.2 s apart; the default (1 s) would take 3 or 4
+    assert cons["drains"] >= 8, cons
+    assert cons["drain_wait_min_ms"] <= 200.0

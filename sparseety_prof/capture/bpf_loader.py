@@ -47,8 +47,10 @@ from sparseety_prof.capture.resources import native_library
 from sparseety_prof.capture.ring_hold import RingHold
 from sparseety_prof.errors import BpfUnavailable, MissingPrivileges, NoSuchProcess
 
-RING_BUFFER_PAGES = 16384  # 64 MiB: a 1 MiB ring lost 35-70% of a burst here, 16 MiB lost none;
-# the consumer drains every 0.5 s, and full capture with a 32k vocabulary writes ~40 MB/s
+# the ring's size when none is asked for (the recorder asks for --ring-mb, default 128 MiB): a
+# 1 MiB ring lost 35-70% of a burst here, 16 MiB lost none; the consumer drains every second at
+# most, and full capture with a 32k vocabulary writes ~40 MB/s in a burst
+RING_BUFFER_PAGES = (128 << 20) // mmap.PAGESIZE
 # The share of the ring pending at which a producer wakes the ring watch (RingReader.arm_watch,
 # rb_wake() in token_probes.bpf.c): the consumer's escalation threshold (session/sched.py).
 RING_WAKE_FILL = 0.35
@@ -534,8 +536,8 @@ class RingReader:
     REF_MAX_SHARE = 0.25
     REF_MIN_LOGITS = 0.5
 
-    #: bytes of the logits rows' arena made at attach time: one drain's worth at 250 tokens/s of
-    #: a 32k vocabulary (0.5 s); bigger drains grow it
+    #: bytes of the logits rows' arena made at attach time: half a second's worth at 250 tokens/s
+    #: of a 32k vocabulary (most drains read the rows in the ring and need none); bigger ones grow it
     PRESIZE_BYTES = 32 << 20
     #: records every other arena holds from attach time: one drain's worth of per-token records
     #: (a drain every ~0.5 s at up to ~500 tokens/s). Sized by record count alone, the 13-15 KiB

@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sparseety_prof.correlate.serving import DEFAULT_HEADER
-from sparseety_prof.session.options import FLUSH_INTERVAL_S, SLICE_US
+from sparseety_prof.session.options import (
+    DRAIN_INTERVAL_MAX_S,
+    DRAIN_INTERVAL_MIN_S,
+    DRAIN_INTERVAL_S,
+    FLUSH_INTERVAL_S,
+    RING_MB,
+    SLICE_US,
+)
 
 if TYPE_CHECKING:
     from sparseety_prof.capture.process_match import ProcessRule
@@ -116,13 +123,24 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         "its own, more when the engine keeps every core busy (README); default 0, each drain as taken",
     )
     p.add_argument(
+        "--drain-interval",
+        type=float,
+        default=DRAIN_INTERVAL_S,
+        metavar="SECONDS",
+        help=f"the longest pause between two drains of the ring (default {DRAIN_INTERVAL_S:g}; sooner when "
+        "the ring fills fast, so that a drain finds at most a quarter of it filled). Each drain starts "
+        "with caches the engine emptied: fewer drains cost less CPU per token on a busy host, but rows "
+        "reach the recording, live view and sinks later, and a drain holds more records",
+    )
+    p.add_argument(
         "--ring-mb",
         type=int,
-        default=64,
+        default=RING_MB,
         metavar="MIB",
-        help="size of the ring buffer the probes write into, a power of two (default 64: a burst of "
-        "full capture with a 32k vocabulary fills about 40 MB/s while the consumer waits for CPU); "
-        "what does not fit is counted as kernel_drops",
+        help=f"size of the ring buffer the probes write into, a power of two (default {RING_MB}: a 32k "
+        "vocabulary's logits rows fill about 22 MB/s at 165 tokens/s, bursts about 40 MB/s, and a drain "
+        "should find at most a quarter of the ring filled); kernel memory; what does not fit is "
+        "counted as kernel_drops",
     )
     p.add_argument(
         "--aggregate-interval",
@@ -402,6 +420,17 @@ def options_from(args: argparse.Namespace) -> Options:
         raise UsageError(f"--policy: {e}") from None
     if not (args.max_drain_gap == 0 or 0.1 <= args.max_drain_gap <= 3600):
         raise UsageError(f"--max-drain-gap must be 0 (none) or 0.1-3600 s, got {args.max_drain_gap}")
+    if not DRAIN_INTERVAL_MIN_S <= args.drain_interval <= DRAIN_INTERVAL_MAX_S:
+        raise UsageError(
+            f"--drain-interval must be from {DRAIN_INTERVAL_MIN_S:g} to {DRAIN_INTERVAL_MAX_S:g} s, "
+            f"got {args.drain_interval}"
+        )
+    if args.max_drain_gap and args.drain_interval >= args.max_drain_gap:
+        # every ordinary pause would count as a starved consumer and raise its priority
+        raise UsageError(
+            f"--drain-interval ({args.drain_interval:g} s) must be shorter than --max-drain-gap "
+            f"({args.max_drain_gap:g} s)"
+        )
     if args.slice_us != 0 and not SLICE_MIN_US <= args.slice_us <= SLICE_MAX_US:
         raise UsageError(
             f"--slice-us must be 0 (the kernel's) or {SLICE_MIN_US}-{SLICE_MAX_US}, got {args.slice_us}"
@@ -455,6 +484,7 @@ def options_from(args: argparse.Namespace) -> Options:
         request_header=args.request_header,
         sched=args.sched,
         max_drain_gap=args.max_drain_gap,
+        drain_interval=args.drain_interval,
         slice_us=args.slice_us,
         capture=capture,
         moe_read=getattr(args, "moe_read", "auto"),

@@ -15,6 +15,18 @@ from sparseety_prof.session.memory_budget import DEFAULT_MAX_MEMORY
 #: per token on sustained load and 5 files every 2 s. A recorder killed outright (SIGKILL, power
 #: cut) loses at most this much; Ctrl-C, SIGTERM and SIGHUP lose nothing.
 FLUSH_INTERVAL_S = 10.0
+#: default --drain-interval, seconds: the longest pause between two drains (a ring that fills fast
+#: is drained sooner: session/sched.py). Each drain begins with caches the engine's threads emptied,
+#: about 3 ms of the consumer's CPU whatever it holds on a saturated 2-core host, so fewer drains
+#: cost less per token: 1 s against 0.5 s measured 158-159 against 172-183 us of recorder CPU per
+#: token and a quarter fewer long preemptions of the engine (docs/overhead.md, "Drains a second
+#: apart"). Longer still moved less and delays the live view, the sinks and a policy's decisions.
+DRAIN_INTERVAL_S = 1.0
+DRAIN_INTERVAL_MIN_S = 0.05  # below it the ring watch and the pace do the job; each drain costs ~3 ms
+DRAIN_INTERVAL_MAX_S = 10.0  # the live view, the sinks and the policies wait that long for rows
+#: default --ring-mb: at the default --drain-interval a drain should find at most a quarter of the
+#: ring filled (sched.py's pace), and a 32k vocabulary's logits rows fill ~22 MB/s at ~165 tokens/s
+RING_MB = 128
 #: default --slice-us: 0, the kernel's own slice. The shortest one (100 µs) was measured worse
 #: (docs/overhead.md): EEVDF runs a short-slice thread sooner, so it preempts the engine more often
 SLICE_US = 0
@@ -37,6 +49,7 @@ class Options:
     # the longest records wait in the ring for a consumer that does not drain (starved under
     # --sched idle) before it takes the engine's priority; 0: only a filling ring raises it
     max_drain_gap: float = 5.0
+    drain_interval: float = DRAIN_INTERVAL_S  # the longest pause between two drains
     slice_us: int = SLICE_US  # the consumer's CPU slice at SCHED_OTHER (session/sched_slice.py); 0: kernel's
     request_header: str = DEFAULT_HEADER  # HTTP header carrying the client's request id
     capture: Capture = field(default_factory=Capture)  # sparse decisions to capture
@@ -45,7 +58,7 @@ class Options:
     moe_read: str = "auto"
     discover_layout: bool = False  # learn the llama_ubatch layout on live data even if the table has it
     discover_timeout: float = 120.0  # seconds to wait for forward passes to learn a layout from
-    ring_mb: int = 64  # the ring buffer the probes write to (a power of two; kernel memory, locked)
+    ring_mb: int = RING_MB  # the ring buffer the probes write to (a power of two; kernel memory, locked)
     # seconds of drains correlated together, their logits rows reduced as drained
     # (session/drain_batches.py); 0: each drain correlated as it is taken
     correlate_every: float = 0.0

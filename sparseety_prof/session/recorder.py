@@ -52,8 +52,6 @@ from sparseety_prof.store.recording import list_layers
 from sparseety_prof.store.recording_writer import RecordingWriter
 from sparseety_prof.terminal_text import line as terminal_line
 
-DRAIN_INTERVAL_S = 0.5  # the longest pause between drains: fewer, larger ones cost less CPU per token
-
 
 class Recorder:
     """The consumer loop. `run()` blocks until stopped; `stop()` may be called from any thread."""
@@ -484,7 +482,7 @@ class Recorder:
         flush = FlushSchedule(opts.flush_interval)
         try:
             while True:
-                stop = self._stop.wait(flush.wait_s(DRAIN_INTERVAL_S))
+                stop = self._stop.wait(flush.wait_s(opts.drain_interval))
                 if deadline is not None and time.monotonic() >= deadline:
                     self.stop("duration reached")
                 if not _alive(opts.pid):
@@ -619,7 +617,7 @@ class _Consumer:
     @classmethod
     def open(cls, opts: Options, sess: Session, progress: Progress) -> _Consumer:
         reader = RingReader(sess)
-        sched = ConsumerSched(opts, progress, DRAIN_INTERVAL_S, mirror_threads=True)
+        sched = ConsumerSched(opts, progress, mirror_threads=True)
         return cls(
             reader=reader,
             sched=sched,

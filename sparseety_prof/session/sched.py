@@ -19,8 +19,9 @@ from sparseety_prof.session.thread_priority import mirror_priority
 class ConsumerSched:
     """Where the consumer's CPU comes from, and when it drains. It runs at a low priority
     (`--nice`, default 10), or with `--sched idle` as SCHED_IDLE (only CPU the engine leaves idle),
-    so that the engine's threads win contention. It drains every `drain_s`, or sooner when the ring
-    fills fast (PACE_FILL). A low priority can starve it while the engine keeps every core busy
+    so that the engine's threads win contention. It drains every `--drain-interval` s (`drain_s`),
+    or sooner when the ring fills fast (PACE_FILL). A low priority can starve it while the engine
+    keeps every core busy
     (meta.json shows the longest gap between drains, `drain_gap_max_ms`): when a drain finds more of
     the ring filled than the pace allows for (ESCALATE_FILL), the consumer did not get the CPU to
     keep up, and it takes the engine's own priority (nice 0, SCHED_OTHER; a negative `--nice` is
@@ -52,14 +53,12 @@ class ConsumerSched:
     RELAX_FILL = 0.2
     RELAX_HOLD_S = 1.0
 
-    def __init__(
-        self, opts: Options, progress: Progress, drain_s: float = 0.5, *, mirror_threads: bool = False
-    ) -> None:
+    def __init__(self, opts: Options, progress: Progress, *, mirror_threads: bool = False) -> None:
         self.progress = progress
-        self.drain_s = drain_s
-        self.wait_s = drain_s  # before the next drain (after_drain sets it)
+        self.drain_s = opts.drain_interval  # the longest pause (--drain-interval)
+        self.wait_s = self.drain_s  # before the next drain (after_drain sets it)
         self.started = time.monotonic()
-        self.wait_min_s = drain_s
+        self.wait_min_s = self.drain_s
         self.mode = opts.sched
         self.max_gap_s = opts.max_drain_gap
         self._gap_escalations = 0  # by the Python watch's drain check (on_gap)
@@ -249,6 +248,7 @@ class ConsumerSched:
             # of those, because records waited while no drain came for max_drain_gap_s (0: never)
             "gap_escalations": self.gap_escalations,
             "max_drain_gap_s": self.max_gap_s,
+            "drain_interval_s": self.drain_s,  # the longest pause (--drain-interval)
             "drain_wait_min_ms": round(self.wait_min_s * 1e3, 1),  # the shortest pause the pace chose
             "slice_us_asked": self.slice_us,
             # what the kernel held at the end (its default where no slice was set or kept)
