@@ -47,10 +47,10 @@ from sparseety_prof.capture.resources import native_library
 from sparseety_prof.capture.ring_hold import RingHold
 from sparseety_prof.errors import BpfUnavailable, MissingPrivileges, NoSuchProcess
 
-# the ring's size when none is asked for (the recorder asks for --ring-mb, default 128 MiB): a
-# 1 MiB ring lost 35-70% of a burst here, 16 MiB lost none; the consumer drains every second at
-# most, and full capture with a 32k vocabulary writes ~40 MB/s in a burst
-RING_BUFFER_PAGES = (128 << 20) // mmap.PAGESIZE
+# the ring's size when none is asked for (the recorder asks for --ring-mb, default 64 MiB): a
+# 1 MiB ring lost 35-70% of a burst here, 16 MiB lost none; full capture with a 32k vocabulary
+# writes ~40 MB/s in a burst, and the consumer drains at least every second
+RING_BUFFER_PAGES = (64 << 20) // mmap.PAGESIZE
 # The share of the ring pending at which a producer wakes the ring watch (RingReader.arm_watch,
 # rb_wake() in token_probes.bpf.c): the consumer's escalation threshold (session/sched.py).
 RING_WAKE_FILL = 0.35

@@ -128,19 +128,19 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         default=DRAIN_INTERVAL_S,
         metavar="SECONDS",
         help=f"the longest pause between two drains of the ring (default {DRAIN_INTERVAL_S:g}; sooner when "
-        "the ring fills fast, so that a drain finds at most a quarter of it filled). Each drain starts "
-        "with caches the engine emptied: fewer drains cost less CPU per token on a busy host, but rows "
-        "reach the recording, live view and sinks later, and a drain holds more records",
+        "the ring fills fast, so that a drain finds at most a quarter of it filled). Each drain has a "
+        "fixed cost whatever it holds: fewer drains cost less CPU per token, but rows reach the "
+        "recording, live view and sinks later, and a drain holds more records",
     )
     p.add_argument(
         "--ring-mb",
         type=int,
         default=RING_MB,
         metavar="MIB",
-        help=f"size of the ring buffer the probes write into, a power of two (default {RING_MB}: a 32k "
-        "vocabulary's logits rows fill about 22 MB/s at 165 tokens/s, bursts about 40 MB/s, and a drain "
-        "should find at most a quarter of the ring filled); kernel memory; what does not fit is "
-        "counted as kernel_drops",
+        help=f"size of the ring buffer the probes write into, a power of two (default {RING_MB}: a burst of "
+        "full capture with a 32k vocabulary fills about 40 MB/s while the consumer waits for CPU); kernel "
+        "memory; a drain should find at most a quarter of it filled, so a bigger ring lets drains come "
+        "further apart at high token rates; what does not fit is counted as kernel_drops",
     )
     p.add_argument(
         "--aggregate-interval",

@@ -16,17 +16,18 @@ from sparseety_prof.session.memory_budget import DEFAULT_MAX_MEMORY
 #: cut) loses at most this much; Ctrl-C, SIGTERM and SIGHUP lose nothing.
 FLUSH_INTERVAL_S = 10.0
 #: default --drain-interval, seconds: the longest pause between two drains (a ring that fills fast
-#: is drained sooner: session/sched.py). Each drain begins with caches the engine's threads emptied,
-#: about 3 ms of the consumer's CPU whatever it holds on a saturated 2-core host, so fewer drains
-#: cost less per token: 1 s against 0.5 s measured 158-159 against 172-183 us of recorder CPU per
-#: token and a quarter fewer long preemptions of the engine (docs/overhead.md, "Drains a second
-#: apart"). Longer still moved less and delays the live view, the sinks and a policy's decisions.
+#: is drained sooner: session/sched.py). A drain has a fixed cost whatever it holds (its frames per
+#: table, the correlation's set-up; replayed ~1.5 ms, live on a saturated 2-core host several times
+#: that, in caches the engine's threads emptied), so fewer drains cost less per token: 1 s against
+#: 0.5 s measured 146-163 against 157-213 us of recorder CPU per token, and fewer long preemptions
+#: of the engine (docs/overhead.md, "Drains a second apart").
 DRAIN_INTERVAL_S = 1.0
-DRAIN_INTERVAL_MIN_S = 0.05  # below it the ring watch and the pace do the job; each drain costs ~3 ms
+DRAIN_INTERVAL_MIN_S = 0.05  # below it the ring watch and the pace do the job; each drain costs ms
 DRAIN_INTERVAL_MAX_S = 10.0  # the live view, the sinks and the policies wait that long for rows
-#: default --ring-mb: at the default --drain-interval a drain should find at most a quarter of the
-#: ring filled (sched.py's pace), and a 32k vocabulary's logits rows fill ~22 MB/s at ~165 tokens/s
-RING_MB = 128
+#: default --ring-mb. At ~165 tokens/s of a 32k vocabulary (~22 MB/s of logits rows) the pace drains
+#: 64 MiB every ~0.7 s; 128 MiB lets the drains come a second apart, for the same CPU measured, and
+#: ~110 MiB more resident (the ring's pages are mapped twice)
+RING_MB = 64
 #: default --slice-us: 0, the kernel's own slice. The shortest one (100 µs) was measured worse
 #: (docs/overhead.md): EEVDF runs a short-slice thread sooner, so it preempts the engine more often
 SLICE_US = 0
