@@ -25,8 +25,9 @@ gathers them, and at each flush its garbage collection: session/collector.py) an
 flush: those frames, and the rows a policy set apart (Correlator head_rows_apart), to the
 always-on aggregates, and the frames to a recording in a temporary folder,
 Parquet segments, meta.json and its close; process CPU time, since Polars writes on its own
-threads too; `--no-write` leaves it out). A flush comes every FLUSH_INTERVAL_S /
-DRAIN_INTERVAL_S drains, as under load. Not replayed: the policies and the sinks. The minimum
+threads too; `--no-write` leaves it out). A flush comes every FLUSH_INTERVAL_S / the captured
+run's drain interval (meta.json consumer.drain_interval_s) drains, as under load. Not replayed:
+the policies and the sinks. The minimum
 over `--repeat` replays is printed: the replays are identical work, so the minimum is the one
 least disturbed by the rest of the machine. `--profile N` adds the Python function calls per
 token in Correlator.feed (a count the VM's drift does not move) and the N functions with the
@@ -75,6 +76,20 @@ STAGES = ("decode", "correlate", "rows", "logits", "frames", "write")
 _WRITER_META = frozenset(
     {"format", "schema_version", "complete", "redacted", "redaction", "tables", "write_error", "rotation"}
 )
+
+
+#: the longest pause between drains of a capture whose meta.json does not say it (before
+#: --drain-interval: a fixed 0.5 s)
+LEGACY_DRAIN_S = 0.5
+
+
+def captured_drain_s(kept: dict[str, Any]) -> float:
+    """The captured recorder's longest pause between drains (meta.json consumer.drain_interval_s):
+    the replay flushes once per FLUSH_INTERVAL_S of drains at that pace, as the recorder did
+    under load, whatever the replaying package's default."""
+    consumer = kept.get("meta", {}).get("consumer")
+    value = consumer.get("drain_interval_s") if isinstance(consumer, dict) else None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else LEGACY_DRAIN_S
 
 
 def _record(dump: Path, argv: list[str]) -> int:
@@ -187,14 +202,15 @@ def _replay_once(
     from sparseety_prof.correlate.serving import ServingTracker
     from sparseety_prof.session.collector import FlushTimedCollector
     from sparseety_prof.session.drain_batches import DrainBatches
-    from sparseety_prof.session.options import DRAIN_INTERVAL_S, FLUSH_INTERVAL_S
+    from sparseety_prof.session.options import FLUSH_INTERVAL_S
     from sparseety_prof.store.buffers import ColumnBuffer
 
-    flush_every = max(1, round(FLUSH_INTERVAL_S / DRAIN_INTERVAL_S))  # drains, under load
+    drain_s = captured_drain_s(kept)
+    flush_every = max(1, round(FLUSH_INTERVAL_S / drain_s))  # drains, under load
     # each drain correlated as taken, its logits rows' statistics made at take_tables, or as the
     # recorder's --correlate-every: reduced as taken, correlated together (session/drain_batches.py)
     together = DrainBatches(correlate_every) if correlate_every and DrainBatches.available() else None
-    drains_per = max(1, round(correlate_every / DRAIN_INTERVAL_S))
+    drains_per = max(1, round(correlate_every / drain_s))
     kw = dict(kept["correlator"])
     serving = ServingTracker(kw["pid"]) if kw.pop("serving") else None
     corr = Correlator(**kw, texts=texts, serving=serving)

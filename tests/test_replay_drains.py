@@ -14,6 +14,17 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "replay_drains.py"
 
 
+def test_the_replay_flushes_at_the_captured_runs_drain_pace() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from replay_drains import LEGACY_DRAIN_S, captured_drain_s
+
+    assert captured_drain_s({"meta": {"consumer": {"drain_interval_s": 0.1}}}) == 0.1
+    # a capture from before --drain-interval (meta.json without it): the fixed pause of then
+    assert captured_drain_s({"meta": {"consumer": {"drains": 9}}}) == LEGACY_DRAIN_S == 0.5
+    assert captured_drain_s({"meta": {}}) == captured_drain_s({}) == LEGACY_DRAIN_S
+    assert captured_drain_s({"meta": {"consumer": {"drain_interval_s": "x"}}}) == LEGACY_DRAIN_S
+
+
 @pytest.mark.root
 @pytest.mark.engine
 def test_replayed_drains_make_the_recorders_rows(tmp_path: Path) -> None:

@@ -16,9 +16,9 @@ from sparseety_prof.session.memory_budget import DEFAULT_MAX_MEMORY
 #: cut) loses at most this much; Ctrl-C, SIGTERM and SIGHUP lose nothing.
 FLUSH_INTERVAL_S = 10.0
 #: default --drain-interval, seconds: the longest pause between two drains (a ring that fills fast
-#: is drained sooner: session/sched.py). A drain has a fixed cost whatever it holds (its frames per
-#: table, the correlation's set-up; replayed ~1.5 ms, live on a saturated 2-core host several times
-#: that, in caches the engine's threads emptied), so fewer drains cost less per token: 1 s against
+#: is drained sooner: session/sched.py). A drain has a fixed cost whatever it holds (the
+#: correlation's set-up, the row passes; replayed ~0.9 ms, live on a saturated 2-core host several
+#: times that, in caches the engine's threads emptied), so fewer drains cost less per token: 1 s against
 #: 0.5 s measured 146-163 against 157-213 us of recorder CPU per token, and fewer long preemptions
 #: of the engine (docs/overhead.md, "Drains a second apart").
 DRAIN_INTERVAL_S = 1.0
