@@ -32,7 +32,8 @@ losses. Ratios are profiled / plain per pair; medians with bootstrap 95% interva
 Markdown table; the figures in the README come from this command.
 
 Taking the cost apart: `--ablate-consumer` has the recorder discard its records once its start-up
-work is done (the probes' programs and the drains alone); `--bare-traps` makes B
+work is done (the probes' programs and the drains alone; `--ablate-consumer logits` reduces each
+drain's logits rows to their statistics first: the floor under a full-mode consumer); `--bare-traps` makes B
 scripts/bare_traps.py instead, a no-op program on each probe point that a calibration recording
 (same `--record-args`, before the pairs) kept on the engine: the uprobe traps alone, with each
 point's traps per generated token printed. Both print the engine's user and system CPU per
@@ -77,6 +78,8 @@ from scripts.bench_overhead import (  # noqa: E402
 from scripts.preempt_stalls import Stalls, StallTracer  # noqa: E402
 
 ENGINES = ROOT / "tests" / "engines"
+#: --ablate-consumer KIND (the recorder's), and what its B side then pays for
+ABLATED = {"drain": "probes only", "logits": "probes and the logits statistics"}
 CALIBRATION_MAX_S = 30.0  # --bare-traps: the longest load added for the recorder's start-up work
 # prompts of different lengths: prompt processing is part of the load
 PROMPTS = [
@@ -589,7 +592,9 @@ def bench(
                     sides["B"] = timed_load(eng, a.seconds, lengths, tracer, bare.p.pid)
                     rec_out = bare.stop()
                 else:
-                    extra = shlex.split(a.record_args) + (["--ablate-consumer"] if a.ablate_consumer else [])
+                    extra = shlex.split(a.record_args)
+                    if a.ablate_consumer:
+                        extra.append(f"--ablate-consumer={a.ablate_consumer}")
                     rec = Recording(eng.pid, tmp / f"{eng.name}-{clients}-{mode}-{i}", mode, extra)
                     sides["B"] = timed_load(eng, a.seconds, lengths, tracer, rec.p.pid)
                     rec_out = rec.stop()
@@ -682,7 +687,7 @@ def bench(
         "clients": clients,
         "mode": mode
         + (f" {a.record_args}" if a.record_args else "")
-        + (" (consumer ablated: probes only)" if a.ablate_consumer else "")
+        + (f" (consumer ablated: {ABLATED[a.ablate_consumer]})" if a.ablate_consumer else "")
         + (" (bare traps: no-op programs at its probe points)" if a.bare_traps else "")
         + (f" (+{a.contend} spinning processes)" if a.contend else ""),
         "pairs": a.pairs,
@@ -835,10 +840,15 @@ def main() -> int:
     )
     ap.add_argument(
         "--ablate-consumer",
-        action="store_true",
+        nargs="?",
+        const="drain",
+        default="",
+        choices=tuple(ABLATED),
+        metavar="KIND",
         help="the recorder drains and discards the records once its start-up work is done (its "
-        "--ablate-consumer): the probes' cost in the engine alone; CPU per token is then per token "
-        "the engine generated on side B",
+        "--ablate-consumer KIND): the probes' cost in the engine alone; with KIND logits, each "
+        "drain's logits rows reduced to their statistics first (the floor under a full-mode "
+        "consumer); CPU per token is then per token the engine generated on side B",
     )
     ap.add_argument(
         "--bare-traps",

@@ -34,5 +34,20 @@ def test_ablate_consumer_is_off_by_default() -> None:
     p = build_parser()
     for cmd in ("record", "attach"):
         base = [cmd, "--pid", "7", "-o", "r"]
-        assert not _options(p.parse_args(base)).ablate_consumer
-        assert _options(p.parse_args([*base, "--ablate-consumer"])).ablate_consumer
+        assert _options(p.parse_args(base)).ablate_consumer == ""
+        assert _options(p.parse_args([*base, "--ablate-consumer"])).ablate_consumer == "drain"
+        assert _options(p.parse_args([*base, "--ablate-consumer", "logits"])).ablate_consumer == "logits"
+        with pytest.raises(SystemExit):  # argparse's usage error, exit 2
+            p.parse_args([*base, "--ablate-consumer", "everything"])
+
+
+def test_ablating_with_the_logits_statistics_needs_their_c_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--ablate-consumer logits` measures the C statistics the recorder uses: without them (not
+    built here), a usage error before anything is attached, not a floor measured on numpy."""
+    from sparseety_prof.correlate.logits_reduce import LogitsReducer
+
+    monkeypatch.setattr(LogitsReducer, "available", staticmethod(lambda: False))
+    p = build_parser()
+    with pytest.raises(UsageError, match="C backend"):
+        _options(p.parse_args(["record", "--pid", "7", "-o", "r", "--ablate-consumer", "logits"]))
+    assert _options(p.parse_args(["record", "--pid", "7", "-o", "r", "--ablate-consumer"])).ablate_consumer

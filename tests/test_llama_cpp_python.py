@@ -167,15 +167,20 @@ def _assert_nothing_left(before: set[int]) -> None:
     assert "sparseety" not in uprobe_events() and "p__" not in uprobe_events()
 
 
-def test_ablated_consumer_discards_after_its_start_up_work(models: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["drain", "logits"])
+def test_ablated_consumer_discards_after_its_start_up_work(
+    models: dict[str, Path], tmp_path: Path, kind: str
+) -> None:
     """--ablate-consumer (the probes' cost alone, scripts/bench_sustained.py): the start-up work is
     recorded as usual, then every record is drained and dropped, counted in meta.json; the engine's
-    output is unchanged and nothing stays attached."""
+    output is unchanged and nothing stays attached. `logits` (the floor under a full-mode
+    consumer) reduces each generated token's logits row before the discard."""
     before = bpf_prog_ids()
     e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
     try:
         base = e.generate(PROMPTS[:2], max_tokens=64)
-        rec = Recorder(e.pid, tmp_path / "rec", "--ablate-consumer")
+        flag = "--ablate-consumer" if kind == "drain" else f"--ablate-consumer={kind}"
+        rec = Recorder(e.pid, tmp_path / "rec", flag)
         started = []  # requests until the start-up work is done (the attention map learned)
         for _ in range(20):
             started += e.generate(PROMPTS[:2], max_tokens=64)
@@ -211,6 +216,13 @@ def test_ablated_consumer_discards_after_its_start_up_work(models: dict[str, Pat
     losses = r.meta["losses"]
     assert losses["kernel_drops"] == 0 and losses["seq_gaps"] == 0
     assert losses["records_seen"] >= ablated["records_discarded"]
+    assert ablated["kind"] == kind
+    if kind == "drain":
+        assert ablated["logits_rows_reduced"] == 0
+    else:  # one row per token sampled after the discarding began: every one of `during`'s
+        after = sum(len(t["ids"]) for t in during)
+        assert after <= ablated["logits_rows_reduced"] <= after + sum(len(t["ids"]) for t in started)
+        assert r.meta["consumer"]["cpu_s_by_stage"]["logits"] > 0
 
 
 def test_bare_traps_trap_at_the_recorders_points_and_change_nothing(

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from sparseety_prof.correlate.serving import DEFAULT_HEADER
 from sparseety_prof.session.options import (
+    ABLATION_KINDS,
     DRAIN_INTERVAL_MAX_S,
     DRAIN_INTERVAL_MIN_S,
     DRAIN_INTERVAL_S,
@@ -247,11 +248,16 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
     )
     p.add_argument(
         "--ablate-consumer",
-        action="store_true",
+        nargs="?",
+        const="drain",
+        default="",
+        choices=ABLATION_KINDS,
+        metavar="KIND",
         help="measure the probes' cost alone: after the start-up work (first tokens recorded, the "
         "attention layer map learned and its graph-op probes detached), drain the ring and discard "
         "the records; the recording keeps only the rows made before (meta.json consumer.ablated). "
-        "For benchmarks: scripts/bench_sustained.py --ablate-consumer",
+        "KIND `logits` reduces each drain's logits rows to their statistics before the discard: the "
+        "floor under any full-mode consumer. For benchmarks: scripts/bench_sustained.py --ablate-consumer",
     )
     p.add_argument(
         "--request-header",
@@ -451,6 +457,12 @@ def options_from(args: argparse.Namespace) -> Options:
         raise UsageError(f"--policy-window: {e}") from None
     if args.aggregate_interval < 1:
         raise UsageError(f"--aggregate-interval must be at least 1 second, got {args.aggregate_interval}")
+    if getattr(args, "ablate_consumer", ""):
+        from sparseety_prof.session.ablation import ConsumerAblation
+
+        why = ConsumerAblation.check(args.ablate_consumer)
+        if why is not None:
+            raise UsageError(why)
     if args.output is not None:
         check_output_path(args.output, META_FILE, sudo_owner())  # refused before anything is attached
     if args.mode == "tokens":
@@ -495,7 +507,7 @@ def options_from(args: argparse.Namespace) -> Options:
         ring_mb=args.ring_mb,
         aggregate_s=args.aggregate_interval,
         bpf_stats=getattr(args, "bpf_stats", False),
-        ablate_consumer=getattr(args, "ablate_consumer", False),
+        ablate_consumer=getattr(args, "ablate_consumer", "") or "",
     )
 
 

@@ -28,6 +28,8 @@ DRAIN_INTERVAL_MAX_S = 10.0  # the live view, the sinks and the policies wait th
 #: 64 MiB every ~0.7 s; 128 MiB lets the drains come a second apart, for the same CPU measured, and
 #: ~110 MiB more resident (the ring's pages are mapped twice)
 RING_MB = 64
+#: what `--ablate-consumer KIND` still does with each drain (session/ablation.py)
+ABLATION_KINDS = ("drain", "logits")
 #: default --slice-us: 0, the kernel's own slice. The shortest one (100 µs) was measured worse
 #: (docs/overhead.md): EEVDF runs a short-slice thread sooner, so it preempts the engine more often
 SLICE_US = 0
@@ -69,8 +71,9 @@ class Options:
     aggregate_s: int = 10  # bucket of the always-on aggregates table
     bpf_stats: bool = False  # count each probe program's runs and run time (capture/bpf_stats.py)
     # after the start-up work, drain the ring and discard the records: the probes' cost alone
+    # ("drain"), or with each drain's logits rows reduced first ("logits"); "": not ablated
     # (session/ablation.py)
-    ablate_consumer: bool = False
+    ablate_consumer: str = ""
 
 
 @dataclass

@@ -190,8 +190,11 @@ class Recorder:
                 "start_unix_ms": start_unix_ms,
                 "end_unix_ms": time.time_ns() // 1_000_000,
                 "stop_reason": self.stop_reason or (type(error).__name__ if error else ""),
-                "losses": metadata.losses(
-                    counters, corr, seq_gaps=c.tracker.gaps, records_seen=c.tracker.seen + c.ablation.records
+                "losses": metadata.losses(  # (records an ablated consumer never decoded: seen too)
+                    counters,
+                    corr,
+                    seq_gaps=c.tracker.gaps,
+                    records_seen=c.tracker.seen + c.ablation.records_untracked,
                 ),
                 **metadata.outcome(a, opts, corr),
                 "counts": {"tokens": self.progress.tokens, "steps": self.progress.steps},
@@ -262,7 +265,10 @@ class Recorder:
         now = time.monotonic()
         filled = c.reader.last_take_bytes / (sess.ring_pages * mmap.PAGESIZE)
         sched.after_drain(filled, (now - t_prev) * 1e3)
-        if c.ablation.active:  # --ablate-consumer: drained and dropped, nothing else
+        if c.ablation.active:  # --ablate-consumer: drained and dropped (logits: their rows reduced first)
+            if c.ablation.decodes:
+                c.ablation.reduce(self._decode(records, c.tracker, sess, ring_data=c.reader.data))
+                stages.lap("logits")
             c.ablation.discard(records, c.reader.last_take_bytes)
             c.reader.release()
         elif c.batches is None:
@@ -309,6 +315,9 @@ class Recorder:
         open requests ended); after an error, only their sequence numbers counted. Returns the
         error, the one it met if there was none before."""
         if error is None and c.ablation.active:  # the last records dropped too; open requests ended
+            if c.ablation.decodes:
+                c.ablation.reduce(self._decode(rest, c.tracker, sess, final=True), final=True)
+                self._stages.lap("logits")
             c.ablation.discard(rest, 0)
             try:
                 empty = EventBatch(logits_chunk=sess.logits_chunk)
