@@ -5,7 +5,9 @@ requests are ordinary ones, one planted slow request (the engine sleeps TOKEN_DE
 tokens: its process is slow, as a stalled engine would be) and one planted log-prob collapse (the
 least likely token forced at four decode orders). The planted requests must be kept, the ordinary
 ones dropped at the stated rate; every kept request's token ids equal the engine's, and what was
-dropped is counted."""
+dropped is counted. A fourth recorder, `head:0.3` with `--otlp` (every token an event), sends a
+span for every request, those the probes dropped included, from the rows it set apart (its sink
+says which columns it reads): compared with the full recording's rows."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any
 import polars as pl
 import pytest
 from conftest import ENGINES, Engine, Recorder
+from otlp_receiver import OtlpReceiver
 from test_anomalies_planted import realtime
 
 import sparseety_prof
@@ -41,6 +44,8 @@ class Runs:
     full: Any
     head: Any
     tail_anomaly: Any
+    head_otlp: Any  # head:HEAD_RATE with --otlp
+    spans: list[dict[str, Any]]  # what its receiver decoded
     results: list[dict[str, Any]]  # the engine's, in request order
     ids: list[str]  # request ids in the same order (from the full recording)
     slow: str
@@ -54,12 +59,23 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> I
     # SCHED_FIFO, so that the other processes of a shared machine (the three recorders among them)
     # do not make the engine's latency drift over the run: a running quantile assumes it does not
     realtime(engine.pid)
+    receiver = OtlpReceiver()
     try:
         recs = {
             "full": Recorder(engine.pid, d / "full"),
             "head": Recorder(engine.pid, d / "head", "--policy", f"head:{HEAD_RATE}"),
             "tail_anomaly": Recorder(
                 engine.pid, d / "ta", "--policy", "tail:0.9", "--policy", "anomaly:logprob_collapse"
+            ),
+            "head_otlp": Recorder(
+                engine.pid,
+                d / "head_otlp",
+                "--policy",
+                f"head:{HEAD_RATE}",
+                "--otlp",
+                receiver.url,
+                "--otlp-token-events",
+                "1",
             ),
         }
         prompts = [PROMPTS[i % 3] for i in range(N_ORDINARY)]
@@ -72,6 +88,7 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> I
             rc, err = rec.stop(signal.SIGINT)
             assert rc == 0, err
         opened = {k: sparseety_prof.open(d / ("ta" if k == "tail_anomaly" else k)) for k in recs}
+        assert receiver.bad == []
         tokens = opened["full"].tokens()
         ids = (
             tokens.group_by("request_id")
@@ -80,8 +97,19 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> I
             .to_list()
         )
         assert len(ids) == len(results)
-        yield Runs(opened["full"], opened["head"], opened["tail_anomaly"], results, ids, ids[20], ids[30])
+        yield Runs(
+            opened["full"],
+            opened["head"],
+            opened["tail_anomaly"],
+            opened["head_otlp"],
+            list(receiver.spans),
+            results,
+            ids,
+            ids[20],
+            ids[30],
+        )
     finally:
+        receiver.close()
         engine.close()
 
 
@@ -221,3 +249,40 @@ def test_tail_and_anomaly_keep_the_planted_requests_and_drop_the_ordinary_ones(r
     assert meta["rows_dropped"]["tokens"] == runs.full.tokens().height - rec.tokens().height
     assert rec.routes().height == _rows_of(runs, rec, "routes", kept)
     assert meta["window"]["overflow_requests"] == 0
+
+
+def test_a_sink_sees_the_requests_head_sampling_drops_from_the_rows_set_apart(runs: Runs) -> None:
+    """With --otlp beside head sampling in the probes, the token rows of the dropped requests are
+    still set apart (never framed whole nor held: the sink says which columns it reads), and the
+    sink gets those columns: every request's span, the dropped ones' included, carries its tokens
+    as events and its routing and sparsity summary, equal to the full recording's rows."""
+    rec = runs.head_otlp
+    kept = _kept_ids_match_the_engine(runs, rec)
+    n = len(runs.ids)
+    assert 0 < len(kept) < n
+    meta = rec.meta["policy"]
+    apart = meta["head_in_probes"]["rows_set_apart"]
+    assert apart["tokens"] == meta["rows_dropped"]["tokens"] > 0
+    assert apart["steps"] > 0
+    assert rec.meta["sinks"]["otlp"]["dropped"] == 0
+    spans = {s["attributes"]["sparseety.request_id"]: s for s in runs.spans}
+    assert len(spans) == len(runs.spans) == n
+    full = runs.full.tokens()
+    engine_ids = dict(zip(runs.ids, (r["ids"] for r in runs.results), strict=True))
+    for rid in runs.ids:
+        a, events = spans[rid]["attributes"], spans[rid]["events"]
+        toks = full.filter(pl.col("request_id") == rid).sort("decode_order")
+        assert [e[2]["sparseety.token.id"] for e in events] == engine_ids[rid] == toks["token_id"].to_list()
+        assert a["sparseety.tokens_recorded"] == toks.height == N_TOKENS
+        per_token = toks["expert_ids"].to_list()
+        distinct = [len({e for tok in per_token for e in tok[layer]}) for layer in range(len(per_token[0]))]
+        assert a["sparseety.experts.distinct_per_layer"] == distinct, rid
+        log_probs = [e[2].get("sparseety.token.log_prob") for e in events]
+        if rid in kept:  # its logits rows copied, its activations counted: the full recording's
+            assert log_probs == toks["log_prob"].to_list()
+            zero_means = [sum(x) / len(x) for x in toks["act_zero_ratio"].to_list()]
+            mean_zero = sum(zero_means) / len(zero_means)
+            assert a["sparseety.act_zero_ratio.mean"] == pytest.approx(mean_zero, rel=1e-6)
+        else:  # the probes neither copied a dropped request's logits rows nor counted its activations
+            assert log_probs == [None] * N_TOKENS and "sparseety.log_prob.mean" not in a
+            assert "sparseety.act_zero_ratio.mean" not in a

@@ -172,9 +172,9 @@ def head_in_probes(counters: dict[str, int], corr: Correlator, rate: float) -> d
         # routes rows of dropped requests counted and never made (from the draw on; with no
         # sink reading routes rows): in policy.rows_dropped too
         "routes_rows_not_made": corr.routes.rows_head_dropped_total,
-        # token and steps rows of dropped requests set apart, counted by the aggregates and
-        # dropped, never framed whole nor held (when nothing else reads those rows): in
-        # policy.rows_dropped too
+        # token and steps rows of dropped requests set apart, counted by the aggregates, given
+        # to the sinks as frames of the columns they read, and dropped, never framed whole nor
+        # held (when no live view, GPU capture or masks read those rows): in policy.rows_dropped too
         "rows_set_apart": dict(corr.rows_set_apart),
     }
 

@@ -31,6 +31,7 @@ from sparseety_prof.session.metrics_tally import (
     PHASES,
     SPARSITY_BUCKETS,
     STEP_BUCKETS,
+    TALLY_COLUMNS,
     Histograms,
     MetricsTally,
     Snapshot,
@@ -69,6 +70,7 @@ class PrometheusSink:
 
     name = "prometheus"
     tables = frozenset({"tokens", "steps", "routes", "requests"})  # what take() reads (MetricsTally.add)
+    columns = TALLY_COLUMNS  # of rows that may come set apart (sinks.py)
 
     def __init__(
         self,

@@ -109,6 +109,11 @@ class LayerIndex:
         return np.where(self._sorted[pos] == layer, self._row[pos], -1)
 
 
+#: what MetricsTally.add reads of the token and step rows (the rows that may come set apart:
+#: sinks.py); of the routes and requests rows it reads every one whole
+TALLY_COLUMNS = {"tokens": frozenset({"log_prob"}), "steps": frozenset({"t_start_ns", "t_end_ns", "phase"})}
+
+
 class MetricsTally:
     def __init__(self, moe_layers: Sequence[int], n_expert: int, ffn_layers: Sequence[int]) -> None:
         self.moe_layers = tuple(moe_layers) if n_expert > 0 else ()

@@ -34,6 +34,9 @@ from sparseety_prof import __version__
 from sparseety_prof.session.options import Progress
 from sparseety_prof.session.otlp_spans import (
     MAX_EVENTS_PER_SPAN,
+    STEP_SPAN_COLUMNS,
+    SUMMARY_COLUMNS,
+    TOKEN_EVENT_COLUMNS,
     SpanContext,
     SpanSpec,
     TokenSummaries,
@@ -144,6 +147,12 @@ class OtlpSink:
         self.url = traces_url(url)
         self._summaries = TokenSummaries(token_event_rate)
         self._steps = steps
+        # what take() reads of rows that may come set apart (sinks.py): the summaries' columns,
+        # the token events' when sampled, the step spans' when asked
+        self.columns = {
+            "tokens": SUMMARY_COLUMNS | (TOKEN_EVENT_COLUMNS if token_event_rate > 0 else frozenset()),
+            "steps": STEP_SPAN_COLUMNS if steps else frozenset(),
+        }
         self._blocking = blocking
         self._wall_offset_ns = wall_offset_ns
         self._log = log

@@ -35,6 +35,38 @@ FINISH_REASONS = {"eos": "stop"}
 Attrs = dict[str, str | bool | int | float | list[int] | list[str]]
 
 
+#: the token columns TokenSummaries.add reads, token events aside (what a sink reads of rows that
+#: may come set apart: sinks.py)
+SUMMARY_COLUMNS = frozenset({"request_id", "ctx_id", "seq_id", "log_prob", "act_zero_ratio", "expert_ids"})
+#: what a sampled token event takes of its row, as is (token_event_attributes names them)
+_EVENT_FIELDS = (
+    "t_end_ns",
+    "token_id",
+    "token_text",
+    "log_prob",
+    "entropy",
+    "phase",
+    "decode_order",
+    "pos",
+    "step_id",
+    "batch_size",
+)
+TOKEN_EVENT_COLUMNS = frozenset({*_EVENT_FIELDS, "act_zero_ratio"})
+#: what a step span takes of its steps row, as is
+_STEP_FIELDS = (
+    "step_id",
+    "ctx_id",
+    "decode_id",
+    "n_tokens",
+    "n_outputs",
+    "phase",
+    "prompt_rows",
+    "decode_rows",
+    "tid",
+)
+STEP_SPAN_COLUMNS = frozenset({*_STEP_FIELDS, "t_start_ns", "t_end_ns", "seq_ids"})
+
+
 @dataclass
 class SpanSpec:
     """One span to send: everything the SDK needs, times as Unix ns."""
@@ -178,19 +210,8 @@ class TokenSummaries:
         if not len(picked):
             return
         rows = tokens[picked].select(
-            "request_id",
-            "ctx_id",
-            "seq_id",
-            "t_end_ns",
-            "token_id",
-            "token_text",
-            "log_prob",
-            "entropy",
-            "phase",
-            "decode_order",
-            "pos",
-            "step_id",
-            "batch_size",
+            *keys,
+            *_EVENT_FIELDS,
             pl.col("act_zero_ratio").list.mean().alias("act_zero_ratio_mean"),
         )
         for r in rows.iter_rows(named=True):
@@ -317,17 +338,7 @@ def step_span(row: Mapping[str, Any], ctx: SpanContext) -> SpanSpec | None:
     if t0 is None or t1 is None:
         return None
     a: Attrs = {}
-    for col in (
-        "step_id",
-        "ctx_id",
-        "decode_id",
-        "n_tokens",
-        "n_outputs",
-        "phase",
-        "prompt_rows",
-        "decode_rows",
-        "tid",
-    ):
+    for col in _STEP_FIELDS:
         v = row.get(col)
         if v is not None:
             a[f"sparseety.step.{col}"] = v[:MAX_TEXT] if isinstance(v, str) else v

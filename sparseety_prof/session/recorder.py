@@ -422,22 +422,28 @@ class Recorder:
             self.stop("write error")
 
     def _apart_columns(self, gpu: GpuCapture | None) -> dict[str, frozenset[str]] | None:
-        """With head sampling in the probes, when the recording is the only reader of the token
-        and steps rows (no sink reads them, no live view, no GPU capture joining kernels to
+        """With head sampling in the probes, when nothing but the recording, the aggregates and
+        the sinks read the token and steps rows (no live view, no GPU capture joining kernels to
         steps, no masks), the rows of a dropped request are set apart from the others by the
-        correlator with only the columns the always-on aggregates and the policy read: they
-        are counted from their arrays, never framed nor held. None otherwise."""
+        correlator with only the columns the always-on aggregates, the policy and the sinks read
+        (SinkFanout.columns): they are counted from their arrays and given to the sinks as
+        frames of those columns, never framed whole nor held. None otherwise, or when a sink
+        that reads them does not say which columns."""
         sinks = self._out.sinks
         if (
             self._head_rate is None
             or self.on_update is not None
             or gpu is not None
             or self.opts.capture.masks
-            or sinks.wants("tokens")
-            or sinks.wants("steps")
         ):
             return None
-        return {table: COUNTED[table] | self._policy.learns(table) for table in ("tokens", "steps")}
+        out: dict[str, frozenset[str]] = {}
+        for table in ("tokens", "steps"):
+            wanted = sinks.columns(table)
+            if wanted is None:
+                return None
+            out[table] = COUNTED[table] | self._policy.learns(table) | wanted
+        return out
 
     def _maybe_detach_attention_ops(self, corr: Correlator, sess: Session) -> None:
         """Once the layer -> mask map is learned (attention_map), the soft_max / flash-attention

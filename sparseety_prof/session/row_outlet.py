@@ -93,6 +93,8 @@ class RowOutlet:
         if self.aggregates is not None:
             self.aggregates.add_rows(table, parts)
         self.policy.set_apart(table, parts)
+        if self.sinks:  # (framed with the columns the sinks read: SinkFanout.take_apart)
+            self.sinks.take_apart(table, parts)
 
     # ------------------------------------------------------------------ flushes
     def keep_durable(self, flush: FlushSchedule, drained_at: float, *, in_pieces: bool = False) -> None:

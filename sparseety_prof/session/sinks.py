@@ -5,7 +5,14 @@ A sink is fed the same frames the recording is written from, as that recording w
 thread that keeps the ring from overflowing, so a sink must return at once: whatever it does
 with a frame that takes time (a network send, a scrape) happens on its own thread behind a
 bounded queue, and what that queue cannot hold is dropped and counted by the sink, never waited
-for. A sink that raises is switched off (and says so in meta), the recording goes on."""
+for. A sink that raises is switched off (and says so in meta), the recording goes on.
+
+Under head sampling in the probes, the token and step rows of the requests the probes dropped are
+set apart by the correlator (Correlator head_rows_apart) instead of being framed, held by the
+policy and dropped: a sink that declares which columns it reads (`columns`) gets those rows as a
+frame of just those columns, the others null (`take_apart`), so that the sinks still see every
+request, and the rows nobody stores cost what the sinks read of them, no more. A sink without
+that declaration keeps every row whole (nothing is set apart)."""
 
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import polars as pl
 
 from sparseety_prof.session.options import Progress
 from sparseety_prof.store import redaction_levels
+from sparseety_prof.store.array_rows import ArrayRows
 from sparseety_prof.store.recording import list_layers, without_text
 
 
@@ -25,6 +33,9 @@ class FrameSink(Protocol):
     name: str
     # the tables whose frames take() reads: a table no sink reads may not be made at all
     tables: frozenset[str]
+    # optional: per table of `tables` whose rows may come set apart (tokens, steps), the columns
+    # take() reads of them (the others may come null); see the module docstring
+    # columns: Mapping[str, frozenset[str]]
 
     def open(self, meta: Mapping[str, Any]) -> None:
         """Once attached, before the first frame: the recording's meta (engine, model, layers)."""
@@ -70,6 +81,36 @@ class SinkFanout:
     def wants(self, table: str) -> bool:
         """Whether a live sink reads `table`."""
         return any(table in s.tables for s in self._live)
+
+    def columns(self, table: str) -> frozenset[str] | None:
+        """The columns of `table` the live sinks that read it read (see the module docstring);
+        None when one of them does not say (its rows must come whole)."""
+        out: frozenset[str] = frozenset()
+        for s in self._live:
+            if table not in s.tables:
+                continue
+            declared = getattr(s, "columns", None)
+            if declared is None or table not in declared:
+                return None
+            out |= declared[table]
+        return out
+
+    def take_apart(self, table: str, parts: Sequence[ArrayRows]) -> None:
+        """One drain's rows set apart (their `columns` hold values, the others are null), as one
+        frame in the order they were made: each sink that reads `table` reads it as any frame.
+        The correlator sets a drain's list rows apart before its array rows (split_rows), so a
+        request's first token, made alone, would come after the run of tokens that followed it:
+        the frame is put back in step order (stable: the rows of one step keep theirs), as a
+        sink that numbers a request's tokens (the span sink's sampled events) needs."""
+        if not self.wants(table):
+            return
+        frames = [rows.frame(table) for rows in ArrayRows.concat(list(parts)) if rows.n]
+        if not frames:
+            return
+        df = pl.concat(frames) if len(frames) > 1 else frames[0]
+        if "step_id" in df.columns and df["step_id"].null_count() == 0:
+            df = df.sort("step_id", maintain_order=True)
+        self.take(table, df)
 
     def take(self, table: str, df: pl.DataFrame) -> None:
         if not self._live or df.height == 0:
