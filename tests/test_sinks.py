@@ -131,6 +131,8 @@ def test_rows_set_apart_reach_a_sink_as_the_columns_it_reads() -> None:
     lists = {c: v.to_list() for c, v in _tokens().to_dict().items()}
     part = ArrayRows.of_lists(lists, [1], {"token_id", "expert_ids", "request_id"})
     fan.take_apart("tokens", [part])
+    assert reads.frames == []  # held until the flush
+    fan.give_apart()
     ((table, df),) = reads.frames
     assert table == "tokens" and df.columns == list(schema.TOKENS)
     assert df.select("token_id", "expert_ids").rows() == [(6, [[0, 1], [2, 3]])]
@@ -140,9 +142,16 @@ def test_rows_set_apart_reach_a_sink_as_the_columns_it_reads() -> None:
     # a drain's list rows come set apart before its array rows: put back in step order, one frame
     lists["step_id"] = [11, 10]
     names = {"token_id", "step_id"}
-    fan.take_apart("tokens", [ArrayRows.of_lists(lists, [0], names), ArrayRows.of_lists(lists, [1], names)])
+    fan.take_apart("tokens", [ArrayRows.of_lists(lists, [0], names)])
+    fan.take_apart("tokens", [ArrayRows.of_lists(lists, [1], names)])  # (a later drain)
+    fan.give_apart()
     assert len(reads.frames) == 2
     assert reads.frames[1][1].select("step_id", "token_id").rows() == [(10, 6), (11, 5)]
+    # a requests frame comes after the set-apart tokens held before it: its spans pair them
+    fan.take_apart("tokens", [ArrayRows.of_lists(lists, [0], names)])
+    requests = _filled("requests", 1)
+    fan.take("requests", requests)
+    assert [t for t, _ in reads.frames[2:]] == ["tokens", "requests"]
     whole = SinkFanout(
         [reads, Collecting("whole", tables=frozenset({"tokens"}))],
         {},

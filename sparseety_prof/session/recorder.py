@@ -588,6 +588,7 @@ class Recorder:
         gpu_tables = self._poll_gpu(gpu, steps, final=final)
         apart = corr.take_apart()
         if out.wanted:
+            out.apart_to_sinks(apart)
             for table, cols in (*tables.items(), *gpu_tables.items()):
                 out.add(table, cols, final=final)
             for table, parts in apart.items():

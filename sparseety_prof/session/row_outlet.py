@@ -86,15 +86,21 @@ class RowOutlet:
         if self.sinks:
             self.sinks.take(table, df)
 
+    def apart_to_sinks(self, apart: Mapping[str, list[ArrayRows]]) -> None:
+        """One drain's rows set apart, to the sinks (held, then framed with the columns they
+        read: SinkFanout.take_apart); before the drain's frames, whose requests rows may be
+        those of these tokens."""
+        if self.sinks:
+            for table, parts in apart.items():
+                self.sinks.take_apart(table, parts)
+
     def emit_apart(self, table: str, parts: list[ArrayRows]) -> None:
         """One drain's rows set apart (dropped requests' rows, only the columns that are read,
         as arrays: never framed) to the aggregates, and to the policy, which counts them dropped
-        and learns their requests."""
+        and learns their requests (the sinks had them first: apart_to_sinks)."""
         if self.aggregates is not None:
             self.aggregates.add_rows(table, parts)
         self.policy.set_apart(table, parts)
-        if self.sinks:  # (framed with the columns the sinks read: SinkFanout.take_apart)
-            self.sinks.take_apart(table, parts)
 
     # ------------------------------------------------------------------ flushes
     def keep_durable(self, flush: FlushSchedule, drained_at: float, *, in_pieces: bool = False) -> None:
@@ -151,6 +157,7 @@ class RowOutlet:
         before an error too), the policies' last decisions and every aggregate bucket, open or
         not, into the recording."""
         self.round.finish()  # its rows before those gathered since
+        self.sinks.give_apart()  # (a request's set-apart tokens before its requests row)
         for table, df in self._rows.take_all():
             self.emit(table, df)
         self._settle(final=True)
@@ -164,7 +171,10 @@ class RowOutlet:
 
     def _start_flush(self) -> None:
         """A flush of the rows gathered since the last one to the aggregates, the sinks and the
-        recording, in pieces (flush_round.py): the rows are fixed now, their writes follow."""
+        recording, in pieces (flush_round.py): the rows are fixed now, their writes follow. The
+        rows set apart since the last flush go to the sinks first (a request's tokens before its
+        requests row, which this flush may hold)."""
+        self.sinks.give_apart()
         self.round.start(self._rows.detach(), self.emit, self._flush_writes())
 
     def _flush_writes(self) -> Iterator[str]:

@@ -26,6 +26,10 @@ from sparseety_prof.store import redaction_levels
 from sparseety_prof.store.array_rows import ArrayRows
 from sparseety_prof.store.recording import list_layers, without_text
 
+#: rows set apart held for the sinks before they are framed and given, flushes aside (memory:
+#: a few columns of each, ~100 bytes a row)
+APART_ROWS = 8192
+
 
 class FrameSink(Protocol):
     """What the recorder feeds; see the module docstring for the rules a sink keeps."""
@@ -70,6 +74,8 @@ class SinkFanout:
         self._log = log
         self._live: list[FrameSink] = []
         self._failed: dict[str, str] = {}
+        self._apart: dict[str, list[ArrayRows]] = {}  # rows set apart, until give_apart
+        self._apart_rows = 0
         for s in sinks:
             self._call(s, s.open, meta)
             if s.name not in self._failed:
@@ -96,25 +102,42 @@ class SinkFanout:
         return out
 
     def take_apart(self, table: str, parts: Sequence[ArrayRows]) -> None:
-        """One drain's rows set apart (their `columns` hold values, the others are null), as one
-        frame in the order they were made: each sink that reads `table` reads it as any frame.
-        The correlator sets a drain's list rows apart before its array rows (split_rows), so a
-        request's first token, made alone, would come after the run of tokens that followed it:
-        the frame is put back in step order (stable: the rows of one step keep theirs), as a
-        sink that numbers a request's tokens (the span sink's sampled events) needs."""
+        """One drain's rows set apart (their `columns` hold values, the others are null), held
+        until give_apart (each flush, and APART_ROWS rows at most): a sink's work on a frame has
+        a fixed cost (the span sink's group-bys: a few ms), which one drain's rows would pay
+        forty times as often as the flushes do."""
         if not self.wants(table):
             return
-        frames = [rows.frame(table) for rows in ArrayRows.concat(list(parts)) if rows.n]
-        if not frames:
-            return
-        df = pl.concat(frames) if len(frames) > 1 else frames[0]
-        if "step_id" in df.columns and df["step_id"].null_count() == 0:
-            df = df.sort("step_id", maintain_order=True)
-        self.take(table, df)
+        held = self._apart.setdefault(table, [])
+        for p in parts:
+            if p.n:
+                held.append(p)
+                self._apart_rows += p.n
+        if self._apart_rows >= APART_ROWS:
+            self.give_apart()
+
+    def give_apart(self) -> None:
+        """The rows set apart held so far, a frame per table in the order they were made: each
+        sink that reads the table reads it as any frame. The correlator sets a drain's list rows
+        apart before its array rows (split_rows), so a request's first token, made alone, would
+        come after the run of tokens that followed it: the frame is put back in step order
+        (stable: the rows of one step keep theirs), as a sink that numbers a request's tokens
+        (the span sink's sampled events) needs."""
+        held, self._apart, self._apart_rows = self._apart, {}, 0
+        for table, parts in held.items():
+            frames = [rows.frame(table) for rows in ArrayRows.concat(parts) if rows.n]
+            if not frames:
+                continue
+            df = pl.concat(frames) if len(frames) > 1 else frames[0]
+            if "step_id" in df.columns and df["step_id"].null_count() == 0:
+                df = df.sort("step_id", maintain_order=True)
+            self.take(table, df)
 
     def take(self, table: str, df: pl.DataFrame) -> None:
         if not self._live or df.height == 0:
             return
+        if table == "requests" and self._apart:  # a request's set-apart tokens before its row
+            self.give_apart()
         if self._redact_text:
             df = without_text(table, df)
         df = self._redaction.frame(table, df)
@@ -127,6 +150,7 @@ class SinkFanout:
 
     def close(self, meta: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """Each sink's own account, and the error of any sink switched off."""
+        self.give_apart()  # (RowOutlet.close_rows gave them before the last frames already)
         out: dict[str, dict[str, Any]] = {name: {"error": err} for name, err in self._failed.items()}
         for s in self._live:
             try:
