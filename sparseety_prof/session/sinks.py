@@ -26,8 +26,8 @@ from sparseety_prof.store import redaction_levels
 from sparseety_prof.store.array_rows import ArrayRows
 from sparseety_prof.store.recording import list_layers, without_text
 
-#: rows set apart held for the sinks before they are framed and given, flushes aside (memory:
-#: a few columns of each, ~100 bytes a row)
+#: rows set apart held for the sinks before they are framed and given, flushes aside: what they
+#: hold between flushes stays bounded at any token rate
 APART_ROWS = 8192
 
 
@@ -104,8 +104,9 @@ class SinkFanout:
     def take_apart(self, table: str, parts: Sequence[ArrayRows]) -> None:
         """One drain's rows set apart (their `columns` hold values, the others are null), held
         until give_apart (each flush, and APART_ROWS rows at most): a sink's work on a frame has
-        a fixed cost (the span sink's group-bys: a few ms), which one drain's rows would pay
-        forty times as often as the flushes do."""
+        a fixed cost (the span sink's group-bys), which the drains, about one a second, would
+        pay ten times as often as the flushes do (docs/overhead.md, "The fleet sinks under head
+        sampling")."""
         if not self.wants(table):
             return
         held = self._apart.setdefault(table, [])
