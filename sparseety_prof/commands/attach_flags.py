@@ -507,7 +507,7 @@ def options_from(args: argparse.Namespace) -> Options:
         ring_mb=args.ring_mb,
         aggregate_s=args.aggregate_interval,
         bpf_stats=getattr(args, "bpf_stats", False),
-        ablate_consumer=getattr(args, "ablate_consumer", "") or "",
+        ablate_consumer=getattr(args, "ablate_consumer", ""),
     )
 
 

@@ -39,7 +39,6 @@ class ConsumerAblation:
         if kind and kind not in ABLATION_KINDS:
             raise ValueError(f"--ablate-consumer: {kind!r} is not one of {', '.join(ABLATION_KINDS)}")
         self.kind = kind
-        self.enabled = bool(kind)
         self._t0 = time.monotonic()
         self.began_after_s: float | None = None
         self.records = 0  # discarded
@@ -59,6 +58,10 @@ class ConsumerAblation:
                 "(sparseety_prof/native/build.sh), which is not built or not loadable here"
             )
         return None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.kind)
 
     @property
     def decodes(self) -> bool:

@@ -157,7 +157,6 @@ class RowOutlet:
         before an error too), the policies' last decisions and every aggregate bucket, open or
         not, into the recording."""
         self.round.finish()  # its rows before those gathered since
-        self.sinks.give_apart()  # (a request's set-apart tokens before its requests row)
         for table, df in self._rows.take_all():
             self.emit(table, df)
         self._settle(final=True)

@@ -151,7 +151,7 @@ class SinkFanout:
 
     def close(self, meta: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """Each sink's own account, and the error of any sink switched off."""
-        self.give_apart()  # (RowOutlet.close_rows gave them before the last frames already)
+        self.give_apart()  # (those of requests whose rows never came: a requests frame gives the rest)
         out: dict[str, dict[str, Any]] = {name: {"error": err} for name, err in self._failed.items()}
         for s in self._live:
             try:
