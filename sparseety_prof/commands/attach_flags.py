@@ -15,6 +15,7 @@ from sparseety_prof.session.options import (
     DRAIN_INTERVAL_MIN_S,
     DRAIN_INTERVAL_S,
     FLUSH_INTERVAL_S,
+    FSYNC_INTERVAL_S,
     RING_MB,
     SLICE_US,
 )
@@ -73,9 +74,18 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         type=float,
         default=FLUSH_INTERVAL_S,
         metavar="SECONDS",
-        help="write the rows gathered to disk at least this often, so that a recorder killed "
-        f"outright (SIGKILL, power cut) loses at most this much (default {FLUSH_INTERVAL_S:g}); "
-        "metrics and OTLP exporters get rows at the same pace",
+        help="write the rows gathered as Parquet segments at least this often (default "
+        f"{FLUSH_INTERVAL_S:g}); in between, each drain's rows go to the recording's journal, so "
+        "that a recorder killed outright (SIGKILL, the OOM killer) loses about the last drain; "
+        "metrics and OTLP exporters get rows at the flush pace",
+    )
+    p.add_argument(
+        "--fsync-interval",
+        type=float,
+        default=FSYNC_INTERVAL_S,
+        metavar="SECONDS",
+        help="fsync the recording's journal this often, so that a power cut loses at most about "
+        f"this much (default {FSYNC_INTERVAL_S:g}; 0: after each drain)",
     )
     p.add_argument(
         "--max-disk",
@@ -405,6 +415,10 @@ def options_from(args: argparse.Namespace) -> Options:
         raise UsageError(f"--correlate-every must be from 0 to 10 seconds, got {args.correlate_every}")
     if not args.flush_interval > 0:
         raise UsageError(f"--flush-interval must be a positive number of seconds, got {args.flush_interval}")
+    if not args.fsync_interval >= 0:
+        raise UsageError(
+            f"--fsync-interval must be 0 or a positive number of seconds, got {args.fsync_interval}"
+        )
     redact, redact_layers = redaction_from_flags(args.redact, args.redact_layers)
     max_disk = None
     if args.max_disk is not None:
@@ -484,6 +498,7 @@ def options_from(args: argparse.Namespace) -> Options:
         out=args.output,
         duration=args.duration,
         flush_interval=args.flush_interval,
+        fsync_interval=args.fsync_interval,
         correlate_every=args.correlate_every,
         max_disk=max_disk,
         max_memory=max_memory,

@@ -12,9 +12,13 @@ from sparseety_prof.session.memory_budget import DEFAULT_MAX_MEMORY
 
 #: default --flush-interval, seconds. Each flush writes a segment per table (Parquet, two fsyncs)
 #: and rewrites meta.json: at 2 s, as it was, that fixed cost was a sixth of the recorder's CPU
-#: per token on sustained load and 5 files every 2 s. A recorder killed outright (SIGKILL, power
-#: cut) loses at most this much; Ctrl-C, SIGTERM and SIGHUP lose nothing.
+#: per token on sustained load and 5 files every 2 s. Between flushes each drain's rows go to the
+#: recording's journal (store/journal.py) in the page cache, so a recorder killed outright (SIGKILL,
+#: the OOM killer) loses about the last drain; Ctrl-C, SIGTERM and SIGHUP lose nothing.
 FLUSH_INTERVAL_S = 10.0
+#: default --fsync-interval, seconds: how often the journal is fsynced, what a power cut loses
+#: at most (the segments are fsynced as written). The flush interval's old guarantee, kept.
+FSYNC_INTERVAL_S = 10.0
 #: default --drain-interval, seconds: the longest pause between two drains (a ring that fills fast
 #: is drained sooner: session/sched.py). A drain has a fixed cost whatever it holds (the
 #: correlation's set-up, the row passes; replayed ~0.9 ms, live on a saturated 2-core host several
@@ -40,7 +44,8 @@ class Options:
     pid: int
     out: Path | None
     duration: float | None = None
-    flush_interval: float = FLUSH_INTERVAL_S  # rows older than this are on disk, whatever kills it
+    flush_interval: float = FLUSH_INTERVAL_S  # rows older than this are in Parquet segments
+    fsync_interval: float = FSYNC_INTERVAL_S  # the journal's rows older than this survive a power cut
     max_disk: int | None = None  # bytes the recording may hold; the oldest segments make room
     redact_text: bool = False
     redact: frozenset[str] = frozenset()  # redaction levels applied to every row (store/redaction_levels.py)

@@ -662,6 +662,7 @@ def _open_writer(opts: Options, out: Path, meta: dict[str, Any]) -> RecordingWri
         redact=opts.redact,
         redact_layers=opts.redact_layers,
         max_disk=opts.max_disk,
+        fsync_interval=opts.fsync_interval,  # a journal: each drain's rows in the page cache
     )
 
 

@@ -3,9 +3,12 @@
 Every drain's rows (tokens, steps, requests, routes, masks, kernels) are gathered in a
 ColumnBuffer; a flush frames them and hands each frame to its readers: the always-on aggregates
 (every row), the recording (what the policy keeps) and the sinks (OpenTelemetry, Prometheus: every
-row). A flush comes on schedule (`--flush-interval`, so that a SIGKILL loses one interval at
-most), done in pieces between drains (flush_round.py), or at once under memory pressure
-(`--max-memory`) and at the end. The rows a policy set apart in the correlator (a head-dropped
+row). A flush comes on schedule (`--flush-interval`), done in pieces between drains
+(flush_round.py), or at once under memory pressure (`--max-memory`) and at the end. A recording
+with a journal (store/journal.py) gets each drain's rows framed at once instead of gathered, and
+put in the journal after the drain: a SIGKILL then loses the last drain's rows, not a flush
+interval's (the rows the per-request policies hold reach the recording, and so the journal, when
+decided, at flushes). The rows a policy set apart in the correlator (a head-dropped
 request's, as arrays) go to the aggregates and the policy only.
 
 The recorder drives it (recorder.py); this module decides nothing about the engine or the ring.
@@ -57,6 +60,8 @@ class RowOutlet:
         self._stages = stages
         self._collector = collector
         self._log = log
+        # each drain's rows framed as they come, for the journal after the drain
+        self._frame_each_drain = writer is not None and writer.journaling
 
     @property
     def wanted(self) -> bool:
@@ -70,8 +75,9 @@ class RowOutlet:
 
     # ------------------------------------------------------------------ rows in
     def add(self, table: str, cols: Mapping[str, Any], *, final: bool = False) -> None:
-        """One drain's rows of `table` (columns); a frame goes out whenever the buffer makes one."""
-        for df in self._rows.add(table, cols, final=final):
+        """One drain's rows of `table` (columns); a frame goes out whenever the buffer makes one
+        (at once, with a journal)."""
+        for df in self._rows.add(table, cols, final=final or self._frame_each_drain):
             self.round.before_frames(table)  # a flush under way holds older rows of it
             self.emit(table, df)
 
@@ -104,9 +110,12 @@ class RowOutlet:
 
     # ------------------------------------------------------------------ flushes
     def keep_durable(self, flush: FlushSchedule, drained_at: float, *, in_pieces: bool = False) -> None:
-        """Flush on schedule (a SIGKILL then loses only the last flush interval; sinks get rows
-        no older than that either): at once or, `in_pieces`, started here and done by
+        """After each drain: the rows the recording was given since the last, to its journal (a
+        SIGKILL then loses this drain's rows at most); and a flush on schedule (sinks get rows no
+        older than the flush interval), at once or, `in_pieces`, started here and done by
         `flush_pieces` between drains."""
+        if self.writer is not None:
+            self.writer.write_journal()
         if self.wanted and flush.due(drained_at):
             if in_pieces:
                 self._start_flush()

@@ -157,6 +157,53 @@ class OutputDir:
                 os.unlink(tmp, dir_fd=self.fd)
             raise
 
+    def write_unsynced(self, name: str, data: bytes | memoryview) -> None:
+        """Write `name` whole under a fresh hidden name and rename it into place, as `write_atomic`
+        does, but with no fsync: the bytes reach the page cache, which a killed process cannot
+        lose (only a power cut can; `sync_file` and `sync` make them durable later)."""
+        tmp = f".{name}.{secrets.token_hex(6)}.tmp"
+        fd = os.open(
+            tmp,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            FILE_MODE,
+            dir_fd=self.fd,
+        )
+        try:
+            self._own(fd)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self.fd)
+            raise
+
+    def sync_file(self, name: str) -> bool:
+        """fsync the file `name` of this folder (never through a link); False when it is gone."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        except FileNotFoundError:
+            return False
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+
+    def sync(self) -> None:
+        """fsync this folder: the names made or removed in it survive a power cut."""
+        os.fsync(self.fd)
+
+    def remove_subdir(self, name: str) -> None:
+        """Remove the empty folder `name` of this folder (gone already: nothing to do)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(name, dir_fd=self.fd)
+
     def reserve(self, name: str, size: int) -> bool:
         """Hold `size` bytes of the file system in the hidden file `name`, so that metadata can
         still be written once the disk is full (see `release`). False when there is no room."""

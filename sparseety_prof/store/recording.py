@@ -36,6 +36,7 @@ import polars as pl
 
 from sparseety_prof.errors import CorruptRecording, UsageError
 from sparseety_prof.store import redaction_levels, schema
+from sparseety_prof.store.journal_reader import journal_rows
 
 __all__ = [
     "FORMAT",
@@ -231,9 +232,11 @@ class Recording:
         if name not in self._cache:
             frames = []
             files = self.segments(name)
+            held: dict[str, int] = {}  # rows of each segment read, for the journal
             for i, f in enumerate(files):
                 try:
                     frames.append(_read_segment(name, f))
+                    held[f.name] = frames[-1].height
                     continue
                 except CorruptRecording as e:
                     problem = str(e)
@@ -242,6 +245,9 @@ class Recording:
                     self.damaged.append(f"{problem} (the recording was interrupted; left out)")
                     continue
                 self._damage(problem)  # raised outside the except: no chained traceback
+            if not self.complete:  # the rows only the journal holds (store/journal_reader.py)
+                first = _first_segment(self.meta, name)
+                frames += journal_rows(self.path, name, held, first, self.meta, self.damaged.append)
             df = pl.concat(frames, how="vertical") if frames else schema.empty(name)
             keys = list(_SORT_KEYS.get(name, ()))
             if keys and df.height:

@@ -21,6 +21,7 @@ import polars as pl
 
 from sparseety_prof.errors import RecordingWriteError
 from sparseety_prof.store import redaction_levels, schema
+from sparseety_prof.store.journal import JournalWriter
 from sparseety_prof.store.output_dir import OutputDir
 from sparseety_prof.store.recording import (
     FORMAT,
@@ -41,7 +42,17 @@ MIN_MAX_DISK = 1 << 20
 _RESERVE_PER_META_BYTE = 4  # the final meta.json is larger than the first; it is written beside it
 #: Keys the writer owns; callers may not set them through meta/update_meta/close.
 _RESERVED_META = frozenset(
-    {"format", "schema_version", "complete", "redacted", "redaction", "tables", "write_error", "rotation"}
+    {
+        "format",
+        "schema_version",
+        "complete",
+        "redacted",
+        "redaction",
+        "tables",
+        "write_error",
+        "rotation",
+        "journal",
+    }
 )
 
 
@@ -69,6 +80,10 @@ class RecordingWriter:
     max_disk
         Bytes the recording may hold on disk; beyond them the oldest segments are removed
         (store/rotation.py) and counted in ``"rotation"``. None: no limit.
+    fsync_interval
+        Keep a journal (store/journal.py): `write_journal` puts the rows given since its last call
+        in the page cache, fsynced this many seconds apart (0: each time). None: no journal, the
+        rows reach the disk with the segments only.
     redact, redact_layers
         Redaction levels (store/redaction_levels.py: ids, routing, sparsity, masks) applied to
         every row before it is buffered, the per-layer ones on `redact_layers` only when given
@@ -92,6 +107,7 @@ class RecordingWriter:
         redact_layers: Iterable[int] | None = None,
         compression: Literal["zstd", "lz4", "snappy", "uncompressed"] = "zstd",
         max_disk: int | None = None,
+        fsync_interval: float | None = None,
     ) -> None:
         if segment_rows < 1:
             raise ValueError(f"segment_rows must be >= 1, got {segment_rows}")
@@ -115,6 +131,10 @@ class RecordingWriter:
         self._segments: dict[str, int] = dict.fromkeys(schema.TABLES, 0)  # next segment index
         self._first: dict[str, int] = dict.fromkeys(schema.TABLES, 0)  # oldest segment on disk
         self._rows: dict[str, int] = dict.fromkeys(schema.TABLES, 0)  # rows in segments on disk
+        # rows given (buffered) and rows written to segments, rotated ones included: the journal's
+        # places (store/journal.py)
+        self._given: dict[str, int] = dict.fromkeys(schema.TABLES, 0)
+        self._written: dict[str, int] = dict.fromkeys(schema.TABLES, 0)
         self._budget = DiskBudget(max_disk) if max_disk is not None else None
         self._meta_bytes = 0
         self._not_written: dict[str, int] = dict.fromkeys(schema.TABLES, 0)
@@ -123,6 +143,7 @@ class RecordingWriter:
         self._closed = False
         self._dir = OutputDir.create(self.path, META_FILE, owner)
         self._table_dirs: dict[str, OutputDir] = {}
+        self._journal = JournalWriter(self._dir, fsync_interval) if fsync_interval is not None else None
         self._meta: dict[str, Any] = {
             "format": FORMAT,
             "schema_version": schema.SCHEMA_VERSION,
@@ -150,6 +171,11 @@ class RecordingWriter:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def journaling(self) -> bool:
+        """Whether the rows given reach the journal at each `write_journal` (store/journal.py)."""
+        return self._journal is not None
 
     def rows_written(self, table: str) -> int:
         """Rows of `table` already in segments on disk (buffered rows not included)."""
@@ -192,8 +218,17 @@ class RecordingWriter:
             if self._expert_load is not None and table == "routes":
                 self._expert_load.add(df)
             df = self.redaction.frame(table, df)
+            if self._journal is not None:
+                self._journal.add(
+                    table,
+                    df,
+                    segment=self._segments[table],
+                    row=self._buffered[table],
+                    start=self._given[table],
+                )
             self._buffers[table].append(df)
             self._buffered[table] += df.height
+            self._given[table] += df.height
             if self._buffered[table] >= self.segment_rows:
                 self._flush_table(table, full_only=True)
 
@@ -202,6 +237,20 @@ class RecordingWriter:
         with self._lock:
             self._check_open()
             self._flush_all()
+
+    def write_journal(self) -> None:
+        """The rows given since the last call, to the journal (page cache, no fsync unless its
+        cadence says so): after each drain. Nothing without a journal, once closed or after a
+        write error."""
+        if self._journal is None:
+            return
+        with self._lock:
+            if self._closed or self.write_error is not None:
+                return
+            try:
+                self._journal.write(self._written)
+            except Exception as e:
+                self._fail(f"writing the journal in {self.path}", e)
 
     def flush_steps(self) -> Iterator[str]:
         """`flush` in steps, for a caller that does other work between them: a yield after each
@@ -240,6 +289,7 @@ class RecordingWriter:
             if self._closed:
                 return
             self._flush_all()
+            self._close_journal()
             self._meta.update(final_meta)
             self._meta.setdefault("closed_unix_ms", _now_ms())
             lost = sum(self._not_written.values())
@@ -273,6 +323,18 @@ class RecordingWriter:
         reserved = _RESERVED_META & set(kv)
         if reserved:
             raise ValueError(f"meta keys {sorted(reserved)} are set by the writer")
+
+    def _close_journal(self) -> None:
+        """Segments hold every row now (or a write failed, and the rows not written are counted
+        lost): the journal goes, its figures into meta.json."""
+        if self._journal is None:
+            return
+        try:
+            self._journal.close()
+        except Exception as e:
+            if self.write_error is None:
+                self._fail(f"removing the journal in {self.path}", e)
+        self._meta["journal"] = self._journal.meta()
 
     def _write_meta(self) -> int:
         """Rewrite meta.json (atomically); returns its size. Raises what the file system raises."""
@@ -364,6 +426,9 @@ class RecordingWriter:
         d.write_atomic(segment_name(self._segments[table]), lambda f: f.write(data))
         self._segments[table] += 1
         self._rows[table] += df.height
+        self._written[table] += df.height
+        if self._journal is not None:  # after the rename: a chunk is never the only copy lost
+            self._journal.covered(table, self._written[table])
         if self._budget is not None:
             seg = Segment(table, self._segments[table] - 1, len(data), df.height)
             self._rotate(self._budget.added(seg, overhead=self._meta_bytes + self._reserve_bytes))

@@ -1,0 +1,300 @@
+"""Issue 60, first half: the journal (store/journal.py) puts each drain's rows in the page cache,
+so that a recorder killed outright loses about a drain, and `open()` reads what it holds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+from conftest import Engine, Recorder
+
+import sparseety_prof
+from sparseety_prof.store import journal, schema
+from sparseety_prof.store.journal import JOURNAL_DIR
+from sparseety_prof.store.recording_writer import RecordingWriter
+
+META = {"pid": 4242, "note": "journal"}
+NOBODY = 65534
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+
+
+def _steps(first: int, n: int) -> pl.DataFrame:
+    given: dict[str, list[object]] = {
+        "step_id": list(range(first, first + n)),
+        "ctx_id": [0] * n,
+        "n_tokens": [1] * n,
+    }
+    return schema.frame("steps", given, absent=[c for c in schema.TABLES["steps"] if c not in given])
+
+
+def _tokens(first: int, n: int) -> pl.DataFrame:
+    given: dict[str, list[object]] = {
+        "token_id": list(range(first, first + n)),
+        "token_text": [f"t{i}" for i in range(first, first + n)],
+        "t_end_ns": list(range(first, first + n)),
+        "seq_id": [0] * n,
+    }
+    return schema.frame("tokens", given, absent=[c for c in schema.TABLES["tokens"] if c not in given])
+
+
+def _chunks(rec: Path) -> list[str]:
+    d = rec / JOURNAL_DIR
+    return sorted(os.listdir(d)) if d.exists() else []
+
+
+def _step_ids(rec: Path) -> list[int]:
+    return list(sparseety_prof.open(rec).steps()["step_id"].to_list())
+
+
+def _writer(rec: Path, **kw: object) -> RecordingWriter:
+    return RecordingWriter(rec, META, fsync_interval=kw.pop("fsync_interval", 1000.0), **kw)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ written per drain
+def test_each_drain_writes_a_chunk_per_table_that_a_killed_recording_is_read_from(tmp_path: Path) -> None:
+    w = _writer(tmp_path / "rec")
+    w.append("steps", _steps(0, 3))
+    w.append("tokens", _tokens(0, 3))
+    w.write_journal()
+    w.append("steps", _steps(3, 2))
+    w.write_journal()
+    w.write_journal()  # nothing new: no chunk
+    assert _chunks(tmp_path / "rec") == [
+        "steps-000000-000000000000.parquet",
+        "steps-000000-000000000003.parquet",
+        "tokens-000000-000000000000.parquet",
+    ]
+    assert not (tmp_path / "rec" / "steps").exists()  # no segment yet
+    rec = sparseety_prof.open(tmp_path / "rec")  # the writer never closed: as if killed
+    assert not rec.complete
+    assert rec.steps()["step_id"].to_list() == [0, 1, 2, 3, 4]
+    assert rec.tokens()["token_id"].to_list() == [0, 1, 2]
+    assert rec.damaged == []
+    w.close()
+
+
+def test_a_flush_removes_the_chunks_its_segments_hold_and_close_removes_the_journal(tmp_path: Path) -> None:
+    w = _writer(tmp_path / "rec")
+    w.append("steps", _steps(0, 3))
+    w.write_journal()
+    w.flush()
+    assert _chunks(tmp_path / "rec") == []
+    w.append("steps", _steps(3, 2))
+    w.write_journal()
+    assert _chunks(tmp_path / "rec") == ["steps-000001-000000000000.parquet"]
+    assert _step_ids(tmp_path / "rec") == [0, 1, 2, 3, 4]
+    w.close()
+    assert not (tmp_path / "rec" / JOURNAL_DIR).exists()
+    rec = sparseety_prof.open(tmp_path / "rec")
+    assert rec.complete and rec.steps()["step_id"].to_list() == [0, 1, 2, 3, 4]
+    assert rec.meta["journal"]["chunks"] == 2
+
+
+def test_rows_a_segment_holds_are_never_read_twice_though_their_chunk_stayed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed between a segment's rename and the removal of the chunks it holds."""
+    w = _writer(tmp_path / "rec", segment_rows=5)
+    w.append("steps", _steps(0, 3))
+    w.write_journal()  # chunk A: rows 0-2
+    monkeypatch.setattr(journal.OutputDir, "remove", lambda self, name: None)  # the kill came first
+    w.append("steps", _steps(3, 3))  # 6 rows buffered: segment 0 holds 0-4, row 5 waits
+    assert os.listdir(tmp_path / "rec" / "steps") == ["part-000000.parquet"]
+    w.write_journal()  # chunk B: rows 3-5, two of which segment 0 holds
+    assert _chunks(tmp_path / "rec") == [
+        "steps-000000-000000000000.parquet",
+        "steps-000000-000000000003.parquet",
+    ]
+    assert _step_ids(tmp_path / "rec") == [0, 1, 2, 3, 4, 5]
+    w.flush()  # segment 1 holds row 5: both chunks covered, still on disk
+    assert len(_chunks(tmp_path / "rec")) == 2
+    assert _step_ids(tmp_path / "rec") == [0, 1, 2, 3, 4, 5]
+    w.append("steps", _steps(6, 1))
+    w.write_journal()
+    assert _step_ids(tmp_path / "rec") == [0, 1, 2, 3, 4, 5, 6]
+
+
+def test_a_torn_chunk_is_left_out_and_named_damaged_never_raised(tmp_path: Path) -> None:
+    w = _writer(tmp_path / "rec")
+    w.append("steps", _steps(0, 3))
+    w.write_journal()
+    w.append("steps", _steps(3, 3))
+    w.write_journal()
+    torn = tmp_path / "rec" / JOURNAL_DIR / "steps-000000-000000000003.parquet"
+    torn.write_bytes(torn.read_bytes()[:100])  # a power cut before the fsync
+    rec = sparseety_prof.open(tmp_path / "rec")  # skip_damaged not needed: it is where it ends
+    assert rec.steps()["step_id"].to_list() == [0, 1, 2]
+    assert len(rec.damaged) == 1 and torn.name in rec.damaged[0]
+    w.close()
+
+
+def test_a_chunk_of_another_schema_is_left_out_as_damaged(tmp_path: Path) -> None:
+    w = _writer(tmp_path / "rec")
+    w.append("steps", _steps(0, 2))
+    w.write_journal()
+    forged = tmp_path / "rec" / JOURNAL_DIR / "steps-000000-000000000002.parquet"
+    pl.DataFrame({"step_id": [7]}).write_parquet(forged)
+    rec = sparseety_prof.open(tmp_path / "rec")
+    assert rec.steps()["step_id"].to_list() == [0, 1]
+    assert len(rec.damaged) == 1 and forged.name in rec.damaged[0]
+    w.close()
+
+
+def test_a_closed_recording_ignores_a_journal_planted_in_it(tmp_path: Path) -> None:
+    w = _writer(tmp_path / "rec")
+    w.append("steps", _steps(0, 2))
+    w.close()
+    (tmp_path / "rec" / JOURNAL_DIR).mkdir()
+    _steps(100, 2).write_parquet(tmp_path / "rec" / JOURNAL_DIR / "steps-000001-000000000000.parquet")
+    assert _step_ids(tmp_path / "rec") == [0, 1]
+
+
+def test_journal_rows_are_redacted_as_the_segments_are(tmp_path: Path) -> None:
+    w = _writer(tmp_path / "rec", redact_text=True)
+    w.append("tokens", _tokens(0, 3))
+    w.write_journal()
+    (chunk,) = _chunks(tmp_path / "rec")
+    held = pl.read_parquet(tmp_path / "rec" / JOURNAL_DIR / chunk)
+    assert held["token_id"].to_list() == [0, 1, 2]
+    assert held["token_text"].null_count() == 3
+    w.close()
+
+
+# ------------------------------------------------------------------ owner, modes, fsyncs
+@root_only
+def test_chunks_are_0600_their_folder_0700_and_both_belong_to_the_sudo_user(tmp_path: Path) -> None:
+    os.umask(0o022)
+    w = _writer(tmp_path / "rec", owner=(NOBODY, NOBODY))
+    w.append("steps", _steps(0, 2))
+    w.write_journal()
+    d = tmp_path / "rec" / JOURNAL_DIR
+    for p in (d, *d.iterdir()):
+        st = p.lstat()
+        assert (st.st_uid, st.st_gid) == (NOBODY, NOBODY), p
+        assert stat.S_IMODE(st.st_mode) == (0o700 if p.is_dir() else 0o600), p
+    w.close()
+
+
+def test_chunks_are_0600_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        w = _writer(tmp_path / "rec")
+        w.append("steps", _steps(0, 2))
+        w.write_journal()
+    finally:
+        os.umask(old)
+    d = tmp_path / "rec" / JOURNAL_DIR
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    assert [stat.S_IMODE(p.stat().st_mode) for p in d.iterdir()] == [0o600]
+    w.close()
+
+
+def _count_fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = os.fsync
+
+    def counted(fd: int) -> None:
+        calls.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", counted)
+    return calls
+
+
+def test_fsync_comes_on_its_own_cadence_not_with_each_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(journal.time, "monotonic", lambda: clock[0])
+    w = _writer(tmp_path / "rec", fsync_interval=10.0)
+    fsyncs = _count_fsyncs(monkeypatch)
+    synced_at = []
+    for i in range(25):  # a drain a second, 25 s
+        clock[0] += 1.0
+        w.append("steps", _steps(i, 1))
+        before = len(fsyncs)
+        w.write_journal()
+        if len(fsyncs) > before:
+            synced_at.append(i + 1)
+    assert synced_at == [10, 20]
+    assert w._journal is not None and w._journal.fsyncs == 2
+    w.close()
+
+
+def test_fsync_interval_zero_fsyncs_every_chunk_and_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = _writer(tmp_path / "rec", fsync_interval=0.0)
+    fsyncs = _count_fsyncs(monkeypatch)
+    w.append("steps", _steps(0, 1))
+    w.append("tokens", _tokens(0, 1))
+    w.write_journal()
+    # the two chunks, the journal folder, and once the recording's folder (the journal's name)
+    assert len(fsyncs) == 4
+    w.append("steps", _steps(1, 1))
+    w.write_journal()
+    assert len(fsyncs) == 6
+    w.close()
+
+
+def test_without_a_journal_nothing_is_written_between_flushes(tmp_path: Path) -> None:
+    w = RecordingWriter(tmp_path / "rec", META)
+    w.append("steps", _steps(0, 2))
+    w.write_journal()
+    assert not (tmp_path / "rec" / JOURNAL_DIR).exists()
+    assert _step_ids(tmp_path / "rec") == []
+    w.close()
+
+
+# ------------------------------------------------------------------ a real engine, a real kill
+@pytest.mark.root
+@pytest.mark.engine
+def test_sigkill_with_the_default_options_loses_no_token_older_than_two_seconds(
+    llama_engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SUDO_UID", str(NOBODY))
+    monkeypatch.setenv("SUDO_GID", str(NOBODY))
+    rec = Recorder(llama_engine.pid, tmp_path / "rec")  # the default flush interval: 10 s
+    llama_engine.send(
+        {"prompts": ["hello the expert router"], "max_tokens": 900, "temp": 0.0, "token_delay": 0.01}
+    )
+    time.sleep(6.0)  # well within the first flush interval
+    killed_ns = time.perf_counter_ns()  # CLOCK_MONOTONIC, as the engine's times_ns
+    rc, _ = rec.stop(signal.SIGKILL)
+    assert rc == -signal.SIGKILL
+    truth = llama_engine.read(timeout=300)["results"][0]
+    old = sum(t < killed_ns - 2e9 for t in truth["times_ns"])
+    assert old >= 100, "the engine should have produced tokens for more than 2 s before the kill"
+    r = sparseety_prof.open(tmp_path / "rec")
+    assert not r.complete
+    assert not (tmp_path / "rec" / "tokens").exists(), "no flush yet: the journal alone holds them"
+    got = r.tokens().sort("t_end_ns")["token_id"].to_list()
+    assert len(got) >= old, (len(got), old)
+    assert got == truth["ids"][: len(got)]
+    assert r.damaged == []
+    for p in [tmp_path / "rec", *(tmp_path / "rec").rglob("*")]:  # the journal included
+        st = p.lstat()
+        assert (st.st_uid, st.st_gid) == (NOBODY, NOBODY), p
+        assert stat.S_IMODE(st.st_mode) == (0o700 if p.is_dir() else 0o600), p
+
+
+@pytest.mark.root
+@pytest.mark.engine
+def test_a_recording_stopped_cleanly_leaves_no_journal(models: dict[str, Path], tmp_path: Path) -> None:
+    e = Engine([str(Path(__file__).parent / "engines" / "llama_engine.py"), str(models["moe"])])
+    try:
+        rec = Recorder(e.pid, tmp_path / "rec")
+        truth = e.generate(["hello the expert router"], max_tokens=24)
+        rc, err = rec.stop()
+        assert rc == 0, err
+    finally:
+        e.close()
+    assert not (tmp_path / "rec" / JOURNAL_DIR).exists()
+    r = sparseety_prof.open(tmp_path / "rec")
+    assert r.complete and r.tokens()["token_id"].to_list() == truth[0]["ids"]
+    assert r.meta["journal"]["chunks"] >= 1
