@@ -21,9 +21,19 @@ from prometheus_client.parser import text_string_to_metric_families
 from sparseety_prof.cli import build_parser
 from sparseety_prof.commands.attach_flags import metrics_sink_from, options_from
 from sparseety_prof.errors import MetricsEndpointError, UsageError
-from sparseety_prof.session.metrics_sink import AGGREGATE, PER_EXPERT, PrometheusSink, series_count
+from sparseety_prof.session.metrics_sink import (
+    AGGREGATE,
+    AUTO,
+    EXPERT_SERIES_BOUND,
+    PER_EXPERT,
+    PrometheusSink,
+    expert_series_plan,
+    series_count,
+)
 from sparseety_prof.session.metrics_tally import NLL_BUCKETS, SPARSITY_BUCKETS
 from sparseety_prof.session.options import Progress
+from sparseety_prof.session.request_latency import BUCKETS as LATENCY_BUCKETS
+from sparseety_prof.session.request_latency import request_latencies
 from sparseety_prof.store import schema
 
 MOE, FFN, N_EXPERT, K = [1, 3], [0, 1, 2, 3], 4, 2
@@ -268,3 +278,215 @@ def test_record_and_attach_flags_make_the_sink() -> None:
         args = p.parse_args([cmd, "--pid", "7", "-o", "rec", "--metrics-port", "70000"])
         with pytest.raises(UsageError, match="--metrics-port"):
             metrics_sink_from(args, options_from(args))
+
+
+# ---------------------------------------------------------------- request latencies (SRE)
+NAMED_META = {
+    **META,
+    "model": {**META["model"], "name": "tiny-moe"},  # type: ignore[dict-item]
+    "engine": {"name": "llama-server"},
+}
+S = 1_000_000_000  # ns per second
+
+
+def _request(**values: object) -> dict[str, object]:
+    row: dict[str, object] = dict.fromkeys(schema.REQUESTS)
+    row.update({"partial": False, **values})
+    return row
+
+
+# Requests a server and a plain front end give, and those a latency must leave out: times in
+# CLOCK_MONOTONIC ns. Some land exactly on a bucket boundary (it is "le": counted in it).
+REQUESTS = [
+    # server: read, launched 0.3 s later, first token 0.1 s after the read (a boundary), 5 tokens
+    _request(
+        t_received_ns=10 * S,
+        t_started_ns=10 * S + 3 * S // 10,
+        t_first_token_ns=10 * S + S // 10,
+        t_last_token_ns=12 * S,
+        output_tokens=5,
+        end_reason="released",
+    ),
+    # no socket read (a plain front end): arrival is the start; 0.5 ms to the first token
+    _request(
+        t_started_ns=20 * S,
+        t_first_token_ns=20 * S + 500_000,
+        t_last_token_ns=20 * S + 40_500_000,
+        output_tokens=2,
+        end_reason="eos",
+    ),
+    # one token: no time per output token
+    _request(
+        t_received_ns=30 * S,
+        t_started_ns=30 * S,
+        t_first_token_ns=42 * S,
+        t_last_token_ns=42 * S,
+        output_tokens=1,
+        end_reason="released",
+    ),
+    # running when the recorder attached: only its time per output token
+    _request(
+        t_started_ns=40 * S,
+        t_first_token_ns=41 * S,
+        t_last_token_ns=41 * S + 250_000_000,
+        output_tokens=11,
+        partial=True,
+        end_reason="eos",
+    ),
+    # ended by the detach: no duration (its end was not seen), the rest stands
+    _request(
+        t_received_ns=50 * S,
+        t_started_ns=51 * S,
+        t_first_token_ns=52 * S,
+        t_last_token_ns=150 * S,
+        output_tokens=300,
+        end_reason="detached",
+    ),
+    _request(
+        t_received_ns=60 * S,
+        t_started_ns=60 * S + 1,
+        t_first_token_ns=60 * S + 2,
+        t_last_token_ns=61 * S,
+        output_tokens=4,
+        end_reason="records_lost",
+    ),
+    # nothing sampled: no latency at all
+    _request(t_received_ns=70 * S, t_started_ns=70 * S + 5, end_reason="detached", output_tokens=0),
+    # a server request with null partial (unknown): counted as whole
+    _request(
+        t_received_ns=80 * S,
+        t_started_ns=80 * S + 20_480_000,
+        t_first_token_ns=81 * S,
+        t_last_token_ns=81 * S + 81_920_000_000 - S,
+        output_tokens=3,
+        partial=None,
+        end_reason="eos",
+    ),
+]
+
+
+def _want_latencies(rows: list[dict[str, object]]) -> dict[str, list[float]]:
+    """The four latencies of each row, by the definitions of docs/fleet-metrics.md, in plain Python."""
+    out: dict[str, list[float]] = {k: [] for k in LATENCY_BUCKETS}
+    for r in rows:
+        recv, start, first, last, n = (
+            r["t_received_ns"],
+            r["t_started_ns"],
+            r["t_first_token_ns"],
+            r["t_last_token_ns"],
+            r["output_tokens"],
+        )
+        t0 = recv if recv is not None else start
+        whole = not r["partial"]
+        if whole and first is not None and t0 is not None:
+            out["time_to_first_token"].append((first - t0) / 1e9)  # type: ignore[operator]
+        if isinstance(n, int) and n >= 2 and first is not None and last is not None:
+            out["time_per_output_token"].append((last - first) / 1e9 / (n - 1))  # type: ignore[operator]
+        if (
+            whole
+            and r["end_reason"] not in ("detached", "records_lost")
+            and last is not None
+            and t0 is not None
+        ):
+            out["request_duration"].append((last - t0) / 1e9)  # type: ignore[operator]
+        if whole and recv is not None and start is not None:
+            out["request_queue_time"].append((start - recv) / 1e9)  # type: ignore[operator]
+    return out
+
+
+def test_request_latency_histograms_equal_the_requests_table() -> None:
+    """Each SRE histogram's buckets, count and sum, with the model and engine labels, against
+    the requests rows counted here one by one; the rows come in two frames."""
+    sink = PrometheusSink("127.0.0.1", 0)
+    try:
+        sink.open(NAMED_META)
+        for part in (REQUESTS[:3], REQUESTS[3:]):
+            cols = {c: [r[c] for r in part] for c in schema.REQUESTS}
+            sink.take("requests", schema.frame("requests", cols))
+        got = _scrape(sink)
+    finally:
+        sink.stop()
+    want = _want_latencies(REQUESTS)
+    assert {k: len(v) for k, v in want.items()} == {
+        "time_to_first_token": 6,
+        "time_per_output_token": 6,
+        "request_duration": 4,
+        "request_queue_time": 6,
+    }
+    labels = (("engine", "llama-server"), ("model", "tiny-moe"))
+    for name, bounds in LATENCY_BUCKETS.items():
+        metric, values = f"sparseety_{name}_seconds", want[name]
+        assert got[f"{metric}_count"] == {labels: float(len(values))}, name
+        assert got[f"{metric}_sum"][labels] == pytest.approx(sum(values), rel=1e-12), name
+        buckets = {dict(k)["le"]: v for k, v in got[f"{metric}_bucket"].items()}
+        assert buckets == {
+            **{str(b): float(sum(v <= b for v in values)) for b in bounds},
+            "+Inf": float(len(values)),
+        }, name
+    # what lands on a boundary is in its bucket: 0.1 s to the first token, 0.02048 s queued
+    ttft = {dict(k)["le"]: v for k, v in got["sparseety_time_to_first_token_seconds_bucket"].items()}
+    assert ttft["0.1"] - ttft["0.08"] == 1
+    assert got["sparseety_requests_total"][()] == len(REQUESTS)
+
+
+def test_request_latencies_of_a_requests_frame_row_by_row() -> None:
+    """request_latencies itself: NaN where a row gives no value, the value where it does."""
+    cols = {c: [r[c] for r in REQUESTS] for c in schema.REQUESTS}
+    got = request_latencies(schema.frame("requests", cols))
+    want = _want_latencies(REQUESTS)
+    for name in LATENCY_BUCKETS:
+        assert got[name][~np.isnan(got[name])].tolist() == want[name], name
+    assert np.isnan(got["request_duration"][4]) and got["time_to_first_token"][4] == 2.0
+    assert all(np.isnan(got[name][6]) for name in ("time_to_first_token", "time_per_output_token"))
+
+
+# ---------------------------------------------------------------- expert series bound
+def test_expert_series_per_expert_within_the_bound_per_layer_beyond() -> None:
+    assert EXPERT_SERIES_BOUND == 2000
+    # the tests' model and Mixtral stay per expert; DeepSeek-V3's 58 MoE layers x 256 do not
+    for n_moe, n_expert, experts in ((4, 8, PER_EXPERT), (32, 8, PER_EXPERT), (58, 256, AGGREGATE)):
+        plan = expert_series_plan(n_moe, n_expert)
+        assert (plan.experts, plan.per_expert_series) == (experts, n_moe * n_expert)
+    # exactly at the bound is within it; label sets multiply
+    assert expert_series_plan(250, 8).experts == PER_EXPERT
+    assert expert_series_plan(3, 667).experts == AGGREGATE
+    assert expert_series_plan(125, 8, label_sets=2).experts == PER_EXPERT
+    assert expert_series_plan(125, 8, label_sets=3).experts == AGGREGATE
+    assert expert_series_plan(4, 8, bound=31).experts == AGGREGATE
+    # asked for, either stands whatever the shape; and says so
+    assert expert_series_plan(58, 256, requested=PER_EXPERT).experts == PER_EXPERT
+    assert expert_series_plan(4, 8, requested=AGGREGATE).experts == AGGREGATE
+    assert "14848 per-expert series would pass the bound of 2000" in expert_series_plan(58, 256).line()
+    assert "within the bound" in expert_series_plan(4, 8).line()
+    with pytest.raises(ValueError, match="experts must be one of"):
+        expert_series_plan(4, 8, requested="some")
+    # series_count resolves auto the same way
+    assert series_count(58, 256, 61, AUTO) == series_count(58, 256, 61, AGGREGATE)
+    assert series_count(4, 8, 4, AUTO) == series_count(4, 8, 4, PER_EXPERT)
+
+
+def test_the_endpoint_decides_at_open_and_exposes_the_decision() -> None:
+    """auto (the default) with a model past the bound: no expert label, the per-layer gauges, and
+    an info series naming the decision; the same sink class within the bound: per expert."""
+    cases = ((3, 0, AGGREGATE), (8, 1, PER_EXPERT))  # (bound, _, decision) for the 2 x 4 model
+    for bound, _, decision in cases:
+        sink = PrometheusSink("127.0.0.1", 0, expert_series_bound=bound)
+        try:
+            sink.open(META)
+            sink.take("routes", _routes(np.random.default_rng(3), 2))
+            sink.drained(Progress())
+            got = _scrape(sink)
+            account = sink.close(META)
+        finally:
+            sink.stop()
+        (info,) = got["sparseety_metrics_experts_info"]
+        assert dict(info) == {
+            "experts": decision,
+            "requested": AUTO,
+            "per_expert_series": str(len(MOE) * N_EXPERT),
+            "bound": str(bound),
+        }
+        assert ("sparseety_expert_selections_total" in got) == (decision == PER_EXPERT)
+        assert len(got["sparseety_expert_load_imbalance"]) == len(MOE)
+        assert sum(len(v) for v in got.values()) == series_count(len(MOE), N_EXPERT, len(FFN), decision)
+        assert account["experts"] == decision and account["expert_series"]["experts"] == decision

@@ -8,19 +8,30 @@ collector: a frame then costs the consumer a few numpy additions, whatever the s
 
 The series are fixed at attach by the model (see series_count): every MoE layer and expert and
 every FFN layer is exposed from the first scrape, at zero until counted, so dashboards and
-rate() see no series appear or vanish, and the count can be planned for."""
+rate() see no series appear or vanish, and the count can be planned for. Whether the expert
+selections are counted per expert or only summarised per layer is decided then too, from the
+model's shape (expert_series_plan): per expert while layers x experts x label sets stays within
+EXPERT_SERIES_BOUND, per layer beyond it, unless asked otherwise. The request latencies an SRE
+pages on (session/request_latency.py) are histograms labelled with the model and the engine.
+docs/fleet-metrics.md lists every metric."""
 
 from __future__ import annotations
 
 import math
 import threading
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import polars as pl
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -37,10 +48,16 @@ from sparseety_prof.session.metrics_tally import (
     Snapshot,
 )
 from sparseety_prof.session.options import Progress
+from sparseety_prof.session.request_latency import BUCKETS as LATENCY_BUCKETS
 
 PER_EXPERT = "per-expert"
-AGGREGATE = "aggregate"
-EXPERT_MODES: tuple[str, ...] = (PER_EXPERT, AGGREGATE)
+AGGREGATE = "aggregate"  # per layer: rows, largest share and imbalance of the experts' load
+AUTO = "auto"  # PER_EXPERT within EXPERT_SERIES_BOUND, AGGREGATE beyond (expert_series_plan)
+EXPERT_MODES: tuple[str, ...] = (AUTO, PER_EXPERT, AGGREGATE)
+#: the most per-expert selection series AUTO exposes (MoE layers x experts x label sets): the
+#: tests' model and Mixtral (32 x 8) stay per expert, 128- and 256-expert models (gpt-oss,
+#: Qwen3 MoE, DeepSeek-V3) get the per-layer summary
+EXPERT_SERIES_BOUND = 2000
 DEFAULT_BIND = "127.0.0.1"
 PREFIX = "sparseety"
 #: The label sets come from the engine's model file, which the target controls (README: Threat
@@ -51,14 +68,92 @@ MAX_EXPERTS = 4096
 MAX_SERIES = 200_000
 
 #: series of the families whose size does not depend on the model: token NLL and step latency
-#: histograms (buckets, +Inf, sum and count), tokens, requests, losses, CPU, memory and lag
-FIXED_SERIES = (len(NLL_BUCKETS) + 3) + len(PHASES) * (len(STEP_BUCKETS) + 3) + 2 + len(LOSS_KINDS) + 3
+#: histograms (buckets, +Inf, sum and count), the request latency histograms (one label set:
+#: model and engine), the expert series decision (info), tokens, requests, losses, CPU, memory
+#: and lag
+FIXED_SERIES = (
+    (len(NLL_BUCKETS) + 3)
+    + len(PHASES) * (len(STEP_BUCKETS) + 3)
+    + sum(len(b) + 3 for b in LATENCY_BUCKETS.values())
+    + 1
+    + 2
+    + len(LOSS_KINDS)
+    + 3
+)
+
+
+@dataclass(frozen=True)
+class ExpertSeriesPlan:
+    """How the endpoint shows a model's expert selections, decided once when it opens."""
+
+    requested: str  # one of EXPERT_MODES (--metrics-experts)
+    experts: str  # PER_EXPERT or AGGREGATE: what is exposed
+    n_moe_layers: int
+    n_expert: int
+    label_sets: int  # label sets each (layer, expert) counter is exposed under
+    bound: int
+
+    @property
+    def per_expert_series(self) -> int:
+        """Series the per-expert selection counter takes (or would take) for this model."""
+        return self.n_moe_layers * self.n_expert * self.label_sets
+
+    def line(self) -> str:
+        """One sentence for `doctor` and the logs."""
+        shape = (
+            f"{self.n_moe_layers} MoE layers x {self.n_expert} experts x {self.label_sets} label "
+            f"set{'s' if self.label_sets != 1 else ''} = {self.per_expert_series} per-expert series"
+        )
+        if self.requested != AUTO:
+            how = "per expert" if self.experts == PER_EXPERT else "per layer"
+            return f"expert selections {how}, as --metrics-experts {self.requested} asks ({shape})"
+        if self.experts == PER_EXPERT:
+            return f"expert selections per expert: {shape}, within the bound of {self.bound}"
+        return (
+            f"expert selections per layer (largest share, imbalance): {shape} would pass the bound "
+            f"of {self.bound}; --metrics-experts per-expert exposes them all"
+        )
+
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            "requested": self.requested,
+            "experts": self.experts,
+            "per_expert_series": self.per_expert_series,
+            "bound": self.bound,
+        }
+
+
+def expert_series_plan(
+    n_moe_layers: int,
+    n_expert: int,
+    *,
+    requested: str = AUTO,
+    label_sets: int = 1,
+    bound: int = EXPERT_SERIES_BOUND,
+) -> ExpertSeriesPlan:
+    """Per expert or per layer for a model of this shape: AUTO gives PER_EXPERT while
+    n_moe_layers x n_expert x label_sets <= bound, AGGREGATE beyond; PER_EXPERT and AGGREGATE
+    stand as asked. The endpoint decides with it when it opens; `doctor` can ask it ahead."""
+    if requested not in EXPERT_MODES:
+        raise ValueError(f"experts must be one of {EXPERT_MODES}, got {requested!r}")
+    plan = ExpertSeriesPlan(requested, requested, n_moe_layers, n_expert, label_sets, bound)
+    if requested == AUTO:
+        plan = replace(plan, experts=PER_EXPERT if plan.per_expert_series <= bound else AGGREGATE)
+    return plan
+
+
+def model_shape(meta: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(MoE layers, experts, FFN layers) of a recording's meta, as the endpoint counts them."""
+    layers = meta.get("layers") or {}
+    hp = (meta.get("model") or {}).get("hyperparameters") or {}
+    return len(layers.get("moe") or ()), int(hp.get("expert_count") or 0), len(layers.get("ffn") or ())
 
 
 def series_count(n_moe_layers: int, n_expert: int, n_ffn_layers: int, experts: str) -> int:
     """Series the endpoint exposes for a model: per MoE layer a rows counter and two imbalance
-    gauges (plus one counter per expert with per-expert), per FFN layer two sparsity histograms,
-    and FIXED_SERIES."""
+    gauges (plus one counter per expert when `experts` is PER_EXPERT, or AUTO resolves to it),
+    per FFN layer two sparsity histograms, and FIXED_SERIES."""
+    experts = expert_series_plan(n_moe_layers, n_expert, requested=experts).experts
     per_moe_layer = 3 + (n_expert if experts == PER_EXPERT else 0)
     per_ffn_layer = 2 * (len(SPARSITY_BUCKETS) + 3)
     return n_moe_layers * per_moe_layer + n_ffn_layers * per_ffn_layer + FIXED_SERIES
@@ -77,13 +172,17 @@ class PrometheusSink:
         host: str,
         port: int,
         *,
-        experts: str = PER_EXPERT,
+        experts: str = AUTO,
+        expert_series_bound: int = EXPERT_SERIES_BOUND,
         redact: frozenset[str] = frozenset(),
         redact_layers: frozenset[int] | None = None,
     ) -> None:
         if experts not in EXPERT_MODES:
             raise ValueError(f"experts must be one of {EXPERT_MODES}, got {experts!r}")
-        self.experts = experts
+        self.requested = experts
+        self.experts = experts  # AUTO until open() decides from the model's shape
+        self.expert_series_bound = expert_series_bound
+        self.plan: ExpertSeriesPlan | None = None
         self._routing_redacted = "routing" in redact
         self._redact_layers = redact_layers
         self._tally: MetricsTally | None = None
@@ -107,21 +206,18 @@ class PrometheusSink:
         if self._routing_redacted:  # its rows carry no experts: count none rather than zeros
             moe = (meta.get("layers") or {}).get("moe") or ()
             redacted = frozenset(int(x) for x in moe) if self._redact_layers is None else self._redact_layers
-        layers, hp = meta.get("layers") or {}, (meta.get("model") or {}).get("hyperparameters") or {}
-        n_expert, n_moe, n_ffn = (
-            int(hp.get("expert_count") or 0),
-            len(layers.get("moe") or ()),
-            len(layers.get("ffn") or ()),
-        )
-        series = series_count(n_moe, n_expert, n_ffn, self.experts)
+        n_moe, n_expert, n_ffn = model_shape(meta)
+        plan = expert_series_plan(n_moe, n_expert, requested=self.requested, bound=self.expert_series_bound)
+        series = series_count(n_moe, n_expert, n_ffn, plan.experts)
         if n_expert > MAX_EXPERTS or series > MAX_SERIES:
             self.stop()  # switched off by the fan-out: serve nothing rather than an empty endpoint
-            fits = self.experts == PER_EXPERT and n_expert <= MAX_EXPERTS
+            fits = plan.experts == PER_EXPERT and n_expert <= MAX_EXPERTS
             hint = ": try --metrics-experts aggregate" if fits else ""
             raise ValueError(
                 f"the model's {n_moe} MoE layers x {n_expert} experts and {n_ffn} FFN layers would be "
                 f"{series} series (at most {MAX_SERIES}, and {MAX_EXPERTS} experts){hint}"
             )
+        self.plan, self.experts = plan, plan.experts
         self._tally = MetricsTally.from_meta(meta, routing_redacted=redacted)
 
     def take(self, table: str, df: pl.DataFrame) -> None:
@@ -138,6 +234,7 @@ class PrometheusSink:
         return {
             "address": f"{self.host}:{self.port}",
             "experts": self.experts,
+            "expert_series": self.plan.to_meta() if self.plan else None,
             "series": series_count(len(t.moe_layers), t.n_expert, len(t.ffn_layers), self.experts)
             if t
             else 0,
@@ -165,22 +262,35 @@ class _Collector(Collector):
         self._sink = sink
 
     def collect(self) -> Iterator[Any]:
-        snap = self._sink.snapshot()
+        snap, plan = self._sink.snapshot(), self._sink.plan
         self._sink.count_scrape()
-        if snap is None:  # not attached yet: nothing is known
+        if snap is None or plan is None:  # not attached yet: nothing is known
             return
-        yield from families(snap, self._sink.experts)
+        yield from families(snap, plan)
 
 
 def _name(base: str) -> str:
     return f"{PREFIX}_{base}"
 
 
-def families(snap: Snapshot, experts: str) -> list[Any]:
+def families(snap: Snapshot, plan: ExpertSeriesPlan) -> list[Any]:
     """The metric families of one snapshot (exposition order)."""
     layers = [str(x) for x in snap.moe_layers]
-    out: list[Any] = []
-    if experts == PER_EXPERT:
+    out: list[Any] = [
+        InfoMetricFamily(
+            _name("metrics_experts"),
+            "How expert selections are exposed, decided at attach from the model's shape: experts "
+            "per-expert (a counter per layer and expert) or aggregate (per layer only), as requested "
+            "(auto: per expert while layers x experts x label sets is within the bound)",
+            value={
+                "experts": plan.experts,
+                "requested": plan.requested,
+                "per_expert_series": str(plan.per_expert_series),
+                "bound": str(plan.bound),
+            },
+        )
+    ]
+    if plan.experts == PER_EXPERT:
         sel = CounterMetricFamily(
             _name("expert_selections"),
             "Times the router selected the expert, per MoE layer, over every row the engine computed "
@@ -224,8 +334,8 @@ def families(snap: Snapshot, experts: str) -> list[Any]:
             _histogram(
                 _name(base),
                 f"Share of {what} in a row's FFN activation, per FFN layer (per expert run for MoE layers)",
-                "layer",
-                ffn,
+                ["layer"],
+                [[x] for x in ffn],
                 hist,
             )
         )
@@ -234,7 +344,7 @@ def families(snap: Snapshot, experts: str) -> list[Any]:
             _name("token_nll"),
             "Negative log-prob (nats) of each sampled token under the raw logits; "
             "exp(rate(_sum) / rate(_count)) is the perplexity",
-            None,
+            [],
             [],
             snap.nll,
         )
@@ -243,11 +353,12 @@ def families(snap: Snapshot, experts: str) -> list[Any]:
         _histogram(
             _name("step_seconds"),
             "Duration of a forward pass (micro-batch)",
-            "phase",
-            list(PHASES),
+            ["phase"],
+            [[p] for p in PHASES],
             snap.step_seconds,
         )
     )
+    out += _latency_histograms(snap)
     out.append(_counter("tokens", "Tokens sampled (rate() gives tokens per second)", snap.tokens))
     out.append(_counter("requests", "Requests seen to their end (or to detach)", snap.requests))
     p = snap.progress
@@ -276,18 +387,40 @@ def families(snap: Snapshot, experts: str) -> list[Any]:
     return out
 
 
+#: the request latencies' help texts (session/request_latency.py defines each)
+_LATENCY_DOCS = {
+    "time_to_first_token": "Time to first token of each request (gen_ai.server.time_to_first_token): "
+    "first token - arrival (received, else started); partial requests excluded",
+    "time_per_output_token": "Time per output token after the first (gen_ai.server.time_per_output_token): "
+    "(last token - first token) / (output tokens - 1), requests of 2 tokens or more",
+    "request_duration": "Request duration to its last output token (gen_ai.server.request.duration): "
+    "last token - arrival, requests whose end the recorder saw",
+    "request_queue_time": "Time from the server reading a request to launching it on a slot, where "
+    "the server reports both",
+}
+
+
+def _latency_histograms(snap: Snapshot) -> list[HistogramMetricFamily]:
+    """The request latency histograms, labelled with the model and the engine."""
+    labels = ["model", "engine"], [[snap.model, snap.engine]]
+    return [
+        _histogram(_name(f"{name}_seconds"), _LATENCY_DOCS[name], *labels, hist)
+        for name, hist in snap.latencies.items()
+    ]
+
+
 def _counter(base: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(_name(base), doc, value=float(value))
 
 
 def _histogram(
-    name: str, doc: str, label: str | None, values: list[str], hist: Histograms
+    name: str, doc: str, label_names: list[str], label_sets: list[list[str]], hist: Histograms
 ) -> HistogramMetricFamily:
-    fam = HistogramMetricFamily(name, doc, labels=[label] if label else None)
+    """One histogram family: label_sets[i] (values of label_names) is row i of `hist`."""
+    fam = HistogramMetricFamily(name, doc, labels=label_names or None)
     bounds = [floatToGoString(b) for b in hist.bounds] + ["+Inf"]
     cumulative = np.cumsum(hist.counts, axis=1)
-    label_sets = [[v] for v in values] if label else [[]]
-    for i, labels in enumerate(label_sets):
+    for i, labels in enumerate(label_sets or [[]]):
         fam.add_metric(
             labels, list(zip(bounds, (float(c) for c in cumulative[i]), strict=True)), float(hist.sums[i])
         )

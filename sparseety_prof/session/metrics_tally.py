@@ -1,6 +1,7 @@
 """Running totals of a recording's rows for a metrics endpoint: expert selections per MoE layer
-and expert, activation-sparsity, log-prob (negated) and step-latency histograms, token and request
-counts, and the session's own counters (losses, CPU, memory).
+and expert, activation-sparsity, log-prob (negated) and step-latency histograms, the requests'
+latency histograms (session/request_latency.py), token and request counts, and the session's own
+counters (losses, CPU, memory).
 
 The consumer thread adds frames (`add`), the endpoint's thread reads a copy (`snapshot`). Every
 update is a handful of numpy operations on a frame's columns, never a Python loop over its rows:
@@ -19,6 +20,9 @@ import numpy as np
 import polars as pl
 
 from sparseety_prof.session.options import Progress
+from sparseety_prof.session.otlp_spans import SpanContext
+from sparseety_prof.session.request_latency import BUCKETS as LATENCY_BUCKETS
+from sparseety_prof.session.request_latency import request_latencies
 from sparseety_prof.store import schema
 
 #: upper bounds of the activation sparsity buckets: the 0.1 grid `--redact sparsity` rounds to
@@ -83,6 +87,11 @@ class Snapshot:
     step_seconds: Histograms  # one label per PHASES
     tokens: int
     requests: int
+    #: the label values of the request latencies: the model and the engine (one label set)
+    model: str = "unknown"
+    engine: str = "unknown"
+    #: request_latency.BUCKETS name -> its histogram (one label: model and engine)
+    latencies: dict[str, Histograms] = field(default_factory=dict)
     progress: dict[str, float] = field(default_factory=dict)
 
 
@@ -115,7 +124,16 @@ TALLY_COLUMNS = {"tokens": frozenset({"log_prob"}), "steps": frozenset({"t_start
 
 
 class MetricsTally:
-    def __init__(self, moe_layers: Sequence[int], n_expert: int, ffn_layers: Sequence[int]) -> None:
+    def __init__(
+        self,
+        moe_layers: Sequence[int],
+        n_expert: int,
+        ffn_layers: Sequence[int],
+        *,
+        model: str = "unknown",
+        engine: str = "unknown",
+    ) -> None:
+        self.model, self.engine = model, engine
         self.moe_layers = tuple(moe_layers) if n_expert > 0 else ()
         self.n_expert = n_expert if self.moe_layers else 0
         self.ffn_layers = tuple(ffn_layers)
@@ -128,6 +146,7 @@ class MetricsTally:
         self._below = Histograms.empty(SPARSITY_BUCKETS, len(self.ffn_layers))
         self._nll = Histograms.empty(NLL_BUCKETS, 1)
         self._steps = Histograms.empty(STEP_BUCKETS, len(PHASES))
+        self._latencies = {name: Histograms.empty(b, 1) for name, b in LATENCY_BUCKETS.items()}
         self._tokens = 0
         self._requests = 0
         self._progress: dict[str, float] = {}
@@ -138,7 +157,8 @@ class MetricsTally:
     ) -> MetricsTally:
         """The label sets of a recording's meta: MoE layers (less those whose routing is
         redacted: their rows carry no experts; None = none redacted) and FFN layers, each only
-        when the capture reads them (--mode tokens reads neither)."""
+        when the capture reads them (--mode tokens reads neither); the model and engine names
+        the request latencies are labelled with, as the OTLP spans name them."""
         layers = meta.get("layers") or {}
         capture = meta.get("capture") or {}
         hp = (meta.get("model") or {}).get("hyperparameters") or {}
@@ -146,7 +166,8 @@ class MetricsTally:
         if routing_redacted is not None:
             moe = [x for x in moe if x not in routing_redacted]
         ffn = [int(x) for x in layers.get("ffn") or ()] if capture.get("activations") else []
-        return cls(moe, int(hp.get("expert_count") or 0), ffn)
+        names = SpanContext.from_meta(meta, 0)
+        return cls(moe, int(hp.get("expert_count") or 0), ffn, model=names.model, engine=names.provider)
 
     def add(self, table: str, df: pl.DataFrame) -> None:
         """Count the rows of one frame of `table` (schema.TABLES[table] columns)."""
@@ -167,9 +188,13 @@ class MetricsTally:
                 phase[names == name] = i
             with self._lock:
                 self._steps.add(phase, seconds.astype(np.float64, copy=False))
-        elif table == "requests":
+        elif table == "requests":  # a request's row comes once, when it ends (or at detach)
+            latencies = request_latencies(df)
+            label = np.zeros(df.height, np.int64)
             with self._lock:
                 self._requests += df.height
+                for name, values in latencies.items():
+                    self._latencies[name].add(label, values)
 
     def _add_routes(self, df: pl.DataFrame) -> None:
         layer = df["layer"].to_numpy().astype(np.int64)
@@ -222,5 +247,8 @@ class MetricsTally:
                 step_seconds=self._steps.copy(),
                 tokens=self._tokens,
                 requests=self._requests,
+                model=self.model,
+                engine=self.engine,
+                latencies={name: h.copy() for name, h in self._latencies.items()},
                 progress=dict(self._progress),
             )
