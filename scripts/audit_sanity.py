@@ -4,7 +4,7 @@ Privacy figures): per model and redaction level, the best signal left and its to
     sudo .venv/bin/python scripts/audit_sanity.py [--out DIR] [--train N] [--held-out N] [--json]
 
 Needs root (the recorder attaches eBPF uprobes), like the engine tests. Generates the models
-(tests/make_models.py: token_routed, context_routed, smallthinker), records N training prompts
+(sparseety_prof/synthetic: token_routed, context_routed, smallthinker), records N training prompts
 and N held-out prompts of the same 60 words for each (tests/audit_runs.py; the defaults are the
 tests'), and runs `audit HELD --train TRAIN` on each. Takes about 30 s per model.
 """

@@ -1,6 +1,6 @@
 """Attach time: how long `sparseety-prof record` takes from its start until the probes record,
 with the llama_ubatch layout from the verified table and learned on live data (--discover-layout),
-on a generating engine (llama-cpp-python, the `bench` model of tests/make_models.py).
+on a generating engine (llama-cpp-python, the `bench` model of sparseety_prof/synthetic).
 
     sudo .venv/bin/python scripts/bench_attach.py [--runs 6] [--threads 2]
 
@@ -28,9 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scripts.bench_overhead import EngineProc  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "tests"))  # the model generator lives with the tests
-from make_models import make_model  # noqa: E402
+from sparseety_prof.synthetic import make_model  # noqa: E402
 
 DISCOVERED = re.compile(r"discovered from (\d+) forward passes in ([\d.]+) s \(\+([\d.]+) s compile\)")
 COMPILED = re.compile(r"compiled in ([\d.]+)s")

@@ -4,7 +4,7 @@ alternates AB, BA, ... so drift hits both sides alike).
 
     sudo .venv/bin/python scripts/bench_overhead.py [--pairs 20] [--threads 1 2] [--tokens 128]
 
-The engine is llama-cpp-python on the `bench` model of tests/make_models.py (>= 3 ms/token
+The engine is llama-cpp-python on the `bench` model of sparseety_prof/synthetic (>= 3 ms/token
 here, 32,000-entry vocabulary, so per-token costs that scale with the vocabulary are real),
 logits_all off as in normal serving. Tokens/s is measured in the engine process over the decode
 phase (first to last generated token); the profiler records the whole time B runs. Each B waits
@@ -34,9 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from sparseety_prof.session.options import Options  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "tests"))  # the model generator lives with the tests
-from make_models import make_model  # noqa: E402
+from sparseety_prof.synthetic import make_model  # noqa: E402
 
 DEFAULT_NICE = Options(pid=0, out=None).nice
 

@@ -3,7 +3,7 @@
     sudo .venv/bin/python scripts/bench_policy_cpu.py [--repeats 2] [--requests 16] [--tokens 48]
         [--threads 1] [--compare OPTIONS [OPTIONS ...]]
 
-llama-cpp-python on the `bench` model of tests/make_models.py (32,000-entry vocabulary), `--threads`
+llama-cpp-python on the `bench` model of sparseety_prof/synthetic (32,000-entry vocabulary), `--threads`
 engine threads. With `--compare`, the same for each set of recorder options given (e.g.
 `--compare '--flush-interval 2' '--flush-interval 10'`) instead of each policy. For each policy,
 in interleaved rounds: `sparseety-prof record --policy ...` is attached,
@@ -27,9 +27,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "tests"))  # the model generator lives with the tests
 from bench_overhead import EngineProc, process_cpu_s, start_recorder, wait_quiet  # noqa: E402
-from make_models import make_model  # noqa: E402
+
+from sparseety_prof.synthetic import make_model  # noqa: E402
 
 PROMPTS = ["hello the expert router decode sample", "one two three four five", "the sparse decode"]
 POLICIES = [

@@ -1,6 +1,6 @@
 """What a prompt's per-row sparse values cost the consumer: row by row (StepSparse.row_values) and
 all rows at once (StepSparse.fill_rows), on synthetic probe records shaped like the `bench` model
-of tests/make_models.py (8 MoE layers, top-2, activation counts for 2 expert slots per token).
+of sparseety_prof/synthetic (8 MoE layers, top-2, activation counts for 2 expert slots per token).
 The crossing point is step_sparse.FILL_ROWS_MIN.
 
     .venv/bin/python scripts/bench_prompt_rows.py [--rows 4 8 12 16 32 64] [--layers 8] [--repeat 30]

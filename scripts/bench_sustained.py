@@ -62,9 +62,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the model generator and the test engines live there
+sys.path.insert(0, str(ROOT / "tests"))  # the test engines live there
 
-from make_models import make_model  # noqa: E402
 
 from scripts.bare_traps import probe_points  # noqa: E402
 from scripts.bench_overhead import (  # noqa: E402
@@ -76,6 +75,7 @@ from scripts.bench_overhead import (  # noqa: E402
     wait_quiet,
 )
 from scripts.preempt_stalls import Stalls, StallTracer  # noqa: E402
+from sparseety_prof.synthetic import make_model  # noqa: E402
 
 ENGINES = ROOT / "tests" / "engines"
 #: --ablate-consumer KIND (the recorder's), and what its B side then pays for
@@ -824,7 +824,7 @@ def main() -> int:
     )
     ap.add_argument("--threads", type=int, default=2, help="engine threads")
     ap.add_argument("--mode", nargs="+", default=["full"], choices=["full", "tokens"])
-    ap.add_argument("--model", default="bench", help="tests/make_models.py preset (default: bench)")
+    ap.add_argument("--model", default="bench", help="sparseety_prof/synthetic preset (default: bench)")
     ap.add_argument(
         "--record-args",
         default="",

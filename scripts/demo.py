@@ -1,8 +1,12 @@
 """The main job on the built-in default: generate a model, start a real engine, attach the
-profiler by PID, send prompts, and show what was recorded.
+profiler by PID, send prompts, and show what was recorded: each request's tokens with the experts
+and the sparsity of every layer.
 
-    sudo bash scripts/demo.sh            # runs setup first, then this
-    .venv/bin/python scripts/demo.py [--engine llama-cpp-python|xllamacpp] [--out DIR]
+    bash scripts/demo.sh                 # as root: scripts/install.sh first, then this
+    .venv/bin/python scripts/demo.py [--engine xllamacpp|llama-cpp-python] [--out DIR]
+
+The engine is xllamacpp's llama-server (scripts/install.sh installs its wheel); llama-cpp-python
+is the test set-up's engine (scripts/setup.sh builds it).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import argparse
 import json
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,9 +27,7 @@ from rich.console import Console
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-sys.path.insert(0, str(ROOT / "tests"))  # the model generator lives with the tests
-from make_models import make_model  # noqa: E402
-
+from sparseety_prof.synthetic import PRESETS, make_model  # noqa: E402
 from sparseety_prof.views.decisions import Row  # noqa: E402
 
 PROMPTS = ["hello the expert router", "the sparse decode sample", "one two three"]
@@ -43,6 +46,13 @@ def start(cmd: list[str]) -> tuple[subprocess.Popen[str], dict[str, object]]:
         if line.startswith("{"):
             return p, json.loads(line)
     raise SystemExit(f"engine failed to start: {' '.join(cmd)}")
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 nothing listens on now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 #: Polars lines shown at the end of the demo, with what each gives ({request}: the request shown);
@@ -112,19 +122,24 @@ def final_screen(out: Path, console: Console | None = None) -> list[Row]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", choices=["llama-cpp-python", "xllamacpp"], default="llama-cpp-python")
-    ap.add_argument("--preset", default="moe", help="model preset of tests/make_models.py")
+    ap.add_argument(
+        "--engine",
+        choices=["xllamacpp", "llama-cpp-python"],
+        default="xllamacpp",
+        help="xllamacpp: llama-server from its wheel (default); llama-cpp-python: needs scripts/setup.sh",
+    )
+    ap.add_argument("--preset", default="moe", choices=list(PRESETS), help="model (sparseety_prof/synthetic)")
     ap.add_argument("--out", type=Path, default=ROOT / "recordings" / time.strftime("demo-%Y%m%d-%H%M%S"))
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt")
     a = ap.parse_args()
 
     model = make_model(ROOT / "models" / f"{a.preset}.gguf", a.preset)
     log(f"model: {model} ({model.stat().st_size / 1e6:.1f} MB)")
-    engines = ROOT / "tests" / "engines"
     if a.engine == "llama-cpp-python":
-        eng, ready = start([sys.executable, str(engines / "llama_engine.py"), str(model)])
+        eng, ready = start([sys.executable, str(ROOT / "tests" / "engines" / "llama_engine.py"), str(model)])
     else:
-        eng, ready = start([sys.executable, str(engines / "server_engine.py"), str(model), "--port", "18181"])
+        server = [sys.executable, str(ROOT / "scripts" / "demo_server.py"), str(model)]
+        eng, ready = start([*server, "--port", str(free_port())])
     pid = int(str(ready["ready"]))
     log(f"engine {a.engine} running as PID {pid}")
 

@@ -9,7 +9,7 @@ real recording.
 on a free local port, never scraped) in frames of about N tokens' rows, as the recorder does
 every flush interval, and times the take() calls alone, in CPU time of the calling thread (what
 the consumer pays; on a busy machine wall time also counts the waits for a core): the median
-over --repeat passes. Without REC it first records the tests' MoE model (tests/make_models.py)
+over --repeat passes. Without REC it first records the tests' MoE model (sparseety_prof/synthetic)
 generating 12 prompts of 48 tokens, as root (the recorder attaches eBPF uprobes).
 """
 
@@ -35,7 +35,7 @@ from sparseety_prof.session.metrics_sink import AGGREGATE, PER_EXPERT, Prometheu
 
 #: (model, layers, MoE layers, experts per MoE layer), from each model's published config
 MODELS: tuple[tuple[str, int, int, int], ...] = (
-    ("tests' MoE model (tests/make_models.py)", 4, 4, 8),
+    ("tests' MoE model (sparseety_prof/synthetic)", 4, 4, 8),
     ("Mixtral 8x7B", 32, 32, 8),
     ("gpt-oss-120b", 36, 36, 128),
     ("Qwen3-30B-A3B", 48, 48, 128),
@@ -134,9 +134,10 @@ def take_cost(path: Path, tokens_per_frame: int, repeat: int) -> str:
 
 def record_sample(out: Path) -> Path:
     """A recording of the tests' MoE model on the tests' llama-cpp-python engine (needs root)."""
-    sys.path.insert(0, str(ROOT / "tests"))  # the model generator and the engine helpers live there
+    sys.path.insert(0, str(ROOT / "tests"))  # the engine helpers live there
     from conftest import ENGINES, Engine, Recorder
-    from make_models import make_model
+
+    from sparseety_prof.synthetic import make_model
 
     model = make_model(out / "moe.gguf", "moe")
     engine = Engine([str(ENGINES / "llama_engine.py"), str(model)])

@@ -7,7 +7,7 @@ consumer (py-spy) split by stage.
 With `--record-args=--bpf-stats` it also prints each probe program's runs and time per token in
 the engine's threads (meta.json bpf_programs).
 
-llama-cpp-python on the `bench` model of tests/make_models.py (32,000-entry vocabulary, 8 MoE
+llama-cpp-python on the `bench` model of sparseety_prof/synthetic (32,000-entry vocabulary, 8 MoE
 layers), or with `--engine server` xllamacpp's llama-server on the same model, `--clients` HTTP
 clients streaming completions for `--seconds` (scripts/bench_sustained.py's load).
 `sparseety-prof record` is attached, its start-up work let finish, then py-spy samples it
@@ -48,7 +48,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from bench_overhead import EngineProc, process_cpu_s, start_recorder, wait_quiet  # noqa: E402
 from bench_policy_cpu import PROMPTS, generate  # noqa: E402
 from bench_sustained import Server  # noqa: E402
-from make_models import make_model  # noqa: E402
+
+from sparseety_prof.synthetic import make_model  # noqa: E402
 
 PYSPY_DIR = ROOT / "build" / "py-spy"
 

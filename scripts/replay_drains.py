@@ -7,7 +7,7 @@ then fed again to a new correlator as many times as wanted, timed on the thread'
         [--profile-sort cumulative]
 
 `capture` starts the engine of scripts/bench_sustained.py on the `bench` model of
-tests/make_models.py (llama-cpp-python, or xllamacpp's llama-server with `--clients` streaming
+sparseety_prof/synthetic (llama-cpp-python, or xllamacpp's llama-server with `--clients` streaming
 clients), attaches `sparseety-prof record` to it and runs the load for `--seconds`. The recorder
 runs with two additions, made here and nowhere in the package: each drain's records are copied
 before the consumer takes them (the logits records copied too, never read in the ring), and the
@@ -139,7 +139,8 @@ def capture(a: argparse.Namespace) -> int:
     from bench_overhead import EngineProc, start_recorder
     from bench_policy_cpu import generate
     from bench_sustained import PROMPTS, Server
-    from make_models import make_model
+
+    from sparseety_prof.synthetic import make_model
 
     model = make_model(ROOT / "models" / "bench.gguf", "bench")
     engine: EngineProc | Server = (
@@ -325,10 +326,9 @@ class _Writes:
 
 
 def replay(a: argparse.Namespace) -> int:
-    from make_models import make_model
-
     from sparseety_prof.capture.gguf_info import Vocab
     from sparseety_prof.correlate import build_stamp
+    from sparseety_prof.synthetic import make_model
 
     print(f"correlator: {build_stamp.STATE}")
     if a.profile and build_stamp.STATE == "compiled":

@@ -46,7 +46,7 @@ def _status_kib(pid: int, keys: tuple[str, ...]) -> dict[str, int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=600.0)
-    ap.add_argument("--model", default="moe", help="tests/make_models.py preset (default: moe)")
+    ap.add_argument("--model", default="moe", help="sparseety_prof/synthetic preset (default: moe)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     a = ap.parse_args()

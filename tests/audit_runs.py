@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 from conftest import ENGINES, Engine, Recorder
-from make_models import _WORDS, make_model
+
+from sparseety_prof.synthetic import WORDS, make_model
 
 #: the sanity models and the recorder flags each is audited with
 MODELS: dict[str, list[str]] = {
@@ -23,7 +24,7 @@ MODELS: dict[str, list[str]] = {
 def prompts(n: int, seed: int, words: int = 30) -> list[str]:
     """`n` prompts of `words` words drawn from the generated vocabulary's first 60 words."""
     rng = np.random.default_rng(seed)
-    return [" ".join(rng.choice(_WORDS[:60], words)) for _ in range(n)]
+    return [" ".join(rng.choice(WORDS[:60], words)) for _ in range(n)]
 
 
 TRAIN, HELD_OUT = prompts(6, seed=1), prompts(3, seed=2)

@@ -25,7 +25,6 @@ PY = sys.executable
 CLI = [PY, "-m", "sparseety_prof.cli"]
 
 sys.path.insert(0, str(ROOT))
-from make_models import make_model  # noqa: E402
 
 # This process runs the correlator's Python source: tests here replace its functions and read its
 # objects' attributes (monkeypatch, vars()), which mypyc's compiled classes do not allow. The
@@ -38,6 +37,8 @@ from sparseety_prof.correlate import build_stamp  # noqa: E402
 del os.environ[build_stamp.PURE_ENV]
 _pure = f"source: {build_stamp.PURE_ENV} is set"
 assert _pure == build_stamp.STATE, build_stamp.STATE
+
+from sparseety_prof.synthetic import make_model  # noqa: E402
 
 
 def _bpf_reason() -> str | None:

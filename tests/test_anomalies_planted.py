@@ -3,7 +3,7 @@ tests/engines/llama_engine.py) made to contain its anomaly, and on clean recordi
 model: the detector fires at the planted request, decode order and layer, and nowhere else.
 
 The anomalies are planted by what the engine is fed (tokens forced through a logits processor, so
-the raw logits and log-probs stay the model's), by the model (tests/make_models.py presets
+the raw logits and log-probs stay the model's), by the model (sparseety_prof/synthetic presets
 "planted", "loud_context" and "swa") or by stalling the engine process:
 
 - logprob_collapse: the least likely token forced four times in a row
@@ -43,9 +43,9 @@ import numpy as np
 import polars as pl
 import pytest
 from conftest import ENGINES, Engine, Recorder
-from make_models import PRESETS, SPACE, build_vocab, make_model
 
 import sparseety_prof
+from sparseety_prof.synthetic import PRESETS, SPACE, build_vocab, make_model
 
 pytestmark = [pytest.mark.root, pytest.mark.engine]
 

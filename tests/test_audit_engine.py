@@ -1,4 +1,4 @@
-"""Root tests: `audit` on real recordings of the three sanity models (tests/make_models.py), and
+"""Root tests: `audit` on real recordings of the three sanity models (sparseety_prof/synthetic), and
 the redaction levels on real recordings, at record time and at export.
 
 Each model is recorded twice with the llama-cpp-python engine, the recorder attached as a user

@@ -190,7 +190,7 @@ def test_p99_ttft_per_model_agrees_everywhere(fleet: Fleet, spark: SparkSql) -> 
         for r in recs:
             rec = sparseety_prof.open(r)
             ttfts.setdefault(rec.meta["model"]["name"], []).extend(rec.requests()["ttft_ms"].drop_nulls())
-    # the GGUF names of the test models (tests/make_models.py)
+    # the GGUF names of the test models (sparseety_prof/synthetic)
     assert set(ttfts) == {"sparseety-test-moe", "sparseety-test-dense"}
     assert all(len(v) >= len(PROMPTS) for v in ttfts.values())
     truth = {m: float(np.percentile(v, 99)) for m, v in ttfts.items()}  # linear interpolation

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from conftest import ENGINES, Engine
 from engines import llama_engine
-from make_models import PRESETS, make_model
+
+from sparseety_prof.synthetic import PRESETS, make_model, swa_layers
 
 PROMPTS = ["hello the expert router", "the sparse decode sample"]
 MAX_TOKENS = 8
@@ -324,9 +325,7 @@ def test_flash_attention_mask(traced: Any, models: dict[str, Path]) -> None:
 
 @pytest.mark.engine
 def test_sliding_window_attention_mask(traced: Any, tmp_path: Path) -> None:
-    import make_models
-
-    window, swa = PRESETS["swa"].n_swa, set(make_models.swa_layers("swa"))
+    window, swa = PRESETS["swa"].n_swa, set(swa_layers("swa"))
     assert swa and window
     e = traced(make_model(tmp_path / "swa.gguf", "swa"))
     e.generate([" ".join(["hello the expert router"] * 5)], max_tokens=6)

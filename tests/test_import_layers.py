@@ -21,6 +21,8 @@ STAGES: dict[str, int] = {
     # the build of the C helpers and of the compiled correlator (compile_correlator.py reads
     # correlate/build_stamp.py by its path, never through the package)
     "native": 0,
+    # the generated GGUF models of the demo and the tests (numpy and gguf only, no profiler part)
+    "synthetic": 0,
     "capture": 1,  # the only importer of bcc: probes, ring, plans, target inspection, layouts
     "store": 2,  # the schema (every column) and the on-disk recording format
     "correlate": 3,  # probe records -> steps, tokens, routes, requests

@@ -1,4 +1,4 @@
-"""Tests for tests/make_models.py: deterministic GGUF test models that llama.cpp really loads."""
+"""Tests for sparseety_prof/synthetic: deterministic GGUF test models that llama.cpp really loads."""
 
 from __future__ import annotations
 
@@ -13,19 +13,13 @@ import llama_cpp
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `scripts` lives at the repository root
-    sys.path.insert(0, str(ROOT))
-
-from make_models import (  # noqa: E402
+from sparseety_prof.synthetic import (
     BYTE_TOKEN_IDS,
     EOS_ID,
     PRESETS,
-    QUANT_TYPES,
     Preset,
     Prune,
     build_vocab,
-    main,
     make_all,
     make_model,
     model_spec,
@@ -34,6 +28,8 @@ from make_models import (  # noqa: E402
     sidecar_path,
     swa_layers,
 )
+from sparseety_prof.synthetic.__main__ import main
+from sparseety_prof.synthetic.presets import QUANT_TYPES
 
 PROMPT = b"hello the expert router"
 SMALL = [name for name in PRESETS if name != "bench"]
@@ -113,7 +109,8 @@ def test_cli_single_matches_api(tmp_path: Path) -> None:
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "tests" / "make_models.py"),
+            "-m",
+            "sparseety_prof.synthetic",
             str(out),
             "--preset",
             "qwen3moe",

@@ -19,10 +19,10 @@ import numpy as np
 import polars as pl
 import pytest
 from conftest import ENGINES, Engine, Recorder, run_cli
-from make_models import make_model, swa_layers
 
 import sparseety_prof
 from sparseety_prof.capture import events
+from sparseety_prof.synthetic import make_model, swa_layers
 
 pytestmark = [pytest.mark.root, pytest.mark.engine]
 

@@ -170,7 +170,7 @@ def test_another_programs_memory_is_refused() -> None:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Path]]:
-    from make_models import make_model
+    from sparseety_prof.synthetic import make_model
 
     model = make_model(tmp_path_factory.mktemp("m") / "moe.gguf", "moe")
     e = Engine([str(ENGINES / "llama_engine.py"), str(model)])
