@@ -17,6 +17,7 @@ import polars as pl
 import pytest
 from conftest import free_port, run_cli
 from prometheus_client.parser import text_string_to_metric_families
+from request_latency_oracle import METRICS, want_latencies
 
 from sparseety_prof.cli import build_parser
 from sparseety_prof.commands.attach_flags import metrics_sink_from, options_from
@@ -365,35 +366,6 @@ REQUESTS = [
 ]
 
 
-def _want_latencies(rows: list[dict[str, object]]) -> dict[str, list[float]]:
-    """The four latencies of each row, by the definitions of docs/fleet-metrics.md, in plain Python."""
-    out: dict[str, list[float]] = {k: [] for k in LATENCY_BUCKETS}
-    for r in rows:
-        recv, start, first, last, n = (
-            r["t_received_ns"],
-            r["t_started_ns"],
-            r["t_first_token_ns"],
-            r["t_last_token_ns"],
-            r["output_tokens"],
-        )
-        t0 = recv if recv is not None else start
-        whole = not r["partial"]
-        if whole and first is not None and t0 is not None:
-            out["time_to_first_token"].append((first - t0) / 1e9)  # type: ignore[operator]
-        if isinstance(n, int) and n >= 2 and first is not None and last is not None:
-            out["time_per_output_token"].append((last - first) / 1e9 / (n - 1))  # type: ignore[operator]
-        if (
-            whole
-            and r["end_reason"] not in ("detached", "records_lost")
-            and last is not None
-            and t0 is not None
-        ):
-            out["request_duration"].append((last - t0) / 1e9)  # type: ignore[operator]
-        if whole and recv is not None and start is not None:
-            out["request_queue_time"].append((start - recv) / 1e9)  # type: ignore[operator]
-    return out
-
-
 def test_request_latency_histograms_equal_the_requests_table() -> None:
     """Each SRE histogram's buckets, count and sum, with the model and engine labels, against
     the requests rows counted here one by one; the rows come in two frames."""
@@ -406,7 +378,7 @@ def test_request_latency_histograms_equal_the_requests_table() -> None:
         got = _scrape(sink)
     finally:
         sink.stop()
-    want = _want_latencies(REQUESTS)
+    want = want_latencies(REQUESTS)
     assert {k: len(v) for k, v in want.items()} == {
         "time_to_first_token": 6,
         "time_per_output_token": 6,
@@ -414,8 +386,9 @@ def test_request_latency_histograms_equal_the_requests_table() -> None:
         "request_queue_time": 6,
     }
     labels = (("engine", "llama-server"), ("model", "tiny-moe"))
+    assert set(METRICS) == set(LATENCY_BUCKETS)
     for name, bounds in LATENCY_BUCKETS.items():
-        metric, values = f"sparseety_{name}_seconds", want[name]
+        metric, values = METRICS[name], want[name]
         assert got[f"{metric}_count"] == {labels: float(len(values))}, name
         assert got[f"{metric}_sum"][labels] == pytest.approx(sum(values), rel=1e-12), name
         buckets = {dict(k)["le"]: v for k, v in got[f"{metric}_bucket"].items()}
@@ -433,7 +406,7 @@ def test_request_latencies_of_a_requests_frame_row_by_row() -> None:
     """request_latencies itself: NaN where a row gives no value, the value where it does."""
     cols = {c: [r[c] for r in REQUESTS] for c in schema.REQUESTS}
     got = request_latencies(schema.frame("requests", cols))
-    want = _want_latencies(REQUESTS)
+    want = want_latencies(REQUESTS)
     for name in LATENCY_BUCKETS:
         assert got[name][~np.isnan(got[name])].tolist() == want[name], name
     assert np.isnan(got["request_duration"][4]) and got["time_to_first_token"][4] == 2.0
