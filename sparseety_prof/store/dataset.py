@@ -22,8 +22,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
-import stat
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -36,6 +34,7 @@ from sparseety_prof.errors import CorruptRecording, ProfError, UsageError
 from sparseety_prof.store import recording, schema
 from sparseety_prof.store.dataset_dir import DatasetDir, StagedFile
 from sparseety_prof.store.dataset_partition import placement
+from sparseety_prof.store.recording_files import MAX_META_BYTES, read_file, shown
 
 __all__ = ["MANIFEST", "MANIFEST_FORMAT", "CollectReport", "collect", "recording_id"]
 
@@ -112,33 +111,23 @@ def _tick(progress: Progress | None, i: int, n: int, table: str, src: Path) -> N
 
 def _open_source(src: Path) -> tuple[recording.Recording, str]:
     """The recording at `src` and its id; CorruptRecording/UsageError saying why it is refused."""
-    rec = recording.open(src)
+    rec = recording.open(src)  # every file read through store/recording_files.py
     meta_path = rec.path / recording.META_FILE
-    meta_bytes = _read_regular(meta_path)
-    # the id must be of the meta.json that was parsed: read it again after, and compare
-    rec = recording.open(src)
-    if _read_regular(meta_path) != meta_bytes:
-        raise CorruptRecording(f"{meta_path} changed while it was being read: is it still recording?")
+    # the id is of the meta.json that was parsed (open keeps its bytes); read again after, a
+    # meta.json that changed meanwhile belongs to a recording still being written
+    meta_bytes = rec.meta_bytes or b""
+    try:
+        again = read_file(meta_path, max_bytes=MAX_META_BYTES)
+    except FileNotFoundError:
+        again = b""
+    if again != meta_bytes:
+        raise CorruptRecording(f"{shown(meta_path)} changed while it was being read: is it still recording?")
     if not rec.complete:
         raise CorruptRecording(
-            f"{src} was not closed (it is still recording, or the recorder was killed or could not "
-            "write): only closed recordings are collected, as an unclosed one may still change"
+            f"{shown(src)} was not closed (it is still recording, or the recorder was killed or could "
+            "not write): only closed recordings are collected, as an unclosed one may still change"
         )
     return rec, recording_id(meta_bytes)
-
-
-def _read_regular(path: Path) -> bytes:
-    """A file of a recording, refused unless it is a regular file (not a link to elsewhere)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise CorruptRecording(
-            f"{path} cannot be read ({e.strerror}): a recording holds only plain files"
-        ) from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise CorruptRecording(f"{path} is not a plain file: a recording holds only plain files")
-        return f.read()
 
 
 def _collect_one(
@@ -162,7 +151,7 @@ def _collect_one(
                 raise UsageError(f"cannot write {out.path / rel}: {e.strerror}") from None
             except BaseException as e:  # polars errors and panics on a hostile segment
                 raise CorruptRecording(
-                    f"{rec.path / table} does not fit the {table} table's schema: {_reason(e)}"
+                    f"{shown(rec.path / table)} does not fit the {table} table's schema: {shown(_reason(e))}"
                 ) from None
             rows[table] = int(height)
         for f in staged:
@@ -188,20 +177,12 @@ def _conformed(rec: recording.Recording, table: str, rid: str) -> pl.LazyFrame:
     missing column as nulls, every column cast (strictly) to its dtype, an unknown one refused."""
     want = schema.TABLES[table]
     parts = []
-    for seg in rec.segments(table):  # CorruptRecording for a gap or a removed segment
-        _read_regular_check(seg)
-        try:
-            lf = pl.scan_parquet(seg, glob=False)
-            got = lf.collect_schema()
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:
-            raise CorruptRecording(f"{seg} is not a readable Parquet segment ({_reason(e)})") from None
-        unknown = [c for c in got if c not in want]
-        if unknown:
-            raise CorruptRecording(f"{seg} has columns the {table} table does not have: {unknown}")
+    # each segment read and checked as `open` reads it (regular file, rows against meta.json,
+    # decoded size bounded); a gap, a removed segment, an unknown column: CorruptRecording
+    for df in rec.segment_frames(table, exact_schema=False):
+        got = df.schema
         parts.append(
-            lf.select(
+            df.lazy().select(
                 pl.lit(rid, schema.DATASET_COLUMNS[schema.RECORDING_ID]).alias(schema.RECORDING_ID),
                 *(
                     pl.col(c).cast(dtype, strict=True) if c in got else pl.lit(None, dtype).alias(c)
@@ -212,12 +193,6 @@ def _conformed(rec: recording.Recording, table: str, rid: str) -> pl.LazyFrame:
     if not parts:
         return pl.LazyFrame(schema=schema.dataset_table(table))
     return pl.concat(parts, how="vertical")
-
-
-def _read_regular_check(seg: Path) -> None:
-    st = seg.lstat()
-    if not stat.S_ISREG(st.st_mode):
-        raise CorruptRecording(f"{seg} is not a plain file: a recording holds only plain files")
 
 
 def _reason(e: BaseException) -> str:

@@ -8,12 +8,28 @@ Layout::
         tokens/part-000001.parquet
         steps/part-000000.parquet  schema.STEPS columns
         ...
+        journal/                   only while recording, or once killed (store/journal.py)
+        journal/tokens-000001-000000000120.parquet   a drain's rows no segment holds yet
 
 Every segment is written in full under a hidden temporary name (``.part-000003.parquet.<random>.tmp``)
 and then renamed, so a crash or Ctrl-C loses at most the rows not yet flushed and a reader
-never sees half a file. ``polars.scan_parquet(rec / "tokens" / "*.parquet")`` reads a table.
+never sees half a file. ``polars.scan_parquet(rec / "tokens" / "*.parquet")`` reads a table of a
+recording one trusts; this module reads every recording as untrusted, through
+store/recording_files.py (regular files only, sizes and nesting bounded, each segment's rows and
+decoded size checked against meta.json and the schema before a value is decoded).
 meta.json is written first with ``"complete": false``, so a recording killed at any moment is
 readable; a disk-full or I/O error stops the writes and is recorded (``write_error``).
+
+Between flushes, the recorder puts each drain's rows in ``journal/``: one chunk per table per drain
+(uncompressed Parquet, the table's schema), renamed into place without fsync, so that a recorder
+killed outright (SIGKILL, the OOM killer) loses only about its last drain; the chunks are fsynced
+every ``--fsync-interval`` and removed once segments hold their rows. A chunk's name,
+``<table>-<S>-<R>.parquet``, says that its rows follow the first R rows written to segments from
+segment S on, so a reader takes from it only the rows the segments on disk do not hold (the
+recorder may have died between writing a segment and removing the chunks it covers). `Recording`
+adds those rows to a recording that was not closed (store/journal_reader.py); a chunk it cannot
+read is left out and named in `Recording.damaged`; a closed recording has no journal, and one
+found in it is ignored.
 
 Recordings hold secrets (token text, and routing/mask traces from which prompts can be
 recovered), so every file is 0600 and every directory the writer creates 0700 whatever the
@@ -25,9 +41,7 @@ This module is the format and its reader; the writer is store/recording_writer.p
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -37,6 +51,15 @@ import polars as pl
 from sparseety_prof.errors import CorruptRecording, UsageError
 from sparseety_prof.store import redaction_levels, schema
 from sparseety_prof.store.journal_reader import journal_rows
+from sparseety_prof.store.recording_files import (
+    list_bounds,
+    read_json,
+    read_segment,
+    schema_diff,
+    segment_index,
+    shown,
+    table_dir_entries,
+)
 
 __all__ = [
     "FORMAT",
@@ -53,7 +76,6 @@ FORMAT = "sparseety-prof-recording"
 META_FILE = "meta.json"
 
 _SKIP_HINT = "; open the recording with skip_damaged=True to read the rest"
-_SEGMENT_RE = re.compile(r"^part-(\d{6})\.parquet$")
 
 # Column roles. Names come from the schema; these only say which schema column plays which role.
 # (Candidates for schema.py itself, e.g. schema.TEXT_COLUMNS / schema.SORT_KEYS.)
@@ -93,31 +115,24 @@ def segment_name(index: int) -> str:
     return f"part-{index:06d}.parquet"
 
 
-def schema_diff(table: str, got: Mapping[str, pl.DataType]) -> str:
-    """Human-readable difference between a frame's schema and the table's; '' when identical."""
-    want = schema.TABLES[table]
-    problems = []
-    missing = [c for c in want if c not in got]
-    extra = [c for c in got if c not in want]
-    if missing:
-        problems.append(f"missing columns {missing}")
-    if extra:
-        problems.append(f"unexpected columns {extra}")
-    wrong = [f"{c}: {got[c]} (expected {want[c]})" for c in want if c in got and got[c] != want[c]]
-    if wrong:
-        problems.append("wrong dtypes " + ", ".join(wrong))
-    if not problems and list(got) != list(want):
-        problems.append(f"columns out of order {list(got)} (expected {list(want)})")
-    return "; ".join(problems)
-
-
 class Recording:
     """A recording opened for reading (see `open`). Tables are read on first use and cached."""
 
-    def __init__(self, path: Path, meta: dict[str, Any], *, skip_damaged: bool = False) -> None:
+    def __init__(
+        self,
+        path: Path,
+        meta: dict[str, Any],
+        *,
+        skip_damaged: bool = False,
+        meta_bytes: bytes | None = None,
+    ) -> None:
         self.path = path
         self.meta = meta
+        #: meta.json exactly as it was read and parsed (None for a Recording built from a dict)
+        self.meta_bytes = meta_bytes
         self.skip_damaged = skip_damaged
+        #: the longest list each list column may hold per row (meta.json "layers", the schema)
+        self.list_bounds = list_bounds(meta)
         #: What was skipped (one message per damaged or missing segment): with skip_damaged, any
         #: such segment; without, only the unreadable last segment of an interrupted recording.
         self.damaged: list[str] = []
@@ -149,7 +164,9 @@ class Recording:
         if levels is None:
             return []
         if not isinstance(levels, list) or not all(isinstance(x, str) for x in levels):
-            raise CorruptRecording(f"{self.path / META_FILE}: redaction.levels must be a list of names")
+            raise CorruptRecording(
+                f"{shown(self.path / META_FILE)}: redaction.levels must be a list of names"
+            )
         return redaction_levels.ordered(levels)
 
     @property
@@ -157,7 +174,9 @@ class Recording:
         """The layers the per-layer redaction levels were limited to (None: every layer)."""
         layers = section(self, "redaction").get("layers")
         if layers is not None and not (isinstance(layers, list) and all(type(x) is int for x in layers)):
-            raise CorruptRecording(f"{self.path / META_FILE}: redaction.layers must be a list of layers")
+            raise CorruptRecording(
+                f"{shown(self.path / META_FILE)}: redaction.layers must be a list of layers"
+            )
         return layers
 
     def tokens(self) -> pl.DataFrame:
@@ -200,13 +219,11 @@ class Recording:
         """The segment files of `table`, in write order."""
         self._check_table(table)
         d = self.path / table
-        if not d.is_dir():
-            return []
         found: dict[int, Path] = {}
-        for entry in d.iterdir():
-            m = _SEGMENT_RE.match(entry.name)
-            if m:
-                found[int(m.group(1))] = entry
+        for name in table_dir_entries(d):  # [] when missing; a symlink or a file refused
+            index = segment_index(name)
+            if index is not None:
+                found[index] = d / name
         # segments before the table's first were removed by --max-disk (one may remain when the
         # recorder was killed between recording that and removing it)
         first = _first_segment(self.meta, table)
@@ -214,15 +231,15 @@ class Recording:
         gaps = sorted(set(range(first, indexes[-1] + 1)) - set(indexes)) if indexes else []
         for gap in gaps:
             self._damage(
-                f"{d / segment_name(gap)} is missing (segments are numbered without gaps): "
+                f"{shown(d / segment_name(gap))} is missing (segments are numbered without gaps): "
                 f"rows of the {table} table were lost"
             )
         tables = self.meta.get("tables")
         expected = tables.get(table, {}).get("segments") if isinstance(tables, dict) else None
         if self.complete and isinstance(expected, int) and expected > len(indexes) + len(gaps):
             self._damage(
-                f"{d} holds {len(indexes)} segments but {self.path / META_FILE} records {expected}: "
-                "segments were removed after the recording was closed"
+                f"{shown(d)} holds {len(indexes)} segments but {shown(self.path / META_FILE)} records "
+                f"{expected}: segments were removed after the recording was closed"
             )
         return [found[i] for i in indexes]
 
@@ -230,21 +247,7 @@ class Recording:
         """A whole table as one frame with exactly the schema's columns and dtypes."""
         self._check_table(name)
         if name not in self._cache:
-            frames = []
-            files = self.segments(name)
-            held: dict[str, int] = {}  # rows of each segment read, for the journal
-            for i, f in enumerate(files):
-                try:
-                    frames.append(_read_segment(name, f))
-                    held[f.name] = frames[-1].height
-                    continue
-                except CorruptRecording as e:
-                    problem = str(e)
-                if not self.complete and i == len(files) - 1:
-                    # where an interrupted recording ends: left out, as the rows never flushed are
-                    self.damaged.append(f"{problem} (the recording was interrupted; left out)")
-                    continue
-                self._damage(problem)  # raised outside the except: no chained traceback
+            frames, held = self._segment_frames(name, exact_schema=True)
             if not self.complete:  # the rows only the journal holds (store/journal_reader.py)
                 first = _first_segment(self.meta, name)
                 frames += journal_rows(self.path, name, held, first, self.meta, self.damaged.append)
@@ -254,6 +257,49 @@ class Recording:
                 df = df.sort(keys, nulls_last=True, maintain_order=True)
             self._cache[name] = df
         return self._cache[name]
+
+    def segment_frames(self, name: str, *, exact_schema: bool = True) -> list[pl.DataFrame]:
+        """The segments of table `name` as frames in write order, each read and checked through
+        store/recording_files.py, damaged ones raised or left out as for `table` (the journal not
+        read). `exact_schema=False` accepts segments that lack columns (an older recording's, for
+        `collect` to fill with nulls)."""
+        self._check_table(name)
+        return self._segment_frames(name, exact_schema=exact_schema)[0]
+
+    def _segment_frames(self, name: str, *, exact_schema: bool) -> tuple[list[pl.DataFrame], dict[str, int]]:
+        frames: list[pl.DataFrame] = []
+        files = self.segments(name)
+        # the rows meta.json accounts for bound what the segments it knows may hold, checked
+        # from each footer before a value is decoded (a segment of rows meta.json does not
+        # account for is a lie, or a decompression bomb); an interrupted recording may hold
+        # segments written after its last meta.json, which only their own bounds limit
+        accounted, known = _accounted(self.meta, name)
+        read = 0
+        held: dict[str, int] = {}  # rows of each segment read, for the journal
+        for i, f in enumerate(files):
+            max_rows = max(accounted - read, 0) if accounted is not None and i < known else None
+            try:
+                frames.append(
+                    read_segment(
+                        f, name, max_rows=max_rows, bounds=self.list_bounds, exact_schema=exact_schema
+                    )
+                )
+                read += frames[-1].height
+                held[f.name] = frames[-1].height
+                continue
+            except CorruptRecording as e:
+                problem = str(e)
+            if not self.complete and i == len(files) - 1:
+                # where an interrupted recording ends: left out, as the rows never flushed are
+                self.damaged.append(f"{problem} (the recording was interrupted; left out)")
+                continue
+            self._damage(problem)  # raised outside the except: no chained traceback
+        if self.complete and accounted is not None and read < accounted and len(frames) == len(files):
+            self._damage(
+                f"{shown(self.path / name)} holds {read} rows but {shown(self.path / META_FILE)} "
+                f"records {accounted}: rows of the {name} table were lost"
+            )
+        return frames, held
 
     @staticmethod
     def _check_table(name: str) -> None:
@@ -269,20 +315,18 @@ def _first_segment(meta: Mapping[str, Any], table: str) -> int:
     return first if isinstance(first, int) and not isinstance(first, bool) and first >= 0 else 0
 
 
-def _read_segment(table: str, path: Path) -> pl.DataFrame:
-    try:
-        df = pl.read_parquet(path, glob=False)  # a "[" in the folder name is no pattern
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # polars raises its own errors, OSError, and pyo3 PanicException
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CorruptRecording(
-            f"{path} is not a readable Parquet segment: it is truncated or damaged ({reason})"
-        ) from None
-    diff = schema_diff(table, df.schema)
-    if diff:
-        raise CorruptRecording(f"{path} does not match the {table} table schema: {diff}")
-    return df
+def _accounted(meta: Mapping[str, Any], table: str) -> tuple[int | None, int]:
+    """(rows, segments) meta.json records for `table`'s segments on disk: the rows the first
+    `segments` segments hold (None where meta.json does not say: an older recording)."""
+    tables = meta.get("tables")
+    entry = tables.get(table) if isinstance(tables, dict) else None
+    if not isinstance(entry, dict):
+        return None, 0
+    rows, segments = entry.get("rows"), entry.get("segments")
+    if not isinstance(rows, int) or isinstance(rows, bool):
+        return None, 0
+    known = segments if isinstance(segments, int) and not isinstance(segments, bool) else 1 << 62
+    return max(rows, 0), max(known, 0)
 
 
 def open(path: str | os.PathLike[str], *, skip_damaged: bool = False) -> Recording:
@@ -296,39 +340,41 @@ def open(path: str | os.PathLike[str], *, skip_damaged: bool = False) -> Recordi
     p = Path(path)
     if not p.is_dir():
         what = "does not exist" if not p.exists() else "is not a directory"
-        raise UsageError(f"{p} {what}: give the directory a recording was written to")
+        raise UsageError(f"{shown(p)} {what}: give the directory a recording was written to")
     meta_path = p / META_FILE
     try:
-        text = meta_path.read_text(encoding="utf-8")
+        meta, meta_bytes = read_json(meta_path)  # regular file, size and nesting bounded
     except FileNotFoundError:
         raise CorruptRecording(
-            f"{meta_path} is missing: {p} is not a sparseety-prof recording (or its metadata was deleted)"
+            f"{shown(meta_path)} is missing: {shown(p)} is not a sparseety-prof recording (or its "
+            "metadata was deleted)"
         ) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CorruptRecording(f"{meta_path} cannot be read: {e}") from None
-    try:
-        meta = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CorruptRecording(
-            f"{meta_path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
-        ) from None
+    shown_meta = shown(meta_path)
     if not isinstance(meta, dict):
-        raise CorruptRecording(f"{meta_path} must hold a JSON object, found {type(meta).__name__}")
+        raise CorruptRecording(f"{shown_meta} must hold a JSON object, found {type(meta).__name__}")
     if meta.get("format") != FORMAT:
         raise CorruptRecording(
-            f"{meta_path} has format {meta.get('format')!r}, expected {FORMAT!r}: "
-            "not a sparseety-prof recording"
+            shown(
+                f"{meta_path} has format {_short(meta.get('format'))}, expected {FORMAT!r}: "
+                "not a sparseety-prof recording"
+            )
         )
     version = meta.get("schema_version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise CorruptRecording(f"{meta_path} has an invalid schema_version {version!r}")
+        raise CorruptRecording(shown(f"{meta_path} has an invalid schema_version {_short(version)}"))
     if version > schema.SCHEMA_VERSION:
         raise CorruptRecording(
-            f"{meta_path}: recorded with schema version {version}, this sparseety-prof reads up to "
+            f"{shown_meta}: recorded with schema version {version}, this sparseety-prof reads up to "
             f"{schema.SCHEMA_VERSION}: upgrade sparseety-prof to read it"
         )
     _check_meta_types(meta, meta_path)
-    return Recording(p, meta, skip_damaged=skip_damaged)
+    return Recording(p, meta, skip_damaged=skip_damaged, meta_bytes=meta_bytes)
+
+
+def _short(value: object, most: int = 80) -> str:
+    """repr of a value from meta.json, cut to `most` characters (a message stays one short line)."""
+    r = repr(value)
+    return r if len(r) <= most else r[: most - 1] + "…"
 
 
 #: The types of meta.json's entries that this module writes and reads itself (the rest is the
@@ -342,11 +388,13 @@ def _check_meta_types(meta: Mapping[str, Any], meta_path: Path) -> None:
         v = meta.get(key)
         if v is not None and not isinstance(v, want):
             raise CorruptRecording(
-                f"{meta_path}: {key!r} is {type(v).__name__}, expected {_type_names(want)}"
+                f"{shown(meta_path)}: {key!r} is {type(v).__name__}, expected {_type_names(want)}"
             )
     for name, entry in (meta.get("tables") or {}).items():
         if not isinstance(entry, dict):
-            raise CorruptRecording(f"{meta_path}: tables.{name} is {type(entry).__name__}, expected object")
+            raise CorruptRecording(
+                shown(f"{meta_path}: tables.{_short(name)} is {type(entry).__name__}, expected object")
+            )
 
 
 def section(rec: Recording, key: str) -> dict[str, Any]:
@@ -356,7 +404,9 @@ def section(rec: Recording, key: str) -> dict[str, Any]:
     if v is None:
         return {}
     if not isinstance(v, dict):
-        raise CorruptRecording(f"{rec.path / META_FILE}: {key!r} is {type(v).__name__}, expected object")
+        raise CorruptRecording(
+            f"{shown(rec.path / META_FILE)}: {key!r} is {type(v).__name__}, expected object"
+        )
     return v
 
 

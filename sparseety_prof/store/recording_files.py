@@ -22,7 +22,6 @@ A missing file raises FileNotFoundError, for the caller to say what its absence 
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import os
@@ -58,16 +57,16 @@ __all__ = [
     "read_json",
     "read_segment",
     "schema_diff",
+    "segment_facts",
     "segment_index",
     "segment_rows",
-    "segment_facts",
     "shown",
     "table_dir_entries",
 ]
 
 #: meta.json of a real recording is a few KiB to a few hundred KiB (the engine's settings, the
 #: expert load of a redacted one); this leaves a wide margin and bounds what a hostile one costs
-MAX_META_BYTES = 16 << 20
+MAX_META_BYTES = 4 << 20
 #: JSON nesting: meta.json nests about six deep; Python's parser recurses once per level
 MAX_JSON_DEPTH = 64
 #: a segment holds at most the writer's segment_rows rows; this bounds the bytes read for one
@@ -78,7 +77,7 @@ MAX_SEGMENT_ROWS = 1 << 24
 #: its size: a recording's columns compress well (nulls, repeated ids) but not by orders of
 #: magnitude, while a decompression bomb does (a few KiB of zstd that expand to gigabytes)
 DECODED_RATIO = 64
-DECODED_FLOOR = 512 << 20
+DECODED_FLOOR = 256 << 20
 #: what decoding one value costs at most, beyond its page's decompressed bytes: a 16-byte string
 #: view or an 8-byte list offset or integer, and validity bits (dictionary and RLE encodings
 #: produce values that take no decompressed bytes of their own)
@@ -111,6 +110,8 @@ def _kind_of(path: str | os.PathLike[str]) -> str:
         mode = os.lstat(path).st_mode
     except OSError:
         return "not readable"
+    if stat.S_ISREG(mode):
+        return "a regular file"
     for test, name in (
         (stat.S_ISSOCK, "a socket"),
         (stat.S_ISFIFO, "a FIFO"),
@@ -137,15 +138,13 @@ def read_file(path: str | os.PathLike[str], *, max_bytes: int) -> bytes:
         fd, st = open_untrusted(path, follow=False, max_size=max_bytes)
     except FileNotFoundError:
         raise
-    except RefusedFile as e:
-        raise _refuse(path, f"{e.strerror}: a recording holds only regular files") from None
-    except OSError as e:
-        # a socket cannot be opened (ENXIO); a link's target never is (ELOOP is caught above)
+    except OSError as e:  # RefusedFile (fstat: not regular, too big), ELOOP, ENXIO (a socket), ...
         kind = _kind_of(path)
-        why = f"is {kind}, not a regular file" if kind != "not readable" else f"cannot be read ({e.strerror})"
-        if e.errno in (errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP) or kind != "not readable":
-            raise _refuse(path, f"{why}: a recording holds only regular files") from None
-        raise _refuse(path, why) from None
+        if kind != "a regular file":
+            raise _refuse(path, f"is not a plain file ({kind}): a recording holds only plain files") from None
+        if isinstance(e, RefusedFile):  # too big, or replaced by another kind since the lstat
+            raise _refuse(path, e.strerror or "is refused") from None
+        raise _refuse(path, f"cannot be read ({e.strerror})") from None
     try:
         size = st.st_size
         buf = bytearray(size)
@@ -172,8 +171,9 @@ def table_dir_entries(path: Path) -> list[str]:
         return []
     except OSError as e:
         kind = _kind_of(path)
-        why = f"is {kind}, not a folder of segments" if kind != "not readable" else f"cannot be read ({e.strerror})"
-        raise _refuse(path, why) from None
+        if kind in ("not readable", "a directory"):
+            raise _refuse(path, f"cannot be read ({e.strerror})") from None
+        raise _refuse(path, f"is not a plain folder ({kind}): a recording holds only plain folders") from None
     try:
         return os.listdir(fd)
     except OSError as e:
@@ -212,7 +212,9 @@ def parse_json(data: bytes, path: str | os.PathLike[str], *, max_depth: int = MA
     except json.JSONDecodeError as e:
         raise _refuse(path, f"is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except (ValueError, RecursionError) as e:  # int() of too many digits; a depth the scan missed
-        raise _refuse(path, f"is not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        raise _refuse(
+            path, f"is not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None
 
 
 def read_json(
@@ -344,9 +346,11 @@ def read_segment(
     *,
     max_rows: int | None = None,
     bounds: ListBounds | None = None,
+    exact_schema: bool = True,
 ) -> pl.DataFrame:
     """A segment of `table` as a frame: `read_file` (at most MAX_SEGMENT_BYTES), `segment_facts`
-    on its bytes, then decoded from those same bytes and checked by `check_frame`."""
+    on its bytes, then decoded from those same bytes and checked by `check_frame` (with
+    `exact_schema=False`, missing columns and other dtypes are left for the caller to cast)."""
     data = read_file(path, max_bytes=MAX_SEGMENT_BYTES)
     segment_facts(path, data, table, max_rows=max_rows, bounds=bounds)
     try:
@@ -355,8 +359,20 @@ def read_segment(
         raise
     except BaseException as e:  # polars raises its own errors, OSError, and pyo3 PanicException
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise _refuse(path, f"is not a readable Parquet segment: it is truncated or damaged ({reason})") from None
-    check_frame(path, table, df, bounds=bounds)
+        raise _refuse(
+            path, f"is not a readable Parquet segment: it is truncated or damaged ({reason})"
+        ) from None
+    # strings decode as views of a shared dictionary: a 1 KiB value repeated a million times costs
+    # little here, but a gigabyte to whatever copies the column out (export, a view, a join)
+    logical = df.estimated_size()
+    budget = decoded_budget(len(data))
+    if logical > budget:
+        raise _refuse(
+            path,
+            f"holds {logical} bytes of values in {len(data)} on disk, more than the {budget} accepted "
+            "(a decompression bomb, or a damaged segment)",
+        )
+    check_frame(path, table, df, bounds=bounds, exact_schema=exact_schema)
     return df
 
 
@@ -371,24 +387,38 @@ def segment_rows(path: str | os.PathLike[str]) -> int:
 
 
 def check_frame(
-    where: str | os.PathLike[str], table: str, df: pl.DataFrame, *, bounds: ListBounds | None = None
+    where: str | os.PathLike[str],
+    table: str,
+    df: pl.DataFrame,
+    *,
+    bounds: ListBounds | None = None,
+    exact_schema: bool = True,
 ) -> None:
     """`df` (rows of `table` read from `where`) has exactly the table's columns and dtypes, and no
     list longer than `bounds` allow (list_bounds(None) when not given); CorruptRecording naming
-    `where` otherwise. For frames read from any recording file (segments, journals)."""
-    diff = schema_diff(table, df.schema)
-    if diff:
-        raise _refuse(where, f"does not match the {table} table schema: {diff}")
+    `where` otherwise. For frames read from any recording file (segments, journals).
+    `exact_schema=False`: only columns the table does not have are refused."""
+    want = schema.TABLES[table]
+    if exact_schema:
+        diff = schema_diff(table, df.schema)
+        if diff:
+            raise _refuse(where, f"does not match the {table} table schema: {diff}")
+    else:
+        unknown = [c for c in df.columns if c not in want]
+        if unknown:
+            raise _refuse(where, f"does not match the {table} table schema: unexpected columns {unknown}")
     for column, bound in (bounds or list_bounds(None)).of(table).items():
-        if column not in df.columns or df.height == 0:
-            continue
-        expr = pl.col(column)
-        for level, most in enumerate(bound):
-            longest = df.select(expr.list.len().max()).item() if level == 0 else _inner_longest(df, column)
-            if longest is not None and longest > most:
-                raise _refuse(where, f"column {column} holds a list of {longest} elements, more than {most}")
-            if level >= 1:
-                break
+        if column not in df.columns or df.height == 0 or df.schema[column] != want[column]:
+            continue  # a column of another dtype (exact_schema=False) is the caller's to cast
+        longest = [df.select(pl.col(column).list.len().max()).item()]
+        if len(bound) > 1:
+            longest.append(_inner_longest(df, column))
+        for level, (most, got) in enumerate(zip(bound, longest, strict=True)):
+            if got is not None and got > most:
+                inner = " (an inner list)" if level else ""
+                raise _refuse(
+                    where, f"column {column} holds a list{inner} of {got} elements, more than {most}"
+                )
 
 
 def _inner_longest(df: pl.DataFrame, column: str) -> int | None:
