@@ -43,7 +43,7 @@ def collect_into(sources: list[Path], dest: Path) -> int:
 
     from sparseety_prof.store.dataset import collect
     from sparseety_prof.store.output_dir import sudo_owner
-    from sparseety_prof.terminal_text import line
+    from sparseety_prof.terminal_text import line, markup, visible
 
     console = Console(stderr=True)
     bar = Progress(
@@ -58,7 +58,7 @@ def collect_into(sources: list[Path], dest: Path) -> int:
     task = bar.add_task("", total=len(sources))
 
     def progress(i: int, n: int, table: str, src: Path) -> None:
-        bar.update(task, completed=i, description=line(f"{src.name} {table}".strip())[:60])
+        bar.update(task, completed=i, description=markup(f"{src.name} {table}".strip()[:60]))
 
     with bar:
         report = collect(sources, dest, owner=sudo_owner(), progress=progress)
@@ -67,13 +67,19 @@ def collect_into(sources: list[Path], dest: Path) -> int:
         rows = ", ".join(f"{n} {t}" for t, n in e["rows"].items() if n)
         where = "/".join(f"{k}={e[k]}" for k in ("host", "date", "engine", "model"))
         print(
-            line(f"sparseety-prof: collected {e['source']} as {e['id']} ({where}: {rows or 'no rows'})"),
+            line(
+                f"sparseety-prof: collected {visible(e['source'])} as {e['id']} ({visible(where)}: "
+                f"{rows or 'no rows'})"
+            ),
             file=sys.stderr,
         )
     for src, rid in report.already:
-        print(line(f"sparseety-prof: {src} is already in {dest} (id {rid}): skipped"), file=sys.stderr)
+        print(
+            line(f"sparseety-prof: {visible(src)} is already in {dest} (id {rid}): skipped"), file=sys.stderr
+        )
     for src, why in report.refused:
-        print(line(f"sparseety-prof: refused {src}: {why}"), file=sys.stderr)
+        # a recording's name is spelled out as token text is: a newline in it forges no line
+        print(line(f"sparseety-prof: refused {visible(src)}: {visible(why)}"), file=sys.stderr)
     print(
         line(
             f"sparseety-prof: {dest}: {len(report.collected)} collected, {len(report.already)} already "

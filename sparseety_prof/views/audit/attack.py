@@ -20,6 +20,7 @@ from sparseety_prof.errors import UsageError
 from sparseety_prof.store.recording import Recording, section
 from sparseety_prof.store.recording import open as open_recording
 from sparseety_prof.store.redaction_levels import Redaction
+from sparseety_prof.terminal_text import visible
 from sparseety_prof.views.audit import estimators as est
 from sparseety_prof.views.audit.observations import ALL_LAYERS, Observations, observe
 
@@ -88,8 +89,9 @@ def _check_same_model(held: Recording, train: list[Recording]) -> str | None:
         other = _model_sha(t)
         if other != sha:
             raise UsageError(
-                f"{t.path} was recorded with another model (sha256 {other or 'unknown'}) than {held.path} "
-                f"(sha256 {sha or 'unknown'}): token-recovery models only transfer within one model; "
+                f"{visible(t.path)} was recorded with another model (sha256 {visible(other or 'unknown')}) "
+                f"than {visible(held.path)} (sha256 {visible(sha or 'unknown')}): token-recovery models "
+                "only transfer within one model; "
                 "give --train recordings of the same model file"
             )
     return sha

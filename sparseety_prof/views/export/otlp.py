@@ -13,6 +13,7 @@ from sparseety_prof.session.options import Progress
 from sparseety_prof.session.otlp_sink import OtlpSink
 from sparseety_prof.session.otlp_spans import wall_offset_from
 from sparseety_prof.store.recording import Recording
+from sparseety_prof.terminal_text import visible
 
 REQUESTS_PER_FRAME = 256  # requests fed to the sink at a time, with their tokens
 
@@ -23,7 +24,9 @@ def send_recording(rec: Recording, url: str, *, token_event_rate: float, steps: 
     step_rows = rec.steps()
     offset = wall_offset_from(tokens, step_rows)
     if offset is None:
-        raise UsageError(f"{rec.path} has no token or step rows: nothing to send (or to place in time)")
+        raise UsageError(
+            f"{visible(rec.path)} has no token or step rows: nothing to send (or to place in time)"
+        )
     sink = OtlpSink(url, token_event_rate=token_event_rate, steps=steps, blocking=True, wall_offset_ns=offset)
     sink.open(rec.meta)
     keys = ["request_id", "ctx_id", "seq_id"]
