@@ -128,7 +128,11 @@ def main() -> int:
         default="xllamacpp",
         help="xllamacpp: llama-server from its wheel (default); llama-cpp-python: needs scripts/setup.sh",
     )
-    ap.add_argument("--preset", default="moe", choices=list(PRESETS), help="model (sparseety_prof/synthetic)")
+    # smallthinker's experts are ReGLU: about half their activations are exactly zero, so the
+    # sparsity columns have something to show (SwiGLU, as in "moe", gives almost no exact zeros)
+    ap.add_argument(
+        "--preset", default="smallthinker", choices=list(PRESETS), help="model (sparseety_prof/synthetic)"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "recordings" / time.strftime("demo-%Y%m%d-%H%M%S"))
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt")
     a = ap.parse_args()

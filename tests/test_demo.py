@@ -5,8 +5,10 @@ with the experts and sparsity of every layer as recorded, at 80 columns, and whe
 from __future__ import annotations
 
 import io
+import os
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -74,3 +76,41 @@ def test_last_screen_shows_the_recorded_decisions(llama_engine: Engine, tmp_path
     routed = r.routes().filter(pl.col("expert_ids").is_not_null())
     assert load["len"].sum() == routed["expert_ids"].list.len().sum()
     assert eval(demo.POLARS_LINES[0][1].format(request=first), env).height == 20
+
+
+def test_demo_runs_on_the_installed_engine_and_shows_what_it_recorded(tmp_path: Path) -> None:
+    """scripts/demo.py as scripts/demo.sh runs it, on its defaults (xllamacpp's llama-server, the
+    smallthinker model): the engine recorded is xllamacpp, and the screen shows the first request's
+    tokens with the experts and sparsity the recording holds."""
+    out = tmp_path / "rec"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "demo.py"), "--out", str(out), "--tokens", "12"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    screen = done.stdout
+
+    r = sparseety_prof.open(out)
+    assert r.meta["engine"]["name"] == "xllamacpp" and r.meta["complete"] is True
+    tokens = r.tokens()
+    first = tokens.filter(pl.col("decode_order").is_not_null()).sort("t_end_ns")["request_id"][0]
+    want = tokens.filter(pl.col("request_id") == first).sort("decode_order")
+    assert want.height == 12
+    # the recording has decisions to show: every token routed in every MoE layer, and ReGLU
+    # experts leave part of each FFN layer's activations exactly zero
+    assert all(len(e) == len(r.meta["layers"]["moe"]) for e in want["expert_ids"])
+    zero = [v for row in want["act_zero_ratio"] for v in row]
+    assert zero and all(0.0 < v < 1.0 for v in zero)
+
+    assert f"request {first} (first 12 of 12" in " ".join(screen.split())
+    shown = [_cells(ln) for ln in screen.splitlines() if re.match(r"│ \d+ +│", ln)]
+    assert len(shown) == want.height
+    for cells, tok in zip(shown, want.iter_rows(named=True), strict=True):
+        assert int(cells[0]) == tok["decode_order"]
+        assert [[int(e) for e in layer.split(",")] for layer in cells[2].split("|")] == tok["expert_ids"]
+        for col, name in ((3, "act_zero_ratio"), (4, "act_below_ratio")):
+            assert [int(x) for x in cells[col].split()] == [round(100 * v) for v in tok[name]]
