@@ -1,0 +1,85 @@
+"""The README's quick start: its sample outputs are what the commands print now
+(scripts/readme_samples.py --check, on a real engine), its commands are the samples' commands, and
+the normalisation that makes the check ignore times, PIDs and counts ignores nothing else."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import readme_samples as rs  # noqa: E402
+
+README = (ROOT / "README.md").read_text()
+
+
+# ------------------------------------------------------------------ the normalisation
+LOG = "sparseety-prof: attached to PID 51234 (xllamacpp 2026.10.11549, 24 probes, compiled in 13.7s)"
+
+
+def test_numbers_units_and_hashes_are_ignored() -> None:
+    other = "sparseety-prof: attached to PID 7 (xllamacpp 2026.11.12000, 25 probes, compiled in 9.1s)"
+    assert rs.normalise(LOG) == rs.normalise(other)
+    assert rs.normalise("lag 1291 ms, sha256 d96287988c90") == rs.normalise("lag 1.3 s, sha256 0abc1234ef")
+
+
+def test_wrapping_and_table_widths_are_ignored() -> None:
+    wrapped = "sparseety-prof: attached to PID 51234 (xllamacpp 2026.10.11549, 24 probes, compiled\nin 13.7s)"
+    assert rs.normalise(LOG) == rs.normalise(wrapped)
+    narrow = "┏━━━━┳━━━━┓\n┃ tokens ┃ 72 ┃\n┗━━━━┻━━━━┛"
+    wide = "┏━━━━━━━━━┳━━━━━━━━━━┓\n┃ tokens   ┃ 1024     ┃\n┗━━━━━━━━━┻━━━━━━━━━━┛"
+    assert rs.normalise(narrow) == rs.normalise(wide)
+
+
+def test_a_changed_word_or_line_is_a_difference() -> None:
+    assert rs.normalise(LOG) != rs.normalise(LOG.replace("probes", "uprobes"))
+    assert rs.normalise(LOG) != rs.normalise(LOG + "\nsparseety-prof: graph-op probes detached")
+    assert rs.normalise("losses: 0 dropped") != rs.normalise("losses: 0 dropped, 0 journal")
+
+
+# ------------------------------------------------------------------ the README's blocks
+def test_every_sample_has_its_block_with_its_command() -> None:
+    for s in rs.SAMPLES:
+        output = rs.readme_output(README, s)  # raises SystemExit when missing or malformed
+        assert output.strip(), f"the {s.name} sample is empty: run scripts/readme_samples.py"
+
+
+def test_the_quick_start_shows_every_sample_command_in_the_first_60_lines() -> None:
+    head = "\n".join(README.splitlines()[:60])
+    assert "## Quick start" in head
+    for s in rs.SAMPLES:
+        assert s.shown() in head, s.shown()
+
+
+def test_writing_samples_then_reading_them_back_gives_the_outputs() -> None:
+    outputs = {s.name: f"{s.name} said 1\nand 2" for s in rs.SAMPLES}
+    text = rs.write_samples(README, outputs)
+    assert [rs.readme_output(text, s) for s in rs.SAMPLES] == list(outputs.values())
+    assert rs.differences(text, outputs) == []
+    changed = {**outputs, "report": "report said 1\nand something else"}
+    assert [d.split(":")[0] for d in rs.differences(text, changed)] == ["report"]
+    # outside the blocks nothing changes
+    assert text.split("<!-- sample:doctor -->")[0] == README.split("<!-- sample:doctor -->")[0]
+
+
+# ------------------------------------------------------------------ the real run
+@pytest.mark.root
+@pytest.mark.engine
+def test_the_readme_samples_are_what_the_commands_print() -> None:
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "readme_samples.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, (
+        f"README.md's samples differ from what the commands print now "
+        f"(rerun scripts/readme_samples.py):\n{r.stdout}{r.stderr[-3000:]}"
+    )
+    assert "samples match" in r.stderr
