@@ -1,12 +1,13 @@
 """Command line: `sparseety-prof <command> ...`, one module per command under commands/.
 `main(argv) -> int` so tests call it directly; ProfError subclasses become a message and their
-exit code here, in one place. Commands import their heavy parts (bcc, polars) only when run, so
-`--help` works on a machine without them."""
+exit code here, in one place (the table of every code: commands/exit_codes.py). Commands import
+their heavy parts (bcc, polars) only when run, so `--help` works on a machine without them."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 from sparseety_prof import __version__
 from sparseety_prof.commands import (
@@ -23,8 +24,8 @@ from sparseety_prof.commands import (
     redact,
     report,
 )
-from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
-from sparseety_prof.errors import ProfError
+from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP, INTERRUPTED
+from sparseety_prof.errors import INTERNAL_ERROR, ProfError
 from sparseety_prof.terminal_text import line
 
 COMMANDS = (
@@ -67,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         print(line(f"sparseety-prof: error: {e}"), file=sys.stderr)  # may name target paths
         return e.exit_code
     except KeyboardInterrupt:
-        return 130
+        return INTERRUPTED
+    except Exception:  # a bug: its traceback, and an exit code of its own (1 is `diff`'s answer)
+        traceback.print_exc()
+        print("sparseety-prof: internal error (the traceback above): please report it", file=sys.stderr)
+        return INTERNAL_ERROR
 
 
 if __name__ == "__main__":

@@ -1,13 +1,20 @@
 """The project's one error hierarchy. Each class owns an exit code; cli.main turns them into
-messages and exit codes in one place (documented in the README, asserted in tests)."""
+messages and exit codes in one place. The table of every exit code, with what each means, is
+commands/exit_codes.py (docs/exit-codes.md is made from it)."""
 
 from __future__ import annotations
 
+#: what cli.main exits with for an exception no class below describes (a bug: the traceback is
+#: printed); EX_SOFTWARE of sysexits.h, so that 1 keeps its one meaning (`diff`: the runs differ)
+INTERNAL_ERROR = 70
+
 
 class ProfError(Exception):
-    """Base class: a failure the user can act on. The message says what happened and what to do."""
+    """Base class: a failure the user can act on. The message says what happened and what to do.
+    Raise a subclass: each says which failure it is by its exit code; the base class itself is
+    unclassified, so it exits like an internal error."""
 
-    exit_code = 1
+    exit_code = INTERNAL_ERROR
 
 
 class UsageError(ProfError):
@@ -71,3 +78,23 @@ class MetricsEndpointError(ProfError):
     attaching."""
 
     exit_code = 14
+
+
+class ModelFileError(ProfError):
+    """The model file cannot be read, or is not a GGUF file this profiler reads (damaged,
+    truncated, another format or version, shrunk while read)."""
+
+    exit_code = 17
+
+
+class CheckRequestFailed(ProfError):
+    """`check`: the tagged request could not be made (the engine did not answer it), or attaching
+    took longer than --timeout."""
+
+    exit_code = 18
+
+
+class GpuRingUnreadable(ProfError):
+    """The target has a CUPTI ring (started with `launch` or --late-attach) that cannot be read."""
+
+    exit_code = 19

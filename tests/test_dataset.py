@@ -258,7 +258,8 @@ def test_the_refusal_exit_code_is_its_own_and_documented() -> None:
     assert COLLECT_REFUSED not in codes | {0, CHECK_FAILED}
     assert f"  {COLLECT_REFUSED} collect: some recordings were refused" in EXIT_CODES_HELP
     assert (
-        f"| {COLLECT_REFUSED} | `collect`: some recordings were refused" in (ROOT / "README.md").read_text()
+        f"| {COLLECT_REFUSED} | `collect`: some recordings were refused"
+        in (ROOT / "docs" / "exit-codes.md").read_text()
     )
 
 

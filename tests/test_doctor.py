@@ -12,6 +12,7 @@ import pytest
 from conftest import ENGINES, ROOT, Engine, MappingProcess, run_cli, run_cli_without_capabilities
 
 from sparseety_prof.capture import preflight
+from sparseety_prof.commands.exit_codes import DOCTOR_FAILED
 
 
 @pytest.mark.root
@@ -25,7 +26,7 @@ def test_all_checks_pass_here() -> None:
 @pytest.mark.root
 def test_privileges_and_bpf_load_fail_without_capabilities() -> None:
     r = run_cli_without_capabilities("doctor")
-    assert r.returncode == 1
+    assert r.returncode == DOCTOR_FAILED
     lines = {line.split("│")[1].strip(): line for line in r.stdout.splitlines() if line.count("│") >= 4}
     assert "FAIL" in lines["privileges"] and "FAIL" in lines["BPF load"]
     assert "privileges" in r.stderr
@@ -186,3 +187,42 @@ def test_gpu_ring_check(tmp_path: Path) -> None:
         assert not bad.ok and "magic" in bad.detail
     finally:
         engine.close()
+
+
+# ---------------------------------------------------------------- --json
+
+
+def test_doctor_json_parses_and_its_counts_are_the_checks_run() -> None:
+    import json
+
+    r = run_cli("doctor", "--json")
+    assert r.returncode in (0, DOCTOR_FAILED), r.stderr
+    got = json.loads(r.stdout)
+    names = [c().name for c in preflight.SYSTEM_CHECKS]
+    assert [c["name"] for c in got["checks"]] == names
+    failed = [c["name"] for c in got["checks"] if not c["ok"]]
+    assert (got["passed"], got["failed"]) == (len(names) - len(failed), len(failed))
+    assert got["ok"] is (not failed) is (r.returncode == 0)
+    assert all(set(c) == {"name", "ok", "detail", "fix"} for c in got["checks"])
+
+
+def test_check_json_has_the_shape_of_doctor_json() -> None:
+    from sparseety_prof.checks import Check
+    from sparseety_prof.commands.check import check_json
+    from sparseety_prof.commands.doctor import checks_json
+    from sparseety_prof.session.request_check import LayerResult
+
+    results = [
+        LayerResult("server request", True, "seen"),
+        LayerResult("slot", False, "no slot took it"),
+        LayerResult("tokens", False, "no tokens"),
+    ]
+    got = check_json(42, "sparseety-check-1", results)
+    assert (got["ok"], got["passed"], got["failed"], got["lost_at"]) == (False, 1, 2, "slot")
+    assert (got["pid"], got["request_id"]) == (42, "sparseety-check-1")
+    assert [c["name"] for c in got["checks"]] == ["server request", "slot", "tokens"]
+    doc = checks_json([Check("a", True, "fine"), Check("b", False, "broken", "fix it")])
+    assert (doc["ok"], doc["passed"], doc["failed"]) == (False, 1, 1)
+    shared = {"command", "ok", "passed", "failed", "checks"}
+    assert shared <= set(got) and shared <= set(doc)
+    assert {"name", "ok", "detail"} <= set(got["checks"][0]) & set(doc["checks"][0])

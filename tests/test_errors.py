@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ENGINES, Engine, run_cli, run_cli_without_capabilities
+from conftest import ENGINES, ROOT, Engine, run_cli, run_cli_without_capabilities
 
+from sparseety_prof import cli
+from sparseety_prof.cli import build_parser
+from sparseety_prof.commands.exit_codes import EXIT_CODES, EXIT_CODES_HELP, INTERRUPTED, markdown_table
 from sparseety_prof.errors import (
+    INTERNAL_ERROR,
     BpfUnavailable,
     CorruptRecording,
     InjectionRefused,
     MetricsEndpointError,
     MissingPrivileges,
+    ModelFileError,
     NoSuchProcess,
     NotAnEngine,
+    ProfError,
     PtraceNotPermitted,
     RecordingWriteError,
     UnsupportedEngineBuild,
@@ -39,6 +46,70 @@ def test_exit_codes_are_distinct() -> None:
     ]
     codes = [c.exit_code for c in classes]
     assert len(set(codes)) == len(codes) and 0 not in codes and 1 not in codes
+
+
+def _profile_errors() -> list[type[ProfError]]:
+    found: list[type[ProfError]] = []
+    todo = [ProfError]
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo += cls.__subclasses__()
+    return found
+
+
+def test_one_meaning_per_exit_code_in_one_table() -> None:
+    """commands/exit_codes.py lists every code once; every error class's code is in it; the
+    top-level --help and docs/exit-codes.md show that table, 130 included."""
+    codes = [c.code for c in EXIT_CODES]
+    assert len(set(codes)) == len(codes)
+    assert {c.exit_code for c in _profile_errors()} <= set(codes)
+    assert {0, 1, 2, 70, 130} <= set(codes)
+    for c in EXIT_CODES:
+        assert f"{c.code:>3} {c.label()}\n" in EXIT_CODES_HELP
+    assert markdown_table() in (ROOT / "docs" / "exit-codes.md").read_text()
+    assert EXIT_CODES_HELP in build_parser().format_help()
+
+
+def test_no_module_raises_the_unclassified_base_error() -> None:
+    """A ProfError raised as such would exit as an internal error: every failure has its class."""
+    bare = []
+    for path in sorted((ROOT / "sparseety_prof").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+                func = node.exc.func
+                if isinstance(func, ast.Name) and func.id == "ProfError":
+                    bare.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not bare
+
+
+def test_an_unexpected_exception_and_ctrl_c_have_their_own_codes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from sparseety_prof.commands import report
+
+    def boom(_args: object) -> int:
+        raise RuntimeError("planted bug")
+
+    def interrupted(_args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "run", boom)
+    assert cli.main(["report", str(tmp_path)]) == INTERNAL_ERROR == 70
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "planted bug" in err and "internal error" in err
+    monkeypatch.setattr(report, "run", interrupted)
+    assert cli.main(["report", str(tmp_path)]) == INTERRUPTED == 130
+
+
+def test_a_model_file_that_is_not_gguf_has_its_own_code(tmp_path: Path) -> None:
+    from sparseety_prof.capture.gguf_info import read_model_info
+
+    bad = tmp_path / "not.gguf"
+    bad.write_bytes(b"this is not a model file at all" * 4)
+    with pytest.raises(ModelFileError) as e:
+        read_model_info(bad, with_sha256=False)
+    assert e.value.exit_code == 17
 
 
 def _dead_pid() -> int:

@@ -25,6 +25,7 @@ import pytest
 from conftest import PY, ROOT, Engine
 
 import sparseety_prof
+from sparseety_prof.commands.exit_codes import DOCTOR_FAILED
 
 # The interpreter BCC belongs to: Debian's python3-bpfcc installs into its dist-packages.
 DEBIAN_PYTHON = os.environ.get("SPARSEETY_BCC_PYTHON", "/usr/bin/python3")
@@ -189,7 +190,7 @@ def test_without_bcc_the_tool_says_the_command_that_fixes_it(
     doctor = subprocess.run(
         [*cli, "doctor"], cwd=tmp_path, env=_env(COLUMNS="400"), capture_output=True, text=True
     )
-    assert doctor.returncode == 1 and fix in doctor.stdout, doctor.stdout
+    assert doctor.returncode == DOCTOR_FAILED and fix in doctor.stdout, doctor.stdout
 
     subprocess.run(fix, shell=True, check=True)
     assert _where(bare, tmp_path)["bcc"].startswith("/usr/lib/python3/dist-packages/bcc")

@@ -38,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from sparseety_prof.capture.untrusted_files import PinnedFile, open_source
-from sparseety_prof.errors import ProfError
+from sparseety_prof.errors import ModelFileError
 
 __all__ = [
     "GGML_TYPES",
@@ -237,9 +237,11 @@ class _Header:
             with os.fdopen(fd, "rb", buffering=0) as f:
                 self._read_header(f.fileno(), st.st_size)
         except OSError as e:
-            raise ProfError(f"cannot read model file {path}: {e.strerror or e}") from e
+            raise ModelFileError(f"cannot read model file {path}: {e.strerror or e}") from e
         except (struct.error, ValueError, IndexError, UnicodeDecodeError, OverflowError, MemoryError) as e:
-            raise ProfError(f"{path} is not a readable GGUF model file (truncated or damaged: {e})") from e
+            raise ModelFileError(
+                f"{path} is not a readable GGUF model file (truncated or damaged: {e})"
+            ) from e
         self.size = st.st_size
 
     def _read_header(self, fd: int, size: int) -> None:
@@ -274,14 +276,14 @@ class _Header:
     def _parse(self) -> None:
         mm = self._mm
         if mm[:4] != b"GGUF":
-            raise ProfError(f"{self.path} is not a GGUF model file (no GGUF magic number)")
+            raise ModelFileError(f"{self.path} is not a GGUF model file (no GGUF magic number)")
         self._e = "<"
         (version,) = struct.unpack_from("<I", mm, 4)
         if version & 0xFFFF == 0:  # written on a big-endian host
             self._e = ">"
             (version,) = struct.unpack_from(">I", mm, 4)
         if version not in (2, 3):
-            raise ProfError(f"{self.path}: GGUF version {version} is not supported (2 and 3 are)")
+            raise ModelFileError(f"{self.path}: GGUF version {version} is not supported (2 and 3 are)")
         n_tensors, n_kv = struct.unpack_from(self._e + "QQ", mm, 8)
         off = 24
         for _ in range(n_kv):
@@ -306,7 +308,7 @@ class _Header:
         so that a bad general.alignment only fails callers that need tensor data."""
         align = self.fields.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
         if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
-            raise ProfError(
+            raise ModelFileError(
                 f"{self.path} is not a readable GGUF model file (general.alignment is {align!r}, "
                 "not a positive power of two)"
             )
@@ -410,7 +412,7 @@ def _nbytes(ggml_type: int, shape: tuple[int, ...]) -> int | None:
 def read_tensor_infos(path: Path | PinnedFile) -> list[TensorInfo]:
     """The tensor directory of a GGUF (v2 or v3) file, in file order; no tensor data is read.
 
-    Raises ProfError when the file cannot be read, is not GGUF, or when a tensor of known size
+    Raises ModelFileError when the file cannot be read, is not GGUF, or when a tensor of known size
     lies (partly) beyond the end of the file (a truncated download or copy).
     """
     with _Header(path) as h:
@@ -419,7 +421,7 @@ def read_tensor_infos(path: Path | PinnedFile) -> list[TensorInfo]:
         name = h.path
     for t in infos:
         if t.nbytes is not None and t.offset + t.nbytes > size:
-            raise ProfError(
+            raise ModelFileError(
                 f"{name} is not a readable GGUF model file (truncated or damaged: tensor {t.name!r} "
                 f"ends at byte {t.offset + t.nbytes} of a {size}-byte file)"
             )
@@ -429,7 +431,7 @@ def read_tensor_infos(path: Path | PinnedFile) -> list[TensorInfo]:
 def read_model_info(path: Path | PinnedFile, *, with_sha256: bool = True) -> ModelInfo:
     """Read a GGUF file's metadata (tensor data is not read, except to compute sha256).
 
-    Raises ProfError when the file cannot be read or is not GGUF.
+    Raises ModelFileError when the file cannot be read or is not GGUF.
     """
     with _Header(path) as h:
         arch = h.str_(_KEY_ARCH) or ""
@@ -467,7 +469,7 @@ def _model_sha256(path: Path | PinnedFile) -> str:
     try:
         return sha256_file(path)
     except OSError as e:
-        raise ProfError(f"cannot read model file {_display(path)}: {e.strerror or e}") from e
+        raise ModelFileError(f"cannot read model file {_display(path)}: {e.strerror or e}") from e
 
 
 def _display(src: Path | PinnedFile) -> Path:
@@ -540,13 +542,13 @@ class Vocab:
             types = h.ints(_KEY_TOKEN_TYPES)
             model = h.str_(_KEY_TOK_MODEL)
         if pieces is None:
-            raise ProfError(
+            raise ModelFileError(
                 f"{_display(path)} has no tokenizer vocabulary ({_KEY_TOKENS}): token text is unavailable"
             )
         try:
             return cls(pieces, None if types is None else types.tolist(), model)
         except ValueError as e:  # the file's token types do not match its tokens
-            raise ProfError(
+            raise ModelFileError(
                 f"{_display(path)} is not a readable GGUF model file (damaged vocabulary: {e})"
             ) from None
 

@@ -53,7 +53,7 @@ import numpy.typing as npt
 
 from sparseety_prof.capture.gguf_info import TensorInfo, read_tensor_infos, sha256_file, stat_identity
 from sparseety_prof.capture.untrusted_files import PinnedFile, open_source
-from sparseety_prof.errors import ProfError, UsageError
+from sparseety_prof.errors import ModelFileError, UsageError
 
 __all__ = [
     "CACHE_FORMAT",
@@ -202,7 +202,9 @@ class _FileBytes:
         start, stop = int(span.start), int(span.stop)
         raw = os.pread(self._fd, stop - start, start)
         if len(raw) != stop - start:
-            raise ProfError(f"{self.path} shrank while its weights were read (short read at byte {start})")
+            raise ModelFileError(
+                f"{self.path} shrank while its weights were read (short read at byte {start})"
+            )
         return np.frombuffer(raw, dtype=np.uint8)
 
     def close(self) -> None:
@@ -432,7 +434,7 @@ def analyze(
     call of analyze (the file size, twice over when the file must be hashed: once for hashing,
     once for scanning), `done_bytes` only grows, and the last call is always (total, total).
 
-    Raises ProfError when the file cannot be read or is not GGUF (gguf_info.read_tensor_infos),
+    Raises ModelFileError when the file cannot be read or is not GGUF (gguf_info.read_tensor_infos),
     UsageError when `sha256` is not 64 hex digits.
     """
     if isinstance(path, PinnedFile):  # read through its opening, whatever its name leads to now

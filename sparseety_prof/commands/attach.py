@@ -14,21 +14,40 @@ from sparseety_prof.commands.attach_flags import (
     options_from,
     sinks_from,
 )
-from sparseety_prof.commands.dataset_flag import add_dataset_flag, check_dataset_flag, collect_recording
-from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
+from sparseety_prof.commands.dataset_flag import check_dataset_flag, collect_recording
+from sparseety_prof.commands.help_text import command_epilog, description
+
+EXAMPLES = """\
+  sparseety-prof attach -p "$(pgrep -xo llama-server)"     # watch its tokens live; q quits
+  sparseety-prof attach -p 12345 -o rec                    # and record them
+  sparseety-prof attach -p 12345 --mode tokens             # tokens and log-probs only (fewer probes)
+"""
+
+KEYS = """\
+keys in the live view:
+  q  quit (a recording is closed complete)    p or space  pause the view
+  n or tab  the next request                  h  expert heat map    s  sparsity    t  the token stream
+"""
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     at = sub.add_parser(
         "attach",
         help="attach to an engine and show its tokens live (optionally recording)",
-        epilog=EXIT_CODES_HELP,
+        description=description(
+            """Attach to a running llama.cpp engine by PID and show its requests and tokens live:
+            where each request's time went, its experts, sparsity and log-probs; with -o, also
+            record them (as `record` does).
+
+            Needs root (or CAP_BPF and CAP_PERFMON): `sparseety-prof doctor` says what is missing.
+            Tuning flags are accepted but left out of this list: docs/tuning.md."""
+        ),
+        epilog=command_epilog("attach", EXAMPLES, notes=KEYS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_attach_flags(
         at, output_help="also record to this directory (created; must be empty)", output_required=False
     )
-    add_dataset_flag(at)
     at.set_defaults(func=run)
 
 

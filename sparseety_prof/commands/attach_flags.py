@@ -1,14 +1,17 @@
-"""The flags `record` and `attach` share, and the session Options made from them."""
+"""The flags `record` and `attach` share, in the groups their --help shows, and the session Options
+made from them. Their defaults are the Options' own (session/options.py), read from there."""
 
 from __future__ import annotations
 
 import argparse
 import os
 from collections.abc import Callable
+from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from sparseety_prof.correlate.serving import DEFAULT_HEADER
+from sparseety_prof.commands.dataset_flag import add_dataset_flag
+from sparseety_prof.commands.flag_combinations import refuse_unworkable_combinations
 from sparseety_prof.session.options import (
     ABLATION_KINDS,
     DRAIN_INTERVAL_MAX_S,
@@ -27,67 +30,172 @@ if TYPE_CHECKING:
     from sparseety_prof.session.sinks import FrameSink
 
 
+#: the record/attach flags left out of --help: tuning and benchmark knobs, each documented in
+#: docs/tuning.md (tests/test_cli.py checks that every one is, with its default)
+TUNING_FLAGS = (
+    "--correlate-every",
+    "--drain-interval",
+    "--ring-mb",
+    "--max-drain-gap",
+    "--slice-us",
+    "--bpf-stats",
+    "--ablate-consumer",
+    "--moe-read",
+    "--discover-layout",
+    "--discover-timeout",
+)
+#: the policies that decide at a request's end: its rows wait in --policy-window until then
+UNDECIDED_POLICIES = ("tail", "anomaly")
+#: --metrics-bind's default: loopback (expert load over time is routing, as sensitive as prompts)
+METRICS_BIND = "127.0.0.1"
+#: --metrics-experts' choices (session/metrics_sink.py EXPERT_MODES: not imported for --help, it
+#: needs prometheus_client); not given, the endpoint's own default decides (auto)
+METRICS_EXPERT_MODES = ("auto", "per-expert", "aggregate")
+
+
+def option_default(name: str) -> Any:
+    """The default of Options field `name` (session/options.py): the one place a default is set."""
+    from sparseety_prof.session.options import Options
+
+    return _field_default(Options, name)
+
+
+def capture_default(name: str) -> Any:
+    """The default of Capture field `name` (capture/options.py)."""
+    from sparseety_prof.capture.options import Capture
+
+    return _field_default(Capture, name)
+
+
+def _field_default(cls: type, name: str) -> Any:
+    for f in fields(cls):
+        if f.name == name:
+            if f.default is not MISSING:
+                return f.default
+            if f.default_factory is not MISSING:
+                return f.default_factory()
+    raise KeyError(f"{cls.__name__} has no field {name!r} with a default")
+
+
+def size_text(n: int) -> str:
+    """A byte count as the size flags take it (256M, 2G)."""
+    for shift, unit in ((30, "G"), (20, "M"), (10, "K")):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
 def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_required: bool) -> None:
-    target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--pid", type=int, help="process id of the running engine")
-    target.add_argument(
+    """The flags `record` and `attach` share, in the groups --help shows them in; the tuning
+    flags (TUNING_FLAGS) are accepted but left out of --help."""
+    _add_target(p.add_argument_group("target"))
+    _add_capture(p.add_argument_group("what to capture"))
+    _add_output(p.add_argument_group("output"), output_help=output_help, output_required=output_required)
+    _add_policy(p.add_argument_group("sampling and policy"))
+    _add_footprint(p.add_argument_group("the recorder's footprint"))
+    _add_fleet(p.add_argument_group("fleet outputs"))
+    add_late_attach_flags(p.add_argument_group("GPU (CUDA engines)"))
+    _add_tuning(p)
+
+
+def _add_target(g: argparse._ArgumentGroup) -> None:
+    which = g.add_mutually_exclusive_group(required=True)
+    which.add_argument("-p", "--pid", type=int, help="process id of the running engine")
+    which.add_argument(
         "--follow",
         metavar="NAME",
         default=None,
         help="wait for a process whose name (/proc/PID/comm, as `pgrep -x` matches it) is NAME, record "
         "it, and when it exits wait for the next one (a restart): one recording per process under -o "
-        "DIR, listed in DIR/follow.json (README: Following a restarting engine)",
+        "DIR, listed in DIR/follow.json (docs: following a restarting engine)",
     )
-    p.add_argument(
+    g.add_argument(
         "--follow-user",
         metavar="USER",
         default=None,
         help="with --follow: follow processes of this user (name or id) instead of your own; a "
         "process name proves nothing: any user can start a program with that name",
     )
-    p.add_argument("-o", "--output", type=Path, required=output_required, default=None, help=output_help)
-    p.add_argument("--duration", type=float, default=None, help="detach after this many seconds")
-    p.add_argument(
+    g.add_argument(
+        "--model", type=Path, default=None, metavar="FILE", help="model file, when the engine has none mapped"
+    )
+
+
+def _add_capture(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--mode",
+        choices=("full", "tokens"),
+        default="full",
+        help="full (default): tokens plus MoE routing, activation sparsity and attention coverage; "
+        "tokens: token boundaries, ids and log-probs only (fewer probes)",
+    )
+    g.add_argument(
+        "--capture-router-probs",
+        action="store_true",
+        help="also record the router probability of every expert per MoE layer",
+    )
+    g.add_argument(
+        "--capture-masks",
+        action="store_true",
+        help="also record the activation zero masks, bit-packed, in the masks table",
+    )
+    g.add_argument(
+        "--act-threshold",
+        type=float,
+        default=None,
+        metavar="X",
+        help="activations with |x| below this count in act_below_ratio (default "
+        f"{capture_default('act_threshold'):g}; recorded in metadata)",
+    )
+    g.add_argument(
+        "--act-every",
+        type=int,
+        default=capture_default("act_every"),
+        metavar="N",
+        help=f"count the activations of one decode step in N (default {capture_default('act_every')}: "
+        "every step). The counting is the probes' largest cost in the engine's threads; the other "
+        "steps keep their routing and get null activation ratios, and the aggregates' sparsity "
+        "histograms become a sample of them",
+    )
+    g.add_argument(
+        "--request-header",
+        default=option_default("request_header"),
+        metavar="NAME",
+        help="HTTP servers: header whose value becomes request_id (default "
+        f"{option_default('request_header')}); requests without it get generated ids",
+    )
+
+
+def _add_output(g: argparse._ArgumentGroup, *, output_help: str, output_required: bool) -> None:
+    g.add_argument(
+        "-o", "--output", type=Path, required=output_required, default=None, metavar="DIR", help=output_help
+    )
+    g.add_argument(
+        "-d", "--duration", type=float, default=None, metavar="SECONDS", help="detach after this many seconds"
+    )
+    g.add_argument(
         "--redact-text",
         action="store_true",
         help="keep token ids but store no token text, and no prompt or other "
-        "text from the engine's command line, environment or server settings (README: Privacy)",
+        "text from the engine's command line, environment or server settings (docs: privacy)",
     )
-    p.add_argument(
+    g.add_argument(
         "--redact",
         action="append",
         default=[],
         metavar="LEVEL[,LEVEL]",
         help="also leave out what recovers tokens: ids (token ids and text), routing (per-token "
         "experts and gate weights; the expert load per layer stays), sparsity (ratios rounded to 0.1), "
-        "masks (activation masks); `sparseety-prof audit` measures what each leaves (README: Privacy)",
+        "masks (activation masks); `sparseety-prof audit` measures what each leaves (docs: privacy)",
     )
-    p.add_argument(
+    g.add_argument(
         "--redact-layers",
         default=None,
         metavar="LAYERS",
         help="apply the routing, sparsity and masks levels of --redact to these model layers only "
         "(e.g. 0-3 or 0,5: the layers `audit` finds leaking most); default every layer",
     )
-    p.add_argument(
-        "--flush-interval",
-        type=float,
-        default=FLUSH_INTERVAL_S,
-        metavar="SECONDS",
-        help="write the rows gathered as Parquet segments at least this often (default "
-        f"{FLUSH_INTERVAL_S:g}); in between, each drain's rows go to the recording's journal, so "
-        "that a recorder killed outright (SIGKILL, the OOM killer) loses about the last drain; "
-        "metrics and OTLP exporters get rows at the flush pace",
-    )
-    p.add_argument(
-        "--fsync-interval",
-        type=float,
-        default=FSYNC_INTERVAL_S,
-        metavar="SECONDS",
-        help="fsync the recording's journal this often, so that a power cut loses at most about "
-        f"this much (default {FSYNC_INTERVAL_S:g}; 0: after each drain)",
-    )
-    p.add_argument(
+    g.add_argument(
         "--max-disk",
         default=None,
         metavar="SIZE",
@@ -95,7 +203,28 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         "are removed, so that it holds the latest stretch of the run; the rows removed are counted "
         "in meta.json (rotation), apart from losses (default: no limit)",
     )
-    p.add_argument(
+    g.add_argument(
+        "--flush-interval",
+        type=float,
+        default=FLUSH_INTERVAL_S,
+        metavar="SECONDS",
+        help="write the rows gathered as Parquet segments at least this often (default "
+        f"{FLUSH_INTERVAL_S:g}); in between, each drain's rows go to the recording's journal, so "
+        "that a recorder killed outright (SIGKILL, the OOM killer) loses about the last drain; "
+        "metrics and OTLP exporters get rows at least this often",
+    )
+    g.add_argument(
+        "--fsync-interval",
+        type=float,
+        default=FSYNC_INTERVAL_S,
+        metavar="SECONDS",
+        help="fsync the recording's journal this often, so that a power cut loses at most about "
+        f"this much (default {FSYNC_INTERVAL_S:g}; 0: after each drain)",
+    )
+
+
+def _add_policy(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
         "--policy",
         action="append",
         default=None,
@@ -109,182 +238,66 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         "in meta.json policy, apart from losses; metrics and exporters (--metrics-port, --otlp) see every "
         "row whatever the policy",
     )
-    p.add_argument(
-        "--max-memory",
-        default="256M",
-        metavar="SIZE",
-        help="anonymous memory the recorder may hold (default 256M, at least 64M; 'none': no limit): above "
-        "it, the rows gathered since the last flush are written out at once; counted in meta.json "
-        "profiler_memory.budget",
-    )
-    p.add_argument(
+    g.add_argument(
         "--policy-window",
-        default="64M",
+        default=None,
         metavar="SIZE",
-        help="memory the rows of undecided requests may hold under tail and anomaly policies (default "
-        "64M); beyond it the oldest undecided requests are kept early, counted in meta.json policy.window",
+        help="with --policy tail or anomaly: memory the rows of undecided requests may hold (default "
+        f"{size_text(option_default('policy_window'))}); beyond it the oldest undecided requests are "
+        "kept early, counted in meta.json policy.window",
     )
-    p.add_argument(
-        "--correlate-every",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="reduce each drain's logits rows to their statistics as it is taken and correlate the "
-        "drains of SECONDS together (up to 10): less CPU per token when the consumer has a core of "
-        "its own, more when the engine keeps every core busy (README); default 0, each drain as taken",
-    )
-    p.add_argument(
-        "--drain-interval",
-        type=float,
-        default=DRAIN_INTERVAL_S,
-        metavar="SECONDS",
-        help=f"the longest pause between two drains of the ring (default {DRAIN_INTERVAL_S:g}; sooner when "
-        "the ring fills fast, so that a drain finds at most a quarter of it filled). Each drain has a "
-        "fixed cost whatever it holds: fewer drains cost less CPU per token, but rows reach the "
-        "recording, live view and sinks later, and a drain holds more records",
-    )
-    p.add_argument(
-        "--ring-mb",
-        type=int,
-        default=RING_MB,
-        metavar="MIB",
-        help=f"size of the ring buffer the probes write into, a power of two (default {RING_MB}: a burst of "
-        "full capture with a 32k vocabulary fills about 40 MB/s while the consumer waits for CPU); kernel "
-        "memory; a drain should find at most a quarter of it filled, so a bigger ring lets drains come "
-        "further apart at high token rates; what does not fit is counted as kernel_drops",
-    )
-    p.add_argument(
+    g.add_argument(
         "--aggregate-interval",
         type=int,
-        default=10,
+        default=option_default("aggregate_s"),
         metavar="SECONDS",
         help="length of the buckets of the always-on aggregates table (expert load, sparsity, "
-        "log-prob and step-latency histograms; default 10)",
+        f"log-prob and step-latency histograms; default {option_default('aggregate_s')})",
     )
-    p.add_argument("--model", type=Path, default=None, help="model file, when the engine has none mapped")
-    p.add_argument(
-        "--discover-layout",
-        action="store_true",
-        help="learn the engine's private llama_ubatch layout from its first forward passes even when "
-        "the table of verified layouts has its build (those passes are not recorded)",
+
+
+def _add_footprint(g: argparse._ArgumentGroup) -> None:
+    from sparseety_prof.session.memory_budget import DEFAULT_MAX_MEMORY
+
+    g.add_argument(
+        "--max-memory",
+        default=None,
+        metavar="SIZE",
+        help=f"anonymous memory the recorder may hold (default {size_text(DEFAULT_MAX_MEMORY)}, at least "
+        "64M; 'none': no limit): above it, the rows gathered since the last flush are written out at "
+        "once; counted in meta.json profiler_memory.budget",
     )
-    p.add_argument(
-        "--discover-timeout",
-        type=float,
-        default=120.0,
-        help="seconds to wait for forward passes when the layout must be learned (default 120)",
-    )
-    p.add_argument(
-        "--nice",
-        type=int,
-        default=10,
-        help="niceness the consumer takes once attached, so the engine wins CPU contention (default 10)",
-    )
-    p.add_argument(
-        "--mode",
-        choices=("full", "tokens"),
-        default="full",
-        help="full (default): tokens plus MoE routing, activation sparsity and attention coverage; "
-        "tokens: token boundaries, ids and log-probs only (fewer probes)",
-    )
-    p.add_argument(
-        "--act-threshold",
-        type=float,
-        default=1e-2,
-        help="activations with |x| below this count in act_below_ratio (default 0.01; recorded in metadata)",
-    )
-    p.add_argument(
-        "--act-every",
-        type=int,
-        default=1,
-        metavar="N",
-        help="count the activations of one decode step in N (default 1: every step). The counting is "
-        "the probes' largest cost in the engine's threads; the other steps keep their routing and "
-        "get null activation ratios, and the aggregates' sparsity histograms become a sample of them",
-    )
-    p.add_argument(
-        "--capture-router-probs",
-        action="store_true",
-        help="also record the router probability of every expert per MoE layer",
-    )
-    p.add_argument(
-        "--capture-masks",
-        action="store_true",
-        help="also record the activation zero masks, bit-packed, in the masks table",
-    )
-    p.add_argument(
-        "--moe-read",
-        choices=("auto", "ops"),
-        default="auto",
-        help="where MoE routing and activations are read: auto (default) = at each MoE layer's weighted "
-        "multiply where the graph allows (fewest probe hits); ops = at the router's get_rows and the "
-        "GLU op (more probe hits, for engine builds whose MoE graph differs)",
-    )
-    p.add_argument(
+    g.add_argument(
         "--sched",
         choices=["idle", "nice"],
-        default="nice",
-        help="consumer CPU policy once attached: nice (default) = run at --nice; idle = SCHED_IDLE (only CPU "
-        "the engine leaves idle). Either way it takes nice 0 once it falls behind (over a third of the "
-        "ring filled, seen by the ring watch's thread as the probes write or by a drain) until it has "
-        "caught up. idle suits sampling policies in production (measured with --policy head:0.01 on "
-        "saturated cores: no records lost, 37-43 us of CPU per token, the inter-token p99 0.97-1.12 "
-        "times the engine's alone), but the consumer then drains seldom while the engine is busy: rows "
-        "reach the recording, live view and sinks up to about twice --max-drain-gap late",
+        default=option_default("sched"),
+        help="consumer CPU policy once attached: nice (default) = run at --nice; idle = SCHED_IDLE (only "
+        "CPU the engine leaves idle). Either way it takes nice 0 once it falls behind (over a third of "
+        "the ring filled, or records waiting too long) until it has caught up. idle suits sampling "
+        "policies in production (docs/overhead.md), but the consumer then drains seldom while the "
+        "engine is busy: rows reach the recording, live view and sinks later",
     )
-    p.add_argument(
-        "--max-drain-gap",
-        type=float,
-        default=5.0,
-        metavar="S",
-        help="when records have waited this long with no drain (a consumer starved under --sched idle), "
-        "the consumer takes nice 0 until it has caught up, as when the ring fills (default 5; 0 = only a "
-        "filling ring raises it: under --sched idle with a sampling policy, drains 20 s apart)",
-    )
-    p.add_argument(
-        "--slice-us",
+    g.add_argument(
+        "--nice",
         type=int,
-        default=SLICE_US,
-        metavar="US",
-        help="CPU slice the consumer asks the kernel for while it competes at --nice (Linux 6.12+; "
-        "100-100000, default 0 = the kernel's own). Shorter slices spread its CPU over more decode steps "
-        "but let it preempt the engine more often: 100 measured worse on a saturated 2-core host",
+        metavar="N",
+        default=option_default("nice"),
+        help="niceness the consumer takes once attached, so the engine wins CPU contention (default "
+        f"{option_default('nice')})",
     )
-    p.add_argument(
-        "--bpf-stats",
-        action="store_true",
-        help="count each probe program's runs and the time it ran in the engine's threads (the kernel's "
-        "BPF statistics, on while attached; two clock reads per probe hit), in meta.json bpf_programs",
-    )
-    p.add_argument(
-        "--ablate-consumer",
-        nargs="?",
-        const="drain",
-        default="",
-        choices=ABLATION_KINDS,
-        metavar="KIND",
-        help="measure the probes' cost alone: after the start-up work (first tokens recorded, the "
-        "attention layer map learned and its graph-op probes detached), drain the ring and discard "
-        "the records; the recording keeps only the rows made before (meta.json consumer.ablated). "
-        "KIND `logits` reduces each drain's logits rows to their statistics before the discard: the "
-        "floor under any full-mode consumer. For benchmarks: scripts/bench_sustained.py --ablate-consumer",
-    )
-    p.add_argument(
-        "--request-header",
-        default=DEFAULT_HEADER,
-        metavar="NAME",
-        help=f"HTTP servers: header whose value becomes request_id (default {DEFAULT_HEADER}); "
-        "requests without it get generated ids",
-    )
-    p.add_argument(
+
+
+def _add_fleet(g: argparse._ArgumentGroup) -> None:
+    add_dataset_flag(g)
+    g.add_argument(
         "--otlp",
         default=None,
         metavar="URL",
         help="also send each request as an OpenTelemetry span (GenAI conventions) to this OTLP/HTTP "
         "collector, e.g. http://localhost:4318 (/v1/traces is added to a URL with no path); a "
-        "collector that is slow or down costs dropped spans, counted in meta.json (README: OpenTelemetry)",
+        "collector that is slow or down costs dropped spans, counted in meta.json (docs: fleet outputs)",
     )
-    p.add_argument(
+    g.add_argument(
         "--otlp-token-events",
         type=float,
         default=0.0,
@@ -292,13 +305,29 @@ def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_req
         help="with --otlp: also attach this share (0..1) of each request's tokens as span events "
         "(default 0; at most 128 per span)",
     )
-    p.add_argument(
+    g.add_argument(
         "--otlp-steps",
         action="store_true",
         help="with --otlp: also send one span per micro-batch (step)",
     )
-    add_late_attach_flags(p)
-    add_metrics_flags(p)
+    add_metrics_flags(g)
+
+
+def _add_tuning(p: argparse.ArgumentParser) -> None:
+    """Tuning and benchmark knobs: accepted, left out of --help, documented in docs/tuning.md."""
+    hidden = argparse.SUPPRESS
+    p.add_argument("--correlate-every", type=float, default=option_default("correlate_every"), help=hidden)
+    p.add_argument("--drain-interval", type=float, default=DRAIN_INTERVAL_S, help=hidden)
+    p.add_argument("--ring-mb", type=int, default=RING_MB, help=hidden)
+    p.add_argument("--max-drain-gap", type=float, default=option_default("max_drain_gap"), help=hidden)
+    p.add_argument("--slice-us", type=int, default=SLICE_US, help=hidden)
+    p.add_argument("--bpf-stats", action="store_true", help=hidden)
+    p.add_argument(
+        "--ablate-consumer", nargs="?", const="drain", default="", choices=ABLATION_KINDS, help=hidden
+    )
+    p.add_argument("--moe-read", choices=("auto", "ops"), default=None, help=hidden)
+    p.add_argument("--discover-layout", action="store_true", help=hidden)
+    p.add_argument("--discover-timeout", type=float, default=option_default("discover_timeout"), help=hidden)
 
 
 def sinks_from(args: argparse.Namespace, log: Callable[[str], None]) -> list[FrameSink]:
@@ -306,9 +335,7 @@ def sinks_from(args: argparse.Namespace, log: Callable[[str], None]) -> list[Fra
     from sparseety_prof.errors import UsageError
 
     if args.otlp is None:
-        if args.otlp_token_events or args.otlp_steps:
-            raise UsageError("--otlp-token-events and --otlp-steps need --otlp URL")
-        return []
+        return []  # options_from refused --otlp-token-events and --otlp-steps without it
     if not 0.0 <= args.otlp_token_events <= 1.0:
         raise UsageError(f"--otlp-token-events must be within 0..1, got {args.otlp_token_events}")
     try:
@@ -325,14 +352,14 @@ def sinks_from(args: argparse.Namespace, log: Callable[[str], None]) -> list[Fra
     return [OtlpSink(args.otlp, token_event_rate=args.otlp_token_events, steps=args.otlp_steps, log=log)]
 
 
-def add_late_attach_flags(p: argparse.ArgumentParser) -> None:
+def add_late_attach_flags(p: argparse._ActionsContainer) -> None:
     from sparseety_prof.gpu.launch import add_preset_flag
 
     p.add_argument(
         "--late-attach",
         action="store_true",
         help="GPU: if the process is a running CUDA process started without `sparseety-prof launch`, "
-        "load the CUPTI injection library into it now (ptrace + dlopen, x86_64; README: GPU path)",
+        "load the CUPTI injection library into it now (ptrace + dlopen, x86_64; docs: GPU path)",
     )
     p.add_argument(
         "--watch",
@@ -352,11 +379,7 @@ def late_attach_from(args: argparse.Namespace, log: Callable[[str], None]) -> No
     from sparseety_prof.gpu.watch_rules import WatchSpecError
 
     if not args.late_attach:
-        if args.watch is not None or args.preset:
-            raise UsageError(
-                "--watch and --preset need --late-attach (for a new process: `sparseety-prof launch --watch`)"
-            )
-        return
+        return  # options_from refused --watch and --preset without it
     try:
         watch = watch_spec(args.watch, args.preset)
     except WatchSpecError as e:
@@ -372,29 +395,30 @@ def late_attach_from(args: argparse.Namespace, log: Callable[[str], None]) -> No
         log(f"sparseety-prof: {result.message}")
 
 
-def add_metrics_flags(p: argparse.ArgumentParser) -> None:
-    """--metrics-port and what goes with it (README: Prometheus)."""
+def add_metrics_flags(p: argparse._ActionsContainer) -> None:
+    """--metrics-port and what goes with it (docs: fleet outputs)."""
     p.add_argument(
         "--metrics-port",
         type=int,
         default=None,
         metavar="N",
         help="serve Prometheus metrics on this port (expert load, sparsity, log-prob and step latency "
-        "histograms, tokens, requests, losses, the recorder's CPU and memory; README: Prometheus)",
+        "histograms, tokens, requests, losses, the recorder's CPU and memory; docs: fleet outputs)",
     )
     p.add_argument(
         "--metrics-bind",
-        default="127.0.0.1",
+        default=None,
         metavar="ADDR",
-        help="address the metrics endpoint listens on (default 127.0.0.1: expert load over time is "
-        "routing, which recovers tokens, so it is as sensitive as the prompts; widen it on purpose)",
+        help=f"with --metrics-port: the address it listens on (default {METRICS_BIND}: expert load over "
+        "time is routing, which recovers tokens, so it is as sensitive as the prompts; widen it on purpose)",
     )
     p.add_argument(
         "--metrics-experts",
-        choices=("per-expert", "aggregate"),
-        default="per-expert",
-        help="per-expert (default): a selection counter per MoE layer and expert (layers x experts "
-        "series); aggregate: only per-layer imbalance gauges, no expert label",
+        choices=METRICS_EXPERT_MODES,
+        default=None,
+        help="with --metrics-port: auto (default): a selection counter per MoE layer and expert while "
+        "those series stay within a bound, only per-layer imbalance gauges beyond (docs: fleet "
+        "outputs); per-expert: always per expert; aggregate: always per layer, no expert label",
     )
 
 
@@ -411,6 +435,7 @@ def options_from(args: argparse.Namespace) -> Options:
     from sparseety_prof.store.redaction_levels import redaction_from_flags
     from sparseety_prof.store.rotation import parse_size
 
+    refuse_unworkable_combinations(args)
     if not 0 <= args.correlate_every <= 10:
         raise UsageError(f"--correlate-every must be from 0 to 10 seconds, got {args.correlate_every}")
     if not args.flush_interval > 0:
@@ -455,8 +480,8 @@ def options_from(args: argparse.Namespace) -> Options:
         raise UsageError(
             f"--slice-us must be 0 (the kernel's) or {SLICE_MIN_US}-{SLICE_MAX_US}, got {args.slice_us}"
         )
-    max_memory = None
-    if args.max_memory.lower() != "none":
+    max_memory = option_default("max_memory") if args.max_memory is None else None
+    if args.max_memory is not None and args.max_memory.lower() != "none":
         try:
             max_memory = parse_size(args.max_memory)
         except ValueError as e:
@@ -465,13 +490,20 @@ def options_from(args: argparse.Namespace) -> Options:
             raise UsageError(
                 f"--max-memory must be at least {MIN_MAX_MEMORY >> 20} MiB, got {args.max_memory}"
             )
-    try:
-        policy_window = parse_size(args.policy_window)
-    except ValueError as e:
-        raise UsageError(f"--policy-window: {e}") from None
+    policy_window = option_default("policy_window")
+    if args.policy_window is not None:
+        try:
+            policy_window = parse_size(args.policy_window)
+        except ValueError as e:
+            raise UsageError(f"--policy-window: {e}") from None
+        if not any(spec.split(":", 1)[0] in UNDECIDED_POLICIES for spec in policy):
+            raise UsageError(
+                "--policy-window bounds the rows of requests not yet decided: it goes with --policy tail:Q "
+                "or --policy anomaly (head, full and aggregate decide at once)"
+            )
     if args.aggregate_interval < 1:
         raise UsageError(f"--aggregate-interval must be at least 1 second, got {args.aggregate_interval}")
-    if getattr(args, "ablate_consumer", ""):
+    if args.ablate_consumer:
         from sparseety_prof.session.ablation import ConsumerAblation
 
         why = ConsumerAblation.check(args.ablate_consumer)
@@ -480,15 +512,30 @@ def options_from(args: argparse.Namespace) -> Options:
     if args.output is not None:
         check_output_path(args.output, META_FILE, sudo_owner())  # refused before anything is attached
     if args.mode == "tokens":
-        if args.capture_router_probs or args.capture_masks or args.act_every != 1:
-            raise UsageError("--capture-router-probs, --capture-masks and --act-every need --mode full")
+        given = [
+            flag
+            for flag, on in (
+                ("--capture-router-probs", args.capture_router_probs),
+                ("--capture-masks", args.capture_masks),
+                ("--act-every", args.act_every != capture_default("act_every")),
+                ("--act-threshold", args.act_threshold is not None),
+                ("--moe-read", getattr(args, "moe_read", None) is not None),
+            )
+            if on
+        ]
+        if given:
+            raise UsageError(
+                f"{', '.join(given)}: --mode tokens captures no sparse decisions; these need --mode full"
+            )
         capture = TOKENS_ONLY
     else:
         try:
             capture = Capture(
                 router_probs=args.capture_router_probs,
                 masks=args.capture_masks,
-                act_threshold=args.act_threshold,
+                act_threshold=capture_default("act_threshold")
+                if args.act_threshold is None
+                else args.act_threshold,
                 act_every=args.act_every,
             )
         except ValueError as e:
@@ -514,15 +561,15 @@ def options_from(args: argparse.Namespace) -> Options:
         drain_interval=args.drain_interval,
         slice_us=args.slice_us,
         capture=capture,
-        moe_read=getattr(args, "moe_read", "auto"),
-        discover_layout=getattr(args, "discover_layout", False),
-        discover_timeout=getattr(args, "discover_timeout", 120.0),
+        moe_read=getattr(args, "moe_read", None) or option_default("moe_read"),
+        discover_layout=args.discover_layout,
+        discover_timeout=args.discover_timeout,
         policy=policy,
         policy_window=policy_window,
         ring_mb=args.ring_mb,
         aggregate_s=args.aggregate_interval,
-        bpf_stats=getattr(args, "bpf_stats", False),
-        ablate_consumer=getattr(args, "ablate_consumer", ""),
+        bpf_stats=args.bpf_stats,
+        ablate_consumer=args.ablate_consumer,
     )
 
 
@@ -533,15 +580,16 @@ def metrics_sink_from(args: argparse.Namespace, opts: Options) -> PrometheusSink
     from sparseety_prof.session.metrics_sink import PrometheusSink
 
     if args.metrics_port is None:
-        return None
+        return None  # options_from refused --metrics-bind and --metrics-experts without it
     if not 0 < args.metrics_port < 65536:
         raise UsageError(f"--metrics-port must be a port number (1-65535), got {args.metrics_port}")
+    chosen = {"experts": args.metrics_experts} if args.metrics_experts is not None else {}
     return PrometheusSink(
-        args.metrics_bind,
+        args.metrics_bind or METRICS_BIND,
         args.metrics_port,
-        experts=args.metrics_experts,
         redact=opts.redact,
         redact_layers=opts.redact_layers,
+        **chosen,
     )
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from sparseety_prof.commands.help_text import command_epilog
+
 AUDIT_DESCRIPTION = """\
 Take the attacker's view of a recording: fit token-recovery models (a per-layer lookup of expert
 sets, naive Bayes over layers, nearest centroids over gate weights, router probabilities, sparsity
@@ -19,12 +21,14 @@ prompt) is held out in turn and scored by models fitted on the others.
 The recordings need token ids (not --redact ids): they are the ground truth.
 """
 
-AUDIT_EPILOG = """\
-exit status:
-  0  the audit ran
-  2  usage error: a path that does not exist, training recordings of another model (their model
-     sha256 differs), a recording without token ids or sparse decisions, a single run without --train
-  7  not a recording, or a corrupt one
+EXAMPLES = """\
+  sparseety-prof audit rec                             # each run held out in turn
+  sparseety-prof audit rec --train rec2 --train rec3   # fitted on other recordings of the model
+  sparseety-prof audit rec --json | jq .leakiest_layers
+"""
+USAGE_ERRORS = """\
+usage errors (exit 2) include: training recordings of another model (their model sha256 differs),
+a recording without token ids or sparse decisions, a single run without --train
 """
 
 
@@ -33,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "audit",
         help="measure how well a recording's routing and sparsity recover its tokens",
         description=AUDIT_DESCRIPTION,
-        epilog=AUDIT_EPILOG,
+        epilog=command_epilog("audit", EXAMPLES, notes=USAGE_ERRORS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     a.add_argument("recording", type=Path, metavar="DIR", help="the recording to audit (held out)")

@@ -15,6 +15,14 @@ import sys
 from pathlib import Path
 
 from sparseety_prof.capture.resources import CUPTI_DIR, CUPTI_LIBRARY
+from sparseety_prof.commands.exit_codes import CUPTI_LIBRARY_MISSING
+from sparseety_prof.commands.help_text import command_epilog, description
+
+EXAMPLES = """\
+  sparseety-prof build-cupti                 # into the folder `launch` looks in
+  sparseety-prof build-cupti /opt/cupti      # elsewhere: then start engines with
+                                             # SPARSEETY_CUPTI_LIB=/opt/cupti/libsparseety_cupti.so
+"""
 
 
 def _writable(folder: Path) -> bool:
@@ -26,7 +34,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     bc = sub.add_parser(
         "build-cupti",
         help="build the CUPTI injection library `launch` loads (needs the CUDA 13 headers)",
-        description=(__doc__ or "").split("\n\n")[0],
+        description=description((__doc__ or "").split("\n\n")[0]),
+        epilog=command_epilog("build-cupti", EXAMPLES),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bc.add_argument(
         "outdir", nargs="?", type=Path, default=CUPTI_LIBRARY.parent, help=f"default: {CUPTI_LIBRARY.parent}"
@@ -42,13 +52,16 @@ def run(args: argparse.Namespace) -> int:
             "or give another OUTDIR and start engines with SPARSEETY_CUPTI_LIB=OUTDIR/libsparseety_cupti.so",
             file=sys.stderr,
         )
-        return 1
+        return CUPTI_LIBRARY_MISSING
     env = {**os.environ, "VENV": os.environ.get("VENV", sys.prefix)}
     rc = subprocess.run(["bash", str(CUPTI_DIR / "build.sh"), str(out)], env=env).returncode
-    if rc == 0 and out != CUPTI_LIBRARY.parent.resolve():
+    if rc != 0:  # build.sh's own status (3: no CUDA headers) would read as another code of ours
+        print(f"sparseety-prof build-cupti: the build failed (build.sh exited {rc})", file=sys.stderr)
+        return CUPTI_LIBRARY_MISSING
+    if out != CUPTI_LIBRARY.parent.resolve():
         print(
             f"sparseety-prof build-cupti: `launch` looks in {CUPTI_LIBRARY.parent}: "
             f"set SPARSEETY_CUPTI_LIB={out / CUPTI_LIBRARY.name}",
             file=sys.stderr,
         )
-    return rc
+    return 0

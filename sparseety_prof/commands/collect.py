@@ -6,7 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from sparseety_prof.commands.exit_codes import COLLECT_REFUSED, EXIT_CODES_HELP
+from sparseety_prof.commands.exit_codes import COLLECT_REFUSED
+from sparseety_prof.commands.help_text import command_epilog
+
+EXAMPLES = """\
+  sparseety-prof collect rec1 rec2 fleet/                  # into the dataset fleet/ (created)
+  sparseety-prof collect /var/lib/sparseety/*/ fleet/      # every recording of a host
+  duckdb -c "select count(*) from 'fleet/tokens/**/*.parquet'"
+"""
 
 DESCRIPTION = """\
 Add recordings to the dataset DEST (created when missing): one Parquet file per recording and
@@ -23,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "collect",
         help="add recordings to a Hive-partitioned Parquet dataset (Polars, DuckDB, Spark)",
         description=DESCRIPTION,
-        epilog=EXIT_CODES_HELP,
+        epilog=command_epilog("collect", EXAMPLES),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     c.add_argument("sources", type=Path, nargs="+", metavar="SRC", help="recording directories")

@@ -10,7 +10,7 @@ from pathlib import Path
 from sparseety_prof.errors import UsageError
 
 
-def add_dataset_flag(p: argparse.ArgumentParser) -> None:
+def add_dataset_flag(p: argparse._ActionsContainer) -> None:
     p.add_argument(
         "--dataset",
         type=Path,

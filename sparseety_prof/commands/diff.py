@@ -6,6 +6,8 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
+from sparseety_prof.commands.help_text import command_epilog
+
 DIFF_DESCRIPTION = """\
 Compare two recordings of the same prompts (dense vs sparse configuration, two engine builds,
 with and without a change), request by request and token by token, and say where the runs first
@@ -23,12 +25,10 @@ layer, and attended cells per attention layer. Columns one recording did not cap
 expert ids of a dense model) are "not comparable", never differences.
 """
 
-DIFF_EPILOG = """\
-exit status:
-  0  the runs are equal within the tolerances
-  1  the runs differ (tokens, log-probs, routing, sparsity, attention, or request counts)
-  2  usage error (e.g. a path that does not exist)
-  7  not a recording, or a corrupt one
+EXAMPLES = """\
+  sparseety-prof diff dense-rec sparse-rec             # where the runs first diverge, and how
+  sparseety-prof diff a b --all --logprob-tol 1e-2     # compare every position, looser log-probs
+  sparseety-prof diff a b --json | jq '.pairs[0]'
 """
 
 
@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "diff",
         help="compare two recordings of the same prompts token by token; exit 1 when they differ",
         description=DIFF_DESCRIPTION,
-        epilog=DIFF_EPILOG,
+        epilog=command_epilog("diff", EXAMPLES),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     df.add_argument("a", type=Path, metavar="A", help="first recording (e.g. the dense run)")

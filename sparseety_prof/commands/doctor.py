@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import asdict
+from typing import Any
 
 from sparseety_prof.capture.preflight import SYSTEM_CHECKS, check_engine
 from sparseety_prof.checks import Check
+from sparseety_prof.commands.exit_codes import DOCTOR_FAILED
+from sparseety_prof.commands.help_text import command_epilog, description
 
 
 def run_checks(pid: int | None, *, gpu: bool = False) -> list[Check]:
@@ -41,23 +45,61 @@ def print_checks(checks: list[Check]) -> None:
     Console().print(t)
 
 
+EXAMPLES = """\
+  sparseety-prof doctor                                  # this host: privileges, BCC, headers, tracefs
+  sparseety-prof doctor -p "$(pgrep -xo llama-server)"   # and that engine: build, model, capture layers
+  sparseety-prof doctor --gpu                            # and the GPU path (CUPTI library, driver)
+  sparseety-prof doctor --json | jq '.checks[] | select(.ok | not)'
+"""
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    dr = sub.add_parser("doctor", help="check privileges, BPF, headers, tracefs and (with --pid) the engine")
-    dr.add_argument("--pid", type=int, default=None, help="also check this engine process")
+    dr = sub.add_parser(
+        "doctor",
+        help="check privileges, BPF, headers, tracefs and (with --pid) the engine",
+        description=description(
+            """Run every check attaching needs (privileges, BCC, kernel headers, tracefs, a BPF
+            load; with --pid the engine's build, model and capture layers; with --gpu the GPU
+            path) and say how to fix each one that fails."""
+        ),
+        epilog=command_epilog("doctor", EXAMPLES),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    dr.add_argument("-p", "--pid", type=int, default=None, help="also check this engine process")
     dr.add_argument(
         "--gpu",
         action="store_true",
         help="also check the GPU path: injection library, libcupti, cupti-python, CUDA driver "
         "(and with --pid the engine's CUPTI ring)",
     )
+    dr.add_argument(
+        "--json", action="store_true", help="print the checks as JSON (stdout) instead of the table"
+    )
     dr.set_defaults(func=run)
+
+
+def checks_json(checks: list[Check]) -> dict[str, Any]:
+    """The JSON `doctor --json` prints: every check, and how many passed and failed."""
+    failed = [c for c in checks if not c.ok]
+    return {
+        "command": "doctor",
+        "ok": not failed,
+        "passed": len(checks) - len(failed),
+        "failed": len(failed),
+        "checks": [asdict(c) for c in checks],
+    }
 
 
 def run(args: argparse.Namespace) -> int:
     checks = run_checks(args.pid, gpu=args.gpu)
-    print_checks(checks)
+    if args.json:
+        from sparseety_prof.terminal_text import json_dumps
+
+        print(json_dumps(checks_json(checks), indent=2))
+    else:
+        print_checks(checks)
     failed = [c.name for c in checks if not c.ok]
     if failed:
         print(f"sparseety-prof doctor: {len(failed)} check(s) failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
+        return DOCTOR_FAILED
     return 0

@@ -7,9 +7,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
+from sparseety_prof.commands.exit_codes import SPANS_NOT_SENT
+from sparseety_prof.commands.help_text import command_epilog
 
 FORMATS = ("perfetto", "jsonl")
+
+EXAMPLES = """\
+  sparseety-prof export rec --format perfetto -o rec.trace.json   # open in ui.perfetto.dev
+  sparseety-prof export rec --format jsonl -o rec.jsonl           # one JSON object per token
+  sparseety-prof export rec --otlp http://localhost:4318          # each request as a span
+"""
 
 DESCRIPTION = """\
 Write the recording DIR to FILE for other tools:
@@ -20,10 +27,10 @@ Write the recording DIR to FILE for other tools:
   jsonl     one JSON object per token, in the product brief's event shape.
 Times are the recording's CLOCK_MONOTONIC; token text stays null where the recording was made
 with --redact-text. FILE is created owner-only (0600); an existing FILE is refused unless --force.
-The export holds what the recording holds (token text, routing): see README, Privacy.
+The export holds what the recording holds (token text, routing): see docs: privacy.
 
 With --otlp URL instead, each request is sent as an OpenTelemetry span to that OTLP/HTTP
-collector, the spans `record --otlp` sends live (README: OpenTelemetry).
+collector, the spans `record --otlp` sends live (docs: fleet outputs).
 """
 
 
@@ -32,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "export",
         help="write a recording as a Perfetto/Chrome trace or as JSON lines (one per token)",
         description=DESCRIPTION,
-        epilog=EXIT_CODES_HELP,
+        epilog=command_epilog("export", EXAMPLES),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     e.add_argument("recording", type=Path, metavar="DIR", help="the recording to export")
@@ -116,6 +123,6 @@ def _send_otlp(args: argparse.Namespace) -> int:
             line(f"{msg}; not sent: {acc.get('last_problem') or 'the collector did not take them'}"),
             file=sys.stderr,
         )
-        return 1
+        return SPANS_NOT_SENT
     print(line(msg), file=sys.stderr)
     return 0

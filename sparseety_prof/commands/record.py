@@ -15,23 +15,41 @@ from sparseety_prof.commands.attach_flags import (
     options_from,
     sinks_from,
 )
-from sparseety_prof.commands.dataset_flag import add_dataset_flag, check_dataset_flag, collect_recording
-from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
+from sparseety_prof.commands.dataset_flag import check_dataset_flag, collect_recording
+from sparseety_prof.commands.help_text import command_epilog, description
 
 if TYPE_CHECKING:
     from sparseety_prof.capture.process_match import ProcessRule
     from sparseety_prof.session.options import Options
+
+EXAMPLES = """\
+  sparseety-prof record -p "$(pgrep -xo llama-server)" -o rec          # until Ctrl-C or the engine exits
+  sparseety-prof record -p 12345 -o rec -d 60                           # one minute
+  sparseety-prof record -p 12345 -o rec --policy head:0.01 --max-disk 2G  # 1% of requests, bounded
+  sparseety-prof record -p 12345 -o rec --redact-text --redact routing  # no text, no per-token experts
+  sparseety-prof record --follow llama-server -o recs                   # one recording per restart
+  sparseety-prof record -p 12345 -o rec --metrics-port 9464 --otlp http://localhost:4318
+then: sparseety-prof report rec
+"""
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r = sub.add_parser(
         "record",
         help="attach to an engine and record every sampled token",
-        epilog=EXIT_CODES_HELP,
+        description=description(
+            """Attach to a running llama.cpp engine by PID and record each token it samples, with
+            its sparse decisions (experts, activation sparsity, attention), its step and its request,
+            into a recording directory, until Ctrl-C, SIGTERM, --duration or the engine's exit.
+
+            Needs root (or CAP_BPF and CAP_PERFMON): `sparseety-prof doctor` says what is missing.
+            Layers an engine offloads to a GPU (-ngl) record no routing or sparsity. Tuning flags
+            are accepted but left out of this list: docs/tuning.md."""
+        ),
+        epilog=command_epilog("record", EXAMPLES),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_attach_flags(r, output_help="recording directory (created; must be empty)", output_required=True)
-    add_dataset_flag(r)
     r.add_argument("--skip-probe", action="append", help=argparse.SUPPRESS)
     r.set_defaults(func=run)
 

@@ -6,7 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
+from sparseety_prof.commands.help_text import command_epilog
+
+EXAMPLES = """\
+  sparseety-prof redact rec -o rec-shared --redact routing,sparsity --redact-text
+  sparseety-prof redact rec -o rec-shared --redact routing --redact-layers 0-3   # the leakiest layers
+  sparseety-prof audit rec-shared                                               # what it still gives away
+"""
 
 DESCRIPTION = """\
 Write a copy of the recording SRC to DST with redaction levels applied, as if it had been recorded
@@ -14,7 +20,7 @@ with them: ids (token ids and text), routing (per-token experts, gate weights an
 probabilities; the expert load per layer stays in meta.json), sparsity (activation ratios rounded
 to 0.1), masks (activation masks); --redact-layers limits routing, sparsity and masks to some
 model layers. Levels the source already has are kept (both sets of levels then apply to both sets
-of layers). `sparseety-prof audit` measures how much each level leaves (README: Privacy). DST must
+of layers). `sparseety-prof audit` measures how much each level leaves (docs: privacy). DST must
 be new or empty.
 """
 
@@ -24,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "redact",
         help="write a redacted copy of a recording (token ids, routing, sparsity, masks, text)",
         description=DESCRIPTION,
-        epilog=EXIT_CODES_HELP,
+        epilog=command_epilog("redact", EXAMPLES),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     r.add_argument("source", type=Path, metavar="SRC", help="the recording to copy")

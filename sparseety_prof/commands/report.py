@@ -6,12 +6,31 @@ import argparse
 import sys
 from pathlib import Path
 
+from sparseety_prof.commands.help_text import command_epilog, description
 from sparseety_prof.errors import UsageError
+
+EXAMPLES = """\
+  sparseety-prof report rec                      # header, requests, where the time went, slowest tokens
+  sparseety-prof report rec --anomalies          # and what the anomaly detectors find
+  sparseety-prof report rec --html rec.html      # one self-contained page with charts
+  sparseety-prof report rec --json | jq '.slowest_tokens[0]'
+"""
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    rp = sub.add_parser("report", help="summary tables of a recording")
-    rp.add_argument("recording", type=Path)
+    rp = sub.add_parser(
+        "report",
+        help="summary tables of a recording",
+        description=description(
+            """Summary of a recording: what was recorded and lost, each request's tokens and
+            log-probs, where each request's time went (queued, prompt, decode, time to first
+            token, tokens per second), the slowest requests and tokens with their step's batch
+            context, GPU kernels and step latency."""
+        ),
+        epilog=command_epilog("report", EXAMPLES),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    rp.add_argument("recording", type=Path, metavar="DIR", help="the recording")
     rp.add_argument(
         "--anomalies",
         action="store_true",
@@ -31,14 +50,27 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="with --html: the request whose tokens the page shows (default: the longest)",
     )
     rp.add_argument("--force", action="store_true", help="with --html: replace FILE if it exists")
+    rp.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as JSON (stdout): counts, per-request table, slowest requests and tokens",
+    )
     rp.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.html is not None:
+        if args.json:
+            raise UsageError("--json and --html FILE are two outputs: give one")
         return _html(args)
     if args.request is not None or args.force:
         raise UsageError("--request and --force go with --html FILE")
+    if args.json:
+        from sparseety_prof.terminal_text import json_dumps
+        from sparseety_prof.views.report_json import report_json
+
+        print(json_dumps(report_json(args.recording, anomalies=args.anomalies), indent=2))
+        return 0
     from sparseety_prof.views.report import print_report
 
     print_report(args.recording, anomalies=args.anomalies)

@@ -24,8 +24,9 @@ from sparseety_prof.gpu.watch_rules import WatchSpecError
 
 __all__ = ["add_arguments", "build_env", "find_libcupti", "launch", "library_path", "run"]
 
-EXIT_FAILURE = 1
 EXIT_USAGE = 2
+EXIT_NO_LIBRARY = 20  # the injection library is not built (commands/exit_codes.py: the table)
+EXIT_NOT_STARTED = 127  # the command could not be started, as env(1) and nice(1) exit
 
 
 def library_path() -> Path:
@@ -104,7 +105,7 @@ def launch(argv: list[str], *, library: Path | None = None, **settings: Any) -> 
             "run `sparseety-prof build-cupti`",
             file=sys.stderr,
         )
-        return EXIT_FAILURE
+        return EXIT_NO_LIBRARY
     watch_file = settings.get("watch_file")
     if watch_file is not None and not Path(watch_file).is_file():
         print(f"sparseety-prof launch: watch file {watch_file} does not exist", file=sys.stderr)
@@ -114,7 +115,7 @@ def launch(argv: list[str], *, library: Path | None = None, **settings: Any) -> 
         proc = subprocess.Popen(argv, env=env)
     except OSError as e:
         print(f"sparseety-prof launch: cannot start {argv[0]}: {e.strerror}", file=sys.stderr)
-        return EXIT_FAILURE
+        return EXIT_NOT_STARTED
     print(
         f"sparseety-prof: started pid {proc.pid} with {lib.name} injected; "
         f"attach with: sudo sparseety-prof attach --pid {proc.pid}",
@@ -159,14 +160,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- <engine command and arguments>")
 
 
-def add_preset_flag(parser: argparse.ArgumentParser) -> None:
+def add_preset_flag(parser: argparse._ActionsContainer) -> None:
     """--preset, shared by `launch` and `record`/`attach --late-attach`."""
     parser.add_argument(
         "--preset",
         action="append",
         choices=sorted(PRESETS),
         help="watch the fused-MoE routing kernels of this engine (repeatable; after the --watch entries, "
-        "which win where both match; README: GPU path, Presets)",
+        "which win where both match; docs: GPU path, presets)",
     )
 
 

@@ -9,10 +9,11 @@ from pathlib import Path
 from sparseety_prof.capture.options import Capture
 from sparseety_prof.correlate.serving import DEFAULT_HEADER
 from sparseety_prof.session.memory_budget import DEFAULT_MAX_MEMORY
+from sparseety_prof.session.request_hold import DEFAULT_WINDOW_BYTES
 
 #: default --flush-interval, seconds. Each flush writes a segment per table (Parquet, two fsyncs)
-#: and rewrites meta.json: at 2 s, as it was, that fixed cost was a sixth of the recorder's CPU
-#: per token on sustained load and 5 files every 2 s. Between flushes each drain's rows go to the
+#: and rewrites meta.json, a fixed cost that shorter intervals pay more often (measured in
+#: docs/overhead.md, "Overhead, change by change"). Between flushes each drain's rows go to the
 #: recording's journal (store/journal.py) in the page cache, so a recorder killed outright (SIGKILL,
 #: the OOM killer) loses about the last drain; Ctrl-C, SIGTERM and SIGHUP lose nothing.
 FLUSH_INTERVAL_S = 10.0
@@ -21,21 +22,19 @@ FLUSH_INTERVAL_S = 10.0
 FSYNC_INTERVAL_S = 10.0
 #: default --drain-interval, seconds: the longest pause between two drains (a ring that fills fast
 #: is drained sooner: session/sched.py). A drain has a fixed cost whatever it holds (the
-#: correlation's set-up, the row passes; replayed ~0.9 ms, live on a saturated 2-core host several
-#: times that, in caches the engine's threads emptied), so fewer drains cost less per token: 1 s against
-#: 0.5 s measured 146-163 against 157-213 us of recorder CPU per token, and fewer long preemptions
-#: of the engine (docs/overhead.md, "Drains a second apart").
+#: correlation's set-up, the row passes), so fewer drains cost less per token and preempt the
+#: engine less often (measured in docs/overhead.md, "Drains a second apart").
 DRAIN_INTERVAL_S = 1.0
-DRAIN_INTERVAL_MIN_S = 0.05  # below it the ring watch and the pace do the job; each drain costs ms
+DRAIN_INTERVAL_MIN_S = 0.05  # below it the ring watch and the pace do the job; each drain has a cost
 DRAIN_INTERVAL_MAX_S = 10.0  # the live view, the sinks and the policies wait that long for rows
-#: default --ring-mb. At ~165 tokens/s of a 32k vocabulary (~22 MB/s of logits rows) the pace drains
-#: 64 MiB every ~0.7 s; 128 MiB lets the drains come a second apart, for the same CPU measured, and
-#: ~110 MiB more resident (the ring's pages are mapped twice)
+#: default --ring-mb. Full capture of a large vocabulary fills it fast (the logits rows), so the pace
+#: drains it sooner than --drain-interval; a bigger ring lets drains come further apart and costs
+#: resident memory (its pages are mapped twice; measured in docs/overhead.md)
 RING_MB = 64
 #: what `--ablate-consumer KIND` still does with each drain (session/ablation.py)
 ABLATION_KINDS = ("drain", "logits")
-#: default --slice-us: 0, the kernel's own slice. The shortest one (100 µs) was measured worse
-#: (docs/overhead.md): EEVDF runs a short-slice thread sooner, so it preempts the engine more often
+#: default --slice-us: 0, the kernel's own slice. A short one measured worse (docs/overhead.md):
+#: EEVDF runs a short-slice thread sooner, so it preempts the engine more often
 SLICE_US = 0
 
 
@@ -71,7 +70,7 @@ class Options:
     # (session/drain_batches.py); 0: each drain correlated as it is taken
     correlate_every: float = 0.0
     policy: tuple[str, ...] = ("full",)  # what the recording keeps (session/policy.py), any of them
-    policy_window: int = 64 << 20  # bytes of rows the per-request policies hold until decided
+    policy_window: int = DEFAULT_WINDOW_BYTES  # bytes of rows the per-request policies hold until decided
     max_memory: int | None = DEFAULT_MAX_MEMORY  # the consumer's anonymous memory (session/memory_budget.py)
     aggregate_s: int = 10  # bucket of the always-on aggregates table
     bpf_stats: bool = False  # count each probe program's runs and run time (capture/bpf_stats.py)

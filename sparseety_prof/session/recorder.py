@@ -25,7 +25,7 @@ from sparseety_prof.capture.bpf_loader import ATTENTION_OPS, RingReader, Session
 from sparseety_prof.capture.events import EventBatch, SeqTracker, decode_groups
 from sparseety_prof.correlate.correlator import Correlator
 from sparseety_prof.correlate.serving import ServingTracker
-from sparseety_prof.errors import NotAnEngine, ProfError
+from sparseety_prof.errors import GpuRingUnreadable, NotAnEngine, ProfError
 from sparseety_prof.gpu.capture import GpuCapture
 from sparseety_prof.gpu.shm_ring import RingError
 from sparseety_prof.session import metadata
@@ -686,7 +686,7 @@ def _open_gpu(pid: int) -> GpuCapture | None:
     try:
         return GpuCapture.open(pid)
     except RingError as e:
-        raise ProfError(f"the CUPTI ring of PID {pid} cannot be read: {e}") from None
+        raise GpuRingUnreadable(f"the CUPTI ring of PID {pid} cannot be read: {e}") from None
 
 
 def _raise_write_failure(writer: RecordingWriter | None) -> None:

@@ -31,7 +31,7 @@ import polars as pl
 
 from sparseety_prof.capture.target import listening_urls
 from sparseety_prof.correlate.serving import DEFAULT_HEADER
-from sparseety_prof.errors import NotAnEngine, ProfError, UsageError
+from sparseety_prof.errors import CheckRequestFailed, NotAnEngine, UsageError
 from sparseety_prof.store.recording import open as open_recording
 
 PROMPT = "sparseety-prof correlation check"
@@ -61,7 +61,7 @@ def send(url: str, header: str, request_id: str, n_predict: int, timeout: float)
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return dict(json.loads(r.read()))
     except (urllib.error.URLError, OSError, ValueError) as e:
-        raise ProfError(f"the check request to {url}/completion failed: {e}") from None
+        raise CheckRequestFailed(f"the check request to {url}/completion failed: {e}") from None
 
 
 def run_check(
@@ -101,7 +101,7 @@ def run_check(
             th.join(timeout=5)
             if errors:
                 raise errors[0]
-            raise ProfError(f"could not attach to PID {pid} within {timeout:.0f}s")
+            raise CheckRequestFailed(f"could not attach to PID {pid} within {timeout:.0f}s")
         try:
             if not rec.serves_http:
                 raise NotAnEngine(

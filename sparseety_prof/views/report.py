@@ -13,6 +13,12 @@ from sparseety_prof.store.recording import section
 from sparseety_prof.terminal_text import text
 from sparseety_prof.views.anomaly_list import print_anomalies
 from sparseety_prof.views.fitted_table import print_fitted
+from sparseety_prof.views.request_timing import (
+    request_times,
+    slowest_requests,
+    slowest_tokens,
+    token_context,
+)
 
 #: short headers for the requests table (its legend says what they mean), so that it fits 80 columns
 _HEADERS = {
@@ -29,6 +35,102 @@ _LEGEND = (
 )
 
 
+_TIMING_HEADERS = [
+    "request",
+    "queued",
+    "prompt",
+    "decode",
+    "ttft",
+    "total",
+    "in tok",
+    "out tok",
+    "prompt tok/s",
+    "decode tok/s",
+]
+_TIMING_LEGEND = (
+    "ms unless a rate; queued: received to slot launch (- where the server's socket read was not seen); "
+    "prompt: slot launch to first token; decode: first to last token; total: received (or started) to "
+    "last token; in/out tok: prompt rows computed, tokens generated"
+)
+_SLOW_REQUEST_HEADERS = [
+    "request",
+    "total ms",
+    "decode tok/s",
+    "steps",
+    "seqs/step",
+    "w/ prompt",
+    "worst gap",
+]
+_SLOW_REQUEST_LEGEND = (
+    "steps: its decode steps; seqs/step: mean sequences sharing them; w/ prompt: how many also ran "
+    "prompt rows; worst gap: its longest wait for a token (ms)"
+)
+_SLOW_TOKEN_HEADERS = ["request", "#", "token", "gap ms", "step ms", "seqs", "rows", "prompt rows"]
+_SLOW_TOKEN_LEGEND = (
+    "#: decode order; gap: time since the request's previous token; step: its forward pass; seqs, "
+    "rows, prompt rows: the sequences, rows and prompt rows in that step"
+)
+
+
+def _cell(v: object, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def _token_label(text_value: str | None, token_id: int | None) -> str:
+    return repr(text_value) if text_value is not None else f"#{token_id}" if token_id is not None else "?"
+
+
+def print_timing(con: Console, requests: pl.DataFrame, tokens: pl.DataFrame, steps: pl.DataFrame) -> None:
+    """Where each request's time went, then the slowest requests and tokens with their step's
+    batch context (views/request_timing.py)."""
+    times = request_times(requests)
+    context = token_context(tokens, steps)
+    if times.height:
+        cells = [
+            [
+                _cell(r[c])
+                for c in ("request_id", "queued_ms", "prompt_ms", "decode_ms", "ttft_ms", "total_ms")
+            ]
+            + [_cell(r["prompt_tokens"]), _cell(r["output_tokens"])]
+            + [_cell(r["prompt_tok_s"]), _cell(r["decode_tok_s"])]
+            for r in times.iter_rows(named=True)
+        ]
+        print_fitted(con, "where the time went", _TIMING_HEADERS, cells, legend=_TIMING_LEGEND)
+        slow = slowest_requests(times, context)
+        if slow.height:
+            cells = [
+                [
+                    _cell(r["request_id"]),
+                    _cell(r["total_ms"]),
+                    _cell(r["decode_tok_s"]),
+                    _cell(r["decode_steps"]),
+                    _cell(r["mean_step_seqs"]),
+                    _cell(r["steps_with_prompt_rows"]),
+                    _cell(r["max_gap_ms"]),
+                ]
+                for r in slow.iter_rows(named=True)
+            ]
+            print_fitted(con, "slowest requests", _SLOW_REQUEST_HEADERS, cells, legend=_SLOW_REQUEST_LEGEND)
+    slow_tokens = slowest_tokens(context)
+    if slow_tokens.height:
+        cells = [
+            [
+                _cell(r["request_id"]),
+                _cell(r["decode_order"]),
+                _token_label(r["token_text"], r["token_id"]),
+                _cell(r["gap_ms"], 2),
+                _cell(r["step_ms"], 2),
+                _cell(r["step_seqs"]),
+                _cell(r["step_rows"]),
+                _cell(r["step_prompt_rows"]),
+            ]
+            for r in slow_tokens.iter_rows(named=True)
+        ]
+        print_fitted(con, "slowest tokens", _SLOW_TOKEN_HEADERS, cells, legend=_SLOW_TOKEN_LEGEND)
+
+
 def _row(table: Table, *cells: object) -> None:
     """A row whose every cell is shown as Text with hidden characters spelled out: ids, names
     and paths in a recording come from the target and its clients."""
@@ -36,8 +138,10 @@ def _row(table: Table, *cells: object) -> None:
 
 
 def print_report(path: Path, *, console: Console | None = None, anomalies: bool = False) -> None:
-    """The recording's header, then per-request, GPU-kernel and step-latency tables (each only when
-    the recording holds such rows), then with `anomalies` what the anomaly detectors found."""
+    """The recording's header, then per-request tables (what each produced; where its time went;
+    the slowest requests and tokens with their batch context), GPU-kernel and step-latency tables
+    (each only when the recording holds such rows), then with `anomalies` what the anomaly
+    detectors found."""
     con = console or Console()
     r = open_recording(path)
     tokens, steps = r.tokens(), r.steps()
@@ -86,6 +190,7 @@ def print_report(path: Path, *, console: Console | None = None, anomalies: bool 
         headers = [_HEADERS.get(c, c) for c in per_req.columns]
         cells = [[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row] for row in per_req.iter_rows()]
         print_fitted(con, "requests", headers, cells, legend=_LEGEND)
+    print_timing(con, r.requests(), tokens, steps)
     kernels = r.kernels()
     if kernels.height:
         k_us = (pl.col("end_ns") - pl.col("start_ns")) / 1e3
