@@ -77,15 +77,15 @@ class Sample:
 
 
 SAMPLES = (
-    Sample("doctor", ("doctor", "--pid", "$PID")),
+    Sample("doctor", ("doctor", "-p", "$PID")),
     # the token streams: from a request's line to the legend under them
     Sample(
         "attach",
-        ("attach", "--pid", "$PID"),
+        ("attach", "-p", "$PID"),
         attached=True,
         volatile=(r"(?ms)^[ ▶] \S+ \d+ tok:.*?(?=^log-prob:)",),
     ),
-    Sample("record", ("record", "--pid", "$PID", "-o", "rec"), attached=True),
+    Sample("record", ("record", "-p", "$PID", "-o", "rec"), attached=True),
     # the slowest tokens' text, quoted
     Sample("report", ("report", "rec"), volatile=(r"(?<=│ )(['\"]).*?\1(?= *│)",)),
 )
