@@ -44,16 +44,25 @@ COMMANDS = (
 )  # in the order --help lists them
 
 
+QUICK_START = """\
+examples (as root; each command's --help has more):
+  sparseety-prof doctor -p "$(pgrep -xo llama-server)"        # can it attach, and what to fix
+  sparseety-prof attach -p "$(pgrep -xo llama-server)"        # watch tokens and experts live
+  sparseety-prof record -p "$(pgrep -xo llama-server)" -o rec -d 60
+  sparseety-prof report rec                                   # where the time went, per request
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sparseety-prof",
         description="Token-level profiler for sparse LLM inference: "
         "attaches to a running llama.cpp engine by PID.",
-        epilog=EXIT_CODES_HELP,
+        epilog=QUICK_START + "\n" + EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"sparseety-prof {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
     return p

@@ -41,7 +41,7 @@ def test_every_command_has_examples_and_its_exit_codes_and_no_sudo() -> None:
 
 
 def _example_lines(text: str) -> list[str]:
-    block = text.split("\nexamples:\n", 1)[1].split("\n\n", 1)[0]
+    block = re.split(r"\nexamples[^\n]*:\n", text, maxsplit=1)[1].split("\n\n", 1)[0]
     return [ln.split("  #", 1)[0].split(" | ", 1)[0].strip() for ln in block.splitlines() if ln.strip()]
 
 
@@ -50,8 +50,9 @@ def test_every_example_parses_as_written() -> None:
     of the right type, what a mutually exclusive group allows. `$(pgrep ...)` stands for a PID."""
     parser = build_parser()
     seen = 0
-    for name in _subparsers(parser):
-        for line in _example_lines(_help(name)):
+    helps = [parser.format_help(), *(sub.format_help() for sub in _subparsers(parser).values())]
+    for text in helps:
+        for line in _example_lines(text):
             if not line.startswith("sparseety-prof "):
                 continue  # a follow-up command (duckdb, jq) or a comment line
             argv = shlex.split(re.sub(r'"\$\([^)]*\)"', "12345", line))[1:]
@@ -59,7 +60,7 @@ def test_every_example_parses_as_written() -> None:
                 argv = argv[: argv.index("--") + 2]
             parser.parse_args(argv)  # SystemExit (a usage error) fails the test
             seen += 1
-    assert seen >= 2 * len(COMMANDS)
+    assert seen >= 2 * len(COMMANDS) + 4
 
 
 def test_record_and_attach_group_their_options() -> None:

@@ -20,7 +20,7 @@ EXAMPLES = """\
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     rp = sub.add_parser(
         "report",
-        help="summary tables of a recording",
+        help="summary of a recording: requests, where their time went, slowest tokens",
         description=description(
             """Summary of a recording: what was recorded and lost, each request's tokens and
             log-probs, where each request's time went (queued, prompt, decode, time to first
