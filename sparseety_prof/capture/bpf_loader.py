@@ -136,8 +136,8 @@ def bcc_fix() -> str:
     /usr/bin/python3 with --system-site-packages, so link just that package into site-packages."""
     link = f"ln -sfn {DEBIAN_BCC} {sysconfig.get_paths()['purelib']}/bcc"
     if DEBIAN_BCC.is_dir():
-        return f"{link}   (bcc of Debian's python3-bpfcc; scripts/setup.sh does this for .venv)"
-    return f"apt-get install -y python3-bpfcc libbpfcc && {link}   (scripts/setup.sh does both for .venv)"
+        return f"{link}   (bcc of Debian's python3-bpfcc; scripts/install.sh does this for .venv)"
+    return f"apt-get install -y python3-bpfcc libbpfcc && {link}   (scripts/install.sh does both for .venv)"
 
 
 def import_bcc() -> Any:
@@ -453,7 +453,7 @@ def _prefaulted(n: int) -> np.ndarray:
     return buf
 
 
-# sparseety_prof/native/ringwalk.c, built by sparseety_prof/native/build.sh (scripts/setup.sh runs
+# sparseety_prof/native/ringwalk.c, built by sparseety_prof/native/build.sh (scripts/install.sh runs
 # it); without it RingReader walks the ring in Python (~3 us per record instead of ~0.1 + copy).
 _WALK_LIB = native_library("libringwalk.so")
 _WALK_ABI = 3

@@ -46,7 +46,7 @@ def check_kernel_headers(modules: Path = Path("/lib/modules"), release: str | No
         f"{conf} is missing: BCC compiles every program against a kernel header tree",
         f"apt-get install linux-headers-amd64, then "
         f"ln -sfn /usr/src/linux-headers-*-amd64 {modules / rel}/build "
-        f"and the matching -common tree as {modules / rel}/source (scripts/setup.sh)",
+        f"and the matching -common tree as {modules / rel}/source (scripts/install.sh)",
     )
 
 

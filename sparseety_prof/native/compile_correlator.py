@@ -6,8 +6,8 @@ OUT is the compiled tree's root (sparseety_prof/native/build/compiled): its
 sparseety_prof/correlate/ gets one extension module per source module and the group's shared
 library, and OUT/stamp.json what they were built from (correlate/build_stamp.py, which decides at
 import whether they are used). Nothing is done when the stamp already matches the sources, this
-interpreter and this mypyc. Run by scripts/setup.sh for a checkout (with --require) and by
-setup.py into a wheel; about a minute on two cores.
+interpreter and this mypyc. Run by scripts/setup.sh for a checkout (with --require), by
+scripts/install.sh where mypyc is at hand, and by setup.py into a wheel.
 
 Without mypyc or a C compiler and the interpreter's headers, it says so and leaves the correlator
 to run as Python (exit 0), unless --require (exit 1). The new tree replaces the old by renames: a
