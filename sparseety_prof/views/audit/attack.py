@@ -229,7 +229,7 @@ def _level(
     obs = _observations(recs, levels, layers)
     if not (obs.sources == 0).any():
         raise UsageError(
-            f"{heldout} has no rows with token ids and sparse decisions to audit (recorded with "
+            f"{visible(heldout)} has no rows with token ids and sparse decisions to audit (recorded with "
             "--redact ids, or with --mode tokens): audit needs them as ground truth"
         )
     if has_train and not (obs.sources > 0).any():
