@@ -35,35 +35,26 @@ _LEGEND = (
 )
 
 
-_TIMING_HEADERS = [
-    "request",
-    "queued",
-    "prompt",
-    "decode",
-    "ttft",
-    "total",
-    "in tok",
-    "out tok",
-    "prompt tok/s",
-    "decode tok/s",
-]
+_TIMING_HEADERS = ["request", "queued", "prompt", "decode", "ttft", "total", "in", "out", "in/s", "out/s"]
 _TIMING_LEGEND = (
-    "ms unless a rate; queued: received to slot launch (- where the server's socket read was not seen); "
-    "prompt: slot launch to first token; decode: first to last token; total: received (or started) to "
-    "last token; in/out tok: prompt rows computed, tokens generated"
+    "ms; queued: received to slot launch (- where the server's socket read was not seen); prompt: slot "
+    "launch to first token; decode: first to last token; total: received (or started) to last token; "
+    "in, out: prompt rows computed, tokens generated; in/s: prompt rows per second of prompt; out/s: "
+    "tokens after the first per second of decode"
 )
 _SLOW_REQUEST_HEADERS = [
     "request",
     "total ms",
-    "decode tok/s",
+    "out/s",
     "steps",
     "seqs/step",
     "w/ prompt",
     "worst gap",
 ]
 _SLOW_REQUEST_LEGEND = (
-    "steps: its decode steps; seqs/step: mean sequences sharing them; w/ prompt: how many also ran "
-    "prompt rows; worst gap: its longest wait for a token (ms)"
+    "out/s: tokens after the first per second of decode; steps: its decode steps; seqs/step: mean "
+    "sequences sharing them; w/ prompt: how many also ran prompt rows; worst gap: its longest wait "
+    "for a token (ms)"
 )
 _SLOW_TOKEN_HEADERS = ["request", "#", "token", "gap ms", "step ms", "seqs", "rows", "prompt rows"]
 _SLOW_TOKEN_LEGEND = (
