@@ -4,6 +4,7 @@ marks, hostile text), the keys' effect on the view settings, and the key reader 
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import pty
 import re
@@ -386,3 +387,51 @@ def test_key_reader_leaves_the_terminal_alone_in_the_background() -> None:
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         os.close(master)
+
+
+def test_each_request_shows_its_rate_and_worst_gap_with_the_steps_batch() -> None:
+    """Two requests decoding together; B's prompt shares one step with A's decode: A's worst gap
+    is that step's, named with its batch (sequences, rows, prompt rows); the rates are the tokens
+    after the first over the time since the first, computed here from the same times."""
+    ms = 1_000_000
+    # step: (end ms, sequences, rows, prompt rows)
+    steps = {0: (5, [0], 6, 6), 1: (7, [0], 1, 0), 2: (16, [0, 1], 9, 8), 3: (18, [0, 1], 2, 0)}
+    toks = [("A", 0), ("A", 1), ("A", 2), ("B", 2), ("A", 3), ("B", 3)]
+    st = LiveState(pid=1, engine="e", model="m", recording=None)
+    st.update(
+        {
+            "request_id": [r for r, _ in toks],
+            "token_id": list(range(len(toks))),
+            "token_text": ["x"] * len(toks),
+            "log_prob": [-0.1] * len(toks),
+            "partial": [False] * len(toks),
+            "step_id": [s for _, s in toks],
+            "t_end_ns": [steps[s][0] * ms for _, s in toks],
+        },
+        {
+            "step_id": list(steps),
+            "t_start_ns": [(v[0] - 1) * ms for v in steps.values()],
+            "t_end_ns": [v[0] * ms for v in steps.values()],
+            "seq_ids": [v[1] for v in steps.values()],
+            "n_tokens": [v[2] for v in steps.values()],
+            "prompt_rows": [v[3] for v in steps.values()],
+        },
+        {},
+    )
+    views = {r.request_id: r for r in st.snapshot(now_ns=20 * ms, elapsed_s=1.0).requests}
+    for rid in ("A", "B"):
+        own = [s for r, s in toks if r == rid]
+        ends = [steps[s][0] for s in own]
+        worst, worst_step = max((steps[b][0] - steps[a][0], b) for a, b in itertools.pairwise(own))
+        v = views[rid]
+        assert v.tokens_per_s == pytest.approx((len(ends) - 1) / ((ends[-1] - ends[0]) / 1e3))
+        assert v.worst_gap_ms == pytest.approx(worst)
+        _, seqs, rows, prompt = steps[worst_step]
+        assert v.worst_gap_step is not None
+        assert (v.worst_gap_step.seqs, v.worst_gap_step.rows, v.worst_gap_step.prompt_rows) == (
+            len(seqs),
+            rows,
+            prompt,
+        )
+    text = _text(160, s=st.snapshot(now_ns=20 * ms, elapsed_s=1.0))
+    assert "A 4 tok · 230.8 tok/s · worst gap 9 ms (2 seqs, 9 rows, 8 prompt)" in text
