@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from conftest import MappingProcess
 
+from sparseety_prof.commands.exit_codes import CUPTI_LIBRARY_MISSING
 from sparseety_prof.gpu import launch as launch_mod
 from sparseety_prof.gpu.correlate import KernelCorrelator
 from sparseety_prof.gpu.records import HostStep, KernelActivity, LaunchApi, MemcpyActivity, WatchedBuffer
@@ -622,7 +623,7 @@ def test_launch_sets_injection_env_and_returns_exit_code(
 
 def test_launch_refuses_without_built_library(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     rc = launch_mod.launch(["true"], library=tmp_path / "missing.so")
-    assert rc == 1
+    assert rc == CUPTI_LIBRARY_MISSING  # its own exit code (docs/exit-codes.md), no longer 1
     assert "not built: run `sparseety-prof build-cupti`" in capfd.readouterr().err
     assert launch_mod.launch([], library=tmp_path / "missing.so") == 2
 
