@@ -40,7 +40,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             record them (as `record` does).
 
             Needs root (or CAP_BPF and CAP_PERFMON): `sparseety-prof doctor` says what is missing.
-            Tuning flags are accepted but left out of this list: docs/tuning.md."""
+            Layers an engine offloads to a GPU (-ngl) record no routing or sparsity. Tuning flags
+            are accepted but left out of this list: docs/tuning.md."""
         ),
         epilog=command_epilog("attach", EXAMPLES, notes=KEYS),
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -231,7 +231,9 @@ def _add_policy(g: argparse._ArgumentGroup) -> None:
         metavar="POLICY",
         help="what the recording keeps, repeatable (a request is kept when any policy keeps it): full "
         "(default) every row; aggregate only the always-on aggregates and the requests table; head:RATE "
-        "the requests whose id hashes below RATE (decided at their start, the same ids in every run); "
+        "a share RATE of the requests, decided at their start (alone: drawn at random in the probes, "
+        "which then copy nothing of a dropped request; with tail or anomaly: by a hash of the request "
+        "id, the same ids in every run); "
         "tail:Q the requests whose time per output token is above the running Q quantile; "
         "anomaly[:KIND,...] the requests in which an anomaly detector fires, and the steps around it. "
         "The aggregates and the requests table are kept whatever the policy; what it drops is counted "
