@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
+from sparseety_prof.commands.exit_codes import DIFFERENT, SUCCESS
 from sparseety_prof.commands.help_text import command_epilog
 
 DIFF_DESCRIPTION = """\
@@ -95,7 +96,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     from sparseety_prof.views.diff import Tolerances, run
 
-    return run(
+    equal = run(
         args.a,
         args.b,
         tolerances=Tolerances(logprob=args.logprob_tol, weight=args.weight_tol, ratio=args.ratio_tol),
@@ -103,3 +104,4 @@ def run(args: argparse.Namespace) -> int:
         context=args.context,
         as_json=args.json,
     )
+    return SUCCESS if equal else DIFFERENT

@@ -50,8 +50,9 @@ def run(
     context: int = 3,
     as_json: bool = False,
     console: Console | None = None,
-) -> int:
-    """The `diff` command: 0 when the runs are equal within tolerances, 1 when they differ."""
+) -> bool:
+    """The `diff` command's output: whether the runs are equal within tolerances (its exit code is
+    commands/diff.py's)."""
     result = diff_recordings(
         path_a, path_b, tolerances=tolerances, all_positions=all_positions, context=context
     )
@@ -61,4 +62,4 @@ def run(
         out.write(json_dumps(result_json(result), indent=2, ensure_ascii=False) + "\n")
     else:
         render(result, console or Console(), name_a=str(path_a), name_b=str(path_b))
-    return 0 if result.equal else 1
+    return result.equal
