@@ -132,7 +132,9 @@ if [ "$COMPILE_CORRELATOR" = 1 ] && ! "$PY" -c 'import mypyc' 2>/dev/null; then
 fi
 if [ "$COMPILE_CORRELATOR" != 0 ] && "$PY" -c 'import mypyc' 2>/dev/null; then
   step "6b/7 compiling the correlator with mypyc (nothing to do when it is up to date)"
-  if ! timed "$PY" sparseety_prof/native/compile_correlator.py sparseety_prof/native/build/compiled --require; then
+  # asked for (COMPILE_CORRELATOR=1), a failure is fatal; otherwise it says why and goes on
+  require=(); [ "$COMPILE_CORRELATOR" = 1 ] && require=(--require)
+  if ! timed "$PY" sparseety_prof/native/compile_correlator.py sparseety_prof/native/build/compiled "${require[@]}"; then
     echo "[install] compiling the correlator with mypyc failed (above)" >&2
     exit 1
   fi
