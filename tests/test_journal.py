@@ -3,6 +3,7 @@ so that a recorder killed outright loses about a drain, and `open()` reads what 
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import stat
@@ -14,7 +15,13 @@ import pytest
 from conftest import Engine, Recorder
 
 import sparseety_prof
+from sparseety_prof.session.collector import FlushTimedCollector
+from sparseety_prof.session.policy import RecordingPolicy
+from sparseety_prof.session.row_outlet import RowOutlet
+from sparseety_prof.session.sinks import SinkFanout
+from sparseety_prof.session.stage_cpu import StageCpu
 from sparseety_prof.store import journal, schema
+from sparseety_prof.store.buffers import FlushSchedule
 from sparseety_prof.store.journal import JOURNAL_DIR
 from sparseety_prof.store.recording_writer import RecordingWriter
 
@@ -290,6 +297,10 @@ def test_a_recording_stopped_cleanly_leaves_no_journal(models: dict[str, Path], 
     try:
         rec = Recorder(e.pid, tmp_path / "rec")
         truth = e.generate(["hello the expert router"], max_tokens=24)
+        deadline = time.monotonic() + 60
+        while not any(c.startswith("tokens-") for c in _chunks(tmp_path / "rec")):  # the next drain's
+            assert time.monotonic() < deadline, "no drain put the tokens in the journal"
+            time.sleep(0.1)
         rc, err = rec.stop()
         assert rc == 0, err
     finally:
@@ -298,3 +309,90 @@ def test_a_recording_stopped_cleanly_leaves_no_journal(models: dict[str, Path], 
     r = sparseety_prof.open(tmp_path / "rec")
     assert r.complete and r.tokens()["token_id"].to_list() == truth[0]["ids"]
     assert r.meta["journal"]["chunks"] >= 1
+
+
+# ------------------------------------------------------------------ the consumer's side
+def _outlet(writer: RecordingWriter) -> RowOutlet:
+    sinks = SinkFanout([], META, redact_text=False, redact=frozenset(), redact_layers=None, log=print)
+    return RowOutlet(
+        writer,
+        RecordingPolicy(("full",)),
+        None,
+        sinks,
+        stages=StageCpu(),
+        collector=FlushTimedCollector(),
+        log=print,
+    )
+
+
+@pytest.mark.parametrize("journaled", [True, False])
+def test_each_drain_s_rows_reach_the_journal_after_the_drain(tmp_path: Path, journaled: bool) -> None:
+    w = _writer(tmp_path / "rec") if journaled else RecordingWriter(tmp_path / "rec", META)
+    out = _outlet(w)
+    flush = FlushSchedule(10.0)
+    for drain in range(3):
+        out.add("steps", _steps(drain * 4, 4).to_dict(as_series=False))
+        out.keep_durable(flush, time.monotonic(), in_pieces=True)
+    assert out.round.rounds == 0  # no flush yet: the journal alone holds the rows
+    assert _step_ids(tmp_path / "rec") == (list(range(12)) if journaled else [])
+    assert len(_chunks(tmp_path / "rec")) == (3 if journaled else 0)
+    out.close_rows()
+    w.close()
+    assert _step_ids(tmp_path / "rec") == list(range(12))
+    assert _chunks(tmp_path / "rec") == []
+
+
+def test_fsync_interval_reaches_the_options_with_its_default_from_one_place() -> None:
+    from sparseety_prof.cli import build_parser
+    from sparseety_prof.commands.attach_flags import options_from
+    from sparseety_prof.errors import UsageError
+    from sparseety_prof.session.options import FSYNC_INTERVAL_S
+
+    p = build_parser()
+    base = ["record", "--pid", "7", "-o", "r"]
+    assert options_from(p.parse_args(base)).fsync_interval == FSYNC_INTERVAL_S
+    assert options_from(p.parse_args([*base, "--fsync-interval", "0"])).fsync_interval == 0
+    assert options_from(p.parse_args([*base, "--fsync-interval", "2.5"])).fsync_interval == 2.5
+    for bad in ("-1", "nan"):
+        with pytest.raises(UsageError, match="--fsync-interval"):
+            options_from(p.parse_args([*base, "--fsync-interval", bad]))
+
+
+def test_a_chunk_that_does_not_fit_stops_the_journal_not_the_recording(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = _writer(tmp_path / "rec")
+    w.append("steps", _steps(0, 2))
+    w.write_journal()
+    assert len(_chunks(tmp_path / "rec")) == 1
+
+    def full(self: object, name: str, data: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(journal.OutputDir, "write_unsynced", full)
+    w.append("steps", _steps(2, 2))
+    w.write_journal()
+    assert w.write_error is None
+    assert not (tmp_path / "rec" / JOURNAL_DIR).exists()  # its room back to the segments
+    w.append("steps", _steps(4, 1))
+    w.write_journal()
+    w.close()
+    rec = sparseety_prof.open(tmp_path / "rec")
+    assert rec.complete and rec.steps()["step_id"].to_list() == [0, 1, 2, 3, 4]
+    assert rec.meta["journal"]["stopped"] == "No space left on device"
+
+
+def test_the_journal_counts_against_max_disk(tmp_path: Path) -> None:
+    from sparseety_prof.store.recording_writer import MIN_MAX_DISK
+
+    w = _writer(tmp_path / "rec", max_disk=MIN_MAX_DISK)
+    for i in range(60):  # a segment, then chunks, over and over: the oldest segments make room
+        w.append("tokens", _tokens(i * 1000, 1000))
+        w.flush()
+        w.append("tokens", _tokens(i * 1000 + 500_000, 1000))
+        w.write_journal()
+        on_disk = sum(p.stat().st_size for p in (tmp_path / "rec").rglob("*") if p.is_file())
+        largest = max(p.stat().st_size for p in (tmp_path / "rec").rglob("part-*.parquet"))
+        assert on_disk <= MIN_MAX_DISK + largest, i
+    assert w.meta["rotation"]["segments_removed"] > 0
+    w.close()

@@ -4,10 +4,10 @@ Parquet segments (fsynced) come every `--flush-interval`. A recorder killed outr
 (SIGKILL, the OOM killer) would lose every row gathered since the last; the kernel's page cache
 survives any death of the process, only a power cut empties it. So after each drain the writer puts
 the rows it was given since the drain before into one chunk per table, in the folder ``journal/``:
-a small Parquet file, uncompressed, written whole under a hidden name and renamed into place, with
-no fsync (no compression, no fsync: what a segment costs beyond the encoding). Parquet rather than
-Arrow IPC, which costs less to write: a reader judges a Parquet file from its footer and page
-headers before decoding a value (store/recording_files.py), as it judges segments. The
+a small Parquet file (LZ4: about as cheap to write as no compression, and smaller), written
+whole under a hidden name and renamed into place, with no fsync. Parquet rather than Arrow IPC,
+which costs less to write: a reader judges a Parquet file from its footer and page headers before
+decoding a value (store/recording_files.py), as it judges segments (docs/durability.md). The
 chunks are fsynced on a cadence of their own (`--fsync-interval`), which bounds what a power cut
 loses. A chunk is removed once segments hold all its rows; a recording closed cleanly has no
 journal.
@@ -62,6 +62,7 @@ class _Pending:
 class _Chunk:
     name: str
     end: int  # the place, among every row given for the table, after its last row
+    nbytes: int
 
 
 class JournalWriter:
@@ -83,13 +84,15 @@ class JournalWriter:
         self.chunks_written = 0
         self.chunks_removed = 0
         self.bytes_written = 0
+        self.bytes_on_disk = 0  # of the chunks not removed yet (--max-disk counts them)
         self.fsyncs = 0
+        self.stopped: str | None = None  # why the journal stopped (a full disk), None while it goes on
 
     def add(self, table: str, df: pl.DataFrame, *, segment: int, row: int, start: int) -> None:
         """Rows given to the writer for `table` (as it buffered them): `segment` is the table's next
         segment, `row` the rows buffered for it before these, `start` the rows given before these
         over the whole recording."""
-        if df.height == 0:
+        if df.height == 0 or self.stopped is not None:
             return
         p = self._pending.get(table)
         if p is None:
@@ -101,20 +104,23 @@ class JournalWriter:
         """A chunk per table of the rows added since the last call (none for a table whose rows
         segments already hold: `written`, per table, the rows given that are in segments), and the
         fsync when it is due."""
+        if self.stopped is not None:
+            return
         pending, self._pending = self._pending, {}
         for table, p in pending.items():
             if p.start + p.rows <= written.get(table, 0):
                 continue  # a segment was written meanwhile and holds them all
             df = pl.concat(p.frames, how="vertical", rechunk=False) if len(p.frames) > 1 else p.frames[0]
             buf = io.BytesIO()
-            df.write_parquet(buf, compression="uncompressed", statistics=False)
+            df.write_parquet(buf, compression="lz4", statistics=False)
             data = buf.getbuffer()
             name = chunk_name(table, p.segment, p.row)
             self._folder().write_unsynced(name, data)
-            self._chunks.setdefault(table, []).append(_Chunk(name, p.start + p.rows))
+            self._chunks.setdefault(table, []).append(_Chunk(name, p.start + p.rows, len(data)))
             self._unsynced.append(name)
             self.chunks_written += 1
             self.bytes_written += len(data)
+            self.bytes_on_disk += len(data)
         if self._unsynced and time.monotonic() >= self._next_sync:
             self.sync()
 
@@ -142,9 +148,17 @@ class JournalWriter:
             with contextlib.suppress(OSError):  # one left behind is read as covered: no harm
                 self._dir.remove(chunks[0].name)
                 self.chunks_removed += 1
-            chunks.pop(0)
+            self.bytes_on_disk -= chunks.pop(0).nbytes
         if self._unsynced and not any(chunks for chunks in self._chunks.values()):
             self._unsynced = []  # nothing left to fsync
+
+    def stop(self, reason: str) -> None:
+        """A chunk could not be written (`reason`: a full disk, an I/O error): no more chunks, and
+        the ones written removed, their room given back to the segments (which hold their rows at
+        the next flush, or count them lost if they fail too)."""
+        self.stopped = reason
+        with contextlib.suppress(OSError):
+            self.close()
 
     def close(self) -> None:
         """At the end, once segments hold every row: every chunk left, and the folder, removed."""
@@ -153,10 +167,12 @@ class JournalWriter:
             return
         for chunks in self._chunks.values():
             for c in chunks:
-                self._dir.remove(c.name)
+                with contextlib.suppress(FileNotFoundError):
+                    self._dir.remove(c.name)
                 self.chunks_removed += 1
         self._chunks = {}
         self._unsynced = []
+        self.bytes_on_disk = 0
         self._dir.close()
         self._dir = None
         self._root.remove_subdir(JOURNAL_DIR)
@@ -168,7 +184,7 @@ class JournalWriter:
             "chunks": self.chunks_written,
             "bytes": self.bytes_written,
             "fsyncs": self.fsyncs,
-        }
+        } | ({"stopped": self.stopped} if self.stopped is not None else {})
 
     def _folder(self) -> OutputDir:
         if self._dir is None:

@@ -21,7 +21,7 @@ meta.json is written first with ``"complete": false``, so a recording killed at 
 readable; a disk-full or I/O error stops the writes and is recorded (``write_error``).
 
 Between flushes, the recorder puts each drain's rows in ``journal/``: one chunk per table per drain
-(uncompressed Parquet, the table's schema), renamed into place without fsync, so that a recorder
+(Parquet, LZ4, the table's schema), renamed into place without fsync, so that a recorder
 killed outright (SIGKILL, the OOM killer) loses only about its last drain; the chunks are fsynced
 every ``--fsync-interval`` and removed once segments hold their rows. A chunk's name,
 ``<table>-<S>-<R>.parquet``, says that its rows follow the first R rows written to segments from

@@ -250,7 +250,14 @@ class RecordingWriter:
             try:
                 self._journal.write(self._written)
             except Exception as e:
-                self._fail(f"writing the journal in {self.path}", e)
+                # the segments may still fit where a chunk did not (a chunk is LZ4, a segment
+                # zstd): the journal stops and frees its room, the recording goes on without it
+                self._journal.stop(_reason(e))
+            if self._budget is not None:  # the chunks count against --max-disk too
+                try:
+                    self._rotate(self._budget.make_room(overhead=self._overhead()))
+                except Exception as e:
+                    self._fail(f"writing {self.path / META_FILE}", e)
 
     def flush_steps(self) -> Iterator[str]:
         """`flush` in steps, for a caller that does other work between them: a yield after each
@@ -329,11 +336,8 @@ class RecordingWriter:
         lost): the journal goes, its figures into meta.json."""
         if self._journal is None:
             return
-        try:
+        with contextlib.suppress(OSError):  # a chunk left in a closed recording is never read
             self._journal.close()
-        except Exception as e:
-            if self.write_error is None:
-                self._fail(f"removing the journal in {self.path}", e)
         self._meta["journal"] = self._journal.meta()
 
     def _write_meta(self) -> int:
@@ -431,7 +435,12 @@ class RecordingWriter:
             self._journal.covered(table, self._written[table])
         if self._budget is not None:
             seg = Segment(table, self._segments[table] - 1, len(data), df.height)
-            self._rotate(self._budget.added(seg, overhead=self._meta_bytes + self._reserve_bytes))
+            self._rotate(self._budget.added(seg, overhead=self._overhead()))
+
+    def _overhead(self) -> int:
+        """The bytes --max-disk counts beside the segments: meta.json, its reserve, the journal."""
+        journal = self._journal.bytes_on_disk if self._journal is not None else 0
+        return self._meta_bytes + self._reserve_bytes + journal
 
     def _rotate(self, victims: list[Segment]) -> None:
         """Remove the oldest segments the disk budget gave up. meta.json moves each table's first

@@ -49,6 +49,11 @@ class DiskBudget:
         exceeded by at most that one segment)."""
         self._on_disk.append(seg)
         self.bytes += seg.nbytes
+        return self.make_room(overhead=overhead)
+
+    def make_room(self, *, overhead: int) -> list[Segment]:
+        """The oldest segments to remove so that the segments and `overhead` (metadata, its
+        reserve, the journal: store/journal.py) fit the budget; never the newest."""
         victims: list[Segment] = []
         while len(self._on_disk) > 1 and self.bytes + overhead > self.max_bytes:
             old = self._on_disk.popleft()
