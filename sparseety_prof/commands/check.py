@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from sparseety_prof.commands.exit_codes import CHECK_FAILED
 from sparseety_prof.commands.help_text import command_epilog, description
 from sparseety_prof.correlate.serving import DEFAULT_HEADER
+from sparseety_prof.errors import UsageError
 
 if TYPE_CHECKING:
     from sparseety_prof.session.request_check import LayerResult
@@ -48,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     from sparseety_prof.session.request_check import first_missing, run_check
     from sparseety_prof.terminal_text import line
 
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     rid, results = run_check(
         args.pid,
         url=args.url,
