@@ -5,6 +5,7 @@ pointed at another path, so tests can break the very thing it checks."""
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from collections.abc import Callable
@@ -21,7 +22,12 @@ def check_privileges() -> Check:
     try:
         tg.check_privileges()
     except ProfError as e:
-        return Check("privileges", False, str(e), 'run as root: sudo "$(command -v sparseety-prof)" doctor')
+        fix = (  # sudo only for a user who is not root (a root shell in a container has none)
+            "give the container the capabilities: --cap-add BPF --cap-add PERFMON (or --privileged)"
+            if os.geteuid() == 0
+            else 'run as root: sudo "$(command -v sparseety-prof)" doctor'
+        )
+        return Check("privileges", False, str(e), fix)
     return Check("privileges", True, "CAP_BPF + CAP_PERFMON (or CAP_SYS_ADMIN) in the effective set")
 
 

@@ -118,7 +118,7 @@ def launch(argv: list[str], *, library: Path | None = None, **settings: Any) -> 
         return EXIT_NOT_STARTED
     print(
         f"sparseety-prof: started pid {proc.pid} with {lib.name} injected; "
-        f"attach with: sudo sparseety-prof attach --pid {proc.pid}",
+        f"attach with: {'' if os.geteuid() == 0 else 'sudo '}sparseety-prof attach -p {proc.pid}",
         file=sys.stderr,
     )
 
