@@ -78,12 +78,12 @@ class Sample:
 
 SAMPLES = (
     Sample("doctor", ("doctor", "-p", "$PID")),
-    # the token streams: from a request's line to the legend under them
+    # each request's token text: after its line's head up to the next request's line or the legend
     Sample(
         "attach",
         ("attach", "-p", "$PID"),
         attached=True,
-        volatile=(r"(?ms)^[ ▶] \S+ \d+ tok:.*?(?=^log-prob:)",),
+        volatile=(r"(?ms)(?<=\): ).*?(?=^[ ▶] \S+ \d+ tok\b|^log-prob:)",),
     ),
     Sample("record", ("record", "-p", "$PID", "-o", "rec"), attached=True),
     # the slowest tokens' text, quoted

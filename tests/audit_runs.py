@@ -1,5 +1,5 @@
 """Recordings of the sanity models for `audit`, shared by tests/test_audit_engine.py and
-scripts/audit_sanity.py (which prints the figures the README quotes): one engine process per model
+scripts/audit_sanity.py (which prints the figures docs/privacy.md quotes): one engine process per model
 (tests/engines/llama_engine.py), `sparseety-prof record` attached once per set of prompts."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ would (`sparseety-prof record`): training prompts, then other held-out prompts o
   token that occurs in training), from layer 0.
 - context_routed: routing follows the prefix, not the token: near chance.
 - smallthinker (ReGLU experts) with --capture-masks: the masks recover more than the ratios.
-scripts/audit_sanity.py makes the same recordings and prints the figures the README quotes."""
+scripts/audit_sanity.py makes the same recordings and prints the figures docs/privacy.md quotes."""
 
 from __future__ import annotations
 

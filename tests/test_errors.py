@@ -1,4 +1,4 @@
-"""Each failure class has its own message and exit code (documented in the README)."""
+"""Each failure class has its own message and exit code (documented in docs/exit-codes.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The analysis examples of sparseety_prof/views/examples.py (README "Usage") run as doctests."""
+"""The analysis examples of sparseety_prof/views/examples.py (docs/usage.md) run as doctests."""
 
 from __future__ import annotations
 
