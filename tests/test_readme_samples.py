@@ -4,6 +4,7 @@ the normalisation that makes the check ignore times, PIDs and counts ignores not
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,15 @@ def test_the_quick_start_shows_every_sample_command_in_the_first_60_lines() -> N
     assert "## Quick start" in head
     for s in rs.SAMPLES:
         assert s.shown() in head, s.shown()
+
+
+def test_the_readme_stays_a_product_page() -> None:
+    # under 400 lines; no sudo in its commands (they are for a root shell); links that resolve
+    assert len(README.splitlines()) < 400
+    code = "\n".join(README.split("```")[1::2])
+    assert "sudo " not in code
+    for target in re.findall(r"\]\((docs/[^)#]+)", README):
+        assert (ROOT / target).exists(), target
 
 
 def test_writing_samples_then_reading_them_back_gives_the_outputs() -> None:
