@@ -4,11 +4,14 @@ so that a recorder killed outright loses about a drain, and `open()` reads what 
 from __future__ import annotations
 
 import errno
+import io
 import os
+import random
 import signal
 import stat
 import time
 from pathlib import Path
+from typing import Literal
 
 import polars as pl
 import pytest
@@ -20,7 +23,7 @@ from sparseety_prof.session.policy import RecordingPolicy
 from sparseety_prof.session.row_outlet import RowOutlet
 from sparseety_prof.session.sinks import SinkFanout
 from sparseety_prof.session.stage_cpu import StageCpu
-from sparseety_prof.store import journal, schema
+from sparseety_prof.store import ipc_stream, journal, schema
 from sparseety_prof.store.buffers import FlushSchedule
 from sparseety_prof.store.journal import JOURNAL_DIR
 from sparseety_prof.store.recording_writer import RecordingWriter
@@ -72,9 +75,9 @@ def test_each_drain_writes_a_chunk_per_table_that_a_killed_recording_is_read_fro
     w.write_journal()
     w.write_journal()  # nothing new: no chunk
     assert _chunks(tmp_path / "rec") == [
-        "steps-000000-000000000000.parquet",
-        "steps-000000-000000000003.parquet",
-        "tokens-000000-000000000000.parquet",
+        "steps-000000-000000000000.arrows",
+        "steps-000000-000000000003.arrows",
+        "tokens-000000-000000000000.arrows",
     ]
     assert not (tmp_path / "rec" / "steps").exists()  # no segment yet
     rec = sparseety_prof.open(tmp_path / "rec")  # the writer never closed: as if killed
@@ -93,7 +96,7 @@ def test_a_flush_removes_the_chunks_its_segments_hold_and_close_removes_the_jour
     assert _chunks(tmp_path / "rec") == []
     w.append("steps", _steps(3, 2))
     w.write_journal()
-    assert _chunks(tmp_path / "rec") == ["steps-000001-000000000000.parquet"]
+    assert _chunks(tmp_path / "rec") == ["steps-000001-000000000000.arrows"]
     assert _step_ids(tmp_path / "rec") == [0, 1, 2, 3, 4]
     w.close()
     assert not (tmp_path / "rec" / JOURNAL_DIR).exists()
@@ -114,8 +117,8 @@ def test_rows_a_segment_holds_are_never_read_twice_though_their_chunk_stayed(
     assert os.listdir(tmp_path / "rec" / "steps") == ["part-000000.parquet"]
     w.write_journal()  # chunk B: rows 3-5, two of which segment 0 holds
     assert _chunks(tmp_path / "rec") == [
-        "steps-000000-000000000000.parquet",
-        "steps-000000-000000000003.parquet",
+        "steps-000000-000000000000.arrows",
+        "steps-000000-000000000003.arrows",
     ]
     assert _step_ids(tmp_path / "rec") == [0, 1, 2, 3, 4, 5]
     w.flush()  # segment 1 holds row 5: both chunks covered, still on disk
@@ -132,7 +135,7 @@ def test_a_torn_chunk_is_left_out_and_named_damaged_never_raised(tmp_path: Path)
     w.write_journal()
     w.append("steps", _steps(3, 3))
     w.write_journal()
-    torn = tmp_path / "rec" / JOURNAL_DIR / "steps-000000-000000000003.parquet"
+    torn = tmp_path / "rec" / JOURNAL_DIR / "steps-000000-000000000003.arrows"
     torn.write_bytes(torn.read_bytes()[:100])  # a power cut before the fsync
     rec = sparseety_prof.open(tmp_path / "rec")  # skip_damaged not needed: it is where it ends
     assert rec.steps()["step_id"].to_list() == [0, 1, 2]
@@ -144,8 +147,8 @@ def test_a_chunk_of_another_schema_is_left_out_as_damaged(tmp_path: Path) -> Non
     w = _writer(tmp_path / "rec")
     w.append("steps", _steps(0, 2))
     w.write_journal()
-    forged = tmp_path / "rec" / JOURNAL_DIR / "steps-000000-000000000002.parquet"
-    pl.DataFrame({"step_id": [7]}).write_parquet(forged)
+    forged = tmp_path / "rec" / JOURNAL_DIR / "steps-000000-000000000002.arrows"
+    forged.write_bytes(ipc_stream.write_stream(pl.DataFrame({"step_id": [7]})))
     rec = sparseety_prof.open(tmp_path / "rec")
     assert rec.steps()["step_id"].to_list() == [0, 1]
     assert len(rec.damaged) == 1 and forged.name in rec.damaged[0]
@@ -157,7 +160,7 @@ def test_a_closed_recording_ignores_a_journal_planted_in_it(tmp_path: Path) -> N
     w.append("steps", _steps(0, 2))
     w.close()
     (tmp_path / "rec" / JOURNAL_DIR).mkdir()
-    _steps(100, 2).write_parquet(tmp_path / "rec" / JOURNAL_DIR / "steps-000001-000000000000.parquet")
+    _steps(100, 2).write_ipc_stream(tmp_path / "rec" / JOURNAL_DIR / "steps-000001-000000000000.arrows")
     assert _step_ids(tmp_path / "rec") == [0, 1]
 
 
@@ -166,7 +169,7 @@ def test_journal_rows_are_redacted_as_the_segments_are(tmp_path: Path) -> None:
     w.append("tokens", _tokens(0, 3))
     w.write_journal()
     (chunk,) = _chunks(tmp_path / "rec")
-    held = pl.read_parquet(tmp_path / "rec" / JOURNAL_DIR / chunk)
+    held = pl.read_ipc_stream(tmp_path / "rec" / JOURNAL_DIR / chunk)
     assert held["token_id"].to_list() == [0, 1, 2]
     assert held["token_text"].null_count() == 3
     w.close()
@@ -329,10 +332,10 @@ def _outlet(writer: RecordingWriter) -> RowOutlet:
 def test_each_drain_s_rows_reach_the_journal_after_the_drain(tmp_path: Path, journaled: bool) -> None:
     w = _writer(tmp_path / "rec") if journaled else RecordingWriter(tmp_path / "rec", META)
     out = _outlet(w)
-    flush = FlushSchedule(10.0)
-    for drain in range(3):
+    flush, t0 = FlushSchedule(10.0), time.monotonic()
+    for drain in range(3):  # a drain a second
         out.add("steps", _steps(drain * 4, 4).to_dict(as_series=False))
-        out.keep_durable(flush, time.monotonic(), in_pieces=True)
+        out.keep_durable(flush, t0 + drain, in_pieces=True)
     assert out.round.rounds == 0  # no flush yet: the journal alone holds the rows
     assert _step_ids(tmp_path / "rec") == (list(range(12)) if journaled else [])
     assert len(_chunks(tmp_path / "rec")) == (3 if journaled else 0)
@@ -340,6 +343,19 @@ def test_each_drain_s_rows_reach_the_journal_after_the_drain(tmp_path: Path, jou
     w.close()
     assert _step_ids(tmp_path / "rec") == list(range(12))
     assert _chunks(tmp_path / "rec") == []
+
+
+def test_drains_that_come_fast_share_a_chunk(tmp_path: Path) -> None:
+    w = _writer(tmp_path / "rec")
+    out = _outlet(w)
+    flush, t0 = FlushSchedule(10.0), time.monotonic()
+    for drain in range(5):  # 0.2 s apart: framed for the journal at 0 and 0.6 s
+        out.add("steps", _steps(drain * 4, 4).to_dict(as_series=False))
+        out.keep_durable(flush, t0 + 0.2 * drain, in_pieces=True)
+    assert len(_chunks(tmp_path / "rec")) == 2
+    assert _step_ids(tmp_path / "rec") == list(range(16))  # the last drain's rows: at the next
+    out.close_rows()
+    w.close()
 
 
 def test_fsync_interval_reaches_the_options_with_its_default_from_one_place() -> None:
@@ -396,3 +412,76 @@ def test_the_journal_counts_against_max_disk(tmp_path: Path) -> None:
         assert on_disk <= MIN_MAX_DISK + largest, i
     assert w.meta["rotation"]["segments_removed"] > 0
     w.close()
+
+
+# ------------------------------------------------------------------ chunks from elsewhere
+def _one_chunk(tmp_path: Path) -> tuple[RecordingWriter, Path]:
+    w = _writer(tmp_path / "rec")
+    w.append("steps", _steps(0, 2))
+    w.write_journal()
+    w.append("steps", _steps(2, 2))
+    w.write_journal()
+    return w, tmp_path / "rec" / JOURNAL_DIR / "steps-000000-000000000002.arrows"
+
+
+def _stream(df: pl.DataFrame, compression: Literal["uncompressed", "zstd"], oldest: bool) -> bytes:
+    buf = io.BytesIO()
+    df.write_ipc_stream(
+        buf, compression=compression, compat_level=pl.CompatLevel.oldest() if oldest else None
+    )
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("planted", "why"),
+    [
+        ("fifo", "FIFO"),
+        ("symlink", "link"),
+        ("compressed", "compressed body"),
+        ("views", "Arrow type"),
+        ("torn", "torn"),
+    ],
+)
+def test_a_chunk_a_reader_must_not_trust_is_left_out_within_bounds(
+    tmp_path: Path, planted: str, why: str
+) -> None:
+    w, chunk = _one_chunk(tmp_path)
+    rows = _steps(2, 2)
+    chunk.unlink()
+    if planted == "fifo":
+        os.mkfifo(chunk)  # a reader that opened it would wait for ever
+    elif planted == "symlink":
+        chunk.symlink_to("/dev/zero")  # one that followed it would read for ever
+    elif planted == "compressed":  # a decompression bomb's shape
+        chunk.write_bytes(_stream(rows, "zstd", oldest=True))
+    elif planted == "views":
+        chunk.write_bytes(_stream(rows, "uncompressed", oldest=False))
+    else:
+        chunk.write_bytes(ipc_stream.write_stream(rows)[:-9])
+    rec = sparseety_prof.open(tmp_path / "rec")
+    assert rec.steps()["step_id"].to_list() == [0, 1]
+    assert len(rec.damaged) == 1 and chunk.name in rec.damaged[0] and why in rec.damaged[0], rec.damaged
+    w.close()
+
+
+def test_types_nested_deeper_than_any_table_are_refused_before_decoding() -> None:
+    deep = pl.DataFrame({"x": [[[[[[1]]]]]]})
+    with pytest.raises(ipc_stream.IpcStreamError, match="nests types"):
+        ipc_stream.check_stream(ipc_stream.write_stream(deep))
+
+
+def test_mutated_chunks_are_refused_with_one_error_and_never_crash_the_reader() -> None:
+    data = ipc_stream.write_stream(_tokens(0, 20))
+    rng = random.Random(60)
+    refused = 0
+    for _ in range(400):
+        d = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            d[rng.randrange(len(d))] = rng.randrange(256)
+        try:
+            df = ipc_stream.read_stream(bytes(d))
+        except ipc_stream.IpcStreamError:
+            refused += 1
+            continue
+        assert df.height <= 20  # what is accepted decodes into no more than was written
+    assert refused > 100  # (any other exception, or a crash, fails the test too)

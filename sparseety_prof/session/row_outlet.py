@@ -5,11 +5,11 @@ ColumnBuffer; a flush frames them and hands each frame to its readers: the alway
 (every row), the recording (what the policy keeps) and the sinks (OpenTelemetry, Prometheus: every
 row). A flush comes on schedule (`--flush-interval`), done in pieces between drains
 (flush_round.py), or at once under memory pressure (`--max-memory`) and at the end. A recording
-with a journal (store/journal.py) gets each drain's rows framed at once instead of gathered, and
-put in the journal after the drain: a SIGKILL then loses the last drain's rows, not a flush
-interval's (the rows the per-request policies hold reach the recording, and so the journal, when
-decided, at flushes). The rows a policy set apart in the correlator (a head-dropped
-request's, as arrays) go to the aggregates and the policy only.
+with a journal (store/journal.py) has the rows gathered framed after a drain, at most every
+JOURNAL_GAP_S, and handed to its readers, the recording's journal among them: a SIGKILL then
+loses the last drain or so, not a flush interval (the rows the per-request policies hold reach
+the recording, and so the journal, when decided, at flushes). The rows a policy set apart in the
+correlator (a head-dropped request's, as arrays) go to the aggregates and the policy only.
 
 The recorder drives it (recorder.py); this module decides nothing about the engine or the ring.
 """
@@ -33,6 +33,11 @@ from sparseety_prof.store.aggregates import Aggregator
 from sparseety_prof.store.array_rows import ArrayRows
 from sparseety_prof.store.buffers import ColumnBuffer, FlushSchedule
 from sparseety_prof.store.recording_writer import RecordingWriter
+
+#: the shortest time between two framings for the journal: drains that come faster (a ring that
+#: fills fast) share one, so that its fixed cost (a frame and a chunk per table) is paid at most
+#: about twice a second; a drain's rows still reach the journal within about a second
+JOURNAL_GAP_S = 0.5
 
 
 class RowOutlet:
@@ -60,8 +65,8 @@ class RowOutlet:
         self._stages = stages
         self._collector = collector
         self._log = log
-        # each drain's rows framed as they come, for the journal after the drain
-        self._frame_each_drain = writer is not None and writer.journaling
+        self._journaled = writer is not None and writer.journaling
+        self._next_journal = 0.0  # (time.monotonic) the first drain after it frames for the journal
 
     @property
     def wanted(self) -> bool:
@@ -75,9 +80,8 @@ class RowOutlet:
 
     # ------------------------------------------------------------------ rows in
     def add(self, table: str, cols: Mapping[str, Any], *, final: bool = False) -> None:
-        """One drain's rows of `table` (columns); a frame goes out whenever the buffer makes one
-        (at once, with a journal)."""
-        for df in self._rows.add(table, cols, final=final or self._frame_each_drain):
+        """One drain's rows of `table` (columns); a frame goes out whenever the buffer makes one."""
+        for df in self._rows.add(table, cols, final=final):
             self.round.before_frames(table)  # a flush under way holds older rows of it
             self.emit(table, df)
 
@@ -114,7 +118,10 @@ class RowOutlet:
         SIGKILL then loses this drain's rows at most); and a flush on schedule (sinks get rows no
         older than the flush interval), at once or, `in_pieces`, started here and done by
         `flush_pieces` between drains."""
-        if self.writer is not None:
+        if self._journaled and drained_at >= self._next_journal:
+            self._next_journal = drained_at + JOURNAL_GAP_S
+            self._frame_gathered()
+            assert self.writer is not None
             self.writer.write_journal()
         if self.wanted and flush.due(drained_at):
             if in_pieces:
@@ -160,6 +167,13 @@ class RowOutlet:
                 f"with its rows written out ({left >> 20} MiB anonymous): it writes them out every "
                 f"{PRESSURE_GAP_S:g} s while it stays above (counted in meta.json profiler_memory.budget)"
             )
+
+    def _frame_gathered(self) -> None:
+        """Every row gathered so far framed and handed to its readers now (each table after the
+        older rows of it that a flush under way holds)."""
+        for table, df in self._rows.take_all():
+            self.round.before_frames(table)
+            self.emit(table, df)
 
     def close_rows(self) -> None:
         """At the end: a flush under way finished, then every row still gathered (those of drains

@@ -117,11 +117,13 @@ class ColumnBuffer:
 
 
 class FlushSchedule:
-    """When the consumer writes what it holds to disk: often enough that a recorder killed at
-    any moment has every row older than `interval_s` on disk. A flush drains the ring first, so a
-    row waits at most one `period` plus the time to decode and write it (MARGIN_S): the write is
-    done in pieces between drains (session/flush_round.py), at nice 10 on a busy machine up to
-    about half a second of wall time, and the drains in between take their share."""
+    """When the consumer writes what it holds as Parquet segments: often enough that every row
+    older than `interval_s` is in a segment (a recorder killed in between still has the newer
+    rows in the recording's journal, store/journal.py, written after each drain). A flush drains
+    the ring first, so a row waits at most one `period` plus the time to decode and write it
+    (MARGIN_S): the write is done in pieces between drains (session/flush_round.py), at nice 10
+    on a busy machine up to about half a second of wall time, and the drains in between take
+    their share."""
 
     MARGIN_S = 1.0
 

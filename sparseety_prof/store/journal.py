@@ -4,17 +4,16 @@ Parquet segments (fsynced) come every `--flush-interval`. A recorder killed outr
 (SIGKILL, the OOM killer) would lose every row gathered since the last; the kernel's page cache
 survives any death of the process, only a power cut empties it. So after each drain the writer puts
 the rows it was given since the drain before into one chunk per table, in the folder ``journal/``:
-a small Parquet file (LZ4: about as cheap to write as no compression, and smaller), written
-whole under a hidden name and renamed into place, with no fsync. Parquet rather than Arrow IPC,
-which costs less to write: a reader judges a Parquet file from its footer and page headers before
-decoding a value (store/recording_files.py), as it judges segments (docs/durability.md). The
+an Arrow IPC stream, uncompressed (store/ipc_stream.py: the cheapest format Polars writes, the
+columns' buffers copied out as they are), written whole under a hidden name and renamed into
+place, with no fsync. The
 chunks are fsynced on a cadence of their own (`--fsync-interval`), which bounds what a power cut
 loses. A chunk is removed once segments hold all its rows; a recording closed cleanly has no
 journal.
 
 A chunk's name says which rows of its table it holds, so that a reader can tell which ones
 segments already hold even when the recorder died between writing a segment and removing the
-chunks it covers: ``<table>-<S>-<R>.parquet`` (``tokens-000003-000000000120.parquet``) holds rows that
+chunks it covers: ``<table>-<S>-<R>.arrows`` (``tokens-000003-000000000120.arrows``) holds rows that
 follow the first R rows written from segment S on. Segments hold a table's rows in the order the
 writer was given them, so with N the rows of segments S, S+1, ... (as many as are on disk without
 a gap), the chunk's first max(0, N - R) rows are in segments and the rest only here.
@@ -26,7 +25,6 @@ chunks; reading it back is store/journal_reader.py's.
 from __future__ import annotations
 
 import contextlib
-import io
 import re
 import time
 from dataclasses import dataclass, field
@@ -34,17 +32,18 @@ from typing import Any
 
 import polars as pl
 
+from sparseety_prof.store.ipc_stream import write_stream
 from sparseety_prof.store.output_dir import OutputDir
 
 __all__ = ["CHUNK_RE", "JOURNAL_DIR", "JournalWriter", "chunk_name"]
 
 JOURNAL_DIR = "journal"
 #: a chunk's name: its table, the segment S and the row R its rows follow (see the module doc)
-CHUNK_RE = re.compile(r"^(?P<table>[a-z]+)-(?P<segment>\d{6})-(?P<row>\d{12})\.parquet$")
+CHUNK_RE = re.compile(r"^(?P<table>[a-z]+)-(?P<segment>\d{6})-(?P<row>\d{12})\.arrows$")
 
 
 def chunk_name(table: str, segment: int, row: int) -> str:
-    return f"{table}-{segment:06d}-{row:012d}.parquet"
+    return f"{table}-{segment:06d}-{row:012d}.arrows"
 
 
 @dataclass
@@ -111,9 +110,7 @@ class JournalWriter:
             if p.start + p.rows <= written.get(table, 0):
                 continue  # a segment was written meanwhile and holds them all
             df = pl.concat(p.frames, how="vertical", rechunk=False) if len(p.frames) > 1 else p.frames[0]
-            buf = io.BytesIO()
-            df.write_parquet(buf, compression="lz4", statistics=False)
-            data = buf.getbuffer()
+            data = write_stream(df)
             name = chunk_name(table, p.segment, p.row)
             self._folder().write_unsynced(name, data)
             self._chunks.setdefault(table, []).append(_Chunk(name, p.start + p.rows, len(data)))

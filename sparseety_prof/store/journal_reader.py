@@ -4,8 +4,9 @@
 not closed; a closed recording's segments hold every row, and a journal found in one is ignored.
 The journal comes from a recording made elsewhere as much as its segments do: the folder and every
 chunk are read through the recording's one reader of untrusted files (store/recording_files.py:
-regular files only, sizes bounded, the Parquet judged from its footer and page headers before a
-value is decoded, the frame checked against the table's schema and list bounds). A chunk that
+regular files only, sizes bounded), each chunk's Arrow IPC stream judged from its metadata before
+a value is decoded (store/ipc_stream.py: no compression, no type a table lacks, nesting and
+buffers bounded), and the frame checked against the table's schema and list bounds. A chunk that
 fails (torn by a power cut before its fsync, or anything else) is left out and named in
 `Recording.damaged`, never raised: the journal is where an interrupted recording ends, as its
 torn last segment is.
@@ -21,13 +22,16 @@ import polars as pl
 
 from sparseety_prof.errors import CorruptRecording
 from sparseety_prof.store import recording_files
+from sparseety_prof.store.ipc_stream import IpcStreamError, read_stream
 from sparseety_prof.store.journal import CHUNK_RE, JOURNAL_DIR
 
-__all__ = ["MAX_CHUNKS", "journal_rows"]
+__all__ = ["MAX_CHUNKS", "MAX_CHUNK_BYTES", "journal_rows"]
 
 #: the chunks a journal may name: the writer leaves a flush interval's drains per table at most
 #: (and those of a flush that failed); far more is no journal this writer made
 MAX_CHUNKS = 100_000
+#: the bytes of one chunk: a drain's rows of one table
+MAX_CHUNK_BYTES = 256 << 20
 
 
 def journal_rows(
@@ -67,7 +71,7 @@ def journal_rows(
         if segment < first_segment:
             continue  # its segment was rotated out: so were these rows
         try:
-            df = recording_files.read_segment(folder / name, table, bounds=bounds)
+            df = _read_chunk(folder / name, table, bounds)
         except FileNotFoundError:
             continue  # removed since it was listed: a segment holds its rows now
         except CorruptRecording as e:
@@ -77,6 +81,19 @@ def journal_rows(
         if skip < df.height:
             found.append((segment, row, df.slice(skip)))
     return [df for _, _, df in sorted(found, key=lambda c: (c[0], c[1]))]
+
+
+def _read_chunk(path: Path, table: str, bounds: recording_files.ListBounds) -> pl.DataFrame:
+    """One chunk as a frame of `table`; CorruptRecording naming it when it is not one."""
+    data = recording_files.read_file(path, max_bytes=MAX_CHUNK_BYTES)
+    try:
+        df = read_stream(data)
+    except IpcStreamError as e:
+        raise CorruptRecording(
+            f"{recording_files.shown(path)} is not a readable journal chunk: {e}"
+        ) from None
+    recording_files.check_frame(path, table, df, bounds=bounds)
+    return df
 
 
 def _rows_from(segment_rows: Mapping[int, int], segment: int) -> int:

@@ -9,7 +9,7 @@ Layout::
         steps/part-000000.parquet  schema.STEPS columns
         ...
         journal/                   only while recording, or once killed (store/journal.py)
-        journal/tokens-000001-000000000120.parquet   a drain's rows no segment holds yet
+        journal/tokens-000001-000000000120.arrows    a drain's rows no segment holds yet
 
 Every segment is written in full under a hidden temporary name (``.part-000003.parquet.<random>.tmp``)
 and then renamed, so a crash or Ctrl-C loses at most the rows not yet flushed and a reader
@@ -21,10 +21,11 @@ meta.json is written first with ``"complete": false``, so a recording killed at 
 readable; a disk-full or I/O error stops the writes and is recorded (``write_error``).
 
 Between flushes, the recorder puts each drain's rows in ``journal/``: one chunk per table per drain
-(Parquet, LZ4, the table's schema), renamed into place without fsync, so that a recorder
+(an uncompressed Arrow IPC stream of the table's schema, store/ipc_stream.py), renamed into place
+without fsync, so that a recorder
 killed outright (SIGKILL, the OOM killer) loses only about its last drain; the chunks are fsynced
 every ``--fsync-interval`` and removed once segments hold their rows. A chunk's name,
-``<table>-<S>-<R>.parquet``, says that its rows follow the first R rows written to segments from
+``<table>-<S>-<R>.arrows``, says that its rows follow the first R rows written to segments from
 segment S on, so a reader takes from it only the rows the segments on disk do not hold (the
 recorder may have died between writing a segment and removing the chunks it covers). `Recording`
 adds those rows to a recording that was not closed (store/journal_reader.py); a chunk it cannot
