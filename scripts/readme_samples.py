@@ -153,8 +153,9 @@ def _env() -> dict[str, str]:
 
 @contextmanager
 def engine(work: Path) -> Iterator[tuple[int, str]]:
-    """xllamacpp's llama-server on a generated MoE model (scripts/demo_server.py): (pid, url)."""
-    model = make_model(work / "models" / "moe.gguf", "moe")
+    """xllamacpp's llama-server on a generated MoE model with ReGLU experts, whose activations
+    are exactly zero about half the time (scripts/demo_server.py): (pid, url)."""
+    model = make_model(work / "models" / "smallthinker.gguf", "smallthinker")
     cmd = [sys.executable, str(ROOT / "scripts" / "demo_server.py"), str(model), "--port", str(_free_port())]
     p = subprocess.Popen(
         cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
