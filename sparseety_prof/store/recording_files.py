@@ -146,16 +146,15 @@ def read_file(path: str | os.PathLike[str], *, max_bytes: int) -> bytes:
             raise _refuse(path, e.strerror or "is refused") from None
         raise _refuse(path, f"cannot be read ({e.strerror})") from None
     try:
-        size = st.st_size
-        buf = bytearray(size)
-        view = memoryview(buf)
+        chunks: list[bytes] = []
         got = 0
-        while got < size:
-            n = os.preadv(fd, [view[got:]], got)
-            if n == 0:
+        while got < st.st_size:  # one read for any file under a GiB: no copy of its bytes
+            chunk = os.pread(fd, min(st.st_size - got, 1 << 30), got)
+            if not chunk:
                 break  # shrank meanwhile: what is there is judged by its content
-            got += n
-        return bytes(view[:got])
+            chunks.append(chunk)
+            got += len(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
     except OSError as e:
         raise _refuse(path, f"cannot be read ({e.strerror})") from None
     finally:
