@@ -448,6 +448,23 @@ def test_a_segment_bigger_than_a_segment_may_be_is_refused_before_it_is_read(goo
         sparseety_prof.open(good).tokens()
 
 
+def test_a_sparse_segment_with_parquet_ends_is_refused_unread(good: Path) -> None:
+    """Magic at both ends and a real footer, 2 GB of holes between: the footer describes a few
+    KB of columns, so the file is refused before its holes are read."""
+    seg = good / SEGMENT
+    data = seg.read_bytes()
+    footer_len = int.from_bytes(data[-8:-4], "little")
+    tail = data[-8 - footer_len :]
+    with seg.open("r+b") as f:
+        f.truncate(2 << 30)
+        f.seek((2 << 30) - len(tail))
+        f.write(tail)
+    with pytest.raises(
+        CorruptRecording, match=r"part-000000\.parquet is 2147483648 bytes, but its footer describes"
+    ):
+        within(60, lambda: sparseety_prof.open(good).tokens())
+
+
 def test_valid_recordings_read_as_before_through_the_checks(good: Path, tmp_path: Path) -> None:
     """The checks refuse nothing real: rows, lists and text of every kind round-trip."""
     r = sparseety_prof.open(good)

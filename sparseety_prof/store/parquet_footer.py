@@ -17,7 +17,14 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-__all__ = ["ColumnChunk", "ParquetFacts", "ParquetMetadataError", "parquet_facts"]
+__all__ = [
+    "ColumnChunk",
+    "ParquetFacts",
+    "ParquetMetadataError",
+    "footer_data_bytes",
+    "footer_length",
+    "parquet_facts",
+]
 
 MAGIC = b"PAR1"
 #: a footer this long would describe far more columns and row groups than a segment has
@@ -181,16 +188,38 @@ def _list(d: dict[int, object], fid: int, what: str) -> list[object]:
     return v
 
 
+def footer_length(head: bytes, tail: bytes, size: int) -> int:
+    """The footer's length from a file's first 4 and last 8 bytes (`size` bytes in all), checked:
+    Parquet magic at both ends, a footer that fits the file and MAX_FOOTER_BYTES."""
+    if size < 12 or head[:4] != MAGIC or tail[-4:] != MAGIC or len(tail) < 8:
+        raise ParquetMetadataError("no Parquet magic at both ends (truncated, or not Parquet)")
+    footer_len: int = struct.unpack("<I", tail[-8:-4])[0]
+    if footer_len > MAX_FOOTER_BYTES or footer_len > size - 12:
+        raise ParquetMetadataError(f"a footer of {footer_len} bytes does not fit the file")
+    return footer_len
+
+
+def footer_data_bytes(footer: bytes) -> int:
+    """The bytes of column chunks the footer (FileMetaData, without the length and magic)
+    describes: what a file holding it has besides its footer, page indexes aside."""
+    meta = _Reader(footer, 0, len(footer)).struct()
+    total = 0
+    for g in _list(meta, 4, "the row groups"):
+        if not isinstance(g, dict):
+            raise ParquetMetadataError("a row group is not a structure")
+        for c in _list(g, 1, "a row group's columns"):
+            if not isinstance(c, dict):
+                raise ParquetMetadataError("a column chunk is not a structure")
+            total += max(_int(_struct(c, 3, "a column chunk's metadata"), 7, "a column chunk's size"), 0)
+    return total
+
+
 def parquet_facts(data: bytes | memoryview) -> ParquetFacts:
     """The row count, row groups and per-column page totals of the Parquet file `data`, from its
     footer and page headers only. ParquetMetadataError when they are malformed or disagree (a
     page outside its column chunk, page values that do not add up to the chunk's)."""
     n = len(data)
-    if n < 12 or bytes(data[:4]) != MAGIC or bytes(data[n - 4 :]) != MAGIC:
-        raise ParquetMetadataError("no Parquet magic at both ends (truncated, or not Parquet)")
-    footer_len = struct.unpack("<I", bytes(data[n - 8 : n - 4]))[0]
-    if footer_len > MAX_FOOTER_BYTES or footer_len > n - 12:
-        raise ParquetMetadataError(f"a footer of {footer_len} bytes does not fit the file")
+    footer_len = footer_length(bytes(data[:4]), bytes(data[max(n - 8, 0) :]), n)
     meta = _Reader(data, n - 8 - footer_len, n - 8).struct()
     rows = _int(meta, 3, "the file's row count")
     groups = _list(meta, 4, "the row groups")

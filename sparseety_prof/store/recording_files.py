@@ -38,7 +38,13 @@ import polars as pl
 from sparseety_prof.capture.untrusted_files import RefusedFile, open_untrusted
 from sparseety_prof.errors import CorruptRecording
 from sparseety_prof.store import schema
-from sparseety_prof.store.parquet_footer import ParquetFacts, ParquetMetadataError, parquet_facts
+from sparseety_prof.store.parquet_footer import (
+    ParquetFacts,
+    ParquetMetadataError,
+    footer_data_bytes,
+    footer_length,
+    parquet_facts,
+)
 from sparseety_prof.terminal_text import visible
 
 __all__ = [
@@ -134,8 +140,16 @@ def read_file(path: str | os.PathLike[str], *, max_bytes: int) -> bytes:
     at the size fstat gave (a file that grows meanwhile is read to that size). Raises
     FileNotFoundError when `path` does not exist, CorruptRecording (one line naming the file)
     for anything else."""
+    fd, st = _open_regular(path, max_bytes)
     try:
-        fd, st = open_untrusted(path, follow=False, max_size=max_bytes)
+        return _pread(path, fd, st.st_size, 0)
+    finally:
+        os.close(fd)
+
+
+def _open_regular(path: str | os.PathLike[str], max_bytes: int) -> tuple[int, os.stat_result]:
+    try:
+        return open_untrusted(path, follow=False, max_size=max_bytes)
     except FileNotFoundError:
         raise
     except OSError as e:  # RefusedFile (fstat: not regular, too big), ELOOP, ENXIO (a socket), ...
@@ -145,18 +159,47 @@ def read_file(path: str | os.PathLike[str], *, max_bytes: int) -> bytes:
         if isinstance(e, RefusedFile):  # too big, or replaced by another kind since the lstat
             raise _refuse(path, e.strerror or "is refused") from None
         raise _refuse(path, f"cannot be read ({e.strerror})") from None
+
+
+def _pread(path: str | os.PathLike[str], fd: int, n: int, offset: int) -> bytes:
+    """`n` bytes at `offset` (fewer where the file shrank meanwhile: its content then says)."""
+    chunks: list[bytes] = []
+    got = 0
     try:
-        chunks: list[bytes] = []
-        got = 0
-        while got < st.st_size:  # one read for any file under a GiB: no copy of its bytes
-            chunk = os.pread(fd, min(st.st_size - got, 1 << 30), got)
+        while got < n:  # one read for anything under a GiB: no copy of its bytes
+            chunk = os.pread(fd, min(n - got, 1 << 30), offset + got)
             if not chunk:
-                break  # shrank meanwhile: what is there is judged by its content
+                break
             chunks.append(chunk)
             got += len(chunk)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
     except OSError as e:
         raise _refuse(path, f"cannot be read ({e.strerror})") from None
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _read_parquet_file(path: str | os.PathLike[str]) -> bytes:
+    """A segment's bytes, read whole only after its two ends were checked: Parquet magic, a footer
+    that fits, and a file no larger than the column chunks its footer describes (so a sparse
+    file of gigabytes, or one padded with what no column holds, is refused unread)."""
+    fd, st = _open_regular(path, MAX_SEGMENT_BYTES)
+    try:
+        size = st.st_size
+        try:
+            footer_len = footer_length(_pread(path, fd, 4, 0), _pread(path, fd, 8, max(size - 8, 0)), size)
+            described = footer_data_bytes(_pread(path, fd, footer_len, size - 8 - footer_len))
+        except ParquetMetadataError as e:
+            raise _refuse(
+                path, f"is not a readable Parquet segment: it is truncated or damaged ({e})"
+            ) from None
+        # page indexes and bloom filters may lie between the chunks and the footer: as much again
+        most = 4 + 2 * described + footer_len + 8 + (1 << 20)
+        if size > most:
+            raise _refuse(
+                path,
+                f"is {size} bytes, but its footer describes {described} bytes of columns: "
+                "not a Parquet segment as written (padded, or damaged)",
+            )
+        return _pread(path, fd, size, 0)
     finally:
         os.close(fd)
 
@@ -347,10 +390,11 @@ def read_segment(
     bounds: ListBounds | None = None,
     exact_schema: bool = True,
 ) -> pl.DataFrame:
-    """A segment of `table` as a frame: `read_file` (at most MAX_SEGMENT_BYTES), `segment_facts`
-    on its bytes, then decoded from those same bytes and checked by `check_frame` (with
-    `exact_schema=False`, missing columns and other dtypes are left for the caller to cast)."""
-    data = read_file(path, max_bytes=MAX_SEGMENT_BYTES)
+    """A segment of `table` as a frame: its bytes read whole (at most MAX_SEGMENT_BYTES, and only
+    after its ends and footer were checked), `segment_facts` on them, then decoded from those
+    same bytes and checked by `check_frame` (with `exact_schema=False`, missing columns and
+    other dtypes are left for the caller to cast)."""
+    data = _read_parquet_file(path)
     segment_facts(path, data, table, max_rows=max_rows, bounds=bounds)
     try:
         df = pl.read_parquet(io.BytesIO(data))
@@ -378,7 +422,7 @@ def read_segment(
 def segment_rows(path: str | os.PathLike[str]) -> int:
     """The rows a segment's footer declares, reading the footer and page headers only (for a
     table's row count against meta.json before any segment is decoded)."""
-    data = read_file(path, max_bytes=MAX_SEGMENT_BYTES)
+    data = _read_parquet_file(path)
     try:
         return parquet_facts(data).rows
     except ParquetMetadataError as e:
