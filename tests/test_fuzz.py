@@ -9,7 +9,10 @@ only each reader's documented error types may come out.
 - the CUPTI shm ring reader (gpu/shm_ring.py): RingError;
 - the HTTP request-head parser (correlate/serving.py): nothing;
 - the recording loader (store/recording.py) and `report`/`diff` on damaged recordings:
-  CorruptRecording (exit 7) or UsageError, never a traceback.
+  CorruptRecording (exit 7) or UsageError, never a traceback; and on recordings whose files are
+  of another kind (FIFO, socket, directory, links), size (empty, sparse gigabytes), nesting or
+  compression ratio (lists and text far larger inside than on disk, counts meta.json lies
+  about): the same, at once (a hang guard fails the round) and without decoding a bomb.
 
 Each fuzzer runs hypothesis in rounds until SPARSEETY_FUZZ_SECONDS (default 60) have passed, so
 CI spends a minute on each; set it lower to run them quickly (SPARSEETY_FUZZ_SECONDS=5). A
@@ -23,6 +26,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import struct
 import tempfile
 import time
@@ -31,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -44,6 +49,7 @@ from test_hardening_escapes import (
     nested_arrays,
     small_recording,
 )
+from test_hardening_files import within
 from test_ring_walk import SIZE as RING_SIZE
 from test_ring_walk import FakeRing
 
@@ -505,6 +511,160 @@ def test_fuzz_recording_loader_report_and_diff(scratch: Path) -> None:
         assert _cli("report", str(rec)) in (0, 7)
         assert _cli("diff", str(good), str(rec)) in (0, 1, 7)
         assert _cli("diff", str(rec), str(rec)) in (0, 7)
+
+    fuzz_for_budget(one)
+
+
+# ------------------------------------------------------------------ hostile recording files
+# Not only bytes: the kinds, sizes and contents a recording from elsewhere may hold (issue 60).
+# Every reader must refuse them at once (store/recording_files.py): a FIFO that blocked, or a
+# bomb that was decoded, would hang the round or exhaust the machine, not only fail an assert.
+FILE_TARGETS = ("meta.json", "tokens/part-000000.parquet", "steps/part-000000.parquet", "tokens")
+FILE_KINDS = ("fifo", "directory", "socket", "link_dev_zero", "link_regular", "link_dangling", "hard_link")
+
+
+@st.composite
+def file_attacks(draw: st.DrawFn) -> list[tuple[str, Any]]:
+    """File-type, size, nesting and compression-ratio mutations of a recording."""
+    steps: list[tuple[str, Any]] = []
+    for _ in range(draw(st.integers(1, 3))):
+        what = draw(st.sampled_from(["kind", "size", "nesting", "ratio", "rows_lie"]))
+        if what == "kind":
+            steps.append((what, (draw(st.sampled_from(FILE_TARGETS)), draw(st.sampled_from(FILE_KINDS)))))
+        elif what == "size":
+            size = draw(st.sampled_from([0, 1, 7, 8, 12, 4 << 20, (4 << 20) + 1, 2 << 30, (4 << 30) + 1]))
+            steps.append((what, (draw(st.sampled_from(FILE_TARGETS[:3])), size)))
+        elif what == "nesting":
+            steps.append((what, (draw(st.sampled_from("[{")), draw(st.integers(0, 200_000)))))
+        elif what == "ratio":
+            steps.append(
+                (
+                    what,
+                    (
+                        draw(st.integers(0, 50_000)),  # rows
+                        draw(st.integers(0, 400)),  # top_ids per row
+                        draw(st.integers(0, 2_000)),  # bytes of token text
+                        draw(st.sampled_from(["zstd", "lz4", "snappy", "gzip", "uncompressed"])),
+                        draw(st.sampled_from([None, 0, 1, -1, 10**12])),  # meta.json's count
+                    ),
+                )
+            )
+        else:
+            steps.append((what, (draw(st.sampled_from(["tokens", "steps"])), draw(st.integers(-5, 10**9)))))
+    return steps
+
+
+def _set_meta_rows(rec: Path, table: str, rows: int) -> None:
+    meta_path = rec / recording.META_FILE
+    if not meta_path.is_file() or meta_path.is_symlink() or meta_path.stat().st_size > 1 << 20:
+        return  # a FIFO, a link to /dev/zero, a sparse gigabyte: the mutation's own reading would hang
+    try:
+        meta = json.loads(meta_path.read_text())
+        meta["tables"][table]["rows"] = rows
+    except (OSError, ValueError, TypeError, KeyError, RecursionError):
+        return  # meta.json is already something else
+    (rec / recording.META_FILE).write_text(json.dumps(meta))
+
+
+def _clear(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    elif p.exists() or p.is_symlink():
+        p.unlink()
+
+
+def _apply_file_attacks(rec: Path, steps: list[tuple[str, Any]], scratch: Path) -> None:
+    meta_path = rec / recording.META_FILE
+    for what, arg in steps:
+        if what == "kind":
+            target, kind = rec / arg[0], arg[1]
+            if not (target.exists() or target.is_symlink()):
+                continue
+            elsewhere = scratch / "elsewhere"
+            if kind in ("link_regular", "hard_link") and target.is_file() and target.stat().st_size < 1 << 20:
+                shutil.copyfile(target, elsewhere)
+            _clear(target)
+            if kind == "fifo":
+                os.mkfifo(target)
+            elif kind == "directory":
+                target.mkdir()
+            elif kind == "socket":
+                short = Path(tempfile.mkdtemp(prefix="f60-", dir="/tmp")) / "s"
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.bind(str(short))
+                os.rename(short, target)
+                short.parent.rmdir()
+            elif kind == "link_dev_zero":
+                target.symlink_to("/dev/zero")
+            elif kind == "link_dangling":
+                target.symlink_to(scratch / "nothing-here")
+            elif elsewhere.exists() and kind == "link_regular":
+                target.symlink_to(elsewhere)
+            elif elsewhere.exists():
+                os.link(elsewhere, target)
+        elif what == "size":
+            target = rec / arg[0]
+            if target.is_file() and not target.is_symlink():
+                os.truncate(target, arg[1])  # beyond the end: a sparse file of holes
+        elif what == "nesting":
+            opening, depth = arg
+            body = ('{"a":' * depth + "1" + "}" * depth) if opening == "{" else "[" * depth + "]" * depth
+            if meta_path.is_file() and not meta_path.is_symlink():
+                meta_path.write_text(body)
+        elif what == "ratio":
+            rows, per_row, text_len, codec, count = arg
+            seg = rec / "tokens" / "part-000000.parquet"
+            if not seg.is_file() or seg.is_symlink() or seg.stat().st_size > 1 << 20:
+                continue
+            try:
+                base = pl.read_parquet(seg).head(1)
+            except Exception:
+                continue
+            if base.height == 0:
+                continue
+            df = base.select(pl.all().gather(np.zeros(rows, np.int64))).with_columns(
+                pl.Series("top_ids", np.zeros(rows * per_row, np.int32))
+                .reshape((rows, per_row))
+                .cast(pl.List(pl.Int32))
+                if rows and per_row
+                else pl.lit(None, pl.List(pl.Int32)).alias("top_ids"),
+                pl.repeat("t" * text_len, rows, eager=True).alias("token_text"),
+            )
+            df.write_parquet(seg, compression=codec)
+            _set_meta_rows(rec, "tokens", rows if count is None else count)
+        else:
+            _set_meta_rows(rec, arg[0], arg[1])
+
+
+def _cli_within(*args: str) -> int:
+    code: int = within(60, lambda: _cli(*args))
+    return code
+
+
+def test_fuzz_recording_file_types_sizes_and_ratios(scratch: Path) -> None:
+    good = small_recording(scratch / "good-files")
+
+    @rounds(10)
+    @given(file_attacks())
+    def one(steps: list[tuple[str, Any]]) -> None:
+        rec = scratch / "hostile"
+        for p in (rec, scratch / "elsewhere"):
+            _clear(p)
+        shutil.copytree(good, rec)
+        _apply_file_attacks(rec, steps, scratch)
+
+        def read_all() -> None:
+            try:
+                r = recording.open(rec)
+                for table in ("tokens", "steps", "routes", "masks", "requests", "kernels"):
+                    r.table(table)
+            except ProfError as e:
+                assert isinstance(e, CorruptRecording | UsageError), e
+                assert "\n" not in str(e), str(e)
+
+        within(60, read_all)
+        assert _cli_within("report", str(rec)) in (0, 7)
+        assert _cli_within("diff", str(good), str(rec)) in (0, 1, 7)
 
     fuzz_for_budget(one)
 
