@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 
 #: the record/attach flags left out of --help: tuning and benchmark knobs, each documented in
-#: docs/tuning.md (tests/test_cli.py checks that every one is, with its default)
+#: docs/tuning.md (tests/test_cli_help.py checks that every one is, with its default)
 TUNING_FLAGS = (
     "--correlate-every",
     "--drain-interval",
