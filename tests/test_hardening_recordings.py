@@ -470,3 +470,24 @@ def test_valid_recordings_read_as_before_through_the_checks(good: Path, tmp_path
     r = sparseety_prof.open(good)
     assert r.tokens()["token_id"].to_list() == [5, 6]
     assert r.meta_bytes == (good / META_FILE).read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "nested", "link"])
+def test_a_dataset_whose_manifest_is_hostile_is_refused_at_once(
+    good: Path, tmp_path: Path, kind: str
+) -> None:
+    """collect's DEST may come from elsewhere too: its manifest.json is read as untrusted."""
+    dest = tmp_path / "dataset"
+    dest.mkdir()
+    manifest = dest / "manifest.json"
+    if kind == "fifo":
+        os.mkfifo(manifest)
+    elif kind == "nested":
+        manifest.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        manifest.symlink_to("/dev/zero")
+    rc, _, err = cli_in_process(["collect", str(good), str(dest)])
+    assert rc == 2 and "Traceback" not in err, err
+    assert [ln for ln in err.splitlines() if ln.strip()] == [
+        ln for ln in err.splitlines() if "manifest.json" in ln
+    ]

@@ -34,7 +34,7 @@ from sparseety_prof.errors import CorruptRecording, ProfError, UsageError
 from sparseety_prof.store import recording, schema
 from sparseety_prof.store.dataset_dir import DatasetDir, StagedFile
 from sparseety_prof.store.dataset_partition import placement
-from sparseety_prof.store.recording_files import MAX_META_BYTES, read_file, shown
+from sparseety_prof.store.recording_files import MAX_META_BYTES, parse_json, read_file, shown
 
 __all__ = ["MANIFEST", "MANIFEST_FORMAT", "CollectReport", "collect", "recording_id"]
 
@@ -215,9 +215,9 @@ def _load_manifest(out: DatasetDir) -> dict[str, Any]:
         }
     where = out.path / MANIFEST
     try:
-        m = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"{where} is not valid JSON ({e}): not a dataset this command can extend") from None
+        m = parse_json(raw, where)  # nesting bounded: a dataset may come from elsewhere
+    except CorruptRecording as e:
+        raise UsageError(f"{e}: not a dataset this command can extend") from None
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
         raise UsageError(f"{where} is not a sparseety-prof dataset manifest")
     if m.get("schema_version") != schema.SCHEMA_VERSION:

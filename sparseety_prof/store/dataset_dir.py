@@ -23,6 +23,9 @@ from typing import BinaryIO
 from sparseety_prof.errors import UsageError
 from sparseety_prof.store.output_dir import DIR_MODE, FILE_MODE, OutputDir
 
+#: the manifest lists every recording collected, about a KiB each
+MAX_READ_BYTES = 256 << 20
+
 __all__ = ["DatasetDir", "StagedFile", "check_dest"]
 
 LOCK_FILE = ".collect.lock"
@@ -75,16 +78,28 @@ class DatasetDir:
         self._folders.clear()
         self._root.close()
 
-    def read(self, name: str) -> bytes | None:
-        """The file `name` of DEST, or None when absent (never through a symlink)."""
+    def read(self, name: str, max_bytes: int = MAX_READ_BYTES) -> bytes | None:
+        """The file `name` of DEST, or None when absent: never through a symlink, never waiting
+        on a FIFO, a regular file of at most `max_bytes` (a dataset may come from elsewhere)."""
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root.fd)
+            fd = os.open(
+                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self._root.fd
+            )
         except FileNotFoundError:
             return None
         except OSError as e:
             raise UsageError(f"{self.path / name} cannot be read: {e.strerror}") from None
         with os.fdopen(fd, "rb") as f:
-            return f.read()
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise UsageError(
+                    f"{self.path / name} is not a plain file: not a dataset this command can extend"
+                )
+            if st.st_size > max_bytes:
+                raise UsageError(
+                    f"{self.path / name} is {st.st_size} bytes, more than the {max_bytes} accepted"
+                )
+            return f.read(st.st_size)
 
     def write_atomic(self, name: str, write: Callable[[BinaryIO], object]) -> None:
         self._root.write_atomic(name, write)
