@@ -47,6 +47,7 @@ class ColumnChunk:
     """One column of one row group, as its page headers describe it."""
 
     path: tuple[str, ...]  # the leaf's path in the schema ("expert_ids", "list", "element", ...)
+    physical_type: int = -1  # Parquet's Type: BOOLEAN 0, INT32 1, INT64 2, ..., BYTE_ARRAY 6
     values: int = 0  # values the data pages declare (leaf slots: nulls and empty lists count)
     decompressed_bytes: int = 0  # the pages' declared uncompressed sizes, dictionary pages included
     dictionary_values: int = 0
@@ -251,7 +252,10 @@ def _column_chunk(data: bytes | memoryview, md: dict[int, object], data_end: int
     )
     if not path:
         raise ParquetMetadataError("a column chunk with an empty path")
-    chunk = ColumnChunk(path)
+    kind = md.get(1)
+    chunk = ColumnChunk(
+        path, physical_type=kind if isinstance(kind, int) and not isinstance(kind, bool) else -1
+    )
     declared_values = _int(md, 5, f"column {'.'.join(path)}: its value count")
     size = _int(md, 7, f"column {'.'.join(path)}: its compressed size")
     start = _int(md, 9, f"column {'.'.join(path)}: its data page offset")
@@ -265,20 +269,20 @@ def _column_chunk(data: bytes | memoryview, md: dict[int, object], data_end: int
     while pos < end:
         r = _Reader(data, pos, end)
         header = r.struct()
-        kind = _int(header, 1, "a page's type")
+        page_type = _int(header, 1, "a page's type")
         uncompressed = _int(header, 2, "a page's uncompressed size")
         compressed = _int(header, 3, "a page's compressed size")
         if uncompressed < 0 or compressed < 0 or r.pos + compressed > end:
             raise ParquetMetadataError(f"column {'.'.join(path)}: a page runs past its column chunk")
         chunk.decompressed_bytes += uncompressed
-        if kind == _DICTIONARY_PAGE:
+        if page_type == _DICTIONARY_PAGE:
             chunk.dictionary_values += _page_values(header, 7)
-        elif kind == _DATA_PAGE:
+        elif page_type == _DATA_PAGE:
             chunk.values += _page_values(header, 5)
-        elif kind == _DATA_PAGE_V2:
+        elif page_type == _DATA_PAGE_V2:
             chunk.values += _page_values(header, 8)
-        elif kind != _INDEX_PAGE:
-            raise ParquetMetadataError(f"column {'.'.join(path)}: a page of unknown type {kind}")
+        elif page_type != _INDEX_PAGE:
+            raise ParquetMetadataError(f"column {'.'.join(path)}: a page of unknown type {page_type}")
         pos = r.pos + compressed
     if chunk.values != declared_values:
         raise ParquetMetadataError(

@@ -84,10 +84,13 @@ MAX_SEGMENT_ROWS = 1 << 24
 #: magnitude, while a decompression bomb does (a few KiB of zstd that expand to gigabytes)
 DECODED_RATIO = 64
 DECODED_FLOOR = 256 << 20
-#: what decoding one value costs at most, beyond its page's decompressed bytes: a 16-byte string
-#: view or an 8-byte list offset or integer, and validity bits (dictionary and RLE encodings
-#: produce values that take no decompressed bytes of their own)
-_BYTES_PER_VALUE = 16
+#: What decoding one value costs at most, beyond its page's decompressed bytes (dictionary and
+#: RLE encodings produce values that take no decompressed bytes of their own), by Parquet
+#: physical type: its width (a string or binary as a 16-byte view), plus one 8-byte offset of a
+#: list for a value of a list column, plus its validity bit rounded up to a byte
+_VALUE_BYTES = {0: 1, 1: 4, 2: 8, 3: 12, 4: 4, 5: 8, 6: 16, 7: 16}
+_UNKNOWN_VALUE_BYTES = 16
+_LIST_OFFSET_BYTES = 8
 
 #: bounds of a list where meta.json does not say it: generous, far above any model
 MAX_LAYERS = 4096
@@ -334,6 +337,17 @@ def decoded_budget(size_on_disk: int) -> int:
     return max(DECODED_FLOOR, DECODED_RATIO * size_on_disk)
 
 
+def _values_bytes(facts: ParquetFacts) -> int:
+    """The most the decoded values of `facts`' columns take beside their pages (see _VALUE_BYTES),
+    with a row's offset and validity for every column."""
+    total = 0
+    for c in facts.columns:
+        width = _VALUE_BYTES.get(c.physical_type, _UNKNOWN_VALUE_BYTES) + 1
+        total += c.values * (width + (_LIST_OFFSET_BYTES if len(c.path) > 1 else 0))
+        total += (c.values + facts.rows) // 8 + _LIST_OFFSET_BYTES * facts.rows
+    return total
+
+
 def segment_facts(
     path: str | os.PathLike[str],
     data: bytes,
@@ -371,7 +385,7 @@ def segment_facts(
                 f"declares {declared[column]} values in column {column} for {facts.rows} rows, more "
                 f"than its lists may hold ({most})",
             )
-    cost = facts.decompressed_bytes + _BYTES_PER_VALUE * (facts.values + facts.rows * max(len(declared), 1))
+    cost = facts.decompressed_bytes + _values_bytes(facts)
     budget = decoded_budget(len(data))
     if cost > budget:
         raise _refuse(
