@@ -414,6 +414,16 @@ def test_a_closed_recording_whose_segments_hold_fewer_rows_than_recorded_is_dama
     assert r.tokens().height == 2 and any("records 1000000000" in d for d in r.damaged)
 
 
+def test_segments_a_closed_recording_does_not_count_add_no_rows(good: Path) -> None:
+    meta = json.loads((good / META_FILE).read_text())
+    meta["tables"]["tokens"]["segments"] = 0  # the segment is there, its 2 rows counted
+    (good / META_FILE).write_text(json.dumps(meta))
+    assert sparseety_prof.open(good).tokens().height == 2
+    shutil.copyfile(good / SEGMENT, good / "tokens" / "part-000001.parquet")  # 2 rows more
+    with pytest.raises(CorruptRecording, match=r"part-000001\.parquet holds 2 rows, more than the recording"):
+        sparseety_prof.open(good).tokens()
+
+
 def test_a_list_longer_than_meta_json_layers_allow_is_refused(good: Path, tmp_path: Path) -> None:
     meta = json.loads((good / META_FILE).read_text())
     meta["layers"] = {"moe": [0, 1], "ffn": [0, 1], "attn": [0, 1]}

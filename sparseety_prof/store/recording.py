@@ -275,6 +275,8 @@ class Recording:
         # account for is a lie, or a decompression bomb); an interrupted recording may hold
         # segments written after its last meta.json, which only their own bounds limit
         accounted, known = _accounted(self.meta, name)
+        if self.complete:  # a closed recording's meta.json counts every segment: none may add rows
+            known = len(files)
         read = 0
         held: dict[str, int] = {}  # rows of each segment read, for the journal
         for i, f in enumerate(files):
