@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -312,18 +313,28 @@ def test_open_and_table_reads_refuse_each_attack(good: Path, tmp_path: Path, att
     assert CorruptRecording.exit_code == 7
 
 
+#: runs the command given and writes its peak resident memory (KiB, Linux's ru_maxrss) to the
+#: file named first: the CLI's own, measured apart from the test process
+_RSS_PARENT = (
+    "import resource, subprocess, sys\n"
+    "rc = subprocess.call(sys.argv[2:])\n"
+    "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))\n"
+    "sys.exit(rc)\n"
+)
+
+
 def _cli_with_rss(args: list[str], tmp: Path) -> tuple[int, str, int]:
     """The CLI in a child process: (exit code, stderr, its peak resident memory in bytes)."""
     rss = tmp / "rss"
     r = subprocess.run(
-        ["/usr/bin/time", "-f", "%M", "-o", str(rss), *CLI, *args],
+        [sys.executable, "-c", _RSS_PARENT, str(rss), *CLI, *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=120,  # a hang guard only
         env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},
     )
-    return r.returncode, r.stderr, int(rss.read_text().split()[-1]) * 1024
+    return r.returncode, r.stderr, int(rss.read_text()) * 1024
 
 
 #: what the CLI takes to refuse a recording: the interpreter, polars and the recording's small
