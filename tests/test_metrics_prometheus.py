@@ -1,13 +1,16 @@
 """--metrics-port against Debian's real Prometheus server: it scrapes a recorder attached to a
 real engine, and PromQL queries through its HTTP API give what the recording written in the
 same run holds (exact for counters: the recorder stays attached past the last frame and the
-scrapes after it)."""
+scrapes after it). The request latency histograms are checked on a plain front end and on a
+llama-server with one slot and clients at once, against the recording's requests table
+(tests/request_latency_oracle.py)."""
 
 from __future__ import annotations
 
 import json
 import signal
 import subprocess
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -18,10 +21,12 @@ from typing import Any
 
 import polars as pl
 import pytest
-from conftest import Engine, Recorder, free_port, which
+from conftest import ENGINES, Engine, Recorder, free_port, which
+from request_latency_oracle import METRICS, want_latencies
 
 import sparseety_prof
 from sparseety_prof.session.metrics_sink import PER_EXPERT, series_count
+from sparseety_prof.session.request_latency import BUCKETS
 
 SCRAPE_S = 1.0
 
@@ -85,6 +90,46 @@ class Prometheus:
         self.log.close()
 
 
+#: one query's answer: each series' labels (job and instance aside) and value
+Answer = list[tuple[dict[str, str], float]]
+
+
+def latency_answers(prom: Prometheus) -> dict[str, dict[str, Answer]]:
+    """Per latency metric, the _count, _sum and _bucket series Prometheus holds."""
+    skip = ("job", "instance", "__name__")
+    return {
+        metric: {
+            part: [
+                ({k: v for k, v in s["metric"].items() if k not in skip}, s["value"])
+                for s in prom.query(f"{metric}_{part}")
+            ]
+            for part in ("count", "sum", "bucket")
+        }
+        for metric in METRICS.values()
+    }
+
+
+def check_latencies(got: dict[str, dict[str, Answer]], requests: pl.DataFrame, meta: dict[str, Any]) -> None:
+    """The latency histograms Prometheus scraped equal those of the requests rows, computed here
+    one by one, labelled with the recording's model (its name, else its file's) and engine."""
+    model = meta["model"].get("name") or Path(meta["model"]["path"]).name
+    labels = {"model": model, "engine": meta["engine"]["name"]}
+    want = want_latencies(requests.iter_rows(named=True))
+    for name, metric in METRICS.items():
+        values = want[name]
+        assert got[metric]["count"] == [(labels, float(len(values)))], metric
+        ((sum_labels, total),) = got[metric]["sum"]
+        assert sum_labels == labels and total == pytest.approx(sum(values), rel=1e-9, abs=1e-12), metric
+        buckets: dict[str, float] = {}
+        for lab, count in got[metric]["bucket"]:
+            le = lab.pop("le")
+            assert lab == labels, metric
+            buckets[le] = count
+        assert len(buckets) == len(BUCKETS[name]) + 1 and buckets["+Inf"] == len(values), metric
+        for le, count in buckets.items():
+            assert count == sum(v <= float(le) for v in values), (metric, le)
+
+
 @pytest.fixture
 def prometheus_and_port(tmp_path: Path) -> Iterator[tuple[Prometheus, int]]:
     metrics_port = free_port()
@@ -121,6 +166,7 @@ def test_prometheus_queries_give_what_the_recording_holds(
     cpu = prom.scalar("sparseety_profiler_cpu_seconds_total")
     losses = prom.query("sparseety_losses_total")
     requests = prom.scalar("sparseety_requests_total")
+    latencies = latency_answers(prom)
     rc, err = recorder.stop(signal.SIGINT)
     assert rc == 0, err
 
@@ -161,3 +207,66 @@ def test_prometheus_queries_give_what_the_recording_holds(
     }
     account = rec.meta["sinks"]["prometheus"]
     assert account["series"] == series and account["scrapes"] >= 3
+    ended = reqs.filter(pl.col("end_reason").fill_null("") != "detached")
+    check_latencies(latencies, ended, rec.meta)
+
+
+def post_completion(url: str, prompt: str, n: int) -> dict[str, Any]:
+    body = {"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+    req = urllib.request.Request(
+        url + "/completion", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return dict(json.loads(r.read()))
+
+
+@pytest.mark.root
+@pytest.mark.engine
+def test_prometheus_gives_the_servers_request_latencies(
+    models: dict[str, Path], prometheus_and_port: tuple[Prometheus, int], tmp_path: Path
+) -> None:
+    """llama-server with one slot and three clients at once (a request that comes while another
+    runs waits for the slot: its queue time); every request ends (the slot is released) before
+    the last scrape, so each latency histogram holds every row of the recording's requests
+    table, queue time included (the server reports when it read each request)."""
+    prom, port = prometheus_and_port
+    server = Engine(
+        [str(ENGINES / "server_engine.py"), str(models["moe"]), "--port", str(free_port()), "--parallel", "1"]
+    )
+    try:
+        rec_dir = tmp_path / "rec"
+        recorder = Recorder(server.pid, rec_dir, "--metrics-port", str(port), "--flush-interval", "0.5")
+        prompts = ["hello the expert router", "one two three four", "sparse token layer gate"]
+        errors: list[BaseException] = []
+
+        def client(prompt: str) -> None:
+            try:
+                post_completion(server.ready["url"], prompt, 6)
+            except BaseException as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=client, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        deadline = time.monotonic() + 60
+        while prom.scalar('sparseety_requests_total{job="sparseety"}') != len(prompts):
+            assert time.monotonic() < deadline, prom.query("sparseety_requests_total")
+            time.sleep(0.5)
+        time.sleep(3 * SCRAPE_S)
+        latencies = latency_answers(prom)
+        rc, err = recorder.stop(signal.SIGINT)
+        assert rc == 0, err
+    finally:
+        server.close()
+    rec = sparseety_prof.open(rec_dir)
+    reqs = rec.requests()
+    assert reqs.height == len(prompts) and reqs["end_reason"].to_list() == ["released"] * len(prompts)
+    assert reqs["t_received_ns"].null_count() == 0 and not reqs["partial"].any()
+    check_latencies(latencies, reqs, rec.meta)
+    # every latency holds the three requests: no histogram is compared empty
+    assert {metric: got["count"][0][1] for metric, got in latencies.items()} == dict.fromkeys(
+        METRICS.values(), 3.0
+    )
