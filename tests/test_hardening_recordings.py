@@ -512,3 +512,82 @@ def test_a_dataset_whose_manifest_is_hostile_is_refused_at_once(
     assert [ln for ln in err.splitlines() if ln.strip()] == [
         ln for ln in err.splitlines() if "manifest.json" in ln
     ]
+
+
+# ---------------------------------------------------------------------- crafted Parquet metadata
+# Thrift compact encoding (Parquet's metadata), for footers no writer makes
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _zz(n: int) -> bytes:
+    return _varint((n << 1) ^ (n >> 63))
+
+
+I32, I64, BINARY, LIST, STRUCT = 5, 6, 8, 9, 12
+
+
+def _struct(*fields: tuple[int, int, bytes]) -> bytes:
+    """A struct of (field id, compact type, encoded value), ids ascending."""
+    out, last = bytearray(), 0
+    for fid, kind, value in fields:
+        out.append(((fid - last) << 4) | kind)
+        out += value
+        last = fid
+    return bytes(out) + b"\x00"
+
+
+def _list(kind: int, items: list[bytes]) -> bytes:
+    head = (
+        bytes([(len(items) << 4) | kind]) if len(items) < 15 else bytes([0xF0 | kind]) + _varint(len(items))
+    )
+    return head + b"".join(items)
+
+
+def _parquet(body: bytes, footer: bytes) -> bytes:
+    return b"PAR1" + body + footer + len(footer).to_bytes(4, "little") + b"PAR1"
+
+
+def _segment_with(good: Path, data: bytes) -> Path:
+    (good / SEGMENT).write_bytes(data)
+    return good / SEGMENT
+
+
+def test_a_footer_of_millions_of_empty_structures_is_refused_unbuilt(good: Path) -> None:
+    """3 MB of footer that a naive reader would turn into three million objects."""
+    groups = b"\x49" + bytes([0xF0 | STRUCT]) + _varint(3_000_000) + b"\x00" * 3_000_000  # field 4
+    _segment_with(good, _parquet(b"", groups + b"\x00"))
+    with pytest.raises(CorruptRecording, match="metadata of more values than a segment's footer holds"):
+        within(60, lambda: sparseety_prof.open(good).tokens())
+
+
+def test_a_file_of_empty_pages_is_refused_without_walking_them_all(good: Path) -> None:
+    """A column chunk of 300,000 empty data pages: every page header would be parsed."""
+    page = _struct(
+        (1, I32, _zz(0)), (2, I32, _zz(0)), (3, I32, _zz(0)), (5, STRUCT, _struct((1, I32, _zz(0))))
+    )
+    pages = page * 300_000
+    column_meta = _struct(
+        (1, I32, _zz(1)),  # INT32
+        (2, LIST, _list(I32, [_zz(0)])),
+        (3, LIST, _list(BINARY, [_varint(8) + b"token_id"])),
+        (4, I32, _zz(0)),
+        (5, I64, _zz(0)),
+        (6, I64, _zz(len(pages))),
+        (7, I64, _zz(len(pages))),
+        (9, I64, _zz(4)),
+    )
+    chunk = _struct((2, I64, _zz(4)), (3, STRUCT, column_meta))
+    group = _struct((1, LIST, _list(STRUCT, [chunk])), (2, I64, _zz(len(pages))), (3, I64, _zz(0)))
+    footer = _struct((1, I32, _zz(1)), (3, I64, _zz(0)), (4, LIST, _list(STRUCT, [group])))
+    _segment_with(good, _parquet(pages, footer))
+    _set_rows(good, "tokens", 0)
+    with pytest.raises(CorruptRecording, match="more than 200000 pages"):
+        within(60, lambda: sparseety_prof.open(good).tokens())

@@ -28,7 +28,14 @@ __all__ = [
 
 MAGIC = b"PAR1"
 #: a footer this long would describe far more columns and row groups than a segment has
-MAX_FOOTER_BYTES = 16 << 20
+MAX_FOOTER_BYTES = 4 << 20
+#: Values one footer may hold (each becomes a Python object) and pages one file may have (each
+#: header is parsed): a segment's footer holds a few thousand, its pages are about a megabyte
+#: each; a crafted footer of empty structures, or a file of empty pages, would otherwise cost
+#: memory and time out of proportion to its size
+MAX_FOOTER_VALUES = 500_000
+MAX_PAGES = 200_000
+_PAGE_HEADER_VALUES = 10_000  # a page header holds its sizes, counts and statistics: a few dozen
 _MAX_NESTING = 32  # Parquet's own structures nest five deep; a deeper one is hostile
 
 # Thrift compact types
@@ -58,6 +65,7 @@ class ParquetFacts:
     rows: int
     row_groups: int
     columns: list[ColumnChunk] = field(default_factory=list)
+    pages: int = 0
 
     @property
     def decompressed_bytes(self) -> int:
@@ -79,10 +87,13 @@ class _Reader:
     """Thrift compact protocol over bytes[start:end]; values as Python objects, structs as
     {field id: value}."""
 
-    def __init__(self, data: bytes | memoryview, start: int, end: int) -> None:
+    def __init__(
+        self, data: bytes | memoryview, start: int, end: int, budget: int = MAX_FOOTER_VALUES
+    ) -> None:
         self.data = data
         self.pos = start
         self.end = end
+        self.budget = budget  # values this reader may still produce
 
     def _byte(self) -> int:
         if self.pos >= self.end:
@@ -116,6 +127,9 @@ class _Reader:
     def value(self, kind: int, depth: int) -> object:
         if depth > _MAX_NESTING:
             raise ParquetMetadataError("metadata nested deeper than Parquet's structures")
+        self.budget -= 1
+        if self.budget < 0:
+            raise ParquetMetadataError("metadata of more values than a segment's footer holds")
         if kind in (_BOOL_TRUE, _BOOL_FALSE):
             return kind == _BOOL_TRUE
         if kind == _BYTE:
@@ -134,6 +148,9 @@ class _Reader:
             if size > self.end - self.pos:  # every element takes at least one byte
                 raise ParquetMetadataError(f"a list of {size} elements runs past the metadata")
             if elem in (_BOOL_TRUE, _BOOL_FALSE):
+                self.budget -= size
+                if self.budget < 0:
+                    raise ParquetMetadataError("metadata of more values than a segment's footer holds")
                 return [self._byte() == 1 for _ in range(size)]
             return [self.value(elem, depth + 1) for _ in range(size)]
         if kind == _MAP:
@@ -239,13 +256,17 @@ def parquet_facts(data: bytes | memoryview) -> ParquetFacts:
                 raise ParquetMetadataError("a column chunk is not a structure")
             if c.get(1) is not None:
                 raise ParquetMetadataError("a column chunk in another file (file_path)")
-            facts.columns.append(_column_chunk(data, _struct(c, 3, "a column chunk's metadata"), data_end))
+            facts.columns.append(
+                _column_chunk(data, _struct(c, 3, "a column chunk's metadata"), data_end, facts)
+            )
     if rows < 0 or group_rows != rows:
         raise ParquetMetadataError(f"the row groups hold {group_rows} rows, the footer says {rows}")
     return facts
 
 
-def _column_chunk(data: bytes | memoryview, md: dict[int, object], data_end: int) -> ColumnChunk:
+def _column_chunk(
+    data: bytes | memoryview, md: dict[int, object], data_end: int, facts: ParquetFacts
+) -> ColumnChunk:
     path = tuple(
         p.decode("utf-8", "replace") if isinstance(p, bytes) else str(p)
         for p in _list(md, 3, "a column chunk's path")
@@ -267,7 +288,10 @@ def _column_chunk(data: bytes | memoryview, md: dict[int, object], data_end: int
         raise ParquetMetadataError(f"column {'.'.join(path)}: its pages lie outside the file's data")
     pos = start
     while pos < end:
-        r = _Reader(data, pos, end)
+        facts.pages += 1
+        if facts.pages > MAX_PAGES:
+            raise ParquetMetadataError(f"more than {MAX_PAGES} pages")
+        r = _Reader(data, pos, end, budget=_PAGE_HEADER_VALUES)
         header = r.struct()
         page_type = _int(header, 1, "a page's type")
         uncompressed = _int(header, 2, "a page's uncompressed size")
