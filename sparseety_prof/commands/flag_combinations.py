@@ -18,11 +18,6 @@ _MODIFIERS = (
     ),
     ("--late-attach", "late_attach", {"--watch": "watch", "--preset": "preset"}),
 )
-#: the capture flags a redaction level (applied to every layer) would store nothing of
-_REDACTED_CAPTURE = (
-    ("--capture-router-probs", "capture_router_probs", "routing"),
-    ("--capture-masks", "capture_masks", "masks"),
-)
 
 
 def refuse_unworkable_combinations(args: argparse.Namespace) -> None:
@@ -37,6 +32,9 @@ def refuse_unworkable_combinations(args: argparse.Namespace) -> None:
         raise UsageError(
             f"--discover-timeout must be a positive number of seconds, got {args.discover_timeout}"
         )
+    interval = getattr(args, "status_interval", None)
+    if interval is not None and not 0 <= interval < float("inf"):
+        raise UsageError(f"--status-interval must be 0 (off) or a number of seconds, got {interval}")
     if not -20 <= args.nice <= 19:
         raise UsageError(f"--nice must be from -20 to 19, got {args.nice}")
     if args.output is None and args.policy and args.policy != ["full"]:
@@ -44,10 +42,3 @@ def refuse_unworkable_combinations(args: argparse.Namespace) -> None:
             "--policy decides what the recording keeps: give -o DIR (the live view, metrics and "
             "exporters see every row whatever the policy)"
         )
-    levels = {level.strip() for value in args.redact for level in value.split(",")}
-    for flag, attr, level in _REDACTED_CAPTURE:
-        if getattr(args, attr) and level in levels and args.redact_layers is None:
-            raise UsageError(
-                f"{flag} records what --redact {level} leaves out of every layer: drop one of them, "
-                "or limit the redaction with --redact-layers"
-            )
