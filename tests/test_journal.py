@@ -10,6 +10,7 @@ import random
 import signal
 import stat
 import time
+import zlib
 from pathlib import Path
 from typing import Literal
 
@@ -25,7 +26,7 @@ from sparseety_prof.session.sinks import SinkFanout
 from sparseety_prof.session.stage_cpu import StageCpu
 from sparseety_prof.store import ipc_stream, journal, schema
 from sparseety_prof.store.buffers import FlushSchedule
-from sparseety_prof.store.journal import JOURNAL_DIR
+from sparseety_prof.store.journal import HEADER, JOURNAL_DIR, MAGIC
 from sparseety_prof.store.recording_writer import RecordingWriter
 
 META = {"pid": 4242, "note": "journal"}
@@ -52,9 +53,29 @@ def _tokens(first: int, n: int) -> pl.DataFrame:
     return schema.frame("tokens", given, absent=[c for c in schema.TABLES["tokens"] if c not in given])
 
 
-def _chunks(rec: Path) -> list[str]:
+def _logs(rec: Path) -> list[str]:
     d = rec / JOURNAL_DIR
     return sorted(os.listdir(d)) if d.exists() else []
+
+
+def _records(rec: Path) -> list[tuple[str, int, int, int]]:
+    """(table, segment S, row R, rows) of every record of every log, in order."""
+    out = []
+    for name in _logs(rec):
+        data = (rec / JOURNAL_DIR / name).read_bytes()
+        pos = 0
+        while pos < len(data):
+            _, table, segment, row, length, _ = HEADER.unpack_from(data, pos)
+            payload = data[pos + HEADER.size : pos + HEADER.size + length]
+            out.append((table.rstrip(b"\0").decode(), segment, row, ipc_stream.read_stream(payload).height))
+            pos += HEADER.size + length
+    return out
+
+
+def _append_record(log: Path, table: str, segment: int, row: int, payload: bytes) -> None:
+    header = HEADER.pack(MAGIC, table.encode(), segment, row, len(payload), zlib.crc32(payload))
+    with log.open("ab") as f:
+        f.write(header + payload)
 
 
 def _step_ids(rec: Path) -> list[int]:
@@ -66,19 +87,16 @@ def _writer(rec: Path, **kw: object) -> RecordingWriter:
 
 
 # ------------------------------------------------------------------ written per drain
-def test_each_drain_writes_a_chunk_per_table_that_a_killed_recording_is_read_from(tmp_path: Path) -> None:
+def test_each_drain_appends_a_record_per_table_that_a_killed_recording_is_read_from(tmp_path: Path) -> None:
     w = _writer(tmp_path / "rec")
     w.append("steps", _steps(0, 3))
     w.append("tokens", _tokens(0, 3))
     w.write_journal()
     w.append("steps", _steps(3, 2))
     w.write_journal()
-    w.write_journal()  # nothing new: no chunk
-    assert _chunks(tmp_path / "rec") == [
-        "steps-000000-000000000000.arrows",
-        "steps-000000-000000000003.arrows",
-        "tokens-000000-000000000000.arrows",
-    ]
+    w.write_journal()  # nothing new: no record
+    assert _logs(tmp_path / "rec") == ["log-000000.arrows"]
+    assert _records(tmp_path / "rec") == [("steps", 0, 0, 3), ("tokens", 0, 0, 3), ("steps", 0, 3, 2)]
     assert not (tmp_path / "rec" / "steps").exists()  # no segment yet
     rec = sparseety_prof.open(tmp_path / "rec")  # the writer never closed: as if killed
     assert not rec.complete
@@ -88,70 +106,82 @@ def test_each_drain_writes_a_chunk_per_table_that_a_killed_recording_is_read_fro
     w.close()
 
 
-def test_a_flush_removes_the_chunks_its_segments_hold_and_close_removes_the_journal(tmp_path: Path) -> None:
+def test_a_flush_removes_the_logs_its_segments_hold_and_close_removes_the_journal(tmp_path: Path) -> None:
     w = _writer(tmp_path / "rec")
     w.append("steps", _steps(0, 3))
     w.write_journal()
     w.flush()
-    assert _chunks(tmp_path / "rec") == []
+    assert _logs(tmp_path / "rec") == []
     w.append("steps", _steps(3, 2))
     w.write_journal()
-    assert _chunks(tmp_path / "rec") == ["steps-000001-000000000000.arrows"]
+    assert _logs(tmp_path / "rec") == ["log-000001.arrows"]
+    assert _records(tmp_path / "rec") == [("steps", 1, 0, 2)]
     assert _step_ids(tmp_path / "rec") == [0, 1, 2, 3, 4]
     w.close()
     assert not (tmp_path / "rec" / JOURNAL_DIR).exists()
     rec = sparseety_prof.open(tmp_path / "rec")
     assert rec.complete and rec.steps()["step_id"].to_list() == [0, 1, 2, 3, 4]
-    assert rec.meta["journal"]["chunks"] == 2
+    assert rec.meta["journal"]["records"] == 2
 
 
-def test_rows_a_segment_holds_are_never_read_twice_though_their_chunk_stayed(
+def test_rows_a_segment_holds_are_never_read_twice_though_their_log_stayed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Killed between a segment's rename and the removal of the chunks it holds."""
+    """Killed between a segment's rename and the removal of the logs it covers."""
     w = _writer(tmp_path / "rec", segment_rows=5)
     w.append("steps", _steps(0, 3))
-    w.write_journal()  # chunk A: rows 0-2
+    w.write_journal()  # record A: rows 0-2
     monkeypatch.setattr(journal.OutputDir, "remove", lambda self, name: None)  # the kill came first
     w.append("steps", _steps(3, 3))  # 6 rows buffered: segment 0 holds 0-4, row 5 waits
     assert os.listdir(tmp_path / "rec" / "steps") == ["part-000000.parquet"]
-    w.write_journal()  # chunk B: rows 3-5, two of which segment 0 holds
-    assert _chunks(tmp_path / "rec") == [
-        "steps-000000-000000000000.arrows",
-        "steps-000000-000000000003.arrows",
-    ]
+    w.write_journal()  # record B: rows 3-5, two of which segment 0 holds
+    assert _records(tmp_path / "rec") == [("steps", 0, 0, 3), ("steps", 0, 3, 3)]
     assert _step_ids(tmp_path / "rec") == [0, 1, 2, 3, 4, 5]
-    w.flush()  # segment 1 holds row 5: both chunks covered, still on disk
-    assert len(_chunks(tmp_path / "rec")) == 2
+    w.flush()  # segment 1 holds row 5: both records covered, still on disk
+    assert len(_records(tmp_path / "rec")) == 2
     assert _step_ids(tmp_path / "rec") == [0, 1, 2, 3, 4, 5]
     w.append("steps", _steps(6, 1))
     w.write_journal()
     assert _step_ids(tmp_path / "rec") == [0, 1, 2, 3, 4, 5, 6]
 
 
-def test_a_torn_chunk_is_left_out_and_named_damaged_never_raised(tmp_path: Path) -> None:
+def test_a_torn_record_ends_its_log_left_out_and_named_damaged_never_raised(tmp_path: Path) -> None:
     w = _writer(tmp_path / "rec")
     w.append("steps", _steps(0, 3))
     w.write_journal()
     w.append("steps", _steps(3, 3))
     w.write_journal()
-    torn = tmp_path / "rec" / JOURNAL_DIR / "steps-000000-000000000003.arrows"
-    torn.write_bytes(torn.read_bytes()[:100])  # a power cut before the fsync
+    log = tmp_path / "rec" / JOURNAL_DIR / "log-000000.arrows"
+    log.write_bytes(log.read_bytes()[:-100])  # a power cut before the fsync
     rec = sparseety_prof.open(tmp_path / "rec")  # skip_damaged not needed: it is where it ends
     assert rec.steps()["step_id"].to_list() == [0, 1, 2]
-    assert len(rec.damaged) == 1 and torn.name in rec.damaged[0]
+    assert len(rec.damaged) == 1 and log.name in rec.damaged[0] and "cut short" in rec.damaged[0]
     w.close()
 
 
-def test_a_chunk_of_another_schema_is_left_out_as_damaged(tmp_path: Path) -> None:
+def test_a_record_whose_checksum_fails_is_left_out(tmp_path: Path) -> None:
+    w = _writer(tmp_path / "rec")
+    w.append("steps", _steps(0, 3))
+    w.write_journal()
+    log = tmp_path / "rec" / JOURNAL_DIR / "log-000000.arrows"
+    data = bytearray(log.read_bytes())
+    data[-20] ^= 0xFF  # a byte of the payload the disk never got
+    log.write_bytes(bytes(data))
+    rec = sparseety_prof.open(tmp_path / "rec")
+    assert rec.steps().height == 0
+    assert len(rec.damaged) == 1 and "checksum" in rec.damaged[0]
+    w.close()
+
+
+def test_a_record_of_another_schema_is_left_out_as_damaged(tmp_path: Path) -> None:
     w = _writer(tmp_path / "rec")
     w.append("steps", _steps(0, 2))
     w.write_journal()
-    forged = tmp_path / "rec" / JOURNAL_DIR / "steps-000000-000000000002.arrows"
-    forged.write_bytes(ipc_stream.write_stream(pl.DataFrame({"step_id": [7]})))
+    log = tmp_path / "rec" / JOURNAL_DIR / "log-000000.arrows"
+    _append_record(log, "steps", 0, 2, ipc_stream.write_stream(pl.DataFrame({"step_id": [7]})))
     rec = sparseety_prof.open(tmp_path / "rec")
     assert rec.steps()["step_id"].to_list() == [0, 1]
-    assert len(rec.damaged) == 1 and forged.name in rec.damaged[0]
+    assert len(rec.damaged) == 1 and log.name in rec.damaged[0] and "schema" in rec.damaged[0]
     w.close()
 
 
@@ -160,7 +190,13 @@ def test_a_closed_recording_ignores_a_journal_planted_in_it(tmp_path: Path) -> N
     w.append("steps", _steps(0, 2))
     w.close()
     (tmp_path / "rec" / JOURNAL_DIR).mkdir()
-    _steps(100, 2).write_ipc_stream(tmp_path / "rec" / JOURNAL_DIR / "steps-000001-000000000000.arrows")
+    _append_record(
+        tmp_path / "rec" / JOURNAL_DIR / "log-000000.arrows",
+        "steps",
+        1,
+        0,
+        ipc_stream.write_stream(_steps(100, 2)),
+    )
     assert _step_ids(tmp_path / "rec") == [0, 1]
 
 
@@ -168,8 +204,9 @@ def test_journal_rows_are_redacted_as_the_segments_are(tmp_path: Path) -> None:
     w = _writer(tmp_path / "rec", redact_text=True)
     w.append("tokens", _tokens(0, 3))
     w.write_journal()
-    (chunk,) = _chunks(tmp_path / "rec")
-    held = pl.read_ipc_stream(tmp_path / "rec" / JOURNAL_DIR / chunk)
+    data = (tmp_path / "rec" / JOURNAL_DIR / "log-000000.arrows").read_bytes()
+    assert b"t1" not in data  # the token texts never reach the disk
+    held = sparseety_prof.open(tmp_path / "rec").tokens()
     assert held["token_id"].to_list() == [0, 1, 2]
     assert held["token_text"].null_count() == 3
     w.close()
@@ -177,7 +214,7 @@ def test_journal_rows_are_redacted_as_the_segments_are(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ owner, modes, fsyncs
 @root_only
-def test_chunks_are_0600_their_folder_0700_and_both_belong_to_the_sudo_user(tmp_path: Path) -> None:
+def test_logs_are_0600_their_folder_0700_and_both_belong_to_the_sudo_user(tmp_path: Path) -> None:
     os.umask(0o022)
     w = _writer(tmp_path / "rec", owner=(NOBODY, NOBODY))
     w.append("steps", _steps(0, 2))
@@ -190,7 +227,7 @@ def test_chunks_are_0600_their_folder_0700_and_both_belong_to_the_sudo_user(tmp_
     w.close()
 
 
-def test_chunks_are_0600_whatever_the_umask(tmp_path: Path) -> None:
+def test_logs_are_0600_whatever_the_umask(tmp_path: Path) -> None:
     old = os.umask(0)
     try:
         w = _writer(tmp_path / "rec")
@@ -216,7 +253,7 @@ def _count_fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def test_fsync_comes_on_its_own_cadence_not_with_each_chunk(
+def test_fsync_comes_on_its_own_cadence_not_with_each_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = [1000.0]
@@ -236,7 +273,7 @@ def test_fsync_comes_on_its_own_cadence_not_with_each_chunk(
     w.close()
 
 
-def test_fsync_interval_zero_fsyncs_every_chunk_and_its_folder(
+def test_fsync_interval_zero_fsyncs_after_every_drain(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     w = _writer(tmp_path / "rec", fsync_interval=0.0)
@@ -244,11 +281,11 @@ def test_fsync_interval_zero_fsyncs_every_chunk_and_its_folder(
     w.append("steps", _steps(0, 1))
     w.append("tokens", _tokens(0, 1))
     w.write_journal()
-    # the two chunks, the journal folder, and once the recording's folder (the journal's name)
-    assert len(fsyncs) == 4
+    # the log (both records, one append), the journal folder, and once the recording's folder
+    assert len(fsyncs) == 3
     w.append("steps", _steps(1, 1))
     w.write_journal()
-    assert len(fsyncs) == 6
+    assert len(fsyncs) == 4
     w.close()
 
 
@@ -301,7 +338,7 @@ def test_a_recording_stopped_cleanly_leaves_no_journal(models: dict[str, Path], 
         rec = Recorder(e.pid, tmp_path / "rec")
         truth = e.generate(["hello the expert router"], max_tokens=24)
         deadline = time.monotonic() + 60
-        while not any(c.startswith("tokens-") for c in _chunks(tmp_path / "rec")):  # the next drain's
+        while not any(r[0] == "tokens" for r in _records(tmp_path / "rec")):  # the next drain's
             assert time.monotonic() < deadline, "no drain put the tokens in the journal"
             time.sleep(0.1)
         rc, err = rec.stop()
@@ -311,7 +348,7 @@ def test_a_recording_stopped_cleanly_leaves_no_journal(models: dict[str, Path], 
     assert not (tmp_path / "rec" / JOURNAL_DIR).exists()
     r = sparseety_prof.open(tmp_path / "rec")
     assert r.complete and r.tokens()["token_id"].to_list() == truth[0]["ids"]
-    assert r.meta["journal"]["chunks"] >= 1
+    assert r.meta["journal"]["records"] >= 1
 
 
 # ------------------------------------------------------------------ the consumer's side
@@ -338,21 +375,21 @@ def test_each_drain_s_rows_reach_the_journal_after_the_drain(tmp_path: Path, jou
         out.keep_durable(flush, t0 + drain, in_pieces=True)
     assert out.round.rounds == 0  # no flush yet: the journal alone holds the rows
     assert _step_ids(tmp_path / "rec") == (list(range(12)) if journaled else [])
-    assert len(_chunks(tmp_path / "rec")) == (3 if journaled else 0)
+    assert len(_records(tmp_path / "rec")) == (3 if journaled else 0)
     out.close_rows()
     w.close()
     assert _step_ids(tmp_path / "rec") == list(range(12))
-    assert _chunks(tmp_path / "rec") == []
+    assert _logs(tmp_path / "rec") == []
 
 
-def test_drains_that_come_fast_share_a_chunk(tmp_path: Path) -> None:
+def test_drains_that_come_fast_share_a_record(tmp_path: Path) -> None:
     w = _writer(tmp_path / "rec")
     out = _outlet(w)
     flush, t0 = FlushSchedule(10.0), time.monotonic()
     for drain in range(5):  # 0.2 s apart: framed for the journal at 0 and 0.6 s
         out.add("steps", _steps(drain * 4, 4).to_dict(as_series=False))
         out.keep_durable(flush, t0 + 0.2 * drain, in_pieces=True)
-    assert len(_chunks(tmp_path / "rec")) == 2
+    assert [r[3] for r in _records(tmp_path / "rec")] == [4, 12]
     assert _step_ids(tmp_path / "rec") == list(range(16))  # the last drain's rows: at the next
     out.close_rows()
     w.close()
@@ -374,20 +411,22 @@ def test_fsync_interval_reaches_the_options_with_its_default_from_one_place() ->
             options_from(p.parse_args([*base, "--fsync-interval", bad]))
 
 
-def test_a_chunk_that_does_not_fit_stops_the_journal_not_the_recording(
+def test_a_record_that_does_not_fit_stops_the_journal_not_the_recording(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     w = _writer(tmp_path / "rec")
     w.append("steps", _steps(0, 2))
     w.write_journal()
-    assert len(_chunks(tmp_path / "rec")) == 1
+    assert len(_records(tmp_path / "rec")) == 1
+    real = os.write
 
-    def full(self: object, name: str, data: object) -> None:
+    def full(fd: int, data: object) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(journal.OutputDir, "write_unsynced", full)
+    monkeypatch.setattr(journal.os, "write", full)
     w.append("steps", _steps(2, 2))
     w.write_journal()
+    monkeypatch.setattr(journal.os, "write", real)
     assert w.write_error is None
     assert not (tmp_path / "rec" / JOURNAL_DIR).exists()  # its room back to the segments
     w.append("steps", _steps(4, 1))
@@ -402,7 +441,7 @@ def test_the_journal_counts_against_max_disk(tmp_path: Path) -> None:
     from sparseety_prof.store.recording_writer import MIN_MAX_DISK
 
     w = _writer(tmp_path / "rec", max_disk=MIN_MAX_DISK)
-    for i in range(60):  # a segment, then chunks, over and over: the oldest segments make room
+    for i in range(60):  # a segment, then a record, over and over: the oldest segments make room
         w.append("tokens", _tokens(i * 1000, 1000))
         w.flush()
         w.append("tokens", _tokens(i * 1000 + 500_000, 1000))
@@ -414,16 +453,7 @@ def test_the_journal_counts_against_max_disk(tmp_path: Path) -> None:
     w.close()
 
 
-# ------------------------------------------------------------------ chunks from elsewhere
-def _one_chunk(tmp_path: Path) -> tuple[RecordingWriter, Path]:
-    w = _writer(tmp_path / "rec")
-    w.append("steps", _steps(0, 2))
-    w.write_journal()
-    w.append("steps", _steps(2, 2))
-    w.write_journal()
-    return w, tmp_path / "rec" / JOURNAL_DIR / "steps-000000-000000000002.arrows"
-
-
+# ------------------------------------------------------------------ journals from elsewhere
 def _stream(df: pl.DataFrame, compression: Literal["uncompressed", "zstd"], oldest: bool) -> bytes:
     buf = io.BytesIO()
     df.write_ipc_stream(
@@ -440,27 +470,35 @@ def _stream(df: pl.DataFrame, compression: Literal["uncompressed", "zstd"], olde
         ("compressed", "compressed body"),
         ("views", "Arrow type"),
         ("torn", "torn"),
+        ("not a table", "names no table"),
     ],
 )
-def test_a_chunk_a_reader_must_not_trust_is_left_out_within_bounds(
+def test_a_log_a_reader_must_not_trust_is_left_out_within_bounds(
     tmp_path: Path, planted: str, why: str
 ) -> None:
-    w, chunk = _one_chunk(tmp_path)
+    w = _writer(tmp_path / "rec")
+    w.append("steps", _steps(0, 2))
+    w.flush()  # rows 0-1 in a segment, the journal emptied
+    w.append("steps", _steps(2, 2))
+    w.write_journal()
+    log = tmp_path / "rec" / JOURNAL_DIR / "log-000000.arrows"
     rows = _steps(2, 2)
-    chunk.unlink()
+    log.unlink()
     if planted == "fifo":
-        os.mkfifo(chunk)  # a reader that opened it would wait for ever
+        os.mkfifo(log)  # a reader that opened it would wait for ever
     elif planted == "symlink":
-        chunk.symlink_to("/dev/zero")  # one that followed it would read for ever
+        log.symlink_to("/dev/zero")  # one that followed it would read for ever
     elif planted == "compressed":  # a decompression bomb's shape
-        chunk.write_bytes(_stream(rows, "zstd", oldest=True))
+        _append_record(log, "steps", 1, 0, _stream(rows, "zstd", oldest=True))
     elif planted == "views":
-        chunk.write_bytes(_stream(rows, "uncompressed", oldest=False))
+        _append_record(log, "steps", 1, 0, _stream(rows, "uncompressed", oldest=False))
+    elif planted == "torn":
+        _append_record(log, "steps", 1, 0, ipc_stream.write_stream(rows)[:-9])
     else:
-        chunk.write_bytes(ipc_stream.write_stream(rows)[:-9])
+        _append_record(log, "../../etc", 1, 0, ipc_stream.write_stream(rows))
     rec = sparseety_prof.open(tmp_path / "rec")
     assert rec.steps()["step_id"].to_list() == [0, 1]
-    assert len(rec.damaged) == 1 and chunk.name in rec.damaged[0] and why in rec.damaged[0], rec.damaged
+    assert len(rec.damaged) == 1 and log.name in rec.damaged[0] and why in rec.damaged[0], rec.damaged
     w.close()
 
 

@@ -2,31 +2,43 @@
 
 Parquet segments (fsynced) come every `--flush-interval`. A recorder killed outright between two
 (SIGKILL, the OOM killer) would lose every row gathered since the last; the kernel's page cache
-survives any death of the process, only a power cut empties it. So after each drain the writer puts
-the rows it was given since the drain before into one chunk per table, in the folder ``journal/``:
-an Arrow IPC stream, uncompressed (store/ipc_stream.py: the cheapest format Polars writes, the
-columns' buffers copied out as they are), written whole under a hidden name and renamed into
-place, with no fsync. The
-chunks are fsynced on a cadence of their own (`--fsync-interval`), which bounds what a power cut
-loses. A chunk is removed once segments hold all its rows; a recording closed cleanly has no
-journal.
+survives any death of the process, only a power cut empties it. So after a drain the writer
+appends the rows it was given since the last time to an append-only log in the folder
+``journal/``: one record per table, with no fsync. An append is one write(2) to a file already
+open: a file per chunk would cost its creation, rename, fsync and removal in system time, several
+times what the append does. The log is fsynced on a cadence of its own (`--fsync-interval`),
+which bounds what a power cut loses.
 
-A chunk's name says which rows of its table it holds, so that a reader can tell which ones
+A log file, ``journal/log-<N>.arrows`` (N counts from 0), is a sequence of records, each a
+fixed header then its payload::
+
+    magic "SPJ1" | table name, 16 bytes, NUL-padded | segment S: u32 | row R: u64
+        | payload length: u64 | CRC-32 of the payload: u32            (little-endian, 44 bytes)
+    payload: the rows, an Arrow IPC stream, uncompressed (store/ipc_stream.py)
+
+A record's S and R say which rows of its table it holds, so that a reader can tell which ones
 segments already hold even when the recorder died between writing a segment and removing the
-chunks it covers: ``<table>-<S>-<R>.arrows`` (``tokens-000003-000000000120.arrows``) holds rows that
-follow the first R rows written from segment S on. Segments hold a table's rows in the order the
-writer was given them, so with N the rows of segments S, S+1, ... (as many as are on disk without
-a gap), the chunk's first max(0, N - R) rows are in segments and the rest only here.
+log it covers: the record's rows follow the first R rows written to the table's segments from
+segment S on. Segments hold a table's rows in the order the writer was given them, so with N the
+rows of segments S, S+1, ... (as many as are on disk without a gap), the record's first
+max(0, N - R) rows are in segments and the rest only here. The CRC tells a record torn by a
+power cut (appended, not yet fsynced) from a whole one.
 
-This module writes the journal (`JournalWriter`, used by store/recording_writer.py) and names its
-chunks; reading it back is store/journal_reader.py's.
+A segment being written starts a new log file; a file is removed once segments hold every row of
+its records. A recording closed cleanly has no journal.
+
+This module writes the journal (`JournalWriter`, used by store/recording_writer.py) and defines
+its records; reading them back is store/journal_reader.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import struct
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,20 +47,22 @@ import polars as pl
 from sparseety_prof.store.ipc_stream import write_stream
 from sparseety_prof.store.output_dir import OutputDir
 
-__all__ = ["CHUNK_RE", "JOURNAL_DIR", "JournalWriter", "chunk_name"]
+__all__ = ["HEADER", "JOURNAL_DIR", "LOG_RE", "MAGIC", "JournalWriter", "log_name"]
 
 JOURNAL_DIR = "journal"
-#: a chunk's name: its table, the segment S and the row R its rows follow (see the module doc)
-CHUNK_RE = re.compile(r"^(?P<table>[a-z]+)-(?P<segment>\d{6})-(?P<row>\d{12})\.arrows$")
+LOG_RE = re.compile(r"^log-(?P<n>\d{6})\.arrows$")
+MAGIC = b"SPJ1"
+#: a record's header: magic, table, segment S, row R, payload length, payload CRC-32
+HEADER = struct.Struct("<4s16sIQQI")
 
 
-def chunk_name(table: str, segment: int, row: int) -> str:
-    return f"{table}-{segment:06d}-{row:012d}.arrows"
+def log_name(n: int) -> str:
+    return f"log-{n:06d}.arrows"
 
 
 @dataclass
 class _Pending:
-    """A table's rows given since the last chunk, and where the first of them stands."""
+    """A table's rows given since the last record, and where the first of them stands."""
 
     segment: int  # the segment the first row will be in, or one before it
     row: int  # rows of the table that go to segments from `segment` on before the first row
@@ -58,34 +72,42 @@ class _Pending:
 
 
 @dataclass
-class _Chunk:
+class _Log:
+    """A log file, and per table the place (among every row given for it) after its last row."""
+
     name: str
-    end: int  # the place, among every row given for the table, after its last row
-    nbytes: int
+    fd: int  # -1 once no longer appended to
+    ends: dict[str, int] = field(default_factory=dict)
+    nbytes: int = 0
+    unsynced: bool = False
 
 
 class JournalWriter:
-    """The chunks of one recording (`root`: its open directory). Not thread-safe: the recording
-    writer calls it under its lock. Every method raises what the file system raises (a full disk);
-    the writer then stops writing, as for a segment."""
+    """The journal of one recording (`root`: its open directory). Not thread-safe: the recording
+    writer calls it under its lock. `write` raises what the file system raises (a full disk)."""
 
     def __init__(self, root: OutputDir, fsync_interval_s: float) -> None:
         if fsync_interval_s < 0:
             raise ValueError(f"the fsync interval cannot be negative, got {fsync_interval_s}")
         self._root = root
-        self._dir: OutputDir | None = None  # made with the first chunk
+        self._dir: OutputDir | None = None  # made with the first record
         self.fsync_interval_s = fsync_interval_s
         self._next_sync = time.monotonic() + fsync_interval_s
         self._pending: dict[str, _Pending] = {}
-        self._chunks: dict[str, list[_Chunk]] = {}  # per table, oldest first
-        self._unsynced: list[str] = []  # chunks written since the last fsync
+        self._logs: list[_Log] = []  # oldest first; the last one is appended to
+        self._written_now: dict[str, int] = {}  # per table, the rows given that segments hold
+        self._files = 0  # log files made
+        self._dir_unsynced = False  # a log file made since the folder's last fsync
         self._root_synced = False  # the journal folder's own name, fsynced in the recording's
-        self.chunks_written = 0
-        self.chunks_removed = 0
+        self.records = 0
         self.bytes_written = 0
-        self.bytes_on_disk = 0  # of the chunks not removed yet (--max-disk counts them)
         self.fsyncs = 0
         self.stopped: str | None = None  # why the journal stopped (a full disk), None while it goes on
+
+    @property
+    def bytes_on_disk(self) -> int:
+        """The bytes of the log files not removed yet (--max-disk counts them)."""
+        return sum(log.nbytes for log in self._logs)
 
     def add(self, table: str, df: pl.DataFrame, *, segment: int, row: int, start: int) -> None:
         """Rows given to the writer for `table` (as it buffered them): `segment` is the table's next
@@ -100,76 +122,91 @@ class JournalWriter:
         p.rows += df.height
 
     def write(self, written: dict[str, int]) -> None:
-        """A chunk per table of the rows added since the last call (none for a table whose rows
-        segments already hold: `written`, per table, the rows given that are in segments), and the
-        fsync when it is due."""
+        """A record per table of the rows added since the last call (none for a table whose rows
+        segments already hold: `written`, per table, the rows given that are in segments),
+        appended in one write; and the fsync when it is due."""
         if self.stopped is not None:
             return
         pending, self._pending = self._pending, {}
+        parts: list[bytes] = []
+        ends: dict[str, int] = {}
         for table, p in pending.items():
-            if p.start + p.rows <= written.get(table, 0):
+            end = p.start + p.rows
+            if end <= written.get(table, 0):
                 continue  # a segment was written meanwhile and holds them all
             df = pl.concat(p.frames, how="vertical", rechunk=False) if len(p.frames) > 1 else p.frames[0]
-            data = write_stream(df)
-            name = chunk_name(table, p.segment, p.row)
-            self._folder().write_unsynced(name, data)
-            self._chunks.setdefault(table, []).append(_Chunk(name, p.start + p.rows, len(data)))
-            self._unsynced.append(name)
-            self.chunks_written += 1
+            payload = write_stream(df)
+            name = table.encode()
+            parts.append(HEADER.pack(MAGIC, name, p.segment, p.row, len(payload), zlib.crc32(payload)))
+            parts.append(payload)
+            ends[table] = end
+        if parts:
+            log = self._current()
+            data = b"".join(parts)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(log.fd, view) :]
+            log.ends.update(ends)
+            log.nbytes += len(data)
+            log.unsynced = True
+            self.records += len(ends)
             self.bytes_written += len(data)
-            self.bytes_on_disk += len(data)
-        if self._unsynced and time.monotonic() >= self._next_sync:
+        if time.monotonic() >= self._next_sync and any(log.unsynced for log in self._logs):
             self.sync()
 
     def sync(self) -> None:
-        """fsync the chunks written since the last time, and the journal folder."""
-        d = self._folder()
-        for name in self._unsynced:
-            d.sync_file(name)  # (one a segment covered since is gone: its rows are fsynced there)
-        d.sync()
-        if not self._root_synced:
-            self._root.sync()
-            self._root_synced = True
-        self._unsynced = []
+        """fsync what was appended since the last time, and the journal folder when a log file
+        was made since."""
+        for log in self._logs:
+            if log.unsynced and log.fd >= 0:
+                os.fsync(log.fd)
+            elif log.unsynced and self._dir is not None:
+                self._dir.sync_file(log.name)
+            log.unsynced = False
+        if self._dir is not None and self._dir_unsynced:
+            self._dir.sync()
+            self._dir_unsynced = False
+            if not self._root_synced:
+                self._root.sync()
+                self._root_synced = True
         self._next_sync = time.monotonic() + self.fsync_interval_s
         self.fsyncs += 1
 
     def covered(self, table: str, written: int) -> None:
-        """Segments now hold the first `written` rows given for `table`: the chunks they cover whole
-        go (after the segment's rename: a recorder killed in between leaves a chunk that readers
-        see covered)."""
-        chunks = self._chunks.get(table)
-        if not chunks or self._dir is None:
-            return
-        while chunks and chunks[0].end <= written:
-            with contextlib.suppress(OSError):  # one left behind is read as covered: no harm
-                self._dir.remove(chunks[0].name)
-                self.chunks_removed += 1
-            self.bytes_on_disk -= chunks.pop(0).nbytes
-        if self._unsynced and not any(chunks for chunks in self._chunks.values()):
-            self._unsynced = []  # nothing left to fsync
+        """A segment of `table` was written: segments now hold its first `written` rows given.
+        The log appended to so far is closed (appends go to a new one from now on: the rows of
+        this flush's segments are all in it or before) and every log file whose rows segments now
+        all hold is removed (after the segment's rename: a recorder killed in between leaves a
+        log that readers see covered)."""
+        self._written_now[table] = written
+        if self._logs and self._logs[-1].fd >= 0:
+            self._retire(self._logs[-1])
+        for log in [log for log in self._logs if log.fd < 0]:
+            if all(end <= self._written_now.get(t, 0) for t, end in log.ends.items()):
+                with contextlib.suppress(OSError):  # one left behind is read as covered: no harm
+                    assert self._dir is not None
+                    self._dir.remove(log.name)
+                self._logs.remove(log)
 
     def stop(self, reason: str) -> None:
-        """A chunk could not be written (`reason`: a full disk, an I/O error): no more chunks, and
-        the ones written removed, their room given back to the segments (which hold their rows at
+        """A record could not be written (`reason`: a full disk, an I/O error): no more records,
+        and the logs removed, their room given back to the segments (which hold their rows at
         the next flush, or count them lost if they fail too)."""
         self.stopped = reason
         with contextlib.suppress(OSError):
             self.close()
 
     def close(self) -> None:
-        """At the end, once segments hold every row: every chunk left, and the folder, removed."""
+        """At the end, once segments hold every row: every log, and the folder, removed."""
         self._pending = {}
+        for log in self._logs:
+            self._retire(log)
         if self._dir is None:
             return
-        for chunks in self._chunks.values():
-            for c in chunks:
-                with contextlib.suppress(FileNotFoundError):
-                    self._dir.remove(c.name)
-                self.chunks_removed += 1
-        self._chunks = {}
-        self._unsynced = []
-        self.bytes_on_disk = 0
+        for log in self._logs:
+            with contextlib.suppress(FileNotFoundError):
+                self._dir.remove(log.name)
+        self._logs = []
         self._dir.close()
         self._dir = None
         self._root.remove_subdir(JOURNAL_DIR)
@@ -178,12 +215,27 @@ class JournalWriter:
         """meta.json "journal": the cadence and what was written."""
         return {
             "fsync_interval_s": self.fsync_interval_s,
-            "chunks": self.chunks_written,
+            "records": self.records,
             "bytes": self.bytes_written,
             "fsyncs": self.fsyncs,
         } | ({"stopped": self.stopped} if self.stopped is not None else {})
 
-    def _folder(self) -> OutputDir:
+    def _current(self) -> _Log:
+        """The log file appended to, made when there is none."""
+        if self._logs and self._logs[-1].fd >= 0:
+            return self._logs[-1]
         if self._dir is None:
             self._dir = self._root.subdir(JOURNAL_DIR)
-        return self._dir
+            self._dir_unsynced = True
+        name = log_name(self._files)
+        log = _Log(name, self._dir.create_log(name))
+        self._files += 1
+        self._dir_unsynced = True
+        self._logs.append(log)
+        return log
+
+    def _retire(self, log: _Log) -> None:
+        """No more appends to `log` (its data stays to be fsynced by name)."""
+        if log.fd >= 0:
+            os.close(log.fd)
+            log.fd = -1

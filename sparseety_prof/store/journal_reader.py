@@ -3,35 +3,37 @@
 `Recording.table` (store/recording.py) adds them to what the segments hold when the recording was
 not closed; a closed recording's segments hold every row, and a journal found in one is ignored.
 The journal comes from a recording made elsewhere as much as its segments do: the folder and every
-chunk are read through the recording's one reader of untrusted files (store/recording_files.py:
-regular files only, sizes bounded), each chunk's Arrow IPC stream judged from its metadata before
-a value is decoded (store/ipc_stream.py: no compression, no type a table lacks, nesting and
-buffers bounded), and the frame checked against the table's schema and list bounds. A chunk that
-fails (torn by a power cut before its fsync, or anything else) is left out and named in
-`Recording.damaged`, never raised: the journal is where an interrupted recording ends, as its
-torn last segment is.
+log file are read through the recording's one reader of untrusted files (store/recording_files.py:
+regular files only, never through a link, sizes bounded); each record's header is checked (magic,
+a table's name, a payload within the file whose CRC-32 matches), its Arrow IPC stream judged from
+its metadata before a value is decoded (store/ipc_stream.py: no compression, no type a table
+lacks, nesting and buffers bounded), and the frame checked against the table's schema and list
+bounds. A record that fails (torn by a power cut before its fsync, or anything else) ends the
+reading of its log file, which is named in `Recording.damaged`, never raised: the journal is
+where an interrupted recording ends, as its torn last segment is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import zlib
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
 from sparseety_prof.errors import CorruptRecording
-from sparseety_prof.store import recording_files
-from sparseety_prof.store.ipc_stream import IpcStreamError, read_stream
-from sparseety_prof.store.journal import CHUNK_RE, JOURNAL_DIR
+from sparseety_prof.store import recording_files, schema
+from sparseety_prof.store.ipc_stream import IpcStreamError, check_stream, read_stream
+from sparseety_prof.store.journal import HEADER, JOURNAL_DIR, LOG_RE, MAGIC
 
-__all__ = ["MAX_CHUNKS", "MAX_CHUNK_BYTES", "journal_rows"]
+__all__ = ["MAX_LOGS", "MAX_LOG_BYTES", "journal_rows"]
 
-#: the chunks a journal may name: the writer leaves a flush interval's drains per table at most
-#: (and those of a flush that failed); far more is no journal this writer made
-MAX_CHUNKS = 100_000
-#: the bytes of one chunk: a drain's rows of one table
-MAX_CHUNK_BYTES = 256 << 20
+#: the log files a journal may hold: the writer keeps the one it appends to and those a flush
+#: under way has not covered yet; far more is no journal this writer made
+MAX_LOGS = 1024
+#: the bytes of one log file: a flush interval's rows, uncompressed
+MAX_LOG_BYTES = 4 << 30
 
 
 def journal_rows(
@@ -45,16 +47,16 @@ def journal_rows(
     """The rows of `table` that the journal of the recording at `path` holds and no segment does.
 
     `segments_read`: the rows of each segment read, by file name (a segment left out counts none:
-    the journal may still hold its rows); `first_segment`: the oldest kept (older chunks' rows were
-    rotated out with their segments, --max-disk); `meta`: meta.json, for the list bounds;
-    `damaged` is told of each chunk left out. CorruptRecording when the journal folder is not a
-    folder or names more than MAX_CHUNKS chunks."""
+    the journal may still hold its rows); `first_segment`: the oldest kept (older records' rows
+    were rotated out with their segments, --max-disk); `meta`: meta.json, for the list bounds;
+    `damaged` is told of each log file whose reading stopped at a record it could not read.
+    CorruptRecording when the journal folder is not a folder or holds more than MAX_LOGS logs."""
     folder = path / JOURNAL_DIR
-    names = recording_files.table_dir_entries(folder)
-    if len(names) > MAX_CHUNKS:
+    logs = sorted(name for name in recording_files.table_dir_entries(folder) if LOG_RE.match(name))
+    if len(logs) > MAX_LOGS:
         raise CorruptRecording(
-            f"{recording_files.shown(folder)} names {len(names)} files, more than the {MAX_CHUNKS} "
-            "chunks a journal holds"
+            f"{recording_files.shown(folder)} holds {len(logs)} log files, more than the {MAX_LOGS} "
+            "a journal does"
         )
     segment_rows = {
         index: rows
@@ -63,37 +65,62 @@ def journal_rows(
     }
     bounds = recording_files.list_bounds(meta)
     found: list[tuple[int, int, pl.DataFrame]] = []
-    for name in names:
-        m = CHUNK_RE.match(name)
-        if m is None or m.group("table") != table:
-            continue  # (a chunk's hidden name while it was written, another table's)
-        segment, row = int(m.group("segment")), int(m.group("row"))
-        if segment < first_segment:
-            continue  # its segment was rotated out: so were these rows
+    for name in logs:
         try:
-            df = _read_chunk(folder / name, table, bounds)
+            data = recording_files.read_file(folder / name, max_bytes=MAX_LOG_BYTES)
         except FileNotFoundError:
-            continue  # removed since it was listed: a segment holds its rows now
+            continue  # removed since it was listed: segments hold its rows now
         except CorruptRecording as e:
-            damaged(f"{e} (a chunk of the journal, where the interrupted recording ends; left out)")
+            damaged(f"{e} (a journal log of the interrupted recording; left out)")
             continue
-        skip = max(0, _rows_from(segment_rows, segment) - row)  # the first rows segments hold
-        if skip < df.height:
-            found.append((segment, row, df.slice(skip)))
+        try:
+            for segment, row, payload in _records(data, table):
+                if segment < first_segment:
+                    continue  # its segment was rotated out: so were these rows
+                skip = max(0, _rows_from(segment_rows, segment) - row)  # the first rows segments hold
+                if skip and check_stream(payload) <= skip:
+                    continue  # segments hold them all: not decoded
+                df = read_stream(payload)
+                recording_files.check_frame(folder / name, table, df, bounds=bounds)
+                if skip < df.height:
+                    found.append((segment, row, df.slice(skip)))
+        except (IpcStreamError, _TornRecord) as e:
+            damaged(
+                f"{recording_files.shown(folder / name)}: {e}; the rest of this journal log is left "
+                "out (the recording was interrupted)"
+            )
+        except CorruptRecording as e:
+            damaged(f"{e}; the rest of this journal log is left out (the recording was interrupted)")
     return [df for _, _, df in sorted(found, key=lambda c: (c[0], c[1]))]
 
 
-def _read_chunk(path: Path, table: str, bounds: recording_files.ListBounds) -> pl.DataFrame:
-    """One chunk as a frame of `table`; CorruptRecording naming it when it is not one."""
-    data = recording_files.read_file(path, max_bytes=MAX_CHUNK_BYTES)
-    try:
-        df = read_stream(data)
-    except IpcStreamError as e:
-        raise CorruptRecording(
-            f"{recording_files.shown(path)} is not a readable journal chunk: {e}"
-        ) from None
-    recording_files.check_frame(path, table, df, bounds=bounds)
-    return df
+class _TornRecord(ValueError):
+    """A record whose header or payload is not whole (one line saying why)."""
+
+
+def _records(data: bytes, table: str) -> Iterator[tuple[int, int, bytes]]:
+    """(segment S, row R, payload) of each record of `table` in a log file's bytes, in order;
+    _TornRecord at the first record that is not whole."""
+    want = table.encode()
+    pos = 0
+    while pos < len(data):
+        if len(data) - pos < HEADER.size:
+            raise _TornRecord(f"a record's header is cut short at byte {pos}")
+        magic, name, segment, row, length, crc = HEADER.unpack_from(data, pos)
+        if magic != MAGIC:
+            raise _TornRecord(f"no record starts at byte {pos}")
+        name = name.rstrip(b"\0")
+        if name.decode("ascii", "replace") not in schema.TABLES:
+            raise _TornRecord(f"the record at byte {pos} names no table")
+        start = pos + HEADER.size
+        if length > len(data) - start:
+            raise _TornRecord(f"the record at byte {pos} is cut short")
+        payload = data[start : start + length]
+        if zlib.crc32(payload) != crc:
+            raise _TornRecord(f"the record at byte {pos} does not match its checksum (torn)")
+        pos = start + length
+        if name == want:
+            yield segment, row, payload
 
 
 def _rows_from(segment_rows: Mapping[int, int], segment: int) -> int:

@@ -157,31 +157,21 @@ class OutputDir:
                 os.unlink(tmp, dir_fd=self.fd)
             raise
 
-    def write_unsynced(self, name: str, data: bytes | memoryview) -> None:
-        """Write `name` whole under a fresh hidden name and rename it into place, as `write_atomic`
-        does, but with no fsync: the bytes reach the page cache, which a killed process cannot
-        lose (only a power cut can; `sync_file` and `sync` make them durable later)."""
-        tmp = f".{name}.{secrets.token_hex(6)}.tmp"
+    def create_log(self, name: str) -> int:
+        """Create the file `name` (it must not exist: anything found there was planted) for
+        appending; its descriptor, which the caller closes."""
         fd = os.open(
-            tmp,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            name,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND | os.O_CLOEXEC,
             FILE_MODE,
             dir_fd=self.fd,
         )
         try:
             self._own(fd)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.close(fd)
-            fd = -1
-            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=self.fd)
+            os.close(fd)
             raise
+        return fd
 
     def sync_file(self, name: str) -> bool:
         """fsync the file `name` of this folder (never through a link); False when it is gone."""

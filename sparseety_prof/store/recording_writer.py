@@ -253,7 +253,11 @@ class RecordingWriter:
                 # the segments may still fit where a chunk did not (a chunk is LZ4, a segment
                 # zstd): the journal stops and frees its room, the recording goes on without it
                 self._journal.stop(_reason(e))
-            if self._budget is not None:  # the chunks count against --max-disk too
+            if self._budget is not None:  # the journal counts against --max-disk too
+                if self._overhead() > self._budget.max_bytes:  # not even with every segment gone
+                    self._journal.stop(
+                        f"the journal does not fit within --max-disk ({self._budget.max_bytes} bytes)"
+                    )
                 try:
                     self._rotate(self._budget.make_room(overhead=self._overhead()))
                 except Exception as e:
