@@ -35,7 +35,7 @@ from sparseety_prof.store.buffers import ColumnBuffer, FlushSchedule
 from sparseety_prof.store.recording_writer import RecordingWriter
 
 #: the shortest time between two framings for the journal: drains that come faster (a ring that
-#: fills fast) share one, so that its fixed cost (a frame and a chunk per table) is paid at most
+#: fills fast) share one, so that its fixed cost (a frame and a record per table) is paid at most
 #: about twice a second; a drain's rows still reach the journal within about a second
 JOURNAL_GAP_S = 0.5
 

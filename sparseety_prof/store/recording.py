@@ -9,7 +9,7 @@ Layout::
         steps/part-000000.parquet  schema.STEPS columns
         ...
         journal/                   only while recording, or once killed (store/journal.py)
-        journal/tokens-000001-000000000120.arrows    a drain's rows no segment holds yet
+        journal/log-000003.arrows  the drains' rows no segment holds yet (append-only)
 
 Every segment is written in full under a hidden temporary name (``.part-000003.parquet.<random>.tmp``)
 and then renamed, so a crash or Ctrl-C loses at most the rows not yet flushed and a reader
@@ -20,17 +20,17 @@ decoded size checked against meta.json and the schema before a value is decoded)
 meta.json is written first with ``"complete": false``, so a recording killed at any moment is
 readable; a disk-full or I/O error stops the writes and is recorded (``write_error``).
 
-Between flushes, the recorder puts each drain's rows in ``journal/``: one chunk per table per drain
-(an uncompressed Arrow IPC stream of the table's schema, store/ipc_stream.py), renamed into place
-without fsync, so that a recorder
-killed outright (SIGKILL, the OOM killer) loses only about its last drain; the chunks are fsynced
-every ``--fsync-interval`` and removed once segments hold their rows. A chunk's name,
-``<table>-<S>-<R>.arrows``, says that its rows follow the first R rows written to segments from
-segment S on, so a reader takes from it only the rows the segments on disk do not hold (the
-recorder may have died between writing a segment and removing the chunks it covers). `Recording`
-adds those rows to a recording that was not closed (store/journal_reader.py); a chunk it cannot
-read is left out and named in `Recording.damaged`; a closed recording has no journal, and one
-found in it is ignored.
+Between flushes, after each drain, the recorder appends the rows it made to a log in
+``journal/`` (one record per table: a header naming the table, the segment S and row R the rows
+follow, the payload's length and CRC-32, then the rows as an uncompressed Arrow IPC stream,
+store/ipc_stream.py), without fsync, so that a recorder killed outright (SIGKILL, the OOM killer)
+loses only about its last drain; the log is fsynced every ``--fsync-interval`` and removed once
+segments hold its rows. A record's rows follow the first R rows written to its table's segments
+from segment S on, so a reader takes from it only the rows the segments on disk do not hold (the
+recorder may have died between writing a segment and removing the log it covers). `Recording`
+adds those rows to a recording that was not closed (store/journal_reader.py); a record it cannot
+read (torn, a checksum that fails, anything else) ends the reading of its log, named in
+`Recording.damaged`; a closed recording has no journal, and one found in it is ignored.
 
 Recordings hold secrets (token text, and routing/mask traces from which prompts can be
 recovered), so every file is 0600 and every directory the writer creates 0700 whatever the

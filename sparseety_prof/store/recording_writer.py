@@ -250,7 +250,7 @@ class RecordingWriter:
             try:
                 self._journal.write(self._written)
             except Exception as e:
-                # the segments may still fit where a chunk did not (a chunk is LZ4, a segment
+                # the segments may still fit where a record did not (a record is uncompressed, a segment
                 # zstd): the journal stops and frees its room, the recording goes on without it
                 self._journal.stop(_reason(e))
             if self._budget is not None:  # the journal counts against --max-disk too
@@ -340,7 +340,7 @@ class RecordingWriter:
         lost): the journal goes, its figures into meta.json."""
         if self._journal is None:
             return
-        with contextlib.suppress(OSError):  # a chunk left in a closed recording is never read
+        with contextlib.suppress(OSError):  # a log left in a closed recording is never read
             self._journal.close()
         self._meta["journal"] = self._journal.meta()
 
@@ -435,7 +435,7 @@ class RecordingWriter:
         self._segments[table] += 1
         self._rows[table] += df.height
         self._written[table] += df.height
-        if self._journal is not None:  # after the rename: a chunk is never the only copy lost
+        if self._journal is not None:  # after the rename: a log is never the only copy lost
             self._journal.covered(table, self._written[table])
         if self._budget is not None:
             seg = Segment(table, self._segments[table] - 1, len(data), df.height)
