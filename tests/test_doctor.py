@@ -198,8 +198,9 @@ def test_doctor_json_parses_and_its_counts_are_the_checks_run() -> None:
     r = run_cli("doctor", "--json")
     assert r.returncode in (0, DOCTOR_FAILED), r.stderr
     got = json.loads(r.stdout)
-    names = [c().name for c in preflight.SYSTEM_CHECKS]
+    names = [c().name for c in preflight.SYSTEM_CHECKS] + [c.name for c in preflight.check_capabilities()]
     assert [c["name"] for c in got["checks"]] == names
+    assert got["capabilities"]["uid"] == os.getuid()
     failed = [c["name"] for c in got["checks"] if not c["ok"]]
     assert (got["passed"], got["failed"]) == (len(names) - len(failed), len(failed))
     assert got["ok"] is (not failed) is (r.returncode == 0)

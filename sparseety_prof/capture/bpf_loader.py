@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from sparseety_prof.capture import bpf_stats
+from sparseety_prof.capture import capabilities as caps
 from sparseety_prof.capture import target as tg
 from sparseety_prof.capture.elf import cheap_entry_probe_offset, cheap_probe_offset, emulated, read_at_vaddr
 from sparseety_prof.capture.events import (
@@ -416,7 +417,17 @@ def _attach(fn: Any, lib: Path, vaddr: int, fn_name: str, pid: int) -> str:
             tg.check_process(pid)
         except NoSuchProcess:
             raise
-        raise BpfUnavailable(f"could not attach a uprobe to {lib} at {vaddr:#x} ({fn_name}): {msg}") from None
+        raise BpfUnavailable(
+            f"could not attach a uprobe to {lib} at {vaddr:#x} ({fn_name}): {msg}{_uprobe_hint()}"
+        ) from None
+
+
+def _uprobe_hint() -> str:
+    """Why a uprobe may be refused where the BPF programs loaded: kernels with the 2025 fix
+    "perf: Require CAP_SYS_ADMIN for uprobes" refuse the uprobe PMU to CAP_PERFMON alone."""
+    if caps.has_capability(caps.effective_capabilities(), caps.CAP_SYS_ADMIN):
+        return ""
+    return "; placing a uprobe needs CAP_SYS_ADMIN on current kernels (docs/privileges.md)"
 
 
 class _Arena:

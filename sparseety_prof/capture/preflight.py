@@ -11,9 +11,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from sparseety_prof.capture import capabilities as caps
 from sparseety_prof.capture import layouts
 from sparseety_prof.capture import target as tg
 from sparseety_prof.capture.bpf_loader import bcc_fix
+from sparseety_prof.capture.capabilities import Capability
 from sparseety_prof.checks import Check
 from sparseety_prof.errors import ProfError
 
@@ -23,12 +25,43 @@ def check_privileges() -> Check:
         tg.check_privileges()
     except ProfError as e:
         fix = (  # sudo only for a user who is not root (a root shell in a container has none)
-            "give the container the capabilities: --cap-add BPF --cap-add PERFMON (or --privileged)"
+            "give the container the capabilities: --cap-add SYS_ADMIN --cap-add SYS_PTRACE "
+            "--cap-add DAC_READ_SEARCH (docs/privileges.md)"
             if os.geteuid() == 0
             else 'run as root: sudo "$(command -v sparseety-prof)" doctor'
         )
         return Check("privileges", False, str(e), fix)
     return Check("privileges", True, "CAP_BPF + CAP_PERFMON (or CAP_SYS_ADMIN) in the effective set")
+
+
+def check_capabilities(pid: int | None = None, status: Path = Path("/proc/self/status")) -> list[Check]:
+    """One check per capability a non-root recorder needs (capture/capabilities.py): held, or
+    what is lost without it. CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH are needed only for an
+    engine of another user: with `pid` of an engine of our own user they are not asked for."""
+    mask = caps.effective_capabilities(status)
+    same_user = pid is not None and caps.engine_uid(pid) == os.getuid()
+    out = []
+    for cap in caps.CAPABILITIES:
+        name = f"capability: {cap.name}"
+        if caps.has_capability(mask, cap):
+            out.append(Check(name, True, f"held: {cap.needed_for}"))
+        elif cap.other_user_only and same_user:
+            out.append(Check(name, True, f"not held, not needed: PID {pid} runs as this user"))
+        elif not cap.required:
+            out.append(Check(name, True, f"not held: {cap.cost}", f"optional: {_grant(cap)}"))
+        else:
+            who = " (when the engine runs as another user)" if cap.other_user_only else ""
+            out.append(Check(name, False, f"not held{who}: {cap.cost}", _grant(cap)))
+    return out
+
+
+def _grant(cap: Capability) -> str:
+    short = cap.name.removeprefix("CAP_")
+    return (
+        f"add {cap.name} to the service's AmbientCapabilities= (packaging/systemd), "
+        f"docker run --cap-add {short}, or setpriv --ambient-caps +{short.lower()} "
+        f"(docs/privileges.md)"
+    )
 
 
 def check_bcc() -> Check:

@@ -100,8 +100,23 @@ def check_process(pid: int) -> None:
     except ProcessLookupError:
         raise NoSuchProcess(f"no process with PID {pid} (did the engine exit?)") from None
     except PermissionError:
+        # Signalling another user's process needs CAP_KILL, which tracing it does not: the
+        # process exists; whether it may be traced is what reading its executable link asks the
+        # kernel (the ptrace access check, CAP_SYS_PTRACE).
+        check_may_trace(pid)
+
+
+def check_may_trace(pid: int) -> None:
+    """MissingPrivileges when the kernel's ptrace access check refuses us PID's executable link
+    (its maps may be readable where the link is not: CAP_SYS_ADMIN alone opens them)."""
+    try:
+        os.readlink(f"/proc/{pid}/exe")
+    except FileNotFoundError:
+        raise NoSuchProcess(f"no process with PID {pid} (did the engine exit?)") from None
+    except PermissionError:
         raise MissingPrivileges(
-            f"PID {pid} belongs to another user and you may not trace it: run as root, e.g.\n"
+            f"PID {pid} belongs to another user and you may not trace it: give the recorder "
+            f"CAP_SYS_PTRACE (docs/privileges.md) or run it as root, e.g.\n"
             f'  sudo "$(command -v sparseety-prof)" record --pid {pid} ...'
         ) from None
 
@@ -114,8 +129,9 @@ def check_privileges() -> None:
     if has(cap_sys_admin) or (has(cap_bpf) and has(cap_perfmon)):
         return
     hint = (
-        "already root but capabilities are missing: in a container add --cap-add BPF --cap-add PERFMON "
-        "(or --privileged)"
+        "already root but capabilities are missing: in a container add --cap-add SYS_ADMIN "
+        "--cap-add SYS_PTRACE --cap-add DAC_READ_SEARCH (uprobes need CAP_SYS_ADMIN on current "
+        "kernels; docs/privileges.md), or --cap-add BPF --cap-add PERFMON on older ones"
         if os.geteuid() == 0
         else 'run it as root: sudo "$(command -v sparseety-prof)" ...'
     )
@@ -156,7 +172,10 @@ def inspect(pid: int) -> Target:
     except OSError as e:
         if e.errno == errno.ENOENT:
             raise NoSuchProcess(f"no process with PID {pid} (did the engine exit?)") from None
-        raise MissingPrivileges(f"cannot inspect PID {pid}: {e.strerror}; run as root (sudo)") from None
+        raise MissingPrivileges(
+            f"cannot inspect PID {pid}: {e.strerror}; run as root (sudo), or give the recorder "
+            f"CAP_SYS_PTRACE for an engine of another user (docs/privileges.md)"
+        ) from None
     # Paths as the process sees them, resolved through /proc/PID/root in a container: its files,
     # not ours of the same name.
     libs: list[MappedLib] = []

@@ -84,7 +84,8 @@ class ProcessMemory:
         except PermissionError:
             raise MissingPrivileges(
                 f"cannot read /proc/{self.pid}/mem to check the ggml_tensor layout: run as root (sudo), "
-                f"with ptrace allowed (kernel.yama.ptrace_scope below 3)"
+                f"with ptrace allowed (kernel.yama.ptrace_scope below 3); a recorder that is not root "
+                f"needs CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH (docs/privileges.md)"
             ) from None
 
     def read(self, addr: int, size: int) -> bytes | None:

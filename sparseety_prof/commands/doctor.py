@@ -4,11 +4,13 @@ GPU path's in gpu/diagnose.py) and prints how to fix each missing piece."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import asdict
 from typing import Any
 
-from sparseety_prof.capture.preflight import SYSTEM_CHECKS, check_engine
+from sparseety_prof.capture import capabilities as caps
+from sparseety_prof.capture.preflight import SYSTEM_CHECKS, check_capabilities, check_engine
 from sparseety_prof.checks import Check
 from sparseety_prof.commands.exit_codes import DOCTOR_FAILED
 from sparseety_prof.commands.help_text import command_epilog, description
@@ -16,6 +18,7 @@ from sparseety_prof.commands.help_text import command_epilog, description
 
 def run_checks(pid: int | None, *, gpu: bool = False) -> list[Check]:
     checks = [c() for c in SYSTEM_CHECKS]
+    checks += check_capabilities(pid)
     if pid is not None:
         checks += check_engine(pid)
     if gpu:
@@ -87,6 +90,20 @@ def checks_json(checks: list[Check]) -> dict[str, Any]:
         "passed": len(checks) - len(failed),
         "failed": len(failed),
         "checks": [asdict(c) for c in checks],
+        "capabilities": capabilities_json(),
+    }
+
+
+def capabilities_json() -> dict[str, Any]:
+    """This process's effective capabilities, and which of those the recorder needs it lacks."""
+    mask = caps.effective_capabilities()
+    return {
+        "effective": caps.capability_names(mask),
+        "uid": os.getuid(),
+        "missing": [c.name for c in caps.CAPABILITIES if c.required and not caps.has_capability(mask, c)],
+        "optional_missing": [
+            c.name for c in caps.CAPABILITIES if not c.required and not caps.has_capability(mask, c)
+        ],
     }
 
 

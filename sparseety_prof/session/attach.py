@@ -16,7 +16,7 @@ from sparseety_prof.capture.gguf_info import ModelInfo, TensorInfo, Vocab, read_
 from sparseety_prof.capture.plans import LayerSet, MoePlan, layer_set, moe_plan
 from sparseety_prof.capture.tensor_probe import ProcessMemory, TensorCheck, verify_tensor_layout
 from sparseety_prof.capture.untrusted_files import PinnedFile
-from sparseety_prof.errors import NotAnEngine, UnsupportedEngineBuild, UsageError
+from sparseety_prof.errors import MissingPrivileges, NotAnEngine, UnsupportedEngineBuild, UsageError
 from sparseety_prof.session.options import Options
 from sparseety_prof.session.policy import probe_head_rate, probe_keep_below
 
@@ -88,6 +88,12 @@ def pin_model(t: tg.Target, model: Path | None = None) -> PinnedFile:
             # /proc/PID/map_files needs CAP_SYS_ADMIN (or CAP_CHECKPOINT_RESTORE), which a recorder
             # given only CAP_BPF and CAP_PERFMON lacks: pinned at this first open of the name instead
             return PinnedFile(m.path)
+    except PermissionError as e:
+        # the engine's user may read it and we may not: CAP_DAC_READ_SEARCH reads it anyway
+        raise MissingPrivileges(
+            f"cannot open the model file PID {t.pid} holds ({m.path}): {e.strerror or e}; a recorder "
+            f"that is not root needs CAP_DAC_READ_SEARCH (docs/privileges.md)"
+        ) from None
     except OSError as e:
         raise NotAnEngine(
             f"cannot open the model file PID {t.pid} holds ({m.path}): {e.strerror or e}"
