@@ -2,7 +2,7 @@
 # The test set-up on a Debian 12 machine (root): scripts/install.sh (what running the profiler
 # needs, with the correlator compiled), then what only the tests need. Idempotent; prints each step;
 # scripts/test.sh (and so CI) runs it first.
-#   - Debian packages the tests use: chromium, a JRE (PySpark), prometheus, tmux, curl;
+#   - Debian packages the tests use: chromium, a JRE (PySpark), prometheus, tmux, curl, systemd;
 #   - the pinned test packages (scripts/requirements-dev.txt), among them llama-cpp-python built
 #     from its sdist (portable: no -march=native);
 #   - the build matrix (scripts/matrix-*.txt): older xllamacpp wheels, older llama-cpp-python and
@@ -46,7 +46,9 @@ PY="$VENV/bin/python"
 # prometheus: the real server tests/test_metrics_prometheus.py scrapes --metrics-port with; the
 # test runs the binary itself (temporary config and storage), so its service is not needed.
 # tmux: the live view's tests drive it in a terminal; curl: requests as the README sends them.
-pkgs=(curl tmux chromium default-jre-headless prometheus)
+# systemd: systemd-analyze verify checks packaging/systemd's unit (tests/test_privileges.py); a
+# container without systemd running gets the tool only, nothing is started.
+pkgs=(curl tmux chromium default-jre-headless prometheus systemd)
 if ! dpkg -s "${pkgs[@]}" >/dev/null 2>&1; then
   step "2/5 installing ${pkgs[*]}"
   had_prometheus=$(dpkg -s prometheus >/dev/null 2>&1 && echo yes || true)
