@@ -25,7 +25,7 @@ from sparseety_prof.capture.process_match import Candidate, ProcessRule, matchin
 from sparseety_prof.cli import main
 from sparseety_prof.errors import NotAnEngine
 from sparseety_prof.session.follow import Follower
-from sparseety_prof.session.options import Options
+from sparseety_prof.session.options import Options, Progress
 
 # Runs a script under a process name of our choosing (prctl PR_SET_NAME), as setproctitle does:
 # a Python engine is otherwise named "python3", like every other Python on the machine.
@@ -48,7 +48,8 @@ NAMED = (
         (["record", "--follow", "a-very-long-engine-name", "-o", "x"], "at most 15 bytes"),
         (["record", "--pid", "1", "--follow-user", "0", "-o", "x"], "--follow-user needs --follow"),
         (["record", "--follow", "llama-server", "--follow-user", "no-such-user-x", "-o", "x"], "no user"),
-        (["record", "--follow", "llama-server", "--metrics-port", "9100", "-o", "x"], "--metrics-port"),
+        (["record", "--follow-unit", "a/b", "-o", "x"], "--follow-unit needs a systemd unit name"),
+        (["record", "--follow", "llama-server", "--status-interval", "-1", "-o", "x"], "--status-interval"),
         (["record", "--follow", "llama-server", "--late-attach", "-o", "x"], "--late-attach"),
         (["attach", "--follow", ""], "--follow needs a process name"),
     ],
@@ -139,6 +140,7 @@ class _FakeRecorder:
         self.opts, self.proc = opts, proc
         self.attached = threading.Event()
         self.meta: dict[str, Any] = {}
+        self.progress = Progress()  # what the follower's status line reads
         self._stop = threading.Event()
         attempts.append((opts.pid, time.monotonic()))
 

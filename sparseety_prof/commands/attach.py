@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -75,8 +76,13 @@ def run(args: argparse.Namespace) -> int:
     def log(s: str) -> None:
         console.print(line(s), markup=False, highlight=False)
 
-    sinks = sinks_from(args, log)
-    metrics = metrics_sink_from(args, opts)  # the port is bound (or refused) before attaching
+    from sparseety_prof.commands.follow_outputs import FollowOutputs
+    from sparseety_prof.session.status_line import ProgressTotals, StatusTicker, status_interval
+
+    # the port is bound (or refused) before attaching; --follow: one endpoint for every run
+    outputs = FollowOutputs(args, opts, log) if rule is not None else None
+    sinks = sinks_from(args, log) if outputs is None else []
+    metrics = metrics_sink_from(args, opts) if outputs is None else None
     live = Live(console=console, refresh_per_second=4, auto_refresh=False, transient=False)
     state: list[LiveState] = []
     # the consumer thread brings snapshots, the key thread settings: one lock orders the redraws
@@ -117,9 +123,8 @@ def run(args: argparse.Namespace) -> int:
 
     def make_recorder(o: Options) -> Recorder:
         state.clear()  # a new process: its own engine, model and counts on screen
-        recorders.append(
-            Recorder(o, on_update=on_update, log=log, sinks=[*sinks, metrics] if metrics else sinks)
-        )
+        run_sinks = outputs.sinks() if outputs is not None else [*sinks, metrics] if metrics else sinks
+        recorders.append(Recorder(o, on_update=on_update, log=log, sinks=run_sinks))
         return recorders[-1]
 
     stopper: list[Callable[[str], None]] = []
@@ -135,22 +140,40 @@ def run(args: argparse.Namespace) -> int:
                 shown[:] = latest
             redraw()
 
-    if rule is not None:
-        follower = Follower(rule, opts, make_recorder, log, on_recorded=lambda m: log(summary_line(m)))
+    interval = status_interval(args.status_interval, sys.stderr)
+    if rule is not None and outputs is not None:
+        follower = Follower(
+            rule,
+            opts,
+            make_recorder,
+            log,
+            on_recorded=lambda m: log(summary_line(m)),
+            after_run=outputs.after_run,
+        )
         stopper.append(follower.stop)
         install_follow_signal_handlers(follower)
-        with live, KeyReader(on_key):
-            follower.run()
+        ticker = StatusTicker(interval, follower.status, log).start()
+        try:
+            with live, KeyReader(on_key):
+                follower.run()
+        finally:
+            ticker.stop()
+            outputs.close()
         log(follower.summary())
         return 0
+    one_ticker: StatusTicker | None = None
     try:
         late_attach_from(args, log)
         rec = make_recorder(opts)
         stopper.append(rec.stop)
         install_signal_handlers(rec)
+        totals = ProgressTotals()
+        one_ticker = StatusTicker(interval, lambda: totals.reading(rec.progress), log).start()
         with live, KeyReader(on_key):
             meta = rec.run()
     finally:
+        if one_ticker is not None:
+            one_ticker.stop()
         if metrics is not None:
             metrics.stop()  # a failed attach never reached the sinks' close
     console.print(line(summary_line(meta)), markup=False, highlight=False)

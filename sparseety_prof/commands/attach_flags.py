@@ -24,7 +24,7 @@ from sparseety_prof.session.options import (
 )
 
 if TYPE_CHECKING:
-    from sparseety_prof.capture.process_match import ProcessRule
+    from sparseety_prof.session.follow_target import FollowTarget
     from sparseety_prof.session.metrics_sink import PrometheusSink
     from sparseety_prof.session.options import Options
     from sparseety_prof.session.sinks import FrameSink
@@ -109,12 +109,19 @@ def _add_target(g: argparse._ArgumentGroup) -> None:
         "it, and when it exits wait for the next one (a restart): one recording per process under -o "
         "DIR, listed in DIR/follow.json (docs: following a restarting engine)",
     )
+    which.add_argument(
+        "--follow-unit",
+        metavar="UNIT",
+        default=None,
+        help="as --follow, for the main process of a systemd unit (its MainPID, polled)",
+    )
     g.add_argument(
         "--follow-user",
         metavar="USER",
         default=None,
-        help="with --follow: follow processes of this user (name or id) instead of your own; a "
-        "process name proves nothing: any user can start a program with that name",
+        help="with --follow or --follow-unit: follow processes of this user (name or id) instead of "
+        "your own (--follow) or whoever the unit runs as (--follow-unit); a process name proves "
+        "nothing: any user can start a program with that name",
     )
     g.add_argument(
         "--model", type=Path, default=None, metavar="FILE", help="model file, when the engine has none mapped"
@@ -172,6 +179,15 @@ def _add_output(g: argparse._ArgumentGroup, *, output_help: str, output_required
     )
     g.add_argument(
         "-d", "--duration", type=float, default=None, metavar="SECONDS", help="detach after this many seconds"
+    )
+    g.add_argument(
+        "--status-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="one status line on stderr this often (tokens, requests, losses, the recorder's CPU and "
+        "memory, the ring's fill; with --follow the runs); default 30 when stderr is not a terminal "
+        "(a service's log), off on a terminal; 0: off",
     )
     g.add_argument(
         "--redact-text",
@@ -511,7 +527,12 @@ def options_from(args: argparse.Namespace) -> Options:
         why = ConsumerAblation.check(args.ablate_consumer)
         if why is not None:
             raise UsageError(why)
-    if args.output is not None:
+    if args.output is not None and _follows(args):
+        from sparseety_prof.session.follow_dir import check_follow_output
+
+        # a new or empty directory, or one this follower made (a service manager restarted it)
+        check_follow_output(args.output, follow_rule_from(args).to_meta(), sudo_owner())  # type: ignore[union-attr]
+    elif args.output is not None:
         check_output_path(args.output, META_FILE, sudo_owner())  # refused before anything is attached
     if args.mode == "tokens":
         given = [
@@ -575,9 +596,11 @@ def options_from(args: argparse.Namespace) -> Options:
     )
 
 
-def metrics_sink_from(args: argparse.Namespace, opts: Options) -> PrometheusSink | None:
+def metrics_sink_from(
+    args: argparse.Namespace, opts: Options, *, sink_class: type[PrometheusSink] | None = None
+) -> PrometheusSink | None:
     """The metrics endpoint asked for with --metrics-port, already listening (so that a port in
-    use is refused before attaching), or None."""
+    use is refused before attaching), or None. `sink_class`: --follow's, which outlives a run."""
     from sparseety_prof.errors import UsageError
     from sparseety_prof.session.metrics_sink import PrometheusSink
 
@@ -586,7 +609,7 @@ def metrics_sink_from(args: argparse.Namespace, opts: Options) -> PrometheusSink
     if not 0 < args.metrics_port < 65536:
         raise UsageError(f"--metrics-port must be a port number (1-65535), got {args.metrics_port}")
     chosen = {"experts": args.metrics_experts} if args.metrics_experts is not None else {}
-    return PrometheusSink(
+    return (sink_class or PrometheusSink)(
         args.metrics_bind or METRICS_BIND,
         args.metrics_port,
         redact=opts.redact,
@@ -595,17 +618,30 @@ def metrics_sink_from(args: argparse.Namespace, opts: Options) -> PrometheusSink
     )
 
 
-def follow_rule_from(args: argparse.Namespace) -> ProcessRule | None:
-    """The processes --follow NAME means (capture/process_match.py), or None for --pid; UsageError
-    for a name no process can have, or a flag that needs one fixed PID."""
+def _follows(args: argparse.Namespace) -> bool:
+    return args.follow is not None or getattr(args, "follow_unit", None) is not None
+
+
+def follow_rule_from(args: argparse.Namespace) -> FollowTarget | None:
+    """The processes --follow NAME (capture/process_match.py) or --follow-unit UNIT mean
+    (session/follow_target.py), or None for --pid; UsageError for a name no process can have,
+    or a flag that needs one fixed PID."""
     from sparseety_prof.capture.process_match import COMM_MAX, ProcessRule
     from sparseety_prof.errors import UsageError
+    from sparseety_prof.session.follow_target import NamedProcesses, UnitMainProcess
     from sparseety_prof.store.output_dir import sudo_owner
 
-    if args.follow is None:
+    if not _follows(args):
         if args.follow_user is not None:
-            raise UsageError("--follow-user needs --follow NAME")
+            raise UsageError("--follow-user needs --follow NAME or --follow-unit UNIT")
         return None
+    if args.late_attach:
+        raise UsageError("--late-attach is not available with --follow (it serves one process): use --pid")
+    unit = getattr(args, "follow_unit", None)
+    if unit is not None:
+        if not unit or unit != unit.strip() or "/" in unit or unit.startswith("-") or not unit.isprintable():
+            raise UsageError(f"--follow-unit needs a systemd unit name (e.g. llama.service), got {unit!r}")
+        return UnitMainProcess(unit, _user_id(args.follow_user) if args.follow_user is not None else None)
     name = args.follow
     if not name or name != name.strip() or "\n" in name:
         raise UsageError(f"--follow needs a process name (as /proc/PID/comm shows it), got {name!r}")
@@ -614,17 +650,9 @@ def follow_rule_from(args: argparse.Namespace) -> ProcessRule | None:
             f"--follow {name!r}: the kernel keeps at most {COMM_MAX} bytes of a process name, so no "
             f"process is named that; give the first {COMM_MAX} (what `ps -o comm` shows)"
         )
-    for flag, given in (
-        ("--late-attach", args.late_attach),
-        ("--metrics-port", args.metrics_port is not None),
-        ("--otlp", args.otlp is not None),
-        ("--dataset", getattr(args, "dataset", None) is not None),
-    ):
-        if given:
-            raise UsageError(f"{flag} is not available with --follow (it serves one process): use --pid")
     owner = sudo_owner()
     uid = _user_id(args.follow_user) if args.follow_user is not None else owner[0] if owner else os.getuid()
-    return ProcessRule(name=name, uid=uid)
+    return NamedProcesses(ProcessRule(name=name, uid=uid))
 
 
 def _user_id(user: str) -> int:

@@ -3,7 +3,11 @@ wait for the next one (the engine restarted) and record that, until stopped or -
 
 Each attach is an ordinary Recorder run (session/recorder.py, unchanged) writing its own complete
 recording DIR/<n>-<pid>; DIR/follow.json lists them. Which processes match is
-capture/process_match.py's rule (exact name, same user). A matching process is often found
+session/follow_target.py's (by name: capture/process_match.py's rule, exact name and same user;
+or a systemd unit's main process). A follower restarted by its service manager reopens its own
+DIR (session/follow_dir.py) and numbers its runs on from the last. With --max-disk the runs
+together are bounded (session/follow_disk.py); the metrics endpoint and exporters live as long
+as the follower (commands/record.py makes each run's sinks). A matching process is often found
 before it is an engine (it has not loaded llama.cpp or its model yet): the attach is refused as
 "not an engine" and retried while the process lives, from every 0.5 s up to every 5 s, so a
 long-lived process of that name that never becomes an engine costs little and does not keep a
@@ -24,16 +28,21 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sparseety_prof.capture.process_match import Candidate, ProcessRule, matching_processes
+from sparseety_prof.capture.process_match import Candidate, ProcessRule
 from sparseety_prof.errors import NoSuchProcess, NotAnEngine, UnsupportedEngineBuild
+from sparseety_prof.session.follow_dir import FOLLOW_FILE, open_follow_dir
+from sparseety_prof.session.follow_disk import make_room
+from sparseety_prof.session.follow_target import FollowTarget, as_target
 from sparseety_prof.session.options import Options
 from sparseety_prof.session.recorder import Recorder
+from sparseety_prof.session.status_line import ProgressTotals, StatusReading
 from sparseety_prof.session.stop_flag import StopFlag
 from sparseety_prof.store.output_dir import OutputDir, sudo_owner
 
 __all__ = ["FOLLOW_FILE", "Follower", "install_follow_signal_handlers"]
 
-FOLLOW_FILE = "follow.json"
+#: the stop reason given to a run an earlier follower left open (it was killed while recording)
+FOLLOWER_ENDED = "follower ended"
 POLL_S = 0.5  # one pass over /proc this often while waiting
 RETRY_MAX_S = 5.0  # a process refused again and again is retried at most this rarely
 TARGET_EXITED = "target exited"  # Recorder's stop reason when the engine goes away: follow on
@@ -54,19 +63,21 @@ class Follower:
 
     def __init__(
         self,
-        rule: ProcessRule,
+        rule: ProcessRule | FollowTarget,
         opts: Options,
         make_recorder: Callable[[Options], Recorder],
         log: Callable[[str], None],
         *,
         on_recorded: Callable[[dict[str, Any]], None] | None = None,
+        after_run: Callable[[dict[str, Any]], None] | None = None,
         proc: Path = Path("/proc"),
     ) -> None:
-        self.rule = rule
+        self.target = as_target(rule)
         self.opts = opts  # the template of every attach: pid, out and duration are set per attach
         self.make_recorder = make_recorder
         self.log = log
         self.on_recorded = on_recorded  # each closed recording's meta (the summary line)
+        self.after_run = after_run  # each closed run's follow.json entry (--dataset)
         self.proc = proc
         self.recordings: list[dict[str, Any]] = []
         self.stop_reason = ""
@@ -77,6 +88,9 @@ class Follower:
         self._niceness = os.getpriority(os.PRIO_PROCESS, 0)  # restored after each run
         self._folder: OutputDir | None = None  # DIR, open while following (None without -o)
         self._started = 0
+        self._next_n = 1
+        self.attaches = 0  # runs attached by this follower (follow.json also lists earlier ones)
+        self.totals = ProgressTotals()  # of this follower's closed runs (the status line)
 
     def stop(self, reason: str) -> None:
         with self._lock:
@@ -91,15 +105,16 @@ class Follower:
         is not the target's (privileges, BPF, a full disk) ends the loop and is raised, after
         follow.json says so."""
         out = self.opts.out
-        self._folder = OutputDir.create(out, FOLLOW_FILE, sudo_owner()) if out is not None else None
         self._started = _now_ms()
+        if out is not None:
+            self._folder, earlier = open_follow_dir(out, self.target.to_meta(), sudo_owner())
+            if earlier is not None:
+                self._resume(earlier)
         deadline = time.monotonic() + self.opts.duration if self.opts.duration else None
         retries: dict[Candidate, _Retry] = {}
         try:
             self._save()
-            self.log(
-                f"sparseety-prof: waiting for a process named {self.rule.name!r} of user id {self.rule.uid}"
-            )
+            self.log(f"sparseety-prof: waiting for {self.target.describe()}")
             while not self._stop.is_set():
                 if deadline is not None and time.monotonic() >= deadline:
                     self.stop("duration reached")
@@ -112,7 +127,9 @@ class Follower:
                 if entry is None:
                     continue  # refused for now, or gone: keep waiting
                 if entry["stop_reason"] == TARGET_EXITED and not self._stop.is_set():
-                    self.log(f"sparseety-prof: PID {cand.pid} exited; waiting for {self.rule.name!r} again")
+                    self.log(
+                        f"sparseety-prof: PID {cand.pid} exited; waiting for {self.target.label!r} again"
+                    )
                 elif not self._stop.is_set():
                     self.stop(entry["stop_reason"])  # duration reached, write error: the run's end is ours
         except BaseException as e:
@@ -128,13 +145,13 @@ class Follower:
 
     def summary(self) -> str:
         return (
-            f"sparseety-prof: followed {self.rule.name!r}: {len(self.recordings)} recording(s); "
+            f"sparseety-prof: followed {self.target.label!r}: {len(self.recordings)} recording(s); "
             f"stopped: {self.stop_reason}"
         )
 
     def _next(self, retries: dict[Candidate, _Retry]) -> Candidate | None:
         """The oldest matching process not waiting for a retry."""
-        live = matching_processes(self.rule, self.proc, exclude=os.getpid())
+        live = self.target.find(self.proc, os.getpid())
         for gone in retries.keys() - set(live):
             del retries[gone]
         now = time.monotonic()
@@ -145,16 +162,22 @@ class Follower:
     ) -> dict[str, Any] | None:
         """One Recorder run on `cand`: its follow.json entry once it ended, or None when the
         process could not be attached (not ready: retried later; gone)."""
-        n = len(self.recordings) + 1
+        n = self._next_n
         name = f"{n}-{cand.pid}"
+        max_disk = self.opts.max_disk
+        if max_disk is not None and self._folder is not None:
+            with self._lock:  # the runs before this one together within half the bound
+                max_disk = make_room(self._folder, self.recordings, max_disk, self.log)
+                self._save()
         opts = replace(
             self.opts,
             pid=cand.pid,
             out=self.opts.out / name if self.opts.out is not None else None,
             duration=max(0.1, deadline - time.monotonic()) if deadline is not None else None,
+            max_disk=max_disk,
         )
         if cand not in retries:
-            self.log(f"sparseety-prof: PID {cand.pid} is named {self.rule.name!r}: attaching")
+            self.log(f"sparseety-prof: PID {cand.pid} is {self.target.describe()}: attaching")
         rec = self.make_recorder(opts)
         with self._lock:
             if self._stop.is_set():
@@ -192,6 +215,8 @@ class Follower:
             lister.join()
             with self._lock:
                 self._current = None
+                if rec.attached.is_set():
+                    self.totals.add_closed(rec.progress)
             _restore_priority(self._niceness)  # each Recorder run lowers this thread's priority
             gc.unfreeze()  # the Recorder froze its session's objects: let them go with it
             gc.collect()
@@ -200,7 +225,35 @@ class Follower:
             self.on_recorded(meta)
         entry["tokens"] = (meta.get("counts") or {}).get("tokens")
         self._close_entry(entry, meta, meta.get("stop_reason") or "")
+        if self.after_run is not None:
+            self.after_run(entry)
         return entry
+
+    def status(self) -> StatusReading:
+        """The status line's reading (any thread): this follower's runs and the one recording."""
+        with self._lock:
+            rec = self._current if self._current is not None and self._current.attached.is_set() else None
+            return self.totals.reading(
+                rec.progress if rec is not None else None,
+                runs=self.attaches,
+                attached_pid=rec.opts.pid if rec is not None else None,
+            )
+
+    def _resume(self, earlier: dict[str, Any]) -> None:
+        """Go on in the directory an earlier follower (this one, restarted) made: its runs stay
+        listed and the new ones are numbered after them, in folders of their own."""
+        runs = [r for r in earlier["recordings"] if isinstance(r, dict) and isinstance(r.get("n"), int)]
+        for r in runs:
+            if r.get("stop_reason") is None:  # it was killed while recording this one
+                r["stop_reason"] = FOLLOWER_ENDED
+                r["end_unix_ms"] = r.get("end_unix_ms") or r.get("start_unix_ms")
+        self.recordings = runs
+        self._next_n = max((r["n"] for r in runs), default=0) + 1
+        self._started = earlier.get("start_unix_ms") or self._started
+        self.log(
+            f"sparseety-prof: going on in {self.opts.out} after its {len(runs)} recording(s); "
+            f"the next is number {self._next_n}"
+        )
 
     def _list_once_attached(self, rec: Recorder, entry: dict[str, Any], ended: threading.Event) -> None:
         """List the recording in follow.json as soon as it is attached (still recording), so
@@ -210,6 +263,8 @@ class Follower:
                 with self._lock:
                     entry["start_unix_ms"] = _now_ms()
                     self.recordings.append(entry)
+                    self._next_n = entry["n"] + 1
+                    self.attaches += 1
                     with contextlib.suppress(OSError):
                         self._save()
                 return
@@ -221,6 +276,7 @@ class Follower:
             entry["stop_reason"] = reason
             if not any(e is entry for e in self.recordings):
                 self.recordings.append(entry)
+                self._next_n = entry["n"] + 1
             self._save()
 
     def _retry_later(self, cand: Candidate, retries: dict[Candidate, _Retry], why: str) -> None:
@@ -237,7 +293,7 @@ class Follower:
             return
         with self._lock:
             doc = {
-                "follow": {"name": self.rule.name, "match": "comm", "uid": self.rule.uid},
+                "follow": self.target.to_meta(),
                 "start_unix_ms": self._started,
                 "end_unix_ms": _now_ms() if ended else None,
                 "stop_reason": self.stop_reason if ended else None,

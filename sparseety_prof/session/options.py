@@ -86,6 +86,7 @@ class Progress:
 
     tokens: int = 0
     steps: int = 0
+    requests: int = 0  # requests ended (their rows made), for the status line
     records: int = 0
     kernel_drops: int = 0
     seq_gaps: int = 0

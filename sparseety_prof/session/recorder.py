@@ -597,6 +597,7 @@ class Recorder:
         p = self.progress
         p.tokens += sum(r.n for r in apart.get("tokens", ()))
         p.steps += sum(r.n for r in apart.get("steps", ()))
+        p.requests += len(tables.get("requests", {}).get("request_id", []))
         p.records = tracker.seen
         p.seq_gaps = tracker.gaps
         p.kernel_drops = drops
