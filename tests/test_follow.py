@@ -13,12 +13,15 @@ import stat
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 import pytest
-from conftest import CLI, ENGINES, PY, ROOT, Engine, bpf_prog_ids
+from conftest import CLI, ENGINES, PY, ROOT, Engine, bpf_prog_ids, free_port
+from otlp_receiver import OtlpReceiver
+from prometheus_client.parser import text_string_to_metric_families
 
 import sparseety_prof
 from sparseety_prof.capture.process_match import Candidate, ProcessRule, matching_processes
@@ -213,9 +216,9 @@ class _Follower:
     """`sparseety-prof record|attach --follow NAME -o DIR` as a child process; stderr read as it
     comes (attach's live view draws there too, wide enough that no message is wrapped)."""
 
-    def __init__(self, command: str, name: str, out: Path) -> None:
+    def __init__(self, command: str, name: str, out: Path, *extra: str) -> None:
         self.proc = subprocess.Popen(
-            [*CLI, command, "--follow", name, "-o", str(out)],
+            [*CLI, command, "--follow", name, "-o", str(out), *extra],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -353,3 +356,86 @@ def test_follow_records_each_run_of_a_restarted_engine(
         assert _requests(r.tokens()) == [w["ids"] for w in want]
         assert run["tokens"] == sum(len(w["ids"]) for w in want)
         assert r.meta["losses"]["kernel_drops"] == 0 and r.meta["losses"]["seq_gaps"] == 0
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """(sample name, labels) -> value, from the follower's endpoint over HTTP."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for fam in text_string_to_metric_families(text)
+        for sample in fam.samples
+    }
+
+
+def _total(scrape: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str) -> float:
+    return sum(v for (n, _labels), v in scrape.items() if n == name)
+
+
+@pytest.mark.root
+@pytest.mark.engine
+def test_one_endpoint_and_exporter_live_across_three_engine_restarts(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Issue 61's acceptance: the engine restarted three times under `record --follow` with
+    --metrics-port and --otlp: three recordings, the endpoint answers at every scrape in between,
+    its counters never go back, and every request of every run reaches the collector."""
+    name = "spf-" + secrets.token_hex(4)
+    out = tmp_path / "follow"
+    port = free_port()
+    receiver = OtlpReceiver()
+    engine_args = ["-c", NAMED, name, str(ENGINES / "llama_engine.py"), str(models["moe"])]
+    follower = _Follower(
+        "record", name, out, "--metrics-port", str(port), "--otlp", receiver.url, "--status-interval", "1"
+    )
+    engines: list[Engine] = []
+    scrapes = []
+    try:
+        follower.wait_for(f"waiting for a process named {name!r}")
+        scrapes.append(_scrape(port))  # before the first engine: it answers already
+        for i in range(3):
+            e = Engine(engine_args)
+            engines.append(e)
+            follower.wait_for(f"attached to PID {e.pid} ")
+            scrapes.append(_scrape(port))
+            e.generate([f"run {i} of the expert router", "one two three"], max_tokens=12)
+            scrapes.append(_scrape(port))
+            e.close()
+            follower.wait_for(f"PID {e.pid} exited; waiting for {name!r} again")
+            scrapes.append(_scrape(port))  # between two engines
+        rc = follower.stop()
+        assert rc == 0, "".join(follower.lines)
+    finally:
+        follower.kill()
+        receiver.close()
+        for e in engines:
+            e.close()
+
+    runs = json.loads((out / "follow.json").read_text())["recordings"]
+    assert [(r["pid"], r["stop_reason"]) for r in runs] == [(e.pid, "target exited") for e in engines]
+    recordings = [sparseety_prof.open(out / r["dir"]) for r in runs]
+    assert all(r.complete for r in recordings)
+    tokens = sum(r.tokens().height for r in recordings)
+    request_ids = [rid for r in recordings for rid in r.requests()["request_id"].to_list()]
+    assert tokens > 0 and len(request_ids) == 6
+
+    # counters and histogram samples never go back, from one scrape to the next
+    for before, after in itertools.pairwise(scrapes):
+        for key, value in before.items():
+            if key[0].endswith(("_total", "_count", "_sum", "_bucket")) and key in after:
+                assert after[key] >= value, (key, value, after[key])
+    restarts = [_total(s, "sparseety_engine_restarts_total") for s in scrapes]
+    assert restarts == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
+    attached = [_total(s, "sparseety_follow_attached") for s in scrapes]
+    assert attached == [0, *[1, 1, 0] * 3]
+    last = scrapes[-1]
+    assert _total(last, "sparseety_tokens_total") == tokens
+    assert _total(last, "sparseety_requests_total") == len(request_ids)
+
+    # every request of every run, as a span the collector received
+    spans = [s for s in receiver.spans if s["name"] != "sparseety.step"]
+    assert receiver.bad == []
+    assert sorted(s["attributes"]["sparseety.request_id"] for s in spans) == sorted(request_ids)
+    assert {s["resource"].get("process.pid") for s in spans} <= {e.pid for e in engines}
+    assert any("status: runs 3" in line for line in follower.lines), "".join(follower.lines)
