@@ -208,7 +208,7 @@ def test_a_restarted_follower_numbers_its_runs_after_the_earlier_ones(tmp_path: 
 
 
 def test_max_disk_across_runs_removes_the_oldest_runs_first(tmp_path: Path) -> None:
-    runs = [
+    runs: list[dict[str, Any]] = [
         {"n": i, "pid": i, "dir": f"{i}-{i}", "stop_reason": "target exited", "end_unix_ms": 1}
         for i in (1, 2, 3)
     ]
