@@ -439,3 +439,52 @@ def test_one_endpoint_and_exporter_live_across_three_engine_restarts(
     assert sorted(s["attributes"]["sparseety.request_id"] for s in spans) == sorted(request_ids)
     assert {s["resource"].get("process.pid") for s in spans} <= {e.pid for e in engines}
     assert any("status: runs 3" in line for line in follower.lines), "".join(follower.lines)
+
+
+@pytest.mark.root
+@pytest.mark.engine
+def test_a_restarted_follower_goes_on_in_its_directory_collecting_each_run(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A follower stopped and started again on its -o (as a service manager does) adds its run
+    beside the first, never over it; --dataset collects each closed run; --max-disk holds."""
+    name = "spf-" + secrets.token_hex(4)
+    out, dest = tmp_path / "follow", tmp_path / "ds"
+    engine_args = ["-c", NAMED, name, str(ENGINES / "llama_engine.py"), str(models["moe"])]
+    flags = ("--dataset", str(dest), "--max-disk", "64M", "--status-interval", "0")
+    engines: list[Engine] = []
+    truth = []
+    for i in range(2):
+        follower = _Follower("record", name, out, *flags)
+        try:
+            follower.wait_for(f"waiting for a process named {name!r}")
+            if i == 1:
+                assert any(
+                    "going on in" in line and "the next is number 2" in line for line in follower.lines
+                )
+            e = Engine(engine_args)
+            engines.append(e)
+            follower.wait_for(f"attached to PID {e.pid} ")
+            truth.append(e.generate([f"restart {i} of the follower"], max_tokens=10))
+            e.close()
+            follower.wait_for(f"PID {e.pid} exited; waiting for {name!r} again")
+            rc = follower.stop()
+            assert rc == 0, "".join(follower.lines)
+            assert not any("status:" in line for line in follower.lines)  # --status-interval 0
+        finally:
+            follower.kill()
+            for x in engines:
+                x.close()
+    runs = json.loads((out / "follow.json").read_text())["recordings"]
+    assert [(r["n"], r["dir"], r["stop_reason"]) for r in runs] == [
+        (i + 1, f"{i + 1}-{e.pid}", "target exited") for i, e in enumerate(engines)
+    ]
+    used = 0
+    for run, want in zip(runs, truth, strict=True):
+        r = sparseety_prof.open(out / run["dir"])
+        assert r.complete and r.meta["target"]["pid"] == run["pid"]
+        assert _requests(r.tokens()) == [w["ids"] for w in want]
+        used += sum(f.stat().st_blocks * 512 for f in (out / run["dir"]).rglob("*") if f.is_file())
+    assert used <= 64 << 20
+    collected = pl.read_parquet(dest / "tokens" / "**" / "*.parquet", hive_partitioning=True)
+    assert sorted(collected["token_id"].to_list()) == sorted(i for w in truth for x in w for i in x["ids"])
