@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ENGINES, Engine, Recorder
 from prometheus_client.parser import text_string_to_metric_families
 
+import sparseety_prof
 from sparseety_prof.capture.process_match import Candidate, ProcessRule
 from sparseety_prof.errors import NoSuchProcess, UsageError
 from sparseety_prof.session import follow_target
@@ -310,3 +312,28 @@ def test_status_ticker_writes_lines_until_stopped() -> None:
     off = StatusTicker(0, lambda: reading, write).start()
     off.stop()
     assert len(lines) == n
+
+
+# ---------------------------------------------------------------- the status line of a real record
+
+
+@pytest.mark.root
+@pytest.mark.engine
+def test_record_prints_status_lines_that_match_its_recording(models: dict[str, Path], tmp_path: Path) -> None:
+    """`record --pid` with its stderr in a pipe (a service's log): status lines come, counting up
+    to what the recording holds; no control character reaches them."""
+    e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
+    try:
+        rec = Recorder(e.pid, tmp_path / "rec", "--status-interval", "0.5")
+        e.generate(["the status line counts these tokens", "and these"], max_tokens=12)
+        rec.wait_for("sparseety-prof: status: tokens ")
+        rc, err = rec.stop()
+    finally:
+        e.close()
+    assert rc == 0, err
+    r = sparseety_prof.open(tmp_path / "rec")
+    lines = [x for x in err.splitlines() if "status:" in x]
+    counts = [int(x.split("tokens ", 1)[1].split(",", 1)[0]) for x in lines]
+    assert counts == sorted(counts) and counts[-1] <= r.tokens().height
+    assert all(ch.isprintable() for x in lines for ch in x.rstrip("\n"))
+    assert "runs" not in lines[0]  # only a follower counts runs
