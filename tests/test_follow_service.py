@@ -173,6 +173,7 @@ class _OneRun:
 
 def test_a_restarted_follower_numbers_its_runs_after_the_earlier_ones(tmp_path: Path) -> None:
     out = _follow_dir(tmp_path, RUNS, FOLLOW)
+    (out / "3-77").mkdir()  # made, not yet listed, when the earlier follower was killed
     proc = tmp_path / "proc"
     (proc / "30").mkdir(parents=True)
     (proc / "30" / "comm").write_text("llama-server\n")
@@ -191,7 +192,7 @@ def test_a_restarted_follower_numbers_its_runs_after_the_earlier_ones(tmp_path: 
     runner.start()
     try:
         for _ in range(400):
-            if len(follower.recordings) == 3:
+            if len(follower.recordings) == 3 and follower.status().attached_pid == 30:
                 break
             threading.Event().wait(0.05)
         status = follower.status()
@@ -202,9 +203,9 @@ def test_a_restarted_follower_numbers_its_runs_after_the_earlier_ones(tmp_path: 
     assert [(r["n"], r["dir"], r["stop_reason"]) for r in doc["recordings"]] == [
         (1, "1-10", "target exited"),
         (2, "2-20", "follower ended"),  # the earlier follower was killed while recording it
-        (3, "3-30", "SIGTERM"),
+        (4, "4-30", "SIGTERM"),
     ]
-    assert sorted(p.name for p in out.iterdir()) == ["1-10", "2-20", "3-30", FOLLOW_FILE]
+    assert sorted(p.name for p in out.iterdir()) == ["1-10", "2-20", "3-77", "4-30", FOLLOW_FILE]
     assert (out / "1-10" / "meta.json").read_bytes() == b"x" * 10000  # never written over
     assert status.runs == 1 and status.attached_pid == 30 and status.tokens == 4 and status.requests == 1
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from sparseety_prof.capture.process_match import Candidate, ProcessRule
 from sparseety_prof.errors import NoSuchProcess, NotAnEngine, UnsupportedEngineBuild
-from sparseety_prof.session.follow_dir import FOLLOW_FILE, open_follow_dir
+from sparseety_prof.session.follow_dir import FOLLOW_FILE, RUN_DIR, open_follow_dir
 from sparseety_prof.session.follow_disk import make_room
 from sparseety_prof.session.follow_target import FollowTarget, as_target
 from sparseety_prof.session.options import Options
@@ -248,7 +248,13 @@ class Follower:
                 r["stop_reason"] = FOLLOWER_ENDED
                 r["end_unix_ms"] = r.get("end_unix_ms") or r.get("start_unix_ms")
         self.recordings = runs
-        self._next_n = max((r["n"] for r in runs), default=0) + 1
+        # (a run's folder made but not listed yet when the follower was killed counts too)
+        made = (
+            [int(n.split("-", 1)[0]) for n in os.listdir(self._folder.fd) if RUN_DIR.fullmatch(n)]
+            if self._folder
+            else []
+        )
+        self._next_n = max((*(r["n"] for r in runs), *made), default=0) + 1
         self._started = earlier.get("start_unix_ms") or self._started
         self.log(
             f"sparseety-prof: going on in {self.opts.out} after its {len(runs)} recording(s); "
