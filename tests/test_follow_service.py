@@ -256,6 +256,27 @@ def test_a_units_main_process_is_read_from_its_cgroup_without_systemctl(
     assert unit.to_meta() == {"unit": "llama.service", "match": "unit", "uid": None}
 
 
+def test_a_units_main_process_is_asked_of_systemctl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`systemctl show -p MainPID --value UNIT` answers the unit's main process (0: none)."""
+    answer = tmp_path / "answer"
+    fake = tmp_path / "systemctl"
+    fake.write_text(
+        f'#!/bin/sh\n[ "$*" = "show -p MainPID --value -- llama.service" ] || exit 9\ncat "{answer}"\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setattr(follow_target.shutil, "which", lambda _name: str(fake))
+    proc = tmp_path / "proc"
+    uid = os.getuid()
+    (proc / "41").mkdir(parents=True)
+    (proc / "41" / "status").write_text(f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}\n")
+    (proc / "41" / "stat").write_text("41 (llama) S " + " ".join(["0"] * 18) + " 7 0\n")
+    unit = UnitMainProcess("llama.service", cgroup_root=tmp_path / "no-cgroup")
+    answer.write_text("0\n")  # the unit runs nothing now
+    assert unit.find(proc, os.getpid()) == []
+    answer.write_text("41\n")
+    assert unit.find(proc, os.getpid()) == [Candidate(start_ticks=7, pid=41)]
+
+
 # ---------------------------------------------------------------- the status line
 
 
