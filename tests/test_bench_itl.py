@@ -82,24 +82,24 @@ def test_preemptions_count_the_involuntary_switches_of_every_thread() -> None:
     assert all(n >= 5 for n in counts), counts
 
 
-def test_idle_cpu_counts_the_time_the_cores_are_left_idle() -> None:
-    """bench_sustained.idle_cpu_s: a process spinning on every core takes more than half a
-    core-second per second from the idle time a second of sleep finds (whatever else runs)."""
-    cores = len(os.sched_getaffinity(0))
+def _cpu_line_idle_s() -> float:
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_cpu_is_the_idle_and_iowait_time_of_the_cpu_line() -> None:
+    """bench_sustained.idle_cpu_s: the machine's idle and iowait ticks of /proc/stat's cpu line,
+    read independently before and after; over a second, never more than every core's second
+    (what the machine's load leaves of it is a measurement, not checked here)."""
+    before = _cpu_line_idle_s()
+    got = idle_cpu_s()
+    after = _cpu_line_idle_s()
+    assert before <= got <= after
     i0 = idle_cpu_s()
     time.sleep(1.0)
-    quiet = idle_cpu_s() - i0
-    spin = "import time\nt = time.monotonic() + 1.2\nwhile time.monotonic() < t: pass"
-    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(cores)]
-    try:
-        time.sleep(0.1)  # (started)
-        i0 = idle_cpu_s()
-        time.sleep(1.0)
-        busy = idle_cpu_s() - i0
-    finally:
-        for p in procs:
-            p.wait()
-    assert quiet - busy > 0.5, (quiet, busy)
+    idle = idle_cpu_s() - i0
+    assert 0.0 <= idle <= os.cpu_count() * 1.5  # type: ignore[operator]
 
 
 def test_the_losses_cell_never_adds_rows_not_counted_to_the_rings_lost_records() -> None:
