@@ -304,3 +304,56 @@ def test_doctor_as_the_recorders_user_names_the_missing_capability(
     assert "capability: CAP_SYS_PTRACE" in failed
     assert caps.CAP_SYS_PTRACE.cost in failed["capability: CAP_SYS_PTRACE"]["detail"]
     assert "process" in failed  # the engine itself cannot be inspected without it
+
+
+@pytest.mark.root
+@pytest.mark.engine
+def test_follower_with_only_the_needed_capabilities_records_another_users_engine(
+    setting: Setting, engine_model: Path
+) -> None:
+    """`record --follow NAME --follow-user USER` (what the systemd unit runs, by unit there) with
+    the same capabilities: started before the engine, it records the engine's tokens exactly."""
+    out = setting.recorder.home / "follow"
+    name = setting.shared.python.name[:15]  # /proc/PID/comm: the executed file's name
+    follower = subprocess.Popen(
+        [
+            *setting.cli_as_recorder(NEEDED),
+            "record",
+            "--follow",
+            name,
+            "--follow-user",
+            setting.engine.name,
+            "-o",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd="/",
+    )
+    e = None
+    try:
+        e = UserEngine(setting.engine, setting.shared, engine_model)
+        assert follower.stderr is not None
+        for line in follower.stderr:
+            if "attached to PID" in line:
+                assert f"PID {e.pid} " in line, line
+                break
+        else:
+            raise AssertionError(f"the follower exited with {follower.wait()} before attaching")
+        results = e.generate(PROMPTS, max_tokens=MAX_TOKENS)
+        follower.send_signal(signal.SIGINT)
+        _, err = follower.communicate(timeout=120)
+        assert follower.returncode == 0, err
+    finally:
+        if e is not None:
+            e.close()
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
+    runs = [p for p in out.iterdir() if p.is_dir()]
+    assert len(runs) == 1
+    requests = _by_request(sparseety_prof.open(runs[0]).tokens())
+    assert [r["token_id"].to_list() for r in requests] == [w["ids"] for w in results]
+    for p in [out, *out.rglob("*")]:
+        assert p.lstat().st_uid == setting.recorder.uid, p

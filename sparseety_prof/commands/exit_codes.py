@@ -67,7 +67,7 @@ EXIT_CODES: tuple[ExitCode, ...] = (
     ),
     ExitCode(
         MissingPrivileges.exit_code,
-        "missing privileges (CAP_BPF and CAP_PERFMON, or root)",
+        "missing privileges (root, or the capabilities docs/privileges.md names)",
         ATTACHING_COMMANDS,
     ),
     ExitCode(
