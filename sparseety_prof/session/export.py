@@ -17,11 +17,6 @@ from sparseety_prof.session import redaction
 from sparseety_prof.store import recording, recording_writer, schema
 from sparseety_prof.store.output_dir import sudo_owner
 
-# keys RecordingWriter writes itself (copied from the source they would be refused)
-_WRITER_KEYS = frozenset(
-    {"format", "schema_version", "complete", "redacted", "redaction", "tables", "write_error"}
-)
-
 
 def export_redacted(
     src: Path, dst: Path, *, levels: Iterable[str], layers: Iterable[int] | None = None, redact_text: bool
@@ -38,7 +33,7 @@ def export_redacted(
     else:
         all_layers = set(layers) | set(src_layers or ())
     text = redact_text or rec.redacted
-    meta = {k: v for k, v in rec.meta.items() if k not in _WRITER_KEYS}
+    meta = {k: v for k, v in rec.meta.items() if k not in recording_writer.WRITER_META_KEYS}
     if text:
         meta = _text_redacted_meta(meta)
     meta["exported_from"] = {"complete": rec.complete, "created_unix_ms": rec.meta.get("created_unix_ms")}

@@ -54,6 +54,8 @@ _RESERVED_META = frozenset(
         "journal",
     }
 )
+#: the same keys, for a caller copying another recording's meta.json into a new writer
+WRITER_META_KEYS = _RESERVED_META
 
 
 def _now_ms() -> int:
