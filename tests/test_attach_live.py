@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import time
@@ -44,7 +45,7 @@ def test_attach_shows_live_tokens_and_records(llama_engine: Engine, tmp_path: Pa
             time.sleep(0.2)
         screen = _screen(session)
         assert f"PID {llama_engine.pid}" in screen and "llama-cpp-python" in screen
-        assert "r0-0-1 24 tok:" in screen, screen
+        assert re.search(r"r0-0-1 24 tok · [0-9.]+ tok/s", screen), screen
         assert "tokens/s" in screen and "step p99" in screen and "profiler CPU" in screen
         _tmux("send-keys", "-t", session, "C-c")
         deadline = time.monotonic() + 20
