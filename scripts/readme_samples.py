@@ -76,6 +76,9 @@ class Sample:
         return " ".join(["sparseety-prof", *self.args])
 
 
+#: `--status-interval`'s line (session/status_line.py format_status), wrapped or not
+STATUS_LINE = r"(?s)sparseety-prof: status:.*?ring peak \d+%"
+
 SAMPLES = (
     Sample("doctor", ("doctor", "-p", "$PID")),
     # each request's token text: after its line's head up to the next request's line or the legend
@@ -83,9 +86,10 @@ SAMPLES = (
         "attach",
         ("attach", "-p", "$PID"),
         attached=True,
-        volatile=(r"(?ms)(?<=\): ).*?(?=^[ ▶] \S+ \d+ tok\b|^log-prob:)",),
+        volatile=(r"(?ms)(?<=\): ).*?(?=^[ ▶] \S+ \d+ tok\b|^log-prob:)", STATUS_LINE),
     ),
-    Sample("record", ("record", "-p", "$PID", "-o", "rec"), attached=True),
+    # and the status line a service's log gets every 30 s, which a slow attach may reach
+    Sample("record", ("record", "-p", "$PID", "-o", "rec"), attached=True, volatile=(STATUS_LINE,)),
     # the slowest tokens' text, quoted
     Sample("report", ("report", "rec"), volatile=(r"(?<=│ )(['\"]).*?\1(?= *│)",)),
 )
@@ -113,10 +117,55 @@ def normalise(text: str, volatile: tuple[str, ...] = ()) -> set[str]:
     column, check, counter or message is a difference."""
     s = text
     for volatile_pattern in volatile:
-        s = re.sub(volatile_pattern, " T ", s)
+        s = re.sub(volatile_pattern, " ", s)
+    s = unfold_cells(s)
     for pattern, repl in _NORMALISE:
         s = pattern.sub(repl, s)
     return {w for w in s.split() if "/" not in w and "." not in w}
+
+
+_CELL_BORDER = re.compile(r"[│┃]")
+
+
+def unfold_cells(text: str) -> str:
+    """The cells of every table, each as one line, with the words a narrow cell folded across
+    lines put back together. Rich folds a word longer than its column (a path, a long name) into
+    pieces that fill the column to its edge, one a line; where it is cut depends on the column's
+    width, which depends on the longest cell, often a path (the checkout's, the interpreter's: the
+    host's). A cell line that is one piece without a space and reaches the edge (one space of
+    padding) is continued without a space on the row's next line (whose first cell is empty).
+    Lines outside tables are kept; a table's cells come after them (the comparison is of words)."""
+    kept: list[str] = []
+    columns: list[str] = []
+    folded: list[bool] = []
+    out_cells: list[str] = []
+
+    def end_table() -> None:
+        out_cells.extend(columns)
+        columns.clear()
+        folded.clear()
+
+    for raw in text.splitlines():
+        parts = _CELL_BORDER.split(raw)
+        if len(parts) < 3:
+            end_table()
+            kept.append(raw)
+            continue
+        cells = parts[1:-1]
+        if len(cells) != len(columns):
+            end_table()
+            columns.extend("" for _ in cells)
+            folded.extend(False for _ in cells)
+        continued = not cells[0].strip()  # a row's next line: its first cell is empty
+        for j, cell in enumerate(cells):
+            content = cell.strip()
+            columns[j] += ("" if folded[j] and continued else " ") + content
+            # a piece of one long word (no space) that reaches the edge (one space of padding)
+            folded[j] = (
+                bool(content) and " " not in content and cell.endswith(" ") and not cell.endswith("  ")
+            )
+    end_table()
+    return "\n".join([*kept, *out_cells])
 
 
 # ------------------------------------------------------------------ the run

@@ -37,6 +37,55 @@ def test_wrapping_and_table_widths_are_ignored() -> None:
     assert rs.normalise(narrow) == rs.normalise(wide)
 
 
+def _wrap(text: str, width: int) -> list[str]:
+    """Rich's wrapping of a cell: words greedily, a word longer than `width` on lines of its own,
+    folded into pieces `width` long."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and len(lines[-1]) + 1 + len(word) <= width:
+            lines[-1] += " " + word
+        elif len(word) <= width:
+            lines.append(word)
+        else:
+            lines += [word[i : i + width] for i in range(0, len(word), width)]
+    return lines
+
+
+def _table(rows: list[tuple[str, str, str]], width: int) -> str:
+    """A three-column table as Rich draws it, its last column `width` wide; a row's next lines
+    have empty first cells."""
+    lines = []
+    for name, state, detail in rows:
+        for k, piece in enumerate(_wrap(detail, width)):
+            first, second = (name, state) if k == 0 else ("", "")
+            lines.append(f"│ {first:<14} │ {second:<2} │ {piece:<{width}} │")
+    return "\n".join(lines)
+
+
+def test_a_path_a_table_cell_folds_is_the_same_on_any_host() -> None:
+    rows = [
+        ("bcc", "ok", "bcc 0.26.0 from {}/lib/python3.11/site-packages/bcc"),
+        ("kernel headers", "ok", "{}/modules/build"),  # cut inside 'build' here: 'ild' alone
+        ("server forks", "ok", "launch_slots_with_parent_task"),
+    ]
+    here = _table([(n, s, d.format("/work/main/.venv")) for n, s, d in rows], 27)
+    elsewhere = _table([(n, s, d.format("/ci/v")) for n, s, d in rows], 60)
+    assert "│ ild " in here  # the tail of a folded path, on the row's next line
+    assert rs.normalise(here) == rs.normalise(elsewhere)
+    assert {"bcc", "from", "kernel", "launch_slots_with_parent_task"} <= rs.normalise(elsewhere)
+
+
+def test_the_status_line_of_a_service_log_is_ignored() -> None:
+    record = next(s for s in rs.SAMPLES if s.name == "record")
+    plain = "sparseety-prof: attached to PID 4242\nsparseety-prof: 72 tokens, 72 steps; stopped: SIGINT"
+    status = (
+        "sparseety-prof: status: tokens 40, requests 1, losses 0 (kernel_drops 0, seq_gaps 0,\n"
+        "logits_incomplete 0), cpu 3.1 s (12.0% of a core), rss 280 MiB, ring peak 3%"
+    )
+    with_status = plain.replace("\n", "\n" + status + "\n")
+    assert rs.normalise(plain, record.volatile) == rs.normalise(with_status, record.volatile)
+
+
 def test_a_changed_word_or_line_is_a_difference() -> None:
     assert rs.normalise(LOG) != rs.normalise(LOG.replace("probes", "uprobes"))
     assert rs.normalise(LOG) != rs.normalise(LOG + "\nsparseety-prof: graph-op probes detached")
