@@ -40,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             where each request's time went, its experts, sparsity and log-probs; with -o, also
             record them (as `record` does).
 
-            Needs root (or CAP_BPF and CAP_PERFMON): `sparseety-prof doctor` says what is missing.
+            Needs root, or the capabilities in docs/privileges.md (`doctor` names a missing one).
             Layers an engine offloads to a GPU (-ngl) record no routing or sparsity. Tuning flags
             are accepted but left out of this list: docs/tuning.md."""
         ),

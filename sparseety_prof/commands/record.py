@@ -43,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             its sparse decisions (experts, activation sparsity, attention), its step and its request,
             into a recording directory, until Ctrl-C, SIGTERM, --duration or the engine's exit.
 
-            Needs root (or CAP_BPF and CAP_PERFMON): `sparseety-prof doctor` says what is missing.
+            Needs root, or the capabilities in docs/privileges.md (`doctor` names a missing one).
             Layers an engine offloads to a GPU (-ngl) record no routing or sparsity. Tuning flags
             are accepted but left out of this list: docs/tuning.md."""
         ),
