@@ -1,7 +1,8 @@
 """Arrow IPC streams of a recording's journal (store/journal.py), judged before they are decoded.
 
-A journal chunk is an Arrow IPC stream: the cheapest format Polars writes (no encoding pass, the
-columns' buffers copied out as they are). A chunk may come from a recording made elsewhere, so the
+A journal record's rows are an Arrow IPC stream: the cheapest format Polars writes (no encoding
+pass, the columns' buffers copied out as they are). A record may come from a recording made
+elsewhere, so the
 stream's metadata is read here, without decoding a value, and refused (`IpcStreamError`) unless it
 is what the journal writes: one schema message, then record batches; the schema at most
 `MAX_DEPTH` types deep with `MAX_FIELDS` fields, of the types the tables use (integers, floats,
