@@ -72,11 +72,6 @@ STAGES = ("decode", "correlate", "rows", "logits", "frames", "write")
 
 
 # ------------------------------------------------------------------ capture
-#: meta.json keys the recording writer sets itself (the replay's writer is given the rest)
-_WRITER_META = frozenset(
-    {"format", "schema_version", "complete", "redacted", "redaction", "tables", "write_error", "rotation"}
-)
-
 
 #: the longest pause between drains of a capture whose meta.json does not say it (before
 #: --drain-interval: a fixed 0.5 s)
@@ -102,6 +97,7 @@ def _record(dump: Path, argv: list[str]) -> int:
     from sparseety_prof.capture.bpf_loader import RingReader
     from sparseety_prof.correlate.correlator import Correlator
     from sparseety_prof.session.recorder import Recorder
+    from sparseety_prof.store.recording_writer import WRITER_META_KEYS
 
     drains: list[dict[int, Any]] = []
     kept: dict[str, Any] = {}
@@ -129,7 +125,7 @@ def _record(dump: Path, argv: list[str]) -> int:
     # what the recorder made of them, for the replay to compare with
     meta = json.loads((Path(argv[argv.index("-o") + 1]) / "meta.json").read_text())
     kept["recorded"] = {"tokens": meta["counts"]["tokens"], "steps": meta["counts"]["steps"]}
-    kept["meta"] = {k: v for k, v in meta.items() if k not in _WRITER_META}
+    kept["meta"] = {k: v for k, v in meta.items() if k not in WRITER_META_KEYS}
     with dump.open("wb") as f:
         pickle.dump({**kept, "drains": drains}, f, protocol=pickle.HIGHEST_PROTOCOL)
     return rc
