@@ -1,5 +1,5 @@
-"""Record the three sanity models of `audit` and print what it measures on them (the README's
-Privacy figures): per model and redaction level, the best signal left and its token recovery.
+"""Record the three sanity models of `audit` and print what it measures on them (the figures
+of docs/privacy.md): per model and redaction level, the best signal left and its token recovery.
 
     sudo .venv/bin/python scripts/audit_sanity.py [--out DIR] [--train N] [--held-out N] [--json]
 

@@ -436,8 +436,8 @@ def timed_load(
 def idle_cpu_s() -> float:
     """CPU time all of the machine's cores have spent idle since boot (/proc/stat's cpu line: idle
     and iowait, in USER_HZ ticks). Per token over a side, it is the room the engine and the load
-    leave: what a consumer at SCHED_IDLE could run in without taking a core from the engine (README,
-    Overhead). A tick is 10 ms, so over a 40-s side it is exact to a few parts in a thousand."""
+    leave: what a consumer at SCHED_IDLE could run in without taking a core from the engine
+    (docs/overhead.md). A tick is 10 ms, so over a 40-s side it is exact to a few parts in a thousand."""
     with open("/proc/stat") as f:
         fields = f.readline().split()
     if fields[0] != "cpu":

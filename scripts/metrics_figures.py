@@ -1,4 +1,4 @@
-"""The README's Prometheus figures: the series --metrics-port exposes per model size and the CPU
+"""The Prometheus figures of docs/fleet.md: the series --metrics-port exposes per model size and the CPU
 one scrape of them costs, and what the metrics sink's take() costs the consumer per token on a
 real recording.
 

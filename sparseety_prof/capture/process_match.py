@@ -1,6 +1,6 @@
 """Which running processes `--follow NAME` means: the rule, and one cheap pass over /proc.
 
-The rule (README: Following a restarting engine): a process matches when its name, the kernel's
+The rule (docs/usage.md: following a restarting engine): a process matches when its name, the kernel's
 /proc/PID/comm (the executable's file name, at most 15 bytes, as `pgrep -x` and `ps -o comm` show
 it), is exactly NAME, AND both its real and effective user ids are the followed user's. A name
 is no proof of identity: any user can start a program called `llama-server`, and the recorder

@@ -1,4 +1,4 @@
-"""`--metrics-port`: the recording's rows as a Prometheus endpoint (README "Prometheus").
+"""`--metrics-port`: the recording's rows as a Prometheus endpoint (docs/fleet.md, "Prometheus").
 
 A FrameSink (session/sinks.py) that keeps running totals (session/metrics_tally.py) and serves
 them from prometheus_client's HTTP server thread, on a registry of its own (the library's
@@ -60,7 +60,7 @@ EXPERT_MODES: tuple[str, ...] = (AUTO, PER_EXPERT, AGGREGATE)
 EXPERT_SERIES_BOUND = 2000
 DEFAULT_BIND = "127.0.0.1"
 PREFIX = "sparseety"
-#: The label sets come from the engine's model file, which the target controls (README: Threat
+#: The label sets come from the engine's model file, which the target controls (docs/threat-model.md:
 #: model): an expert count or layer list no model has would make the endpoint (and the totals
 #: behind it) as large as the file says. The largest public MoE models have 512 experts and
 #: ~100 layers; beyond these bounds the endpoint refuses rather than grows.
@@ -364,7 +364,7 @@ def families(snap: Snapshot, plan: ExpertSeriesPlan) -> list[Any]:
     p = snap.progress
     if p:
         losses = CounterMetricFamily(
-            _name("losses"), "What the recording missed so far, by kind (README: Losses)", labels=["kind"]
+            _name("losses"), "What the recording missed so far, by kind", labels=["kind"]
         )
         for kind in LOSS_KINDS:
             losses.add_metric([kind], p[kind])

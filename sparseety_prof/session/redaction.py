@@ -1,6 +1,6 @@
 """What meta.json may keep of the engine's command line, environment and server answers.
 
-Two levels (the README's Privacy section has the table):
+Two levels (docs/privacy.md has the table):
 - always: credentials never stored in clear: values of secret-looking flags, variables and keys
   (api keys, tokens, passwords, cookies, private key files) and passwords inside URLs;
 - `--redact-text`: also nothing that may hold prompt or output text: values of prompt flags

@@ -1,6 +1,6 @@
 """A single output file (an export), created the way the recorder creates its files.
 
-Exports hold what the recording holds (token text, routing: secrets, see README: Privacy), so the
+Exports hold what the recording holds (token text, routing: secrets, see docs/privacy.md), so the
 file is owner-only (0600, handed to the sudo user like a recording) and is written under a fresh
 hidden name in its folder (O_EXCL | O_NOFOLLOW, through the open folder), then put in place in
 one step: a reader never sees half a file, and a symlink planted at the output path is never

@@ -1,6 +1,6 @@
 """Anomaly detectors: pure functions over a recording's tables, each returning rows of
 schema.ANOMALIES (kind, score, where, and a reason a person can read). Thresholds are module
-constants with the statistic they bound; the README's "Anomalies" section lists them.
+constants with the statistic they bound; docs/usage.md's "Anomalies" section lists them.
 
 Every baseline is robust (median and median absolute deviation), so the anomaly itself does not
 move the line it is measured against. Detectors see only what the recording holds: a redacted
