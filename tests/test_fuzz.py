@@ -582,7 +582,10 @@ def _apply_file_attacks(rec: Path, steps: list[tuple[str, Any]], scratch: Path) 
                 continue
             elsewhere = scratch / "elsewhere"
             if kind in ("link_regular", "hard_link") and target.is_file() and target.stat().st_size < 1 << 20:
-                shutil.copyfile(target, elsewhere)
+                # read first: the target may already be a link to `elsewhere` (an earlier step)
+                data = target.read_bytes()
+                elsewhere.unlink(missing_ok=True)
+                elsewhere.write_bytes(data)
             _clear(target)
             if kind == "fifo":
                 os.mkfifo(target)
