@@ -351,6 +351,44 @@ def test_a_recording_stopped_cleanly_leaves_no_journal(models: dict[str, Path], 
     assert r.meta["journal"]["records"] >= 1
 
 
+@pytest.mark.root
+@pytest.mark.engine
+def test_no_journal_leaves_the_rows_to_the_flushes(models: dict[str, Path], tmp_path: Path) -> None:
+    """--no-journal: nothing is written between flushes (no journal/ while recording, however many
+    drains), and the recording closed is the same exact one."""
+    e = Engine([str(Path(__file__).parent / "engines" / "llama_engine.py"), str(models["moe"])])
+    try:
+        rec = Recorder(e.pid, tmp_path / "rec", "--no-journal", "--flush-interval", "600")
+        truth = e.generate(["hello the expert router"], max_tokens=24)
+        time.sleep(3.0)  # several drains (at most a second apart) after the last token
+        assert not (tmp_path / "rec" / JOURNAL_DIR).exists()
+        assert not list((tmp_path / "rec").glob("tokens/part-*.parquet"))  # no flush came yet
+        rc, err = rec.stop()
+        assert rc == 0, err
+    finally:
+        e.close()
+    r = sparseety_prof.open(tmp_path / "rec")
+    assert r.complete and r.tokens()["token_id"].to_list() == truth[0]["ids"]
+    assert "journal" not in r.meta
+
+
+def test_no_journal_reaches_the_writer(tmp_path: Path) -> None:
+    from sparseety_prof.cli import build_parser
+    from sparseety_prof.commands.attach_flags import options_from
+    from sparseety_prof.session.recorder import _open_writer
+
+    p = build_parser()
+    base = ["record", "--pid", "7", "-o", "r"]
+    assert options_from(p.parse_args(base)).journal is True
+    assert options_from(p.parse_args([*base, "--no-journal"])).journal is False
+    assert options_from(p.parse_args(["attach", "--pid", "7", "-o", "r", "--no-journal"])).journal is False
+    for journaled in (True, False):
+        opts = options_from(p.parse_args([*base] + ([] if journaled else ["--no-journal"])))
+        w = _open_writer(opts, tmp_path / f"rec-{journaled}", dict(META))
+        assert w.journaling is journaled
+        w.close()
+
+
 # ------------------------------------------------------------------ the consumer's side
 def _outlet(writer: RecordingWriter) -> RowOutlet:
     sinks = SinkFanout([], META, redact_text=False, redact=frozenset(), redact_layers=None, log=print)

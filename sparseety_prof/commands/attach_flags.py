@@ -237,6 +237,13 @@ def _add_output(g: argparse._ArgumentGroup, *, output_help: str, output_required
         help="fsync the recording's journal this often, so that a power cut loses at most about "
         f"this much (default {FSYNC_INTERVAL_S:g}; 0: after each drain)",
     )
+    g.add_argument(
+        "--no-journal",
+        dest="journal",
+        action="store_false",
+        help="no journal: rows reach the disk at flushes only, so a recorder killed outright loses "
+        "up to a flush interval of them, for less of the recorder's CPU (docs/durability.md)",
+    )
 
 
 def _add_policy(g: argparse._ArgumentGroup) -> None:
@@ -569,6 +576,7 @@ def options_from(args: argparse.Namespace) -> Options:
         duration=args.duration,
         flush_interval=args.flush_interval,
         fsync_interval=args.fsync_interval,
+        journal=args.journal,
         correlate_every=args.correlate_every,
         max_disk=max_disk,
         max_memory=max_memory,

@@ -45,6 +45,7 @@ class Options:
     duration: float | None = None
     flush_interval: float = FLUSH_INTERVAL_S  # rows older than this are in Parquet segments
     fsync_interval: float = FSYNC_INTERVAL_S  # the journal's rows older than this survive a power cut
+    journal: bool = True  # each drain's rows to the recording's journal (False: at flushes only)
     max_disk: int | None = None  # bytes the recording may hold; the oldest segments make room
     redact_text: bool = False
     redact: frozenset[str] = frozenset()  # redaction levels applied to every row (store/redaction_levels.py)

@@ -663,7 +663,8 @@ def _open_writer(opts: Options, out: Path, meta: dict[str, Any]) -> RecordingWri
         redact=opts.redact,
         redact_layers=opts.redact_layers,
         max_disk=opts.max_disk,
-        fsync_interval=opts.fsync_interval,  # a journal: each drain's rows in the page cache
+        # a journal: each drain's rows in the page cache (None: none, rows at flushes only)
+        fsync_interval=opts.fsync_interval if opts.journal else None,
     )
 
 
