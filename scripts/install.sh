@@ -20,24 +20,10 @@ VENV=${VENV:-.venv}
 COMPILE_CORRELATOR=${COMPILE_CORRELATOR:-}
 export DEBIAN_FRONTEND=noninteractive
 
-step() { echo "[install] $*" >&2; }
-timed() { local s=$SECONDS; "$@"; step "  done in $(( SECONDS - s ))s"; }
-
-apt_retry() {  # wait out a held dpkg lock instead of failing
-  local i
-  for i in $(seq 1 30); do
-    if apt-get -o DPkg::Lock::Timeout=60 "$@"; then return 0; fi
-    step "apt-get $1 failed (lock held?), retry $i"; sleep 5
-  done
-  return 1
-}
-
-if [ "$(id -u)" != 0 ]; then
-  # 5: missing privileges, as the profiler's own exit code for it
-  echo "scripts/install.sh installs Debian packages and mounts tracefs: run it as root" \
-       "(from a user account: sudo bash scripts/install.sh)" >&2
-  exit 5
-fi
+SETUP_TAG=install
+# shellcheck source=scripts/setup_common.sh
+source scripts/setup_common.sh
+require_root scripts/install.sh
 
 # 1. Debian packages. The PyPI package called "bcc" is an unrelated project: BCC comes from Debian.
 # binutils: nm reads the engine's symbols; gcc, libc6-dev: BCC's programs and the C helpers;

@@ -16,24 +16,10 @@ export PYTHON=${PYTHON:-python3}
 export VENV=${VENV:-.venv}
 export DEBIAN_FRONTEND=noninteractive
 
-step() { echo "[setup] $*" >&2; }
-timed() { local s=$SECONDS; "$@"; step "  done in $(( SECONDS - s ))s"; }
-
-apt_retry() {  # wait out a held dpkg lock instead of failing
-  local i
-  for i in $(seq 1 30); do
-    if apt-get -o DPkg::Lock::Timeout=60 "$@"; then return 0; fi
-    step "apt-get $1 failed (lock held?), retry $i"; sleep 5
-  done
-  return 1
-}
-
-if [ "$(id -u)" != 0 ]; then
-  # 5: missing privileges, as the profiler's own exit code for it
-  echo "scripts/setup.sh installs Debian packages and mounts tracefs: run it as root" \
-       "(from a user account: sudo bash scripts/setup.sh)" >&2
-  exit 5
-fi
+SETUP_TAG=setup
+# shellcheck source=scripts/setup_common.sh
+source scripts/setup_common.sh
+require_root scripts/setup.sh
 
 # 1. what running needs, the correlator compiled (the tests check the compiled build)
 step "1/5 scripts/install.sh"
