@@ -38,6 +38,7 @@ __all__ = [
     "MappedFile",
     "PinnedFile",
     "RefusedFile",
+    "file_kind",
     "in_foreign_mount_ns",
     "mapped_files",
     "open_source",
@@ -71,7 +72,8 @@ class MappedFile:
     inode: int
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file of this st_mode is, in words ("a FIFO"), for a refusal's message."""
     for test, name in (
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISCHR, "a character device"),
@@ -113,7 +115,7 @@ def open_untrusted(
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise RefusedFile(path, f"is {_kind(st.st_mode)}, not a regular file")
+            raise RefusedFile(path, f"is {file_kind(st.st_mode)}, not a regular file")
         if identity is not None and (st.st_dev, st.st_ino) != identity:
             raise RefusedFile(path, "is not the file the process has mapped (replaced since?)")
         if owners is not None and st.st_uid != 0 and st.st_uid not in owners:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from sparseety_prof.capture.untrusted_files import RefusedFile, open_untrusted
+from sparseety_prof.capture.untrusted_files import RefusedFile, file_kind, open_untrusted
 from sparseety_prof.errors import CorruptRecording
 from sparseety_prof.store import schema
 from sparseety_prof.store.parquet_footer import (
@@ -119,19 +119,7 @@ def _kind_of(path: str | os.PathLike[str]) -> str:
         mode = os.lstat(path).st_mode
     except OSError:
         return "not readable"
-    if stat.S_ISREG(mode):
-        return "a regular file"
-    for test, name in (
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISLNK, "a symbolic link"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
+    return "a regular file" if stat.S_ISREG(mode) else file_kind(mode)
 
 
 def read_file(path: str | os.PathLike[str], *, max_bytes: int) -> bytes:
