@@ -714,19 +714,23 @@ def test_gpu_check_reads_the_driver_version_and_names_its_result_file(tmp_path: 
 
 
 def test_reader_loads_by_file_path_without_the_package(tmp_path: Path) -> None:
-    # As scripts/gpu_check.py does on a machine without polars: records.py, untrusted_files.py, then
-    # shm_ring.py by path.
+    # As scripts/gpu_check.py does on a machine without polars: records.py, errors.py, proc_maps.py,
+    # untrusted_files.py, then shm_ring.py by path.
     write_ring(tmp_path / "ring")
     code = f"""
-import importlib.util, sys
+import importlib.util, os, sys
 def load(name, path):
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec); sys.modules[name] = mod; spec.loader.exec_module(mod)
     return mod
 load("records", {str(ROOT / "sparseety_prof/gpu/records.py")!r})
+load("errors", {str(ROOT / "sparseety_prof/errors.py")!r})
+load("proc_maps", {str(ROOT / "sparseety_prof/capture/proc_maps.py")!r})
 load("untrusted_files", {str(ROOT / "sparseety_prof/capture/untrusted_files.py")!r})
-ring = load("shm_ring", {str(ROOT / "sparseety_prof/gpu/shm_ring.py")!r}).ShmRing({str(tmp_path / "ring")!r})
-assert ring.drain() == [] and "sparseety_prof" not in sys.modules and "polars" not in sys.modules
+shm_ring = load("shm_ring", {str(ROOT / "sparseety_prof/gpu/shm_ring.py")!r})
+ring = shm_ring.ShmRing({str(tmp_path / "ring")!r})
+assert ring.drain() == [] and shm_ring.find_rings(os.getpid()) == []  # this process maps no ring
+assert "sparseety_prof" not in sys.modules and "polars" not in sys.modules
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)

@@ -12,6 +12,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sparseety_prof.capture.proc_maps import MapsEntry, read_maps
 from sparseety_prof.capture.untrusted_files import open_untrusted, read_prefix, target_path, trusted_tool
 from sparseety_prof.errors import MissingPrivileges, NoSuchProcess, NotAnEngine
 
@@ -147,25 +148,9 @@ def _effective_caps() -> int:
     return 0
 
 
-def _read_maps(pid: int) -> list[tuple[str, int, str]]:
-    """(path, inode, address range) of each file-backed mapping."""
-    try:
-        text = Path(f"/proc/{pid}/maps").read_text()
-    except FileNotFoundError:
-        raise NoSuchProcess(f"no process with PID {pid} (did the engine exit?)") from None
-    except PermissionError:
-        raise MissingPrivileges(f"cannot read /proc/{pid}/maps: run as root (sudo)") from None
-    out = []
-    for line in text.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) == 6 and parts[5].startswith("/"):
-            out.append((parts[5], int(parts[4]), parts[0]))
-    return out
-
-
 def inspect(pid: int) -> Target:
     check_process(pid)
-    maps = _read_maps(pid)
+    maps = [m for m in read_maps(pid) if m.file_backed]
     try:
         exe = os.readlink(f"/proc/{pid}/exe")
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
@@ -180,12 +165,12 @@ def inspect(pid: int) -> Target:
     # not ours of the same name.
     libs: list[MappedLib] = []
     seen: set[str] = set()
-    for path, inode, _range in maps:
-        if path in seen or path.endswith(" (deleted)"):
+    for m in maps:
+        if m.path in seen or m.deleted:
             continue
-        seen.add(path)
-        if re.search(r"\.so(\.\d+)*$", path) or path == exe:
-            libs.append(MappedLib(target_path(pid, path), inode))
+        seen.add(m.path)
+        if re.search(r"\.so(\.\d+)*$", m.path) or m.path == exe:
+            libs.append(MappedLib(target_path(pid, m.path), m.inode))
     models = [ModelFile(target_path(pid, p), src) for p, src in _open_models(pid, maps)]
     return Target(
         pid=pid, exe=exe, cmdline=[c.decode(errors="replace") for c in cmdline], libs=libs, models=models
@@ -199,9 +184,9 @@ def pinned_path(pid: int, lib: Path) -> str:
     probe elsewhere. Raises NotAnEngine when the process no longer maps a file by that name; the
     name itself where the links may not be opened (no CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE:
     the probe is filtered to the process, so it can only reach that process's own mappings)."""
-    for path, _inode, addresses in _read_maps(pid):
-        if not path.endswith(" (deleted)") and target_path(pid, path) == lib:
-            link = f"/proc/{pid}/map_files/{addresses}"
+    for m in read_maps(pid):
+        if m.file_backed and not m.deleted and target_path(pid, m.path) == lib:
+            link = f"/proc/{pid}/map_files/{m.map_files_name}"
             try:
                 os.stat(link)
             except PermissionError:
@@ -215,10 +200,10 @@ def pinned_path(pid: int, lib: Path) -> str:
     )
 
 
-def _open_models(pid: int, maps: list[tuple[str, int, str]]) -> list[tuple[str, str]]:
+def _open_models(pid: int, maps: list[MapsEntry]) -> list[tuple[str, str]]:
     """(path, /proc link to the file) of each GGUF file the process has mapped (llama.cpp mmaps
     models by default) or open as an fd; once per path."""
-    found = [(p, f"/proc/{pid}/map_files/{r}") for p, _, r in maps if p.endswith(".gguf")]
+    found = [(m.path, f"/proc/{pid}/map_files/{m.map_files_name}") for m in maps if m.path.endswith(".gguf")]
     fd_dir = Path(f"/proc/{pid}/fd")
     try:
         for fd in fd_dir.iterdir():

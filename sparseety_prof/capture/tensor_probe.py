@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import BinaryIO
 
 from sparseety_prof.capture import tensor_layout_solver as tls
 from sparseety_prof.capture.gguf_info import TensorInfo
 from sparseety_prof.capture.layouts import TensorLayout
+from sparseety_prof.capture.proc_maps import read_maps
 from sparseety_prof.errors import MissingPrivileges, UnsupportedEngineBuild
 
 REGION_MAX = 256 << 20  # larger anonymous mappings are KV caches and compute buffers, not structs
@@ -34,22 +34,14 @@ class ProcessMemory:
     _found: dict[tuple[bytes, ...], dict[bytes, list[int]]] = field(default_factory=dict)
 
     def regions(self) -> list[tuple[int, int]]:
-        try:
-            text = Path(f"/proc/{self.pid}/maps").read_text()
-        except PermissionError:
-            raise MissingPrivileges(f"cannot read /proc/{self.pid}/maps: run as root (sudo)") from None
-        out = []
-        for line in text.splitlines():
-            parts = line.split(maxsplit=5)
-            path = parts[5] if len(parts) > 5 else ""
-            if not parts[1].startswith("rw") or not (
-                path == "" or path in ("[heap]",) or path.startswith("[anon")
-            ):
-                continue
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if hi - lo <= REGION_MAX:
-                out.append((lo, hi))
-        return out
+        """(start, end) of each anonymous writable mapping small enough to hold structs."""
+        return [
+            (m.start, m.end)
+            for m in read_maps(self.pid)
+            if m.perms.startswith("rw")
+            and (m.path in ("", "[heap]") or m.path.startswith("[anon"))
+            and m.end - m.start <= REGION_MAX
+        ]
 
     def find(self, needles: tuple[bytes, ...]) -> dict[bytes, list[int]]:
         if needles in self._found:

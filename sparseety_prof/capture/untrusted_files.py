@@ -30,17 +30,14 @@ import errno
 import os
 import stat
 from collections.abc import Collection
-from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
     "TRUSTED_TOOL_DIRS",
-    "MappedFile",
     "PinnedFile",
     "RefusedFile",
     "file_kind",
     "in_foreign_mount_ns",
-    "mapped_files",
     "open_source",
     "open_untrusted",
     "process_uids",
@@ -61,15 +58,6 @@ class RefusedFile(OSError):
 
     def __str__(self) -> str:
         return f"{self.filename}: {self.strerror}"
-
-
-@dataclass(frozen=True)
-class MappedFile:
-    """One file-backed mapping of /proc/PID/maps: the path as the process sees it, and its identity."""
-
-    path: str
-    dev: int  # os.makedev(major, minor)
-    inode: int
 
 
 def file_kind(mode: int) -> str:
@@ -211,19 +199,6 @@ def process_uids(pid: int, proc: Path = Path("/proc")) -> set[int]:
         if line.startswith("Uid:"):
             return {int(u) for u in line.split()[1:]}
     raise OSError(errno.ENOENT, "no Uid line", str(proc / str(pid) / "status"))
-
-
-def mapped_files(pid: int, proc: Path = Path("/proc")) -> list[MappedFile]:
-    """The file-backed mappings of `pid`, once per file, deleted files left out."""
-    out: dict[tuple[str, int, int], MappedFile] = {}
-    for line in (proc / str(pid) / "maps").read_text().splitlines():
-        parts = line.split(None, 5)
-        if len(parts) < 6 or not parts[5].startswith("/") or parts[5].endswith(" (deleted)"):
-            continue
-        major, minor = (int(x, 16) for x in parts[3].split(":"))
-        m = MappedFile(parts[5], os.makedev(major, minor), int(parts[4]))
-        out.setdefault((m.path, m.dev, m.inode), m)
-    return list(out.values())
 
 
 def trusted_tool(name: str) -> str:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparseety_prof.capture.elf import load_segments
+from sparseety_prof.capture.proc_maps import MapsEntry, read_maps
 from sparseety_prof.capture.target import check_process, elf_symbols
 from sparseety_prof.capture.untrusted_files import in_foreign_mount_ns
 from sparseety_prof.errors import InjectionRefused, MissingPrivileges, NoSuchProcess, PtraceNotPermitted
@@ -69,16 +70,6 @@ _LOADER = re.compile(r"/ld-linux-x86-64\.so\.2$|/ld-2\.\d+\.so$")
 
 
 @dataclass
-class Mapping:
-    start: int
-    end: int
-    perms: str
-    offset: int
-    inode: int
-    path: str
-
-
-@dataclass
 class LateAttach:
     """What happened: `injected` (the library was loaded now into at least one process), `rings`
     found afterwards, `message` for the user."""
@@ -86,24 +77,6 @@ class LateAttach:
     injected: bool
     message: str
     rings: list[str] = field(default_factory=list)
-
-
-def read_maps(pid: int) -> list[Mapping]:
-    try:
-        text = Path(f"/proc/{pid}/maps").read_text()
-    except FileNotFoundError:
-        raise NoSuchProcess(f"no process with PID {pid} (did it exit?)") from None
-    except PermissionError:
-        raise PtraceNotPermitted(f"cannot read /proc/{pid}/maps: {_privilege_hint()}") from None
-    out = []
-    for line in text.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) < 5:
-            continue
-        a, b = parts[0].split("-")
-        path = parts[5] if len(parts) == 6 else ""
-        out.append(Mapping(int(a, 16), int(b, 16), parts[1], int(parts[2], 16), int(parts[4]), path))
-    return out
 
 
 def _effective_caps() -> int:
@@ -163,7 +136,7 @@ def _check_x86_64(pid: int) -> None:
         raise InjectionRefused(f"PID {pid} is not an x86_64 ELF program: late attach is x86_64 only")
 
 
-def _mapped_file(maps: list[Mapping], pattern: re.Pattern[str]) -> Mapping | None:
+def _mapped_file(maps: list[MapsEntry], pattern: re.Pattern[str]) -> MapsEntry | None:
     """The offset-0 mapping of the first file matching `pattern` (its load address)."""
     for m in maps:
         if m.offset == 0 and pattern.search(m.path):
@@ -171,7 +144,7 @@ def _mapped_file(maps: list[Mapping], pattern: re.Pattern[str]) -> Mapping | Non
     return None
 
 
-def _symbol_address(pid: int, lib: Mapping, names: tuple[str, ...]) -> int | None:
+def _symbol_address(pid: int, lib: MapsEntry, names: tuple[str, ...]) -> int | None:
     """Run-time address of the first of `names` defined in the mapped library `lib`."""
     path = Path(lib.path)
     st = path.stat()
@@ -240,7 +213,7 @@ def settings_text(settings: dict[str, str]) -> bytes:
     return text + b"\0"
 
 
-def _stopped_thread(pid: int, maps: list[Mapping]) -> ptrace_call.StoppedThread:
+def _stopped_thread(pid: int, maps: list[MapsEntry]) -> ptrace_call.StoppedThread:
     """Seize a thread stopped at a safe place: inside a system call, or in code that is neither
     libc's nor the loader's (which may hold the malloc or loader locks dlopen needs), with CALL_STACK
     bytes of its stack mapping below the stack pointer. The main thread first."""
@@ -302,7 +275,7 @@ def late_attach(
             "library with; run without --late-attach to record what the eBPF probes see"
         )
     with_ring = {r.pid for r in find_rings(pid)}
-    cuda_procs: list[tuple[int, list[Mapping]]] = []
+    cuda_procs: list[tuple[int, list[MapsEntry]]] = []
     for q in descendants(pid):
         try:
             m = maps if q == pid else read_maps(q)
@@ -324,7 +297,7 @@ def late_attach(
 
 
 def _inject(
-    pid: int, maps: list[Mapping], lib: Path, settings: dict[str, str], log: Callable[[str], None]
+    pid: int, maps: list[MapsEntry], lib: Path, settings: dict[str, str], log: Callable[[str], None]
 ) -> str:
     """Load `lib` into the CUDA process `pid` and call its entry point; the outcome in words."""
     if _tracer_pid(pid):

@@ -27,7 +27,8 @@ reader uses pread/pwrite, not a mapping (the producer may truncate the file), an
 committed records a second time after it saw their lengths (x86-64 keeps separate reads in order).
 
 The file's name proves nothing: `find_rings` takes a ring only where the process maps it, and
-`open_ring` opens that very inode, owned by the process's user (capture/untrusted_files.py).
+`open_ring` opens that very inode, owned by the process's user (capture/untrusted_files.py;
+the maps are read by capture/proc_maps.py).
 
 Record payloads (after the 8-byte header):
 
@@ -60,9 +61,13 @@ from pathlib import Path
 
 try:
     # relative on purpose: loaded by file path, an absolute import would pull in the package
-    from ..capture.untrusted_files import MappedFile, mapped_files, open_untrusted, process_uids, target_path
+    from ..capture.proc_maps import MapsEntry, mapped_files
+    from ..capture.untrusted_files import open_untrusted, process_uids, target_path
+    from ..errors import ProfError
     from .records import KernelActivity, LaunchApi, MemcpyActivity, RingCounters, WatchedBuffer
 except ImportError:  # loaded by file path (scripts/gpu_check.py): these were loaded by their names
+    from errors import ProfError  # type: ignore[no-redef]
+    from proc_maps import MapsEntry, mapped_files  # type: ignore[no-redef]
     from records import (  # type: ignore[no-redef]
         KernelActivity,
         LaunchApi,
@@ -71,8 +76,6 @@ except ImportError:  # loaded by file path (scripts/gpu_check.py): these were lo
         WatchedBuffer,
     )
     from untrusted_files import (  # type: ignore[no-redef]
-        MappedFile,
-        mapped_files,
         open_untrusted,
         process_uids,
         target_path,
@@ -533,7 +536,7 @@ class RingFile:
 
     path: Path  # through /proc/PID/root when the process is in another mount namespace
     pid: int  # the process that maps it
-    mapped: MappedFile  # the process's own view: its name there, device and inode
+    mapped: MapsEntry  # the process's own view: its name there, device and inode
 
 
 def find_rings(pid: int, *, shm_dir: Path = SHM_DIR, proc: Path = Path("/proc")) -> list[RingFile]:
@@ -544,7 +547,7 @@ def find_rings(pid: int, *, shm_dir: Path = SHM_DIR, proc: Path = Path("/proc"))
     for q in descendants(pid, proc):
         try:
             maps = mapped_files(q, proc)
-        except OSError:  # exited meanwhile, or not ours to read
+        except ProfError:  # exited meanwhile, or not ours to read
             continue
         for m in maps:
             where = Path(m.path)
