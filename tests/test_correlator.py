@@ -18,6 +18,7 @@ from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.events import EventBatch, SeqTracker, decode_records
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate import block_tokens as block_tokens_module
+from sparseety_prof.correlate import correlator as correlator_module
 from sparseety_prof.correlate import fast_step as fast_step_module
 from sparseety_prof.correlate import logit_stats as logit_stats_module
 from sparseety_prof.correlate import logits as logits_module
@@ -29,6 +30,7 @@ from sparseety_prof.correlate import server_layout_check
 from sparseety_prof.correlate import sparse_run as sparse_run_module
 from sparseety_prof.correlate.attention_map import AttentionMap
 from sparseety_prof.correlate.correlator import Correlator
+from sparseety_prof.correlate.feed_state import FeedState
 from sparseety_prof.correlate.logits_reduce import LogitsReducer
 from sparseety_prof.correlate.pass_arrays import route_arrays
 from sparseety_prof.correlate.request_tokens import RequestTokens
@@ -571,10 +573,12 @@ def _plain(x: Any) -> Any:
 
 
 def _state(c: Correlator) -> dict[str, Any]:
-    """Everything the correlator keeps between records (every attribute, so a new one is covered
-    too), but its output buffers (emptied by take_tables, compared as tables) and scratch."""
-    skip = {"requests", "routes", "_steps", "_agg_pre", "serving"}
-    out = {name: _plain(v) for name, v in vars(c).items() if name not in skip}
+    """Everything the correlator keeps between records (every attribute, its FeedState's too, so
+    a new one is covered too), but its output buffers (emptied by take_tables, compared as
+    tables) and scratch."""
+    skip = {"state", "requests", "routes", "steps", "agg_pre", "serving"}
+    kept = {**vars(c), **{f.name: getattr(c.state, f.name) for f in fields(c.state)}}
+    out = {name: _plain(v) for name, v in kept.items() if name not in skip}
     out["deferred"] = _plain(c.requests.deferred)
     if c.serving is not None:
         out["serving"] = _plain(vars(c.serving))
@@ -667,7 +671,7 @@ def _count_plain(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int],
     """How many steps fast_step's _plain_step took, how many Steps make_unmade made after it,
     and how many steps of those plain_run took in runs (counted in the first too)."""
     plain, made, in_runs = [0], [0], [0]
-    take, make, apply = fast_step_module._plain_step, Correlator._make_unmade, plain_run_module._apply
+    take, make, apply = fast_step_module._plain_step, fast_step_module.make_unmade, plain_run_module._apply
 
     def counting_runs(*a: Any) -> None:
         steps = len(a[4])  # (its u: the run's micro-batches)
@@ -679,12 +683,13 @@ def _count_plain(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int],
         plain[0] += 1
         return take(*a)
 
-    def counting_make(self: Correlator) -> None:
+    def counting_make(state: FeedState) -> None:
         made[0] += 1
-        make(self)
+        make(state)
 
     monkeypatch.setattr(fast_step_module, "_plain_step", counting_plain)
-    monkeypatch.setattr(Correlator, "_make_unmade", counting_make)
+    monkeypatch.setattr(fast_step_module, "make_unmade", counting_make)
+    monkeypatch.setattr(correlator_module, "make_unmade", counting_make)
     monkeypatch.setattr(plain_run_module, "_apply", counting_runs)
     return plain, made, in_runs
 
@@ -792,7 +797,7 @@ def test_runs_of_plain_steps_equal_the_step_by_step_path(
     plain, _, in_runs = _count_plain(monkeypatch)
     got = _replay(s, drains, with_masks=False, losses=lost)
     assert in_runs[0] > (60 if drains < 17 else 20) and plain[0] > in_runs[0]
-    monkeypatch.setattr(Correlator, "_plain_run", lambda self, idx, p, stop: p)
+    monkeypatch.setattr(correlator_module, "plain_run", lambda state, idx, p, stop: p)
     step_by_step = _replay(s, drains, with_masks=False, losses=lost)
     _assert_same(got, step_by_step)
     tok = got[0]["tokens"]
@@ -1215,31 +1220,30 @@ def test_sparse_runs_equal_the_record_by_record_path(
     monkeypatch.setattr(sparse_run_module.SparseColumns, "store_run", storing)
     s = _multirow_script()
     stored = []
-    run = Correlator._sparse_run
+    run, on_sparse = sparse_run_module.sparse_run, sparse_run_module.sparse_record
 
-    def counting(self: Correlator, idx: Any, i: int) -> int:
+    def counting(state: FeedState, idx: Any, i: int) -> int:
         """The run, and whether it was stored at once (no record given to the handler)."""
         handled = []
-        on_sparse = self._on_sparse
 
-        def handler(r: dict[str, Any]) -> None:
+        def handler(state: FeedState, r: dict[str, Any]) -> None:
             handled.append(r)
-            on_sparse(r)
+            on_sparse(state, r)
 
-        self._on_sparse = handler  # type: ignore[method-assign]
-        j = run(self, idx, i)
-        del self._on_sparse
+        with monkeypatch.context() as m:
+            m.setattr(sparse_run_module, "sparse_record", handler)
+            j = run(state, idx, i)
         stored.append(not handled)
         return j
 
-    monkeypatch.setattr(Correlator, "_sparse_run", counting)
+    monkeypatch.setattr(correlator_module, "sparse_run", counting)
     got, got_states = _replay(s, drains, with_masks=False)
 
-    def one_by_one(self: Correlator, idx: Any, i: int) -> int:
-        self._on_sparse(idx.record(i))
+    def one_by_one(state: FeedState, idx: Any, i: int) -> int:
+        on_sparse(state, idx.record(i))
         return i + 1
 
-    monkeypatch.setattr(Correlator, "_sparse_run", one_by_one)
+    monkeypatch.setattr(correlator_module, "sparse_run", one_by_one)
     want, want_states = _replay(s, drains, with_masks=False)
     _assert_same((got, got_states), (want, want_states))
     routes = want["routes"]

@@ -384,7 +384,7 @@ def test_micro_batch_row_offset_from_target_memory_is_clamped() -> None:
         row_offset=0xFFFF_FFFF,
     )
     corr._on_ubatch(r)
-    c = corr._ctx(1)
+    c = corr.state.ctx(1)
     assert len(c.rows) <= MAX_BATCH_ROWS
     corr._on_ubatch(r)  # a second one in the same decode does not add to the rows beyond the cap
     assert len(c.rows) <= MAX_BATCH_ROWS
@@ -395,7 +395,7 @@ def test_logits_chunks_out_of_order_are_incomplete_not_a_crash() -> None:
     from sparseety_prof.correlate.state import SampleState
 
     corr = Correlator(pid=1, n_vocab=2048, wall_offset_ns=0)
-    c = corr._ctx(1)
+    c = corr.state.ctx(1)
     c.ubatches_seen = 1
     c.sampling[1] = SampleState(idx=0, tid=1)
     ldt = ev.logits_dtype(1024)

@@ -23,46 +23,25 @@ test_fast_one_row_steps_equal_the_handlers_on_the_server compare them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-import numpy as np
-
 from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.logits_rows import LogitsChunk
 from sparseety_prof.correlate.agg_record import AggRow
 from sparseety_prof.correlate.drain_index import G_SMALL, G_UBATCH_S, DrainIndex
+from sparseety_prof.correlate.feed_state import UNMADE_ROWS, FeedState, UnmadeStep
 from sparseety_prof.correlate.state import CtxState, SeqState, Step
 from sparseety_prof.correlate.step_sparse import StepSparse
 from sparseety_prof.correlate.verification import VERIFY_UBATCHES, verifying_sparse
 from sparseety_prof.store.schema import PHASE_DECODE, SOURCE_SAMPLER
 
-if TYPE_CHECKING:
-    from sparseety_prof.correlate.correlator import Correlator
 
-
-def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
-    """The one-row step whose micro-batch is record i (Correlator._fast_step: it works on the
-    correlator's state as its handlers do). Returns the index after the step's records, or 0
-    when anything is unusual (then the handlers take every record as usual)."""
-    kinds, n = idx.kinds, len(idx)
-    j = i + 1
-    agg_at = -1
-    if j < n and kinds[j] == ev.EV_STEP_AGG:
-        agg_at, j = j, j + 1
-    if j + 1 >= n or kinds[j] != ev.EV_UBATCH_END or kinds[j + 1] != ev.EV_SAMPLE_BEGIN:
+def fast_step(state: FeedState, idx: DrainIndex, i: int) -> int:
+    """The one-row step whose micro-batch is record i (Correlator._fast_step: it changes the
+    feed state as the handlers do). Returns the index after the step's records, or 0 when
+    anything is unusual (then the handlers take every record as usual)."""
+    at = _step_records(idx, i)
+    if at is None or not _checks_done(state):
         return 0
-    end_at, begin_at = j, j + 1
-    j += 2
-    logits_at = j
-    while j < n and kinds[j] == ev.EV_LOGITS:
-        j += 1
-    if j >= n or kinds[j] != ev.EV_SAMPLE_END:
-        return 0
-    sample_at = j
-    if corr.counters.verified_ubatches < VERIFY_UBATCHES or corr.open_steps:
-        return 0
-    if corr.serving is not None and not corr.server_check.done:
-        return 0  # the server's struct offsets are still being checked on micro-batches
+    agg_at, end_at, begin_at, sample_at = at
     f = idx.fast()
     u = idx.row[i] + (f.ub_small_at if idx.group[i] == G_UBATCH_S else 0)  # in the micro-batch columns
     if not f.ub_one_row[u]:
@@ -74,64 +53,129 @@ def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
         return 0
     if s_ctx[begin] != ctx or s_ctx[sample] != ctx:
         return 0
-    c = corr.ctxs.get(ctx)
-    if c is None or not c.sampler_seen or (c.decode_seen and c.rows):
-        return 0
     want = f.s_a[begin]  # llama_get_logits_ith's index: this row either way
     if want != -1 and want != 0:
         return 0
-    seq, pos, token = f.ub_seq[u], f.ub_pos[u], f.ub_token[u]
-    st = c.seqs.get(seq)
-    if st is None or pos != st.max_pos + 1 or (st.expect_token is not None and st.expect_token != token):
+    c = state.ctxs.get(ctx)
+    if c is None or not c.sampler_seen or (c.decode_seen and c.rows):
         return 0
-    if corr.slot_tokens and tid in corr.requests.deferred:
-        return 0  # a sample the server never handed to a slot: emitted before segmentation
-    if corr.serving is not None:
-        launch = corr.serving.slots.get(seq)
-        if launch is not None and launch.serial > st.launch_serial:
-            return 0  # a task launched on the slot since: a new request, whatever the positions say
-    clears = corr.pending_clears.get(tid)
-    if clears and any(cs in (-1, seq) and p0 <= st.max_pos for cs, p0 in clears):
-        return 0  # the sequence was cut: segmentation starts a new request
+    seq = f.ub_seq[u]
+    st = c.seqs.get(seq)
+    if st is None or not _continues(state, st, tid, seq, f.ub_pos[u], f.ub_token[u]):
+        return 0
     pre: AggRow | None = None
     if agg_at >= 0:
-        a = idx.row[agg_at]
-        if f.agg_tid[a] != tid or f.agg_overlap[a]:
-            return 0
-        if verifying_sparse(corr.counters, corr.n_expert):
-            return 0
-        pre = corr._agg_pre.get(f.agg_seq[a])
+        pre = _aggregate(state, idx, agg_at, tid)
         if pre is None:
             return 0
-    ok, logits = _logits(idx, logits_at, sample_at, tid, ctx)
+    ok, logits = _logits(idx, begin_at + 1, sample_at, tid, ctx)
     if not ok:
         return 0
-    if corr._unmade is not None:  # the last step not made yet: its rows are replaced below
-        if corr._unmade.c is c:
-            corr._unmade = None
+    if state.unmade is not None:  # the last step not made yet: its rows are replaced below
+        if state.unmade.c is c:
+            state.unmade = None
         else:
-            corr._make_unmade()
-    # llama-server: the process_token call that names this step's slot, when it is the next record
-    k = sample_at + 1
-    r = (
-        idx.row[k]
-        if corr.slot_tokens and k < n and kinds[k] == ev.EV_SLOT_TOKEN and idx.group[k] == G_SMALL
-        else -1
-    )
-    slot_at = k if r >= 0 and s_tid[r] == tid and f.s_a[r] == seq else -1
+            make_unmade(state)
+    slot_at = _slot_call_at(state, idx, sample_at, tid, seq)
     if (
         pre is not None
         and pre.block is not None
         and st.samples > 0
-        and (not corr.slot_tokens or slot_at >= 0)
-        and not corr.routes.with_masks
+        and (not state.slot_tokens or slot_at >= 0)
+        and not state.routes.with_masks
     ):
-        attn = corr.attn_map.attend_one_row(pre.attn)
+        attn = state.attn_map.attend_one_row(pre.attn)
         if attn is not None:
-            return _plain_step(corr, c, st, idx, u, end_at, sample_at, slot_at, pre, attn, logits)
+            return _plain_step(state, c, st, idx, u, end_at, sample_at, slot_at, pre, attn, logits)
+    return _made_step(state, c, st, idx, u, end_at, sample_at, slot_at, pre, logits)
 
+
+def _step_records(idx: DrainIndex, i: int) -> tuple[int, int, int, int] | None:
+    """Where the records of a one-row step whose micro-batch is record i are: its aggregate
+    (-1 when none), its end, its sampler call's begin and end (its logits records between
+    them); None when they do not follow one another so."""
+    kinds, n = idx.kinds, len(idx)
+    j = i + 1
+    agg_at = -1
+    if j < n and kinds[j] == ev.EV_STEP_AGG:
+        agg_at, j = j, j + 1
+    if j + 1 >= n or kinds[j] != ev.EV_UBATCH_END or kinds[j + 1] != ev.EV_SAMPLE_BEGIN:
+        return None
+    end_at, begin_at = j, j + 1
+    j += 2
+    while j < n and kinds[j] == ev.EV_LOGITS:
+        j += 1
+    if j >= n or kinds[j] != ev.EV_SAMPLE_END:
+        return None
+    return agg_at, end_at, begin_at, j
+
+
+def _checks_done(state: FeedState) -> bool:
+    """The first micro-batches' checks are done (they need the handlers) and none is open."""
+    if state.counters.verified_ubatches < VERIFY_UBATCHES or state.open_steps:
+        return False
+    # the server's struct offsets are checked on micro-batches first
+    return state.serving is None or state.server_check.done
+
+
+def _continues(state: FeedState, st: SeqState, tid: int, seq: int, pos: int, token: int) -> bool:
+    """The step's one row continues its sequence's request: the next position, fed the token
+    expected, nothing since that would start a new request (a sample never handed to a slot, a
+    task launched on the slot, a cut of the sequence)."""
+    if pos != st.max_pos + 1 or (st.expect_token is not None and st.expect_token != token):
+        return False
+    if state.slot_tokens and tid in state.requests.deferred:
+        return False  # a sample the server never handed to a slot: emitted before segmentation
+    if state.serving is not None:
+        launch = state.serving.slots.get(seq)
+        if launch is not None and launch.serial > st.launch_serial:
+            return False  # a task launched on the slot since: a new request, whatever the positions say
+    clears = state.pending_clears.get(tid)
+    # a cut of the sequence: segmentation starts a new request
+    return not (clears and any(cs in (-1, seq) and p0 <= st.max_pos for cs, p0 in clears))
+
+
+def _aggregate(state: FeedState, idx: DrainIndex, agg_at: int, tid: int) -> AggRow | None:
+    """The step's aggregate record's values, worked out for the drain (agg_rows_batch), when
+    _on_step_agg would take them straight off it; else None."""
+    f = idx.fast()
+    a = idx.row[agg_at]
+    if f.agg_tid[a] != tid or f.agg_overlap[a]:
+        return None
+    if verifying_sparse(state.counters, state.n_expert):
+        return None
+    return state.agg_pre.get(f.agg_seq[a])
+
+
+def _slot_call_at(state: FeedState, idx: DrainIndex, sample_at: int, tid: int, seq: int) -> int:
+    """On llama-server, the index of the process_token call that names this step's slot when it
+    is the next record after the sampler call; else -1."""
+    k = sample_at + 1
+    if not state.slot_tokens or k >= len(idx) or idx.kinds[k] != ev.EV_SLOT_TOKEN or idx.group[k] != G_SMALL:
+        return -1
+    f = idx.fast()
+    r = idx.row[k]
+    return k if f.s_tid[r] == tid and f.s_a[r] == seq else -1
+
+
+def _made_step(
+    state: FeedState,
+    c: CtxState,
+    st: SeqState,
+    idx: DrainIndex,
+    u: int,
+    end_at: int,
+    sample_at: int,
+    slot_at: int,
+    pre: AggRow | None,
+    logits: list[LogitsChunk] | None,
+) -> int:
+    """The rest of fast_step for a step whose Step is made now: the effect of the handlers of
+    its records, in their order. Returns the index after the records taken."""
+    f = idx.fast()
+    tid, seq, pos, token = f.ub_tid[u], f.ub_seq[u], f.ub_pos[u], f.ub_token[u]
     # _on_ubatch
-    step_id = _step_begins(corr, c, st, tid, seq, pos)
+    step_id = _step_begins(state, c, st, tid, seq, pos)
     tok1, pos1, seq1, out1 = f.ub_rows
     step = Step(
         step_id=step_id,
@@ -139,7 +183,7 @@ def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
         decode_id=c.decode_id,
         tid=tid,
         t_start=f.ub_ts[u],
-        t_end=f.s_ts[end],
+        t_end=f.s_ts[idx.row[end_at]],
         token=tok1[u],
         pos=pos1[u],
         seq=seq1[u],
@@ -150,48 +194,50 @@ def fast_step(corr: Correlator, idx: DrainIndex, i: int) -> int:
         _output_index={0: 0},
     )
     c.rows, c.outputs = [(step, 0)], [(step, 0)]
+    seen = state.layers_seen
     # _on_step_agg
     if pre is not None:
         step.sparse = StepSparse.from_pre(pre)
-        corr.layers_seen["moe"].update(pre.moe_seen)
-        corr.layers_seen["ffn"].update(pre.ffn_seen)
-        corr.layers_seen["attn"].update(step.sparse.add_agg_attn_lists(pre.attn, corr.layers.attn))
+        seen["moe"].update(pre.moe_seen)
+        seen["ffn"].update(pre.ffn_seen)
+        seen["attn"].update(step.sparse.add_agg_attn_lists(pre.attn, state.layers.attn))
     # _on_ubatch_end
-    corr._add_step_row(step, 1, PHASE_DECODE, [seq], [token], [pos], [seq], [0])
+    state.steps.add_step(step, 1, PHASE_DECODE, [seq], [token], [pos], [seq], [0])
     if step.sparse is not None:
-        corr.layers_seen["attn"].update(corr.attn_map.observe(step.sparse))
-        corr.routes.emit(step)
+        seen["attn"].update(state.attn_map.observe(step.sparse))
+        state.routes.emit(step)
     # _on_sample_begin .. _on_sample_end
     c.sampling.pop(tid, None)
-    sampled = f.s_a[sample]
-    if not corr.slot_tokens:
-        corr.requests.emit_token(c, step, 0, sampled, tid, SOURCE_SAMPLER, logits)
+    sampled = f.s_a[idx.row[sample_at]]
+    if not state.slot_tokens:
+        state.requests.emit_token(c, step, 0, sampled, tid, SOURCE_SAMPLER, logits)
         return sample_at + 1
     # llama-server: the sample waits for the process_token call that names its slot. When that
     # is the next record and names this row's sequence, _on_slot_token's effect here and now.
     if slot_at >= 0:
-        _slot_token_check(corr, idx, slot_at, sampled)
-        corr.requests.emit_token(c, step, 0, sampled, tid, SOURCE_SAMPLER, logits)
+        _slot_token_check(state, idx, slot_at, sampled)
+        state.requests.emit_token(c, step, 0, sampled, tid, SOURCE_SAMPLER, logits)
         return slot_at + 1
-    corr.requests.sample_end(c, tid, want, sampled, logits)
+    want = f.s_a[idx.row[end_at + 1]]  # the sampler's begin (it follows the end): its row index
+    state.requests.sample_end(c, tid, want, sampled, logits)
     return sample_at + 1
 
 
-def _slot_token_check(corr: Correlator, idx: DrainIndex, slot_at: int, sampled: int) -> None:
+def _slot_token_check(state: FeedState, idx: DrainIndex, slot_at: int, sampled: int) -> None:
     """_on_slot_token's check: the token the server handed to the slot is the one sampled."""
-    if idx.col(G_SMALL, "b")[idx.row[slot_at]] != sampled and corr.serving is not None:
-        corr.serving.counters.slot_token_mismatch += 1
+    if idx.col(G_SMALL, "b")[idx.row[slot_at]] != sampled and state.serving is not None:
+        state.serving.counters.slot_token_mismatch += 1
 
 
-def _step_begins(corr: Correlator, c: CtxState, st: SeqState, tid: int, seq: int, pos: int) -> int:
+def _step_begins(state: FeedState, c: CtxState, st: SeqState, tid: int, seq: int, pos: int) -> int:
     """_on_ubatch's effect on the correlator's state for a one-row step that continues its
     sequence (with a sampler seen, no next-input token is pending). Returns its step id."""
     if not c.decode_seen:
         c.decode_id += 1
     c.ubatches_seen += 1
-    step_id = corr.next_step_id
-    corr.next_step_id += 1
-    corr.pending_clears.pop(tid, None)
+    step_id = state.next_step_id
+    state.next_step_id += 1
+    state.pending_clears.pop(tid, None)
     st.next_input_pending = None
     st.expect_token = None
     st.max_pos = max(st.max_pos, pos)
@@ -201,7 +247,7 @@ def _step_begins(corr: Correlator, c: CtxState, st: SeqState, tid: int, seq: int
 
 
 def _plain_step(
-    corr: Correlator,
+    state: FeedState,
     c: CtxState,
     st: SeqState,
     idx: DrainIndex,
@@ -226,14 +272,14 @@ def _plain_step(
     assert pre.block is not None
     block = (pre.block, pre.block_row)
     # _on_ubatch
-    step_id = _step_begins(corr, c, st, tid, seq, pos)
-    corr._unmade = UnmadeStep(c, step_id, c.decode_id, tid, t_start, t_end, f.ub_rows, u, pre)
+    step_id = _step_begins(state, c, st, tid, seq, pos)
+    state.unmade = UnmadeStep(c, step_id, c.decode_id, tid, t_start, t_end, f.ub_rows, u, pre)
     c.rows = c.outputs = UNMADE_ROWS
     # _on_step_agg, _on_ubatch_end
-    corr.layers_seen["moe"].update(pre.moe_seen)
-    corr.layers_seen["ffn"].update(pre.ffn_seen)
+    state.layers_seen["moe"].update(pre.moe_seen)
+    state.layers_seen["ffn"].update(pre.ffn_seen)
     filled, attended = attn
-    corr._add_step_values(
+    state.steps.add_values(
         step_id,
         c.ctx_id,
         c.decode_id,
@@ -251,42 +297,24 @@ def _plain_step(
         False,
         tid,
     )
-    corr.layers_seen["attn"].update(filled)
-    corr.routes.one_row_block(step_id, c.ctx_id, seq, pos, block)
+    state.layers_seen["attn"].update(filled)
+    state.routes.one_row_block(step_id, c.ctx_id, seq, pos, block)
     # _on_sample_begin .. _on_sample_end
     c.sampling.pop(tid, None)
     sampled = f.s_a[idx.row[sample_at]]
     if slot_at >= 0:  # llama-server: the call that names its slot is the next record
-        _slot_token_check(corr, idx, slot_at, sampled)
-    corr.requests.one_row_token(
+        _slot_token_check(state, idx, slot_at, sampled)
+    state.requests.one_row_token(
         c, st, step_id, seq, pos, sampled, tid, t_start, t_end, logits, attended, block
     )
     return slot_at + 1 if slot_at >= 0 else sample_at + 1
 
 
-class UnmadeStep(NamedTuple):
-    """What make_unmade needs to make a _plain_step's Step."""
-
-    c: CtxState
-    step_id: int
-    decode_id: int
-    tid: int
-    t_start: int
-    t_end: int
-    rows: tuple[np.ndarray, ...]  # FastColumns.ub_rows: row 0's token, position, sequence, output
-    u: int  # the micro-batch's index in those
-    pre: AggRow
-
-
-#: c.rows and c.outputs of a context whose last step is not made yet: never read (make_unmade
-#: replaces it first), never changed in place (both are always assigned anew)
-UNMADE_ROWS: list[Any] = [None]
-
-
-def make_unmade(corr: Correlator) -> None:
-    """Make the Step of the last _plain_step (Correlator._make_unmade): the Step, its sparse
-    values and its attention state as fast_step's other path leaves them, in its context's rows."""
-    um, corr._unmade = corr._unmade, None
+def make_unmade(state: FeedState) -> None:
+    """Make the Step of the last _plain_step (when anything may read it: the feed loop,
+    _decode_begin and fast_step call this): the Step, its sparse values and its attention state
+    as fast_step's other path leaves them, in its context's rows."""
+    um, state.unmade = state.unmade, None
     if um is None or um.c.rows is not UNMADE_ROWS:
         return  # (its rows were replaced: nothing reads it)
     tok1, pos1, seq1, out1 = um.rows
@@ -307,7 +335,7 @@ def make_unmade(corr: Correlator) -> None:
         _output_index={0: 0},
     )
     step.sparse = StepSparse.from_pre(um.pre)
-    corr.attn_map.fill_state(step.sparse, um.pre.attn)  # (the map and record attend_one_row took)
+    state.attn_map.fill_state(step.sparse, um.pre.attn)  # (the map and record attend_one_row took)
     um.c.rows, um.c.outputs = [(step, 0)], [(step, 0)]
 
 
@@ -334,7 +362,7 @@ def _logits(
     return True, [vals(r)[: f.lg_n_vals[r]] for r in rows]
 
 
-def fast_sample(corr: Correlator, idx: DrainIndex, i: int) -> int:
+def fast_sample(state: FeedState, idx: DrainIndex, i: int) -> int:
     """A sampler call whose begin is record i, its logits and its end, when nothing else comes
     between them and its context has run a micro-batch: the effect of _on_sample_begin,
     _on_logits and _on_sample_end, from the records' columns (the samples of a micro-batch of
@@ -352,7 +380,7 @@ def fast_sample(corr: Correlator, idx: DrainIndex, i: int) -> int:
     tid, ctx = f.s_tid[b], f.s_ctx[b]
     if f.s_tid[e] != tid or f.s_ctx[e] != ctx:
         return 0
-    c = corr.ctxs.get(ctx)
+    c = state.ctxs.get(ctx)
     if c is None or c.ubatches_seen == 0:
         return 0  # a sample of a decode from before the attach: _on_sample_end counts it
     ok, logits = _logits(idx, i + 1, j, tid, ctx)
@@ -361,14 +389,14 @@ def fast_sample(corr: Correlator, idx: DrainIndex, i: int) -> int:
     c.sampler_seen = True
     c.sampling.pop(tid, None)  # a begin whose end was lost: this begin replaced it, this end ends it
     k = j + 1
-    if corr.slot_tokens and k < n and kinds[k] == ev.EV_SLOT_TOKEN and idx.group[k] == G_SMALL:
+    if state.slot_tokens and k < n and kinds[k] == ev.EV_SLOT_TOKEN and idx.group[k] == G_SMALL:
         r = idx.row[k]
         if f.s_tid[r] == tid:
             # llama-server's process_token call for this sample, next: sample_end's deferral and
             # _on_slot_token's emission at once (each slot of a step over several: its own)
             sampled = f.s_a[e]
-            _slot_token_check(corr, idx, k, sampled)
-            corr.requests.sample_to_slot(c, tid, f.s_a[b], sampled, logits, int(f.s_a[r]))
+            _slot_token_check(state, idx, k, sampled)
+            state.requests.sample_to_slot(c, tid, f.s_a[b], sampled, logits, int(f.s_a[r]))
             return k + 1
-    corr.requests.sample_end(c, tid, f.s_a[b], f.s_a[e], logits)
+    state.requests.sample_end(c, tid, f.s_a[b], f.s_a[e], logits)
     return j + 1

@@ -23,11 +23,12 @@ state with the record-by-record path.
 from __future__ import annotations
 
 from operator import itemgetter
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from sparseety_prof.capture import events as ev
+from sparseety_prof.capture.logits_rows import LogitsChunk
 from sparseety_prof.correlate.agg_record import AggRow
 from sparseety_prof.correlate.drain_index import (
     G_LOGITS,
@@ -37,12 +38,8 @@ from sparseety_prof.correlate.drain_index import (
     G_UBATCH_S,
     DrainIndex,
 )
-from sparseety_prof.correlate.fast_step import UNMADE_ROWS, UnmadeStep
+from sparseety_prof.correlate.feed_state import UNMADE_ROWS, FeedState, UnmadeStep
 from sparseety_prof.correlate.state import CtxState, SeqState
-from sparseety_prof.store.schema import PHASE_DECODE
-
-if TYPE_CHECKING:
-    from sparseety_prof.correlate.correlator import Correlator
 
 #: fewer steps than this go one by one (fast_step): the run's numpy set-up costs more
 MIN_RUN = 3
@@ -126,58 +123,121 @@ def _columns(idx: DrainIndex) -> RunColumns:
     return got
 
 
-def plain_run(corr: Correlator, idx: DrainIndex, p: int, stop: int) -> int:
+class _Shape(NamedTuple):
+    """The records of each step of a run, as its first step has them."""
+
+    before: list[int]  # the kinds of the calls before its decode call, in their order
+    k: int  # its logits records (one per chunk)
+    slot: int  # 1 on llama-server: the call that names the step's slot ends it
+    size: int  # its records
+
+    @property
+    def at(self) -> int:
+        """The decode call's place in a step's records."""
+        return len(self.before)
+
+    @property
+    def logits(self) -> slice:
+        """The logits records' places in a step's records."""
+        return slice(self.at + len(_HEAD), self.at + len(_HEAD) + self.k)
+
+
+def plain_run(state: FeedState, idx: DrainIndex, p: int, stop: int) -> int:
     """After a _plain_step whose records end before record p: the plain steps that follow from
     p, before record `stop` (where records were lost: the feed loop marks that first), taken at
-    once (Correlator._plain_run). Returns the index after them, or p when there are fewer than
-    MIN_RUN."""
-    um = corr._unmade
-    kinds, n = idx.kinds, min(len(idx), stop)
+    once. Returns the index after them, or p when there are fewer than MIN_RUN."""
+    um = state.unmade
     if um is None:
         return p
-    # the step's shape, from the first: the calls before its decode (llama-cpp-python cuts the
-    # cache past the position, llama-server posts its loop's task), its logits records (one per
-    # chunk) and on llama-server the slot's call
+    n = min(len(idx), stop)
+    shape = _run_shape(idx.kinds, p, n, state.slot_tokens)
+    if shape is None:
+        return p
+    col = _columns(idx)
+    rows, ub_group = _rows_of_shape(col, shape, p, n)
+    if len(rows) < MIN_RUN:
+        return p
+    f = idx.fast()
+    at, slot = shape.at, shape.slot
+    u = rows[:, at + 1] + np.where(ub_group == G_UBATCH_S, f.ub_small_at, 0)  # in the micro-batch columns
+    m = _continuing(state, idx, col, shape, rows, u)
+    if m < MIN_RUN:
+        return p
+    agg = rows[:m, at + 2]
+    found = _one_block(state, [state.agg_pre.get(s) for s in col.agg_seq[agg].tolist()])
+    if found is None:
+        return p
+    pres, plan = found
+    m = len(pres)
+    rows = rows[:m]
+    if ev.EV_TASK_POST in shape.before:  # llama-server's loop's tasks: the serving state's (a
+        # plain step reads none of it)
+        posts = rows[:, shape.before.index(ev.EV_TASK_POST)]
+        values = (col.s_tid[posts], col.s_a[posts], col.s_b[posts], col.s_ptr[posts])
+        for post_tid, task, b, span_bytes in zip(*(v.tolist() for v in values), strict=True):
+            state.task_post(post_tid, task, b, span_bytes)
+    sampled = col.s_a[rows[:, shape.size - 1 - slot]]
+    _apply(state, idx, um.c, um.c.seqs[f.ub_seq[um.u]], u[:m], rows, sampled, shape, pres, plan)
+    return p + m * shape.size
+
+
+def _run_shape(kinds: list[int], p: int, n: int, slot_tokens: bool) -> _Shape | None:
+    """The records of the step at p, when they may start a run of MIN_RUN steps before n: the
+    calls before its decode (llama-cpp-python cuts the cache past the position, llama-server
+    posts its loop's task), its logits records (one per chunk) and on llama-server the slot's
+    call."""
     q = p
     while q < n and kinds[q] in _BEFORE and q - p < len(_BEFORE):
         q += 1
     before = kinds[p:q]
-    at = len(before)  # the decode call's place in a step's records
     if q + len(_HEAD) >= n or kinds[q] != ev.EV_DECODE_BEGIN or len(set(before)) < len(before):
-        return p
+        return None
     q += len(_HEAD)
     while q < n and kinds[q] == ev.EV_LOGITS:
         q += 1
-    k = q - p - at - len(_HEAD)
-    slot = 1 if corr.slot_tokens else 0
-    size = at + len(_HEAD) + k + 1 + slot
-    m = (n - p) // size
-    if m < MIN_RUN or k > ev.MAX_LOGITS_CHUNKS:
-        return p
-    col = _columns(idx)
-    tail = (ev.EV_SAMPLE_END, ev.EV_SLOT_TOKEN)[: 1 + slot]
-    shape = np.array([*before, *_HEAD, *[ev.EV_LOGITS] * k, *tail])
-    groups = np.array([*[G_SMALL] * at, *_HEAD_GROUPS, *[G_LOGITS] * k, *[G_SMALL] * len(tail)])
+    k = q - p - len(before) - len(_HEAD)
+    slot = 1 if slot_tokens else 0
+    size = len(before) + len(_HEAD) + k + 1 + slot
+    if (n - p) // size < MIN_RUN or k > ev.MAX_LOGITS_CHUNKS:
+        return None
+    return _Shape(before, k, slot, size)
+
+
+def _rows_of_shape(col: RunColumns, shape: _Shape, p: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The records' rows in their layouts' columns, one line per step, of the steps from p
+    whose records have the first's kinds and layouts (as many as follow one another), and the
+    layout of each one's micro-batch."""
+    m, size, at = (n - p) // shape.size, shape.size, shape.at
+    tail = (ev.EV_SAMPLE_END, ev.EV_SLOT_TOKEN)[: 1 + shape.slot]
+    kinds = np.array([*shape.before, *_HEAD, *[ev.EV_LOGITS] * shape.k, *tail])
+    groups = np.array([*[G_SMALL] * at, *_HEAD_GROUPS, *[G_LOGITS] * shape.k, *[G_SMALL] * len(tail)])
     span = slice(p, p + m * size)
     kind_m, group_m, row_m = (a[span].reshape(m, size) for a in (col.kinds, col.group, col.row))
-    ok = (kind_m == shape).all(axis=1) & ((group_m == groups) | (groups == -1)).all(axis=1)
+    ok = (kind_m == kinds).all(axis=1) & ((group_m == groups) | (groups == -1)).all(axis=1)
     ok &= (group_m[:, at + 1] == G_UBATCH) | (group_m[:, at + 1] == G_UBATCH_S)
     m = _leading(ok)
-    if m < MIN_RUN:
-        return p
+    return row_m[:m], group_m[:m, at + 1]
+
+
+def _continuing(
+    state: FeedState, idx: DrainIndex, col: RunColumns, shape: _Shape, rows: np.ndarray, u: np.ndarray
+) -> int:
+    """How many of the steps (`rows`, their micro-batches at `u`) in a row pass fast_step's
+    checks: _decode_begin's context; one row of the last step's thread, context and sequence,
+    continuing it (the next position, fed the token sampled before), the sampler reading that
+    row; a cut of the cache that leaves the sequence whole; logits whole and in order; on
+    llama-server the call that names the sequence's slot."""
+    um = state.unmade
+    assert um is not None
     f = idx.fast()
-    rows, group_m = row_m[:m], group_m[:m]
-    u = rows[:, at + 1] + np.where(group_m[:, at + 1] == G_UBATCH_S, f.ub_small_at, 0)
-    db, agg, end, begin = rows[:, at], rows[:, at + 2], rows[:, at + 3], rows[:, at + 4]
-    sample = rows[:, size - 1 - slot]
+    at, k = shape.at, shape.k
     tid, ctx, seq = um.tid, f.ub_ctx[um.u], f.ub_seq[um.u]
-    c = um.c
-    st = c.seqs[seq]
+    st = um.c.seqs[seq]
+    db, agg, end, begin = rows[:, at], rows[:, at + 2], rows[:, at + 3], rows[:, at + 4]
+    sample = rows[:, shape.size - 1 - shape.slot]
     sampled = col.s_a[sample]
     fed = col.ub_token[u]
-    pos = st.max_pos + 1 + np.arange(m)
-    # _decode_begin: this context; fast_step: one row of this thread, context and sequence,
-    # continuing it (the next position, fed the token sampled before), the sampler reading that row
+    pos = st.max_pos + 1 + np.arange(len(rows))
     ok = (col.s_ctx[db] == ctx) & col.ub_one_row[u] & (col.ub_tid[u] == tid) & (col.ub_ctx[u] == ctx)
     ok &= (col.ub_seq[u] == seq) & (col.ub_pos[u] == pos)
     ok[1:] &= fed[1:] == sampled[:-1]
@@ -187,30 +247,33 @@ def plain_run(corr: Correlator, idx: DrainIndex, p: int, stop: int) -> int:
     ok &= (col.s_a[begin] == -1) | (col.s_a[begin] == 0)
     ok &= (col.s_tid[sample] == tid) & (col.s_ctx[sample] == ctx)
     ok &= (col.agg_tid[agg] == tid) & (col.agg_overlap[agg] == 0)
-    if ev.EV_SEQ_RM in before:  # a cut of this thread that leaves the sequence whole (the step
-        # pops it: nothing else stays of it)
-        rm = rows[:, before.index(ev.EV_SEQ_RM)]
+    if ev.EV_SEQ_RM in shape.before:  # a cut of this thread that leaves the sequence whole (the
+        # step pops it: nothing else stays of it)
+        rm = rows[:, shape.before.index(ev.EV_SEQ_RM)]
         cut = ((col.s_a[rm] == -1) | (col.s_a[rm] == seq)) & (col.s_b[rm] < pos)
         ok &= (col.s_tid[rm] == tid) & ~cut
     if k:  # the logits row, whole and in order (_logits)
-        lg = rows[:, at + len(_HEAD) : at + len(_HEAD) + k]
+        lg = rows[:, shape.logits]
         ok &= ((col.lg_tid[lg] == tid) & (col.lg_ctx[lg] == ctx)).all(axis=1)
         ok &= (col.lg_chunk[lg] == np.arange(k)).all(axis=1)
         n_vocab = col.lg_n_vocab[lg[:, -1]].astype(np.int64)  # (unsigned: negated, it wraps)
         ok &= -(-n_vocab // idx.logits_chunk) == k
-    if slot:  # llama-server: the call that names this sequence's slot
+    if shape.slot:  # llama-server: the call that names this sequence's slot
         ok &= (col.s_tid[rows[:, -1]] == tid) & (col.s_a[rows[:, -1]] == seq)
-    m = _leading(ok)
-    if m < MIN_RUN:
-        return p
-    # the aggregate records: all values in one block, and attention records of one plan
-    found = [corr._agg_pre.get(s) for s in col.agg_seq[agg[:m]].tolist()]
+    return _leading(ok)
+
+
+def _one_block(
+    state: FeedState, found: list[AggRow | None]
+) -> tuple[list[AggRow], tuple[list[int], list[int | None], bool]] | None:
+    """The steps' aggregate records (`found`) as long as all their values are in one block and
+    their attention records of one plan (the map's picks for it), when at least MIN_RUN."""
     first = found[0]
     if first is None or first.block is None:
-        return p
-    plan = corr.attn_map.one_row_picks(first.attn)
+        return None
+    plan = state.attn_map.one_row_picks(first.attn)
     if plan is None:
-        return p
+        return None
     block, (masks, calls, _, flags) = first.block, first.attn
     pres: list[AggRow] = []
     for pre in found:  # (the counts may differ: the plan picks them)
@@ -219,17 +282,7 @@ def plain_run(corr: Correlator, idx: DrainIndex, p: int, stop: int) -> int:
         if (pre.attn[0], pre.attn[1], pre.attn[3]) != (masks, calls, flags):
             break
         pres.append(pre)
-    m = len(pres)
-    if m < MIN_RUN:
-        return p
-    if ev.EV_TASK_POST in before:  # llama-server's loop's tasks: the serving state's (a plain
-        # step reads none of it)
-        posts = rows[:m, before.index(ev.EV_TASK_POST)]
-        values = (col.s_tid[posts], col.s_a[posts], col.s_b[posts], col.s_ptr[posts])
-        for post_tid, task, b, span_bytes in zip(*(v.tolist() for v in values), strict=True):
-            corr._task_post(post_tid, task, b, span_bytes)
-    _apply(corr, idx, c, st, u[:m], db[:m], end[:m], sampled[:m], rows[:m], at, k, slot, pres, plan)
-    return p + m * size
+    return (pres, plan) if len(pres) >= MIN_RUN else None
 
 
 def _leading(ok: np.ndarray) -> int:
@@ -239,112 +292,57 @@ def _leading(ok: np.ndarray) -> int:
 
 
 def _apply(
-    corr: Correlator,
+    state: FeedState,
     idx: DrainIndex,
     c: CtxState,
     st: SeqState,
     u: np.ndarray,
-    db: np.ndarray,
-    end: np.ndarray,
-    sampled_a: np.ndarray,
     rows: np.ndarray,
-    at: int,
-    k: int,
-    slot: int,
+    sampled_a: np.ndarray,
+    shape: _Shape,
     pres: list[AggRow],
     plan: tuple[list[int], list[int | None], bool],
 ) -> None:
     """The effect of _decode_begin and fast_step (its _plain_step) on each of the run's steps."""
     col = _columns(idx)
-    f = idx.fast()
     m = len(u)
-    um = corr._unmade
+    um = state.unmade
     assert um is not None
+    f = idx.fast()
     tid, seq = um.tid, f.ub_seq[um.u]
     positions = col.ub_pos[u].tolist()
     t_starts = col.ub_ts[u].tolist()
-    t_ends = col.s_ts[end].tolist()
-    sampled = sampled_a.tolist()
-    step0, decode0 = corr.next_step_id, c.decode_id + 1
+    t_ends = col.s_ts[rows[:, shape.at + 3]].tolist()
+    step0, decode0 = state.next_step_id, c.decode_id + 1
     step_ids = list(range(step0, step0 + m))
-    # _decode_begin (the last one's public batch stays) and _step_begins
-    n_tok, tok0, pos0 = (int(v) for v in (col.s_a[db[-1]], col.s_b[db[-1]], col.s_c[db[-1]]))
-    c.decode_id += m
-    c.decode_seen = True
-    c.public_batch = (n_tok, tok0, pos0) if n_tok >= 0 else None
-    c.ubatches_seen += m
-    corr.next_step_id += m
-    corr.pending_clears.pop(tid, None)
-    st.next_input_pending = None
-    st.max_pos = max(st.max_pos, positions[-1])
-    if c.unsure:
-        c.unsure.discard(seq)
+    _steps_begin(state, c, st, tid, seq, col, rows[-1, shape.at], m, positions[-1])
     last = pres[-1]
-    corr._unmade = UnmadeStep(
+    state.unmade = UnmadeStep(
         c, step_ids[-1], c.decode_id, tid, t_starts[-1], t_ends[-1], f.ub_rows, int(u[-1]), last
     )
     c.rows = c.outputs = UNMADE_ROWS
     # _on_step_agg, _on_ubatch_end
-    moe, ffn = corr.layers_seen["moe"], corr.layers_seen["ffn"]
-    for pre in pres:
-        moe.update(pre.moe_seen)
-        ffn.update(pre.ffn_seen)
-    filled, picks, counted = plan
-    corr.layers_seen["attn"].update(filled)
-    if counted:
-        corr.attn_map.passes_seen += m
-    one = [1] * m
-    corr.step_rows(c.ctx_id, [seq]).extend_values(
-        zip(
-            step_ids,
-            [c.ctx_id] * m,
-            range(decode0, decode0 + m),
-            t_starts,
-            t_ends,
-            [(t + corr.wall_offset_ns) // 1_000_000 for t in t_starts],
-            one,
-            one,
-            [PHASE_DECODE] * m,
-            [0] * m,
-            one,
-            [[seq] for _ in range(m)],
-            [[t] for t in col.ub_token[u].tolist()],
-            [[p] for p in positions],
-            [[seq] for _ in range(m)],
-            [[0] for _ in range(m)],
-            [False] * m,
-            [corr.pid] * m,
-            [tid] * m,
-            strict=True,
-        )
-    )
+    _layers_seen(state, pres, plan[0], m if plan[2] else 0)
+    tokens = col.ub_token[u].tolist()
+    state.steps.add_one_row_run(c.ctx_id, seq, tid, step_ids, decode0, t_starts, t_ends, tokens, positions)
     block = last.block
     assert block is not None
     block_rows = [pre.block_row for pre in pres]
-    corr.routes.one_row_blocks(step_ids, c.ctx_id, seq, positions, block, block_rows)
+    state.routes.one_row_blocks(step_ids, c.ctx_id, seq, positions, block, block_rows)
     # _on_sample_begin .. _on_sample_end (and on llama-server, _on_slot_token's check)
     c.sampling.pop(tid, None)
-    if slot and corr.serving is not None:
+    if shape.slot and state.serving is not None:
         mismatch = col.s_b[rows[:, -1]] != sampled_a
-        corr.serving.counters.slot_token_mismatch += int(np.count_nonzero(mismatch))
-    logits = None
-    lg = rows[:, at + len(_HEAD) : at + len(_HEAD) + k]
-    widths = col.lg_n_vals[lg[:, 0]] if k == 1 else None
-    if widths is not None and (widths == widths[0]).all():  # one record per row, all as wide
-        offsets = idx.arrays[G_LOGITS]["at"][lg[:, 0]]
-        data = idx.logits_data if idx.logits_stats is None else idx.logits_stats
-        corr.requests.stats.add_run_at(len(corr.requests.tokens), data, offsets, int(widths[0]))
-    elif k:
-        vals, n_vals = idx.logits_vals, col.lg_n_vals
-        logits = [[vals(r)[: n_vals[r]] for r in chunk_rows] for chunk_rows in lg.tolist()]
-    attended, most = _attended([pre.attn[2] for pre in pres], picks)
-    corr.requests.one_row_tokens(
+        state.serving.counters.slot_token_mismatch += int(np.count_nonzero(mismatch))
+    logits = _run_logits(state, idx, col, rows[:, shape.logits])
+    attended, most = _attended([pre.attn[2] for pre in pres], plan[1])
+    state.requests.one_row_tokens(
         c,
         st,
         step_ids,
         seq,
         positions,
-        sampled,
+        sampled_a.tolist(),
         tid,
         t_starts,
         t_ends,
@@ -354,6 +352,62 @@ def _apply(
         block,
         block_rows,
     )
+
+
+def _steps_begin(
+    state: FeedState,
+    c: CtxState,
+    st: SeqState,
+    tid: int,
+    seq: int,
+    col: RunColumns,
+    db: int,
+    m: int,
+    pos: int,
+) -> None:
+    """_decode_begin's and _step_begins' effect of m steps (the last decode call's public batch,
+    at `db`, stays; `pos`: the last step's position)."""
+    n_tok, tok0, pos0 = int(col.s_a[db]), int(col.s_b[db]), int(col.s_c[db])
+    c.decode_id += m
+    c.decode_seen = True
+    c.public_batch = (n_tok, tok0, pos0) if n_tok >= 0 else None
+    c.ubatches_seen += m
+    state.next_step_id += m
+    state.pending_clears.pop(tid, None)
+    st.next_input_pending = None
+    st.max_pos = max(st.max_pos, pos)
+    if c.unsure:
+        c.unsure.discard(seq)
+
+
+def _layers_seen(state: FeedState, pres: list[AggRow], filled: list[int], passes: int) -> None:
+    """The layers the steps' aggregate records saw (and the attention plan's), and the passes
+    the attention map counts."""
+    moe, ffn = state.layers_seen["moe"], state.layers_seen["ffn"]
+    for pre in pres:
+        moe.update(pre.moe_seen)
+        ffn.update(pre.ffn_seen)
+    state.layers_seen["attn"].update(filled)
+    state.attn_map.passes_seen += passes
+
+
+def _run_logits(
+    state: FeedState, idx: DrainIndex, col: RunColumns, lg: np.ndarray
+) -> list[list[LogitsChunk]] | None:
+    """The steps' logits rows (their records `lg`, a line per step): one record per row, all as
+    wide, reduced to their statistics at once (None then, and without logits); else each row's
+    chunks."""
+    k = lg.shape[1]
+    widths = col.lg_n_vals[lg[:, 0]] if k == 1 else None
+    if widths is not None and (widths == widths[0]).all():
+        offsets = idx.arrays[G_LOGITS]["at"][lg[:, 0]]
+        data = idx.logits_data if idx.logits_stats is None else idx.logits_stats
+        state.requests.stats.add_run_at(len(state.requests.tokens), data, offsets, int(widths[0]))
+        return None
+    if not k:
+        return None
+    vals, n_vals = idx.logits_vals, col.lg_n_vals
+    return [[vals(r)[: n_vals[r]] for r in chunk_rows] for chunk_rows in lg.tolist()]
 
 
 def _attended(

@@ -3,7 +3,7 @@ for the whole drain at once.
 
 A micro-batch of several rows (a prompt, or a llama-server step over several slots) sends its
 routing and activation values as records per layer: a routing tensor per layer and kind, and the
-activation counts per layer and engine thread. The correlator's _on_sparse takes them one at a
+activation counts per layer and engine thread. sparse_record takes them one at a
 time, each made a dict first: at four server clients that was about half of the correlation's
 CPU (scripts/replay_drains.py). Here what each record holds is worked out for all of a drain's
 records together (SparseColumns: a few numpy operations per drain), and a run of such records
@@ -18,12 +18,13 @@ paths table by table and state by state. Any other run goes to the handlers, rec
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from sparseety_prof.capture import events as ev
 from sparseety_prof.correlate.drain_index import G_ACT, G_TENSOR_L, G_TENSOR_S, DrainIndex
+from sparseety_prof.correlate.feed_state import FeedState
 from sparseety_prof.correlate.node_names import parse_name
 from sparseety_prof.correlate.step_sparse import (
     GGML_TYPE_I32,
@@ -33,10 +34,7 @@ from sparseety_prof.correlate.step_sparse import (
     LayerRows,
     StepSparse,
 )
-from sparseety_prof.correlate.verification import verifying_sparse
-
-if TYPE_CHECKING:
-    from sparseety_prof.correlate.correlator import Correlator
+from sparseety_prof.correlate.verification import verify_routing, verifying_sparse
 
 RUN_KINDS = frozenset((ev.EV_TENSOR, ev.EV_ACT))
 _STORE_NAMES = ("ids", "weights", "probs")  # StepSparse's routing stores
@@ -81,26 +79,62 @@ _LAYER_SPAN = 1 << 20
 _ACT_CELLS_MAX = 1 << 20
 
 
-def sparse_run(corr: Correlator, idx: DrainIndex, i: int) -> int:
+def sparse_run(state: FeedState, idx: DrainIndex, i: int) -> int:
     """Records i.. while they are routing tensors or activation counts: stored at once when they
-    are the common case, else given to the correlator's handler one by one. Returns the index
-    after the run."""
+    are the common case, else taken by sparse_record one by one. Returns the index after the
+    run."""
     kinds, n = idx.kinds, len(idx)
     j = i + 1
     while j < n and kinds[j] in RUN_KINDS:
         j += 1
-    if len(corr.open_steps) == 1 and not verifying_sparse(corr.counters, corr.n_expert):
-        step = next(iter(corr.open_steps.values()))
+    if len(state.open_steps) == 1 and not verifying_sparse(state.counters, state.n_expert):
+        step = next(iter(state.open_steps.values()))
         sp = step.sparse if step.sparse is not None else StepSparse()
         cols: SparseColumns | None = idx.cache.get("sparse")
         if cols is None:
             cols = idx.cache["sparse"] = SparseColumns(idx)
-        if cols.store_run(idx, sp, i, j, corr.layers_seen):
+        if cols.store_run(idx, sp, i, j, state.layers_seen):
             step.sparse = sp
             return j
     for k in range(i, j):
-        corr._on_sparse(idx.record(k))
+        sparse_record(state, idx.record(k))
     return j
+
+
+def sparse_record(state: FeedState, r: dict[str, Any]) -> None:
+    """One graph-op record (the correlator's handler of routing tensors, activation counts and
+    masks, and attention records): it belongs to the micro-batch running when it was produced.
+    Worker threads carry no context, so this needs exactly one micro-batch in flight."""
+    if len(state.open_steps) != 1:
+        unattributed(state)
+        return
+    step = next(iter(state.open_steps.values()))
+    if step.sparse is None:
+        step.sparse = StepSparse()
+    kind = int(r["kind"])
+    if kind == ev.EV_TENSOR:
+        got = step.sparse.add_tensor(r)
+        if got is not None and int(r["tag"]) == ev.TAG_EXPERT_IDS:
+            verify_routing(step.sparse, state.counters, state.n_expert, state.n_expert_used)
+        section = "moe"
+    elif kind in (ev.EV_ACT, ev.EV_ACT_MASK):
+        got = step.sparse.add_act(r, with_bits=kind == ev.EV_ACT_MASK)
+        section = "ffn"
+    else:
+        got = step.sparse.add_attn(r, state.layers.attn)
+        section = "attn"
+    if got is not None:
+        state.layers_seen[section].add(got[1])
+
+
+def unattributed(state: FeedState) -> None:
+    """A graph-op record no single micro-batch claims. Before any micro-batch has begun since
+    the attach, it comes from the forward pass the probes were attached in the middle of: the
+    attach boundary (like samples_before_first_step), not a loss of the recording."""
+    if state.open_steps or any(c.ubatches_seen for c in state.ctxs.values()):
+        state.counters.sparse_unattributed += 1
+    else:
+        state.counters.sparse_before_first_step += 1
 
 
 @dataclass
