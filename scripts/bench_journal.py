@@ -5,7 +5,7 @@ IPC stream, and a flush interval's records written as a file each or appended to
     .venv/bin/python scripts/bench_journal.py [--rows 11 165 2048] [--repeat 20]
 
 CPU time of this process (`time.process_time`: Polars's own threads included), the best of
-`--repeat` rounds, with POLARS_MAX_THREADS=1 as in the recorder (sparseety_prof/__init__.py). The
+`--repeat` rounds, with POLARS_MAX_THREADS=1 as in the recorder (session/thread_pools.py). The
 rows are synthetic, of the tokens table's columns and dtypes (lists of 8 values).
 """
 

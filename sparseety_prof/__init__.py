@@ -1,16 +1,25 @@
-"""sparseety-prof: token-level profiler for sparse LLM inference engines."""
+"""sparseety-prof: token-level profiler for sparse LLM inference engines.
 
-import os
+Importing the package changes nothing around it (no environment variable, no thread pool) and
+imports no polars: `Recording` and `open` are loaded on first use, so that the CLI can size the
+thread pools of a recorder (thread_pools.py) before polars starts its own."""
 
-# The profiler shares the engine's cores: numerical libraries must not start thread pools, whose
-# workers spin between calls (an OpenBLAS pool cost a core's worth of CPU per token; polars'
-# pool wakes up for every frame). This has to happen before numpy and polars are first
-# imported; a value the user set is kept.
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "POLARS_MAX_THREADS"):
-    os.environ.setdefault(_var, "1")
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from sparseety_prof.store.recording import Recording, open  # noqa: E402
+if TYPE_CHECKING:
+    from sparseety_prof.store.recording import Recording, open
 
 __all__ = ["Recording", "__version__", "open"]
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: the reading API, imported when first asked for
+    if name in ("Recording", "open"):
+        from sparseety_prof.store import recording
+
+        return getattr(recording, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,40 +8,34 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+from types import ModuleType
 
 from sparseety_prof import __version__
-from sparseety_prof.commands import (
-    attach,
-    audit,
-    build_cupti,
-    check,
-    collect,
-    diff,
-    doctor,
-    export,
-    launch,
-    record,
-    redact,
-    report,
-)
-from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP, INTERRUPTED
 from sparseety_prof.errors import INTERNAL_ERROR, ProfError
+from sparseety_prof.session.thread_pools import limit_thread_pools
 from sparseety_prof.terminal_text import line
 
-COMMANDS = (
-    record,
-    attach,
-    launch,
-    build_cupti,
-    check,
-    doctor,
-    report,
-    diff,
-    audit,
-    redact,
-    export,
-    collect,
-)  # in the order --help lists them
+
+def command_modules() -> tuple[ModuleType, ...]:
+    """One module per command, in the order --help lists them. Imported when the parser is
+    built, not with this module: cli.main sizes the thread pools first (session/thread_pools.py),
+    and command modules import polars."""
+    from sparseety_prof.commands import (
+        attach,
+        audit,
+        build_cupti,
+        check,
+        collect,
+        diff,
+        doctor,
+        export,
+        launch,
+        record,
+        redact,
+        report,
+    )
+
+    return (record, attach, launch, build_cupti, check, doctor, report, diff, audit, redact, export, collect)
 
 
 QUICK_START = """\
@@ -54,6 +48,8 @@ examples (as root; each command's --help has more):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sparseety_prof.commands.exit_codes import EXIT_CODES_HELP
+
     p = argparse.ArgumentParser(
         prog="sparseety-prof",
         description="Token-level profiler for sparse LLM inference: "
@@ -63,12 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"sparseety-prof {__version__}")
     sub = p.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
-    for command in COMMANDS:
+    for command in command_modules():
         command.add_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    # This process is the recorder (record, attach, check) or reads recordings on the engine's
+    # host: one thread per pool, set before a command module imports numpy or polars
+    limit_thread_pools()
+    from sparseety_prof.commands.exit_codes import INTERRUPTED
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

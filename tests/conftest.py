@@ -38,6 +38,12 @@ del os.environ[build_stamp.PURE_ENV]
 _pure = f"source: {build_stamp.PURE_ENV} is set"
 assert _pure == build_stamp.STATE, build_stamp.STATE
 
+# Tests run cli.main and the Recorder in this process: one thread per pool, as the recorder's
+# process has (cli.main sets them there), before anything imports numpy or polars.
+from sparseety_prof.session.thread_pools import limit_thread_pools  # noqa: E402
+
+limit_thread_pools()
+
 from sparseety_prof.synthetic import make_model  # noqa: E402
 
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from sparseety_prof.cli import COMMANDS, build_parser
-from sparseety_prof.commands.attach_flags import METRICS_EXPERT_MODES, TUNING_FLAGS, options_from
+from sparseety_prof.cli import build_parser, command_modules
+from sparseety_prof.commands.attach_flags import METRICS_EXPERT_MODES, TUNING_FLAGS
+from sparseety_prof.commands.attach_options import options_from
 from sparseety_prof.commands.exit_codes import codes_of
 from sparseety_prof.errors import UsageError
 
@@ -31,7 +32,7 @@ def _help(command: str) -> str:
 
 def test_every_command_has_examples_and_its_exit_codes_and_no_sudo() -> None:
     commands = _subparsers(build_parser())
-    assert len(commands) == len(COMMANDS)
+    assert len(commands) == len(command_modules())
     for name, sub in commands.items():
         text = sub.format_help()
         assert "\nexamples:\n" in text and "\nexit codes:\n" in text, name
@@ -60,7 +61,7 @@ def test_every_example_parses_as_written() -> None:
                 argv = argv[: argv.index("--") + 2]
             parser.parse_args(argv)  # SystemExit (a usage error) fails the test
             seen += 1
-    assert seen >= 2 * len(COMMANDS) + 4
+    assert seen >= 2 * len(command_modules()) + 4
 
 
 def test_record_and_attach_group_their_options() -> None:

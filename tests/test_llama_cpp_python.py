@@ -91,7 +91,7 @@ def test_tokens_match_engine_ground_truth(
     consumer = meta["consumer"]
     assert consumer["correlate_every_s"] == (1 if together else 0)
     assert consumer["logits_token_mismatch"] == 0
-    assert consumer["polars_threads"] == 1  # the package's default (sparseety_prof/__init__.py)
+    assert consumer["polars_threads"] == 1  # the CLI's default (session/thread_pools.py)
     assert consumer["ring_watch"] == "native"  # the watch's thread in C (ringwatch.c), built by setup
     # the watch reads the ring on its own only after a producer woke it (ring_watch.py)
     assert consumer["ring_watch_polls"] == 0 or consumer["ring_watch_wakeups"] > 0
