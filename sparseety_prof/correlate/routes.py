@@ -310,10 +310,6 @@ class RoutesTables:
         extended once per drain (_flush)."""
         sp = step.sparse
         assert sp is not None
-        out_index = step.output_index()
-        all_layers, km_of, kf_of, identity = self.layout()
-        n_layers = len(all_layers)
-        cols = self._routes
         # a one-row step whose values came whole from its aggregate record: kept in the block
         # (every MoE layer has its k ids there: the rows are the common case's, with no per-row
         # values made)
@@ -326,19 +322,28 @@ class RoutesTables:
             return
         # a prompt: when it is regular, its rows as arrays, and its token rows take their lists
         # from the same arrays (pass_arrays.pass_block): no per-row values
+        identity = self.layout()[3]
         got = (
             pass_block(step, self.layers) if len(step.seq) > 1 and identity and not self.with_masks else None
         )
-        if got is not None:
-            if not self.make_rows:
-                self.rows_not_made += int(got.arrays.present.sum())
-                return
+        if got is None:
+            self._emit_rows(step, sp)
+        elif not self.make_rows:
+            self.rows_not_made += int(got.arrays.present.sum())
+        else:
             self._arrays.extend(self._block_rows())  # (the rows before it first)
             rows = slice(step.row_offset, step.row_offset + len(step.seq))
             part = self._pass_part(step, rows, got.arrays)
             self._arrays.append(part)
             self._runs.append((True, part.n))
-            return
+
+    def _emit_rows(self, step: Step, sp: StepSparse) -> None:
+        """The rows of a step that are neither in an aggregate block nor a regular prompt's
+        arrays: from each batch row's values, a row per layer computed for it."""
+        out_index = step.output_index()
+        all_layers, km_of, kf_of, identity = self.layout()
+        n_layers = len(all_layers)
+        cols = self._routes
         if len(step.seq) > 1:  # a prompt's rows: their values made at once
             sp.fill_rows(
                 list(range(step.row_offset, step.row_offset + len(step.seq))),
@@ -350,15 +355,14 @@ class RoutesTables:
         for i, (seq, pos) in enumerate(zip(step.seq.tolist(), step.pos.tolist(), strict=True)):
             b = step.row_offset + i
             v = sp.row_values(b, out_index, step.n_tokens, self.layers, self.problems)
-            ids_v, w_v, p_v = v["expert_ids"], v["expert_weights"], v["router_probs"]
-            zr_v, br_v, nv_v = v["act_zero_ratio"], v["act_below_ratio"], v["act_values"]
             values: dict[str, Sequence[object]]
-            if identity and None not in ids_v:
+            if identity and None not in v["expert_ids"]:
                 # every layer is MoE and FFN and its routing was read: the lists as they are, a
                 # row per layer; a layer whose activations were not counted (--act-every, or
                 # not captured) has no activation values, as below
+                zr_v = v["act_zero_ratio"]
                 if None in zr_v:
-                    nv_v = [n if z is not None else None for n, z in zip(nv_v, zr_v, strict=True)]
+                    nv_v = [n if z is not None else None for n, z in zip(v["act_values"], zr_v, strict=True)]
                     v = {**v, "act_values": nv_v}
                 if not self.make_rows:
                     self.rows_not_made += n_layers
@@ -368,36 +372,14 @@ class RoutesTables:
                     self._runs.append((False, n_layers))
                     continue
                 keep: Sequence[int] = range(n_layers)
-                values = {
-                    "layer": all_layers,
-                    "expert_ids": ids_v,
-                    "expert_weights": w_v,
-                    "router_probs": p_v,
-                    "act_zero_ratio": zr_v,
-                    "act_below_ratio": br_v,
-                    "act_values": nv_v,
-                }
+                values = {"layer": all_layers, **{name: v[name] for name in ROUTE_VALUES}}
             else:
-                ids = [ids_v[k] if k is not None else None for k in km_of]
-                zr = [zr_v[k] if k is not None else None for k in kf_of]
-                # a layer not computed for this row (or not captured) gets no row: none is invented
-                keep = [j for j in range(n_layers) if ids[j] is not None or zr[j] is not None]
+                keep, values = _mapped_values(v, all_layers, km_of, kf_of)
                 if not self.make_rows:
                     self.rows_not_made += len(keep)
                     continue
                 if not keep:
                     continue
-                values = {
-                    "layer": list(all_layers),
-                    "expert_ids": ids,
-                    "expert_weights": [w_v[k] if k is not None else None for k in km_of],
-                    "router_probs": [p_v[k] if k is not None else None for k in km_of],
-                    "act_zero_ratio": zr,
-                    "act_below_ratio": [br_v[k] if k is not None else None for k in kf_of],
-                    "act_values": [nv_v[k] if zr[j] is not None else None for j, k in enumerate(kf_of)],
-                }
-                if len(keep) < n_layers:
-                    values = {k: [vals[j] for j in keep] for k, vals in values.items()}
             self._flush()  # rows keep the order of their steps
             n = len(keep)
             for name, value in zip(ROUTE_KEYS, (step.step_id, step.ctx_id, seq, pos, b), strict=True):
@@ -461,3 +443,32 @@ class RoutesTables:
                     n_values=len(bits),
                     nonzero_bits=np.packbits(bits).tobytes(),
                 )
+
+
+def _mapped_values(
+    v: dict[str, Any],
+    all_layers: list[int],
+    km_of: list[int | None],
+    kf_of: list[int | None],
+) -> tuple[list[int], dict[str, Sequence[object]]]:
+    """A batch row's routes rows when the table's layers are not each MoE and FFN (or a routing
+    was not read): each layer's values taken from its MoE (km_of) and FFN (kf_of) lists, and the
+    layers that get a row: a layer not computed for this row (or not captured) gets none, none
+    is invented."""
+    ids_v, zr_v, nv_v = v["expert_ids"], v["act_zero_ratio"], v["act_values"]
+    ids = [ids_v[k] if k is not None else None for k in km_of]
+    zr = [zr_v[k] if k is not None else None for k in kf_of]
+    keep = [j for j in range(len(all_layers)) if ids[j] is not None or zr[j] is not None]
+    w_v, p_v, br_v = v["expert_weights"], v["router_probs"], v["act_below_ratio"]
+    values: dict[str, Sequence[object]] = {
+        "layer": list(all_layers),
+        "expert_ids": ids,
+        "expert_weights": [w_v[k] if k is not None else None for k in km_of],
+        "router_probs": [p_v[k] if k is not None else None for k in km_of],
+        "act_zero_ratio": zr,
+        "act_below_ratio": [br_v[k] if k is not None else None for k in kf_of],
+        "act_values": [nv_v[k] if zr[j] is not None else None for j, k in enumerate(kf_of)],
+    }
+    if len(keep) < len(all_layers):
+        values = {k: [vals[j] for j in keep] for k, vals in values.items()}
+    return keep, values

@@ -310,80 +310,27 @@ class StepSparse(AttentionRecords):
         row by row); rows asked for before are left as they are. Fewer rows than `min_rows`
         (default FILL_ROWS_MIN) are left to row_values."""
         rows = [b for b in batch_rows if b not in self._row_cache]
-        m = len(rows)
-        if m < (min_rows or FILL_ROWS_MIN) or n_tokens < 2:
+        if len(rows) < (min_rows or FILL_ROWS_MIN) or n_tokens < 2:
             return  # row_values' own path, per row (one-row steps take the aggregate's lists)
-        n_out = len(output_index)
-        out_at = np.array([output_index.get(b, -1) for b in rows], dtype=np.intp)
-        # the rows' indices into an array with a row per batch row (a slice when they follow
-        # each other: cheaper than a gather) or per output row (-1 where a row has no output)
-        contiguous = rows[-1] - rows[0] == m - 1
-        by_batch: slice | np.ndarray = slice(rows[0], rows[-1] + 1) if contiguous else np.array(rows)
-        outputs_all = bool((out_at >= 0).all())
-        none_col: list[Any] = [None] * m
-        all_ok = [True] * m
-
-        def gather(values: np.ndarray, filled: np.ndarray | None) -> tuple[list[Any], list[bool]] | None:
-            """Each row's entry of a per-row array, and whether it has one; None when its row
-            count matches neither the batch nor its outputs (unmapped)."""
-            total = values.shape[0]
-            if total == n_tokens or (total == n_out and outputs_all):
-                at = by_batch if total == n_tokens else out_at
-                if filled is None or filled[at].all():
-                    return values[at].tolist(), all_ok
-                return values[at].tolist(), filled[at].tolist()
-            if total != n_out:
-                return None
-            ok = out_at >= 0
-            if filled is not None:
-                ok[ok] = filled[out_at[ok]]
-            return values[np.where(ok, out_at, 0)].tolist(), ok.tolist()
-
-        def moe_column(store: dict[int, LayerRows], layer: int) -> list[Any]:
-            got = store.get(layer)
-            if got is None:
-                return none_col
-            g = gather(got.values, got.filled)
-            if g is None:
-                problems.unmapped_rows += m
-                return none_col
-            vals, ok = g
-            return vals if ok is all_ok else [v if good else None for v, good in zip(vals, ok, strict=True)]
-
-        ids = [moe_column(self.ids, layer) for layer in layers.moe]
-        wts = [moe_column(self.weights, layer) for layer in layers.moe]
-        prb = [moe_column(self.probs, layer) for layer in layers.moe]
+        g = _RowGather(rows, output_index, n_tokens, problems)
+        ids = [g.moe_column(self.ids, layer) for layer in layers.moe]
+        wts = [g.moe_column(self.weights, layer) for layer in layers.moe]
+        prb = [g.moe_column(self.probs, layer) for layer in layers.moe]
         zero: list[list[Any]] = []
         below: list[list[Any]] = []
         n_values: list[list[int]] = []
         for layer in layers.ffn:
             z = self.act_zeros.get(layer)
-            g = None
-            if z is not None:
-                slots = self.act_slots[layer]
-                n = slots * self.act_width[layer]
-                # per token: its counts summed over its slots, and whether every slot was
-                # counted (-1: not), as [zeros, below, counted] rows
-                zb = np.stack((z, self.act_below[layer])).reshape(2, -1, slots)
-                per_token = np.empty((zb.shape[1], 3), dtype=np.int64)
-                per_token[:, :2] = zb.sum(axis=2).T
-                per_token[:, 2] = zb.min(axis=2).min(axis=0) >= 0
-                g = gather(per_token, None)
-                if g is None:
-                    problems.unmapped_rows += m
-            if g is None:
-                zero.append(none_col)
-                below.append(none_col)
-                n_values.append([0] * m)
-                continue
-            vals, ok = g
-            # int sums over a float division: the same value as sum(list) / n per row
-            good = [o and bool(c) for (_, _, c), o in zip(vals, ok, strict=True)]
-            zero.append([zs / n if o else None for (zs, _, _), o in zip(vals, good, strict=True)])
-            below.append([bs / n if o else None for (_, bs, _), o in zip(vals, good, strict=True)])
-            n_values.append([n if o else 0 for o in good])
+            if z is None:
+                got = None
+            else:
+                got = g.act_column(z, self.act_below[layer], self.act_slots[layer], self.act_width[layer])
+            zr, br, nv = got if got is not None else (g.none_col, g.none_col, [0] * g.m)
+            zero.append(zr)
+            below.append(br)
+            n_values.append(nv)
         columns = (ids, wts, prb, zero, below, n_values)
-        per_row = zip(*(zip(*col, strict=True) if col else [()] * m for col in columns), strict=True)
+        per_row = zip(*(zip(*col, strict=True) if col else [()] * g.m for col in columns), strict=True)
         for b, (i, w, p, zr, br, nv) in zip(rows, per_row, strict=True):
             self._row_cache[b] = {
                 "expert_ids": list(i),
@@ -522,3 +469,77 @@ class StepSparse(AttentionRecords):
         if t is None or (z[t * slots : (t + 1) * slots] < 0).any():
             return None
         return bits[t * slots : (t + 1) * slots].reshape(-1)
+
+
+class _RowGather:
+    """A pass's per-row arrays gathered for some of its batch rows (StepSparse.fill_rows): per
+    layer one numpy gather, the values and problems row_values would give row by row."""
+
+    def __init__(
+        self, rows: list[int], output_index: dict[int, int], n_tokens: int, problems: Problems
+    ) -> None:
+        m = self.m = len(rows)
+        self.n_tokens = n_tokens
+        self.n_out = len(output_index)
+        self.problems = problems
+        self.out_at = np.array([output_index.get(b, -1) for b in rows], dtype=np.intp)
+        # the rows' indices into an array with a row per batch row (a slice when they follow
+        # each other: cheaper than a gather) or per output row (-1 where a row has no output)
+        contiguous = rows[-1] - rows[0] == m - 1
+        self.by_batch: slice | np.ndarray = slice(rows[0], rows[-1] + 1) if contiguous else np.array(rows)
+        self.outputs_all = bool((self.out_at >= 0).all())
+        self.none_col: list[Any] = [None] * m
+        self.all_ok = [True] * m
+
+    def gather(self, values: np.ndarray, filled: np.ndarray | None) -> tuple[list[Any], list[bool]] | None:
+        """Each row's entry of a per-row array, and whether it has one; None when its row
+        count matches neither the batch nor its outputs (unmapped)."""
+        total, out_at = values.shape[0], self.out_at
+        if total == self.n_tokens or (total == self.n_out and self.outputs_all):
+            at = self.by_batch if total == self.n_tokens else out_at
+            if filled is None or filled[at].all():
+                return values[at].tolist(), self.all_ok
+            return values[at].tolist(), filled[at].tolist()
+        if total != self.n_out:
+            return None
+        ok = out_at >= 0
+        if filled is not None:
+            ok[ok] = filled[out_at[ok]]
+        return values[np.where(ok, out_at, 0)].tolist(), ok.tolist()
+
+    def moe_column(self, store: dict[int, LayerRows], layer: int) -> list[Any]:
+        """Each row's values of one routing store's layer (None where it has none)."""
+        got = store.get(layer)
+        if got is None:
+            return self.none_col
+        g = self.gather(got.values, got.filled)
+        if g is None:
+            self.problems.unmapped_rows += self.m
+            return self.none_col
+        vals, ok = g
+        return vals if ok is self.all_ok else [v if good else None for v, good in zip(vals, ok, strict=True)]
+
+    def act_column(
+        self, zeros: np.ndarray, below: np.ndarray, slots: int, width: int
+    ) -> tuple[list[Any], list[Any], list[int]] | None:
+        """Each row's activation zero and below ratios and values counted of one FFN layer
+        (its counts per node row), or None when they map to no row (counted unmapped)."""
+        n = slots * width
+        # per token: its counts summed over its slots, and whether every slot was
+        # counted (-1: not), as [zeros, below, counted] rows
+        zb = np.stack((zeros, below)).reshape(2, -1, slots)
+        per_token = np.empty((zb.shape[1], 3), dtype=np.int64)
+        per_token[:, :2] = zb.sum(axis=2).T
+        per_token[:, 2] = zb.min(axis=2).min(axis=0) >= 0
+        g = self.gather(per_token, None)
+        if g is None:
+            self.problems.unmapped_rows += self.m
+            return None
+        vals, ok = g
+        # int sums over a float division: the same value as sum(list) / n per row
+        good = [o and bool(c) for (_, _, c), o in zip(vals, ok, strict=True)]
+        return (
+            [zs / n if o else None for (zs, _, _), o in zip(vals, good, strict=True)],
+            [bs / n if o else None for (_, bs, _), o in zip(vals, good, strict=True)],
+            [n if o else 0 for o in good],
+        )
