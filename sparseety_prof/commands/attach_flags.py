@@ -24,6 +24,7 @@ from sparseety_prof.session.options import (
 )
 
 if TYPE_CHECKING:
+    from sparseety_prof.session.duty_cycle import DutySpec
     from sparseety_prof.session.follow_target import FollowTarget
     from sparseety_prof.session.metrics_sink import PrometheusSink
     from sparseety_prof.session.options import Options
@@ -43,6 +44,7 @@ TUNING_FLAGS = (
     "--moe-read",
     "--discover-layout",
     "--discover-timeout",
+    "--recorder-cpus",
 )
 #: the policies that decide at a request's end: its rows wait in --policy-window until then
 UNDECIDED_POLICIES = ("tail", "anomaly")
@@ -310,6 +312,16 @@ def _add_footprint(g: argparse._ArgumentGroup) -> None:
         help="niceness the consumer takes once attached, so the engine wins CPU contention (default "
         f"{option_default('nice')})",
     )
+    g.add_argument(
+        "--duty-cycle",
+        default=None,
+        metavar="ON/PERIOD",
+        help="full detail for a window of ON seconds every PERIOD (e.g. 2s/20s): the per-layer "
+        "MoE/FFN probes are detached in between (no trap in the engine), every token is still "
+        "recorded; routes rows exist only for tokens in windows, and meta.json duty_cycle states "
+        "the windows and their coverage. The share of time in windows is lowered when windows slow "
+        "the engine or the recorder lags (default: always in; docs: tuning)",
+    )
 
 
 def _add_fleet(g: argparse._ArgumentGroup) -> None:
@@ -353,6 +365,7 @@ def _add_tuning(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-read", choices=("auto", "ops"), default=None, help=hidden)
     p.add_argument("--discover-layout", action="store_true", help=hidden)
     p.add_argument("--discover-timeout", type=float, default=option_default("discover_timeout"), help=hidden)
+    p.add_argument("--recorder-cpus", default=option_default("recorder_cpus"), metavar="CPUS", help=hidden)
 
 
 def sinks_from(args: argparse.Namespace, log: Callable[[str], None]) -> list[FrameSink]:
@@ -601,7 +614,29 @@ def options_from(args: argparse.Namespace) -> Options:
         aggregate_s=args.aggregate_interval,
         bpf_stats=args.bpf_stats,
         ablate_consumer=args.ablate_consumer,
+        recorder_cpus=_recorder_cpus(args.recorder_cpus),
+        duty_cycle=_duty_cycle(args.duty_cycle),
     )
+
+
+def _recorder_cpus(text: str) -> str:
+    """--recorder-cpus checked (session/placement.py); UsageError otherwise."""
+    from sparseety_prof.session.placement import parse_recorder_cpus
+
+    return parse_recorder_cpus(text)
+
+
+def _duty_cycle(text: str | None) -> DutySpec | None:
+    """--duty-cycle ON/PERIOD parsed (session/duty_cycle.py); UsageError when malformed."""
+    from sparseety_prof.errors import UsageError
+    from sparseety_prof.session.duty_cycle import parse_duty_cycle
+
+    if text is None:
+        return None
+    try:
+        return parse_duty_cycle(text)
+    except ValueError as e:
+        raise UsageError(f"--duty-cycle: {e}") from None
 
 
 def metrics_sink_from(

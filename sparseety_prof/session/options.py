@@ -8,6 +8,7 @@ from pathlib import Path
 
 from sparseety_prof.capture.options import Capture
 from sparseety_prof.correlate.serving import DEFAULT_HEADER
+from sparseety_prof.session.duty_cycle import DutySpec
 from sparseety_prof.session.memory_budget import DEFAULT_MAX_MEMORY
 from sparseety_prof.session.request_hold import DEFAULT_WINDOW_BYTES
 
@@ -79,6 +80,12 @@ class Options:
     # ("drain"), or with each drain's logits rows reduced first ("logits"); "": not ablated
     # (session/ablation.py)
     ablate_consumer: str = ""
+    # where the recorder's threads run: "auto" (a core no engine thread may use, if any), "none",
+    # or a CPU list (session/placement.py)
+    recorder_cpus: str = "auto"
+    # the expensive probes in for ON seconds every PERIOD, out between (session/duty_cycle.py);
+    # None: always in
+    duty_cycle: DutySpec | None = None
 
 
 @dataclass

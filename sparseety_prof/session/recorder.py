@@ -23,6 +23,7 @@ from sparseety_prof import __version__
 from sparseety_prof.capture import target as tg
 from sparseety_prof.capture.bpf_loader import ATTENTION_OPS, RingReader, Session, is_server
 from sparseety_prof.capture.events import EventBatch, SeqTracker, decode_groups
+from sparseety_prof.capture.probe_switch import ProbeSwitch
 from sparseety_prof.correlate.correlator import Correlator
 from sparseety_prof.correlate.serving import ServingTracker
 from sparseety_prof.errors import GpuRingUnreadable, NotAnEngine, ProfError
@@ -33,9 +34,11 @@ from sparseety_prof.session.ablation import ConsumerAblation
 from sparseety_prof.session.attach import Attached, attach
 from sparseety_prof.session.collector import FlushTimedCollector
 from sparseety_prof.session.drain_batches import DrainBatches
+from sparseety_prof.session.duty_driver import open_duty_driver
 from sparseety_prof.session.memory_budget import MemoryBudget, resident_bytes
 from sparseety_prof.session.model_hasher import ModelHasher
 from sparseety_prof.session.options import Options, Progress
+from sparseety_prof.session.placement import place_recorder
 from sparseety_prof.session.policy import RecordingPolicy, probe_head_rate
 from sparseety_prof.session.ring_watch import NativeRingWatch, RingWatch
 from sparseety_prof.session.row_outlet import RowOutlet
@@ -105,6 +108,9 @@ class Recorder:
     def run(self) -> dict[str, Any]:
         opts = self.opts
         cpu0 = self._cpu0 = _cpu_s()
+        # (issue 61) a core the engine does not use, before the compile: threads inherit it
+        placement = place_recorder(opts.recorder_cpus, opts.pid)
+        self.log(f"sparseety-prof: {placement.line()}")
         try:
             a = attach(opts, self.log, self._stop.is_set)
         except NotAnEngine:
@@ -125,6 +131,7 @@ class Recorder:
             os.nice(opts.nice)
         wall_offset = time.time_ns() - time.monotonic_ns()
         self.meta = metadata.run_metadata(a, opts)
+        self.meta["recorder_placement"] = placement.to_meta()
         # the anomaly policy's detectors read the layer map
         self._policy = RecordingPolicy(
             opts.policy, self.meta, window_bytes=opts.policy_window, probe_verdicts=self._head_verdicts
@@ -159,6 +166,7 @@ class Recorder:
             if why:
                 self.log(f"sparseety-prof: --bpf-stats: {why}")
         c = _Consumer.open(opts, a.session, self.progress)
+        duty = open_duty_driver(opts.duty_cycle, ProbeSwitch(a.session), self.log)  # (issue 61)
         stages, cpu_drains0 = self._stages, _cpu_s()
         stages.restart()  # on this thread; attach's CPU is not a stage's
         self._collector.start()  # the cyclic collector runs after flushes only (collector.py)
@@ -166,6 +174,8 @@ class Recorder:
             t_prev = time.monotonic()
             while not self._stop.is_set():
                 t_prev = self._drain_once(c, corr, a.session, gpu, t_prev)
+                if duty is not None:  # what the drain saw, for the duty cycle's controller
+                    duty.observe_drain(t_prev, self.progress, c.reader.last_take_bytes)
                 if deadline is not None and time.monotonic() >= deadline:
                     self.stop("duration reached")
                 if not _alive(opts.pid):
@@ -178,6 +188,8 @@ class Recorder:
             stages.lap("loop")
             rest = c.reader.stop()
             stages.lap("ring_walk")
+            if duty is not None:
+                duty.close()  # before the session detaches the probes it switches
             counters = a.session.counters()
             counters["program_misses"] = a.session.program_misses()  # before close: read off the fds
             programs = a.session.program_costs() if bpf_stats == "on" else {}
@@ -231,6 +243,9 @@ class Recorder:
                 "bucket_s": opts.aggregate_s,
                 "left_out": sorted(out.aggregates.leave_out) if out.aggregates else [],
             }
+            if duty is not None:  # the sparse aggregates are of the windows only
+                final["duty_cycle"] = duty.meta()
+                final["aggregates"]["sparse_coverage"] = final["duty_cycle"]["coverage"]
             if self._sink_list:
                 final["sinks"] = out.sinks.close({**self.meta, **final})
             stages.lap("frames_sinks")
