@@ -31,10 +31,13 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from sparseety_prof.terminal_text import visible
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # bench_figures lives there
+from bench_figures import Stalls  # noqa: E402
+
+from sparseety_prof.terminal_text import visible  # noqa: E402
 
 BPF_TEXT = r"""
 struct stall_key_t {
@@ -114,19 +117,6 @@ def _comm(pid: int) -> str:
 def _matching(pattern: str) -> set[int]:
     pids = (int(p) for p in os.listdir("/proc") if p.isdigit())
     return {p for p in pids if p != os.getpid() and pattern in _cmdline(p)}
-
-
-class Stalls(NamedTuple):
-    """The waits of engine threads preempted, by who took the CPU: log2 µs bucket -> count, and
-    the total wait in ns."""
-
-    hist: dict[str, dict[int, int]]
-    total_ns: dict[str, int]
-    long_ns: dict[str, int]  # of total_ns, in waits of 1 ms and more
-    long_waits: dict[str, int]  # how many waits of 1 ms and more
-    engines: set[int]
-    recorders: set[int]
-    top_others: list[tuple[str, int, int]]  # the "other" processes that took the most: name, pid, ns
 
 
 class StallTracer:

@@ -33,8 +33,11 @@ from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # bench_figures lives there
 
-from scripts.preempt_stalls import Stalls, StallTracer, table  # noqa: E402
+from bench_figures import Stalls  # noqa: E402
+
+from scripts.preempt_stalls import StallTracer, table  # noqa: E402
 
 WAYS = ("none", "yield", "sleep")
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -18,7 +19,6 @@ import pytest
 from conftest import ENGINES, ROOT, Engine, Recorder, bpf_prog_ids, uprobe_events
 
 import sparseety_prof
-from scripts.bare_traps import point_label
 
 pytestmark = [pytest.mark.root, pytest.mark.engine]
 
@@ -30,6 +30,11 @@ PROMPTS = [
     "what is the time",
 ]
 LOGPROB_TOL = 1e-4  # the engine's own log-softmax of the same logits row
+
+
+def point_label(p: dict[str, Any]) -> str:
+    """How scripts/bare_traps.py names a probe point of meta.json `probes` in the runs it prints."""
+    return f"{p['kind']} {p['symbol']} {Path(p['library']).name}+{int(p['address']):#x}"
 
 
 def _by_request(tokens: pl.DataFrame) -> list[pl.DataFrame]:

@@ -1,19 +1,19 @@
-"""scripts/preempt_stalls.py, performed: two spinning processes made to share one CPU, one named
-as the engine and one as the recorder; the tracer must count the engine's waits while the other
-held the CPU, and only those, as the recorder's."""
+"""scripts/preempt_stalls.py, run as a user runs it: two spinning processes made to share one CPU,
+one named as the engine and one as the recorder; the tracer must find both and charge the engine's
+waits to the recorder, never to the engine itself. How long the engine waited is a measurement
+the script prints, not checked here."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
+from conftest import ROOT
 
-from scripts.preempt_stalls import StallTracer, table, trace
-
+SCRIPT = ROOT / "scripts" / "preempt_stalls.py"
 SPIN = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end: pass\n"
 
 
@@ -24,49 +24,28 @@ def _spinner(seconds: float, marker: str, cpu: int) -> subprocess.Popen[bytes]:
 
 
 @pytest.mark.root
-def test_waits_of_an_engine_thread_are_counted_by_who_took_its_cpu() -> None:
+def test_waits_of_an_engine_thread_are_charged_to_who_took_its_cpu() -> None:
     tag = uuid.uuid4().hex
     cpu = min(os.sched_getaffinity(0))
-    engine = _spinner(6, f"engine-{tag}", cpu)
-    recorder = _spinner(6, f"recorder-{tag}", cpu)
+    engine = _spinner(60, f"engine-{tag}", cpu)
+    recorder = _spinner(60, f"recorder-{tag}", cpu)
     try:
-        st = trace(3.0, f"engine-{tag}", f"recorder-{tag}")
+        matches = ["--engine-match", f"engine-{tag}", "--recorder-match", f"recorder-{tag}"]
+        r = subprocess.run(
+            [sys.executable, str(SCRIPT), "--seconds", "3", *matches],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         for p in (engine, recorder):
             p.kill()
             p.wait()
-    assert st.engines == {engine.pid} and st.recorders == {recorder.pid}
-    # two spinners on one CPU share it: over ~2 s traced after the first second's discovery,
-    # the engine waited about half the time, each wait the recorder's slice
-    waited_s = st.total_ns["recorder"] / 1e9
-    assert 0.3 < waited_s < 3.0
-    assert sum(st.hist["recorder"].values()) >= 10
-    assert 0 <= st.long_ns.get("recorder", 0) <= st.total_ns["recorder"]
-    # the engine never waits for itself (a process that is only the engine)
-    assert "engine" not in st.hist
-    rows = table(st)
-    assert rows[2].startswith("| recorder | ")
-
-
-@pytest.mark.root
-def test_a_take_starts_the_counts_again() -> None:
-    tag = uuid.uuid4().hex
-    cpu = min(os.sched_getaffinity(0))
-    tracer = StallTracer()
-    try:
-        engine = _spinner(30, f"engine-{tag}", cpu)
-        recorder = _spinner(1.5, f"recorder-{tag}", cpu)
-        tracer.add_engine(engine.pid)
-        recorder.wait()
-        # a wait is counted when the engine runs again, and charged to whoever first took its
-        # CPU: let a wait the recorder began end before the take
-        time.sleep(0.2)
-        first = tracer.take({recorder.pid})
-        time.sleep(1.0)  # the engine spins alone: nothing of the recorder's is left to count
-        second = tracer.take({recorder.pid})
-    finally:
-        tracer.close()
-        engine.kill()
-        engine.wait()
-    assert first.total_ns["recorder"] > 0.1e9
-    assert "recorder" not in second.total_ns and "recorder" not in second.hist
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"engines [{engine.pid}], recorders [{recorder.pid}], 3 s"
+    assert lines[1].startswith("| CPU taken by | waits |")
+    rows = {ln.split("|")[1].strip(): ln for ln in lines[3:] if ln.startswith("| ")}
+    # two processes that never sleep, on one CPU: the engine runs only when the recorder is switched out
+    assert "recorder" in rows
+    assert "engine" not in rows  # a process that is only the engine never waits for itself

@@ -1,14 +1,16 @@
-"""scripts/thread_states.py: the recorder's threads as /proc shows them, performed on a process
-whose threads take known policies (one SCHED_IDLE and starved of nothing, one asleep in epoll)."""
+"""scripts/thread_states.py, run as a user runs it: the threads of a process as /proc shows them,
+on a process whose threads take known policies (one SCHED_IDLE and starved of nothing, one asleep
+in epoll)."""
 
 from __future__ import annotations
 
-import io
 import subprocess
 import sys
 import time
 
-from scripts.thread_states import sample
+from conftest import ROOT
+
+SCRIPT = ROOT / "scripts" / "thread_states.py"
 
 CHILD = r"""
 import os, select, sys, threading
@@ -32,12 +34,18 @@ def test_each_thread_with_its_policy_niceness_and_wait() -> None:
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
         time.sleep(0.1)
-        out = io.StringIO()
-        assert sample(marker, seconds=0.25, interval=0.05, out=out) >= 2
+        r = subprocess.run(
+            [sys.executable, str(SCRIPT), "--match", marker, "--seconds", "0.25", "--interval", "0.05"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         child.kill()
         child.wait()
-    lines = out.getvalue().splitlines()
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) >= 2 and r.stderr == f"thread_states: {len(lines)} samples\n"
     fields = lines[-1].split(maxsplit=2)
     assert int(fields[1]) == child.pid
     threads = [t.strip().split(":") for t in fields[2].split("|")]
