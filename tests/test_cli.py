@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from sparseety_prof.cli import build_parser
-from sparseety_prof.commands.attach_flags import options_from as _options
+from sparseety_prof.commands.attach_options import options_from as _options
 from sparseety_prof.errors import UsageError
 
 

@@ -374,7 +374,7 @@ def test_no_journal_leaves_the_rows_to_the_flushes(models: dict[str, Path], tmp_
 
 def test_no_journal_reaches_the_writer(tmp_path: Path) -> None:
     from sparseety_prof.cli import build_parser
-    from sparseety_prof.commands.attach_flags import options_from
+    from sparseety_prof.commands.attach_options import options_from
     from sparseety_prof.session.recorder import _open_writer
 
     p = build_parser()
@@ -435,7 +435,7 @@ def test_drains_that_come_fast_share_a_record(tmp_path: Path) -> None:
 
 def test_fsync_interval_reaches_the_options_with_its_default_from_one_place() -> None:
     from sparseety_prof.cli import build_parser
-    from sparseety_prof.commands.attach_flags import options_from
+    from sparseety_prof.commands.attach_options import options_from
     from sparseety_prof.errors import UsageError
     from sparseety_prof.session.options import FSYNC_INTERVAL_S
 

@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from request_latency_oracle import METRICS, want_latencies
 
 from sparseety_prof.cli import build_parser
-from sparseety_prof.commands.attach_flags import metrics_sink_from, options_from
+from sparseety_prof.commands.attach_options import options_from
+from sparseety_prof.commands.run_outputs import metrics_sink_from
 from sparseety_prof.errors import MetricsEndpointError, UsageError
 from sparseety_prof.session.metrics_sink import (
     AGGREGATE,
@@ -266,7 +267,7 @@ def test_record_and_attach_flags_make_the_sink() -> None:
         args = p.parse_args(
             [cmd, "--pid", "7", "-o", "rec", "--metrics-port", str(port), "--metrics-experts", "aggregate"]
         )
-        sink = metrics_sink_from(args, options_from(args))
+        sink = metrics_sink_from(options_from(args))
         assert sink is not None
         try:
             assert (sink.host, sink.port, sink.experts) == ("127.0.0.1", port, AGGREGATE)
@@ -275,10 +276,10 @@ def test_record_and_attach_flags_make_the_sink() -> None:
         finally:
             sink.stop()
         args = p.parse_args([cmd, "--pid", "7", "-o", "rec"])
-        assert metrics_sink_from(args, options_from(args)) is None
+        assert metrics_sink_from(options_from(args)) is None
         args = p.parse_args([cmd, "--pid", "7", "-o", "rec", "--metrics-port", "70000"])
         with pytest.raises(UsageError, match="--metrics-port"):
-            metrics_sink_from(args, options_from(args))
+            metrics_sink_from(options_from(args))
 
 
 # ---------------------------------------------------------------- request latencies (SRE)

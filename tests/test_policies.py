@@ -292,7 +292,7 @@ def test_bad_policies_are_refused_with_what_is_wrong(specs: list[str], message: 
 
 def test_policy_flags_reach_the_options_and_bad_ones_are_usage_errors() -> None:
     from sparseety_prof.cli import build_parser
-    from sparseety_prof.commands.attach_flags import options_from
+    from sparseety_prof.commands.attach_options import options_from
     from sparseety_prof.errors import UsageError
 
     p = build_parser()

@@ -1,35 +1,16 @@
-"""The flags `record` and `attach` share, in the groups their --help shows, and the session Options
-made from them. Their defaults are the Options' own (session/options.py), read from there."""
+"""The flags `record` and `attach` share, in the groups their --help shows. The parser only parses:
+it writes no default (a flag not given is None), and the session Options made from the flags
+(commands/attach_options.py) keep their own defaults (session/options.py), which --help reads."""
 
 from __future__ import annotations
 
 import argparse
-import os
-from collections.abc import Callable
 from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sparseety_prof.commands.dataset_flag import add_dataset_flag
-from sparseety_prof.commands.flag_combinations import refuse_unworkable_combinations
-from sparseety_prof.session.options import (
-    ABLATION_KINDS,
-    DRAIN_INTERVAL_MAX_S,
-    DRAIN_INTERVAL_MIN_S,
-    DRAIN_INTERVAL_S,
-    FLUSH_INTERVAL_S,
-    FSYNC_INTERVAL_S,
-    RING_MB,
-    SLICE_US,
-)
-
-if TYPE_CHECKING:
-    from sparseety_prof.session.duty_cycle import DutySpec
-    from sparseety_prof.session.follow_target import FollowTarget
-    from sparseety_prof.session.metrics_sink import PrometheusSink
-    from sparseety_prof.session.options import Options
-    from sparseety_prof.session.sinks import FrameSink
-
+from sparseety_prof.session.options import ABLATION_KINDS, METRICS_BIND
 
 #: the record/attach flags left out of --help: tuning and benchmark knobs, each documented in
 #: docs/tuning.md (tests/test_cli_help.py checks that every one is, with its default)
@@ -46,10 +27,6 @@ TUNING_FLAGS = (
     "--discover-timeout",
     "--recorder-cpus",
 )
-#: the policies that decide at a request's end: its rows wait in --policy-window until then
-UNDECIDED_POLICIES = ("tail", "anomaly")
-#: --metrics-bind's default: loopback (expert load over time is routing, as sensitive as prompts)
-METRICS_BIND = "127.0.0.1"
 #: --metrics-experts' choices (session/metrics_sink.py EXPERT_MODES: not imported for --help, it
 #: needs prometheus_client); not given, the endpoint's own default decides (auto)
 METRICS_EXPERT_MODES = ("auto", "per-expert", "aggregate")
@@ -134,18 +111,20 @@ def _add_capture(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--mode",
         choices=("full", "tokens"),
-        default="full",
+        default=None,
         help="full (default): tokens plus MoE routing, activation sparsity and attention coverage; "
         "tokens: token boundaries, ids and log-probs only (fewer probes)",
     )
     g.add_argument(
         "--capture-router-probs",
         action="store_true",
+        default=None,
         help="also record the router probability of every expert per MoE layer",
     )
     g.add_argument(
         "--capture-masks",
         action="store_true",
+        default=None,
         help="also record the activation zero masks, bit-packed, in the masks table",
     )
     g.add_argument(
@@ -159,7 +138,7 @@ def _add_capture(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--act-every",
         type=int,
-        default=capture_default("act_every"),
+        default=None,
         metavar="N",
         help=f"count the activations of one decode step in N (default {capture_default('act_every')}: "
         "every step). The counting is the probes' largest cost in the engine's threads; the other "
@@ -168,7 +147,7 @@ def _add_capture(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--request-header",
-        default=option_default("request_header"),
+        default=None,
         metavar="NAME",
         help="HTTP servers: header whose value becomes request_id (default "
         f"{option_default('request_header')}); requests without it get generated ids",
@@ -194,13 +173,14 @@ def _add_output(g: argparse._ArgumentGroup, *, output_help: str, output_required
     g.add_argument(
         "--redact-text",
         action="store_true",
+        default=None,
         help="keep token ids but store no token text, and no prompt or other "
         "text from the engine's command line, environment or server settings (docs: privacy)",
     )
     g.add_argument(
         "--redact",
         action="append",
-        default=[],
+        default=None,
         metavar="LEVEL[,LEVEL]",
         help="also leave out what recovers tokens: ids (token ids and text), routing (per-token "
         "experts and gate weights; the expert load per layer stays), sparsity (ratios rounded to 0.1), "
@@ -224,25 +204,26 @@ def _add_output(g: argparse._ArgumentGroup, *, output_help: str, output_required
     g.add_argument(
         "--flush-interval",
         type=float,
-        default=FLUSH_INTERVAL_S,
+        default=None,
         metavar="SECONDS",
         help="write the rows gathered as Parquet segments at least this often (default "
-        f"{FLUSH_INTERVAL_S:g}); in between, each drain's rows go to the recording's journal, so "
-        "that a recorder killed outright (SIGKILL, the OOM killer) loses about the last drain; "
+        f"{option_default('flush_interval'):g}); in between, each drain's rows go to the recording's "
+        "journal, so that a recorder killed outright (SIGKILL, the OOM killer) loses about the last drain; "
         "metrics and OTLP exporters get rows at least this often",
     )
     g.add_argument(
         "--fsync-interval",
         type=float,
-        default=FSYNC_INTERVAL_S,
+        default=None,
         metavar="SECONDS",
         help="fsync the recording's journal this often, so that a power cut loses at most about "
-        f"this much (default {FSYNC_INTERVAL_S:g}; 0: after each drain)",
+        f"this much (default {option_default('fsync_interval'):g}; 0: after each drain)",
     )
     g.add_argument(
         "--no-journal",
         dest="journal",
         action="store_false",
+        default=None,
         help="no journal: rows reach the disk at flushes only, so a recorder killed outright loses "
         "up to a flush interval of them, for less of the recorder's CPU (docs/durability.md)",
     )
@@ -276,7 +257,7 @@ def _add_policy(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--aggregate-interval",
         type=int,
-        default=option_default("aggregate_s"),
+        default=None,
         metavar="SECONDS",
         help="length of the buckets of the always-on aggregates table (expert load, sparsity, "
         f"log-prob and step-latency histograms; default {option_default('aggregate_s')})",
@@ -297,7 +278,7 @@ def _add_footprint(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--sched",
         choices=["idle", "nice"],
-        default=option_default("sched"),
+        default=None,
         help="consumer CPU policy once attached: nice (default) = run at --nice; idle = SCHED_IDLE (only "
         "CPU the engine leaves idle). Either way it takes nice 0 once it falls behind (over a third of "
         "the ring filled, or records waiting too long) until it has caught up. idle suits sampling "
@@ -308,7 +289,7 @@ def _add_footprint(g: argparse._ArgumentGroup) -> None:
         "--nice",
         type=int,
         metavar="N",
-        default=option_default("nice"),
+        default=None,
         help="niceness the consumer takes once attached, so the engine wins CPU contention (default "
         f"{option_default('nice')})",
     )
@@ -337,7 +318,7 @@ def _add_fleet(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--otlp-token-events",
         type=float,
-        default=0.0,
+        default=None,
         metavar="RATE",
         help="with --otlp: also attach this share (0..1) of each request's tokens as span events "
         "(default 0; at most 128 per span)",
@@ -345,6 +326,7 @@ def _add_fleet(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--otlp-steps",
         action="store_true",
+        default=None,
         help="with --otlp: also send one span per micro-batch (step)",
     )
     add_metrics_flags(g)
@@ -353,41 +335,19 @@ def _add_fleet(g: argparse._ArgumentGroup) -> None:
 def _add_tuning(p: argparse.ArgumentParser) -> None:
     """Tuning and benchmark knobs: accepted, left out of --help, documented in docs/tuning.md."""
     hidden = argparse.SUPPRESS
-    p.add_argument("--correlate-every", type=float, default=option_default("correlate_every"), help=hidden)
-    p.add_argument("--drain-interval", type=float, default=DRAIN_INTERVAL_S, help=hidden)
-    p.add_argument("--ring-mb", type=int, default=RING_MB, help=hidden)
-    p.add_argument("--max-drain-gap", type=float, default=option_default("max_drain_gap"), help=hidden)
-    p.add_argument("--slice-us", type=int, default=SLICE_US, help=hidden)
-    p.add_argument("--bpf-stats", action="store_true", help=hidden)
+    p.add_argument("--correlate-every", type=float, default=None, help=hidden)
+    p.add_argument("--drain-interval", type=float, default=None, help=hidden)
+    p.add_argument("--ring-mb", type=int, default=None, help=hidden)
+    p.add_argument("--max-drain-gap", type=float, default=None, help=hidden)
+    p.add_argument("--slice-us", type=int, default=None, help=hidden)
+    p.add_argument("--bpf-stats", action="store_true", default=None, help=hidden)
     p.add_argument(
-        "--ablate-consumer", nargs="?", const="drain", default="", choices=ABLATION_KINDS, help=hidden
+        "--ablate-consumer", nargs="?", const="drain", default=None, choices=ABLATION_KINDS, help=hidden
     )
     p.add_argument("--moe-read", choices=("auto", "ops"), default=None, help=hidden)
-    p.add_argument("--discover-layout", action="store_true", help=hidden)
-    p.add_argument("--discover-timeout", type=float, default=option_default("discover_timeout"), help=hidden)
-    p.add_argument("--recorder-cpus", default=option_default("recorder_cpus"), metavar="CPUS", help=hidden)
-
-
-def sinks_from(args: argparse.Namespace, log: Callable[[str], None]) -> list[FrameSink]:
-    """The sinks the flags ask for (--otlp); UsageError for a bad URL or rate."""
-    from sparseety_prof.errors import UsageError
-
-    if args.otlp is None:
-        return []  # options_from refused --otlp-token-events and --otlp-steps without it
-    if not 0.0 <= args.otlp_token_events <= 1.0:
-        raise UsageError(f"--otlp-token-events must be within 0..1, got {args.otlp_token_events}")
-    try:
-        from sparseety_prof.session.otlp_sink import OtlpSink, traces_url
-    except ImportError as e:
-        raise UsageError(
-            f"--otlp needs the OpenTelemetry SDK ({e}): pip install 'sparseety-prof[otlp]'"
-        ) from None
-
-    try:
-        traces_url(args.otlp)
-    except ValueError as e:
-        raise UsageError(f"--otlp: {e}") from None
-    return [OtlpSink(args.otlp, token_event_rate=args.otlp_token_events, steps=args.otlp_steps, log=log)]
+    p.add_argument("--discover-layout", action="store_true", default=None, help=hidden)
+    p.add_argument("--discover-timeout", type=float, default=None, help=hidden)
+    p.add_argument("--recorder-cpus", default=None, metavar="CPUS", help=hidden)
 
 
 def add_late_attach_flags(p: argparse._ActionsContainer) -> None:
@@ -396,6 +356,7 @@ def add_late_attach_flags(p: argparse._ActionsContainer) -> None:
     p.add_argument(
         "--late-attach",
         action="store_true",
+        default=None,
         help="GPU: if the process is a running CUDA process started without `sparseety-prof launch`, "
         "load the CUPTI injection library into it now (ptrace + dlopen, x86_64; docs: GPU path)",
     )
@@ -406,31 +367,6 @@ def add_late_attach_flags(p: argparse._ActionsContainer) -> None:
         help="with --late-attach: watched kernels, as `launch --watch` ('name_substring:arg:dtype:rule;...')",
     )
     add_preset_flag(p)
-
-
-def late_attach_from(args: argparse.Namespace, log: Callable[[str], None]) -> None:
-    """--late-attach: give the target a CUPTI ring before the recorder looks for one."""
-    from sparseety_prof.errors import UsageError
-    from sparseety_prof.gpu.late_attach import SETTINGS, late_attach
-    from sparseety_prof.gpu.launch import library_path
-    from sparseety_prof.gpu.presets import watch_spec
-    from sparseety_prof.gpu.watch_rules import WatchSpecError
-
-    if not args.late_attach:
-        return  # options_from refused --watch and --preset without it
-    try:
-        watch = watch_spec(args.watch, args.preset)
-    except WatchSpecError as e:
-        raise UsageError(f"--watch/--preset: {e}") from None
-    lib = library_path()
-    if not lib.is_file():
-        raise UsageError(f"the CUPTI injection library {lib} is not built: run `sparseety-prof build-cupti`")
-    settings = {k: v for k, v in os.environ.items() if k in SETTINGS}
-    if watch:
-        settings["SPARSEETY_WATCH"] = watch
-    result = late_attach(args.pid, lib, settings, log=log)
-    if not result.injected:
-        log(f"sparseety-prof: {result.message}")
 
 
 def add_metrics_flags(p: argparse._ActionsContainer) -> None:
@@ -458,254 +394,3 @@ def add_metrics_flags(p: argparse._ActionsContainer) -> None:
         "those series stay within a bound, only per-layer imbalance gauges beyond (docs: fleet "
         "outputs); per-expert: always per expert; aggregate: always per layer, no expert label",
     )
-
-
-def options_from(args: argparse.Namespace) -> Options:
-    """Options of `record` and `attach`, from the flags they share (see add_attach_flags)."""
-    from sparseety_prof.capture.options import TOKENS_ONLY, Capture
-    from sparseety_prof.errors import UsageError
-    from sparseety_prof.session.memory_budget import MIN_MAX_MEMORY
-    from sparseety_prof.session.options import Options
-    from sparseety_prof.session.sched_slice import SLICE_MAX_US, SLICE_MIN_US
-    from sparseety_prof.store.output_dir import check_output_path, sudo_owner
-    from sparseety_prof.store.recording import META_FILE
-    from sparseety_prof.store.recording_writer import MIN_MAX_DISK
-    from sparseety_prof.store.redaction_levels import redaction_from_flags
-    from sparseety_prof.store.rotation import parse_size
-
-    refuse_unworkable_combinations(args)
-    if not 0 <= args.correlate_every <= 10:
-        raise UsageError(f"--correlate-every must be from 0 to 10 seconds, got {args.correlate_every}")
-    if not args.flush_interval > 0:
-        raise UsageError(f"--flush-interval must be a positive number of seconds, got {args.flush_interval}")
-    if not args.fsync_interval >= 0:
-        raise UsageError(
-            f"--fsync-interval must be 0 or a positive number of seconds, got {args.fsync_interval}"
-        )
-    redact, redact_layers = redaction_from_flags(args.redact, args.redact_layers)
-    max_disk = None
-    if args.max_disk is not None:
-        try:
-            max_disk = parse_size(args.max_disk)
-        except ValueError as e:
-            raise UsageError(f"--max-disk: {e}") from None
-        if max_disk < MIN_MAX_DISK:
-            raise UsageError(f"--max-disk must be at least {MIN_MAX_DISK >> 20} MiB, got {args.max_disk}")
-        if args.output is None:
-            raise UsageError("--max-disk needs -o (it bounds the recording on disk)")
-    if not 1 <= args.ring_mb <= 1024 or args.ring_mb & (args.ring_mb - 1):
-        raise UsageError(f"--ring-mb must be a power of two from 1 to 1024, got {args.ring_mb}")
-    from sparseety_prof.session.policy import check as check_policy
-
-    try:
-        policy = check_policy(args.policy or ["full"])
-    except ValueError as e:
-        raise UsageError(f"--policy: {e}") from None
-    if not (args.max_drain_gap == 0 or 0.1 <= args.max_drain_gap <= 3600):
-        raise UsageError(f"--max-drain-gap must be 0 (none) or 0.1-3600 s, got {args.max_drain_gap}")
-    if not DRAIN_INTERVAL_MIN_S <= args.drain_interval <= DRAIN_INTERVAL_MAX_S:
-        raise UsageError(
-            f"--drain-interval must be from {DRAIN_INTERVAL_MIN_S:g} to {DRAIN_INTERVAL_MAX_S:g} s, "
-            f"got {args.drain_interval}"
-        )
-    if args.max_drain_gap and args.drain_interval >= args.max_drain_gap:
-        # every ordinary pause would count as a starved consumer and raise its priority
-        raise UsageError(
-            f"--drain-interval ({args.drain_interval:g} s) must be shorter than --max-drain-gap "
-            f"({args.max_drain_gap:g} s)"
-        )
-    if args.slice_us != 0 and not SLICE_MIN_US <= args.slice_us <= SLICE_MAX_US:
-        raise UsageError(
-            f"--slice-us must be 0 (the kernel's) or {SLICE_MIN_US}-{SLICE_MAX_US}, got {args.slice_us}"
-        )
-    max_memory = option_default("max_memory") if args.max_memory is None else None
-    if args.max_memory is not None and args.max_memory.lower() != "none":
-        try:
-            max_memory = parse_size(args.max_memory)
-        except ValueError as e:
-            raise UsageError(f"--max-memory: {e}") from None
-        if max_memory < MIN_MAX_MEMORY:
-            raise UsageError(
-                f"--max-memory must be at least {MIN_MAX_MEMORY >> 20} MiB, got {args.max_memory}"
-            )
-    policy_window = option_default("policy_window")
-    if args.policy_window is not None:
-        try:
-            policy_window = parse_size(args.policy_window)
-        except ValueError as e:
-            raise UsageError(f"--policy-window: {e}") from None
-        if not any(spec.split(":", 1)[0] in UNDECIDED_POLICIES for spec in policy):
-            raise UsageError(
-                "--policy-window bounds the rows of requests not yet decided: it goes with --policy tail:Q "
-                "or --policy anomaly (head, full and aggregate decide at once)"
-            )
-    if args.aggregate_interval < 1:
-        raise UsageError(f"--aggregate-interval must be at least 1 second, got {args.aggregate_interval}")
-    if args.ablate_consumer:
-        from sparseety_prof.session.ablation import ConsumerAblation
-
-        why = ConsumerAblation.check(args.ablate_consumer)
-        if why is not None:
-            raise UsageError(why)
-    if args.output is not None and _follows(args):
-        from sparseety_prof.session.follow_dir import check_follow_output
-
-        # a new or empty directory, or one this follower made (a service manager restarted it)
-        check_follow_output(args.output, follow_rule_from(args).to_meta(), sudo_owner())  # type: ignore[union-attr]
-    elif args.output is not None:
-        check_output_path(args.output, META_FILE, sudo_owner())  # refused before anything is attached
-    if args.mode == "tokens":
-        given = [
-            flag
-            for flag, on in (
-                ("--capture-router-probs", args.capture_router_probs),
-                ("--capture-masks", args.capture_masks),
-                ("--act-every", args.act_every != capture_default("act_every")),
-                ("--act-threshold", args.act_threshold is not None),
-                ("--moe-read", getattr(args, "moe_read", None) is not None),
-            )
-            if on
-        ]
-        if given:
-            raise UsageError(
-                f"{', '.join(given)}: --mode tokens captures no sparse decisions; these need --mode full"
-            )
-        capture = TOKENS_ONLY
-    else:
-        try:
-            capture = Capture(
-                router_probs=args.capture_router_probs,
-                masks=args.capture_masks,
-                act_threshold=capture_default("act_threshold")
-                if args.act_threshold is None
-                else args.act_threshold,
-                act_every=args.act_every,
-            )
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-    return Options(
-        pid=args.pid if args.pid is not None else 0,  # --follow: each attach sets the PID it found
-        out=args.output,
-        duration=args.duration,
-        flush_interval=args.flush_interval,
-        fsync_interval=args.fsync_interval,
-        journal=args.journal,
-        correlate_every=args.correlate_every,
-        max_disk=max_disk,
-        max_memory=max_memory,
-        redact_text=args.redact_text,
-        redact=redact,
-        redact_layers=redact_layers,
-        model=args.model,
-        nice=args.nice,
-        skip_probes=frozenset(getattr(args, "skip_probe", None) or ()),
-        request_header=args.request_header,
-        sched=args.sched,
-        max_drain_gap=args.max_drain_gap,
-        drain_interval=args.drain_interval,
-        slice_us=args.slice_us,
-        capture=capture,
-        moe_read=getattr(args, "moe_read", None) or option_default("moe_read"),
-        discover_layout=args.discover_layout,
-        discover_timeout=args.discover_timeout,
-        policy=policy,
-        policy_window=policy_window,
-        ring_mb=args.ring_mb,
-        aggregate_s=args.aggregate_interval,
-        bpf_stats=args.bpf_stats,
-        ablate_consumer=args.ablate_consumer,
-        recorder_cpus=_recorder_cpus(args.recorder_cpus),
-        duty_cycle=_duty_cycle(args.duty_cycle),
-    )
-
-
-def _recorder_cpus(text: str) -> str:
-    """--recorder-cpus checked (session/placement.py); UsageError otherwise."""
-    from sparseety_prof.session.placement import parse_recorder_cpus
-
-    return parse_recorder_cpus(text)
-
-
-def _duty_cycle(text: str | None) -> DutySpec | None:
-    """--duty-cycle ON/PERIOD parsed (session/duty_cycle.py); UsageError when malformed."""
-    from sparseety_prof.errors import UsageError
-    from sparseety_prof.session.duty_cycle import parse_duty_cycle
-
-    if text is None:
-        return None
-    try:
-        return parse_duty_cycle(text)
-    except ValueError as e:
-        raise UsageError(f"--duty-cycle: {e}") from None
-
-
-def metrics_sink_from(
-    args: argparse.Namespace, opts: Options, *, sink_class: type[PrometheusSink] | None = None
-) -> PrometheusSink | None:
-    """The metrics endpoint asked for with --metrics-port, already listening (so that a port in
-    use is refused before attaching), or None. `sink_class`: --follow's, which outlives a run."""
-    from sparseety_prof.errors import UsageError
-    from sparseety_prof.session.metrics_sink import PrometheusSink
-
-    if args.metrics_port is None:
-        return None  # options_from refused --metrics-bind and --metrics-experts without it
-    if not 0 < args.metrics_port < 65536:
-        raise UsageError(f"--metrics-port must be a port number (1-65535), got {args.metrics_port}")
-    chosen = {"experts": args.metrics_experts} if args.metrics_experts is not None else {}
-    return (sink_class or PrometheusSink)(
-        args.metrics_bind or METRICS_BIND,
-        args.metrics_port,
-        redact=opts.redact,
-        redact_layers=opts.redact_layers,
-        **chosen,
-    )
-
-
-def _follows(args: argparse.Namespace) -> bool:
-    return args.follow is not None or getattr(args, "follow_unit", None) is not None
-
-
-def follow_rule_from(args: argparse.Namespace) -> FollowTarget | None:
-    """The processes --follow NAME (capture/process_match.py) or --follow-unit UNIT mean
-    (session/follow_target.py), or None for --pid; UsageError for a name no process can have,
-    or a flag that needs one fixed PID."""
-    from sparseety_prof.capture.process_match import COMM_MAX, ProcessRule
-    from sparseety_prof.errors import UsageError
-    from sparseety_prof.session.follow_target import NamedProcesses, UnitMainProcess
-    from sparseety_prof.store.output_dir import sudo_owner
-
-    if not _follows(args):
-        if args.follow_user is not None:
-            raise UsageError("--follow-user needs --follow NAME or --follow-unit UNIT")
-        return None
-    if args.late_attach:
-        raise UsageError("--late-attach is not available with --follow (it serves one process): use --pid")
-    unit = getattr(args, "follow_unit", None)
-    if unit is not None:
-        if not unit or unit != unit.strip() or "/" in unit or unit.startswith("-") or not unit.isprintable():
-            raise UsageError(f"--follow-unit needs a systemd unit name (e.g. llama.service), got {unit!r}")
-        return UnitMainProcess(unit, _user_id(args.follow_user) if args.follow_user is not None else None)
-    name = args.follow
-    if not name or name != name.strip() or "\n" in name:
-        raise UsageError(f"--follow needs a process name (as /proc/PID/comm shows it), got {name!r}")
-    if len(name.encode()) > COMM_MAX:
-        raise UsageError(
-            f"--follow {name!r}: the kernel keeps at most {COMM_MAX} bytes of a process name, so no "
-            f"process is named that; give the first {COMM_MAX} (what `ps -o comm` shows)"
-        )
-    owner = sudo_owner()
-    uid = _user_id(args.follow_user) if args.follow_user is not None else owner[0] if owner else os.getuid()
-    return NamedProcesses(ProcessRule(name=name, uid=uid))
-
-
-def _user_id(user: str) -> int:
-    import pwd
-
-    from sparseety_prof.errors import UsageError
-
-    if user.isdigit():
-        return int(user)
-    try:
-        return pwd.getpwnam(user).pw_uid
-    except KeyError:
-        raise UsageError(f"--follow-user: no user named {user!r}") from None

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sparseety_prof.errors import UsageError
+
+if TYPE_CHECKING:
+    from sparseety_prof.session.options import Options
 
 
 def add_dataset_flag(p: argparse._ActionsContainer) -> None:
@@ -34,10 +38,10 @@ def check_dataset_flag(args: argparse.Namespace) -> None:
     check_dest(args.dataset, MANIFEST, sudo_owner())
 
 
-def collect_recording(args: argparse.Namespace) -> int:
+def collect_recording(opts: Options) -> int:
     """Collect the closed recording into --dataset DEST (0 when none was asked for)."""
-    if args.dataset is None:
+    if opts.outputs.dataset is None or opts.out is None:
         return 0
     from sparseety_prof.commands.collect import collect_into
 
-    return collect_into([args.output], args.dataset)
+    return collect_into([opts.out], opts.outputs.dataset)

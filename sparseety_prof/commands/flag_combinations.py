@@ -21,22 +21,12 @@ _MODIFIERS = (
 
 
 def refuse_unworkable_combinations(args: argparse.Namespace) -> None:
-    """UsageError for the first combination of `record`/`attach` flags that cannot work."""
+    """UsageError for the first combination of `record`/`attach` flags that cannot work (a
+    value out of its range is refused as the Options are made: commands/attach_options.py)."""
     for needs, needed_attr, modifiers in _MODIFIERS:
         if getattr(args, needed_attr) in (None, False) and any(getattr(args, a) for a in modifiers.values()):
             hint = " (for a new process: `sparseety-prof launch --watch`)" if needs == "--late-attach" else ""
             raise UsageError(f"{' and '.join(modifiers)} need {needs}{hint}")
-    if args.duration is not None and not args.duration > 0:
-        raise UsageError(f"--duration must be a positive number of seconds, got {args.duration}")
-    if not args.discover_timeout > 0:
-        raise UsageError(
-            f"--discover-timeout must be a positive number of seconds, got {args.discover_timeout}"
-        )
-    interval = getattr(args, "status_interval", None)
-    if interval is not None and not 0 <= interval < float("inf"):
-        raise UsageError(f"--status-interval must be 0 (off) or a number of seconds, got {interval}")
-    if not -20 <= args.nice <= 19:
-        raise UsageError(f"--nice must be from -20 to 19, got {args.nice}")
     if args.output is None and args.policy and args.policy != ["full"]:
         raise UsageError(
             "--policy decides what the recording keeps: give -o DIR (the live view, metrics and "

@@ -5,11 +5,10 @@ run once it closed."""
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sparseety_prof.commands.attach_flags import metrics_sink_from, sinks_from
+from sparseety_prof.commands.run_outputs import metrics_sink_from, sinks_from
 
 if TYPE_CHECKING:
     from sparseety_prof.session.follow_metrics import FollowPrometheusSink
@@ -20,31 +19,31 @@ if TYPE_CHECKING:
 class FollowOutputs:
     """Made before the first attach (a port in use, a bad URL: refused then); `close()` once."""
 
-    def __init__(self, args: argparse.Namespace, opts: Options, log: Callable[[str], None]) -> None:
+    def __init__(self, opts: Options, log: Callable[[str], None]) -> None:
         from sparseety_prof.session.follow_metrics import FollowPrometheusSink
 
-        self._args = args
+        self._opts = opts
         self._log = log
-        sinks_from(args, log)  # refuses a bad --otlp before anything is attached
-        metrics = metrics_sink_from(args, opts, sink_class=FollowPrometheusSink)
+        sinks_from(opts, log)  # refuses a bad --otlp before anything is attached
+        metrics = metrics_sink_from(opts, sink_class=FollowPrometheusSink)
         self.metrics: FollowPrometheusSink | None = metrics  # type: ignore[assignment]
         self.collected = 0
 
     def sinks(self) -> list[FrameSink]:
         """The sinks of one run: a new OTLP exporter, the one metrics endpoint."""
-        run: list[FrameSink] = list(sinks_from(self._args, self._log))
+        run: list[FrameSink] = list(sinks_from(self._opts, self._log))
         if self.metrics is not None:
             run.append(self.metrics)
         return run
 
     def after_run(self, entry: dict[str, Any]) -> None:
         """--dataset: collect the run just closed (a refused one is said, and the follow goes on)."""
-        args = self._args
-        if args.dataset is None or args.output is None or not entry.get("dir"):
+        dataset, out = self._opts.outputs.dataset, self._opts.out
+        if dataset is None or out is None or not entry.get("dir"):
             return
         from sparseety_prof.commands.collect import collect_into
 
-        rc = collect_into([args.output / entry["dir"]], args.dataset)
+        rc = collect_into([out / entry["dir"]], dataset)
         if rc == 0:
             self.collected += 1
         else:

@@ -18,7 +18,7 @@ from sparseety_prof.capture.tensor_probe import ProcessMemory, TensorCheck, veri
 from sparseety_prof.capture.untrusted_files import PinnedFile
 from sparseety_prof.errors import MissingPrivileges, NotAnEngine, UnsupportedEngineBuild, UsageError
 from sparseety_prof.session.options import Options
-from sparseety_prof.session.policy import probe_head_rate, probe_keep_below
+from sparseety_prof.session.policy import probe_keep_below
 
 
 @dataclass
@@ -114,7 +114,7 @@ def _attach_probes(
     stop: Callable[[], bool],
 ) -> Attached:
     tensor_names = [ti.name for ti in tensors]
-    head_rate = probe_head_rate(opts.policy)
+    head_rate = opts.policy_choice.head_in_probes
     n_layer = int(model.hyperparameters.get("block_count", 0) or 0)
     layers = layer_set(tensor_names, n_layer)
     plan = moe_plan(tensor_names, layers, model.architecture) if opts.moe_read == "auto" else MoePlan()

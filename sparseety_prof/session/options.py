@@ -5,12 +5,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sparseety_prof.capture.options import Capture
 from sparseety_prof.correlate.serving import DEFAULT_HEADER
 from sparseety_prof.session.duty_cycle import DutySpec
 from sparseety_prof.session.memory_budget import DEFAULT_MAX_MEMORY
+from sparseety_prof.session.policy import PolicyChoice
 from sparseety_prof.session.request_hold import DEFAULT_WINDOW_BYTES
+
+if TYPE_CHECKING:
+    from sparseety_prof.session.follow_target import FollowTarget
 
 #: default --flush-interval, seconds. Each flush writes a segment per table (Parquet, two fsyncs)
 #: and rewrites meta.json, a fixed cost that shorter intervals pay more often (measured in
@@ -37,6 +42,23 @@ ABLATION_KINDS = ("drain", "logits")
 #: default --slice-us: 0, the kernel's own slice. A short one measured worse (docs/overhead.md):
 #: EEVDF runs a short-slice thread sooner, so it preempts the engine more often
 SLICE_US = 0
+#: default --metrics-bind: loopback (expert load over time is routing, as sensitive as prompts)
+METRICS_BIND = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """Where rows go besides the recording, and what is said while recording (the fleet and
+    output flags of `record`/`attach`)."""
+
+    otlp: str | None = None  # an OTLP/HTTP collector: a span per request (session/otlp_sink.py)
+    otlp_token_events: float = 0.0  # the share of each request's tokens attached as span events
+    otlp_steps: bool = False  # also a span per micro-batch
+    metrics_port: int | None = None  # serve Prometheus metrics on this port (session/metrics_sink.py)
+    metrics_bind: str = METRICS_BIND  # the address the metrics endpoint listens on
+    metrics_experts: str | None = None  # the endpoint's expert series (None: its own default, auto)
+    dataset: Path | None = None  # collect each closed recording into this dataset
+    status_interval: float | None = None  # seconds between status lines; None: on when not a terminal
 
 
 @dataclass
@@ -86,6 +108,19 @@ class Options:
     # the expensive probes in for ON seconds every PERIOD, out between (session/duty_cycle.py);
     # None: always in
     duty_cycle: DutySpec | None = None
+    # --follow NAME / --follow-unit UNIT: the processes recorded one after another
+    # (session/follow.py); None: the one process `pid`
+    follow: FollowTarget | None = None
+    late_attach: bool = False  # load the CUPTI injection library into the running process first
+    late_attach_watch: str | None = None  # with late_attach: the watched kernels (gpu/presets.py watch_spec)
+    outputs: Outputs = field(default_factory=Outputs)
+    # `policy` parsed, once per Options: what each recording's RecordingPolicy is made from
+    policy_choice: PolicyChoice = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        """ValueError for `policy` values that cannot work (session/policy.py)."""
+        self.policy_choice = PolicyChoice.parse(self.policy)
+        self.policy = self.policy_choice.specs
 
 
 @dataclass

@@ -12,6 +12,7 @@ policy: the policy decides what is stored."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
@@ -27,18 +28,41 @@ _DROPPED_TABLES: dict[str, frozenset[str]] = {
 }
 
 
+@dataclass(frozen=True)
+class PolicyChoice:
+    """The `--policy` values, parsed once (`parse`): what Options carries, and what each
+    recording's RecordingPolicy is made from."""
+
+    specs: tuple[str, ...]  # the values as given, checked (meta.json policy.name joins them)
+    rows: str  # the table-level policy: "full", or "aggregate" when no per-request one keeps rows
+    per_request: tuple[request_verdicts.VerdictSpec, ...]
+    #: the rate of head sampling done in the probes, or None. When `head:RATE` is the only
+    #: per-request policy (`aggregate` may come with it), a request is decided at its start and
+    #: nothing else may keep it: the probes draw it there and copy no logits row of a request they
+    #: drop (token_probes.bpf.c head_keeps). With tail or anomaly, which decide at a request's end,
+    #: every request is captured and head is decided in the consumer, from the request id.
+    head_in_probes: float | None
+
+    @classmethod
+    def parse(cls, specs: Sequence[str]) -> PolicyChoice:
+        """The `--policy` values, checked (ValueError with what is wrong)."""
+        specs = tuple(specs) or ("full",)
+        if "full" in specs and len(specs) > 1:
+            raise ValueError("full keeps every row: it cannot be combined with another policy")
+        per_request = request_verdicts.parse_specs([s for s in specs if s not in _DROPPED_TABLES])
+        head = per_request[0] if len(per_request) == 1 and per_request[0].name == "head" else None
+        return cls(
+            specs=specs,
+            rows=specs[0] if not per_request else "full",
+            per_request=per_request,
+            head_in_probes=head.number if head is not None else None,
+        )
+
+
 def probe_head_rate(specs: Sequence[str]) -> float | None:
-    """The rate of head sampling done in the probes, or None. When `head:RATE` is the only
-    per-request policy (`aggregate` may come with it), a request is decided at its start and
-    nothing else may keep it: the probes draw it there and copy no logits row of a request they
-    drop (token_probes.bpf.c head_keeps). With tail or anomaly, which decide at a request's end,
-    every request is captured and head is decided in the consumer, from the request id."""
-    per_request = [s for s in check(specs) if s not in _DROPPED_TABLES]
-    if len(per_request) != 1 or not per_request[0].startswith("head:"):
-        return None
-    head = request_verdicts.parse(per_request)[0]
-    assert isinstance(head, request_verdicts.Head)
-    return head.rate
+    """The rate of head sampling done in the probes for these `--policy` values, or None
+    (PolicyChoice.head_in_probes)."""
+    return PolicyChoice.parse(specs).head_in_probes
 
 
 def probe_keep_below(rate: float) -> int:
@@ -48,11 +72,7 @@ def probe_keep_below(rate: float) -> int:
 
 def check(specs: Sequence[str]) -> tuple[str, ...]:
     """The `--policy` values, checked (ValueError with what is wrong)."""
-    specs = tuple(specs) or ("full",)
-    if "full" in specs and len(specs) > 1:
-        raise ValueError("full keeps every row: it cannot be combined with another policy")
-    request_verdicts.parse([s for s in specs if s not in _DROPPED_TABLES])
-    return specs
+    return PolicyChoice.parse(specs).specs
 
 
 class RowPolicy:
@@ -80,23 +100,38 @@ class RecordingPolicy:
 
     def __init__(
         self,
-        specs: Sequence[str],
-        meta: Mapping[str, Any] | None = None,
+        choice: PolicyChoice | Sequence[str],
         *,
         window_bytes: int = DEFAULT_WINDOW_BYTES,
         probe_verdicts: dict[str, bool] | None = None,
     ) -> None:
-        """`probe_verdicts`: with head sampling in the probes (probe_head_rate), the verdicts
-        the correlator takes from the probes' draws (request_verdicts.Head)."""
-        self.specs = check(specs)
-        per_request = [s for s in self.specs if s not in _DROPPED_TABLES]
-        self._rows = RowPolicy(self.specs[0] if not per_request else "full")
+        """`choice`: the parsed `--policy` values (Options.policy_choice), or the values as text.
+        `probe_verdicts`: with head sampling in the probes (PolicyChoice.head_in_probes), the
+        verdicts the correlator takes from the probes' draws (request_verdicts.Head)."""
+        if not isinstance(choice, PolicyChoice):
+            choice = PolicyChoice.parse(choice)
+        self.specs = choice.specs
+        self._rows = RowPolicy(choice.rows)
+        self.probe_verdicts = probe_verdicts
         self.probe_head = probe_verdicts is not None
         self.hold = (
-            RequestHold(request_verdicts.parse(per_request, meta, probe_verdicts), max_bytes=window_bytes)
-            if per_request
+            RequestHold([v.make(probe_verdicts) for v in choice.per_request], max_bytes=window_bytes)
+            if choice.per_request
             else None
         )
+
+    @classmethod
+    def for_session(cls, choice: PolicyChoice, window_bytes: int) -> RecordingPolicy:
+        """The policy of one recording: with head sampling in the probes, a verdicts dict for the
+        correlator to fill (probe_verdicts)."""
+        verdicts: dict[str, bool] | None = {} if choice.head_in_probes is not None else None
+        return cls(choice, window_bytes=window_bytes, probe_verdicts=verdicts)
+
+    def read_layout(self, meta: Mapping[str, Any]) -> None:
+        """The recording's metadata, once attached: the anomaly detectors read its layer map."""
+        for v in self.hold.verdicts if self.hold is not None else ():
+            if isinstance(v, request_verdicts.Anomaly):
+                v.meta = meta
 
     @property
     def per_request(self) -> bool:

@@ -39,7 +39,7 @@ from sparseety_prof.session.memory_budget import MemoryBudget, resident_bytes
 from sparseety_prof.session.model_hasher import ModelHasher
 from sparseety_prof.session.options import Options, Progress
 from sparseety_prof.session.placement import place_recorder
-from sparseety_prof.session.policy import RecordingPolicy, probe_head_rate
+from sparseety_prof.session.policy import RecordingPolicy
 from sparseety_prof.session.ring_watch import NativeRingWatch, RingWatch
 from sparseety_prof.session.row_outlet import RowOutlet
 from sparseety_prof.session.sched import ConsumerSched
@@ -63,18 +63,18 @@ class Recorder:
         self,
         opts: Options,
         *,
+        policy: RecordingPolicy,
         on_update: Callable[[Mapping[str, list[Any]], Mapping[str, list[Any]], Progress], None] | None = None,
         log: Callable[[str], None] | None = None,
         sinks: Sequence[FrameSink] = (),
     ) -> None:
+        """`policy`: what the recording keeps, made from `opts` (RecordingPolicy.for_session)."""
         self.opts = opts
         self._sink_list = list(sinks)
+        self._policy = policy
         # head sampling in the probes: the requests' verdicts, from the correlator to the policy
-        self._head_rate = probe_head_rate(opts.policy)
-        self._head_verdicts: dict[str, bool] | None = {} if self._head_rate is not None else None
-        self._policy = RecordingPolicy(
-            opts.policy, window_bytes=opts.policy_window, probe_verdicts=self._head_verdicts
-        )
+        self._head_rate = opts.policy_choice.head_in_probes
+        self._head_verdicts = policy.probe_verdicts
         self.on_update = on_update
         self._outlet: RowOutlet | None = None  # where the rows go (run opens it)
         self._stages = StageCpu()  # where the consumer's CPU goes (meta.json consumer.cpu_s_by_stage)
@@ -132,10 +132,7 @@ class Recorder:
         wall_offset = time.time_ns() - time.monotonic_ns()
         self.meta = metadata.run_metadata(a, opts)
         self.meta["recorder_placement"] = placement.to_meta()
-        # the anomaly policy's detectors read the layer map
-        self._policy = RecordingPolicy(
-            opts.policy, self.meta, window_bytes=opts.policy_window, probe_verdicts=self._head_verdicts
-        )
+        self._policy.read_layout(self.meta)  # the anomaly policy's detectors read the layer map
         writer = None
         if opts.out is not None:
             try:

@@ -76,13 +76,15 @@ def run_check(
 ) -> tuple[str, list[LayerResult]]:
     """(request id, per-layer results). Raises ProfError when it cannot run at all."""
     from sparseety_prof.session.options import Options
+    from sparseety_prof.session.policy import RecordingPolicy
     from sparseety_prof.session.recorder import Recorder  # imports bcc: not needed for --help
 
     log = log or (lambda s: None)
     with tempfile.TemporaryDirectory(prefix="sparseety-check-") as tmp:
         out = Path(tmp) / "rec"
+        opts = Options(pid=pid, out=out, skip_probes=skip_probes, request_header=header, nice=0)
         rec = Recorder(
-            Options(pid=pid, out=out, skip_probes=skip_probes, request_header=header, nice=0), log=log
+            opts, policy=RecordingPolicy.for_session(opts.policy_choice, opts.policy_window), log=log
         )
         errors: list[BaseException] = []
 

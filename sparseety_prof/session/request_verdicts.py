@@ -9,6 +9,7 @@ import bisect
 import hashlib
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
@@ -49,12 +50,16 @@ class Head:
     whatever the probes copied of them."""
 
     def __init__(self, rate: float, probe_verdicts: dict[str, bool] | None = None) -> None:
-        if not 0.0 <= rate <= 1.0:
-            raise ValueError(f"head:RATE needs 0 <= RATE <= 1, got {rate}")
+        self.check(rate)
         self.name = f"head:{rate:g}"
         self.rate = rate
         self.probe_verdicts = probe_verdicts
         self.unjudged = 0
+
+    @staticmethod
+    def check(rate: float) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"head:RATE needs 0 <= RATE <= 1, got {rate}")
 
     def keeps_at_start(self, request_id: str) -> bool:
         if self.probe_verdicts is None:
@@ -83,12 +88,16 @@ class Tail:
     requests that ended before it (the last TAIL_HISTORY of them; the first TAIL_WARMUP are kept)."""
 
     def __init__(self, q: float) -> None:
-        if not 0.0 < q < 1.0:
-            raise ValueError(f"tail:Q needs 0 < Q < 1, got {q}")
+        self.check(q)
         self.name = f"tail:{q:g}"
         self.q = q
         self._recent: deque[float] = deque()
         self._sorted: list[float] = []
+
+    @staticmethod
+    def check(q: float) -> None:
+        if not 0.0 < q < 1.0:
+            raise ValueError(f"tail:Q needs 0 < Q < 1, got {q}")
 
     def keeps_at_end(self, req: Mapping[str, Any]) -> bool:
         lat = request_latency_ms(req)
@@ -115,17 +124,23 @@ class Anomaly:
     not one per request); their baselines are per request (log-prob, routing jumps), or per layer
     over those requests together (sparsity spikes), as over a recording."""
 
-    def __init__(self, kinds: tuple[str, ...], meta: Mapping[str, Any] | None) -> None:
+    def __init__(self, kinds: tuple[str, ...], meta: Mapping[str, Any] | None = None) -> None:
+        self.check(kinds)
+        self.name = "anomaly" if kinds == tuple(REQUEST_DETECTORS) else "anomaly:" + ",".join(kinds)
+        self.kinds = kinds
+        # the recording's metadata (its layer map, which some detectors read), known once
+        # attached: RecordingPolicy.read_layout sets it
+        self.meta = meta
+        self.fired: dict[str, int] = {}  # detector -> requests it fired in
+
+    @staticmethod
+    def check(kinds: tuple[str, ...]) -> None:
         unknown = [k for k in kinds if k not in REQUEST_DETECTORS]
         if unknown:
             raise ValueError(
                 f"anomaly: unknown detector {', '.join(unknown)}; per-request detectors are "
                 + ", ".join(REQUEST_DETECTORS)
             )
-        self.name = "anomaly" if kinds == tuple(REQUEST_DETECTORS) else "anomaly:" + ",".join(kinds)
-        self.kinds = kinds
-        self.meta = meta
-        self.fired: dict[str, int] = {}  # detector -> requests it fired in
 
     def fire(self, tokens: pl.DataFrame) -> dict[str, list[int]]:
         """Request id -> the steps where a detector fired in it, for the requests where one did."""
@@ -143,28 +158,46 @@ class Anomaly:
 Verdict = Head | Tail | Anomaly
 
 
-def parse(
-    specs: list[str] | tuple[str, ...],
-    meta: Mapping[str, Any] | None = None,
-    probe_verdicts: dict[str, bool] | None = None,
-) -> list[Verdict]:
-    """The per-request policies of `--policy` values (full and aggregate are not per request);
-    `probe_verdicts`: the head policy's verdicts, drawn in the probes (Head)."""
-    out: list[Verdict] = []
+@dataclass(frozen=True)
+class VerdictSpec:
+    """One per-request `--policy` value, parsed: `name` (head, tail or anomaly) and its argument
+    (the rate, the quantile, or the detectors). Parsed once; each recording makes its own
+    verdicts from it (`make`), since a verdict keeps state (the tail's history, the counts)."""
+
+    name: str
+    number: float = 0.0  # head's RATE, tail's Q
+    kinds: tuple[str, ...] = ()  # anomaly's detectors
+
+    def make(self, probe_verdicts: dict[str, bool] | None = None) -> Verdict:
+        """A fresh verdict; `probe_verdicts`: the head policy's verdicts, drawn in the probes (Head)."""
+        if self.name == "head":
+            return Head(self.number, probe_verdicts)
+        if self.name == "tail":
+            return Tail(self.number)
+        return Anomaly(self.kinds)
+
+
+def parse_specs(specs: list[str] | tuple[str, ...]) -> tuple[VerdictSpec, ...]:
+    """The per-request policies of `--policy` values (full and aggregate are not per request),
+    checked: ValueError with what is wrong."""
+    out: list[VerdictSpec] = []
     for spec in specs:
         name, _, arg = spec.partition(":")
         try:
             if name == "head":
-                out.append(Head(float(arg), probe_verdicts))
+                out.append(VerdictSpec(name, float(arg)))
+                Head.check(out[-1].number)
             elif name == "tail":
-                out.append(Tail(float(arg)))
+                out.append(VerdictSpec(name, float(arg)))
+                Tail.check(out[-1].number)
             elif name == "anomaly":
                 kinds = tuple(k for k in arg.split(",") if k) if arg else tuple(REQUEST_DETECTORS)
-                out.append(Anomaly(kinds, meta))
+                Anomaly.check(kinds)
+                out.append(VerdictSpec(name, kinds=kinds))
             else:
                 raise ValueError(f"unknown policy {spec!r}")
         except ValueError as e:
             if "could not convert" in str(e):
                 raise ValueError(f"{spec!r}: {name} needs a number after the colon") from None
             raise
-    return out
+    return tuple(out)
