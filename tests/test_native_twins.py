@@ -8,6 +8,9 @@ cases kept equal by hand.
   of a float sum in another order is bit-equal, so this is the contract).
 - ringwalk.c (RingReader._walk_c) and RingReader._walk_python: the same records, bytes for
   bytes, by size and by reference, and the same consumer position.
+- ringwatch.c's follow rule (sparseety_watch_follow) and ring_watch.FollowRule: the same
+  decisions (follow the ring or sleep, the wait before the next reading) after every reading of
+  random runs of wakeups, timed readings, escalations and rearms.
 
 The C side is built from the current sources into a temporary folder (build.sh, about a second
 each), so these check the sources as they are, whether or not the in-tree build is current.
@@ -27,6 +30,7 @@ from test_ring_walk import SIZE, FakeRing
 from sparseety_prof.capture import bpf_loader as bl
 from sparseety_prof.capture import events as ev
 from sparseety_prof.correlate import logits
+from sparseety_prof.session.ring_watch import FollowRule
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_SH = ROOT / "sparseety_prof" / "native" / "build.sh"
@@ -159,3 +163,44 @@ def test_ringwalk_equals_the_python_walk(native_build: Path, monkeypatch: pytest
         by_ref += ev.LOGITS_REF in want[0]  # type: ignore[operator]
         busy += want[2] != ring.prod
     assert by_ref > CASES // 10 and busy > CASES // 10  # both paths of the walk were met
+
+
+# ---------------------------------------------------------------- ringwatch.c's follow rule
+
+
+class _Follow(ctypes.Structure):
+    """struct sparseety_follow (ringwatch.c)."""
+
+    _fields_ = [
+        ("following", ctypes.c_int),
+        ("arms_seen", ctypes.c_uint64),
+        ("wait_ms", ctypes.c_int),
+        ("last", ctypes.c_double),
+    ]
+
+
+def test_ringwatch_follows_the_ring_as_the_python_watch(native_build: Path) -> None:
+    lib = ctypes.CDLL(str(native_build / "libringwatch.so"))
+    follow = lib.sparseety_watch_follow
+    follow.argtypes = [ctypes.POINTER(_Follow), ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_double]
+    follow.restype = None
+    rng = np.random.default_rng(1207)
+    seen: set[tuple[bool, int]] = set()
+    for case in range(CASES):
+        c, py = _Follow(wait_ms=round(FollowRule().wait * 1000)), FollowRule()
+        arms, share = 0, 0.0
+        for step in range(int(rng.integers(1, 60))):
+            # a reading: a producer's wakeup (any time) or the timer's (while following); the
+            # consumer drained and rearmed meanwhile, or not; the share moved by a little or a lot
+            woke = not py.following or rng.random() < 0.2
+            arms += int(rng.random() < 0.15)
+            share = float(np.clip(share + rng.choice([0.0, 0.01, 0.049, 0.05, 0.2, -0.3]), 0.0, 1.0))
+            escalated = rng.random() < 0.1
+            follow(ctypes.byref(c), woke, escalated, arms, share)
+            py.reading(woke, escalated, arms, share)
+            got = (bool(c.following), c.wait_ms, c.last, c.arms_seen if c.following else None)
+            want = (py.following, round(py.wait * 1000), py.last, py.arms_seen if py.following else None)
+            assert got == want, f"case {case} step {step}"
+            seen.add((py.following, got[1]))
+    # every wait of the doubling was met, while following
+    assert {w for f, w in seen if f} == {20, 40, 80, 160, 250}

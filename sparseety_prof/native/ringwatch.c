@@ -128,6 +128,36 @@ static void escalate_once(struct sparseety_watch *w, int gap) {
     __atomic_add_fetch(&w->escalations, 1, __ATOMIC_RELEASE);
 }
 
+/* Whether the watch follows the ring after a reading, and how long until its next reading. */
+struct sparseety_follow {
+    int following;      /* reading the ring on a timer (since a wakeup below the threshold) */
+    uint64_t arms_seen; /* the consumer's arms when the following began */
+    int wait_ms;        /* until the next reading while following */
+    double last;        /* the share pending at the last reading */
+};
+
+/* The follow rule, after a reading of `share` (woken by a producer, `woke`, or on the timer while
+ * following), with `escalated` and the consumer's `arms` as they are now: escalated, it sleeps
+ * (the consumer's drains rearm it); woken below the threshold, it follows the ring from FOLLOW_MS;
+ * rearmed since, it sleeps again; else the wait doubles while the ring fills slowly. Pure, and
+ * exported: tests/test_native_twins.py holds it equal to ring_watch.py's FollowRule. */
+RW_EXPORT void sparseety_watch_follow(struct sparseety_follow *f, int woke, int escalated, uint64_t arms, double share) {
+    if (escalated) {
+        f->following = 0;
+    } else if (woke) {
+        f->following = 1; /* disarmed until the next arming */
+        f->wait_ms = FOLLOW_MS;
+        f->arms_seen = arms;
+    } else if (arms != f->arms_seen) {
+        f->following = 0;
+    } else if (share - f->last < FOLLOW_STEP) {
+        f->wait_ms = f->wait_ms * 2 < FOLLOW_MAX_MS ? f->wait_ms * 2 : FOLLOW_MAX_MS;
+    } else {
+        f->wait_ms = FOLLOW_MS;
+    }
+    f->last = share;
+}
+
 static void *run(void *arg) {
     struct sparseety_watch *w = arg;
     struct sched_param p = {0};
@@ -137,10 +167,8 @@ static void *run(void *arg) {
     __atomic_store_n(&w->tid, self, __ATOMIC_RELEASE);
     __atomic_store_n(&w->started, 1, __ATOMIC_RELEASE);
     struct epoll_event ev[2];
-    uint64_t follow_at = 0;  /* while following the ring: when the next reading is due; else 0 */
-    int follow_wait = FOLLOW_MS;
-    uint64_t arms_seen = 0;  /* the consumer's arms when the following began */
-    double last = 0.0;       /* the share pending at the last reading while following */
+    struct sparseety_follow follow = {.wait_ms = FOLLOW_MS};
+    uint64_t follow_at = 0; /* while following the ring: when the next reading is due; else 0 */
     /* the drain check (max_gap_ms): when it is due (0: never), and the arms at the last one */
     uint64_t check_at = w->max_gap_ms > 0 ? now_ms() + (uint64_t)w->max_gap_ms : 0;
     uint64_t arms_checked = __atomic_load_n(&w->arms, __ATOMIC_ACQUIRE);
@@ -168,20 +196,9 @@ static void *run(void *arg) {
         double share = pending_share(w);
         __atomic_add_fetch(&w->readings, 1, __ATOMIC_RELAXED);
         if (share > w->threshold) escalate_once(w, 0);
-        if (__atomic_load_n(&w->escalated, __ATOMIC_ACQUIRE)) {
-            follow_at = 0; /* the consumer runs at the engine's priority: its drains rearm */
-        } else if (n > 0) {
-            follow_wait = FOLLOW_MS; /* woken below the threshold: disarmed until the next arming */
-            follow_at = now + (uint64_t)follow_wait;
-            arms_seen = __atomic_load_n(&w->arms, __ATOMIC_ACQUIRE);
-        } else if (__atomic_load_n(&w->arms, __ATOMIC_ACQUIRE) != arms_seen) {
-            follow_at = 0; /* the consumer rearmed the producers' wakeup since */
-        } else {
-            if (share - last < FOLLOW_STEP) follow_wait = follow_wait * 2 < FOLLOW_MAX_MS ? follow_wait * 2 : FOLLOW_MAX_MS;
-            else follow_wait = FOLLOW_MS;
-            follow_at = now + (uint64_t)follow_wait;
-        }
-        last = share;
+        sparseety_watch_follow(&follow, n > 0, __atomic_load_n(&w->escalated, __ATOMIC_ACQUIRE),
+                               __atomic_load_n(&w->arms, __ATOMIC_ACQUIRE), share);
+        follow_at = follow.following ? now + (uint64_t)follow.wait_ms : 0;
     }
 }
 

@@ -53,6 +53,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -138,14 +139,13 @@ class RingWatch(_Armed):
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, tid, 0)
         self.started.set()
-        following: int | None = None  # while following the ring: the arms at its start
-        follow_at = 0.0  # ... and when the next reading is due
-        wait, last = FOLLOW_S, 0.0  # while following: the wait before the next reading, the last share
+        follow = FollowRule()
+        follow_at = 0.0  # while following the ring: when the next reading is due
         gap = self._max_gap_s
         check_at = time.monotonic() + gap if gap else 0.0  # the drain check: when due (0: never)
         arms_checked = self._arms
         while True:
-            due = min((t for t in (follow_at if following is not None else 0.0, check_at) if t), default=0.0)
+            due = min((t for t in (follow_at if follow.following else 0.0, check_at) if t), default=0.0)
             timeout = -1.0 if not due else max(0.0, due - time.monotonic())
             try:
                 events = self._ep.poll(timeout)
@@ -163,7 +163,7 @@ class RingWatch(_Armed):
                 if waiting and self._on_gap is not None:
                     self._on_gap()
                 arms_checked, check_at = self._arms, now + gap
-            if not events and not (following is not None and now >= follow_at):
+            if not events and not (follow.following and now >= follow_at):
                 continue  # the drain check's wakeup alone
             if events:
                 self.wakeups += 1
@@ -174,17 +174,8 @@ class RingWatch(_Armed):
             except (ValueError, OSError):  # the ring is gone (closed at detach)
                 return
             self.readings += 1
-            if self._on_backlog(share):
-                following = None  # escalated: the consumer's drains rearm the watch
-            elif events:
-                following = self._arms  # woken below the threshold: disarmed until the next arming
-                wait = FOLLOW_S
-            elif following is not None and self._arms != following:
-                following = None  # the consumer rearmed the producers' wakeup since
-            else:
-                wait = min(2 * wait, FOLLOW_MAX_S) if share - last < FOLLOW_STEP else FOLLOW_S
-            follow_at = now + wait
-            last = share
+            follow.reading(bool(events), bool(self._on_backlog(share)), self._arms, share)
+            follow_at = now + follow.wait
 
     def _armed(self) -> None:
         self._arms += 1
@@ -203,6 +194,34 @@ class RingWatch(_Armed):
         if not self._thread.is_alive():
             self._ep.close()
             os.close(self._stop_fd)
+
+
+@dataclass
+class FollowRule:
+    """Whether the watch follows the ring after a reading, and how long until its next reading
+    (the module docstring; sparseety_watch_follow in ringwatch.c, which
+    tests/test_native_twins.py holds equal to this)."""
+
+    following: bool = False  # reading the ring on a timer (since a wakeup below the threshold)
+    arms_seen: int = 0  # the consumer's arms when the following began
+    wait: float = FOLLOW_S  # until the next reading while following
+    last: float = 0.0  # the share pending at the last reading
+
+    def reading(self, woke: bool, escalated: bool, arms: int, share: float) -> None:
+        """After a reading of `share` (woken by a producer, `woke`, or on the timer while
+        following), with `escalated` and the consumer's `arms` as they are now."""
+        if escalated:
+            self.following = False  # the consumer's drains rearm the watch
+        elif woke:
+            self.following, self.arms_seen = True, arms  # below the threshold: disarmed until rearmed
+            self.wait = FOLLOW_S
+        elif arms != self.arms_seen:
+            self.following = False  # the consumer rearmed the producers' wakeup since
+        elif share - self.last < FOLLOW_STEP:
+            self.wait = min(2 * self.wait, FOLLOW_MAX_S)
+        else:
+            self.wait = FOLLOW_S
+        self.last = share
 
 
 # sparseety_prof/native/ringwatch.c, built by sparseety_prof/native/build.sh
