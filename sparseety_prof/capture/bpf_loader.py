@@ -49,8 +49,8 @@ from sparseety_prof.capture.ring_hold import RingHold
 from sparseety_prof.errors import BpfUnavailable, MissingPrivileges, NoSuchProcess
 
 # the ring's size when none is asked for (the recorder asks for --ring-mb, default 64 MiB): a
-# 1 MiB ring lost 35-70% of a burst here, 16 MiB lost none; full capture with a 32k vocabulary
-# writes ~40 MB/s in a burst, and the consumer drains at least every second
+# small ring loses much of a burst of full capture with a 32k vocabulary, which the consumer
+# drains at least every second (docs/overhead.md, the ring's size)
 RING_BUFFER_PAGES = (64 << 20) // mmap.PAGESIZE
 # The share of the ring pending at which a producer wakes the ring watch (RingReader.arm_watch,
 # rb_wake() in token_probes.bpf.c): the consumer's escalation threshold (session/sched.py).
@@ -160,8 +160,8 @@ class AttachedProbe:
     kind: str  # "entry" | "return"
     address: int = 0  # where the probe sits in the file (symbol + offset)
     via: str = ""  # the name it was attached (and is detached) through: the process's mapping
-    # whether the kernel emulates the probed instruction (0.5-0.7 us a hit) instead of
-    # single-stepping it (9-14 us): capture/elf.py cheap_probe_offset; None for a tracepoint
+    # whether the kernel emulates the probed instruction (cheap) instead of single-stepping it
+    # (docs/overhead.md): capture/elf.py cheap_probe_offset; None for a tracepoint
     emulated: bool | None = None
     program: str = ""  # the BPF program the point runs (meta.json bpf_programs names its runs)
     detached: bool = False  # detached before the end (Session.detach_attention_ops)
@@ -465,7 +465,7 @@ def _prefaulted(n: int) -> np.ndarray:
 
 
 # sparseety_prof/native/ringwalk.c, built by sparseety_prof/native/build.sh (scripts/install.sh runs
-# it); without it RingReader walks the ring in Python (~3 us per record instead of ~0.1 + copy).
+# it); without it RingReader walks the ring in Python, an order of magnitude slower per record.
 _WALK_LIB = native_library("libringwalk.so")
 _WALK_ABI = 3
 _RW_BUSY, _RW_ARENA_FULL, _RW_UNKNOWN_SIZE, _RW_LIMIT = range(1, 5)  # 0: caught up
@@ -518,12 +518,12 @@ class RingReader:
     position and data read-only, the data mapped twice so that no record wraps), records are
     walked from the consumer to the producer position seen at the start, copied into per-size
     arenas, and the consumer position is advanced. No callback per record: BCC's
-    ring_buffer_consume called a Python function through ctypes for every record, which cost
-    ~30 us per record, and kept consuming as long as the producer kept producing; a thread of
-    its own would contend for the GIL with the consumer.
+    ring_buffer_consume called a Python function through ctypes for every record, and kept
+    consuming as long as the producer kept producing; a thread of its own would contend for the
+    GIL with the consumer.
 
-    The ring holds about 1.5 s of tokens at a 32k vocabulary; what it cannot hold is counted by
-    the probes as dropped (reserve failures) and by the consumer as sequence gaps."""
+    What the ring cannot hold is counted by the probes as dropped (reserve failures) and by the
+    consumer as sequence gaps."""
 
     BUSY = 1 << 31  # BPF_RINGBUF_BUSY_BIT: reserved, not yet submitted
     DISCARD = 1 << 30  # BPF_RINGBUF_DISCARD_BIT
@@ -540,20 +540,20 @@ class RingReader:
     # copied and the space handed back at once: holding every record of a drain while it is
     # handled is worth it where the copy is most of the walk (a 32k vocabulary: ~130 KiB of
     # logits against 4-8 KiB of other records per token), not for a small vocabulary at
-    # thousands of tokens/s, where the drain's handling is long and the copy small (the 90-s
-    # stress run of scripts/stress_aggregate.py lost 0.33% of its records with every drain by
-    # reference, none with the copy). `meta.json` consumer.drains_logits_by_ref counts the
-    # drains that held the ring.
+    # thousands of tokens/s, where the drain's handling is long and the copy small (the stress
+    # run of scripts/stress_aggregate.py lost records with every drain by reference, none with
+    # the copy: docs/overhead.md). `meta.json` consumer.drains_logits_by_ref counts the drains
+    # that held the ring.
     REF_MAX_SHARE = 0.25
     REF_MIN_LOGITS = 0.5
 
-    #: bytes of the logits rows' arena made at attach time: half a second's worth at 250 tokens/s
+    #: bytes of the logits rows' arena made at attach time: half a second's worth at 250 tokens a second
     #: of a 32k vocabulary (most drains read the rows in the ring and need none); bigger ones grow it
     PRESIZE_BYTES = 32 << 20
     #: records every other arena holds from attach time: one drain's worth of per-token records
-    #: (a drain every ~0.5 s at up to ~500 tokens/s). Sized by record count alone, the 13-15 KiB
-    #: micro-batch and aggregate records grew their arenas twice in the first drains of every
-    #: generation (~0.1 s of page faults and copies on the engine's cores).
+    #: (a drain every half second at up to 500 tokens a second). Sized by record count alone,
+    #: the larger micro-batch and aggregate records grew their arenas twice in the first drains
+    #: of every generation (page faults and copies on the engine's cores).
     PRESIZE_RECORDS = 256
     #: the large micro-batch record's: only micro-batches of more than UB_SMALL_TOK rows (prompts)
     #: take it, a few per drain

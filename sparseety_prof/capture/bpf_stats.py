@@ -7,8 +7,8 @@ lifetime only (`--bpf-stats`) and the machine's setting (sysctl kernel.bpf_stats
 never changed: closing the fd, or the recorder's death, ends them. They cost two clock reads per
 program run, which is why they are not on by default.
 
-The time counted is the programs' own: the uprobe's trap into the kernel and back (about 0.7 us
-per hit or more on these VMs, docs/overhead.md) comes on top of it."""
+The time counted is the programs' own: the uprobe's trap into the kernel and back (measured in
+docs/overhead.md) comes on top of it."""
 
 from __future__ import annotations
 

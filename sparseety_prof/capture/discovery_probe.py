@@ -25,7 +25,7 @@ from sparseety_prof.capture.params_check import ParamsVerdict, check_params
 from sparseety_prof.errors import BpfUnavailable, MissingPrivileges, UnsupportedEngineBuild
 
 MAX_RECORDS = 4096  # a discovery that has not converged after this many records never will
-POLL_BUDGET = 32  # micro-batch records per 100 ms poll: ~350 KiB, well inside the 1 MiB ring
+POLL_BUDGET = 32  # micro-batch records per poll: well inside the 1 MiB ring
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,8 @@ def _stack_realign_len(code: bytes) -> int:
 
 def cheap_entry_probe_offset(code: bytes) -> int:
     """Like `cheap_probe_offset`, for entry-only probes: may also skip a stack-realigning prologue
-    (lea/and/mov/push memory, all single-stepped at 9-14 us a hit) up to the first `push reg`."""
+    (lea/and/mov/push memory, all single-stepped, the costly kind of hit) up to the first
+    `push reg`."""
     off = 0
     for _ in range(8):
         if emulated(code[off:]):
@@ -127,11 +128,11 @@ def cheap_entry_probe_offset(code: bytes) -> int:
 def cheap_probe_offset(code: bytes) -> int:
     """Offset inside a function where a uprobe is cheap and arguments are still intact.
 
-    The kernel emulates `push reg` or a branch (0.5-0.7 us per hit) but single-steps anything
-    else, e.g. `endbr64` or `test %rdi,%rdi` (9-14 us). When a function starts with such a
-    harmless instruction followed by an emulated one, probing at the second skips the
-    single-step while every argument register and the return address at [rsp] are still as
-    they were at entry.
+    The kernel emulates `push reg` or a branch (cheap) but single-steps anything else, e.g.
+    `endbr64` or `test %rdi,%rdi` (an order of magnitude dearer per hit: docs/overhead.md). When a
+    function starts with such a harmless instruction followed by an emulated one, probing at the
+    second skips the single-step while every argument register and the return address at [rsp] are
+    still as they were at entry.
     """
     off = 0
     for _ in range(2):

@@ -413,7 +413,7 @@ class SeqTracker:
         if len(judged):
             expected = int(judged[-1]) - self.next_expected + 1
             # distinct values of the sorted sequence numbers (np.unique would import numpy.ma,
-            # ~10 ms, inside the first drain of a generation)
+            # a slow import, inside the first drain of a generation)
             distinct = 1 + int(np.count_nonzero(judged[1:] != judged[:-1]))
             self.gaps += expected - distinct
             self.next_expected = int(judged[-1]) + 1

@@ -46,8 +46,8 @@ class MoePlan:
     weights) runs right after the down projection, whose sources are still intact at its entry:
     the selected expert ids (the down projection's ids) and, when every FFN of the model is an
     expert FFN, the GLU activations the experts ran on. Reading them there saves the get_rows
-    probe and the GLU entry and return probes: 54 of ~110 uprobe hits per token on the bench
-    model, at ~0.7 us of trap each before any BPF runs."""
+    probe and the GLU entry and return probes: about half of the uprobe hits per token on the
+    bench model, each a trap into the kernel before any BPF runs (docs/overhead.md)."""
 
     ids_at_mul: bool = False
     act_at_mul: bool = False

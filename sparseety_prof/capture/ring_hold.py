@@ -1,19 +1,19 @@
 """Whether a drain may hold the ring's space while it is handled: read its logits records where
 they lie (by reference) instead of copying them out first.
 
-Reading them in place saves copying ~130 KiB a token (a 32k vocabulary) out of the ring, but the
-space they take goes back to the producers only once the drain has been handled
+Reading them in place saves copying a logits row a token (large with a 32k vocabulary) out of the
+ring, but the space they take goes back to the producers only once the drain has been handled
 (RingReader.release). Meanwhile the producers write on into what is left. A fixed limit on the
 share pending when the drain starts (what this was: a quarter, the share paced drains aim for)
 copied at every drain a little over it: at four llama-server clients, most of them, and the ring
-walk then cost 30-36 us of the recorder's CPU per token against 7-9 when the rows are read in
-place. What can fill the ring is the share pending at the start plus what the producers add while
-the drain is handled: their rate since the last drain times the handling time, taken here as the
-longest of the last few drains' (a consumer at a low priority is preempted now and then). A drain
-holds the ring when that sum, the added part counted twice, stays under half of it. A small model
-at thousands of tokens a second fills the ring in about a second and is handled for a good part
-of one: it copies (the 90-s stress run of scripts/stress_aggregate.py lost 0.95% of its records
-holding the ring whenever under 35% was pending at the start). Until a drain has been handled,
+walk then cost several times the recorder's CPU per token of reading the rows in place
+(docs/overhead.md). What can fill the ring is the share pending at the start plus what the
+producers add while the drain is handled: their rate since the last drain times the handling time,
+taken here as the longest of the last few drains' (a consumer at a low priority is preempted now
+and then). A drain holds the ring when that sum, the added part counted twice, stays under half of
+it. A small model at thousands of tokens a second fills the ring in about a second and is handled
+for a good part of one: it copies (the stress run of scripts/stress_aggregate.py lost records
+holding the ring whenever under a third was pending at the start). Until a drain has been handled,
 the fixed limit stands.
 """
 

@@ -173,8 +173,7 @@ def _group_max_nonzeros(nz: BoolArray, sizes: list[int]) -> dict[int, int]:
 
     Counts groups of 4 by viewing 4 mask bytes (each 0 or 1) as one uint32 and multiplying by
     0x01010101: the top byte of the (wrapping) product is their sum. Groups of 8 and 16 are sums
-    of adjacent groups of 4. About 30x faster than ``reshape(-1, M).sum(axis=1)`` for all three
-    sizes (3.6 ms against 115 ms for 8M values, numpy 2.4).
+    of adjacent groups of 4. Much faster than ``reshape(-1, M).sum(axis=1)`` for all three sizes.
     """
     c4 = (nz.view(np.uint8).view(np.uint32) * np.uint32(0x0101_0101)) >> np.uint32(24)
     out: dict[int, int] = {}

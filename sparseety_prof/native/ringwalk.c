@@ -1,7 +1,7 @@
 /* The consumer's walk over the BPF ring buffer (sparseety_prof/bpf_loader.py RingReader):
  * from the consumer position to the producer position, each submitted record is copied into
- * the arena of its size. In Python the walk cost ~3 us per record (~25 us per token), here a
- * few nanoseconds plus the copy.
+ * the arena of its size. In Python the walk cost an interpreter's round of work per record,
+ * here a few instructions plus the copy.
  *
  * Ring layout (kernel/bpf/ringbuf.c): every record starts with an 8-byte header whose first
  * 32-bit word is the length, with BUSY (reserved, not yet submitted) and DISCARD bits; records

@@ -2,8 +2,8 @@
 allocations.
 
 The consumer allocates a few dozen Python objects per token (row tuples, per-layer lists) and
-keeps them until the next flush: the collector's automatic passes kept walking those live rows,
-about 9 µs per token on replayed drains (scripts/replay_drains.py). Almost none of them are
+keeps them until the next flush: the collector's automatic passes kept walking those live rows, a
+cost per token that scripts/replay_drains.py measures (docs/overhead.md). Almost none of them are
 cycles: reference counting frees them. So while the consumer runs the automatic passes are off,
 and the young generations are collected after each flush, when the rows gathered since the
 last one have been handed over and the live young objects are few; every FULL_EVERY flushes,

@@ -25,7 +25,8 @@ from sparseety_prof.correlate.logits_reduce import GROUPS, UNPAIRED, LogitsReduc
 # `--correlate-every`'s suggested value (scripts/replay_drains.py replays it by default): the
 # drains of 1 s together. Correlating every 2 s cut the most CPU per token with an idle core for
 # the consumer, but with both cores kept busy by the engine the consumer, at nice 10, took long
-# enough over 2 s of drains for the ring to fill to 84% behind it (63% correlating every drain).
+# enough over 2 s of drains for the ring to fill further behind it than correlating every drain
+# (docs/overhead.md).
 CORRELATE_S = 1.0
 
 

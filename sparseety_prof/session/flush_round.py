@@ -2,12 +2,12 @@
 
 A flush (every `--flush-interval`) frames the rows gathered since the last one, hands them to the
 aggregates, the policy, the sinks and the writer, and writes a Parquet segment per table and
-meta.json: 20-40 ms of the consumer's CPU on a 4-client server. At nice 10 on a busy machine that
-took 290-560 ms of wall time, all of it between two drains, and the ring filled for that long:
-the consumer escalated to the engine's priority two to four times per 40 s
-(scripts/bench_sustained.py). Done in pieces (one table's frame, one table's segment, meta.json,
-the collector's pass), the loop drains between them whenever a drain is due, so a flush delays a
-drain by its longest piece rather than by all of it.
+meta.json: tens of milliseconds of the consumer's CPU on a 4-client server. At nice 10 on a busy
+machine that took many times as long in wall time, all of it between two drains, and the ring
+filled for that long: the consumer escalated to the engine's priority several times a run
+(scripts/bench_sustained.py; docs/overhead.md). Done in pieces (one table's frame, one table's
+segment, meta.json, the collector's pass), the loop drains between them whenever a drain is due, so
+a flush delays a drain by its longest piece rather than by all of it.
 
 What a flush writes is fixed when it starts (the gathered rows are detached from the buffer): rows
 gathered after it wait for the next one. A drain that frames rows of a table whose older rows the

@@ -204,7 +204,7 @@ class MetricsTally:
         flat_pos = flat_ids = routed = None
         if self.moe_layers:
             ids = df["expert_ids"]
-            # (polars' fill_null costs ~0.3 ms a call here: nulls are handled in numpy instead)
+            # (polars' fill_null is slow for a call this small: nulls are handled in numpy instead)
             lens = _ints(ids.list.len().to_numpy(), 0)
             moe = self._moe_index.rows(layer)
             routed = moe[(moe >= 0) & (lens > 0)]

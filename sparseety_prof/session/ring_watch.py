@@ -5,28 +5,28 @@ busy, one drain's work can take it a second or more of wall time (it gets about 
 core), while a small model at thousands of tokens/s fills the ring in about as long: the check
 comes too late. This thread raises the consumer's priority from outside (setpriority on its thread
 id) as soon as the backlog passes the consumer's escalation threshold. It needs the GIL for that,
-which the consumer drops at least every 5 ms of its own running time, so the priority is raised
-within one of the consumer's time slices instead of after its drain.
+which the consumer drops at least every switch interval of its own running time
+(sys.getswitchinterval), so the priority is raised within one of the consumer's time slices
+instead of after its drain.
 
 It does not poll a calm ring. It sleeps in epoll on the ring's map fd, edge-triggered, and the
 producers wake it. After each drain the consumer arms it (`rearm`) with the record sequence number
 at which the ring will be about as full as the threshold again (RingReader.arm_watch); the first
 record past that number is submitted with BPF_RB_FORCE_WAKEUP and disarms it (rb_wake() in
-probes/token_probes.bpf.c). A calm ring costs nothing here. Polling every 50 ms, as this did, cost
-86-225 µs of CPU per wakeup on this project's VMs (a timer wakeup alone, even from C, cost 50 µs
-there): 1,838 wakeups, 0.31 s of CPU, in a one-minute profile (scripts/profile_consumer.py), about
-50 µs per generated token.
+probes/token_probes.bpf.c). A calm ring costs nothing here. Polling on a timer, as this did, cost
+CPU at every wakeup, and the wakeups added up to a share of the recorder's CPU per token
+(docs/overhead.md; scripts/profile_consumer.py measures it).
 
 One wakeup per arming, though, and the mark is an estimate (from the mean record size; before the
 first drain, from the largest record's, early on purpose): a wakeup that finds the ring below the
 threshold leaves the watch disarmed until the next drain rearms it, and a consumer starved of CPU
-does not drain. Under --sched idle the first drain's early wakeup was followed by 6-8 s in which
-nothing watched the ring filling, and ~40% of the run's records were lost. So after a wakeup that
-did not escalate, the watch follows the ring: it reads it every FOLLOW_S (longer while it fills
-slowly, up to FOLLOW_MAX_S) until the consumer rearms
-it (`rearm`: not merely when the backlog falls, as a starved consumer releases part of the ring
-now and then long before its drain ends) or the backlog passes the threshold. That is a few timer
-wakeups, only between an early wakeup and the next drain.
+does not drain. Under --sched idle the first drain's early wakeup was followed by seconds in which
+nothing watched the ring filling, and a large part of the run's records was lost. So after a
+wakeup that did not escalate, the watch follows the ring: it reads it every FOLLOW_S (longer
+while it fills slowly, up to FOLLOW_MAX_S) until the consumer rearms it (`rearm`: not merely
+when the backlog falls, as a starved consumer releases part of the ring now and then long before
+its drain ends) or the backlog passes the threshold. That is a few timer wakeups, only between
+an early wakeup and the next drain.
 
 A consumer that gets no CPU (--sched idle on cores the engine keeps busy) but whose ring does not
 fill drains only when it does: with a sampling policy, every 20 s, so rows reached the recording,
@@ -61,9 +61,10 @@ from sparseety_prof.capture.resources import native_library
 
 # Between readings while following the ring after a wakeup below the threshold (module docstring;
 # FOLLOW_MS in ringwatch.c): FOLLOW_S, doubled after each reading that finds the ring filled by
-# less than FOLLOW_STEP of it since the last, up to FOLLOW_MAX_S (a consumer starved for 20 s of a
-# slow-filling ring read it 1,073 times at a fixed 20 ms). At the fastest fill measured (a small
-# model filling the ring in about a second) the ring goes from the threshold to full in ~0.6 s.
+# less than FOLLOW_STEP of it since the last, up to FOLLOW_MAX_S (a consumer starved of a
+# slow-filling ring read it a thousand times over at a fixed period). At the fastest fill seen (a
+# small model filling the ring in about a second) the ring goes from the threshold to full in
+# well under a second: FOLLOW_MAX_S stays below that.
 FOLLOW_S = 0.02
 FOLLOW_MAX_S = 0.25
 FOLLOW_STEP = 0.05

@@ -38,13 +38,14 @@ class ConsumerSched:
 
     # Pace: at the rate the last drain saw, the next one should find at most this share of the
     # ring filled, so a burst has room before the escalation and before any loss. At ordinary
-    # rates (a 32k vocabulary: ~130 KiB per token, a few hundred tokens/s) that is more than
+    # rates (a 32k vocabulary, a few hundred tokens a second) that is more than
     # `drain_s` away; a small model at thousands of tokens/s fills the ring in about a second.
     PACE_FILL = 0.25
     MIN_WAIT_S = 0.02
-    # Measured on a small MoE at ~2,000 tokens/s on 2 saturated cores: at nice 10 the consumer gets
-    # about a tenth of a core and needs a fifth, so the drain that first finds half the ring filled
-    # (the threshold this was) takes longer, at that priority, than the rest of the ring lasts.
+    # On a small MoE at thousands of tokens a second on saturated cores, a consumer at nice 10
+    # gets less of a core than it needs (docs/overhead.md), so the drain that first finds half the
+    # ring filled (the threshold this was) takes longer, at that priority, than the rest of the
+    # ring lasts.
     # (the producers wake the ring watch at the same share: RING_WAKE_FILL)
     ESCALATE_FILL = RING_WAKE_FILL
     # Relaxing: drains that find less than the pace aims for are keeping up. A fixed tenth of the

@@ -7,8 +7,9 @@ whole step. The kernel's EEVDF scheduler (Linux 6.12 and later) lets a SCHED_OTH
 another slice with sched_setattr's `sched_runtime` (0.1-100 ms); its CPU share is unchanged (its
 niceness sets that). A short slice spreads the consumer's CPU over more steps, but EEVDF also runs
 a short-slice thread sooner (an earlier virtual deadline), so it preempts the engine more often:
-on this project's saturated 2-core VM, 100 µs cost the engine more than the kernel's default
-(docs/overhead.md), which stays the default (`--slice-us 0`). Older kernels ignore the field or refuse it.
+on this project's saturated 2-core VM, a short slice cost the engine more than the kernel's
+default (docs/overhead.md), which stays the default (`--slice-us 0`). Older kernels ignore the
+field or refuse it.
 """
 
 from __future__ import annotations

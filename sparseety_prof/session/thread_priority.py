@@ -6,9 +6,9 @@ pool's thread (`polars-0`) and its writers' runtime (`tokio-rt-worker`, `async-e
 sinks and the model hasher have threads of their own. A thread takes the priority of the thread
 that made it, once: Polars' threads, made lazily from a consumer already at SCHED_IDLE, stayed
 SCHED_IDLE at nice 10 when the consumer was raised, so the raised consumer waited on them, a flush
-piece of 2.3 ms of the consumer's CPU taking 1.5 s of wall time on busy cores, with the ring 91%
-full. So every change of the consumer's priority is mirrored to every thread of the process but
-the ring watch's (which runs at the engine's priority throughout: ring_watch.py).
+piece of a few milliseconds of the consumer's CPU taking seconds of wall time on busy cores, with
+the ring nearly full. So every change of the consumer's priority is mirrored to every thread of the
+process but the ring watch's (which runs at the engine's priority throughout: ring_watch.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The counting behind store/aggregates.py, in numpy: a frame's list columns flattened to arrays,
 and rows counted by key.
 
-Each Polars group-by, explode and join of the first version cost 0.3-1 ms whatever the rows (a
-fold of a few thousand tokens took 15-18 ms of CPU, counted at every flush once buckets close:
-about 10 us per token at a hundred tokens a second). These are the same counts in one sort each."""
+Each Polars group-by, explode and join of the first version had a fixed cost whatever the rows,
+paid at every flush once buckets close, which made a fold of a few thousand tokens a visible part
+of the recorder's CPU per token (docs/overhead.md). These are the same counts in one sort each."""
 
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ DENSE_KEYS = 1 << 22
 def count_keys(*keys: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
     """The distinct rows of the key columns (int64 arrays of one length) and how many times
     each occurs, sorted by the keys (first key first). Keys of small ranges (bucket indices,
-    layers, bins, expert ids) are counted by one bincount over their combined code, in one pass:
-    a lexsort of 40,000 rows cost 3 ms, this a tenth."""
+    layers, bins, expert ids) are counted by one bincount over their combined code, in one pass,
+    far cheaper than a lexsort of the same rows."""
     if not len(keys[0]):
         return [np.empty(0, np.int64) for _ in keys], np.empty(0, np.int64)
     lows = [int(k.min()) for k in keys]

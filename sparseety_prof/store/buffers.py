@@ -16,7 +16,7 @@ from sparseety_prof.store.array_rows import ArrayRows, RowParts
 class ColumnBuffer:
     """Rows of each table gathered over drains, as columns, and made into a frame once
     FRAME_ROWS rows are there (or at the end): building a polars frame has a fixed cost per
-    column (~70 columns over the tables), which one drain's hundred tokens do not amortise. Rows
+    column (schema.TABLES has dozens), which one drain's hundred tokens do not amortise. Rows
     wait here no longer than the flush interval: each flush (FlushSchedule) takes them all to the
     writer.
 

@@ -380,7 +380,7 @@ def _plain_series(name: str, values: list[Any], dtype: pl.DataType) -> pl.Series
 
 def repeated_series(name: str, value: object, dtype: pl.DataType, n: int) -> pl.Series:
     """`value` n times, as `dtype`: one value repeated (a list column of nulls built from Python
-    Nones, or by extend_constant, cost 60-200 us for 1,700 rows; this, under 10 whatever n)."""
+    Nones, or by extend_constant, costs in proportion to n; this does not)."""
     return pl.Series(name, [value], dtype=dtype).new_from_index(0, n)
 
 
@@ -401,7 +401,7 @@ _RAGGED_MIN_ROWS = 16
 
 def _frame_by_shape(table: str, cols: Columns, ragged: list[str], n: int) -> pl.DataFrame | None:
     """Rows whose list columns have different lengths (a prompt step among one-row decode steps)
-    defeat the numpy fast path, and polars' element-by-element construction costs ~6 us per
+    defeat the numpy fast path, and polars' element-by-element construction costs time per
     row and column. Rows are grouped by the lengths of their list values, each group takes the
     fast path, and the groups are put back in the original row order. Few groups (prompt
     chunks) is the common case; with many, this gives up (None) and the caller's frame stands."""

@@ -102,7 +102,7 @@ def prune_array(a: npt.NDArray[np.float32], spec: Prune) -> npt.NDArray[np.float
         order = np.argsort(mag, axis=-1, kind="stable")
         np.put_along_axis(groups, order[:, :k], np.float32(0.0), axis=-1)  # +0.0, never -0.0
     else:
-        # long rows (fraction): O(n) selection, ~2.5x faster than sorting 1024-value rows. Zero
+        # long rows (fraction): O(n) selection, faster than sorting rows this long. Zero
         # everything below the k-th smallest magnitude, then as many of the values equal to it,
         # earliest first, as k still needs: the same set a stable argsort's first k would give.
         kth = np.partition(mag, k - 1, axis=-1)[:, k - 1 : k]

@@ -150,8 +150,8 @@ def _tuple_or_none(value: Any, cast: type) -> tuple[Any, ...] | None:
 
 def _column(name: str, values: list[Any]) -> pl.Series:
     """A detector input column. Nested lists of one shape (every token the same layers and top-k)
-    go through numpy: polars builds nested lists from Python objects element by element (6 requests
-    x 48 tokens of a 48-layer top-8 model: 0.4 s that way, about 15 ms this way, 2-core VM)."""
+    go through numpy: polars builds nested lists from Python objects element by element, many
+    times slower for a few requests of a 48-layer top-8 model."""
     dtype = schema.TOKENS[name]
     if isinstance(dtype, pl.List) and values and all(v is not None for v in values):
         try:

@@ -16,7 +16,7 @@ SLOW_RATIO = 2.0
 SLOW_MIN_STEPS = 8
 #: a step with a new shape whose own kind has fewer than SLOW_MIN_STEPS steps (one request: its
 #: first decode step) is measured against the phase's steady steps instead, at this multiple of the
-#: ratio: a new graph costs up to about 2x a steady step, a stalled one far more
+#: ratio: a new graph costs a steady step's time again at most, a stalled one far more
 SLOW_RESHAPED_RATIO = 3.0
 
 
