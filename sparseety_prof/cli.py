@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     from sparseety_prof.commands.exit_codes import INTERRUPTED
 
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)  # a flag's value that cannot work is a UsageError
         return int(args.func(args))
     except ProfError as e:
         print(line(f"sparseety-prof: error: {e}"), file=sys.stderr)  # may name target paths

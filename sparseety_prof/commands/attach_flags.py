@@ -5,12 +5,17 @@ it writes no default (a flag not given is None), and the session Options made fr
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparseety_prof.commands.dataset_flag import add_dataset_flag
+from sparseety_prof.errors import UsageError
 from sparseety_prof.session.options import ABLATION_KINDS, METRICS_BIND
+
+if TYPE_CHECKING:
+    from sparseety_prof.session.duty_cycle import DutySpec
 
 #: the record/attach flags left out of --help: tuning and benchmark knobs, each documented in
 #: docs/tuning.md (tests/test_cli_help.py checks that every one is, with its default)
@@ -62,6 +67,66 @@ def size_text(n: int) -> str:
         if n and n % (1 << shift) == 0:
             return f"{n >> shift}{unit}"
     return str(n)
+
+
+# The values of text flags, parsed as the parser reads them: a value that cannot work is a
+# UsageError naming its flag (cli.main says it, exit 2), raised before any Options are made.
+
+
+def size_flag(flag: str) -> Callable[[str], int]:
+    """A size flag's parser (store/rotation.py parse_size: 500M, 2G)."""
+
+    def parse(text: str) -> int:
+        from sparseety_prof.store.rotation import parse_size
+
+        try:
+            return parse_size(text)
+        except ValueError as e:
+            raise UsageError(f"{flag}: {e}") from None
+
+    return parse
+
+
+def _at_least(flag: str, text: str, least: int) -> int:
+    n = size_flag(flag)(text)
+    if n < least:
+        raise UsageError(f"{flag} must be at least {least >> 20} MiB, got {text}")
+    return n
+
+
+def max_disk_flag(text: str) -> int:
+    """--max-disk SIZE, at least what a recording needs (store/recording_writer.py)."""
+    from sparseety_prof.store.recording_writer import MIN_MAX_DISK
+
+    return _at_least("--max-disk", text, MIN_MAX_DISK)
+
+
+#: what --max-memory none parses to: no limit (Options.max_memory None)
+NO_MEMORY_LIMIT = 0
+
+
+def max_memory_flag(text: str) -> int:
+    """--max-memory SIZE (session/memory_budget.py), or none (NO_MEMORY_LIMIT)."""
+    from sparseety_prof.session.memory_budget import MIN_MAX_MEMORY
+
+    return NO_MEMORY_LIMIT if text.lower() == "none" else _at_least("--max-memory", text, MIN_MAX_MEMORY)
+
+
+def duty_cycle_flag(text: str) -> DutySpec:
+    """--duty-cycle ON/PERIOD (session/duty_cycle.py)."""
+    from sparseety_prof.session.duty_cycle import parse_duty_cycle
+
+    try:
+        return parse_duty_cycle(text)
+    except ValueError as e:
+        raise UsageError(f"--duty-cycle: {e}") from None
+
+
+def recorder_cpus_flag(text: str) -> str:
+    """--recorder-cpus auto, none or a CPU list (session/placement.py)."""
+    from sparseety_prof.session.placement import parse_recorder_cpus
+
+    return parse_recorder_cpus(text)
 
 
 def add_attach_flags(p: argparse.ArgumentParser, *, output_help: str, output_required: bool) -> None:
@@ -195,6 +260,7 @@ def _add_output(g: argparse._ArgumentGroup, *, output_help: str, output_required
     )
     g.add_argument(
         "--max-disk",
+        type=max_disk_flag,
         default=None,
         metavar="SIZE",
         help="keep the recording within SIZE on disk (e.g. 500M, 2G): beyond it the oldest segments "
@@ -248,6 +314,7 @@ def _add_policy(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--policy-window",
+        type=size_flag("--policy-window"),
         default=None,
         metavar="SIZE",
         help="with --policy tail or anomaly: memory the rows of undecided requests may hold (default "
@@ -269,6 +336,7 @@ def _add_footprint(g: argparse._ArgumentGroup) -> None:
 
     g.add_argument(
         "--max-memory",
+        type=max_memory_flag,
         default=None,
         metavar="SIZE",
         help=f"anonymous memory the recorder may hold (default {size_text(DEFAULT_MAX_MEMORY)}, at least "
@@ -295,6 +363,7 @@ def _add_footprint(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--duty-cycle",
+        type=duty_cycle_flag,
         default=None,
         metavar="ON/PERIOD",
         help="full detail for a window of ON seconds every PERIOD (e.g. 2s/20s): the per-layer "
@@ -347,7 +416,7 @@ def _add_tuning(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-read", choices=("auto", "ops"), default=None, help=hidden)
     p.add_argument("--discover-layout", action="store_true", default=None, help=hidden)
     p.add_argument("--discover-timeout", type=float, default=None, help=hidden)
-    p.add_argument("--recorder-cpus", default=None, metavar="CPUS", help=hidden)
+    p.add_argument("--recorder-cpus", type=recorder_cpus_flag, default=None, metavar="CPUS", help=hidden)
 
 
 def add_late_attach_flags(p: argparse._ActionsContainer) -> None:

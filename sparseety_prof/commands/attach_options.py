@@ -1,7 +1,8 @@
 """The session Options of `record` and `attach`, made once from their parsed flags
-(commands/attach_flags.py) and checked: a flag that cannot work is a UsageError here, before
-anything is attached. The parser writes no defaults: a flag not given leaves the Options' own
-(session/options.py), the one place a default is set. One function per flag group."""
+(commands/attach_flags.py: the parser reads each value, sizes and specs included) and checked: a
+combination or a value that cannot work is a UsageError here, before anything is attached. The
+parser writes no defaults: a flag not given leaves the Options' own (session/options.py), the one
+place a default is set. One function per flag group."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
+from sparseety_prof.commands.attach_flags import NO_MEMORY_LIMIT
 from sparseety_prof.commands.flag_combinations import refuse_unworkable_combinations
 from sparseety_prof.errors import UsageError
 from sparseety_prof.session.options import (
@@ -20,7 +22,6 @@ from sparseety_prof.session.options import (
 
 if TYPE_CHECKING:
     from sparseety_prof.capture.options import Capture
-    from sparseety_prof.session.duty_cycle import DutySpec
     from sparseety_prof.session.follow_target import FollowTarget
 
 #: the policies that decide at a request's end: its rows wait in --policy-window until then
@@ -193,38 +194,18 @@ def _output(args: argparse.Namespace) -> dict[str, Any]:
     from sparseety_prof.store.redaction_levels import redaction_from_flags
 
     redact, redact_layers = redaction_from_flags(args.redact or [], args.redact_layers)
+    if args.max_disk is not None and args.output is None:
+        raise UsageError("--max-disk needs -o (it bounds the recording on disk)")
     return {"out": args.output} | _given(
         duration=args.duration,
         flush_interval=args.flush_interval,
         fsync_interval=args.fsync_interval,
         journal=args.journal,
-        max_disk=_max_disk(args),
+        max_disk=args.max_disk,
         redact_text=args.redact_text,
         redact=redact,
         redact_layers=redact_layers,
     )
-
-
-def _max_disk(args: argparse.Namespace) -> int | None:
-    from sparseety_prof.store.recording_writer import MIN_MAX_DISK
-
-    if args.max_disk is None:
-        return None
-    max_disk = _size("--max-disk", args.max_disk)
-    if max_disk < MIN_MAX_DISK:
-        raise UsageError(f"--max-disk must be at least {MIN_MAX_DISK >> 20} MiB, got {args.max_disk}")
-    if args.output is None:
-        raise UsageError("--max-disk needs -o (it bounds the recording on disk)")
-    return max_disk
-
-
-def _size(flag: str, text: str) -> int:
-    from sparseety_prof.store.rotation import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise UsageError(f"{flag}: {e}") from None
 
 
 def _check_output_dir(opts: Options) -> None:
@@ -247,19 +228,17 @@ def _check_output_dir(opts: Options) -> None:
 
 
 def _policy(args: argparse.Namespace) -> dict[str, Any]:
-    policy_window = None
-    if args.policy_window is not None:
-        policy_window = _size("--policy-window", args.policy_window)
-        if not any(spec.split(":", 1)[0] in UNDECIDED_POLICIES for spec in args.policy or ()):
-            raise UsageError(
-                "--policy-window bounds the rows of requests not yet decided: it goes with --policy tail:Q "
-                "or --policy anomaly (head, full and aggregate decide at once)"
-            )
+    undecided = any(spec.split(":", 1)[0] in UNDECIDED_POLICIES for spec in args.policy or ())
+    if args.policy_window is not None and not undecided:
+        raise UsageError(
+            "--policy-window bounds the rows of requests not yet decided: it goes with --policy tail:Q "
+            "or --policy anomaly (head, full and aggregate decide at once)"
+        )
     if args.aggregate_interval is not None and args.aggregate_interval < 1:
         raise UsageError(f"--aggregate-interval must be at least 1 second, got {args.aggregate_interval}")
     return _given(
         policy=tuple(args.policy) if args.policy else None,
-        policy_window=policy_window,
+        policy_window=args.policy_window,
         aggregate_s=args.aggregate_interval,
     )
 
@@ -268,31 +247,14 @@ def _policy(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _footprint(args: argparse.Namespace) -> dict[str, Any]:
-    from sparseety_prof.session.memory_budget import MIN_MAX_MEMORY
-
     if args.nice is not None and not -20 <= args.nice <= 19:
         raise UsageError(f"--nice must be from -20 to 19, got {args.nice}")
-    footprint = _given(sched=args.sched, nice=args.nice, duty_cycle=_duty_cycle(args.duty_cycle))
-    if args.max_memory is None:
-        return footprint
-    if args.max_memory.lower() == "none":
-        return {**footprint, "max_memory": None}  # no limit
-    max_memory = _size("--max-memory", args.max_memory)
-    if max_memory < MIN_MAX_MEMORY:
-        raise UsageError(f"--max-memory must be at least {MIN_MAX_MEMORY >> 20} MiB, got {args.max_memory}")
-    return {**footprint, "max_memory": max_memory}
-
-
-def _duty_cycle(text: str | None) -> DutySpec | None:
-    """--duty-cycle ON/PERIOD parsed (session/duty_cycle.py); UsageError when malformed."""
-    from sparseety_prof.session.duty_cycle import parse_duty_cycle
-
-    if text is None:
-        return None
-    try:
-        return parse_duty_cycle(text)
-    except ValueError as e:
-        raise UsageError(f"--duty-cycle: {e}") from None
+    footprint = _given(
+        sched=args.sched, nice=args.nice, duty_cycle=args.duty_cycle, max_memory=args.max_memory
+    )
+    if args.max_memory == NO_MEMORY_LIMIT:
+        footprint["max_memory"] = None  # --max-memory none
+    return footprint
 
 
 # ---------------------------------------------------------------- fleet outputs
@@ -340,15 +302,8 @@ def _tuning(args: argparse.Namespace) -> dict[str, Any]:
         discover_layout=args.discover_layout,
         discover_timeout=args.discover_timeout,
         skip_probes=frozenset(getattr(args, "skip_probe", None) or ()) or None,
-        recorder_cpus=_recorder_cpus(args.recorder_cpus),
+        recorder_cpus=args.recorder_cpus,
     )
-
-
-def _recorder_cpus(text: str | None) -> str | None:
-    """--recorder-cpus checked (session/placement.py); UsageError otherwise."""
-    from sparseety_prof.session.placement import parse_recorder_cpus
-
-    return None if text is None else parse_recorder_cpus(text)
 
 
 def _check_run(opts: Options) -> None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import Any
 
 from sparseety_prof.commands.help_text import command_epilog, description
+from sparseety_prof.errors import UsageError
 
 EXAMPLES = """\
   sparseety-prof launch -- llama-server -m model.gguf -ngl 99     # then: sparseety-prof record -p PID -o rec
@@ -32,6 +35,33 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    from sparseety_prof.gpu.launch import run as launch
+    from sparseety_prof.gpu.launch import launch
 
-    return launch(args)
+    opts = options_from(args)
+    return launch(opts.command, **opts.settings)
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """What `launch` is asked to do: the engine's command, and build_env's settings."""
+
+    command: list[str]
+    settings: dict[str, Any]
+
+
+def options_from(args: argparse.Namespace) -> LaunchOptions:
+    """LaunchOptions from the flags add_arguments (gpu/launch.py) set up; UsageError for a
+    --watch or --preset that cannot work."""
+    from sparseety_prof.gpu.launch import SETTINGS
+    from sparseety_prof.gpu.presets import watch_spec
+    from sparseety_prof.gpu.watch_rules import WatchSpecError
+
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    settings = {name: getattr(args, name) for name in SETTINGS}
+    try:
+        settings["watch"] = watch_spec(args.watch, args.preset)
+    except WatchSpecError as e:
+        raise UsageError(f"--watch/--preset: {e}") from None
+    return LaunchOptions(command, settings)

@@ -44,9 +44,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    opts = options_from(args)
+    return run_recording(opts, Frontend(_log))
+
+
+def _log(s: str) -> None:
     from sparseety_prof.terminal_text import line
 
-    def log(s: str) -> None:
-        print(line(s), file=sys.stderr, flush=True)
-
-    return run_recording(options_from(args), Frontend(log))
+    print(line(s), file=sys.stderr, flush=True)

@@ -3,7 +3,8 @@ library, so that `sparseety-prof attach --pid N` can later drain its GPU ring.
 
 CUPTI has no attach-by-PID: the library is named in CUDA_INJECTION64_PATH when the engine starts
 (child processes such as vLLM/SGLang workers inherit it), or loaded into a running process with
-ptrace by `--late-attach` (gpu/late_attach.py). Standard library only.
+ptrace by `--late-attach` (gpu/late_attach.py). Standard library only. Failures are the
+project's errors (errors.py), which cli.main turns into their message and exit code.
 """
 
 from __future__ import annotations
@@ -19,14 +20,10 @@ from types import FrameType
 from typing import Any
 
 from sparseety_prof.capture.resources import CUPTI_LIBRARY
-from sparseety_prof.gpu.presets import PRESETS, watch_spec
-from sparseety_prof.gpu.watch_rules import WatchSpecError
+from sparseety_prof.errors import CommandNotStarted, CuptiLibraryMissing, UsageError
+from sparseety_prof.gpu.presets import PRESETS
 
-__all__ = ["add_arguments", "build_env", "find_libcupti", "launch", "library_path", "run"]
-
-EXIT_USAGE = 2
-EXIT_NO_LIBRARY = 20  # the injection library is not built (commands/exit_codes.py: the table)
-EXIT_NOT_STARTED = 127  # the command could not be started, as env(1) and nice(1) exit
+__all__ = ["add_arguments", "build_env", "find_libcupti", "launch", "library_path"]
 
 
 def library_path() -> Path:
@@ -78,7 +75,7 @@ def build_env(
     return env
 
 
-#: build_env's settings, as `run` reads them from the parsed options
+#: build_env's settings, as `launch`'s options read them from its flags (commands/launch.py)
 SETTINGS = (
     "watch",
     "watch_file",
@@ -92,30 +89,24 @@ SETTINGS = (
 
 def launch(argv: list[str], *, library: Path | None = None, **settings: Any) -> int:
     """Run `argv` with the injection library and return its exit code (128 + N when killed by
-    signal N). SIGINT and SIGTERM are forwarded to it. `settings`: build_env's keywords."""
+    signal N). SIGINT and SIGTERM are forwarded to it. `settings`: build_env's keywords.
+    UsageError without a command or with a watch file that is not there, CuptiLibraryMissing
+    without the library, CommandNotStarted when the command cannot be started."""
     if not argv:
-        print(
-            "sparseety-prof launch: no command given (usage: launch [options] -- <command>)", file=sys.stderr
-        )
-        return EXIT_USAGE
+        raise UsageError("launch: no command given (usage: launch [options] -- <command>)")
     lib = library if library is not None else library_path()
     if not lib.is_file():
-        print(
-            f"sparseety-prof launch: the CUPTI injection library {lib} is not built: "
-            "run `sparseety-prof build-cupti`",
-            file=sys.stderr,
+        raise CuptiLibraryMissing(
+            f"launch: the CUPTI injection library {lib} is not built: run `sparseety-prof build-cupti`"
         )
-        return EXIT_NO_LIBRARY
     watch_file = settings.get("watch_file")
     if watch_file is not None and not Path(watch_file).is_file():
-        print(f"sparseety-prof launch: watch file {watch_file} does not exist", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError(f"launch: watch file {watch_file} does not exist")
     env = build_env(dict(os.environ), lib, **settings)
     try:
         proc = subprocess.Popen(argv, env=env)
     except OSError as e:
-        print(f"sparseety-prof launch: cannot start {argv[0]}: {e.strerror}", file=sys.stderr)
-        return EXIT_NOT_STARTED
+        raise CommandNotStarted(f"launch: cannot start {argv[0]}: {e.strerror}") from None
     print(
         f"sparseety-prof: started pid {proc.pid} with {lib.name} injected; "
         f"attach with: {'' if os.geteuid() == 0 else 'sudo '}sparseety-prof attach -p {proc.pid}",
@@ -169,17 +160,3 @@ def add_preset_flag(parser: argparse._ActionsContainer) -> None:
         help="watch the fused-MoE routing kernels of this engine (repeatable; after the --watch entries, "
         "which win where both match; docs: GPU path, presets)",
     )
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run `launch` from the options parsed by a parser that `add_arguments` set up."""
-    command = list(args.command)
-    if command[:1] == ["--"]:
-        command = command[1:]
-    settings = {name: getattr(args, name) for name in SETTINGS}
-    try:
-        settings["watch"] = watch_spec(args.watch, args.preset)
-    except WatchSpecError as e:
-        print(f"sparseety-prof launch: --watch/--preset: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    return launch(command, **settings)
