@@ -315,7 +315,7 @@ def _apply(
     t_ends = col.s_ts[rows[:, shape.at + 3]].tolist()
     step0, decode0 = state.next_step_id, c.decode_id + 1
     step_ids = list(range(step0, step0 + m))
-    _steps_begin(state, c, st, tid, seq, col, rows[-1, shape.at], m, positions[-1])
+    _steps_begin(state, c, st, tid, seq, col, int(rows[-1, shape.at]), m, positions[-1])
     last = pres[-1]
     state.unmade = UnmadeStep(
         c, step_ids[-1], c.decode_id, tid, t_starts[-1], t_ends[-1], f.ub_rows, int(u[-1]), last
