@@ -53,7 +53,8 @@ RAGGED = [
 
 @pytest.mark.parametrize(("values", "dtype"), RAGGED)
 def test_ragged_path_equals_general_path(values: list[object], dtype: pl.DataType) -> None:
-    fast = schema._ragged_list_series("c", values, dtype)
+    parts = schema._ragged_parts(values, dtype)
+    fast = None if parts is None else schema._ragged_series({"c": parts}, {"c": dtype})["c"]
     rows: list[Any] = [v for v in values if v is not None]
     plain = dtype in (pl.List(pl.Int32()), pl.List(pl.Int64()), pl.List(pl.Float32()))
     numbers = all(x is not None and x == x for v in rows for x in v)  # (x != x: NaN)
@@ -62,6 +63,20 @@ def test_ragged_path_equals_general_path(values: list[object], dtype: pl.DataTyp
     got = fast if fast is not None else want
     assert_series_equal(got, want)
     assert got.null_count() == want.null_count()
+
+
+def test_ragged_columns_of_one_frame_are_sliced_together_as_each_alone() -> None:
+    """Several ragged columns, null rows in some, made in one query: each equals its own."""
+    cols = {
+        "a": ([[1, 2, 3], [4], [], None, [5, 6]], pl.List(pl.Int32())),
+        "b": ([[0.5], None, [0.25, 0.75], [1.0], []], pl.List(pl.Float32())),
+        "c": ([[9] * 7, [8], [7], [6], [5]], pl.List(pl.Int64())),
+    }
+    parts = {name: schema._ragged_parts(v, dt) for name, (v, dt) in cols.items()}
+    assert all(p is not None for p in parts.values())
+    together = schema._ragged_series(parts, {name: dt for name, (_, dt) in cols.items()})  # type: ignore[arg-type]
+    for name, (values, dtype) in cols.items():
+        assert_series_equal(together[name], _general(values, dtype).alias(name))
 
 
 def test_a_frame_with_ragged_rows_equals_the_general_path() -> None:

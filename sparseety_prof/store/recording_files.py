@@ -218,7 +218,7 @@ def table_dir_entries(path: Path) -> list[str]:
 # ---------------------------------------------------------------------- JSON
 
 
-def _json_depth(data: bytes) -> int:
+def json_depth(data: bytes) -> int:
     """The deepest nesting of arrays and objects in JSON text, strings left out; computed without
     recursion (numpy over the bracket characters)."""
     outside = re.sub(rb'"(?:[^"\\]|\\.)*"', b"", data)
@@ -233,7 +233,7 @@ def parse_json(data: bytes, path: str | os.PathLike[str], *, max_depth: int = MA
     """JSON text of the recording file `path`, parsed with its nesting bounded (checked before
     the parser recurses) and every parser failure (bad UTF-8, bad JSON, a number of a million
     digits) as CorruptRecording naming the file."""
-    depth = _json_depth(data)
+    depth = json_depth(data)
     if depth > max_depth:
         raise _refuse(path, f"nests {depth} levels deep, more than the {max_depth} accepted")
     try:

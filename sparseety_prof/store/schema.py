@@ -9,6 +9,7 @@ schema's: a misspelt or forgotten column is an error, never a column of nulls.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -344,10 +345,14 @@ def frame(table: str, cols: Columns, *, absent: Collection[str] = (), split: boo
     schema = TABLES[table]
     n = _n_rows(table, cols)
     fast: dict[str, pl.Series | None] = {}
+    ragged_parts: dict[str, _Ragged] = {}
     for name, dtype in schema.items():
         if isinstance(dtype, pl.List):
             got = _regular_list_series(name, cols[name], dtype)
-            fast[name] = got if got is not None else _ragged_list_series(name, cols[name], dtype)
+            if got is None and (parts := _ragged_parts(cols[name], dtype)) is not None:
+                ragged_parts[name] = parts
+            fast[name] = got
+    fast.update(_ragged_series(ragged_parts, schema))
     ragged = [k for k, v in fast.items() if v is None and any(x is not None for x in cols[k])]
     if split and ragged and n > _RAGGED_MIN_ROWS:
         by_shape = _frame_by_shape(table, cols, ragged, n)
@@ -364,8 +369,8 @@ def series(name: str, values: list[Any], dtype: pl.DataType) -> pl.Series:
     """One column from its values, as `frame` makes it (without regrouping ragged rows)."""
     if isinstance(dtype, pl.List):
         got = _regular_list_series(name, values, dtype)
-        if got is None:
-            got = _ragged_list_series(name, values, dtype)
+        if got is None and (parts := _ragged_parts(values, dtype)) is not None:
+            got = _ragged_series({name: parts}, {name: dtype})[name]
         if got is not None:
             return got
     return _plain_series(name, values, dtype)
@@ -455,12 +460,21 @@ def _regular_list_series(name: str, values: list[object], dtype: pl.DataType) ->
     return pl.select(pl.when(pl.Series(nulls)).then(row_of_nulls).otherwise(s).alias(name)).to_series()
 
 
-def _ragged_list_series(name: str, values: list[object], dtype: pl.DataType) -> pl.Series | None:
+@dataclass(frozen=True)
+class _Ragged:
+    """A ragged list column's values flattened: what `_ragged_series` slices back into rows."""
+
+    flat: np.ndarray  # every row's values, one after the other
+    lens: np.ndarray  # per row, how many (0 for a null row)
+    nulls: list[bool] | None  # per row, whether it is null (None: no null row)
+
+
+def _ragged_parts(values: list[object], dtype: pl.DataType) -> _Ragged | None:
     """Fast path for lists of numbers of different lengths (the steps table's per-row lists: one
     value for a decode step, one per row for a prompt), None rows null: the values flattened into
-    one numpy array, then each row sliced out of it by polars. Polars' element-by-element
-    construction cost ~3.5 us per row, this ~0.3. Lists of lists, and None among a row's values,
-    return None (the general path)."""
+    one numpy array, each row later sliced out of it by polars (`_ragged_series`), instead of
+    polars' element-by-element construction, whose cost grows with every row. Lists of lists,
+    and None among a row's values, return None (the general path)."""
     inner: Any = dtype.inner if isinstance(dtype, pl.List) else None
     np_type = _NUMPY_OF.get(inner)
     if np_type is None or not values:
@@ -479,17 +493,26 @@ def _ragged_list_series(name: str, values: list[object], dtype: pl.DataType) -> 
         return None  # None or something not a number among the values
     if flat.dtype.kind == "f" and np.isnan(flat).any():
         return None  # numpy reads None as NaN into floats: let polars keep it null
-    whole = pl.Series(name, flat).implode()
-    starts = np.cumsum(lens) - lens
-    s = (
-        pl.DataFrame({"start": starts, "len": lens})
-        .select(pl.lit(whole).first().list.slice(pl.col("start"), pl.col("len")).alias(name))
-        .to_series()
-        .cast(dtype)
-    )
-    if any_null:
-        s = pl.select(pl.when(pl.Series(nulls)).then(None).otherwise(s).alias(name)).to_series()
-    return s
+    return _Ragged(flat, lens, nulls if any_null else None)
+
+
+def _ragged_series(parts: Mapping[str, _Ragged], dtypes: Mapping[str, pl.DataType]) -> dict[str, pl.Series]:
+    """The ragged columns of one frame, each sliced back into its rows, all in ONE query: a query
+    has a fixed cost (planning, its threads) that a small frame, a journal's drain of rows,
+    would otherwise pay once per ragged column."""
+    if not parts:
+        return {}
+    offsets: dict[str, np.ndarray] = {}
+    exprs = []
+    for i, (name, p) in enumerate(parts.items()):
+        offsets[f"s{i}"], offsets[f"n{i}"] = np.cumsum(p.lens) - p.lens, p.lens
+        whole = pl.Series(name, p.flat).implode()
+        sliced = pl.lit(whole).first().list.slice(pl.col(f"s{i}"), pl.col(f"n{i}"))
+        if p.nulls is not None:
+            sliced = pl.when(pl.Series(p.nulls)).then(None).otherwise(sliced)
+        exprs.append(sliced.cast(dtypes[name]).alias(name))
+    got = pl.DataFrame(offsets).select_seq(exprs)
+    return {name: got.get_column(name) for name in parts}
 
 
 def _numpy_list_series(
