@@ -67,7 +67,7 @@ class _Engine:
         self.proc.wait()
 
 
-def _runtime_address(pid: int, p: AttachedProbe) -> int:
+def runtime_address(pid: int, p: AttachedProbe) -> int:
     """Where the probe's instruction is in the engine's memory."""
     lib = os.path.realpath(p.library)
     file_offset = next(
@@ -86,7 +86,7 @@ def _runtime_address(pid: int, p: AttachedProbe) -> int:
 
 
 def _byte(pid: int, address: int) -> str:
-    with open(f"/proc/{pid}/mem", "rb") as m:
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as m:
         m.seek(address)
         return m.read(1).hex()
 
@@ -115,7 +115,7 @@ def main() -> None:
             a = attach(Options(pid=engine.pid, out=None), lambda s: None)
             switch = ProbeSwitch(a.session)
             probe = switch.probes[0]
-            address = _runtime_address(engine.pid, probe)
+            address = runtime_address(engine.pid, probe)
             programs = {p.program for p in switch.probes}
             a.session.enable_run_stats()
 

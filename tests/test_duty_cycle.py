@@ -114,6 +114,7 @@ def test_controller_decides_nothing_from_too_few_tokens() -> None:
 
 def test_a_lagging_window_lowers_the_next_period_of_the_schedule() -> None:
     c = _cycle()
+    c.observe(100.1, 0, 0.9, 0)  # the first drain: what piled up while attaching, not a lag
     c.observe(100.5, 10, 0.0, 0)
     c.observe(101.5, 20, DutyController.LAG_FILL + 0.1, 0)  # the ring filling during the window
     c.disarmed(102.0, 102.1)
@@ -125,3 +126,11 @@ def test_a_lagging_window_lowers_the_next_period_of_the_schedule() -> None:
     c.observe(141.0, 40, 0.0, 3)
     c.disarmed(142.0, 142.0)
     assert c.controller.share == pytest.approx(0.025)
+
+
+def test_the_first_drain_alone_is_no_lag() -> None:
+    c = _cycle()
+    c.observe(100.1, 0, 0.9, 0)
+    c.observe(101.0, 10, 0.01, 0)
+    c.disarmed(102.0, 102.0)
+    assert c.controller.share == pytest.approx(0.1) and c.controller.lowered == 0

@@ -159,10 +159,12 @@ class _Window:
 @dataclass
 class DutyCycle:
     """The schedule, on time.monotonic() seconds. The probes are armed when it starts (attach
-    put them in): the first window runs from `start`."""
+    put them in): the first window runs from `start`, its probes going in from `since` (when
+    the attach began; `start` when not given)."""
 
     spec: DutySpec
     start: float
+    since: float | None = None
     controller: DutyController = field(init=False)
     armed: bool = True
     windows: list[_Window] = field(default_factory=list)
@@ -178,7 +180,7 @@ class DutyCycle:
     def __post_init__(self) -> None:
         self.controller = DutyController(self.spec)
         self._phase_start = self.start
-        self.windows.append(_Window(self.start, self.start))
+        self.windows.append(_Window(self.start if self.since is None else self.since, self.start))
 
     def next_change(self) -> float:
         """When the probes next go in or out."""
@@ -227,8 +229,13 @@ class DutyCycle:
             else:
                 r.tokens_out += dn
                 r.seconds_out += dt
-        if self.armed and (
-            fill > DutyController.LAG_FILL or (self._obs_losses is not None and losses > self._obs_losses)
+        # (the first drain takes what piled up while attaching: no sign of lag)
+        if (
+            self.armed
+            and self._obs_at is not None
+            and (
+                fill > DutyController.LAG_FILL or (self._obs_losses is not None and losses > self._obs_losses)
+            )
         ):
             self._lagging = True
         self._obs_at, self._obs_tokens, self._obs_losses = now, tokens, losses

@@ -21,9 +21,12 @@ from sparseety_prof.session.options import Progress
 
 
 class DutyDriver:
-    def __init__(self, spec: DutySpec, switch: ProbeSwitch, log: Callable[[str], None]) -> None:
+    def __init__(
+        self, spec: DutySpec, switch: ProbeSwitch, log: Callable[[str], None], since: float | None = None
+    ) -> None:
+        """`since`: when the attach that put the probes in began (time.monotonic())."""
         self.switch = switch
-        self.cycle = DutyCycle(spec, time.monotonic())
+        self.cycle = DutyCycle(spec, time.monotonic(), since)
         self._log = log
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -94,7 +97,7 @@ class DutyDriver:
 
 
 def open_duty_driver(
-    spec: DutySpec | None, switch: ProbeSwitch, log: Callable[[str], None]
+    spec: DutySpec | None, switch: ProbeSwitch, log: Callable[[str], None], since: float | None = None
 ) -> DutyDriver | None:
     """The duty cycle asked for, started; None when none is asked, or when the capture attached
     none of the probes it switches (--mode tokens: nothing to take out)."""
@@ -103,7 +106,7 @@ def open_duty_driver(
     if not switch.probes:
         log("sparseety-prof: --duty-cycle: no per-layer MoE/FFN probe attached, nothing to switch")
         return None
-    driver = DutyDriver(spec, switch, log)
+    driver = DutyDriver(spec, switch, log, since)
     driver.start()
     log(
         f"sparseety-prof: --duty-cycle {spec.text}: {', '.join(switch.symbols)} in for {spec.on_s:g} s "

@@ -111,6 +111,7 @@ class Recorder:
         # (issue 61) a core the engine does not use, before the compile: threads inherit it
         placement = place_recorder(opts.recorder_cpus, opts.pid)
         self.log(f"sparseety-prof: {placement.line()}")
+        attach_began = time.monotonic()  # the duty cycle's first window: the probes go in
         try:
             a = attach(opts, self.log, self._stop.is_set)
         except NotAnEngine:
@@ -163,7 +164,7 @@ class Recorder:
             if why:
                 self.log(f"sparseety-prof: --bpf-stats: {why}")
         c = _Consumer.open(opts, a.session, self.progress)
-        duty = open_duty_driver(opts.duty_cycle, ProbeSwitch(a.session), self.log)  # (issue 61)
+        duty = open_duty_driver(opts.duty_cycle, ProbeSwitch(a.session), self.log, since=attach_began)
         stages, cpu_drains0 = self._stages, _cpu_s()
         stages.restart()  # on this thread; attach's CPU is not a stage's
         self._collector.start()  # the cyclic collector runs after flushes only (collector.py)
