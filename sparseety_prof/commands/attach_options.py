@@ -11,6 +11,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from sparseety_prof.commands.attach_flags import NO_MEMORY_LIMIT
+from sparseety_prof.commands.dataset_flag import check_dataset_flag
 from sparseety_prof.commands.flag_combinations import refuse_unworkable_combinations
 from sparseety_prof.errors import UsageError
 from sparseety_prof.session.options import (
@@ -42,9 +43,11 @@ def options_from(args: argparse.Namespace) -> Options:
         },
         outputs=_fleet(args),
     )
+    # the checks of the Options made: their values together, and what the host must allow
     _check_run(opts)
     _check_tuning(opts)
     _check_output_dir(opts)
+    check_dataset_flag(opts)
     return opts
 
 
@@ -261,9 +264,6 @@ def _footprint(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _fleet(args: argparse.Namespace) -> Outputs:
-    from sparseety_prof.commands.dataset_flag import check_dataset_flag
-
-    check_dataset_flag(args)
     if args.otlp_token_events is not None and not 0.0 <= args.otlp_token_events <= 1.0:
         raise UsageError(f"--otlp-token-events must be within 0..1, got {args.otlp_token_events}")
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
@@ -285,12 +285,6 @@ def _fleet(args: argparse.Namespace) -> Outputs:
 
 
 def _tuning(args: argparse.Namespace) -> dict[str, Any]:
-    if args.ablate_consumer:
-        from sparseety_prof.session.ablation import ConsumerAblation
-
-        why = ConsumerAblation.check(args.ablate_consumer)
-        if why is not None:
-            raise UsageError(why)
     return _given(
         correlate_every=args.correlate_every,
         drain_interval=args.drain_interval,
@@ -344,6 +338,12 @@ def _check_tuning(opts: Options) -> None:
         raise UsageError(
             f"--slice-us must be 0 (the kernel's) or {SLICE_MIN_US}-{SLICE_MAX_US}, got {opts.slice_us}"
         )
+    if opts.ablate_consumer:
+        from sparseety_prof.session.ablation import ConsumerAblation
+
+        why = ConsumerAblation.check(opts.ablate_consumer)
+        if why is not None:
+            raise UsageError(why)
     if not opts.discover_timeout > 0:
         raise UsageError(
             f"--discover-timeout must be a positive number of seconds, got {opts.discover_timeout}"

@@ -24,18 +24,19 @@ def add_dataset_flag(p: argparse._ActionsContainer) -> None:
     )
 
 
-def check_dataset_flag(args: argparse.Namespace) -> None:
+def check_dataset_flag(opts: Options) -> None:
     """Refuse --dataset without a recording to collect, or with a DEST `collect` would refuse,
     before anything is attached."""
-    if args.dataset is None:
+    dataset = opts.outputs.dataset
+    if dataset is None:
         return
-    if args.output is None:
+    if opts.out is None:
         raise UsageError("--dataset collects the recording: give the recording's directory with -o as well")
     from sparseety_prof.store.dataset import MANIFEST
     from sparseety_prof.store.dataset_dir import check_dest
     from sparseety_prof.store.output_dir import sudo_owner
 
-    check_dest(args.dataset, MANIFEST, sudo_owner())
+    check_dest(dataset, MANIFEST, sudo_owner())
 
 
 def collect_recording(opts: Options) -> int:
