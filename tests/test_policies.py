@@ -14,7 +14,7 @@ import polars as pl
 import pytest
 
 from sparseety_prof.session.metadata import summary_line
-from sparseety_prof.session.policy import RecordingPolicy, check, probe_head_rate, probe_keep_below
+from sparseety_prof.session.policy import PolicyChoice, RecordingPolicy, probe_keep_below
 from sparseety_prof.session.request_hold import DEFAULT_WINDOW_BYTES, STEPS_AROUND
 from sparseety_prof.session.request_verdicts import Tail, head_fraction
 from sparseety_prof.store import schema
@@ -186,7 +186,7 @@ def test_head_in_the_probes_keeps_the_requests_whose_draw_kept_them_and_all_thei
 def test_head_is_drawn_in_the_probes_only_when_nothing_else_may_keep_a_request(
     specs: list[str], rate: float | None
 ) -> None:
-    assert probe_head_rate(specs) == rate
+    assert PolicyChoice.parse(specs).head_in_probes == rate
 
 
 def test_the_probes_threshold_keeps_the_rate_of_32_bit_draws() -> None:
@@ -287,7 +287,7 @@ def test_anomaly_keeps_a_log_prob_collapse_and_the_steps_around_it() -> None:
 )
 def test_bad_policies_are_refused_with_what_is_wrong(specs: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        check(specs)
+        PolicyChoice.parse(specs)
 
 
 def test_policy_flags_reach_the_options_and_bad_ones_are_usage_errors() -> None:

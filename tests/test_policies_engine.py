@@ -145,7 +145,7 @@ def _rows_of(runs: Runs, rec: Any, table: str, kept: set[str]) -> int:
 
 
 def test_head_in_the_probes_keeps_the_drawn_share_whole_and_copies_no_logits_of_the_rest(runs: Runs) -> None:
-    """head:0.3 alone is drawn in the probes (session/policy.py probe_head_rate): one draw per
+    """head:0.3 alone is drawn in the probes (session/policy.py PolicyChoice.head_in_probes): one draw per
     request at its first token, no logits row copied for a dropped request, and every row of a
     kept one, equal to the full recording's."""
     kept = _kept_ids_match_the_engine(runs, runs.head)

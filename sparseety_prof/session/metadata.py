@@ -159,7 +159,7 @@ def losses(counters: dict[str, int], corr: Correlator, *, seq_gaps: int, records
 
 
 def head_in_probes(counters: dict[str, int], corr: Correlator, rate: float) -> dict[str, Any]:
-    """Head sampling done in the probes at `rate` (session/policy.py probe_head_rate): their draws
+    """Head sampling done in the probes at `rate` (session/policy.py PolicyChoice.head_in_probes): their draws
     and the logits rows they did not copy, by design (not losses)."""
     return {
         "rate": rate,

@@ -59,20 +59,9 @@ class PolicyChoice:
         )
 
 
-def probe_head_rate(specs: Sequence[str]) -> float | None:
-    """The rate of head sampling done in the probes for these `--policy` values, or None
-    (PolicyChoice.head_in_probes)."""
-    return PolicyChoice.parse(specs).head_in_probes
-
-
 def probe_keep_below(rate: float) -> int:
     """The probes' threshold for a rate: a draw of bpf_get_prandom_u32() below it keeps."""
     return min(1 << 32, max(0, round(rate * (1 << 32))))
-
-
-def check(specs: Sequence[str]) -> tuple[str, ...]:
-    """The `--policy` values, checked (ValueError with what is wrong)."""
-    return PolicyChoice.parse(specs).specs
 
 
 class RowPolicy:
@@ -166,6 +155,12 @@ class RecordingPolicy:
         if self.hold is None or not self.probe_head:
             raise ValueError("only head sampling in the probes sets rows apart")
         self.hold.set_apart(table, parts)
+
+    def stores_whole(self, table: str) -> bool:
+        """Whether every row of `table` is stored as it comes, in order (no per-request decision
+        holds or drops some, the table is not dropped): a recording's journal may then hold
+        them as gathered (session/row_outlet.py)."""
+        return self.hold is None and table not in self._rows.drops
 
     def take(self, table: str, df: pl.DataFrame) -> list[tuple[str, pl.DataFrame]]:
         """A frame the consumer made: what of it to store now."""

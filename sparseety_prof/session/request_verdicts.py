@@ -43,7 +43,7 @@ class Head:
     """Keeps a request when its id falls below RATE: a share RATE of the requests, the same ones
     when the same ids come again.
 
-    With `probe_verdicts` (head sampling in the probes, session/policy.py probe_head_rate) the
+    With `probe_verdicts` (head sampling in the probes, session/policy.py PolicyChoice.head_in_probes) the
     probes have drawn each request at its start and copied the logits rows of those they kept
     only: the verdict is theirs, which the correlator put there by request id at the request's
     first token (taken once). A request with none is kept (`unjudged`): its rows are stored,
