@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -25,9 +24,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # probe_memory lives there
+
+from probe_memory import byte_at, runtime_address  # noqa: E402
 
 from sparseety_prof.capture.bpf_loader import AttachedProbe, Session  # noqa: E402
-from sparseety_prof.capture.elf import load_segments  # noqa: E402
 from sparseety_prof.capture.probe_switch import ProbeSwitch  # noqa: E402
 from sparseety_prof.session.attach import attach  # noqa: E402
 from sparseety_prof.session.options import Options  # noqa: E402
@@ -67,28 +68,8 @@ class _Engine:
         self.proc.wait()
 
 
-def runtime_address(pid: int, p: AttachedProbe) -> int:
-    """Where the probe's instruction is in the engine's memory."""
-    lib = os.path.realpath(p.library)
-    file_offset = next(
-        off + p.address - vaddr
-        for vaddr, off, size in load_segments(Path(lib))
-        if vaddr <= p.address < vaddr + size
-    )
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        f = line.split()
-        if len(f) >= 6 and os.path.realpath(f[5]) == lib:
-            lo, hi = (int(x, 16) for x in f[0].split("-"))
-            map_offset = int(f[2], 16)
-            if map_offset <= file_offset < map_offset + hi - lo:
-                return lo + file_offset - map_offset
-    raise LookupError(f"{lib} offset {file_offset:#x} is not mapped")
-
-
 def _byte(pid: int, address: int) -> str:
-    with open(f"/proc/{pid}/mem", "rb", buffering=0) as m:
-        m.seek(address)
-        return m.read(1).hex()
+    return byte_at(pid, address).hex()
 
 
 def _runs(sess: Session, programs: set[str]) -> int:

@@ -13,9 +13,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 from conftest import Engine, Recorder
+from probe_memory import INT3, runtime_address
 
 import sparseety_prof
-from scripts.bench_probe_switch import runtime_address
 from sparseety_prof.capture import target as tg
 from sparseety_prof.capture.bpf_loader import AttachedProbe
 from sparseety_prof.store import recording
@@ -125,5 +125,5 @@ def test_duty_cycle_records_every_token_and_sparse_rows_only_in_windows(
         p = phase(t0, t1)
         if p is not None:
             seen[p].add(byte)
-    assert seen["in"] == {b"\xcc"}, seen
-    assert len(seen["out"]) == 1 and b"\xcc" not in seen["out"], seen  # the instruction itself
+    assert seen["in"] == {INT3}, seen
+    assert len(seen["out"]) == 1 and INT3 not in seen["out"], seen  # the instruction itself

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ENGINES, PY, Engine, Recorder
+from conftest import ENGINES, PY, Engine, Recorder, run_cli
 
 from sparseety_prof.errors import UsageError
 from sparseety_prof.session.placement import (
@@ -20,6 +20,7 @@ from sparseety_prof.session.placement import (
     decide,
     parse_cpu_list,
     parse_recorder_cpus,
+    placement_check,
     read_engine_cpus,
 )
 from sparseety_prof.store import recording
@@ -163,3 +164,46 @@ class PinnedEngine(Engine):
         )
         self.ready = self.read()
         self.pid = int(self.ready["ready"])
+
+
+def _pinned_sleeper(core: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(["taskset", "-c", str(core), PY, "-c", "import time; time.sleep(60)"])
+    for _ in range(100):  # until taskset has set the affinity
+        if os.sched_getaffinity(proc.pid) == {core}:
+            break
+        time.sleep(0.05)
+    return proc
+
+
+def test_doctor_says_where_the_recorder_would_run() -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip(f"needs 2 cores to leave one to the recorder; this process may use {cores}")
+    proc = _pinned_sleeper(cores[0])
+    try:
+        check = placement_check(proc.pid)
+        free = cpu_list_text(set(cores) - {cores[0]})
+        assert check.ok and check.detail.startswith(f"recorder on core(s) {free}: ")
+        assert check.fix == ""
+        everywhere = placement_check(os.getpid())  # (this process may run on every core)
+        assert everywhere.ok and everywhere.detail.startswith("recorder not pinned: ")
+        assert "taskset" in everywhere.fix
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.root
+def test_doctor_json_holds_the_placement() -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip(f"needs 2 cores to leave one to the recorder; this process may use {cores}")
+    proc = _pinned_sleeper(cores[0])
+    try:
+        done = run_cli("doctor", "-p", str(proc.pid), "--json")
+    finally:
+        proc.kill()
+        proc.wait()
+    checks = {c["name"]: c for c in json.loads(done.stdout)["checks"]}
+    free = cpu_list_text(set(cores) - {cores[0]})
+    assert checks["recorder placement"]["detail"].startswith(f"recorder on core(s) {free}: ")

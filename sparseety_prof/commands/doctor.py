@@ -14,6 +14,7 @@ from sparseety_prof.capture.preflight import SYSTEM_CHECKS, check_capabilities, 
 from sparseety_prof.checks import Check
 from sparseety_prof.commands.exit_codes import DOCTOR_FAILED
 from sparseety_prof.commands.help_text import command_epilog, description
+from sparseety_prof.session.placement import placement_check
 
 
 def run_checks(pid: int | None, *, gpu: bool = False) -> list[Check]:
@@ -21,6 +22,7 @@ def run_checks(pid: int | None, *, gpu: bool = False) -> list[Check]:
     checks += check_capabilities(pid)
     if pid is not None:
         checks += check_engine(pid)
+        checks.append(placement_check(pid))  # where `record` would run the recorder (issue 61)
     if gpu:
         from sparseety_prof.gpu.diagnose import gpu_checks
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sparseety_prof.checks import Check
 from sparseety_prof.errors import UsageError
 from sparseety_prof.session.thread_priority import thread_ids
 
@@ -190,3 +191,23 @@ def pin_threads(placement: Placement) -> int:
             os.sched_setaffinity(tid, placement.cores)
             done += 1
     return done
+
+
+def placement_check(pid: int, asked: str = "auto") -> Check:
+    """`doctor -p PID`: where `record` would place the recorder next to this engine. Never a
+    failure: an engine on every core leaves the recorder its low priority, which works."""
+    try:
+        engine: EngineCpus | None = read_engine_cpus(pid)
+    except OSError as e:
+        engine = None
+        why = f" (the engine's affinity is unreadable: {e.strerror or e})"
+    else:
+        why = ""
+    p = decide(asked, frozenset(os.sched_getaffinity(0)), engine)
+    fix = ""
+    if p.cores is None and engine is not None:
+        fix = (
+            "to give the recorder a core of its own, leave the engine one short of the machine "
+            "(taskset -c, systemd CPUAffinity=, a container's cpuset)"
+        )
+    return Check("recorder placement", True, f"{p.line()}{why}", fix)
