@@ -3,6 +3,7 @@
     sudo .venv/bin/python scripts/bench_sustained.py [--engine llama-cpp-python server]
         [--clients 1 4] [--seconds 60] [--pairs 6] [--mode full tokens] [--contend N] [--json FILE]
         [--tokens 64] [--spread 0.5] [--record-args '...'] [--ablate-consumer | --bare-traps]
+        [--engine-cpus CPUS|n-1] [--recorder-cpus CPUS] [--duty-cycle ON/PERIOD]
 
 Each A/B pair runs the same load twice on one warm engine: A plain, B with `sparseety-prof record`
 attached BEFORE the load starts and stopped (SIGINT, then its close: last drains, Parquet writes,
@@ -38,6 +39,15 @@ scripts/bare_traps.py instead, a no-op program on each probe point that a calibr
 (same `--record-args`, before the pairs) kept on the engine: the uprobe traps alone, with each
 point's traps per generated token printed. Both print the engine's user and system CPU per
 token on each side.
+
+The recorder's cost controls (docs/tuning.md): `--engine-cpus n-1` pins the engine to every core
+but the last (with `--threads` to match), so that record's `--recorder-cpus auto` finds the
+last core free and runs there; `--recorder-cpus` and `--duty-cycle` are passed to record as they
+are given. Each pair's line and the JSON name where the recorder ran and the duty cycle's
+coverage (meta.json recorder_placement, duty_cycle). On a 2-core host:
+
+    sudo .venv/bin/python scripts/bench_sustained.py --engine llama-cpp-python --threads 1 --engine-cpus n-1
+    sudo .venv/bin/python scripts/bench_sustained.py --engine llama-cpp-python --duty-cycle 2s/20s
 """
 
 from __future__ import annotations
@@ -84,6 +94,7 @@ from scripts.bench_overhead import (  # noqa: E402
     wait_quiet,
 )
 from scripts.preempt_stalls import StallTracer  # noqa: E402
+from sparseety_prof.session.placement import cpu_list_text, parse_cpu_list  # noqa: E402
 from sparseety_prof.synthetic import make_model  # noqa: E402
 
 ENGINES = ROOT / "tests" / "engines"
@@ -417,6 +428,7 @@ def bench(
     engine_cls: type, model: Path, a: argparse.Namespace, clients: int, mode: str, tmp: Path
 ) -> dict[str, Any]:
     eng = engine_cls(model, a.threads, clients)
+    engine_cores = pin_engine(eng.pid, a.engine_cpus) if a.engine_cpus else None
     lengths = AnswerLengths(a.tokens, a.spread)
     rows: dict[str, list[float]] = {
         k: []
@@ -445,6 +457,8 @@ def bench(
     # the probes' other losses, by kind (rows not counted, unattributed records, skipped
     # programs): not ring records, so never added to the ring's count
     not_captured: dict[str, int] = {}
+    placed: list[str | None] = []  # per pair: the cores the recorder was pinned to (None: not pinned)
+    coverage: list[float | None] = []  # per pair: the duty cycle's coverage (None: no duty cycle)
     traps_per_token: list[float] = []  # --bare-traps: the no-op programs' runs per token B generated
     bare_runs: dict[str, int] = {}  # ... and each point's, summed over the pairs
     bare_tokens = 0
@@ -471,7 +485,7 @@ def bench(
                     sides["B"] = timed_load(eng, a.seconds, lengths, tracer, bare.p.pid)
                     rec_out = bare.stop()
                 else:
-                    extra = shlex.split(a.record_args)
+                    extra = shlex.split(a.record_args) + cost_flags(a)
                     if a.ablate_consumer:
                         extra.append(f"--ablate-consumer={a.ablate_consumer}")
                     rec = Recording(eng.pid, tmp / f"{eng.name}-{clients}-{mode}-{i}", mode, extra)
@@ -515,6 +529,8 @@ def bench(
             tokens += n_rec
             cons = meta.get("consumer", {})
             consumer.append(cons)
+            placed.append((meta.get("recorder_placement") or {}).get("pinned"))
+            coverage.append((meta.get("duty_cycle") or {}).get("coverage"))
             for k, v in cons.get("cpu_s_by_stage", {}).items():
                 stage_s[k] = stage_s.get(k, 0.0) + float(v)
             bpf = meta.get("bpf_programs", {})
@@ -548,7 +564,10 @@ def bench(
                 f"µs/token, user {rows['engine_user_a'][-1]:.0f} → {rows['engine_user_b'][-1]:.0f}, "
                 f"its threads preempted {rows['engine_preempted_a'][-1]:.2f} → "
                 f"{rows['engine_preempted_b'][-1]:.2f} times/token, machine idle CPU "
-                f"{rows['idle_a'][-1]:.0f} → {rows['idle_b'][-1]:.0f} µs/token, losses: {lost_text}" + probes,
+                f"{rows['idle_a'][-1]:.0f} → {rows['idle_b'][-1]:.0f} µs/token, losses: {lost_text}, "
+                f"recorder pinned to {placed[-1] or 'nothing'}"
+                + (f", duty-cycle coverage {coverage[-1]}" if coverage[-1] is not None else "")
+                + probes,
                 file=sys.stderr,
             )
     finally:
@@ -568,7 +587,12 @@ def bench(
         + (f" {a.record_args}" if a.record_args else "")
         + (f" (consumer ablated: {ABLATED[a.ablate_consumer]})" if a.ablate_consumer else "")
         + (" (bare traps: no-op programs at its probe points)" if a.bare_traps else "")
-        + (f" (+{a.contend} spinning processes)" if a.contend else ""),
+        + (f" (+{a.contend} spinning processes)" if a.contend else "")
+        + "".join(f" {flag}" for flag in cost_flags(a))
+        + (f" (engine on cores {cpu_list_text(engine_cores)})" if engine_cores else ""),
+        "engine_cpus": cpu_list_text(engine_cores) if engine_cores else None,
+        "recorder_pinned": placed,  # per pair (meta.json recorder_placement.pinned)
+        "duty_coverage": coverage,  # per pair (meta.json duty_cycle.coverage)
         "pairs": a.pairs,
         "tokens": a.tokens,
         "spread": a.spread,
@@ -677,6 +701,31 @@ def print_stalls(results: list[dict[str, Any]]) -> None:
         )
 
 
+def pin_engine(pid: int, text: str) -> frozenset[int]:
+    """--engine-cpus: every thread of the engine pinned to these cores (threads it makes later
+    inherit their maker's); `n-1`: every core this process may use but the last, the host that
+    leaves the engine a core short."""
+    machine = sorted(os.sched_getaffinity(0))
+    cores = frozenset(machine[:-1]) if text == "n-1" else parse_cpu_list(text)
+    if not cores:
+        raise SystemExit(
+            f"--engine-cpus {text}: no core left to the engine (this host: {cpu_list_text(set(machine))})"
+        )
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cores)
+    return cores
+
+
+def cost_flags(a: argparse.Namespace) -> list[str]:
+    """The recorder's cost controls asked for (--duty-cycle, --recorder-cpus), as record's flags."""
+    flags = []
+    if a.duty_cycle:
+        flags.append(f"--duty-cycle={a.duty_cycle}")
+    if a.recorder_cpus:
+        flags.append(f"--recorder-cpus={a.recorder_cpus}")
+    return flags
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -734,6 +783,25 @@ def main() -> int:
         help="also trace the engine threads' waits when preempted, per side, by who took their CPU "
         "(scripts/preempt_stalls.py: a BPF program on sched_switch, which runs on every context "
         "switch of the machine, on both sides alike)",
+    )
+    ap.add_argument(
+        "--engine-cpus",
+        default=None,
+        metavar="CPUS",
+        help="pin the engine's threads to these cores (a CPU list such as 0, or n-1: every core but the "
+        "last, leaving the recorder a core of its own; give --threads to match)",
+    )
+    ap.add_argument(
+        "--recorder-cpus",
+        default=None,
+        metavar="CPUS",
+        help="record's --recorder-cpus (auto, none or a CPU list; default: record's own, auto)",
+    )
+    ap.add_argument(
+        "--duty-cycle",
+        default=None,
+        metavar="ON/PERIOD",
+        help="record's --duty-cycle, e.g. 2s/20s (one window in ten)",
     )
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args()
