@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ENGINES, PY, Engine, Recorder, run_cli
+from conftest import ENGINES, PY, ROOT, Engine, Recorder, run_cli
 
 from sparseety_prof.errors import UsageError
 from sparseety_prof.session.placement import (
@@ -207,3 +207,39 @@ def test_doctor_json_holds_the_placement() -> None:
     checks = {c["name"]: c for c in json.loads(done.stdout)["checks"]}
     free = cpu_list_text(set(cores) - {cores[0]})
     assert checks["recorder placement"]["detail"].startswith(f"recorder on core(s) {free}: ")
+
+
+# a follower placing itself for one engine, then for the next (one process, as --follow runs)
+_FOLLOWER = """
+import os, sys
+from sparseety_prof.session.placement import place_recorder
+pinned, unpinned = int(sys.argv[1]), int(sys.argv[2])
+first = place_recorder("auto", pinned)
+after_first = sorted(os.sched_getaffinity(0))
+second = place_recorder("auto", unpinned)
+print(sorted(first.cores or ()), after_first, second.cores, sorted(os.sched_getaffinity(0)))
+"""
+
+
+def test_a_follower_places_itself_again_among_the_cores_it_started_with() -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip(f"needs 2 cores to leave one to the recorder; this process may use {cores}")
+    pinned = _pinned_sleeper(cores[0])
+    unpinned = subprocess.Popen([PY, "-c", "import time; time.sleep(60)"])
+    try:
+        done = subprocess.run(
+            [PY, "-c", _FOLLOWER, str(pinned.pid), str(unpinned.pid)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
+    finally:
+        for p in (pinned, unpinned):
+            p.kill()
+            p.wait()
+    assert done.returncode == 0, done.stderr
+    rest = cores[1:]
+    # pinned apart from the first engine, then back on every core for the one that may use them all
+    assert done.stdout.split("\n")[0] == f"{rest} {rest} None {cores}"

@@ -165,30 +165,44 @@ def decide(asked: str, recorder_allowed: frozenset[int], engine: EngineCpus | No
     return Placement(asked, None, why, recorder_allowed, engine)
 
 
+class _AllowedAtStart:
+    """The cores this process could use before it pinned itself: a follower (--follow) places
+    itself again for each engine it attaches to, and must choose among the cores it had, not
+    among those the last engine left it."""
+
+    cores: frozenset[int] | None = None
+
+    @classmethod
+    def get(cls) -> frozenset[int]:
+        if cls.cores is None:
+            cls.cores = frozenset(os.sched_getaffinity(0))
+        return cls.cores
+
+
 def place_recorder(asked: str, pid: int) -> Placement:
-    """Decide for the engine `pid` and pin this process's threads accordingly."""
+    """Decide for the engine `pid` and pin this process's threads accordingly (back to the
+    cores it started with when the decision pins nothing)."""
     try:
         engine: EngineCpus | None = read_engine_cpus(pid)
     except OSError:
         engine = None
-    placement = decide(asked, frozenset(os.sched_getaffinity(0)), engine)
-    pin_threads(placement)
+    allowed = _AllowedAtStart.get()
+    placement = decide(asked, allowed, engine)
+    pin_threads(allowed if placement.cores is None else placement.cores)
     return placement
 
 
-def pin_threads(placement: Placement) -> int:
+def pin_threads(cores: frozenset[int]) -> int:
     """Pin this thread first (the threads it makes from now on inherit it), then every other
-    thread of this process; returns how many were pinned (0 when the placement pins nothing)."""
-    if placement.cores is None:
-        return 0
-    os.sched_setaffinity(0, placement.cores)
+    thread of this process; returns how many were pinned."""
+    os.sched_setaffinity(0, cores)
     done = 1
     me = threading.get_native_id()
     for tid in thread_ids():
         if tid == me:
             continue
         with contextlib.suppress(OSError):  # (ended since)
-            os.sched_setaffinity(tid, placement.cores)
+            os.sched_setaffinity(tid, cores)
             done += 1
     return done
 
