@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import threading
+import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, ExitStack
 from typing import TYPE_CHECKING, Any
@@ -62,9 +64,6 @@ class LiveView:
     thread's snapshots, the keys read on their own thread (views/live_keys.py)."""
 
     def __init__(self) -> None:
-        import threading
-        import time
-
         from rich.console import Console
         from rich.live import Live
 
@@ -122,8 +121,6 @@ class LiveView:
             self.live.update(render(self.shown[0], self.view, *size), refresh=True)
 
     def on_update(self, tok: Mapping[str, list[Any]], steps: Mapping[str, list[Any]], p: Progress) -> None:
-        import time
-
         if not self.state:
             self.state.append(_live_state(self.recorders[-1]))
         self.state[0].update(tok, steps, p.counters())
