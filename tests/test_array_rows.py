@@ -147,8 +147,7 @@ def test_column_buffer_keeps_the_order_rows_came_in_for_ordered_tables() -> None
         given: dict[str, list[object]] = {"step_id": list(steps), "layer": [0] * len(steps)}
         return schema.fill_absent("routes", given, [c for c in schema.TABLES["routes"] if c not in given])
 
-    buf = ColumnBuffer()
-    buf.UNORDERED = frozenset()  # the routes schema, kept in order as the tokens table is
+    buf = ColumnBuffer(ordered=True)  # the routes schema, kept in order as the tokens table is
     a, b = _routes(3, 2, seed=8), _routes(2, 2, seed=9)
     buf.add("routes", lists([1, 2]), final=False)
     buf.add("routes", RowParts(lists([3]), [a], np.array([True, False, True, True])), final=False)

@@ -24,9 +24,9 @@ from sparseety_prof.session.policy import RecordingPolicy
 from sparseety_prof.session.row_outlet import RowOutlet
 from sparseety_prof.session.sinks import SinkFanout
 from sparseety_prof.session.stage_cpu import StageCpu
-from sparseety_prof.store import ipc_stream, journal, schema
+from sparseety_prof.store import gathered_codec, ipc_stream, journal, schema
 from sparseety_prof.store.buffers import FlushSchedule
-from sparseety_prof.store.journal import HEADER, JOURNAL_DIR, MAGIC
+from sparseety_prof.store.journal import HEADER, JOURNAL_DIR, MAGIC, MAGIC_GATHERED
 from sparseety_prof.store.recording_writer import RecordingWriter
 
 META = {"pid": 4242, "note": "journal"}
@@ -65,9 +65,14 @@ def _records(rec: Path) -> list[tuple[str, int, int, int]]:
         data = (rec / JOURNAL_DIR / name).read_bytes()
         pos = 0
         while pos < len(data):
-            _, table, segment, row, length, _ = HEADER.unpack_from(data, pos)
+            magic, table, segment, row, length, _ = HEADER.unpack_from(data, pos)
             payload = data[pos + HEADER.size : pos + HEADER.size + length]
-            out.append((table.rstrip(b"\0").decode(), segment, row, ipc_stream.read_stream(payload).height))
+            rows = (
+                gathered_codec.payload_rows(payload)
+                if magic == MAGIC_GATHERED
+                else ipc_stream.read_stream(payload).height
+            )
+            out.append((table.rstrip(b"\0").decode(), segment, row, rows))
             pos += HEADER.size + length
     return out
 

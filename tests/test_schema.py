@@ -72,11 +72,11 @@ def test_ragged_columns_of_one_frame_are_sliced_together_as_each_alone() -> None
         "b": ([[0.5], None, [0.25, 0.75], [1.0], []], pl.List(pl.Float32())),
         "c": ([[9] * 7, [8], [7], [6], [5]], pl.List(pl.Int64())),
     }
-    parts = {name: schema._ragged_parts(v, dt) for name, (v, dt) in cols.items()}
+    parts = {name: schema._ragged_parts(v, dt) for name, (v, dt) in cols.items()}  # type: ignore[arg-type]
     assert all(p is not None for p in parts.values())
     together = schema._ragged_series(parts, {name: dt for name, (_, dt) in cols.items()})  # type: ignore[arg-type]
     for name, (values, dtype) in cols.items():
-        assert_series_equal(together[name], _general(values, dtype).alias(name))
+        assert_series_equal(together[name], _general(values, dtype).alias(name))  # type: ignore[arg-type]
 
 
 def test_a_frame_with_ragged_rows_equals_the_general_path() -> None:

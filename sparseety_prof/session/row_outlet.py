@@ -8,8 +8,12 @@ row). A flush comes on schedule (`--flush-interval`), done in pieces between dra
 with a journal (store/journal.py) has the rows gathered framed after a drain, at most every
 JOURNAL_GAP_S, and handed to its readers, the recording's journal among them: a SIGKILL then
 loses the last drain or so, not a flush interval (the rows the per-request policies hold reach
-the recording, and so the journal, when decided, at flushes). The rows a policy set apart in the
-correlator (a head-dropped request's, as arrays) go to the aggregates and the policy only.
+the recording, and so the journal, when decided, at flushes). When the recording stores every
+row as it comes (no per-request policy, no redaction), the journal takes the rows as gathered
+instead, unframed (store/gathered_codec.py), and the frames are made at flushes as without a
+journal: a frame's fixed cost per column, paid after every drain, was most of the journal's
+cost. The rows a policy set apart in the correlator (a head-dropped request's, as arrays) go to
+the aggregates and the policy only.
 
 The recorder drives it (recorder.py); this module decides nothing about the engine or the ring.
 """
@@ -30,7 +34,7 @@ from sparseety_prof.session.sched import ConsumerSched
 from sparseety_prof.session.sinks import SinkFanout
 from sparseety_prof.session.stage_cpu import StageCpu
 from sparseety_prof.store.aggregates import Aggregator
-from sparseety_prof.store.array_rows import ArrayRows
+from sparseety_prof.store.array_rows import ArrayRows, RowParts
 from sparseety_prof.store.buffers import ColumnBuffer, FlushSchedule
 from sparseety_prof.store.recording_writer import RecordingWriter
 
@@ -61,12 +65,17 @@ class RowOutlet:
         self.aggregates = aggregates
         self.sinks = sinks
         self.round = FlushRound()  # the flush under way, done in pieces between drains
-        self._rows = ColumnBuffer()
+        self._journaled = writer is not None and writer.journaling
+        # the journal takes rows as gathered, not framed (the module's docstring says when)
+        self._as_gathered = (
+            self._journaled and writer is not None and writer.stores_as_given and policy.hold is None
+        )
+        self._rows = ColumnBuffer(journaled=self._as_gathered)
+        self._gathered: dict[str, int] = {}  # per table, the rows gathered so far (as_gathered)
         self._stages = stages
         self._collector = collector
         self._log = log
-        self._journaled = writer is not None and writer.journaling
-        self._next_journal = 0.0  # (time.monotonic) the first drain after it frames for the journal
+        self._next_journal = 0.0  # (time.monotonic) the first drain after it writes the journal
 
     @property
     def wanted(self) -> bool:
@@ -92,7 +101,7 @@ class RowOutlet:
             self.aggregates.add(table, df)
         if self.writer is not None:
             for kept_table, kept in self.policy.take(table, df):
-                self.writer.append(kept_table, kept)
+                self.writer.append(kept_table, kept, journaled=self._as_gathered)
         if self.sinks:
             self.sinks.take(table, df)
 
@@ -120,7 +129,10 @@ class RowOutlet:
         `flush_pieces` between drains."""
         if self._journaled and drained_at >= self._next_journal:
             self._next_journal = drained_at + JOURNAL_GAP_S
-            self._frame_gathered()
+            if self._as_gathered:
+                self._journal_gathered()
+            else:
+                self._frame_gathered()
             assert self.writer is not None
             self.writer.write_journal()
         if self.wanted and flush.due(drained_at):
@@ -167,6 +179,16 @@ class RowOutlet:
                 f"with its rows written out ({left >> 20} MiB anonymous): it writes them out every "
                 f"{PRESSURE_GAP_S:g} s while it stays above (counted in meta.json profiler_memory.budget)"
             )
+
+    def _journal_gathered(self) -> None:
+        """The rows gathered since the last time, as they came, to the recording's journal (they
+        reach the recording itself framed, at flushes, in the same order)."""
+        assert self.writer is not None
+        for table, parts in self._rows.take_unjournaled().items():
+            start = self._gathered.get(table, 0)
+            self._gathered[table] = start + sum(_rows_of(p) for p in parts)
+            if self.policy.stores_whole(table):
+                self.writer.journal_gathered(table, parts, start=start)
 
     def _frame_gathered(self) -> None:
         """Every row gathered so far framed and handed to its readers now (each table after the
@@ -229,3 +251,8 @@ class RowOutlet:
             if rows.height:
                 self.writer.append("aggregates", rows)
         yield "aggregates"
+
+
+def _rows_of(cols: Mapping[str, Any]) -> int:
+    """The rows of one add (column lists or RowParts)."""
+    return len(cols.is_array) if isinstance(cols, RowParts) else len(next(iter(cols.values()), ()))

@@ -31,7 +31,15 @@ class ColumnBuffer:
     FRAME_ROWS = 2048
     UNORDERED = frozenset({"routes"})  # tables whose frames hold the list rows, then the array rows
 
-    def __init__(self) -> None:
+    def __init__(self, *, journaled: bool = False, ordered: bool = False) -> None:
+        """`journaled`: each add is also kept as it came until `take_unjournaled` (a recording's
+        journal of gathered rows, store/gathered_codec.py), and, as with `ordered`, every
+        table's frames keep the order rows came in, so that the rows the journal holds and the
+        rows given to the recording follow one order (a killed recording's reader counts them:
+        store/journal.py)."""
+        self.unordered = frozenset[str]() if journaled or ordered else self.UNORDERED
+        self._journaled = journaled
+        self._unjournaled: dict[str, list[Mapping[str, Any]]] = {}
         self._cols: dict[str, dict[str, list[Any]]] = {}
         self._arrays: dict[str, list[ArrayRows]] = {}
         self._rows: dict[str, int] = {}
@@ -42,13 +50,17 @@ class ColumnBuffer:
     def add(self, table: str, cols: Mapping[str, list[Any]], *, final: bool) -> list[pl.DataFrame]:
         """Gather one drain's rows of `table` (every column of the table, as schema.frame wants,
         or RowParts; a drain without rows may pass {} or empty lists); the frames that are due."""
+        if self._journaled and (
+            len(cols.is_array) if isinstance(cols, RowParts) else len(next(iter(cols.values()), ()))
+        ):
+            self._unjournaled.setdefault(table, []).append(cols)
         if isinstance(cols, RowParts):
             before = self._rows.get(table, 0)  # list rows alone, for an ordered table without kinds
             n_lists = self._add_lists(table, cols.lists)
             if cols.arrays:
                 self._arrays.setdefault(table, []).extend(cols.arrays)
                 self._rows[table] = self._rows.get(table, 0) + sum(p.n for p in cols.arrays)
-                if table not in self.UNORDERED:
+                if table not in self.unordered:
                     kinds = self._kinds.get(table)
                     if kinds is None:
                         kinds = self._kinds[table] = [np.zeros(before, dtype=bool)]
@@ -72,9 +84,15 @@ class ColumnBuffer:
         """A buffer holding every row gathered so far, this one left empty: a flush done in
         pieces (session/flush_round.py) frames them a table at a time while new rows gather here."""
         held = ColumnBuffer()
+        held.unordered = self.unordered
         held._cols, held._arrays, held._rows, held._kinds = self._cols, self._arrays, self._rows, self._kinds
         self._cols, self._arrays, self._rows, self._kinds = {}, {}, {}, {}
         return held
+
+    def take_unjournaled(self) -> dict[str, list[Mapping[str, Any]]]:
+        """Per table, each add since the last call as it came (`journaled` buffers only)."""
+        taken, self._unjournaled = self._unjournaled, {}
+        return taken
 
     def tables(self) -> list[str]:
         """The tables with rows gathered, in the order they first came."""

@@ -12,9 +12,15 @@ which bounds what a power cut loses.
 A log file, ``journal/log-<N>.arrows`` (N counts from 0), is a sequence of records, each a
 fixed header then its payload::
 
-    magic "SPJ1" | table name, 16 bytes, NUL-padded | segment S: u32 | row R: u64
+    magic "SPJ1" or "SPJ2" | table name, 16 bytes, NUL-padded | segment S: u32 | row R: u64
         | payload length: u64 | CRC-32 of the payload: u32            (little-endian, 44 bytes)
-    payload: the rows, an Arrow IPC stream, uncompressed (store/ipc_stream.py)
+    payload: the rows; SPJ1: framed, an Arrow IPC stream, uncompressed (store/ipc_stream.py);
+        SPJ2: as the consumer gathered them, before any frame (store/gathered_codec.py)
+
+A frame costs a fixed amount per column, paid per record: so the rows go as gathered (SPJ2)
+whenever the recording stores them as they come (the policy keeps or drops whole tables, no
+redaction: RowOutlet decides), framed once at the flush as without a journal. Rows a policy holds
+or a redaction changes go framed (SPJ1), as the recording stores them.
 
 A record's S and R say which rows of its table it holds, so that a reader can tell which ones
 segments already hold even when the recorder died between writing a segment and removing the
@@ -47,11 +53,12 @@ import polars as pl
 from sparseety_prof.store.ipc_stream import write_stream
 from sparseety_prof.store.output_dir import OutputDir
 
-__all__ = ["HEADER", "JOURNAL_DIR", "LOG_RE", "MAGIC", "JournalWriter", "log_name"]
+__all__ = ["HEADER", "JOURNAL_DIR", "LOG_RE", "MAGIC", "MAGIC_GATHERED", "JournalWriter", "log_name"]
 
 JOURNAL_DIR = "journal"
 LOG_RE = re.compile(r"^log-(?P<n>\d{6})\.arrows$")
 MAGIC = b"SPJ1"
+MAGIC_GATHERED = b"SPJ2"
 #: a record's header: magic, table, segment S, row R, payload length, payload CRC-32
 HEADER = struct.Struct("<4s16sIQQI")
 
@@ -69,6 +76,18 @@ class _Pending:
     start: int  # the first row's place among every row given for the table
     frames: list[pl.DataFrame] = field(default_factory=list)
     rows: int = 0
+
+
+@dataclass(frozen=True)
+class _Gathered:
+    """A table's rows as gathered (store/gathered_codec.py payload) and where the first stands."""
+
+    table: str
+    payload: bytes
+    rows: int
+    segment: int
+    row: int
+    start: int
 
 
 @dataclass
@@ -94,6 +113,7 @@ class JournalWriter:
         self.fsync_interval_s = fsync_interval_s
         self._next_sync = time.monotonic() + fsync_interval_s
         self._pending: dict[str, _Pending] = {}
+        self._gathered: list[_Gathered] = []
         self._logs: list[_Log] = []  # oldest first; the last one is appended to
         self._written_now: dict[str, int] = {}  # per table, the rows given that segments hold
         self._files = 0  # log files made
@@ -121,6 +141,15 @@ class JournalWriter:
         p.frames.append(df)
         p.rows += df.height
 
+    def add_gathered(
+        self, table: str, payload: bytes, rows: int, *, segment: int, row: int, start: int
+    ) -> None:
+        """Rows of `table` as gathered (a gathered_codec payload of `rows` rows): they follow the
+        first `row` rows written to its segments from `segment` on, and `start` rows given
+        before them over the whole recording."""
+        if rows and self.stopped is None:
+            self._gathered.append(_Gathered(table, payload, rows, segment, row, start))
+
     def write(self, written: dict[str, int]) -> None:
         """A record per table of the rows added since the last call (none for a table whose rows
         segments already hold: `written`, per table, the rows given that are in segments),
@@ -128,8 +157,18 @@ class JournalWriter:
         if self.stopped is not None:
             return
         pending, self._pending = self._pending, {}
+        gathered, self._gathered = self._gathered, []
         parts: list[bytes] = []
         ends: dict[str, int] = {}
+        for g in gathered:
+            end = g.start + g.rows
+            if end <= written.get(g.table, 0):
+                continue  # a segment was written meanwhile and holds them all
+            header = HEADER.pack(
+                MAGIC_GATHERED, g.table.encode(), g.segment, g.row, len(g.payload), zlib.crc32(g.payload)
+            )
+            parts += [header, g.payload]
+            ends[g.table] = max(ends.get(g.table, 0), end)
         for table, p in pending.items():
             end = p.start + p.rows
             if end <= written.get(table, 0):
@@ -139,17 +178,18 @@ class JournalWriter:
             name = table.encode()
             parts.append(HEADER.pack(MAGIC, name, p.segment, p.row, len(payload), zlib.crc32(payload)))
             parts.append(payload)
-            ends[table] = end
+            ends[table] = max(ends.get(table, 0), end)
         if parts:
             log = self._current()
             data = b"".join(parts)
             view = memoryview(data)
             while view:
                 view = view[os.write(log.fd, view) :]
-            log.ends.update(ends)
+            for table, end in ends.items():
+                log.ends[table] = max(log.ends.get(table, 0), end)
             log.nbytes += len(data)
             log.unsynced = True
-            self.records += len(ends)
+            self.records += len(parts) // 2
             self.bytes_written += len(data)
         if time.monotonic() >= self._next_sync and any(log.unsynced for log in self._logs):
             self.sync()
@@ -199,6 +239,7 @@ class JournalWriter:
     def close(self) -> None:
         """At the end, once segments hold every row: every log, and the folder, removed."""
         self._pending = {}
+        self._gathered = []
         for log in self._logs:
             self._retire(log)
         if self._dir is None:

@@ -5,10 +5,12 @@ not closed; a closed recording's segments hold every row, and a journal found in
 The journal comes from a recording made elsewhere as much as its segments do: the folder and every
 log file are read through the recording's one reader of untrusted files (store/recording_files.py:
 regular files only, never through a link, sizes bounded); each record's header is checked (magic,
-a table's name, a payload within the file whose CRC-32 matches), its Arrow IPC stream judged from
-its metadata before a value is decoded (store/ipc_stream.py: no compression, no type a table
-lacks, nesting and buffers bounded), and the frame checked against the table's schema and list
-bounds. A record that fails (torn by a power cut before its fsync, or anything else) ends the
+a table's name, a payload within the file whose CRC-32 matches); a framed record's Arrow IPC
+stream is judged from its metadata before a value is decoded (store/ipc_stream.py: no
+compression, no type a table lacks, nesting and buffers bounded), a gathered record's rows read
+by store/gathered_codec.py (plain values only, counts and nesting bounded) and framed as the
+consumer frames them (store/buffers.py); every frame is then checked against the table's schema
+and list bounds. A record that fails (torn by a power cut before its fsync, or anything else) ends the
 reading of its log file, which is named in `Recording.damaged`, never raised: the journal is
 where an interrupted recording ends, as its torn last segment is.
 """
@@ -23,9 +25,11 @@ from typing import Any
 import polars as pl
 
 from sparseety_prof.errors import CorruptRecording
-from sparseety_prof.store import recording_files, schema
+from sparseety_prof.store import gathered_codec, recording_files, schema
+from sparseety_prof.store.buffers import ColumnBuffer
+from sparseety_prof.store.gathered_codec import GatheredRowsError
 from sparseety_prof.store.ipc_stream import IpcStreamError, check_stream, read_stream
-from sparseety_prof.store.journal import HEADER, JOURNAL_DIR, LOG_RE, MAGIC
+from sparseety_prof.store.journal import HEADER, JOURNAL_DIR, LOG_RE, MAGIC, MAGIC_GATHERED
 
 __all__ = ["MAX_LOGS", "MAX_LOG_BYTES", "journal_rows"]
 
@@ -74,17 +78,18 @@ def journal_rows(
             damaged(f"{e} (a journal log of the interrupted recording; left out)")
             continue
         try:
-            for segment, row, payload in _records(data, table):
+            for gathered, segment, row, payload in _records(data, table):
                 if segment < first_segment:
                     continue  # its segment was rotated out: so were these rows
                 skip = max(0, _rows_from(segment_rows, segment) - row)  # the first rows segments hold
-                if skip and check_stream(payload) <= skip:
+                rows = gathered_codec.payload_rows(payload) if gathered else check_stream(payload)
+                if skip >= rows:
                     continue  # segments hold them all: not decoded
-                df = read_stream(payload)
+                df = _gathered_frame(table, payload) if gathered else read_stream(payload)
                 recording_files.check_frame(folder / name, table, df, bounds=bounds)
                 if skip < df.height:
                     found.append((segment, row, df.slice(skip)))
-        except (IpcStreamError, _TornRecord) as e:
+        except (IpcStreamError, GatheredRowsError, _TornRecord) as e:
             damaged(
                 f"{recording_files.shown(folder / name)}: {e}; the rest of this journal log is left "
                 "out (the recording was interrupted)"
@@ -98,16 +103,33 @@ class _TornRecord(ValueError):
     """A record whose header or payload is not whole (one line saying why)."""
 
 
-def _records(data: bytes, table: str) -> Iterator[tuple[int, int, bytes]]:
-    """(segment S, row R, payload) of each record of `table` in a log file's bytes, in order;
-    _TornRecord at the first record that is not whole."""
+def _gathered_frame(table: str, payload: bytes) -> pl.DataFrame:
+    """The frame of a gathered record's rows, made as the consumer makes its frames (in the
+    order the rows came), GatheredRowsError when its values do not make one."""
+    parts = gathered_codec.decode(table, payload)
+    buf = ColumnBuffer(ordered=True)
+    try:
+        frames = [df for cols in parts for df in buf.add(table, cols, final=False)]
+        frames += [df for _, df in buf.take_all()]
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # a value no column can hold: polars' errors, ValueError, TypeError
+        raise GatheredRowsError(f"rows that make no {table} frame ({type(e).__name__})") from None
+    if not frames:
+        return schema.empty(table)
+    return pl.concat(frames) if len(frames) > 1 else frames[0]
+
+
+def _records(data: bytes, table: str) -> Iterator[tuple[bool, int, int, bytes]]:
+    """(gathered, segment S, row R, payload) of each record of `table` in a log file's bytes, in
+    order; _TornRecord at the first record that is not whole."""
     want = table.encode()
     pos = 0
     while pos < len(data):
         if len(data) - pos < HEADER.size:
             raise _TornRecord(f"a record's header is cut short at byte {pos}")
         magic, name, segment, row, length, crc = HEADER.unpack_from(data, pos)
-        if magic != MAGIC:
+        if magic not in (MAGIC, MAGIC_GATHERED):
             raise _TornRecord(f"no record starts at byte {pos}")
         name = name.rstrip(b"\0")
         if name.decode("ascii", "replace") not in schema.TABLES:
@@ -120,7 +142,7 @@ def _records(data: bytes, table: str) -> Iterator[tuple[int, int, bytes]]:
             raise _TornRecord(f"the record at byte {pos} does not match its checksum (torn)")
         pos = start + length
         if name == want:
-            yield segment, row, payload
+            yield magic == MAGIC_GATHERED, segment, row, payload
 
 
 def _rows_from(segment_rows: Mapping[int, int], segment: int) -> int:

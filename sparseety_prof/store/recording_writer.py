@@ -12,7 +12,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -20,7 +20,7 @@ from typing import Any, Literal
 import polars as pl
 
 from sparseety_prof.errors import RecordingWriteError
-from sparseety_prof.store import redaction_levels, schema
+from sparseety_prof.store import gathered_codec, redaction_levels, schema
 from sparseety_prof.store.journal import JournalWriter
 from sparseety_prof.store.output_dir import OutputDir
 from sparseety_prof.store.recording import (
@@ -34,6 +34,9 @@ from sparseety_prof.store.recording import (
 from sparseety_prof.store.rotation import DiskBudget, Segment
 
 DEFAULT_SEGMENT_ROWS = 50_000
+#: segments whose first row the writer remembers per table (journal_gathered: a drain's rows are
+#: never spread over more than the last few)
+_SEGMENT_STARTS_KEPT = 64
 # Disk room held from the start for the last meta.json, freed when a write fails or at close.
 _RESERVE_FILE = ".space-reserve"
 _RESERVE_MIN = 64 * 1024
@@ -137,6 +140,9 @@ class RecordingWriter:
         # places (store/journal.py)
         self._given: dict[str, int] = dict.fromkeys(schema.TABLES, 0)
         self._written: dict[str, int] = dict.fromkeys(schema.TABLES, 0)
+        # per table, the first row (among every row given) of each of its last segments: where a
+        # gathered journal record whose rows a segment partly holds starts (journal_gathered)
+        self._segment_starts: dict[str, dict[int, int]] = {t: {} for t in schema.TABLES}
         self._budget = DiskBudget(max_disk) if max_disk is not None else None
         self._meta_bytes = 0
         self._not_written: dict[str, int] = dict.fromkeys(schema.TABLES, 0)
@@ -198,8 +204,41 @@ class RecordingWriter:
             f"before are readable ({META_FILE} says complete: false)"
         )
 
-    def append(self, table: str, df: pl.DataFrame) -> None:
+    @property
+    def stores_as_given(self) -> bool:
+        """Whether rows are stored as they are given (no redaction changes them): the journal
+        may then hold them as the consumer gathered them (`journal_gathered`)."""
+        return not self.redact_text and not self.redaction.levels
+
+    def journal_gathered(self, table: str, parts: Sequence[Mapping[str, Any]], *, start: int) -> None:
+        """Rows of `table` as the consumer gathered them (store/gathered_codec.py), to the journal
+        at the next `write_journal`; `start`: the rows of the table gathered before them, every
+        one of which is given to `append` (`journaled=True`) in the order gathered, as these
+        will be. Only when `stores_as_given`."""
+        if self._journal is None:
+            return
+        payload = gathered_codec.encode(parts)
+        rows = gathered_codec.payload_rows(payload)
+        with self._lock:
+            if self._closed or self.write_error is not None or not rows:
+                return
+            written = self._written[table]
+            if start + rows <= written:
+                return  # segments hold them all already
+            if start >= written:  # after every row in segments: from the next segment on
+                segment, row = self._segments[table], start - written
+            else:  # some in the last segments already (given as a frame was made before this)
+                segment = max(
+                    (k for k, first in self._segment_starts[table].items() if first <= start), default=-1
+                )
+                if segment < 0:
+                    return  # (in a segment older than those remembered: not a case the writer makes)
+                row = start - self._segment_starts[table][segment]
+            self._journal.add_gathered(table, payload, rows, segment=segment, row=row, start=start)
+
+    def append(self, table: str, df: pl.DataFrame, *, journaled: bool = False) -> None:
         """Buffer rows of `table`; writes a segment each time `segment_rows` rows are buffered.
+        `journaled`: the journal holds these rows already (`journal_gathered`).
 
         Raises ValueError when the frame's columns or dtypes are not exactly the table's schema.
         """
@@ -220,7 +259,7 @@ class RecordingWriter:
             if self._expert_load is not None and table == "routes":
                 self._expert_load.add(df)
             df = self.redaction.frame(table, df)
-            if self._journal is not None:
+            if self._journal is not None and not journaled:
                 self._journal.add(
                     table,
                     df,
@@ -434,6 +473,10 @@ class RecordingWriter:
         df.write_parquet(buf, compression=self._compression)
         data = buf.getbuffer()
         d.write_atomic(segment_name(self._segments[table]), lambda f: f.write(data))
+        starts = self._segment_starts[table]
+        starts[self._segments[table]] = self._written[table]
+        if len(starts) > _SEGMENT_STARTS_KEPT:
+            del starts[min(starts)]
         self._segments[table] += 1
         self._rows[table] += df.height
         self._written[table] += df.height
