@@ -325,10 +325,10 @@ class StepSparse(AttentionRecords):
                 got = None
             else:
                 got = g.act_column(z, self.act_below[layer], self.act_slots[layer], self.act_width[layer])
-            zr, br, nv = got if got is not None else (g.none_col, g.none_col, [0] * g.m)
-            zero.append(zr)
-            below.append(br)
-            n_values.append(nv)
+            zero_col, below_col, values_col = got if got is not None else (g.none_col, g.none_col, [0] * g.m)
+            zero.append(zero_col)
+            below.append(below_col)
+            n_values.append(values_col)
         columns = (ids, wts, prb, zero, below, n_values)
         per_row = zip(*(zip(*col, strict=True) if col else [()] * g.m for col in columns), strict=True)
         for b, (i, w, p, zr, br, nv) in zip(rows, per_row, strict=True):
