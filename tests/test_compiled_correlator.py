@@ -118,6 +118,33 @@ def test_the_compiled_correlator_makes_the_tables_of_its_source(tmp_path: Path) 
         server_layout_check.VERIFY_POSTS, server_layout_check.VERIFY_LAUNCHES = saved
 
 
+# child process: test_sparse's rows of a prompt made at once, under the compiled build
+_FILL_ROWS_CHILD = r"""
+import sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+from sparseety_prof.correlate import build_stamp
+if build_stamp.STATE != "compiled":
+    sys.exit("not compiled: " + build_stamp.STATE)
+import test_sparse
+test_sparse.test_a_prompts_rows_made_at_once_equal_row_by_row()
+"""
+
+
+def test_the_compiled_prompt_rows_made_at_once_equal_row_by_row() -> None:
+    """StepSparse.fill_rows compiled (mypyc checks each annotation and gives a local one type: a
+    prompt of FILL_ROWS_MIN rows or more runs code the scripts above never reach) gives every row
+    what row_values gives it alone (tests/test_sparse.py's check, run in a child process)."""
+    r = subprocess.run(
+        [PY, "-c", _FILL_ROWS_CHILD, str(ROOT / "tests"), str(ROOT)],
+        env=_child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 # ------------------------------------------------------------------ the stamp's decisions
 def _fake_build(tmp: Path) -> tuple[Path, Path]:
     """A package folder of two modules and a compiled tree stamped for them (no real modules:
