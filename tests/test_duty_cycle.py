@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from sparseety_prof.cli import build_parser
+from sparseety_prof.commands.attach_options import options_from
 from sparseety_prof.session.duty_cycle import (
     MIN_ON_S,
     DutyController,
@@ -134,3 +136,14 @@ def test_the_first_drain_alone_is_no_lag() -> None:
     c.observe(101.0, 10, 0.01, 0)
     c.disarmed(102.0, 102.0)
     assert c.controller.share == pytest.approx(0.1) and c.controller.lowered == 0
+
+
+def test_the_flags_reach_the_options() -> None:
+    p = build_parser()
+    for command in ("record", "attach"):
+        o = options_from(
+            p.parse_args([command, "-p", "7", "-o", "rec", "--duty-cycle", "2s/20s", "--recorder-cpus", "1"])
+        )
+        assert (o.duty_cycle, o.recorder_cpus) == (DutySpec(2.0, 20.0), "1")
+        o = options_from(p.parse_args([command, "-p", "7", "-o", "rec"]))
+        assert (o.duty_cycle, o.recorder_cpus) == (None, "auto")  # always in, placed by the engine's cores

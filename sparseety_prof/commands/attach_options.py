@@ -165,6 +165,7 @@ def _tokens_only(args: argparse.Namespace) -> Capture:
             ("--act-every", args.act_every not in (None, default_every)),
             ("--act-threshold", args.act_threshold is not None),
             ("--moe-read", args.moe_read is not None),
+            ("--duty-cycle", args.duty_cycle is not None),  # (it switches the sparse probes only)
         )
         if on
     ]
