@@ -3,7 +3,11 @@ times and token counts."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
+from conftest import PY, ROOT
 
 from sparseety_prof.cli import build_parser
 from sparseety_prof.commands.attach_options import options_from
@@ -147,3 +151,42 @@ def test_the_flags_reach_the_options() -> None:
         assert (o.duty_cycle, o.recorder_cpus) == (DutySpec(2.0, 20.0), "1")
         o = options_from(p.parse_args([command, "-p", "7", "-o", "rec"]))
         assert (o.duty_cycle, o.recorder_cpus) == (None, "auto")  # always in, placed by the engine's cores
+
+
+# the driver's thread with a switch that only counts, in a process at the consumer's niceness
+_DRIVER = """
+import os, threading, time
+from sparseety_prof.capture.probe_switch import SwitchCost
+from sparseety_prof.session.duty_cycle import DutySpec
+from sparseety_prof.session.duty_driver import DutyDriver
+
+class CountingSwitch:
+    def __init__(self):
+        self.calls, self.cost, self.symbols, self.probes = [], SwitchCost(), ["mul"], [object()]
+    def disarm(self):
+        self.calls.append("disarm")
+    def arm(self):
+        self.calls.append("arm")
+
+os.nice(10)  # the recorder's threads after attaching (--nice)
+switch = CountingSwitch()
+driver = DutyDriver(DutySpec(0.5, 1.0), switch, print)
+driver.start()
+while switch.calls.count("arm") < 1:  # out at 0.5 s, in again at 1.0 s (later on a busy host)
+    time.sleep(0.05)
+nice = os.getpriority(os.PRIO_PROCESS, driver._thread.native_id)
+driver.close()
+calls = switch.calls
+print(calls[:2], calls == ["disarm", "arm"] * (len(calls) // 2) + ["disarm"] * (len(calls) % 2),
+      nice, driver.meta()["windows"] == calls.count("arm") + 1, threading.active_count())
+"""
+
+
+def test_the_driver_switches_on_schedule_at_the_engines_priority() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("raising a thread back to nice 0 needs CAP_SYS_NICE (run as root)")
+    done = subprocess.run([PY, "-c", _DRIVER], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    # out, then in again, alternating; its thread at nice 0 though the process is at 10; a window
+    # listed for each time in; the thread gone once closed
+    assert done.stdout.strip() == "['disarm', 'arm'] True 0 True 1"

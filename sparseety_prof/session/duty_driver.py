@@ -3,13 +3,20 @@ puts them back on the schedule (session/duty_cycle.py, capture/probe_switch.py),
 edges do not wait for the next drain (drains come up to --drain-interval apart). The drain loop
 tells it what each drain saw (`observe`): the controller's tokens and ring fill.
 
-The thread made from the consumer's thread shares its placement and priority (placement.py,
-thread_priority.py): detaching waits in the kernel for most of its time, and takes little CPU.
+The thread made from the consumer's thread shares its placement (placement.py), but not its
+priority: a window that ends late costs the engine its traps for longer, and under `--sched idle`
+on busy cores a thread at the consumer's priority may wait long for the CPU. So, like the ring
+watch (ring_watch.py), it runs at the engine's own priority (SCHED_OTHER, nice 0), which it
+asserts again after each switch (the consumer's priority changes are given to every thread but
+the watch's: thread_priority.py). It runs briefly: detaching waits in the kernel for most of its
+time. Without CAP_SYS_NICE it cannot raise itself, and stays at the consumer's priority.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +45,7 @@ class DutyDriver:
 
     def _run(self) -> None:
         try:
+            _engine_priority()
             while True:
                 with self._lock:
                     wait = self.cycle.next_change() - time.monotonic()
@@ -45,6 +53,7 @@ class DutyDriver:
                     return
                 with self._lock:
                     self._step(time.monotonic())
+                _engine_priority()
         except BaseException as e:  # the probes stay as they are; close() reports it
             self.error = e
 
@@ -94,6 +103,17 @@ class DutyDriver:
             "failures": c.failures,
         }
         return out
+
+
+def _engine_priority() -> None:
+    """This thread at the engine's priority (SCHED_OTHER, nice 0), where it may raise itself."""
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        if os.sched_getscheduler(tid) != os.SCHED_OTHER:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+    with contextlib.suppress(OSError):
+        if os.getpriority(os.PRIO_PROCESS, tid) > 0:
+            os.setpriority(os.PRIO_PROCESS, tid, 0)  # Linux: a TID sets one thread
 
 
 def open_duty_driver(
