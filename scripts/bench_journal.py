@@ -1,6 +1,7 @@
 """What the pieces of the recording's journal cost (store/journal.py), each alone: a table's rows
 framed (schema.frame) at a drain's size and at a batch's, written as a Parquet file or as an Arrow
-IPC stream, and a flush interval's records written as a file each or appended to one file.
+IPC stream, or as gathered, unframed (store/gathered_codec.py, and its reading back), and a flush
+interval's records written as a file each or appended to one file.
 
     .venv/bin/python scripts/bench_journal.py [--rows 11 165 2048] [--repeat 20]
 
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import polars as pl
 
-from sparseety_prof.store import schema
+from sparseety_prof.store import gathered_codec, schema
 from sparseety_prof.store.ipc_stream import write_stream
 
 
@@ -95,16 +96,18 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[11, 165, 2048])
     ap.add_argument("--repeat", type=int, default=20)
     a = ap.parse_args()
-    print("rows | frame | Parquet (LZ4) | IPC stream | per row, framed")
+    print("rows | frame | Parquet (LZ4) | IPC stream | per row, framed | as gathered | read back")
     for n in a.rows:
         cols = _columns("tokens", n)
         df = schema.frame("tokens", cols)
         framed = _best(partial(schema.frame, "tokens", cols), a.repeat)
         pq = _best(partial(_parquet, df), a.repeat)
         ipc = _best(partial(write_stream, df), a.repeat)
+        gathered = _best(partial(gathered_codec.encode, [cols]), a.repeat)
+        back = _best(partial(gathered_codec.decode, "tokens", gathered_codec.encode([cols])), 3)
         print(
             f"{n} | {framed * 1e6:.0f} µs | {pq * 1e6:.0f} µs | {ipc * 1e6:.0f} µs | "
-            f"{framed / n * 1e6:.2f} µs"
+            f"{framed / n * 1e6:.2f} µs | {gathered * 1e6:.0f} µs | {back * 1e6:.0f} µs"
         )
     payload = write_stream(schema.frame("tokens", _columns("tokens", 165)))
     files, appended = _files_against_append(payload, 40)

@@ -183,11 +183,8 @@ def _lists(table: str, cols: Any, rows: int | None) -> dict[str, list[Any]]:
     lengths = {len(v) if isinstance(v, list) else -1 for v in cols.values()}
     if -1 in lengths or len(lengths) > 1 or (rows is not None and lengths and lengths != {rows}):
         raise GatheredRowsError(f"columns of lengths {sorted(lengths)} in one part")
-    if cols:
-        try:
-            schema.check_columns(table, cols)
-        except ValueError as e:
-            raise GatheredRowsError(str(e).splitlines()[0]) from None
+    if cols and cols.keys() != schema.TABLES[table].keys():  # (its names are not echoed: untrusted)
+        raise GatheredRowsError(f"column lists that are not the {table} table's columns")
     return cols
 
 
