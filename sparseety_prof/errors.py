@@ -98,3 +98,17 @@ class GpuRingUnreadable(ProfError):
     """The target has a CUPTI ring (started with `launch` or --late-attach) that cannot be read."""
 
     exit_code = 19
+
+
+class CuptiLibraryMissing(ProfError):
+    """`launch`: the CUPTI injection library is not built (`build-cupti` builds it, and exits
+    with this code when it cannot)."""
+
+    exit_code = 20
+
+
+class CommandNotStarted(ProfError):
+    """`launch`: the engine command could not be started (not found, not executable), the code
+    env(1) and nice(1) exit with for it."""
+
+    exit_code = 127

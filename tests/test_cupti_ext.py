@@ -28,6 +28,7 @@ import pytest
 from conftest import MappingProcess
 
 from sparseety_prof.commands.exit_codes import CUPTI_LIBRARY_MISSING
+from sparseety_prof.errors import CommandNotStarted, CuptiLibraryMissing, UsageError
 from sparseety_prof.gpu import launch as launch_mod
 from sparseety_prof.gpu.correlate import KernelCorrelator
 from sparseety_prof.gpu.records import HostStep, KernelActivity, LaunchApi, MemcpyActivity, WatchedBuffer
@@ -622,11 +623,45 @@ def test_launch_sets_injection_env_and_returns_exit_code(
     assert "sparseety-prof attach -p" in err and ("sudo" in err) == (os.geteuid() != 0)
 
 
-def test_launch_refuses_without_built_library(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    rc = launch_mod.launch(["true"], library=tmp_path / "missing.so")
-    assert rc == CUPTI_LIBRARY_MISSING  # its own exit code (docs/exit-codes.md), no longer 1
-    assert "not built: run `sparseety-prof build-cupti`" in capfd.readouterr().err
-    assert launch_mod.launch([], library=tmp_path / "missing.so") == 2
+def test_launch_refuses_without_built_library(tmp_path: Path) -> None:
+    with pytest.raises(CuptiLibraryMissing, match="not built: run `sparseety-prof build-cupti`"):
+        launch_mod.launch(["true"], library=tmp_path / "missing.so")
+    with pytest.raises(UsageError, match="no command given"):
+        launch_mod.launch([], library=tmp_path / "missing.so")
+    stand_in = tmp_path / "lib.so"  # only its presence is checked before the command starts
+    stand_in.write_bytes(b"")
+    with pytest.raises(CommandNotStarted, match="cannot start /nonexistent/engine: No such file"):
+        launch_mod.launch(["/nonexistent/engine"], library=stand_in)
+    with pytest.raises(UsageError, match=r"watch file .*absent\.txt does not exist"):
+        launch_mod.launch(["true"], library=stand_in, watch_file=str(tmp_path / "absent.txt"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "library", "code", "says"),
+    [
+        (["--", "true"], "missing.so", CUPTI_LIBRARY_MISSING, "not built: run `sparseety-prof build-cupti`"),
+        ([], "missing.so", 2, "no command given"),
+        (["--", "/nonexistent/engine"], "lib.so", 127, "cannot start /nonexistent/engine"),
+        (["--watch", "k:0:int32:4:x", "--", "true"], "lib.so", 2, "--watch/--preset:"),
+    ],
+)
+def test_launch_exits_with_the_projects_codes(
+    tmp_path: Path, argv: list[str], library: str, code: int, says: str
+) -> None:
+    """`sparseety-prof launch` as a user runs it: each refusal its exit code (docs/exit-codes.md)
+    and one `sparseety-prof: error:` line."""
+    (tmp_path / "lib.so").write_bytes(b"")
+    r = subprocess.run(
+        [sys.executable, "-m", "sparseety_prof.cli", "launch", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SPARSEETY_CUPTI_LIB": str(tmp_path / library)},
+        cwd=ROOT,
+    )
+    assert r.returncode == code, r.stderr
+    assert r.stderr.startswith("sparseety-prof: error: ") and says in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
 
 
 # ---------------------------------------------------------------- the GPU check script

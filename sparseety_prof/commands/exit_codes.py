@@ -11,7 +11,9 @@ from sparseety_prof.errors import (
     INTERNAL_ERROR,
     BpfUnavailable,
     CheckRequestFailed,
+    CommandNotStarted,
     CorruptRecording,
+    CuptiLibraryMissing,
     GpuRingUnreadable,
     InjectionRefused,
     MetricsEndpointError,
@@ -24,7 +26,6 @@ from sparseety_prof.errors import (
     UnsupportedEngineBuild,
     UsageError,
 )
-from sparseety_prof.gpu.launch import EXIT_NO_LIBRARY, EXIT_NOT_STARTED
 
 SUCCESS = 0
 DIFFERENT = 1  # `diff`: the runs differ, as diff(1) and cmp say it
@@ -32,8 +33,7 @@ CHECK_FAILED = 9  # `check`: the request id did not reach every capture layer
 COLLECT_REFUSED = 11  # `collect`: at least one recording was refused (the rest were collected)
 DOCTOR_FAILED = 15  # `doctor`: at least one check failed
 SPANS_NOT_SENT = 16  # `export --otlp`: the collector did not take every span
-CUPTI_LIBRARY_MISSING = EXIT_NO_LIBRARY  # `build-cupti` could not build the library; `launch` has none
-COMMAND_NOT_STARTED = EXIT_NOT_STARTED  # `launch`: the engine command could not be started
+CUPTI_LIBRARY_MISSING = CuptiLibraryMissing.exit_code  # `build-cupti` exits with it too
 INTERRUPTED = 130  # Ctrl-C (SIGINT) before the command finished: 128 + SIGINT, as shells report it
 
 RECORDING_COMMANDS = ("record", "attach")
@@ -126,7 +126,7 @@ EXIT_CODES: tuple[ExitCode, ...] = (
         ("build-cupti", "launch"),
     ),
     ExitCode(INTERNAL_ERROR, "internal error: an unexpected exception (a bug; the traceback is printed)"),
-    ExitCode(COMMAND_NOT_STARTED, "the engine command could not be started", ("launch",)),
+    ExitCode(CommandNotStarted.exit_code, "the engine command could not be started", ("launch",)),
     ExitCode(
         INTERRUPTED,
         "interrupted (Ctrl-C) before the command finished; record and attach close the recording and exit 0",
