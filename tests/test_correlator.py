@@ -1200,7 +1200,7 @@ def test_sparse_runs_equal_the_record_by_record_path(
     monkeypatch: pytest.MonkeyPatch, drains: int, cells: str
 ) -> None:
     """Every table, every column, and every piece of state after each drain: a run of per-layer
-    records taken at once must leave exactly what _on_sparse leaves record by record; and so
+    records taken at once must leave exactly what sparse_record leaves record by record; and so
     must a drain whose activation counts are past what the runs gather at once
     (sparse_run._ACT_CELLS_MAX: then the handlers take them)."""
     if cells == "none":

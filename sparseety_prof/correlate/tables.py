@@ -50,7 +50,7 @@ TOKEN_STATS = schema.columns("tokens", "log_prob", "top_ids", "top_log_probs", "
 (TOKEN_TEXT,) = schema.columns("tokens", "token_text")
 schema.check_columns("tokens", (*TOKEN_ROW, *TOKEN_STATS, TOKEN_TEXT))
 
-#: a steps row as it is emitted (Correlator._add_step_row), one tuple per micro-batch in this order
+#: a steps row as it is emitted (StepsTable.add_values), one tuple per micro-batch in this order
 STEP_ROW = schema.columns(
     "steps",
     "step_id",
