@@ -9,6 +9,7 @@ from pathlib import Path
 
 from sparseety_prof.capture.bpf_loader import AttachedProbe
 from sparseety_prof.capture.elf import load_segments
+from sparseety_prof.capture.proc_maps import read_maps
 
 INT3 = b"\xcc"
 
@@ -21,13 +22,10 @@ def runtime_address(pid: int, p: AttachedProbe) -> int:
         for vaddr, off, size in load_segments(Path(lib))
         if vaddr <= p.address < vaddr + size
     )
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        f = line.split()
-        if len(f) >= 6 and os.path.realpath(f[5]) == lib:
-            lo, hi = (int(x, 16) for x in f[0].split("-"))
-            map_offset = int(f[2], 16)
-            if map_offset <= file_offset < map_offset + hi - lo:
-                return lo + file_offset - map_offset
+    for m in read_maps(pid):
+        inside = m.offset <= file_offset < m.offset + m.end - m.start
+        if inside and m.file_backed and os.path.realpath(m.path) == lib:
+            return m.start + file_offset - m.offset
     raise LookupError(f"{lib} offset {file_offset:#x} is not mapped in {pid}")
 
 
