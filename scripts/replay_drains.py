@@ -96,20 +96,20 @@ def _record(dump: Path, argv: list[str]) -> int:
     from sparseety_prof import cli
     from sparseety_prof.capture.bpf_loader import RingReader
     from sparseety_prof.correlate.correlator import Correlator
-    from sparseety_prof.session.recorder import Recorder
+    from sparseety_prof.session.drain_loop import DrainLoop
     from sparseety_prof.store.recording_writer import WRITER_META_KEYS
 
     drains: list[dict[int, Any]] = []
     kept: dict[str, Any] = {}
-    take, decode, init = RingReader.take, Recorder._decode, Correlator.__init__
+    take, decode, init = RingReader.take, DrainLoop.decode, Correlator.__init__
 
     def take_copied(self: RingReader, *a: Any, **kw: Any) -> Any:
         return take(self, *a, **{**kw, "by_ref": False})  # logits records copied, not referenced
 
-    def decode_kept(self: Recorder, records: dict[int, Any], *a: Any, **kw: Any) -> Any:
+    def decode_kept(self: DrainLoop, records: dict[int, Any], **kw: Any) -> Any:
         drains.append({size: buf.copy() for size, buf in records.items()})
-        kept["logits_chunk"] = a[1].logits_chunk  # the Session
-        return decode(self, records, *a, **kw)
+        kept["logits_chunk"] = self.sess.logits_chunk
+        return decode(self, records, **kw)
 
     def init_kept(self: Correlator, **kw: Any) -> None:
         kept["correlator"] = {
@@ -119,7 +119,7 @@ def _record(dump: Path, argv: list[str]) -> int:
         init(self, **kw)
 
     RingReader.take = take_copied  # type: ignore[method-assign]
-    Recorder._decode = decode_kept  # type: ignore[method-assign]
+    DrainLoop.decode = decode_kept  # type: ignore[method-assign]
     Correlator.__init__ = init_kept  # type: ignore[method-assign]
     rc = cli.main(["record", *argv])
     # what the recorder made of them, for the replay to compare with

@@ -179,8 +179,10 @@ def _gpu_only_recorder(pid: int, out: Path, *extra: str) -> subprocess.Popen[str
         cwd=ROOT,
     )
     assert proc.stderr is not None
-    line = proc.stderr.readline()
-    assert "GPU only" in line, line + proc.stderr.read()
+    lines = [proc.stderr.readline()]  # (the recorder's placement line comes first)
+    if "GPU only" not in lines[0]:
+        lines.append(proc.stderr.readline())
+    assert "GPU only" in lines[-1], "".join(lines) + proc.stderr.read()
     return proc
 
 

@@ -275,6 +275,19 @@ def _name(base: str) -> str:
 
 def families(snap: Snapshot, plan: ExpertSeriesPlan) -> list[Any]:
     """The metric families of one snapshot (exposition order)."""
+    return [
+        *_expert_families(snap, plan),
+        *_sparsity_families(snap),
+        *_latency_histograms(snap),
+        _counter("tokens", "Tokens sampled (rate() gives tokens per second)", snap.tokens),
+        _counter("requests", "Requests seen to their end (or to detach)", snap.requests),
+        *_recorder_families(snap.progress),
+    ]
+
+
+def _expert_families(snap: Snapshot, plan: ExpertSeriesPlan) -> list[Any]:
+    """How expert series are exposed, the selections per expert (within the plan's bound), and
+    per MoE layer its rows, its largest share and its imbalance."""
     layers = [str(x) for x in snap.moe_layers]
     out: list[Any] = [
         InfoMetricFamily(
@@ -324,21 +337,29 @@ def families(snap: Snapshot, plan: ExpertSeriesPlan) -> list[Any]:
         rows.add_metric([layer], float(snap.moe_rows[i]))
         top.add_metric([layer], float(counts.max()) / total if total else math.nan)
         imbalance.add_metric([layer], float(counts.max()) / (total / counts.size) if total else math.nan)
-    out += [rows, top, imbalance]
+    return [*out, rows, top, imbalance]
+
+
+def _sparsity_families(snap: Snapshot) -> list[Any]:
+    """The activation sparsity histograms per FFN layer, the tokens' NLL and the steps' durations."""
     ffn = [str(x) for x in snap.ffn_layers]
-    for base, hist, what in (
-        ("activation_zero_ratio", snap.zero_ratio, "exact zeros"),
-        ("activation_below_ratio", snap.below_ratio, "values with |x| below the recording's act_threshold"),
-    ):
-        out.append(
-            _histogram(
-                _name(base),
-                f"Share of {what} in a row's FFN activation, per FFN layer (per expert run for MoE layers)",
-                ["layer"],
-                [[x] for x in ffn],
-                hist,
-            )
+    out = [
+        _histogram(
+            _name(base),
+            f"Share of {what} in a row's FFN activation, per FFN layer (per expert run for MoE layers)",
+            ["layer"],
+            [[x] for x in ffn],
+            hist,
         )
+        for base, hist, what in (
+            ("activation_zero_ratio", snap.zero_ratio, "exact zeros"),
+            (
+                "activation_below_ratio",
+                snap.below_ratio,
+                "values with |x| below the recording's act_threshold",
+            ),
+        )
+    ]
     out.append(
         _histogram(
             _name("token_nll"),
@@ -358,33 +379,30 @@ def families(snap: Snapshot, plan: ExpertSeriesPlan) -> list[Any]:
             snap.step_seconds,
         )
     )
-    out += _latency_histograms(snap)
-    out.append(_counter("tokens", "Tokens sampled (rate() gives tokens per second)", snap.tokens))
-    out.append(_counter("requests", "Requests seen to their end (or to detach)", snap.requests))
-    p = snap.progress
-    if p:
-        losses = CounterMetricFamily(
-            _name("losses"), "What the recording missed so far, by kind", labels=["kind"]
-        )
-        for kind in LOSS_KINDS:
-            losses.add_metric([kind], p[kind])
-        out.append(losses)
-        out.append(_counter("profiler_cpu_seconds", "CPU time of the recorder since attach", p["cpu_s"]))
-        out.append(
-            GaugeMetricFamily(
-                _name("profiler_resident_memory_bytes"),
-                "Resident memory of the recorder",
-                value=p["rss_bytes"],
-            )
-        )
-        out.append(
-            GaugeMetricFamily(
-                _name("profiler_lag_seconds"),
-                "How far behind the engine the recorder's last drain was",
-                value=p["lag_ms"] / 1e3,
-            )
-        )
     return out
+
+
+def _recorder_families(p: Mapping[str, Any] | None) -> list[Any]:
+    """The recorder's own: its losses, CPU, memory and lag (none before its first drain)."""
+    if not p:
+        return []
+    losses = CounterMetricFamily(
+        _name("losses"), "What the recording missed so far, by kind", labels=["kind"]
+    )
+    for kind in LOSS_KINDS:
+        losses.add_metric([kind], p[kind])
+    return [
+        losses,
+        _counter("profiler_cpu_seconds", "CPU time of the recorder since attach", p["cpu_s"]),
+        GaugeMetricFamily(
+            _name("profiler_resident_memory_bytes"), "Resident memory of the recorder", value=p["rss_bytes"]
+        ),
+        GaugeMetricFamily(
+            _name("profiler_lag_seconds"),
+            "How far behind the engine the recorder's last drain was",
+            value=p["lag_ms"] / 1e3,
+        ),
+    ]
 
 
 #: the request latencies' help texts (session/request_latency.py defines each)

@@ -4,7 +4,6 @@ decoding, correlation, statistics and Parquet writing all happen here, in the co
 
 from __future__ import annotations
 
-import mmap
 import os
 import resource
 import signal
@@ -12,17 +11,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import polars as pl
 
 from sparseety_prof import __version__
 from sparseety_prof.capture import target as tg
-from sparseety_prof.capture.bpf_loader import ATTENTION_OPS, RingReader, Session, is_server
-from sparseety_prof.capture.events import EventBatch, SeqTracker, decode_groups
+from sparseety_prof.capture.bpf_loader import ATTENTION_OPS, Session, is_server
+from sparseety_prof.capture.events import EventBatch, SeqTracker
 from sparseety_prof.capture.probe_switch import ProbeSwitch
 from sparseety_prof.correlate.correlator import Correlator
 from sparseety_prof.correlate.serving import ServingTracker
@@ -30,19 +27,16 @@ from sparseety_prof.errors import GpuRingUnreadable, NotAnEngine, ProfError
 from sparseety_prof.gpu.capture import GpuCapture
 from sparseety_prof.gpu.shm_ring import RingError
 from sparseety_prof.session import metadata
-from sparseety_prof.session.ablation import ConsumerAblation
 from sparseety_prof.session.attach import Attached, attach
 from sparseety_prof.session.collector import FlushTimedCollector
-from sparseety_prof.session.drain_batches import DrainBatches
-from sparseety_prof.session.duty_driver import open_duty_driver
-from sparseety_prof.session.memory_budget import MemoryBudget, resident_bytes
+from sparseety_prof.session.drain_loop import DrainLoop
+from sparseety_prof.session.duty_driver import DutyDriver, open_duty_driver
+from sparseety_prof.session.memory_budget import resident_bytes
 from sparseety_prof.session.model_hasher import ModelHasher
 from sparseety_prof.session.options import Options, Progress
 from sparseety_prof.session.placement import place_recorder
 from sparseety_prof.session.policy import RecordingPolicy
-from sparseety_prof.session.ring_watch import NativeRingWatch, RingWatch
 from sparseety_prof.session.row_outlet import RowOutlet
-from sparseety_prof.session.sched import ConsumerSched
 from sparseety_prof.session.sinks import FrameSink, SinkFanout
 from sparseety_prof.session.snapshot import engine_environment, host_info, process_info
 from sparseety_prof.session.stage_cpu import StageCpu
@@ -89,6 +83,7 @@ class Recorder:
         self._corr: Correlator | None = None
         self.attached = threading.Event()  # set once the probes are in and the consumer runs
         self._cpu0 = 0.0
+        self._attach_began = 0.0  # (time.monotonic) when the probes began to go in
 
     @property
     def serves_http(self) -> bool:
@@ -106,12 +101,13 @@ class Recorder:
             self._stop.set()
 
     def run(self) -> dict[str, Any]:
+        """Attach, record until stopped, close the recording: its meta.json's content."""
         opts = self.opts
-        cpu0 = self._cpu0 = _cpu_s()
+        self._cpu0 = _cpu_s()
         # (issue 61) a core the engine does not use, before the compile: threads inherit it
         placement = place_recorder(opts.recorder_cpus, opts.pid)
         self.log(f"sparseety-prof: {placement.line()}")
-        attach_began = time.monotonic()  # the duty cycle's first window: the probes go in
+        self._attach_began = time.monotonic()  # the duty cycle's first window: the probes go in
         try:
             a = attach(opts, self.log, self._stop.is_set)
         except NotAnEngine:
@@ -130,7 +126,6 @@ class Recorder:
         # engine whenever both want it (the ring buffer absorbs the delay; losses are counted).
         if opts.nice:
             os.nice(opts.nice)
-        wall_offset = time.time_ns() - time.monotonic_ns()
         self.meta = metadata.run_metadata(a, opts)
         self.meta["recorder_placement"] = placement.to_meta()
         self._policy.read_layout(self.meta)  # the anomaly policy's detectors read the layer map
@@ -144,8 +139,14 @@ class Recorder:
                 if gpu is not None:
                     gpu.close()
                 raise
+        return self._record(a, gpu, writer)
+
+    def _record(self, a: Attached, gpu: GpuCapture | None, writer: RecordingWriter | None) -> dict[str, Any]:
+        """The drains, correlated and written until stopped; then the probes detached, the last
+        records consumed and the recording closed."""
+        opts = self.opts
         out = self._open_outlet(writer, _aggregator(opts, self.meta))
-        corr = self._corr = self._open_correlator(a, gpu, wall_offset)
+        corr = self._corr = self._open_correlator(a, gpu, time.time_ns() - time.monotonic_ns())
         self.attached.set()
         hasher = ModelHasher(a.model_file)
         hasher.start()
@@ -155,208 +156,195 @@ class Recorder:
             f"{a.model.path.name}, {len(a.session.attached)} probes, compiled in {a.session.compile_s:.1f}s)"
             + (f"; recording to {opts.out}" if opts.out else "")
         )
-        deadline = time.monotonic() + opts.duration if opts.duration else None
-        error: BaseException | None = None
-        bpf_stats = "off"
-        if opts.bpf_stats:
-            why = a.session.enable_run_stats()
-            bpf_stats = "on" if not why else f"unavailable: {why}"
-            if why:
-                self.log(f"sparseety-prof: --bpf-stats: {why}")
-        c = _Consumer.open(opts, a.session, self.progress)
-        duty = open_duty_driver(opts.duty_cycle, ProbeSwitch(a.session), self.log, since=attach_began)
-        stages, cpu_drains0 = self._stages, _cpu_s()
-        stages.restart()  # on this thread; attach's CPU is not a stage's
+        bpf_stats = self._bpf_stats(a.session)
+        loop = DrainLoop.open(opts, a.session, self.progress, self._stages)
+        duty = open_duty_driver(opts.duty_cycle, ProbeSwitch(a.session), self.log, since=self._attach_began)
+        cpu_drains0 = _cpu_s()
+        self._stages.restart()  # on this thread; attach's CPU is not a stage's
         self._collector.start()  # the cyclic collector runs after flushes only (collector.py)
         try:
-            t_prev = time.monotonic()
-            while not self._stop.is_set():
-                t_prev = self._drain_once(c, corr, a.session, gpu, t_prev)
-                if duty is not None:  # what the drain saw, for the duty cycle's controller
-                    duty.observe_drain(t_prev, self.progress, c.reader.last_take_bytes)
-                if deadline is not None and time.monotonic() >= deadline:
-                    self.stop("duration reached")
-                if not _alive(opts.pid):
-                    self.stop("target exited")
-        except BaseException as e:
-            error = e
+            error = self._drive(loop, corr, a.session, gpu, duty)
         finally:
             self._collector.stop()  # what follows runs once: the collector as usual
-            c.watch.close()
-            stages.lap("loop")
-            rest = c.reader.stop()
-            stages.lap("ring_walk")
-            if duty is not None:
-                duty.close()  # before the session detaches the probes it switches
-            counters = a.session.counters()
-            counters["program_misses"] = a.session.program_misses()  # before close: read off the fds
-            programs = a.session.program_costs() if bpf_stats == "on" else {}
-            a.session.close()
-            stages.lap("detach")
-            error = self._drain_rest(c, rest, corr, a.session, counters, gpu, error)
-            self.progress.cpu_s = _cpu_s() - cpu0
-            final = {
-                "probes": a.session.probes_meta(),  # the graph-op probes now marked detached
-                "start_unix_ms": start_unix_ms,
-                "end_unix_ms": time.time_ns() // 1_000_000,
-                "stop_reason": self.stop_reason or (type(error).__name__ if error else ""),
-                "losses": metadata.losses(  # (records an ablated consumer never decoded: seen too)
-                    counters,
-                    corr,
-                    seq_gaps=c.tracker.gaps,
-                    records_seen=c.tracker.seen + c.ablation.records_untracked,
-                ),
-                **metadata.outcome(a, opts, corr),
-                "counts": {"tokens": self.progress.tokens, "steps": self.progress.steps},
-                "profiler_cpu_s": round(self.progress.cpu_s, 3),
-                "profiler_memory": {**_memory_meta(), "budget": c.budget.meta()},
-                "consumer": self._consumer_meta(c, corr),
-                "bpf_compile_s": round(a.session.compile_s, 3),
-                "bpf_programs": {
-                    "stats": bpf_stats,
-                    "runs": sum(p["runs"] for p in programs.values()),
-                    "run_ns": sum(p["run_ns"] for p in programs.values()),
-                    "programs": programs,
-                },
-            }
-            sha256, weights = hasher.finish(self.log)
-            # a hasher still reading gets refused from here on (PinnedFile.reopen), never another file
-            a.model_file.close()
-            final["model"] = {**self.meta["model"], "sha256": sha256}
-            final["weight_sparsity"] = metadata.weight_summary(weights)
-            if gpu is not None:
-                final["gpu"] = gpu.meta()
-                gpu.close()
-            stages.lap("loop")
-            try:
-                out.close_rows()  # a flush under way, the rows gathered since, every aggregate
-            except BaseException as e:
-                error = error or e
-            stages.lap("flush")
-            final["policy"] = self._policy.to_meta()
-            if self._head_rate is not None:
-                probes = metadata.head_in_probes(counters, corr, self._head_rate)
-                final["policy"]["head_in_probes"].update(probes)
+        final, error = self._detach(loop, corr, a.session, gpu, duty, bpf_stats, error)
+        final["start_unix_ms"] = start_unix_ms
+        final.update(metadata.outcome(a, opts, corr))
+        sha256, weights = hasher.finish(self.log)
+        # a hasher still reading gets refused from here on (PinnedFile.reopen), never another file
+        a.model_file.close()
+        final["model"] = {**self.meta["model"], "sha256": sha256}
+        final["weight_sparsity"] = metadata.weight_summary(weights)
+        if gpu is not None:
+            final["gpu"] = gpu.meta()
+            gpu.close()
+        if self._head_rate is not None:
+            final["head_in_probes"] = metadata.head_in_probes(final.pop("_counters"), corr, self._head_rate)
+        else:
+            final.pop("_counters")
+        if duty is not None:  # the sparse aggregates are of the windows only
+            final["duty_cycle"] = duty.meta()
+        extra_cpu = {"model_hash": hasher.cpu_s}
+        return self._finish(out, writer, final, error, cpu_drains0=cpu_drains0, extra_cpu=extra_cpu)
+
+    def _bpf_stats(self, sess: Session) -> str:
+        """--bpf-stats: the kernel's run statistics of the probes' programs, "on" when enabled."""
+        if not self.opts.bpf_stats:
+            return "off"
+        why = sess.enable_run_stats()
+        if why:
+            self.log(f"sparseety-prof: --bpf-stats: {why}")
+        return "on" if not why else f"unavailable: {why}"
+
+    def _drive(
+        self,
+        loop: DrainLoop,
+        corr: Correlator,
+        sess: Session,
+        gpu: GpuCapture | None,
+        duty: DutyDriver | None,
+    ) -> BaseException | None:
+        """For each batch the drains give: correlated, its rows to their readers; until stopped.
+        Returns what went wrong, if anything (the close runs either way)."""
+        deadline = time.monotonic() + self.opts.duration if self.opts.duration else None
+
+        def after_drain(now: float) -> None:
+            self._maybe_detach_attention_ops(corr, sess)
+            self._maybe_ablate(loop, corr, sess, gpu)
+            if duty is not None:  # what the drain saw, for the duty cycle's controller
+                duty.observe_drain(now, self.progress, loop.reader.last_take_bytes)
+            if deadline is not None and time.monotonic() >= deadline:
+                self.stop("duration reached")
+            if not _alive(self.opts.pid):
+                self.stop("target exited")
+
+        try:
+            for batch in loop.batches(
+                self._out,
+                stopped=self._stop.is_set,
+                stop=self.stop,
+                wait=self._stop.wait,
+                after_drain=after_drain,
+            ):
+                self._consume(batch, corr, loop.tracker, sess, gpu=gpu)
+        except BaseException as e:
+            return e
+        return None
+
+    def _maybe_ablate(self, loop: DrainLoop, corr: Correlator, sess: Session, gpu: GpuCapture | None) -> None:
+        """--ablate-consumer: once the start-up work is done, the drains waiting correlated and
+        the rows flushed; from then on the loop drops what it drains (session/ablation.py)."""
+        if not loop.ablation.begins(self.progress.tokens, sess.kv_mask_probe, corr.attn_map.detach_tried):
+            return
+        for b in loop.waiting():
+            self._consume(b, corr, loop.tracker, sess, gpu=gpu)
+        self._out.flush_now()  # the rows of the start-up work: the recording's last
+        self.log(
+            "sparseety-prof: --ablate-consumer: start-up work done after "
+            f"{loop.ablation.began_after_s:.1f} s ({self.progress.tokens} tokens recorded); "
+            "from now on its records are drained and discarded"
+        )
+
+    def _detach(
+        self,
+        loop: DrainLoop,
+        corr: Correlator,
+        sess: Session,
+        gpu: GpuCapture | None,
+        duty: DutyDriver | None,
+        bpf_stats: str,
+        error: BaseException | None,
+    ) -> tuple[dict[str, Any], BaseException | None]:
+        """The probes out (their counters read first), the ring's last records consumed, and the
+        capture's part of meta.json; with the first error met."""
+        rest = loop.close()
+        if duty is not None:
+            duty.close()  # before the session detaches the probes it switches
+        counters = sess.counters()
+        counters["program_misses"] = sess.program_misses()  # before close: read off the fds
+        programs = sess.program_costs() if bpf_stats == "on" else {}
+        sess.close()
+        self._stages.lap("detach")
+        try:
+            batches = loop.rest(rest, error)
+            for i, b in enumerate(batches):
+                last = i == len(batches) - 1
+                self._consume(b, corr, loop.tracker, sess, counters=counters, final=last, gpu=gpu)
+        except BaseException as e:
+            error = error or e
+        self.progress.cpu_s = _cpu_s() - self._cpu0
+        final: dict[str, Any] = {
+            "probes": sess.probes_meta(),  # the graph-op probes now marked detached
+            "end_unix_ms": time.time_ns() // 1_000_000,
+            "stop_reason": self.stop_reason or (type(error).__name__ if error else ""),
+            "losses": metadata.losses(  # (records an ablated consumer never decoded: seen too)
+                counters,
+                corr,
+                seq_gaps=loop.tracker.gaps,
+                records_seen=loop.tracker.seen + loop.ablation.records_untracked,
+            ),
+            "counts": {"tokens": self.progress.tokens, "steps": self.progress.steps},
+            "profiler_cpu_s": round(self.progress.cpu_s, 3),
+            "profiler_memory": {**_memory_meta(), "budget": loop.budget.meta()},
+            "consumer": self._consumer_meta(loop, corr),
+            "bpf_compile_s": round(sess.compile_s, 3),
+            "bpf_programs": {
+                "stats": bpf_stats,
+                "runs": sum(p["runs"] for p in programs.values()),
+                "run_ns": sum(p["run_ns"] for p in programs.values()),
+                "programs": programs,
+            },
+            "_counters": counters,  # (for head_in_probes; taken out before meta.json)
+        }
+        return final, error
+
+    def _finish(
+        self,
+        out: RowOutlet,
+        writer: RecordingWriter | None,
+        final: dict[str, Any],
+        error: BaseException | None,
+        *,
+        cpu_drains0: float | None = None,
+        extra_cpu: Mapping[str, float] | None = None,
+    ) -> dict[str, Any]:
+        """The one closing sequence of every run, GPU-only included: the rows still held into the
+        recording (a flush under way, the rows gathered, the policies' last decisions, every
+        aggregate bucket), the policy's, the aggregates' and the sinks' parts of meta.json, the
+        recording closed; then the error met, if any, raised."""
+        self._stages.lap("loop")
+        try:
+            out.close_rows()
+        except BaseException as e:
+            error = error or e
+        self._stages.lap("flush")
+        final["policy"] = self._policy.to_meta()
+        if "head_in_probes" in final:
+            final["policy"]["head_in_probes"].update(final.pop("head_in_probes"))
+        if out.aggregates is not None:
             final["aggregates"] = {
-                "bucket_s": opts.aggregate_s,
-                "left_out": sorted(out.aggregates.leave_out) if out.aggregates else [],
+                "bucket_s": self.opts.aggregate_s,
+                "left_out": sorted(out.aggregates.leave_out),
             }
-            if duty is not None:  # the sparse aggregates are of the windows only
-                final["duty_cycle"] = duty.meta()
-                final["aggregates"]["sparse_coverage"] = final["duty_cycle"]["coverage"]
-            if self._sink_list:
-                final["sinks"] = out.sinks.close({**self.meta, **final})
-            stages.lap("frames_sinks")
-            # (the hasher starts a few statements before the span: its CPU is counted whole)
-            final["consumer"]["cpu_s_by_stage"] = stages.meta(
-                _cpu_s() - cpu_drains0, {"model_hash": hasher.cpu_s}
+        if "duty_cycle" in final and "aggregates" in final:
+            final["aggregates"]["sparse_coverage"] = final["duty_cycle"]["coverage"]
+        if self._sink_list:
+            final["sinks"] = out.sinks.close({**self.meta, **final})
+        self._stages.lap("frames_sinks")
+        if cpu_drains0 is not None:  # (the hasher starts a few statements before the span: counted whole)
+            final["consumer"]["cpu_s_by_stage"] = self._stages.meta(
+                _cpu_s() - cpu_drains0, dict(extra_cpu or {})
             )
-            self.meta.update(final)
-            if writer is not None:
-                writer.close(complete=error is None, **final)
+        self.meta.update(final)
+        if writer is not None:
+            writer.close(complete=error is None, **final)
         if error is not None:
             raise error
         _raise_write_failure(writer)
         return self.meta
 
-    def _drain_once(
-        self, c: _Consumer, corr: Correlator, sess: Session, gpu: GpuCapture | None, t_prev: float
-    ) -> float:
-        """One turn of the consumer's loop: a flush's pieces while they fit, the pause, a drain
-        and its records through the correlator, the flush schedule and the memory budget.
-        Returns when this drain was taken (time.monotonic), the pace's origin for the next."""
-        out, stages, sched = self._out, self._stages, c.sched
-        # the pieces of a flush under way until the next drain is due; the pace is counted from
-        # the last drain: the work since (its correlation, a flush's pieces that waited for the
-        # CPU at nice 10) is part of the wait, not added to it
-        out.flush_pieces(sched, until=t_prev + sched.wait_s, stopped=self._stop.is_set)
-        self._stop_on_write_error()
-        self._stop.wait(c.flush.wait_s(max(0.0, sched.wait_s - (time.monotonic() - t_prev))))
-        stages.lap("loop")
-        records = c.reader.take(sched.on_backlog)
-        stages.lap("ring_walk")
-        now = time.monotonic()
-        filled = c.reader.last_take_bytes / (sess.ring_pages * mmap.PAGESIZE)
-        sched.after_drain(filled, (now - t_prev) * 1e3)
-        if c.ablation.active:  # --ablate-consumer: drained and dropped (logits: their rows reduced first)
-            if c.ablation.decodes:
-                c.ablation.reduce(self._decode(records, c.tracker, sess, ring_data=c.reader.data))
-                stages.lap("logits")
-            c.ablation.discard(records, c.reader.last_take_bytes)
-            c.reader.release()
-        elif c.batches is None:
-            batch = self._decode(records, c.tracker, sess, ring_data=c.reader.data)
-            self._consume(batch, corr, c.tracker, sess, gpu=gpu)
-            c.reader.release()  # the logits rows read where they lay: their space goes back now
-        else:
-            batch = self._decode(records, c.tracker, sess, ring_data=c.reader.data)
-            c.batches.add(batch)  # the logits rows reduced to their statistics
-            stages.lap("logits")
-            c.reader.release()
-            behind = filled > ConsumerSched.PACE_FILL or sched.escalated
-            if c.batches.due(now, flush_due=c.flush.is_due(now), behind=behind):
-                for b in c.batches.take():
-                    self._consume(b, corr, c.tracker, sess, gpu=gpu)
-        c.watch.rearm()
-        out.keep_durable(c.flush, now, in_pieces=True)  # (its pieces: flush_pieces)
-        self._stop_on_write_error()
-        out.relieve_memory(c.budget, self.progress.anon_bytes, now, sched)  # (read by this drain)
-        stages.lap("flush")
-        self._maybe_detach_attention_ops(corr, sess)
-        if c.ablation.begins(self.progress.tokens, sess.kv_mask_probe, corr.attn_map.detach_tried):
-            for b in c.batches.take() if c.batches is not None else ():  # (those still waiting)
-                self._consume(b, corr, c.tracker, sess, gpu=gpu)
-            out.flush_now()  # the rows of the start-up work: the recording's last
-            self.log(
-                "sparseety-prof: --ablate-consumer: start-up work done after "
-                f"{c.ablation.began_after_s:.1f} s ({self.progress.tokens} tokens recorded); "
-                "from now on its records are drained and discarded"
-            )
-        return now
-
-    def _drain_rest(
-        self,
-        c: _Consumer,
-        rest: dict[int, np.ndarray],
-        corr: Correlator,
-        sess: Session,
-        counters: dict[str, int],
-        gpu: GpuCapture | None,
-        error: BaseException | None,
-    ) -> BaseException | None:
-        """The records left in the ring once the probes are gone, through the correlator (its
-        open requests ended); after an error, only their sequence numbers counted. Returns the
-        error, the one it met if there was none before."""
-        if error is None and c.ablation.active:  # the last records dropped too; open requests ended
-            if c.ablation.decodes:
-                c.ablation.reduce(self._decode(rest, c.tracker, sess, final=True), final=True)
-                self._stages.lap("logits")
-            c.ablation.discard(rest, 0)
-            try:
-                empty = EventBatch(logits_chunk=sess.logits_chunk)
-                self._consume(empty, corr, c.tracker, sess, counters=counters, final=True, gpu=gpu)
-            except BaseException as e:
-                return e
-        elif error is None:
-            try:
-                batch = self._decode(rest, c.tracker, sess, final=True)
-                batches = [batch]
-                if c.batches is not None:
-                    c.batches.add(batch, final=True)
-                    self._stages.lap("logits")
-                    batches = c.batches.take()
-                for i, b in enumerate(batches):
-                    last = i == len(batches) - 1
-                    self._consume(b, corr, c.tracker, sess, counters=counters, final=last, gpu=gpu)
-            except BaseException as e:
-                return e
-        else:
-            c.tracker.update(decode_groups(rest, sess.logits_chunk).seqs(), final=True)
-        return error
-
-    def _consumer_meta(self, c: _Consumer, corr: Correlator) -> dict[str, Any]:
+    def _consumer_meta(self, c: DrainLoop, corr: Correlator) -> dict[str, Any]:
         """meta.json `consumer`: how the consumer kept pace (cpu_s_by_stage is added at close)."""
-        batches, out = c.batches, self._out
+        batches, out = c.batched, self._out
         return {
             **c.sched.meta(),
             "flushes": out.round.rounds,  # each done in pieces between drains (flush_round.py)
@@ -375,7 +363,7 @@ class Recorder:
             # expected: both are the sampler call's result); left null
             "logits_token_mismatch": corr.requests.stats.token_mismatch,
             "gc_collections": self._collector.collections,
-            # Polars' thread pool: 1 unless the user set POLARS_MAX_THREADS (sparseety_prof/__init__.py)
+            # Polars' thread pool: 1 unless the user set POLARS_MAX_THREADS (session/thread_pools.py)
             "polars_threads": pl.thread_pool_size(),
             "ablated": c.ablation.meta(),  # --ablate-consumer (session/ablation.py)
         }
@@ -517,11 +505,9 @@ class Recorder:
                     self.stop("target exited")
                 final = stop or self._stop.is_set()
                 for table, cols in gpu.poll(final=final).items():
-                    df = schema.frame(table, cols)
-                    if df.height:
-                        out.emit(table, df)
+                    out.add(table, cols, final=final)
                     if table == "steps":
-                        self.progress.steps += df.height
+                        self.progress.steps += len(next(iter(cols.values()), ()))
                 self.progress.cpu_s = _cpu_s() - self._cpu0
                 out.keep_durable(flush, time.monotonic())
                 self._stop_on_write_error()
@@ -529,46 +515,18 @@ class Recorder:
                     break
         except BaseException as e:
             error = e
-        finally:
-            final_meta = {
-                "start_unix_ms": start_unix_ms,
-                "end_unix_ms": time.time_ns() // 1_000_000,
-                "stop_reason": self.stop_reason or (type(error).__name__ if error else ""),
-                "gpu": gpu.meta(),
-                "counts": {"tokens": 0, "steps": self.progress.steps},
-                "losses": {},
-                "profiler_cpu_s": round(_cpu_s() - self._cpu0, 3),
-                "bpf_compile_s": 0.0,
-            }
-            gpu.close()
-            out.settle_policy()
-            final_meta["policy"] = self._policy.to_meta()
-            if self._sink_list:
-                final_meta["sinks"] = out.sinks.close({**self.meta, **final_meta})
-            self.meta.update(final_meta)
-            if writer is not None:
-                writer.close(complete=error is None, **final_meta)
-        if error is not None:
-            raise error
-        _raise_write_failure(writer)
-        return self.meta
-
-    def _decode(
-        self,
-        records: dict[int, np.ndarray],
-        tracker: SeqTracker,
-        sess: Session,
-        *,
-        ring_data: np.ndarray | None = None,
-        final: bool = False,
-    ) -> EventBatch:
-        """One drain's records, by layout; their sequence numbers counted (losses). Logits
-        records taken by reference are read in `ring_data` (the ring's memory), until the caller
-        hands their space back."""
-        batch = decode_groups(records, sess.logits_chunk, ring_data)
-        tracker.update(batch.seqs(), final=final)
-        self._stages.lap("decode")
-        return batch
+        final_meta = {
+            "start_unix_ms": start_unix_ms,
+            "end_unix_ms": time.time_ns() // 1_000_000,
+            "stop_reason": self.stop_reason or (type(error).__name__ if error else ""),
+            "gpu": gpu.meta(),
+            "counts": {"tokens": 0, "steps": self.progress.steps},
+            "losses": {},
+            "profiler_cpu_s": round(_cpu_s() - self._cpu0, 3),
+            "bpf_compile_s": 0.0,
+        }
+        gpu.close()
+        return self._finish(out, writer, final_meta, error)
 
     def _consume(
         self,
@@ -627,43 +585,6 @@ class Recorder:
             out.sinks.drained(p)
         if self.on_update is not None:
             self.on_update(tok, steps, p)
-
-
-@dataclass
-class _Consumer:
-    """The consumer's ring reader and what paces it, for one run: the drain pace and priority
-    (sched.py), the flush schedule, the memory budget, the ring watch, --ablate-consumer, the
-    drains kept for --correlate-every (None: each correlated as taken), the sequence numbers."""
-
-    reader: RingReader
-    sched: ConsumerSched
-    flush: FlushSchedule
-    budget: MemoryBudget
-    watch: RingWatch | NativeRingWatch
-    ablation: ConsumerAblation
-    batches: DrainBatches | None
-    tracker: SeqTracker
-
-    @classmethod
-    def open(cls, opts: Options, sess: Session, progress: Progress) -> _Consumer:
-        reader = RingReader(sess)
-        sched = ConsumerSched(opts, progress, mirror_threads=True)
-        return cls(
-            reader=reader,
-            sched=sched,
-            flush=FlushSchedule(opts.flush_interval),
-            budget=MemoryBudget(opts.max_memory),
-            watch=sched.watch(
-                reader.pending_share, reader.wake_fd, reader.arm_watch, reader.positions(), owner=reader
-            ),
-            ablation=ConsumerAblation(opts.ablate_consumer),
-            batches=(
-                DrainBatches(opts.correlate_every)
-                if opts.correlate_every and DrainBatches.available()
-                else None
-            ),
-            tracker=SeqTracker(),
-        )
 
 
 def _open_writer(opts: Options, out: Path, meta: dict[str, Any]) -> RecordingWriter:
