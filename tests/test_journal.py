@@ -77,6 +77,18 @@ def _records(rec: Path) -> list[tuple[str, int, int, int]]:
     return out
 
 
+def _magics(rec: Path) -> set[bytes]:
+    """The record kinds (magics) of every log."""
+    out = set()
+    for name in _logs(rec):
+        data, pos = (rec / JOURNAL_DIR / name).read_bytes(), 0
+        while pos < len(data):
+            magic, _, _, _, length, _ = HEADER.unpack_from(data, pos)
+            out.add(magic)
+            pos += HEADER.size + length
+    return out
+
+
 def _append_record(log: Path, table: str, segment: int, row: int, payload: bytes) -> None:
     header = HEADER.pack(MAGIC, table.encode(), segment, row, len(payload), zlib.crc32(payload))
     with log.open("ab") as f:
@@ -328,6 +340,12 @@ def test_sigkill_with_the_default_options_loses_no_token_older_than_two_seconds(
     got = r.tokens().sort("t_end_ns")["token_id"].to_list()
     assert len(got) >= old, (len(got), old)
     assert got == truth["ids"][: len(got)]
+    # every table's rows as gathered (the default's journal), each record read back whole: the
+    # correlator's columns are plain values (a numpy one would come back refused as damaged)
+    assert {rec[0] for rec in _records(tmp_path / "rec")} >= {"tokens", "steps", "routes"}
+    assert set(r.steps()["step_id"].to_list()) >= set(r.tokens()["step_id"].to_list())
+    assert r.routes().height > 0
+    assert _magics(tmp_path / "rec") == {MAGIC_GATHERED}
     assert r.damaged == []
     for p in [tmp_path / "rec", *(tmp_path / "rec").rglob("*")]:  # the journal included
         st = p.lstat()

@@ -140,6 +140,19 @@ def test_numpy_values_among_a_column_s_values_come_back_as_the_same_numbers() ->
     assert back[0]["n_tokens"] == [5, 6, 7, None]
 
 
+def test_a_numpy_value_past_a_column_s_first_is_refused_when_read_never_read_wrong() -> None:
+    """marshal writes a numpy scalar (a buffer) as bytes: the reader refuses bytes in a column
+    that holds none, so that drain's rows are named damaged rather than read as other values."""
+    cols = _lists(random.Random(4), "steps", 3)
+    cols["n_tokens"] = [5, np.int64(6), 7]
+    with pytest.raises(gathered_codec.GatheredRowsError, match="bytes in column n_tokens"):
+        gathered_codec.decode("steps", gathered_codec.encode([cols]))
+    cols["n_tokens"] = [5, 6, 7]
+    cols["positions"] = [[1], [2, np.int32(3)], None]
+    with pytest.raises(gathered_codec.GatheredRowsError, match="bytes in column positions"):
+        gathered_codec.decode("steps", gathered_codec.encode([cols]))
+
+
 def test_marshal_s_reader_for_plain_values_reads_what_marshal_writes() -> None:
     rng = random.Random(9)
 

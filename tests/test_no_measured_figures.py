@@ -34,18 +34,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("views/live.py", "41 ms"): "an example of the line this function writes",
 }
 
-#: figures in files other changes of issue 59 restructure at the same time (correlate/, the ring
-#: watch's C): they go with that work; not checked for staleness, so that work need not edit this
-PENDING: set[tuple[str, str]] = {
-    ("correlate/logits.py", "~20x slower"),
-    ("correlate/logits.py", "~1 us"),
-    ("correlate/logits.py", "about 15 us"),
-    ("correlate/logits.py", "400 us"),
-    ("correlate/pass_arrays.py", "117 us"),
-    ("native/ringwatch.c", "50 us"),
-    ("native/ringwatch.c", "~50 us"),
-    ("native/ringwatch.c", "20 ms"),
-}
+#: figures left, for now, in a file being restructured at the same time (none)
+PENDING: set[tuple[str, str]] = set()
 
 
 def _python_prose(source: str) -> Iterator[tuple[int, str]]:

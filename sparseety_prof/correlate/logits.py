@@ -17,7 +17,7 @@ import numpy as np
 from sparseety_prof.capture.resources import native_library
 from sparseety_prof.store.schema import TOP_K
 
-# exp() of values below about -87 is subnormal in float32, and subnormals are ~20x slower here;
+# exp() of values below about -87 is subnormal in float32, and subnormals are far slower here;
 # such terms are < 1e-37 of the largest one and change neither the sum nor the entropy.
 _EXP_FLOOR = np.float32(-87.0)
 
@@ -73,8 +73,8 @@ def native_level() -> int | None:
 
 
 def _addr(a: np.ndarray) -> int:
-    """Address of a C-contiguous array's data. ndarray.ctypes.data costs ~1 us (it builds a helper
-    object); a ctypes view of a writable buffer costs a fifth of that, and there are six per call."""
+    """Address of a C-contiguous array's data. ndarray.ctypes.data builds a helper object; a
+    ctypes view of a writable buffer costs a fraction of that, and there are six per call."""
     if a.flags.writeable:
         # numpy arrays are buffers, but numpy does not declare it to type checkers
         return ctypes.addressof(ctypes.c_char.from_buffer(a))  # type: ignore[arg-type]
@@ -84,8 +84,8 @@ def _addr(a: np.ndarray) -> int:
 def top_k(rows: np.ndarray, k: int, *, inplace: bool = False) -> np.ndarray:
     """Indices of the k largest values of each row, largest first.
 
-    k argmax passes (over a copy unless `inplace`): about 15 us for a 32,000-entry row here,
-    where np.argpartition takes 400 us. In place, the row is left as it was."""
+    k argmax passes (over a copy unless `inplace`): for a vocabulary-sized row far cheaper than
+    np.argpartition (docs/overhead.md). In place, the row is left as it was."""
     return _top_k(rows if inplace else rows.copy(), k)[0]
 
 

@@ -67,8 +67,8 @@ def takes_arrays(step: Step) -> bool:
     """Whether the rows of `step` are worth making as arrays on their own: a prompt, whose rows
     outnumber its output rows (only those are token rows) by more than two to one. For a step of
     several slots (every row an output) route_arrays' few dozen numpy calls cost more than its
-    handful of rows do in Python (on 4 clients' server drains, scripts/replay_drains.py:
-    correlation 86 -> 117 us per token): those are made arrays a run of steps at a time
+    handful of rows do in Python (on 4 clients' server drains, measured with
+    scripts/replay_drains.py: docs/overhead.md): those are made arrays a run of steps at a time
     (slot_steps.py)."""
     return len(step.seq) > 2 * len(step.output_index())
 

@@ -19,16 +19,16 @@
  * --sched idle the first drain's early wakeup was followed by 6-8 s of records lost. So after such
  * a wakeup the thread follows the ring, reading its positions every FOLLOW_MS, until the
  * consumer rearms it (sparseety_watch_armed; not merely moves its position: a starved consumer
- * releases part of the ring now and then, long before its drain ends) or it escalates. A timer wakeup costs about
- * 50 us of CPU on this project's VMs: a few a second, and only between an early wakeup and the
- * next drain.
+ * releases part of the ring now and then, long before its drain ends) or it escalates. Each timer
+ * wakeup costs a little CPU (docs/overhead.md): a few a second, and only between an early wakeup
+ * and the next drain.
  *
  * With `max_gap_ms`, records never wait in the ring longer than about that for a consumer that does
  * not drain: every max_gap_ms the thread checks whether the consumer rearmed it since the last
  * check (it does after every drain), and escalates when it did not while records are pending. A
  * consumer under --sched idle on cores the engine keeps busy otherwise drains only when the ring
- * fills: with a sampling policy, every 20 s (docs/overhead.md), so the live view and the
- * sinks saw rows 20 s late. Once per max_gap_ms, a timer wakeup (~50 us).
+ * fills: with a sampling policy, tens of seconds apart (docs/overhead.md), so the live view and
+ * the sinks saw rows that late. Once per max_gap_ms, a timer wakeup.
  *
  * With `all_threads`, the escalation raises every other thread of the process too (the recorder's:
  * Polars' pool and its Parquet writers' runtime run the consumer's frames and writes, and a thread
@@ -58,7 +58,7 @@
 #define RWATCH_ABI_VERSION 5
 /* Between readings while following the ring (above): FOLLOW_MS, doubled after each reading that
  * finds the ring filled by less than FOLLOW_STEP of it since the last, up to FOLLOW_MAX_MS (a
- * consumer starved for 20 s of a slow-filling ring read it 1,073 times at a fixed 20 ms). At the
+ * consumer starved by a slow-filling ring read it over a thousand times at a fixed interval). At the
  * fastest fill measured, a ring a second, the longest wait leaves most of the ring past the
  * threshold to spare. */
 #define FOLLOW_MS 20

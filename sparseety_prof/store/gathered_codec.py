@@ -33,6 +33,7 @@ from itertools import chain
 from typing import Any
 
 import numpy as np
+import polars as pl
 
 from sparseety_prof.store import schema
 from sparseety_prof.store.array_rows import ArrayColumn, ArrayRows, RowParts
@@ -84,7 +85,7 @@ def _array_rows(p: ArrayRows) -> tuple[Any, ...]:
             assert code is not None
             cols[name] = (code, a.shape, np.ascontiguousarray(a, dtype=_DTYPES[code]).tobytes())
         elif isinstance(a, list):
-            cols[name] = a if _is_plain(a) else _plain(a)
+            cols[name] = a if _looks_plain(a) else _plain(a)
         else:
             cols[name] = a
     marks = [
@@ -102,25 +103,25 @@ def _code(a: np.ndarray) -> int | None:
 #: the types marshal writes as themselves; any other that it takes (numpy's scalars, anything with
 #: a buffer) it writes as bytes, which would come back as bytes
 _PLAIN_TYPES = frozenset({int, float, str, bool, bytes, type(None)})
-_CONTAINERS = frozenset({list, tuple, type(None)})
 
 
 def _plain_columns(cols: Mapping[str, list[Any]]) -> dict[str, list[Any]]:
-    """The columns, each as it is when its values are plain (the common case, checked at C
-    speed), or made plain (`_plain`)."""
-    return {name: values if _is_plain(values) else _plain(values) for name, values in cols.items()}
+    """The columns, each as it is when its first value looks plain, or made plain (`_plain`).
+    The correlator makes its columns of Python values (tests/test_journal_gathered.py holds it
+    to that on real drains); a column of numpy values shows in its first one. A numpy value
+    further down a column would come back as bytes, which the reader refuses in any column but
+    a binary one (`decode`): that drain's rows are then named damaged, never read wrong."""
+    return {name: values if _looks_plain(values) else _plain(values) for name, values in cols.items()}
 
 
-def _is_plain(values: list[Any]) -> bool:
-    """Whether every value, and every item of the lists among them, is of a _PLAIN_TYPES type."""
-    level: list[Any] = values
+def _looks_plain(values: list[Any]) -> bool:
+    """Whether the first value that is not None, down to its first item that is not a list, is of
+    a _PLAIN_TYPES type."""
+    v: Any = next((x for x in values if x is not None), None)
     for _ in range(MAX_NDIM + 1):
-        types = set(map(type, level))
-        if types <= _PLAIN_TYPES:
-            return True
-        if not types <= _CONTAINERS:
-            return False  # (lists among plain values: not what a column holds, made plain)
-        level = list(chain.from_iterable(filter(None, level)))  # (None and empty lists: no items)
+        if type(v) not in (list, tuple):
+            return type(v) in _PLAIN_TYPES
+        v = next((x for x in v if x is not None), None)
     return False
 
 
@@ -185,7 +186,27 @@ def _lists(table: str, cols: Any, rows: int | None) -> dict[str, list[Any]]:
         raise GatheredRowsError(f"columns of lengths {sorted(lengths)} in one part")
     if cols and cols.keys() != schema.TABLES[table].keys():  # (its names are not echoed: untrusted)
         raise GatheredRowsError(f"column lists that are not the {table} table's columns")
+    for name, values in cols.items():
+        _no_stray_bytes(table, name, values)
     return cols
+
+
+def _no_stray_bytes(table: str, name: str, values: list[Any]) -> None:
+    """Bytes in a column that holds no bytes: a value marshal wrote as bytes (a numpy value
+    among Python ones, `_plain_columns`), refused rather than read as something else."""
+    dtype: Any = schema.TABLES[table][name]
+    while isinstance(dtype, pl.List):
+        dtype = dtype.inner
+    if isinstance(dtype, pl.Binary):
+        return
+    level: list[Any] = values
+    for _ in range(MAX_NDIM + 1):
+        types = set(map(type, level))
+        if bytes in types:
+            raise GatheredRowsError(f"bytes in column {name}, which holds none")
+        if not types & {list, tuple}:
+            return
+        level = list(chain.from_iterable(x for x in level if type(x) in (list, tuple)))
 
 
 def _height(cols: Mapping[str, list[Any]]) -> int:
@@ -216,6 +237,7 @@ def _array_part(table: str, a: Any) -> ArrayRows:
         if col is None:
             arrays[name] = None
         elif isinstance(col, list) and len(col) == n:
+            _no_stray_bytes(table, name, col)
             arrays[name] = col
         elif isinstance(col, tuple):
             arrays[name] = _array(col, n)
