@@ -94,6 +94,7 @@ from scripts.bench_overhead import (  # noqa: E402
     wait_quiet,
 )
 from scripts.preempt_stalls import StallTracer  # noqa: E402
+from sparseety_prof.correlate import build_stamp  # noqa: E402
 from sparseety_prof.session.placement import cpu_list_text, parse_cpu_list  # noqa: E402
 from sparseety_prof.synthetic import make_model  # noqa: E402
 
@@ -810,6 +811,9 @@ def main() -> int:
     if os.geteuid() != 0:
         raise SystemExit("run as root: the recorder attaches eBPF uprobes")
     model = make_model(ROOT / "models" / f"{a.model}.gguf", a.model)
+    # the recorder runs the correlator's compiled build only while it matches the source: say
+    # which, since a stale build (a source edited since) runs the source, slower
+    print(f"[bench] correlator: {build_stamp.STATE}", file=sys.stderr)
     results = []
     with tempfile.TemporaryDirectory(prefix="sparseety-sustained-") as tmp, Contenders(a.contend):
         for name in a.engine:
