@@ -43,6 +43,7 @@ from sparseety_prof.session.stage_cpu import StageCpu
 from sparseety_prof.session.stop_flag import StopFlag
 from sparseety_prof.store import schema
 from sparseety_prof.store.aggregates import COUNTED, Aggregator
+from sparseety_prof.store.array_rows import part_rows
 from sparseety_prof.store.buffers import FlushSchedule
 from sparseety_prof.store.output_dir import sudo_owner
 from sparseety_prof.store.recording import list_layers
@@ -507,7 +508,7 @@ class Recorder:
                 for table, cols in gpu.poll(final=final).items():
                     out.add(table, cols, final=final)
                     if table == "steps":
-                        self.progress.steps += len(next(iter(cols.values()), ()))
+                        self.progress.steps += part_rows(cols)
                 self.progress.cpu_s = _cpu_s() - self._cpu0
                 out.keep_durable(flush, time.monotonic())
                 self._stop_on_write_error()

@@ -34,7 +34,7 @@ from sparseety_prof.session.sched import ConsumerSched
 from sparseety_prof.session.sinks import SinkFanout
 from sparseety_prof.session.stage_cpu import StageCpu
 from sparseety_prof.store.aggregates import Aggregator
-from sparseety_prof.store.array_rows import ArrayRows, RowParts
+from sparseety_prof.store.array_rows import ArrayRows, part_rows
 from sparseety_prof.store.buffers import ColumnBuffer, FlushSchedule
 from sparseety_prof.store.recording_writer import RecordingWriter
 
@@ -186,7 +186,7 @@ class RowOutlet:
         assert self.writer is not None
         for table, parts in self._rows.take_unjournaled().items():
             start = self._gathered.get(table, 0)
-            self._gathered[table] = start + sum(_rows_of(p) for p in parts)
+            self._gathered[table] = start + sum(part_rows(p) for p in parts)
             if self.policy.stores_whole(table):
                 self.writer.journal_gathered(table, parts, start=start)
 
@@ -251,8 +251,3 @@ class RowOutlet:
             if rows.height:
                 self.writer.append("aggregates", rows)
         yield "aggregates"
-
-
-def _rows_of(cols: Mapping[str, Any]) -> int:
-    """The rows of one add (column lists or RowParts)."""
-    return len(cols.is_array) if isinstance(cols, RowParts) else len(next(iter(cols.values()), ()))

@@ -8,7 +8,7 @@ arrays they go to the frame as they are."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sized
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -205,6 +205,14 @@ class RowParts(Mapping[str, list[object]]):
 
     def __len__(self) -> int:
         return len(self.lists)
+
+
+def part_rows(cols: Mapping[str, object]) -> int:
+    """The rows of one drain's rows of a table: column lists (their length) or RowParts."""
+    if isinstance(cols, RowParts):
+        return len(cols.is_array)
+    first = next(iter(cols.values()), ())
+    return len(first) if isinstance(first, Sized) else 0
 
 
 def split_rows(

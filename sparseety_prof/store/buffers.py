@@ -10,7 +10,7 @@ import numpy as np
 import polars as pl
 
 from sparseety_prof.store import schema
-from sparseety_prof.store.array_rows import ArrayRows, RowParts
+from sparseety_prof.store.array_rows import ArrayRows, RowParts, part_rows
 
 
 class ColumnBuffer:
@@ -50,9 +50,7 @@ class ColumnBuffer:
     def add(self, table: str, cols: Mapping[str, list[Any]], *, final: bool) -> list[pl.DataFrame]:
         """Gather one drain's rows of `table` (every column of the table, as schema.frame wants,
         or RowParts; a drain without rows may pass {} or empty lists); the frames that are due."""
-        if self._journaled and (
-            len(cols.is_array) if isinstance(cols, RowParts) else len(next(iter(cols.values()), ()))
-        ):
+        if self._journaled and part_rows(cols):
             self._unjournaled.setdefault(table, []).append(cols)
         if isinstance(cols, RowParts):
             before = self._rows.get(table, 0)  # list rows alone, for an ordered table without kinds

@@ -36,7 +36,7 @@ import numpy as np
 import polars as pl
 
 from sparseety_prof.store import schema
-from sparseety_prof.store.array_rows import ArrayColumn, ArrayRows, RowParts
+from sparseety_prof.store.array_rows import ArrayColumn, ArrayRows, RowParts, part_rows
 from sparseety_prof.store.plain_marshal import MarshalError, loads
 
 __all__ = ["MAX_ROWS", "GatheredRowsError", "decode", "encode", "payload_rows"]
@@ -63,15 +63,13 @@ def encode(parts: Sequence[Mapping[str, Any]]) -> bytes:
     """Gathered rows of one table, each part as ColumnBuffer.add took it (column lists or
     RowParts), in order."""
     body: list[Any] = []
-    rows = 0
     for cols in parts:
         if isinstance(cols, RowParts):
             order = np.ascontiguousarray(cols.is_array, dtype=np.uint8).tobytes()
             body.append((1, _plain_columns(cols.lists), [_array_rows(p) for p in cols.arrays], order))
-            rows += len(order)
         else:
             body.append((0, _plain_columns(cols)))
-            rows += len(next(iter(cols.values()), ()))
+    rows = sum(part_rows(cols) for cols in parts)
     return MAGIC + _ROWS.pack(rows) + marshal.dumps(body, 4)
 
 
