@@ -99,11 +99,9 @@ def replay_once(kept: dict[str, Any], texts: Any, out: Path, mode: str) -> tuple
         apart = corr.take_apart()
         tokens += len(tables["tokens"]["step_id"])
         p = time.process_time()
-        outlet.apart_to_sinks(apart)
+        outlet.add_apart(apart)
         for table, cols in tables.items():
             outlet.add(table, cols, final=final)
-        for table, parts in apart.items():
-            outlet.emit_apart(table, parts)
         outlet.keep_durable(flush, t0 + k * drain_s, in_pieces=False)
         cpu += time.process_time() - p
     p = time.process_time()

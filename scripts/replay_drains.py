@@ -306,7 +306,7 @@ class _Writes:
             self.writer.append(table, df)
 
     def emit_apart(self, apart: Any) -> None:
-        for table, parts in apart.items():  # (the recorder's _emit_apart, less the policy)
+        for table, parts in apart.items():  # (AggregateReader.take_apart; the policy is not replayed)
             self.aggregates.add_rows(table, parts)
 
     def flush(self, frames: Any, *, final: bool) -> None:

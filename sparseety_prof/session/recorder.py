@@ -560,11 +560,9 @@ class Recorder:
         gpu_tables = self._poll_gpu(gpu, steps, final=final)
         apart = corr.take_apart()
         if out.wanted:
-            out.apart_to_sinks(apart)
+            out.add_apart(apart)
             for table, cols in (*tables.items(), *gpu_tables.items()):
                 out.add(table, cols, final=final)
-            for table, parts in apart.items():
-                out.emit_apart(table, parts)
         stages.lap("frames_sinks")
         p = self.progress
         p.tokens += sum(r.n for r in apart.get("tokens", ()))

@@ -12,8 +12,9 @@ the recording, and so the journal, when decided, at flushes). When the recording
 row as it comes (no per-request policy, no redaction), the journal takes the rows as gathered
 instead, unframed (store/gathered_codec.py), and the frames are made at flushes as without a
 journal: a frame's fixed cost per column, paid after every drain, was most of the journal's
-cost. The rows a policy set apart in the correlator (a head-dropped request's, as arrays) go to
-the aggregates and the policy only.
+cost. Every reader (the aggregates, the recording and its policy, the sinks) takes the rows
+through one interface (row_readers.py), the rows a policy set apart in the correlator (a
+head-dropped request's, as arrays) included.
 
 The recorder drives it (recorder.py); this module decides nothing about the engine or the ring.
 """
@@ -30,6 +31,7 @@ from sparseety_prof.session.collector import FlushTimedCollector
 from sparseety_prof.session.flush_round import FlushRound
 from sparseety_prof.session.memory_budget import PRESSURE_GAP_S, MemoryBudget, anon_bytes, trim_heap
 from sparseety_prof.session.policy import RecordingPolicy
+from sparseety_prof.session.row_readers import AggregateReader, RecordingReader, RowReader
 from sparseety_prof.session.sched import ConsumerSched
 from sparseety_prof.session.sinks import SinkFanout
 from sparseety_prof.session.stage_cpu import StageCpu
@@ -71,6 +73,12 @@ class RowOutlet:
             self._journaled and writer is not None and writer.stores_as_given and policy.hold is None
         )
         self._rows = ColumnBuffer(journaled=self._as_gathered)
+        # in this order: the aggregates, the recording, the sinks
+        self.readers: list[RowReader] = [
+            *([AggregateReader(aggregates)] if aggregates is not None else []),
+            RecordingReader(writer, policy, journaled=self._as_gathered),
+            sinks,
+        ]
         self._gathered: dict[str, int] = {}  # per table, the rows gathered so far (as_gathered)
         self._stages = stages
         self._collector = collector
@@ -95,31 +103,17 @@ class RowOutlet:
             self.emit(table, df)
 
     def emit(self, table: str, df: pl.DataFrame) -> None:
-        """One frame of rows to the aggregates and the sinks (all of them), and to the recording
-        (what the policy keeps)."""
-        if self.aggregates is not None:
-            self.aggregates.add(table, df)
-        if self.writer is not None:
-            for kept_table, kept in self.policy.take(table, df):
-                self.writer.append(kept_table, kept, journaled=self._as_gathered)
-        if self.sinks:
-            self.sinks.take(table, df)
+        """One frame of rows to every reader."""
+        for reader in self.readers:
+            reader.take(table, df)
 
-    def apart_to_sinks(self, apart: Mapping[str, list[ArrayRows]]) -> None:
-        """One drain's rows set apart, to the sinks (held, then framed with the columns they
-        read: SinkFanout.take_apart); before the drain's frames, whose requests rows may be
-        those of these tokens."""
-        if self.sinks:
-            for table, parts in apart.items():
-                self.sinks.take_apart(table, parts)
-
-    def emit_apart(self, table: str, parts: list[ArrayRows]) -> None:
-        """One drain's rows set apart (dropped requests' rows, only the columns that are read,
-        as arrays: never framed) to the aggregates, and to the policy, which counts them dropped
-        and learns their requests (the sinks had them first: apart_to_sinks)."""
-        if self.aggregates is not None:
-            self.aggregates.add_rows(table, parts)
-        self.policy.set_apart(table, parts)
+    def add_apart(self, apart: Mapping[str, list[ArrayRows]]) -> None:
+        """One drain's rows set apart (Correlator.take_apart: dropped requests' rows, only the
+        columns that are read, as arrays: never framed) to every reader; before the drain's
+        frames, whose requests rows may be those of these tokens."""
+        for table, parts in apart.items():
+            for reader in self.readers:
+                reader.take_apart(table, parts)
 
     # ------------------------------------------------------------------ flushes
     def keep_durable(self, flush: FlushSchedule, drained_at: float, *, in_pieces: bool = False) -> None:
