@@ -105,6 +105,7 @@ _SORT_KEYS: dict[str, tuple[str, ...]] = {
     "requests": ("t_started_ns", "seq_id"),
     "kernels": ("launch_ns", "correlation_id"),
     "aggregates": ("bucket_unix_ms", "metric", "layer", "bin"),
+    "cpu_stacks": ("t_first_ns", "tid"),
 }
 for _table, _cols in (*TEXT_COLUMNS.items(), *_SORT_KEYS.items()):
     _missing = [c for c in _cols if c not in schema.TABLES[_table]]
@@ -208,6 +209,11 @@ class Recording:
         """Always-on counts per wall-clock bucket (schema.AGGREGATES): expert load, sparsity,
         log-prob and step-latency histograms, kept whatever the policy dropped of the rows."""
         return self.table("aggregates")
+
+    def cpu_stacks(self) -> pl.DataFrame:
+        """The CPU sampler's folded stacks per step and thread (schema.CPU_STACKS); empty when
+        recorded with --cpu-sample-hz 0."""
+        return self.table("cpu_stacks")
 
     def anomalies(self) -> pl.DataFrame:
         """What the anomaly detectors (store/anomalies/) find in the tokens and steps, as

@@ -206,6 +206,25 @@ AGGREGATE_EDGES: dict[str, tuple[float, ...]] = {
     "step_ms": (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0, 1e9),
 }
 
+#: The CPU sampler (capture/cpu_sampler.py, session/cpu_profile.py): per step and engine thread,
+#: how many samples each folded stack got. Rows are bounded by the samples (the rate times the
+#: engine's busy CPU time): each row holds one sample or more. Samples between steps are grouped
+#: per thread and stack over each drain.
+CPU_STACKS: dict[str, pl.DataType] = {
+    "step_id": pl.Int64(),  # the step the samples fell in; null outside a recorded step
+    # "prompt" (prompt rows only), "decode" (decode rows only), "mixed", "between_steps" (no step
+    # running), "unrecorded_step" (a step whose rows the policy did not keep)
+    "step_kind": pl.String(),
+    "phase": pl.String(),  # the step's phase (steps.phase); null outside a recorded step
+    "ctx_id": pl.Int32(),  # the step's engine context; null outside a recorded step
+    "pid": pl.Int32(),
+    "tid": pl.Int32(),  # the sampled thread
+    "in_kernel": pl.Boolean(),  # the CPU was in the kernel for the thread (the stack ends "[kernel]")
+    "stack": pl.String(),  # folded: frame names root first, joined by ";" (meta cpu_sampler.files)
+    "samples": pl.Int64(),
+    "t_first_ns": pl.Int64(),  # CLOCK_MONOTONIC: the first of these samples
+}
+
 TABLES: dict[str, dict[str, pl.DataType]] = {
     "tokens": TOKENS,
     "steps": STEPS,
@@ -214,6 +233,7 @@ TABLES: dict[str, dict[str, pl.DataType]] = {
     "requests": REQUESTS,
     "kernels": KERNELS,
     "aggregates": AGGREGATES,
+    "cpu_stacks": CPU_STACKS,
 }
 
 #: Datasets (`collect`, store/dataset.py): every table of many recordings as one Hive-partitioned

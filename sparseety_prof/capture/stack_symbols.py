@@ -1,0 +1,202 @@
+"""Names for the sampled addresses of the engine (capture/cpu_sampler.py): address -> the mapping
+of /proc/PID/maps that holds it -> the ELF file's virtual address -> the function symbol around
+it, demangled.
+
+The files are the target's, so hostile (capture/untrusted_files.py): each is opened through the
+process's own mapping (/proc/PID/map_files/START-END, which the kernel follows to the very file
+mapped, never through a name), is read by binutils' nm from /usr/bin through that descriptor
+(a regular file only), and only once per file.
+
+What cannot be named, said plainly in meta.json (`files`):
+- a stripped file has its dynamic symbols only (.dynsym): its static and hidden functions show
+  as "FILE+0xOFFSET" (the offset in the file), never as a wrong name;
+- the engine's Python frames (llama-cpp-python) are not symbolised: a sample in Python code shows
+  the interpreter's own C functions (_PyEval_EvalFrameDefault, ...), not the Python function;
+- anonymous memory (JIT code) is "[anon]"; a sample in the kernel ends its stack with "[kernel]".
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sparseety_prof.capture.elf import load_segments
+from sparseety_prof.capture.proc_maps import MapsEntry, read_maps
+from sparseety_prof.capture.untrusted_files import RefusedFile, open_untrusted, trusted_tool
+
+NM_TIMEOUT_S = 120
+MAX_NAME = 400  # characters of a demangled name kept (template names run to thousands)
+KERNEL_FRAME = "[kernel]"
+ANON_FRAME = "[anon]"
+UNKNOWN_FRAME = "[unknown]"
+#: nm's type letters of code symbols (text, weak, indirect)
+_CODE = frozenset("TtWwi")
+
+#: what each file's names come from, in meta.json
+SYMBOLS_FULL = "symtab"  # .symtab (with .dynsym): every function
+SYMBOLS_DYNAMIC = "dynamic only"  # stripped: exported functions only
+SYMBOLS_NONE = "none"  # no symbol at all, or the file could not be read (why says)
+
+
+@dataclass
+class FileSymbols:
+    """One mapped ELF file's function symbols, sorted by address, and how its virtual addresses
+    sit in the file (PT_LOAD segments)."""
+
+    path: str
+    source: str  # SYMBOLS_*
+    starts: list[int] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    segments: list[tuple[int, int, int]] = field(default_factory=list)  # (vaddr, offset, size)
+    why: str = ""  # why it has no symbols, when it has none
+
+    def vaddr(self, file_offset: int) -> int | None:
+        for vaddr, off, size in self.segments:
+            if off <= file_offset < off + size:
+                return vaddr + file_offset - off
+        return None
+
+    def name(self, vaddr: int) -> str | None:
+        i = bisect.bisect_right(self.starts, vaddr) - 1
+        if i < 0:
+            return None
+        # a symbol with a size covers [start, end); without one (end == start) the nearest below
+        if self.ends[i] > self.starts[i] and vaddr >= self.ends[i]:
+            return None
+        return self.names[i]
+
+
+def _nm(fd: int, *extra: str) -> tuple[str, str]:
+    nm = trusted_tool("nm")
+    done = subprocess.run(
+        [nm, *extra, "--defined-only", "-S", "-C", f"/dev/fd/{fd}"],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        pass_fds=(fd,),
+        timeout=NM_TIMEOUT_S,
+    )
+    return done.stdout, done.stderr
+
+
+def _parse_nm(text: str, into: dict[int, tuple[int, str]]) -> None:
+    """nm -S -C lines: "ADDR SIZE TYPE NAME" or "ADDR TYPE NAME" (no size); names may hold spaces."""
+    for line in text.splitlines():
+        parts = line.split(" ", 3)
+        if len(parts) >= 3 and len(parts[1]) == 1:  # no size
+            addr, size, kind, name = parts[0], "0", parts[1], " ".join(parts[2:])
+        elif len(parts) == 4 and len(parts[2]) == 1:
+            addr, size, kind, name = parts
+        else:
+            continue
+        if kind not in _CODE:
+            continue
+        try:
+            a, n = int(addr, 16), int(size, 16)
+        except ValueError:
+            continue
+        if a and (a not in into or into[a][0] < n):
+            into[a] = (n, name[:MAX_NAME])
+
+
+def load_file_symbols(pid: int, m: MapsEntry) -> FileSymbols:
+    """The symbols of the file of mapping `m` of process `pid`, read through the mapping itself."""
+    link = f"/proc/{pid}/map_files/{m.map_files_name}"
+    try:
+        # the kernel follows a map_files link to the very file mapped (no name is looked up);
+        # O_NOFOLLOW does not apply to these links, and a FIFO or device is still refused
+        fd, _ = open_untrusted(link)
+    except (RefusedFile, OSError) as e:
+        return FileSymbols(m.path, SYMBOLS_NONE, why=str(e))
+    try:
+        full, err = _nm(fd)
+        dyn, _ = _nm(fd, "-D")
+        segments = load_segments(Path(f"/dev/fd/{fd}"))
+    except (subprocess.TimeoutExpired, OSError, ValueError) as e:
+        return FileSymbols(m.path, SYMBOLS_NONE, why=str(e))
+    finally:
+        os.close(fd)
+    syms: dict[int, tuple[int, str]] = {}
+    _parse_nm(full, syms)
+    has_symtab = bool(syms)
+    _parse_nm(dyn, syms)
+    source = SYMBOLS_FULL if has_symtab else SYMBOLS_DYNAMIC if syms else SYMBOLS_NONE
+    fs = FileSymbols(m.path, source, segments=segments, why="" if syms else (err.strip() or "no symbols"))
+    for a in sorted(syms):
+        n, name = syms[a]
+        fs.starts.append(a)
+        fs.ends.append(a + n)
+        fs.names.append(name)
+    return fs
+
+
+class Symboliser:
+    """Frame names for one process's addresses; its maps re-read when an address lies outside
+    every mapping known (a library loaded since), at most once per `frames` call."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._maps: list[MapsEntry] = []
+        self._map_starts: list[int] = []
+        self._files: dict[tuple[str, int, int], FileSymbols] = {}
+        self._names: dict[int, str] = {}
+
+    def _read_maps(self) -> None:
+        try:
+            maps = [m for m in read_maps(self.pid) if "x" in m.perms]
+        except OSError:
+            return
+        self._maps = maps
+        self._map_starts = [m.start for m in maps]
+
+    def _mapping(self, addr: int) -> MapsEntry | None:
+        i = bisect.bisect_right(self._map_starts, addr) - 1
+        if i >= 0 and addr < self._maps[i].end:
+            return self._maps[i]
+        return None
+
+    def frames(self, stack: tuple[int, ...], *, kernel: bool = False) -> list[str]:
+        """Names of a stack's frames, root first (the folded order), "[kernel]" last for a
+        sample taken in the kernel."""
+        out = [self.name(a) for a in reversed(stack)]
+        if kernel:
+            out.append(KERNEL_FRAME)
+        return out or [UNKNOWN_FRAME]
+
+    def name(self, addr: int) -> str:
+        got = self._names.get(addr)
+        if got is not None:
+            return got
+        m = self._mapping(addr)
+        if m is None:
+            self._read_maps()
+            m = self._mapping(addr)
+        got = self._name_in(addr, m)
+        self._names[addr] = got
+        return got
+
+    def _name_in(self, addr: int, m: MapsEntry | None) -> str:
+        if m is None:
+            return UNKNOWN_FRAME
+        if not m.file_backed or m.deleted:
+            return ANON_FRAME if not m.path else f"[{m.path.strip('[]')}]"
+        key = (m.path, m.dev, m.inode)
+        fs = self._files.get(key)
+        if fs is None:
+            fs = self._files[key] = load_file_symbols(self.pid, m)
+        base = Path(m.path).name
+        file_offset = addr - m.start + m.offset
+        vaddr = fs.vaddr(file_offset)
+        name = fs.name(vaddr) if vaddr is not None else None
+        return name if name is not None else f"{base}+{file_offset:#x}"
+
+    def files_meta(self) -> list[dict[str, str]]:
+        """Which files were read for names, and where their names come from (meta.json)."""
+        return [
+            {"path": fs.path, "symbols": fs.source, **({"why": fs.why} if fs.why else {})}
+            for fs in self._files.values()
+        ]
