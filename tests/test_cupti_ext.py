@@ -446,6 +446,34 @@ def test_graph_resolved_from_the_clones_when_instantiation_names_no_source_graph
         assert watched[key].graph_id == 0
 
 
+def test_graph_copies_carry_the_replayed_node_ids_when_clones_are_reported_before_instantiation(
+    build: Path, shm_name: str
+) -> None:
+    """The H200 run of 2026-12-04 (results/gpu_check/): every graph copy carried its source node's
+    id and every replayed kernel a clone's, so no copy joined its kernel. A driver that reports the
+    clones before GRAPHEXEC_CREATE_STARTING gives that when the library keeps only the reports
+    after it: the copies must carry the ids the replayed kernels' activity records carry, and
+    every watched kernel of a replay must then be marked captured by the correlator."""
+    g = GraphRun(build, shm_name, STUB_CUDA_CLONES_BEFORE_STARTING="1")
+    assert g.counters.errors == [] and (g.syncs, g.violations) == (0, 0)
+    watched = {(w.correlation_id, w.graph_node_id): w for w in by_type(g.records, WatchedBuffer)}
+    replayed = {
+        (k.correlation_id, k.graph_node_id)
+        for k in by_type(g.records, KernelActivity)
+        if k.name == GRAPH_TOPK and k.graph_node_id
+    }
+    assert len(replayed) == 24
+    assert {key for key in watched if key[1]} == replayed
+    for key, values in g.wrote.items():
+        assert watched[key].data == array("i", values).tobytes(), key
+    c = KernelCorrelator()
+    c.add_steps(HostStep(n, tid, t0, t1, g.pid) for n, tid, t0, t1 in g.steps)
+    c.add(g.records)
+    k = c.flush(final=True)["kernels"]
+    topk = [cap for name, cap in zip(k["name"], k["buffer_captured"], strict=True) if name == GRAPH_TOPK]
+    assert len(topk) == 26 and all(topk)
+
+
 def test_graph_rows_through_the_python_side(graph_run: GraphRun) -> None:
     """The correlator with the engine's own step windows (step 0 eager, then one per replay): each
     replay's kernels join their step by the graph launch's thread and time; only the watched nodes

@@ -11,12 +11,16 @@
  * after instantiating it, and the kernelParams array cuGraphKernelNodeGetParams returns belongs to
  * the node.
  *
- * Node ids. Instantiation clones every node into the executable graph (GRAPHNODE_CLONED, between
- * GRAPHEXEC_CREATE_STARTING and GRAPHEXEC_CREATED on the instantiating thread), and kernel activity
- * records of a replay carry the clone's id (cuptiGetGraphNodeId): that id is what a copy is tagged
- * with, so it joins the kernel row it belongs to. Without a CLONED report the source node's id is
- * used. Should GRAPHEXEC_CREATED come without its source graph, the nodes are the originals of the
- * clones reported during that instantiation. */
+ * Node ids. Instantiation clones every node (GRAPHNODE_CLONED, on the instantiating thread, before
+ * GRAPHEXEC_CREATED), and kernel activity records of a replay carry the clone's id
+ * (cuptiGetGraphNodeId): that id is what a copy is tagged with, so it joins the kernel row it
+ * belongs to. The clone reports are kept from whenever they come, not only after
+ * GRAPHEXEC_CREATE_STARTING: on the H200 run of 2026-12-04 (results/gpu_check/) every copy carried
+ * its source node's id (graph 1, 4) and every replayed kernel a clone's (graph 2, 5, same node
+ * index), which is what a driver that clones the graph before it reports CREATE_STARTING gives
+ * when only the reports after it are kept. Without a CLONED report the source node's id is used.
+ * Should GRAPHEXEC_CREATED come without its source graph, the nodes are the originals of the
+ * clones reported since the previous instantiation. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
@@ -53,24 +57,26 @@ static int g_nexec; /* high-water mark of used slots */
  * decode step) and instantiations are rare next to kernel launches. */
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 
-/* Clones reported during the instantiation running on this thread: original node -> clone id. */
+/* Clones reported on this thread since its last instantiation: original node -> clone id. */
 struct clone_pair {
     CUgraphNode original;
     uint64_t clone_id;
 };
 static __thread struct clone_pair *tls_clones;
 static __thread size_t tls_nclones, tls_cap_clones;
-static __thread int tls_instantiating;
+/* Clones made outside instantiations (cuGraphClone) are kept too until the next instantiation
+ * consumes the list; past this many the list starts again rather than grow without end. */
+#define MAX_PENDING_CLONES (1u << 16)
 
 HIDDEN void graph_exec_create_starting(void) {
-    tls_instantiating = 1;
-    tls_nclones = 0;
+    /* Nothing to reset: the clones of this instantiation may already have been reported. */
 }
 
 HIDDEN void graph_node_cloned(CUgraphNode original, CUgraphNode clone) {
-    if (!tls_instantiating || original == NULL || clone == NULL || cupti_graph.GetGraphNodeId == NULL) return;
+    if (original == NULL || clone == NULL || cupti_graph.GetGraphNodeId == NULL) return;
     uint64_t id = 0;
     if (cupti_graph.GetGraphNodeId(clone, &id) != CUPTI_SUCCESS) return;
+    if (tls_nclones >= MAX_PENDING_CLONES) tls_nclones = 0;
     if (tls_nclones == tls_cap_clones) {
         size_t cap = tls_cap_clones ? tls_cap_clones * 2 : 256;
         struct clone_pair *p = realloc(tls_clones, cap * sizeof *p);
@@ -82,7 +88,7 @@ HIDDEN void graph_node_cloned(CUgraphNode original, CUgraphNode clone) {
 }
 
 static uint64_t node_id_of(CUgraphNode node) {
-    for (size_t i = 0; i < tls_nclones; i++)
+    for (size_t i = tls_nclones; i-- > 0;) /* the newest clone of a node: this instantiation's */
         if (tls_clones[i].original == node) return tls_clones[i].clone_id;
     uint64_t id = 0;
     if (cupti_graph.GetGraphNodeId != NULL) cupti_graph.GetGraphNodeId(node, &id);
@@ -206,8 +212,10 @@ HIDDEN void graph_exec_destroyed(CUgraphExec exec) {
 }
 
 HIDDEN void graph_exec_created(CUgraph graph, CUgraphExec exec, int nwatch, struct watch *watches) {
-    tls_instantiating = 0;
-    if (exec == NULL) return;
+    if (exec == NULL) {
+        tls_nclones = 0;
+        return;
+    }
     graph_exec_destroyed(exec); /* a stale entry of a recycled handle */
     struct graph_watch *nodes;
     int n;

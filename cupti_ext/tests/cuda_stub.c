@@ -420,7 +420,10 @@ API CUresult cuGraphInstantiateWithFlags(CUgraphExec *exec, CUgraph graph, unsig
     (void)flags;
     struct stub_graph *g = (struct stub_graph *)(void *)graph;
     CUpti_GraphData gd = {.graph = graph};
-    stub_cupti_resource(CUPTI_CBID_RESOURCE_GRAPHEXEC_CREATE_STARTING, (void *)0x1, &gd);
+    /* STUB_CUDA_CLONES_BEFORE_STARTING: the nodes are cloned (and reported) before CREATE_STARTING,
+     * the order the kept H200 run implies (results/gpu_check/2026-12-04T155821Z-nvidia-h200.json). */
+    int clones_first = getenv("STUB_CUDA_CLONES_BEFORE_STARTING") != NULL;
+    if (!clones_first) stub_cupti_resource(CUPTI_CBID_RESOURCE_GRAPHEXEC_CREATE_STARTING, (void *)0x1, &gd);
     struct stub_graph *e = calloc(1, sizeof *e);
     if (e == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
     e->id = __atomic_fetch_add(&next_graph_id, 1, __ATOMIC_RELAXED);
@@ -431,6 +434,7 @@ API CUresult cuGraphInstantiateWithFlags(CUgraphExec *exec, CUgraph graph, unsig
                              .originalNode = (CUgraphNode)(void *)g->nodes[i], .nodeType = CU_GRAPH_NODE_TYPE_KERNEL};
         stub_cupti_resource(CUPTI_CBID_RESOURCE_GRAPHNODE_CLONED, (void *)0x1, &c);
     }
+    if (clones_first) stub_cupti_resource(CUPTI_CBID_RESOURCE_GRAPHEXEC_CREATE_STARTING, (void *)0x1, &gd);
     e->n = g->n;
     *exec = (CUgraphExec)(void *)e;
     gd.graphExec = *exec;
