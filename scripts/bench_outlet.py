@@ -70,8 +70,11 @@ def _outlet(meta: dict[str, Any], out: Path, mode: str) -> Any:
     return outlet, writer
 
 
-def replay_once(kept: dict[str, Any], texts: Any, out: Path, mode: str) -> tuple[float, int]:
-    """The outlet's CPU seconds over the kept drains, and the token rows made."""
+def replay_once(
+    kept: dict[str, Any], texts: Any, out: Path, mode: str, flush_s: float | None = None
+) -> tuple[float, int]:
+    """The outlet's CPU seconds over the kept drains, and the token rows made (flushes every
+    `flush_s` of the simulated clock; None: `--flush-interval`'s default)."""
     from sparseety_prof.capture.events import decode_groups
     from sparseety_prof.correlate.correlator import Correlator
     from sparseety_prof.correlate.serving import ServingTracker
@@ -86,7 +89,7 @@ def replay_once(kept: dict[str, Any], texts: Any, out: Path, mode: str) -> tuple
     serving = ServingTracker(kw["pid"]) if kw.pop("serving") else None
     corr = Correlator(**kw, texts=texts, serving=serving)
     outlet, writer = _outlet(kept["meta"], out, mode)
-    flush = FlushSchedule(FLUSH_INTERVAL_S)
+    flush = FlushSchedule(FLUSH_INTERVAL_S if flush_s is None else flush_s)
     t0 = time.monotonic()
     flush._next = t0 + flush.period  # on the simulated clock
     cpu = 0.0
@@ -116,6 +119,13 @@ def main() -> int:
     ap.add_argument("drains", type=Path, help="a file of `scripts/replay_drains.py capture`")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument(
+        "--flush-intervals",
+        nargs="+",
+        type=float,
+        metavar="S",
+        help="replay each mode with each of these flush intervals (default: --flush-interval's default)",
+    )
     a = ap.parse_args()
     from sparseety_prof.capture.gguf_info import Vocab
     from sparseety_prof.synthetic import make_model
@@ -123,19 +133,22 @@ def main() -> int:
     with a.drains.open("rb") as f:
         kept = pickle.load(f)
     texts = Vocab.from_gguf(make_model(ROOT / "models" / "bench.gguf", "bench")).texts
-    best = dict.fromkeys(a.modes, float("inf"))
+    from sparseety_prof.session.options import FLUSH_INTERVAL_S
+
+    variants = [(mode, s) for s in (a.flush_intervals or [FLUSH_INTERVAL_S]) for mode in a.modes]
+    best = dict.fromkeys(variants, float("inf"))
     tokens = 0
     for _ in range(a.repeat):
-        for mode in a.modes:  # in turn: drift hits every mode alike
+        for mode, flush_s in variants:  # in turn: drift hits every variant alike
             with tempfile.TemporaryDirectory(prefix="sparseety-outlet-") as tmp:
-                cpu, tokens = replay_once(kept, texts, Path(tmp) / "rec", mode)
-            best[mode] = min(best[mode], cpu)
+                cpu, tokens = replay_once(kept, texts, Path(tmp) / "rec", mode, flush_s)
+            best[mode, flush_s] = min(best[mode, flush_s], cpu)
     n = max(tokens, 1)
     print(f"{len(kept['drains'])} drains, {tokens} tokens ({tokens / len(kept['drains']):.0f} per drain)")
-    print(f"| journal | outlet CPU per token (least of {a.repeat}) |")
-    print("| --- | --- |")
-    for mode in a.modes:
-        print(f"| {mode} | {best[mode] / n * 1e6:.1f} µs |")
+    print(f"| journal | flush interval | outlet CPU per token (least of {a.repeat}) |")
+    print("| --- | --- | --- |")
+    for mode, flush_s in variants:
+        print(f"| {mode} | {flush_s:g} s | {best[mode, flush_s] / n * 1e6:.1f} µs |")
     return 0
 
 
