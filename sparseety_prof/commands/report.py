@@ -14,6 +14,8 @@ EXAMPLES = """\
   sparseety-prof report rec --anomalies          # and what the anomaly detectors find
   sparseety-prof report rec --html rec.html      # one self-contained page with charts
   sparseety-prof report rec --json | jq '.slowest_tokens[0]'
+  sparseety-prof report rec --explain r0-0-1      # the request's slowest token on one screen
+  sparseety-prof report rec --explain r0-0-1:12   # its token of decode order 12
 """
 
 
@@ -51,6 +53,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     rp.add_argument("--force", action="store_true", help="with --html: replace FILE if it exists")
     rp.add_argument(
+        "--explain",
+        metavar="REQUEST[:DECODE_ORDER]",
+        help="one token on one screen: its decisions per layer, log-prob and alternatives, its step's "
+        "time by layer and thread, the hottest functions of its step kind, the waits and the operators "
+        "where recorded (each part says when its table is absent); without DECODE_ORDER the "
+        "request's slowest token; with --json as JSON",
+    )
+    rp.add_argument(
         "--json",
         action="store_true",
         help="print the report as JSON (stdout): counts, per-request table, slowest requests and tokens",
@@ -59,6 +69,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.explain is not None:
+        return _explain(args)
     if args.html is not None:
         if args.json:
             raise UsageError("--json and --html FILE are two outputs: give one")
@@ -74,6 +86,26 @@ def run(args: argparse.Namespace) -> int:
     from sparseety_prof.views.report import print_report
 
     print_report(args.recording, anomalies=args.anomalies)
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    if args.html is not None or args.anomalies or args.request is not None or args.force:
+        raise UsageError("--explain goes alone, or with --json")
+    from sparseety_prof.store import recording
+    from sparseety_prof.views.explain import explain, parse_token_ref
+
+    rec = recording.open(args.recording)
+    ids = set(rec.tokens()["request_id"].drop_nulls().to_list())
+    found = explain(rec, parse_token_ref(args.explain, ids))
+    if args.json:
+        from sparseety_prof.terminal_text import json_dumps
+
+        print(json_dumps(found, indent=2))
+        return 0
+    from sparseety_prof.views.explain_print import print_explain
+
+    print_explain(found)
     return 0
 
 
