@@ -1,4 +1,4 @@
-"""`--preset vllm|sglang` and the Python watch-spec parser, checked against the library itself: each
+"""`--preset vllm|sglang|llamacpp` and the Python watch-spec parser, checked against the library itself: each
 preset rule's kernel (its mangled name and argument layout, sparseety_prof/gpu/presets.py) is
 launched on the stub driver with the presets as SPARSEETY_WATCH, and the buffer the library copies
 must have the shape the Python parser evaluates and the bytes the "engine" held; a set of specs,
@@ -15,6 +15,7 @@ import pytest
 from test_cupti_ext import build, by_type, env_for, shm_name  # noqa: F401 (fixtures)
 
 from sparseety_prof.gpu import watch_rules
+from sparseety_prof.gpu.llamacpp_kernels import BUILT_REVISION_KERNELS
 from sparseety_prof.gpu.presets import PRESETS, PresetRule, watch_spec
 from sparseety_prof.gpu.records import WatchedBuffer
 from sparseety_prof.gpu.shm_ring import ShmRing
@@ -73,9 +74,14 @@ def test_preset_rule_copies_the_shape_it_says_on_the_stub_driver(
     preset: str,
     index: int,
     rule: PresetRule,
+    tmp_path: Path,
 ) -> None:
     argv, values = launch_args(rule.layout)
-    spec = watch_spec(None, [preset])
+    files = []
+    if preset == "llamacpp":  # read from the engine's kernels: here the built revision's names
+        files = [tmp_path / "libggml-cuda.so"]
+        files[0].write_bytes(b"\0" + b"\0".join(n.encode() for n in BUILT_REVISION_KERNELS) + b"\0")
+    spec = watch_spec(None, [preset], files)
     assert spec is not None
     env = env_for(build, shm_name, SPARSEETY_WATCH=spec)
     r = subprocess.run(

@@ -12,6 +12,7 @@ from sparseety_prof.errors import UsageError
 EXAMPLES = """\
   sparseety-prof launch -- llama-server -m model.gguf -ngl 99     # then: sparseety-prof record -p PID -o rec
   sparseety-prof launch --preset vllm -- vllm serve MODEL              # watch its fused-MoE routing kernels
+  sparseety-prof launch --preset llamacpp -- llama-server -m moe.gguf -ngl 99   # its ggml-cuda's routing
 """
 
 
@@ -53,6 +54,7 @@ def options_from(args: argparse.Namespace) -> LaunchOptions:
     """LaunchOptions from the flags add_arguments (gpu/launch.py) set up; UsageError for a
     --watch or --preset that cannot work."""
     from sparseety_prof.gpu.launch import SETTINGS
+    from sparseety_prof.gpu.llamacpp_kernels import engine_files
     from sparseety_prof.gpu.presets import watch_spec
     from sparseety_prof.gpu.watch_rules import WatchSpecError
 
@@ -60,8 +62,11 @@ def options_from(args: argparse.Namespace) -> LaunchOptions:
     if command[:1] == ["--"]:
         command = command[1:]
     settings = {name: getattr(args, name) for name in SETTINGS}
+    # the llamacpp preset is read from the engine's own kernels (UnsupportedEngineBuild, exit 6,
+    # for a kernel layout it does not know)
+    files = engine_files(command) if "llamacpp" in (args.preset or []) else []
     try:
-        settings["watch"] = watch_spec(args.watch, args.preset)
+        settings["watch"] = watch_spec(args.watch, args.preset, files)
     except WatchSpecError as e:
         raise UsageError(f"--watch/--preset: {e}") from None
     return LaunchOptions(command, settings)

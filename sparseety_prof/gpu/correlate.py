@@ -48,15 +48,16 @@ Causality says a kernel cannot start before its launch API entered; each violati
 as `clock_offset_ns`. Only a device clock *behind* the host is detectable this way; one ahead looks
 like queueing latency. Output `start_ns`/`end_ns` are the corrected values.
 
-Watched buffers. A 2-D int32/uint32/int64 `WatchedBuffer` (n_rows, k) of top-k expert ids becomes `routes`
-rows of its step: row = i, expert_ids = row i, and layer = the index of this launch among the
-watched launches of the same (kernel, arg_index) in that step, in launch order (correlation ids
-increase in launch order). That is the MoE-layer ordinal, which equals the model layer only when
-every layer is MoE and every watched launch was copied (sampling or budget skips shift it).
-Because a late buffer would renumber layers, a step's routes are emitted once the step is older
-than the horizon (or at the final flush); buffers for a step already emitted are dropped and
-counted. A watched-buffer copy is recognised by its correlation id: the injection library must
-issue the staging copy under the kernel's correlation id for rule 3 to ignore it. Buffers of CUDA
+Watched buffers. A 2-D int32/uint32/int64 `WatchedBuffer` (n_rows, k) of top-k expert ids becomes
+`routes` rows of its step: row = i, expert_ids = row i (its first `route_columns` ids where that is
+set), and layer = the index of this launch among the watched launches of the same (kernel,
+arg_index) in that step, in launch order (correlation ids increase in launch order). That is the
+MoE-layer ordinal, which equals the model layer only when every layer is MoE and every watched
+launch was copied (sampling or budget skips shift it). Because a late buffer would renumber layers,
+a step's routes are emitted once the step is older than the horizon (or at the final flush); buffers
+for a step already emitted are dropped and counted. A watched-buffer copy is recognised by its
+correlation id: the injection library must issue the staging copy under the kernel's correlation id
+for rule 3 to ignore it. Buffers of CUDA
 graph replays carry the graph launch's correlation id, shared by every kernel of the replay, and
 the graph node id of their kernel: a buffer belongs to the kernel with both ids (`buffer_captured`
 is per node), and its layer order within a replay is the node id order (nodes are numbered in
@@ -174,6 +175,9 @@ class KernelCorrelator:
         gpu_step mode: which DtoH copies close a step (watched-buffer copies never do).
     max_pending, max_steps
         Caps on unsettled kernels / launch records / buffers, and on retained steps.
+    route_columns
+        Keep only the first this many ids of each watched row in `routes` (the model's experts
+        per token, for kernels whose rows rank every expert: llama.cpp); None keeps them all.
 
     Examples
     --------
@@ -191,8 +195,10 @@ class KernelCorrelator:
         step_close: Callable[[MemcpyActivity], bool] = _default_close,
         max_pending: int = 262_144,
         max_steps: int = 65_536,
+        route_columns: int | None = None,
     ) -> None:
         self.mode: Mode = mode
+        self.route_columns = route_columns
         self.horizon_ns = horizon_ns
         self.clock_offset_ns = clock_offset_ns
         self.step_close = step_close
@@ -350,7 +356,7 @@ class KernelCorrelator:
         of each (the ones the GPU cannot know are null: kernel_rows.py)."""
         if now_ns is not None:
             self._host_now = max(self._host_now, now_ns)
-        out = KernelRows()
+        out = KernelRows(self.route_columns)
         if self.mode == "host":
             self._flush_host(out, final)
         else:

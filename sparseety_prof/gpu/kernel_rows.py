@@ -92,7 +92,10 @@ def gpu_step_index(step_id: int) -> int:
 class KernelRows:
     """The column lists of one flush."""
 
-    def __init__(self) -> None:
+    def __init__(self, route_columns: int | None = None) -> None:
+        # keep the first `route_columns` ids of each row (llama.cpp's rows hold every expert,
+        # ranked: gpu/llamacpp_kernels.py); None keeps the row whole
+        self.route_columns = route_columns
         self.kernels: schema.Columns = {c: [] for c in _KERNEL_ORDER}
         self.routes: schema.Columns = {c: [] for c in ROUTES_COLUMNS}
         self.steps: schema.Columns = {c: [] for c in STEPS_COLUMNS}
@@ -176,11 +179,12 @@ class KernelRows:
                     malformed += 1
                 continue
             n_rows, k = w.shape
+            keep = min(k, self.route_columns) if self.route_columns else k
             for i in range(n_rows):
                 r["step_id"].append(step_id)
                 r["row"].append(i)
                 r["layer"].append(layer)
-                r["expert_ids"].append(ids[i * k : (i + 1) * k])
+                r["expert_ids"].append(ids[i * k : i * k + keep])
         return malformed
 
 

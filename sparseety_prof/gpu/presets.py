@@ -1,4 +1,5 @@
-"""`--preset vllm|sglang`: watch rules for the fused-MoE routing kernels of those engines.
+"""`--preset vllm|sglang|llamacpp`: watch rules for the MoE routing kernels of those engines
+(llama.cpp's ggml-cuda: llamacpp_kernels.py).
 
 Each rule was read from the engine's CUDA source (the revision in `source`), never copied: the
 kernel's name and argument list give the pattern, the argument that holds the top-k ids and the
@@ -20,28 +21,11 @@ launch: `--sample-every` thins them out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from pathlib import Path
 
-from sparseety_prof.gpu import watch_rules
-
-
-@dataclass(frozen=True)
-class Source:
-    repo: str
-    path: str
-    commit: str  # the stored revision read (find_files / read_file of the code index)
-
-
-@dataclass(frozen=True)
-class PresetRule:
-    entry: str  # pattern:arg:dtype:rule, as --watch takes it
-    source: Source
-    example: str  # a mangled name of the kernel the rule is for
-    layout: tuple[str, ...]  # its arguments: p, i32, i64, b
-
-    def rule(self) -> watch_rules.WatchRule:
-        return watch_rules.parse(self.entry)[0]
-
+from sparseety_prof.gpu import llamacpp_kernels, watch_rules
+from sparseety_prof.gpu.preset_rule import PresetRule, Source
 
 VLLM_TOPK = Source(
     "vllm-project/vllm", "csrc/moe/topk_softmax_kernels.cu", "0112cf233e0c60674c2844a09695ddeb2b901dc0"
@@ -191,17 +175,38 @@ def _sglang() -> tuple[PresetRule, ...]:
     )
 
 
-PRESETS: dict[str, tuple[PresetRule, ...]] = {"vllm": _vllm(), "sglang": _sglang()}
+PRESETS: dict[str, tuple[PresetRule, ...]] = {
+    "vllm": _vllm(),
+    "sglang": _sglang(),
+    # the rules for the kernels of the built revision; `watch_spec` derives them from the engine's
+    # own kernel names instead (llamacpp_kernels.py), and refuses a layout it does not know
+    "llamacpp": llamacpp_kernels.rules(llamacpp_kernels.BUILT_REVISION_KERNELS),
+}
 
 
-def watch_spec(explicit: str | None, presets: list[str] | None) -> str | None:
+def watch_spec(
+    explicit: str | None, presets: list[str] | None, engine_files: Sequence[Path] = ()
+) -> str | None:
     """The SPARSEETY_WATCH value: the explicit --watch entries first (the library applies the first
     matching entry, so they win), then each preset's. Raises WatchSpecError when the result is not
-    a spec the library accepts (a bad entry, more than 16 entries)."""
+    a spec the library accepts (a bad entry, more than 16 entries).
+
+    The llamacpp preset is read from the engine: `engine_files` are the executable and the
+    libraries its CUDA kernels may be in (llamacpp_kernels.engine_files); without them it is
+    refused (WatchSpecError), and a kernel argument layout it does not know raises
+    UnsupportedEngineBuild."""
     parts = [explicit] if explicit else []
     for name in presets or []:
         if name not in PRESETS:
             raise watch_rules.WatchSpecError(f"unknown preset {name!r} (one of {', '.join(PRESETS)})")
+        if name == "llamacpp":
+            if not engine_files:
+                raise watch_rules.WatchSpecError(
+                    "preset 'llamacpp' reads the kernels of the engine's own ggml-cuda build: use it "
+                    "with `launch -- llama-server ...` (or name them with --watch)"
+                )
+            parts += [r.entry for r in llamacpp_kernels.rules(llamacpp_kernels.kernel_names(engine_files))]
+            continue
         parts += [r.entry for r in PRESETS[name]]
     if not parts:
         return None
