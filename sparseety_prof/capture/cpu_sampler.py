@@ -17,7 +17,6 @@ import errno
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparseety_prof.capture.bpf_loader import import_bcc
 from sparseety_prof.capture.resources import PROBES_DIR
 from sparseety_prof.errors import BpfUnavailable, MissingPrivileges
 
@@ -72,6 +71,8 @@ class CpuSampler:
     def attach(cls, pid: int, rate_hz: int = DEFAULT_RATE_HZ) -> CpuSampler:
         if not 0 < rate_hz <= MAX_RATE_HZ:
             raise ValueError(f"the CPU sampling rate must be within 1..{MAX_RATE_HZ} Hz, got {rate_hz}")
+        from sparseety_prof.capture.bpf_loader import import_bcc  # (numpy and bcc: at attach only)
+
         bcc = import_bcc()
         cflags = [
             f"-DTARGET_TGID={pid}",

@@ -9,7 +9,9 @@ mapped, never through a name), is read by binutils' nm from /usr/bin through tha
 
 What cannot be named, said plainly in meta.json (`files`):
 - a stripped file has its dynamic symbols only (.dynsym): its static and hidden functions show
-  as "FILE+0xOFFSET" (the offset in the file), never as a wrong name;
+  as "FILE+0xOFFSET" (the offset in the file), never as a wrong name; unless the host has its
+  separate debug file (/usr/lib/debug/.build-id/, Debian's -dbg and -dbgsym packages), found by
+  the file's build id, whose .symtab then names them;
 - the engine's Python frames (llama-cpp-python) are not symbolised: a sample in Python code shows
   the interpreter's own C functions (_PyEval_EvalFrameDefault, ...), not the Python function;
 - anonymous memory (JIT code) is "[anon]"; a sample in the kernel ends its stack with "[kernel]".
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import struct
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,11 +35,16 @@ MAX_NAME = 400  # characters of a demangled name kept (template names run to tho
 KERNEL_FRAME = "[kernel]"
 ANON_FRAME = "[anon]"
 UNKNOWN_FRAME = "[unknown]"
+#: where Debian's -dbg/-dbgsym packages put separate debug files, by GNU build id (root's, not
+#: the target's: the host's system directory)
+DEBUG_ROOT = Path("/usr/lib/debug/.build-id")
+NOTE_MAX = 1 << 16  # bytes of a PT_NOTE segment read
 #: nm's type letters of code symbols (text, weak, indirect)
 _CODE = frozenset("TtWwi")
 
 #: what each file's names come from, in meta.json
 SYMBOLS_FULL = "symtab"  # .symtab (with .dynsym): every function
+SYMBOLS_DEBUG_FILE = "debug file"  # stripped, but the host has its separate debug symbols (below)
 SYMBOLS_DYNAMIC = "dynamic only"  # stripped: exported functions only
 SYMBOLS_NONE = "none"  # no symbol at all, or the file could not be read (why says)
 
@@ -83,7 +91,15 @@ def _nm(fd: int, *extra: str) -> tuple[str, str]:
     return done.stdout, done.stderr
 
 
-def _parse_nm(text: str, into: dict[int, tuple[int, str]]) -> None:
+def _rank(size: int, kind: str, name: str) -> tuple[int, int, int, int, int]:
+    """Of several names at one address (aliases: memcpy's and memmove's code is one), the one
+    perf shows (tools/perf/util/symbol.c choose_best_symbol): one with a size, not weak, global,
+    with fewer leading underscores, the longest."""
+    underscores = len(name) - len(name.lstrip("_"))
+    return (size > 0, kind not in "Ww", kind.isupper(), -min(underscores, 2), len(name))
+
+
+def _parse_nm(text: str, into: dict[int, tuple[int, str, tuple[int, int, int, int, int]]]) -> None:
     """nm -S -C lines: "ADDR SIZE TYPE NAME" or "ADDR TYPE NAME" (no size); names may hold spaces."""
     for line in text.splitlines():
         parts = line.split(" ", 3)
@@ -99,8 +115,64 @@ def _parse_nm(text: str, into: dict[int, tuple[int, str]]) -> None:
             a, n = int(addr, 16), int(size, 16)
         except ValueError:
             continue
-        if a and (a not in into or into[a][0] < n):
-            into[a] = (n, name[:MAX_NAME])
+        name = (
+            name.split("@", 1)[0] if "@" in name and "(" not in name else name
+        )  # version: memmove@@GLIBC_2.2.5
+        rank = _rank(n, kind, name)
+        if a and (a not in into or into[a][2] < rank):
+            into[a] = (n, name[:MAX_NAME], rank)
+
+
+def build_id(fd: int) -> str | None:
+    """The GNU build id of the 64-bit little-endian ELF file open at `fd` (its NT_GNU_BUILD_ID
+    note), as hex; None when it has none. Bounded reads: the header, the program headers, notes."""
+    ehdr = os.pread(fd, 64, 0)
+    if len(ehdr) < 64 or ehdr[:4] != b"\x7fELF" or ehdr[4] != 2 or ehdr[5] != 1:
+        return None
+    (phoff,) = struct.unpack_from("<Q", ehdr, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", ehdr, 0x36)
+    if phentsize < 56 or phnum > 256:
+        return None
+    ph = os.pread(fd, phentsize * phnum, phoff)
+    for i in range(len(ph) // phentsize):
+        p_type, _flags, p_offset, _vaddr, _paddr, p_filesz = struct.unpack_from("<IIQQQQ", ph, i * phentsize)
+        if p_type != 4:  # PT_NOTE
+            continue
+        notes = os.pread(fd, min(p_filesz, NOTE_MAX), p_offset)
+        at = 0
+        while at + 12 <= len(notes):
+            namesz, descsz, kind = struct.unpack_from("<III", notes, at)
+            name_at = at + 12
+            desc_at = name_at + (namesz + 3) // 4 * 4
+            if (
+                kind == 3
+                and notes[name_at : name_at + namesz] == b"GNU\x00"
+                and desc_at + descsz <= len(notes)
+            ):
+                return notes[desc_at : desc_at + descsz].hex()
+            at = desc_at + (descsz + 3) // 4 * 4
+    return None
+
+
+def _debug_symbols(fd: int, into: dict[int, tuple[int, str, tuple[int, int, int, int, int]]]) -> bool:
+    """The .symtab of the host's separate debug file of the file at `fd`, if any, into `into`."""
+    bid = build_id(fd)
+    if not bid or len(bid) < 4:
+        return False
+    path = DEBUG_ROOT / bid[:2] / f"{bid[2:]}.debug"
+    try:
+        dfd, _ = open_untrusted(path)
+    except OSError:
+        return False
+    try:
+        text, _ = _nm(dfd)
+    except (subprocess.TimeoutExpired, OSError):
+        return False
+    finally:
+        os.close(dfd)
+    before = len(into)
+    _parse_nm(text, into)
+    return len(into) > before
 
 
 def load_file_symbols(pid: int, m: MapsEntry) -> FileSymbols:
@@ -112,22 +184,31 @@ def load_file_symbols(pid: int, m: MapsEntry) -> FileSymbols:
         fd, _ = open_untrusted(link)
     except (RefusedFile, OSError) as e:
         return FileSymbols(m.path, SYMBOLS_NONE, why=str(e))
+    syms: dict[int, tuple[int, str, tuple[int, int, int, int, int]]] = {}
     try:
         full, err = _nm(fd)
+        _parse_nm(full, syms)
+        has_symtab = bool(syms)
+        from_debug = not has_symtab and _debug_symbols(fd, syms)
         dyn, _ = _nm(fd, "-D")
+        _parse_nm(dyn, syms)
         segments = load_segments(Path(f"/dev/fd/{fd}"))
-    except (subprocess.TimeoutExpired, OSError, ValueError) as e:
+    except (subprocess.TimeoutExpired, OSError, ValueError, struct.error) as e:
         return FileSymbols(m.path, SYMBOLS_NONE, why=str(e))
     finally:
         os.close(fd)
-    syms: dict[int, tuple[int, str]] = {}
-    _parse_nm(full, syms)
-    has_symtab = bool(syms)
-    _parse_nm(dyn, syms)
-    source = SYMBOLS_FULL if has_symtab else SYMBOLS_DYNAMIC if syms else SYMBOLS_NONE
+    source = (
+        SYMBOLS_FULL
+        if has_symtab
+        else SYMBOLS_DEBUG_FILE
+        if from_debug
+        else SYMBOLS_DYNAMIC
+        if syms
+        else SYMBOLS_NONE
+    )
     fs = FileSymbols(m.path, source, segments=segments, why="" if syms else (err.strip() or "no symbols"))
     for a in sorted(syms):
-        n, name = syms[a]
+        n, name, _ = syms[a]
         fs.starts.append(a)
         fs.ends.append(a + n)
         fs.names.append(name)

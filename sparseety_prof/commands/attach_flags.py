@@ -222,6 +222,15 @@ def _add_capture(g: argparse._ArgumentGroup) -> None:
 def _add_output(g: argparse._ArgumentGroup, *, output_help: str, output_required: bool) -> None:
     g.add_argument(
         "-o", "--output", type=Path, required=output_required, default=None, metavar="DIR", help=output_help
+    g.add_argument(
+        "--cpu-sample-hz",
+        type=int,
+        default=None,
+        metavar="HZ",
+        help="sample the engine's threads this many times per second of their CPU time, with their "
+        "user stacks, each sample joined to the step it fell in: the cpu_stacks table, `export "
+        f"--pprof` and the report's flame graph (default {option_default('cpu_sample_hz')}; 0: off)",
+    )
     )
     g.add_argument(
         "-d", "--duration", type=float, default=None, metavar="SECONDS", help="detach after this many seconds"

@@ -146,10 +146,17 @@ def _user_id(user: str) -> int:
 
 
 def _capture(args: argparse.Namespace) -> dict[str, Any]:
+    from sparseety_prof.capture.cpu_sampler import MAX_RATE_HZ
+
+    if args.cpu_sample_hz is not None and not 0 <= args.cpu_sample_hz <= MAX_RATE_HZ:
+        raise UsageError(
+            f"--cpu-sample-hz must be within 0..{MAX_RATE_HZ} (0: off), got {args.cpu_sample_hz}"
+        )
     return _given(
         capture=_tokens_only(args) if args.mode == "tokens" else _sparse_capture(args),
         request_header=args.request_header,
         moe_read=args.moe_read,
+        cpu_sample_hz=args.cpu_sample_hz,
     )
 
 

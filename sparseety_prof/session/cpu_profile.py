@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from sparseety_prof.capture.cpu_sampler import CpuSampler, Sample
 from sparseety_prof.capture.stack_symbols import Symboliser
+from sparseety_prof.errors import ProfError
 from sparseety_prof.store import schema
+from sparseety_prof.store.array_rows import ArrayRows
 
 HOLD_S = 30.0
 OVERLAP_LOOKBACK = 4  # windows looked at before a sample: contexts whose steps overlap
@@ -209,3 +211,28 @@ class CpuProfile:
 
     def close(self) -> None:
         self.sampler.close()
+
+    def rows(
+        self, steps: Mapping[str, list[Any]], apart_steps: Iterable[ArrayRows], *, final: bool = False
+    ) -> schema.Tables:
+        """One drain's steps (recorded, and those set apart) in, the samples joinable now out."""
+        self.add_steps(steps)
+        for part in apart_steps:
+            if "t_start_ns" in part.arrays and "t_end_ns" in part.arrays:
+                self.add_unrecorded(
+                    {"t_start_ns": part.column("t_start_ns"), "t_end_ns": part.column("t_end_ns")}
+                )
+        return self.poll(final=final)
+
+
+def open_cpu_profile(pid: int, rate_hz: int, log: Callable[[str], None]) -> CpuProfile | None:
+    """The sampler of `pid` at `rate_hz`, or None when off (0) or when it cannot run here (said
+    in the log: the recording goes on without the cpu_stacks rows)."""
+    if rate_hz <= 0:
+        return None
+    try:
+        sampler = CpuSampler.attach(pid, rate_hz)
+    except ProfError as e:
+        log(f"sparseety-prof: CPU sampler not attached: {e}")
+        return None
+    return CpuProfile(sampler, Symboliser(pid))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sparseety_prof.capture.cpu_sampler import DEFAULT_RATE_HZ
 from sparseety_prof.capture.options import Capture
 from sparseety_prof.correlate.serving import DEFAULT_HEADER
 from sparseety_prof.session.duty_cycle import DutySpec
@@ -103,6 +104,9 @@ class Options:
     # (session/ablation.py)
     ablate_consumer: str = ""
     # where the recorder's threads run: "auto" (a core no engine thread may use, if any), "none",
+    # samples per second of CPU time of each engine thread (capture/cpu_sampler.py, the cpu_stacks
+    # table); 0: no sampling
+    cpu_sample_hz: int = DEFAULT_RATE_HZ
     # or a CPU list (session/placement.py)
     recorder_cpus: str = "auto"
     # the expensive probes in for ON seconds every PERIOD, out between (session/duty_cycle.py);

@@ -29,6 +29,7 @@ from sparseety_prof.gpu.shm_ring import RingError
 from sparseety_prof.session import metadata
 from sparseety_prof.session.attach import Attached, attach
 from sparseety_prof.session.collector import FlushTimedCollector
+from sparseety_prof.session.cpu_profile import CpuProfile, open_cpu_profile
 from sparseety_prof.session.drain_loop import DrainLoop
 from sparseety_prof.session.duty_driver import DutyDriver, open_duty_driver
 from sparseety_prof.session.memory_budget import resident_bytes
@@ -85,6 +86,7 @@ class Recorder:
         self.attached = threading.Event()  # set once the probes are in and the consumer runs
         self._cpu0 = 0.0
         self._attach_began = 0.0  # (time.monotonic) when the probes began to go in
+        self._cpu: CpuProfile | None = None  # the CPU sampler and its join to steps (--cpu-sample-hz)
 
     @property
     def serves_http(self) -> bool:
@@ -123,6 +125,7 @@ class Recorder:
         except ProfError as e:
             self.log(f"sparseety-prof: GPU ring not read: {e}")
             gpu = None
+        self._cpu = open_cpu_profile(opts.pid, opts.cpu_sample_hz, self.log)
         # From here on the consumer only drains, correlates and writes: it yields the CPU to the
         # engine whenever both want it (the ring buffer absorbs the delay; losses are counted).
         if opts.nice:
@@ -139,6 +142,8 @@ class Recorder:
                 a.model_file.close()
                 if gpu is not None:
                     gpu.close()
+                if self._cpu is not None:
+                    self._cpu.close()
                 raise
         return self._record(a, gpu, writer)
 
@@ -168,6 +173,8 @@ class Recorder:
         finally:
             self._collector.stop()  # what follows runs once: the collector as usual
         final, error = self._detach(loop, corr, a.session, gpu, duty, bpf_stats, error)
+        if self._cpu is not None:
+            final["cpu_sampler"] = self._cpu.meta()
         final["start_unix_ms"] = start_unix_ms
         final.update(metadata.outcome(a, opts, corr))
         sha256, weights = hasher.finish(self.log)
@@ -264,6 +271,8 @@ class Recorder:
         counters["program_misses"] = sess.program_misses()  # before close: read off the fds
         programs = sess.program_costs() if bpf_stats == "on" else {}
         sess.close()
+        if self._cpu is not None:  # sampling ends with the probes
+            self._cpu.stop()
         self._stages.lap("detach")
         try:
             batches = loop.rest(rest, error)
@@ -559,9 +568,12 @@ class Recorder:
         tok, steps = tables["tokens"], tables["steps"]
         gpu_tables = self._poll_gpu(gpu, steps, final=final)
         apart = corr.take_apart()
+        cpu_tables = (
+            self._cpu.rows(steps, apart.get("steps", ()), final=final) if self._cpu is not None else {}
+        )
         if out.wanted:
             out.add_apart(apart)
-            for table, cols in (*tables.items(), *gpu_tables.items()):
+            for table, cols in (*tables.items(), *gpu_tables.items(), *cpu_tables.items()):
                 out.add(table, cols, final=final)
         stages.lap("frames_sinks")
         p = self.progress
