@@ -12,7 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from sparseety_prof.commands.dataset_flag import add_dataset_flag
 from sparseety_prof.errors import UsageError
-from sparseety_prof.session.options import ABLATION_KINDS, METRICS_BIND
+from sparseety_prof.session.options import (
+    ABLATION_KINDS,
+    FLUSH_INTERVAL_JOURNALED_S,
+    FLUSH_INTERVAL_S,
+    METRICS_BIND,
+)
 
 if TYPE_CHECKING:
     from sparseety_prof.session.duty_cycle import DutySpec
@@ -217,11 +222,6 @@ def _add_capture(g: argparse._ArgumentGroup) -> None:
         help="HTTP servers: header whose value becomes request_id (default "
         f"{option_default('request_header')}); requests without it get generated ids",
     )
-
-
-def _add_output(g: argparse._ArgumentGroup, *, output_help: str, output_required: bool) -> None:
-    g.add_argument(
-        "-o", "--output", type=Path, required=output_required, default=None, metavar="DIR", help=output_help
     g.add_argument(
         "--cpu-sample-hz",
         type=int,
@@ -231,6 +231,11 @@ def _add_output(g: argparse._ArgumentGroup, *, output_help: str, output_required
         "user stacks, each sample joined to the step it fell in: the cpu_stacks table, `export "
         f"--pprof` and the report's flame graph (default {option_default('cpu_sample_hz')}; 0: off)",
     )
+
+
+def _add_output(g: argparse._ArgumentGroup, *, output_help: str, output_required: bool) -> None:
+    g.add_argument(
+        "-o", "--output", type=Path, required=output_required, default=None, metavar="DIR", help=output_help
     )
     g.add_argument(
         "-d", "--duration", type=float, default=None, metavar="SECONDS", help="detach after this many seconds"
@@ -282,9 +287,10 @@ def _add_output(g: argparse._ArgumentGroup, *, output_help: str, output_required
         default=None,
         metavar="SECONDS",
         help="write the rows gathered as Parquet segments at least this often (default "
-        f"{option_default('flush_interval'):g}); in between, each drain's rows go to the recording's "
-        "journal, so that a recorder killed outright (SIGKILL, the OOM killer) loses about the last drain; "
-        "metrics and OTLP exporters get rows at least this often",
+        f"{FLUSH_INTERVAL_JOURNALED_S:g}, or {FLUSH_INTERVAL_S:g} with --no-journal, --metrics-port or "
+        "--otlp); in between, each drain's rows go to the recording's journal, so that a recorder "
+        "killed outright (SIGKILL, the OOM killer) loses about the last drain; metrics and OTLP "
+        "exporters get rows at least this often",
     )
     g.add_argument(
         "--fsync-interval",

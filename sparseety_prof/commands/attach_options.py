@@ -311,7 +311,7 @@ def _tuning(args: argparse.Namespace) -> dict[str, Any]:
 def _check_run(opts: Options) -> None:
     if opts.duration is not None and not opts.duration > 0:
         raise UsageError(f"--duration must be a positive number of seconds, got {opts.duration}")
-    if not opts.flush_interval > 0:
+    if opts.flush_interval is not None and not opts.flush_interval > 0:
         raise UsageError(f"--flush-interval must be a positive number of seconds, got {opts.flush_interval}")
     if not opts.fsync_interval >= 0:
         raise UsageError(

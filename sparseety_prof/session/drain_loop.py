@@ -62,7 +62,7 @@ class DrainLoop:
             sess=sess,
             reader=reader,
             sched=sched,
-            flush=FlushSchedule(opts.flush_interval),
+            flush=FlushSchedule(opts.flush_s),
             budget=MemoryBudget(opts.max_memory),
             watch=sched.watch(
                 reader.pending_share, reader.wake_fd, reader.arm_watch, reader.positions(), owner=reader

@@ -18,12 +18,17 @@ from sparseety_prof.session.request_hold import DEFAULT_WINDOW_BYTES
 if TYPE_CHECKING:
     from sparseety_prof.session.follow_target import FollowTarget
 
-#: default --flush-interval, seconds. Each flush writes a segment per table (Parquet, two fsyncs)
-#: and rewrites meta.json, a fixed cost that shorter intervals pay more often (measured in
-#: docs/overhead.md, "Overhead, change by change"). Between flushes each drain's rows go to the
-#: recording's journal (store/journal.py) in the page cache, so a recorder killed outright (SIGKILL,
-#: the OOM killer) loses about the last drain; Ctrl-C, SIGTERM and SIGHUP lose nothing.
+#: default --flush-interval, seconds, without a journal or with a sink. Each flush writes a segment
+#: per table (Parquet, two fsyncs) and rewrites meta.json, a fixed cost that shorter intervals pay
+#: more often (measured in docs/overhead.md, "Overhead, change by change"). Between flushes each
+#: drain's rows go to the recording's journal (store/journal.py) in the page cache, so a recorder
+#: killed outright (SIGKILL, the OOM killer) loses about the last drain; Ctrl-C, SIGTERM and SIGHUP
+#: lose nothing. The sinks (metrics, OTLP) get rows at flushes: their freshness.
 FLUSH_INTERVAL_S = 10.0
+#: default --flush-interval, seconds, when the journal holds the rows between flushes and no sink
+#: waits for them: a kill loses no more than with shorter flushes, and the segments' fixed cost is
+#: paid a third as often (Options.flush_s; docs/durability.md, "Cost")
+FLUSH_INTERVAL_JOURNALED_S = 30.0
 #: default --fsync-interval, seconds: how often the journal is fsynced, what a power cut loses
 #: at most (the segments are fsynced as written). The flush interval's old guarantee, kept.
 FSYNC_INTERVAL_S = 10.0
@@ -67,7 +72,8 @@ class Options:
     pid: int
     out: Path | None
     duration: float | None = None
-    flush_interval: float = FLUSH_INTERVAL_S  # rows older than this are in Parquet segments
+    # rows older than this are in Parquet segments; None: chosen by the run (flush_s)
+    flush_interval: float | None = None
     fsync_interval: float = FSYNC_INTERVAL_S  # the journal's rows older than this survive a power cut
     journal: bool = True  # each drain's rows to the recording's journal (False: at flushes only)
     max_disk: int | None = None  # bytes the recording may hold; the oldest segments make room
@@ -98,15 +104,15 @@ class Options:
     policy_window: int = DEFAULT_WINDOW_BYTES  # bytes of rows the per-request policies hold until decided
     max_memory: int | None = DEFAULT_MAX_MEMORY  # the consumer's anonymous memory (session/memory_budget.py)
     aggregate_s: int = 10  # bucket of the always-on aggregates table
+    # samples per second of CPU time of each engine thread (capture/cpu_sampler.py, the cpu_stacks
+    # table); 0: no sampling
+    cpu_sample_hz: int = DEFAULT_RATE_HZ
     bpf_stats: bool = False  # count each probe program's runs and run time (capture/bpf_stats.py)
     # after the start-up work, drain the ring and discard the records: the probes' cost alone
     # ("drain"), or with each drain's logits rows reduced first ("logits"); "": not ablated
     # (session/ablation.py)
     ablate_consumer: str = ""
     # where the recorder's threads run: "auto" (a core no engine thread may use, if any), "none",
-    # samples per second of CPU time of each engine thread (capture/cpu_sampler.py, the cpu_stacks
-    # table); 0: no sampling
-    cpu_sample_hz: int = DEFAULT_RATE_HZ
     # or a CPU list (session/placement.py)
     recorder_cpus: str = "auto"
     # the expensive probes in for ON seconds every PERIOD, out between (session/duty_cycle.py);
@@ -125,6 +131,17 @@ class Options:
         """ValueError for `policy` values that cannot work (session/policy.py)."""
         self.policy_choice = PolicyChoice.parse(self.policy)
         self.policy = self.policy_choice.specs
+
+    @property
+    def flush_s(self) -> float:
+        """Seconds between flushes: `--flush-interval`, or by default FLUSH_INTERVAL_JOURNALED_S
+        when the journal keeps every drain's rows and no sink (metrics, OTLP) waits for them, else
+        FLUSH_INTERVAL_S."""
+        if self.flush_interval is not None:
+            return self.flush_interval
+        sinks = self.outputs.metrics_port is not None or self.outputs.otlp is not None
+        journaled = self.journal and self.out is not None
+        return FLUSH_INTERVAL_JOURNALED_S if journaled and not sinks else FLUSH_INTERVAL_S
 
 
 @dataclass

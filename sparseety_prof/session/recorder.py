@@ -505,7 +505,7 @@ class Recorder:
         start_unix_ms = time.time_ns() // 1_000_000
         deadline = time.monotonic() + opts.duration if opts.duration else None
         error: BaseException | None = None
-        flush = FlushSchedule(opts.flush_interval)
+        flush = FlushSchedule(opts.flush_s)
         try:
             while True:
                 stop = self._stop.wait(flush.wait_s(opts.drain_interval))
@@ -624,7 +624,7 @@ def _aggregator(opts: Options, meta: dict[str, Any]) -> Aggregator:
     return Aggregator(
         list_layers(meta),
         bucket_s=opts.aggregate_s,
-        grace_s=max(10.0, 2 * opts.flush_interval),
+        grace_s=max(10.0, 2 * opts.flush_s),
         leave_out=leave_out,
     )
 
