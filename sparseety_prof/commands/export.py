@@ -1,5 +1,5 @@
-"""`export DIR --format perfetto|jsonl -o FILE` or `export DIR --otlp URL`: a recording for
-other tools."""
+"""`export DIR --format perfetto|jsonl -o FILE`, `export DIR --pprof FILE` or `export DIR --otlp
+URL`: a recording for other tools."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ EXAMPLES = """\
   sparseety-prof export rec --format perfetto -o rec.trace.json   # open in ui.perfetto.dev
   sparseety-prof export rec --format jsonl -o rec.jsonl           # one JSON object per token
   sparseety-prof export rec --otlp http://localhost:4318          # each request as a span
+  sparseety-prof export rec --pprof rec.pb.gz                     # CPU profile: go tool pprof, Parca
 """
 
 DESCRIPTION = """\
@@ -28,6 +29,10 @@ Write the recording DIR to FILE for other tools:
 Times are the recording's CLOCK_MONOTONIC; token text stays null where the recording was made
 with --redact-text. FILE is created owner-only (0600); an existing FILE is refused unless --force.
 The export holds what the recording holds (token text, routing): see docs: privacy.
+
+With --pprof FILE instead, the CPU sampler's stacks (the cpu_stacks table) are written as a
+gzipped pprof profile (go tool pprof, Parca, Pyroscope, speedscope), labelled by step kind,
+phase and thread (pprof -tagfocus=phase=decode keeps the decode steps' CPU).
 
 With --otlp URL instead, each request is sent as an OpenTelemetry span to that OTLP/HTTP
 collector, the spans `record --otlp` sends live (docs: fleet outputs).
@@ -57,12 +62,25 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="with --otlp: this share (0..1) of each request's tokens as span events (default 0)",
     )
     e.add_argument("--otlp-steps", action="store_true", help="with --otlp: one span per step too")
+    e.add_argument(
+        "--pprof",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the CPU sampler's stacks as a pprof profile",
+    )
     e.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from sparseety_prof.errors import UsageError
 
+    if args.pprof is not None:
+        if args.format is not None or args.output is not None or args.otlp is not None:
+            raise UsageError(
+                "export: --pprof FILE writes the CPU profile; it takes no --format, -o or --otlp"
+            )
+        return _write_pprof(args)
     if args.otlp is not None:
         if args.format is not None or args.output is not None:
             raise UsageError("export: --otlp sends spans; it takes no --format or -o")
@@ -92,6 +110,28 @@ def run(args: argparse.Namespace) -> int:
         else:
             what = f"{write_jsonl(rec, out)} tokens"
     print(line(f"sparseety-prof: wrote {args.output} ({args.format}: {what})"), file=sys.stderr)
+    return 0
+
+
+def _write_pprof(args: argparse.Namespace) -> int:
+    from sparseety_prof.errors import UsageError
+    from sparseety_prof.store import recording
+    from sparseety_prof.store.output_dir import sudo_owner
+    from sparseety_prof.store.output_file import check_new_file, new_file
+    from sparseety_prof.terminal_text import line
+    from sparseety_prof.views.export.pprof import write_pprof
+
+    check_new_file(args.pprof, force=args.force)
+    rec = recording.open(args.recording)
+    if "cpu_sampler" not in rec.meta:
+        raise UsageError(
+            f"{args.recording} holds no CPU samples (recorded with --cpu-sample-hz 0, or before it)"
+        )
+    rec.cpu_stacks()  # read (and checked) before the output is created
+    with new_file(args.pprof, force=args.force, owner=sudo_owner()) as out:
+        got = write_pprof(rec, out)
+    msg = f"sparseety-prof: wrote {args.pprof} (pprof: {got['samples']} samples, {got['stacks']} stack rows)"
+    print(line(msg), file=sys.stderr)
     return 0
 
 

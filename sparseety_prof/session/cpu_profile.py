@@ -68,8 +68,17 @@ class StepWindow:
 class CpuProfile:
     """Samples taken from `sampler`, named by `symbols`, joined to the step windows given."""
 
-    def __init__(self, sampler: CpuSampler, symbols: Symboliser, *, hold_s: float = HOLD_S) -> None:
+    def __init__(
+        self,
+        sampler: CpuSampler,
+        symbols: Symboliser,
+        *,
+        hold_s: float = HOLD_S,
+        clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        """`clock`: CLOCK_MONOTONIC in ns, the samples' clock (what `hold_s` is counted on)."""
         self.sampler = sampler
+        self._clock = clock
         self.symbols = symbols
         self.pid = sampler.pid
         self._hold_ns = int(hold_s * 1e9)
@@ -131,7 +140,7 @@ class CpuProfile:
         """The rows of the samples that can be joined now (every one with `final`)."""
         if self._stopped_meta is None:
             self._pending.extend(self.sampler.take())
-        now = time.monotonic_ns()
+        now = self._clock()
         ready: list[tuple[Sample, StepWindow | None]] = []
         held: list[Sample] = []
         for s in self._pending:
