@@ -56,6 +56,18 @@ def test_schedule_arms_and_disarms_on_time_and_counts_coverage() -> None:
     assert meta["windows_ns"][1][1] == 120_010_000_000
 
 
+def test_coverage_so_far_counts_the_open_window_up_to_now() -> None:
+    c = _cycle()  # starts at 100, armed
+    assert c.coverage(101.0) == pytest.approx(1.0)
+    assert c.tick(102.0) == "disarm"
+    c.disarmed(102.0, 102.1)
+    assert c.coverage(110.0) == pytest.approx(2.0 / 10.0)
+    c.armed_again(120.0, 120.5)
+    assert c.coverage(121.5) == pytest.approx((2.0 + 1.0) / 21.5)  # the open window since armed
+    c.close(121.5)
+    assert c.meta(121.5)["coverage"] == pytest.approx(c.coverage(121.5), abs=1e-4)
+
+
 def test_a_window_open_at_the_end_is_closed_and_counted() -> None:
     c = _cycle()
     c.close(101.0)

@@ -312,6 +312,8 @@ def test_status_line_sums_the_runs_and_says_every_counter() -> None:
         f"{now.cpu_s:.1f} s (3.1% of a core), rss 50 MiB, ring peak 25%"
     )
     assert "\n" not in text
+    covered = totals.reading(Progress(tokens=1, sparse_coverage=0.085))
+    assert format_status(covered, None).endswith("ring peak 0%, sparse coverage 8.5%")
 
 
 def test_status_ticker_writes_lines_until_stopped() -> None:

@@ -177,6 +177,17 @@ def test_exposition_has_the_promised_series_and_the_counted_values() -> None:
     assert got["sparseety_profiler_cpu_seconds_total"][()] == 1.5
     assert got["sparseety_profiler_resident_memory_bytes"][()] == 123456
     assert got["sparseety_profiler_lag_seconds"][()] == pytest.approx(0.04)
+    assert "sparseety_sparse_coverage_ratio" not in got  # no duty cycle: every step in detail
+
+
+def test_the_duty_cycles_coverage_is_a_gauge() -> None:
+    sink, _ = _fed(PER_EXPERT)
+    try:
+        sink.drained(Progress(cpu_s=2.0, sparse_coverage=0.25))
+        got = _scrape(sink)
+    finally:
+        sink.stop()
+    assert got["sparseety_sparse_coverage_ratio"][()] == 0.25
 
 
 def test_aggregate_exposes_no_expert_label() -> None:

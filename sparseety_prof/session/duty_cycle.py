@@ -247,6 +247,16 @@ class DutyCycle:
             w.disarm_began = w.disarmed_at = now
             self.covered_s += max(0.0, now - w.armed_at)
 
+    def coverage(self, now: float) -> float:
+        """The share of the time since the start in full detail, a window still open counted to
+        `now`."""
+        elapsed = now - self.start
+        if elapsed <= 0:
+            return 1.0 if self.armed else 0.0
+        w = self.windows[-1]
+        open_s = max(0.0, now - w.armed_at) if self.armed and w.disarm_began is None else 0.0
+        return min(1.0, (self.covered_s + open_s) / elapsed)
+
     def meta(self, now: float) -> dict[str, Any]:
         """meta.json `duty_cycle`. Times are time.monotonic(), CLOCK_MONOTONIC as the rows'
         t_*_ns: a token is in full detail when its step lies in a window's [armed, detach

@@ -77,6 +77,8 @@ class DutyDriver:
         self.observe(
             now, progress.tokens, taken_bytes / ring_bytes, progress.kernel_drops + progress.seq_gaps
         )
+        with self._lock:
+            progress.sparse_coverage = self.cycle.coverage(now)
 
     def close(self) -> None:
         """Stop switching (before the session detaches everything): the probes are left as they

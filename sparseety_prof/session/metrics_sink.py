@@ -383,9 +383,22 @@ def _sparsity_families(snap: Snapshot) -> list[Any]:
 
 
 def _recorder_families(p: Mapping[str, Any] | None) -> list[Any]:
-    """The recorder's own: its losses, CPU, memory and lag (none before its first drain)."""
+    """The recorder's own: its losses, CPU, memory and lag (none before its first drain), and under
+    --duty-cycle the share of the time in full detail."""
     if not p:
         return []
+    coverage = (
+        [
+            GaugeMetricFamily(
+                _name("sparse_coverage_ratio"),
+                "Share of the time since attach with the per-layer probes in (--duty-cycle): "
+                "the sparse series count the steps of that share only",
+                value=p["sparse_coverage"],
+            )
+        ]
+        if "sparse_coverage" in p
+        else []
+    )
     losses = CounterMetricFamily(
         _name("losses"), "What the recording missed so far, by kind", labels=["kind"]
     )
@@ -402,6 +415,7 @@ def _recorder_families(p: Mapping[str, Any] | None) -> list[Any]:
             "How far behind the engine the recorder's last drain was",
             value=p["lag_ms"] / 1e3,
         ),
+        *coverage,
     ]
 
 

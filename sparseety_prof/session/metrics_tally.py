@@ -230,6 +230,8 @@ class MetricsTally:
             "lag_ms": progress.lag_ms,
             **{k: float(getattr(progress, k)) for k in LOSS_KINDS},
         }
+        if progress.sparse_coverage is not None:
+            got["sparse_coverage"] = progress.sparse_coverage
         with self._lock:
             self._progress = got
 

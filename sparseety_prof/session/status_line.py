@@ -1,6 +1,6 @@
 """`--status-interval SECONDS`: one line on stderr every so often, for a service's log (journald,
-`kubectl logs`): tokens, requests, losses, the recorder's CPU and memory, the ring's fill, and
-with --follow the runs so far.
+`kubectl logs`): tokens, requests, losses, the recorder's CPU and memory, the ring's fill, with
+--follow the runs so far, and with --duty-cycle the share of the time in full detail.
 
 The line is made from the Progress the consumer already keeps (session/options.py), read from a
 thread of its own: nothing is added to the consumer's loop. The counters are cumulative (over
@@ -51,6 +51,7 @@ class StatusReading:
     ring_fill_peak: float  # the largest share of the ring a drain found filled (0..1), this run
     runs: int | None = None  # with --follow: engine processes attached so far
     attached_pid: int | None = None  # with --follow: the one recorded now (None: waiting)
+    sparse_coverage: float | None = None  # --duty-cycle: share of the time in full detail, this run
 
     @property
     def losses(self) -> int:
@@ -73,6 +74,9 @@ def format_status(now: StatusReading, cpu_share: float | None) -> str:
         f"rss {now.rss_bytes / (1 << 20):.0f} MiB,",
         f"ring peak {now.ring_fill_peak * 100:.0f}%",
     ]
+    if now.sparse_coverage is not None:  # the sparse columns hold this share of the time's steps
+        parts[-1] += ","
+        parts.append(f"sparse coverage {now.sparse_coverage * 100:.1f}%")
     return line(" ".join(parts))
 
 
@@ -102,6 +106,7 @@ class ProgressTotals:
             cpu_s=process_cpu_s(),
             rss_bytes=c.rss_bytes or resident_now(),
             ring_fill_peak=c.ring_fill_peak,
+            sparse_coverage=c.sparse_coverage,
             **follow,
         )
 
