@@ -166,6 +166,9 @@ class Progress:
     escalations: int = 0  # times the consumer left SCHED_IDLE because the ring was filling
     rss_bytes: int = 0  # the recorder's resident memory at the last drain
     anon_bytes: int = 0  # and its anonymous part (what --max-memory bounds)
+    # --duty-cycle: the share of the time so far in full detail (the sparse probes in); None: no
+    # duty cycle (every step in full detail)
+    sparse_coverage: float | None = None
 
     def counters(self) -> dict[str, float]:
         return {
