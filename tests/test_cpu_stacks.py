@@ -465,3 +465,57 @@ def test_folded_text_and_self_shares() -> None:
     shares = dict(self_shares(stacks))
     assert shares["ggml_vec_dot_f16"] == pytest.approx(64 / 70)
     assert shares[KERNEL_FRAME] == pytest.approx(2 / 70)
+
+
+# ---------------------------------------------------------------- the report's flame graph
+
+
+def test_the_flame_graph_boxes_hold_the_samples_under_them_and_names_stay_text(tmp_path: Path) -> None:
+    import re
+
+    from sparseety_prof.views.html_report import write_html
+    from sparseety_prof.views.html_report.flame import WIDTH, flame_svg
+
+    stacks = stacks_frame()
+    hostile = "<script>alert(1)</script>"
+    stacks = stacks.with_columns(pl.col("stack").str.replace("worker", hostile, literal=True))
+    rec = tmp_path / "rec"
+    meta = {
+        "pid": 7,
+        "engine": {"name": "llama.cpp", "version": "b1"},
+        "model": {"name": "m"},
+        "cpu_sampler": {"rate_hz": 100, "period_ns": 10_000_000, "samples": 70, "files": []},
+    }
+    with RecordingWriter(rec, meta) as w:
+        w.append("cpu_stacks", stacks)
+    page = tmp_path / "r.html"
+    with page.open("wb") as f:
+        write_html(open_recording(rec), f)
+    text = page.read_text()
+    assert "<script>" not in text and "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+    # every box: its title's samples, and a width in proportion to them
+    svg = flame_svg([(s, n) for s, n in stacks.select("stack", "samples").iter_rows()], "t")
+    boxes = re.findall(
+        r'<title>([^<]*) \((\d+) samples, [\d.]+%\)</title><rect x="[\d.]+" y="\d+" width="([\d.]+)"', svg
+    )
+    by_name = {name: (int(n), float(w)) for name, n, w in boxes}
+    assert by_name["all"] == (70, WIDTH - 0.5)
+    # the same function under llama_decode (39 samples) and under the worker thread (25): two boxes
+    assert sorted(int(n) for name, n, _ in boxes if name == "ggml_vec_dot_f16") == [25, 39]
+    for _name, n, w in boxes:
+        assert float(w) == pytest.approx(WIDTH * int(n) / 70 - 0.5, abs=0.01)
+    # the sample totals of the panel's folded-away graphs: prefill, decode, between steps
+    sums = dict(re.findall(r"<summary>([a-z ]+?)(?: steps)?: (\d+) samples</summary>", text))
+    assert sums == {"prefill": "55", "decode": "11", "between": "4"}  # ("between steps")
+
+
+def test_a_recording_without_the_sampler_says_so_in_the_report(tmp_path: Path) -> None:
+    from sparseety_prof.views.html_report import write_html
+
+    rec = tmp_path / "rec"
+    with RecordingWriter(rec, {"pid": 7, "engine": {"name": "llama.cpp"}}):
+        pass
+    page = tmp_path / "r.html"
+    with page.open("wb") as f:
+        write_html(open_recording(rec), f)
+    assert "made without the CPU sampler" in page.read_text()

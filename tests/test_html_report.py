@@ -23,7 +23,17 @@ from sparseety_prof.views.html_report.data import MAX_EXPERTS, STEP_POINTS, TOKE
 from sparseety_prof.views.html_report.page import CSP
 
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"  # .gitignored
-PANELS = ("expert-load", "load-imbalance", "routing", "sparsity", "logprob", "steps", "anomalies", "tokens")
+PANELS = (
+    "expert-load",
+    "load-imbalance",
+    "routing",
+    "sparsity",
+    "logprob",
+    "steps",
+    "cpu",
+    "anomalies",
+    "tokens",
+)
 HOSTILE = [
     "<script>alert(1)</script>",
     "</style><img src=x onerror=alert(2)>",

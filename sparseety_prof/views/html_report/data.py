@@ -12,6 +12,7 @@ import polars as pl
 from sparseety_prof.errors import UsageError
 from sparseety_prof.store.recording import Recording, section
 from sparseety_prof.terminal_text import visible
+from sparseety_prof.views.html_report.cpu_data import CpuFlames, cpu_flames
 
 #: the chosen request's first TOKEN_CAP tokens make its charts and its per-token table, so that the
 #: page stays bounded (a few MB) however long the request or the recording is
@@ -75,6 +76,7 @@ class ReportData:
     anomalies: pl.DataFrame
     anomaly_total: int
     notes: dict[str, str] = field(default_factory=dict)  # panel -> why it shows nothing
+    cpu: CpuFlames | None = None  # the CPU sampler's flame graphs (cpu_data.py)
 
 
 def _layers(rec: Recording, kind: str) -> list[int] | None:
@@ -296,6 +298,7 @@ def gather(rec: Recording, *, request: str | None = None) -> ReportData:
     sparsity, notes["sparsity"] = layer_sparsity(rec, ffn or [])
     steps, notes["steps"] = step_latency(rec)
     found = rec.anomalies()
+    cpu, notes["cpu"] = cpu_flames(rec, chosen)
     data = ReportData(
         title=rec.path.name,
         facts=_facts(rec, tokens),
@@ -310,6 +313,7 @@ def gather(rec: Recording, *, request: str | None = None) -> ReportData:
         steps=steps,
         anomalies=found.sort("score", descending=True, nulls_last=True).head(ANOMALY_CAP),
         anomaly_total=found.height,
+        cpu=cpu,
     )
     data.notes = {k: v for k, v in notes.items() if v}
     if chosen is None:

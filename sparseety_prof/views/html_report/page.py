@@ -13,6 +13,7 @@ import polars as pl
 
 from sparseety_prof.views.html_report import svg
 from sparseety_prof.views.html_report.data import ANOMALY_CAP, MAX_EXPERTS, STEP_POINTS, TOKEN_CAP, ReportData
+from sparseety_prof.views.html_report.flame import flame_svg
 from sparseety_prof.views.html_report.svg import esc, num
 
 #: what the page's policy allows: its own inline <style>; no script, no fetch, no image, no frame
@@ -32,6 +33,7 @@ vertical-align:top;text-align:left}th{background:#f3f3f3}code{white-space:pre-wr
 svg{display:block;margin:.4em 0;overflow:visible}svg .lbl{font-size:12px;fill:#222}
 svg .tick{font-size:10px;fill:#555}svg .axis{stroke:#888}svg .frame{fill:none;stroke:#ccc}
 details{margin:.2em 0}summary{cursor:pointer}
+svg .fl{font-size:11px;fill:#000;pointer-events:none}
 """
 
 
@@ -246,6 +248,37 @@ def _steps(d: ReportData) -> str:
     return _panel("steps", title, chart, note)
 
 
+def _cpu(d: ReportData) -> str:
+    """The CPU sampler's flame graphs: the whole recording, then each phase and the page's request
+    folded away (<details>: no script)."""
+    title = "Where the CPU went (sampled)"
+    c = d.cpu
+    if c is None:
+        return _panel("cpu", title, _missing(d.notes.get("cpu", "not captured")))
+    parts = [flame_svg(c.everything, "flame graph of every sample")]
+    folded_away = [
+        (f"{phase} steps" if phase != "between steps" else phase, pairs)
+        for phase, pairs in c.by_phase.items()
+    ]
+    if d.request is not None:
+        folded_away.append((f"request {visible_short(d.request)}", c.request))
+    for what, pairs in folded_away:
+        n = sum(v for _, v in pairs)
+        graph = flame_svg(pairs, f"flame graph: {what}") or _missing("no sample")
+        parts.append(f"<details><summary>{esc(what)}: {n} samples</summary>{graph}</details>")
+    top = [[esc(name), f"{100 * share:.1f}%"] for name, share in c.top]
+    table = _table(["function", "share of samples"], top)
+    parts.append(f"<details><summary>the functions the CPU was in</summary>{table}</details>")
+    partial = [f for f in c.files if f.get("symbols") != "symtab"]
+    named = "; ".join(f"{f['path']}: {f['symbols']}" for f in partial[:8])
+    note = (
+        f"{c.samples} samples at {c.rate_hz} Hz of CPU time per thread; hover a frame for its share. "
+        "Python frames are not named (the interpreter's C functions show instead)"
+        + (f"; files named from their dynamic symbols or less: {named}" if named else "")
+    )
+    return _panel("cpu", title, "".join(parts), note)
+
+
 def _anomalies(d: ReportData) -> str:
     title = "Anomalies"
     if d.anomalies.is_empty():
@@ -339,6 +372,7 @@ def render(d: ReportData, levels: list[str]) -> str:
         _sparsity(d),
         _logprob(d),
         _steps(d),
+        _cpu(d),
         _anomalies(d),
         _token_table(d),
     ]
