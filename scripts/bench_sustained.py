@@ -3,7 +3,7 @@
     sudo .venv/bin/python scripts/bench_sustained.py [--engine llama-cpp-python server]
         [--clients 1 4] [--seconds 60] [--pairs 6] [--mode full tokens] [--contend N] [--json FILE]
         [--tokens 64] [--spread 0.5] [--record-args '...'] [--ablate-consumer | --bare-traps]
-        [--engine-cpus CPUS|n-1] [--recorder-cpus CPUS] [--duty-cycle ON/PERIOD]
+        [--engine-cpus CPUS|n-1] [--recorder-cpus CPUS] [--duty-cycle ON/PERIOD] [--cpu-sample-hz HZ]
 
 Each A/B pair runs the same load twice on one warm engine: A plain, B with `sparseety-prof record`
 attached BEFORE the load starts and stopped (SIGINT, then its close: last drains, Parquet writes,
@@ -42,7 +42,8 @@ token on each side.
 
 The recorder's cost controls (docs/tuning.md): `--engine-cpus n-1` pins the engine to every core
 but the last (with `--threads` to match), so that record's `--recorder-cpus auto` finds the
-last core free and runs there; `--recorder-cpus` and `--duty-cycle` are passed to record as they
+last core free and runs there; `--recorder-cpus`, `--duty-cycle` and `--cpu-sample-hz` (the CPU
+sampler's rate; 0: off, the sampler's own cost as the difference) are passed to record as they
 are given. Each pair's line and the JSON name where the recorder ran and the duty cycle's
 coverage (meta.json recorder_placement, duty_cycle). On a 2-core host:
 
@@ -718,8 +719,11 @@ def pin_engine(pid: int, text: str) -> frozenset[int]:
 
 
 def cost_flags(a: argparse.Namespace) -> list[str]:
-    """The recorder's cost controls asked for (--duty-cycle, --recorder-cpus), as record's flags."""
+    """The recorder's cost controls asked for (--duty-cycle, --recorder-cpus, --cpu-sample-hz), as
+    record's flags."""
     flags = []
+    if a.cpu_sample_hz is not None:
+        flags.append(f"--cpu-sample-hz={a.cpu_sample_hz}")
     if a.duty_cycle:
         flags.append(f"--duty-cycle={a.duty_cycle}")
     if a.recorder_cpus:
@@ -803,6 +807,13 @@ def main() -> int:
         default=None,
         metavar="ON/PERIOD",
         help="record's --duty-cycle, e.g. 2s/20s (one window in ten)",
+    )
+    ap.add_argument(
+        "--cpu-sample-hz",
+        type=int,
+        default=None,
+        metavar="HZ",
+        help="record's --cpu-sample-hz (0: the CPU sampler off; default: record's own)",
     )
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args()

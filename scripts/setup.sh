@@ -34,7 +34,9 @@ PY="$VENV/bin/python"
 # tmux: the live view's tests drive it in a terminal; curl: requests as the README sends them.
 # systemd: systemd-analyze verify checks packaging/systemd's unit (tests/test_privileges.py); a
 # container without systemd running gets the tool only, nothing is started.
-pkgs=(curl tmux chromium default-jre-headless prometheus systemd)
+# linux-perf: `perf record`, the independent sampler tests/test_cpu_stacks_engine.py checks the
+# CPU sampler against.
+pkgs=(curl tmux chromium default-jre-headless prometheus systemd linux-perf)
 if ! dpkg -s "${pkgs[@]}" >/dev/null 2>&1; then
   step "2/5 installing ${pkgs[*]}"
   had_prometheus=$(dpkg -s prometheus >/dev/null 2>&1 && echo yes || true)
