@@ -130,17 +130,6 @@ class Recorder:
         # engine whenever both want it (the ring buffer absorbs the delay; losses are counted).
         if opts.nice:
             os.nice(opts.nice)
-        self._waits = open_thread_waits(opts.sched_waits, a.session, os.getpid(), self.log)
-        try:
-            libs = [lib.path for lib in a.target.libs]
-            self._ops = open_op_times(opts.pid, opts.trace_ops, libs, a.build.tensor, self.log)
-        except BaseException:
-            a.session.close()
-            a.model_file.close()
-            for part in (gpu, self._cpu):
-                if part is not None:
-                    part.close()
-            raise
         self.meta = metadata.run_metadata(a, opts)
         self.meta["recorder_placement"] = placement.to_meta()
         self._policy.read_layout(self.meta)  # the anomaly policy's detectors read the layer map
