@@ -21,7 +21,6 @@ from request_latency_oracle import METRICS, want_latencies
 
 from sparseety_prof.cli import build_parser
 from sparseety_prof.commands.attach_options import options_from
-from sparseety_prof.commands.run_outputs import metrics_sink_from
 from sparseety_prof.errors import MetricsEndpointError, UsageError
 from sparseety_prof.session.metrics_sink import (
     AGGREGATE,
@@ -36,6 +35,7 @@ from sparseety_prof.session.metrics_tally import NLL_BUCKETS, SPARSITY_BUCKETS
 from sparseety_prof.session.options import Progress
 from sparseety_prof.session.request_latency import BUCKETS as LATENCY_BUCKETS
 from sparseety_prof.session.request_latency import request_latencies
+from sparseety_prof.session.run_outputs import metrics_sink_from
 from sparseety_prof.store import schema
 
 MOE, FFN, N_EXPERT, K = [1, 3], [0, 1, 2, 3], 4, 2

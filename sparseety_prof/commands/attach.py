@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from sparseety_prof.commands.attach_flags import add_attach_flags
 from sparseety_prof.commands.attach_options import options_from
+from sparseety_prof.commands.collect import collect_into
 from sparseety_prof.commands.help_text import command_epilog, description
-from sparseety_prof.commands.recording_run import Frontend, run_recording
+from sparseety_prof.session.recording_run import Frontend, run_recording
 
 if TYPE_CHECKING:
     from sparseety_prof.session.options import Progress
@@ -81,7 +82,9 @@ class LiveView:
         self.recorders: list[Recorder] = []  # the one attached now (--follow: a new one per process)
 
     def frontend(self) -> Frontend:
-        return Frontend(self.log, on_update=self.on_update, showing=self.showing, opened=self.opened)
+        return Frontend(
+            self.log, collect_into, on_update=self.on_update, showing=self.showing, opened=self.opened
+        )
 
     def log(self, s: str) -> None:
         from sparseety_prof.terminal_text import line

@@ -117,6 +117,16 @@ def max_memory_flag(text: str) -> int:
     return NO_MEMORY_LIMIT if text.lower() == "none" else _at_least("--max-memory", text, MIN_MAX_MEMORY)
 
 
+def trace_ops_flag(text: str) -> DutySpec:
+    """--trace-ops ON/PERIOD (session/op_times.py), parsed as --duty-cycle is."""
+    from sparseety_prof.session.duty_cycle import parse_duty_cycle
+
+    try:
+        return parse_duty_cycle(text)
+    except ValueError as e:
+        raise UsageError(f"--trace-ops: {e}") from None
+
+
 def duty_cycle_flag(text: str) -> DutySpec:
     """--duty-cycle ON/PERIOD (session/duty_cycle.py)."""
     from sparseety_prof.session.duty_cycle import parse_duty_cycle
@@ -230,6 +240,16 @@ def _add_capture(g: argparse._ArgumentGroup) -> None:
         help="sample the engine's threads this many times per second of their CPU time, with their "
         "user stacks, each sample joined to the step it fell in: the cpu_stacks table, `export "
         f"--pprof` and the report's flame graph (default {option_default('cpu_sample_hz')}; 0: off)",
+    )
+    g.add_argument(
+        "--trace-ops",
+        type=trace_ops_flag,
+        default=None,
+        metavar="ON/PERIOD",
+        help="per-operator tracing for a window of ON seconds every PERIOD (e.g. 1s/60s): every graph "
+        "node the CPU backend computes, its entry and exit on each engine thread, in the op_times "
+        "table for the steps that ran whole inside a window; its two probes are detached between "
+        "windows (default: off; docs: usage, Per-operator tracing)",
     )
 
 

@@ -157,6 +157,7 @@ def _capture(args: argparse.Namespace) -> dict[str, Any]:
         request_header=args.request_header,
         moe_read=args.moe_read,
         cpu_sample_hz=args.cpu_sample_hz,
+        trace_ops=args.trace_ops,
     )
 
 

@@ -7,8 +7,9 @@ import sys
 
 from sparseety_prof.commands.attach_flags import add_attach_flags
 from sparseety_prof.commands.attach_options import options_from
+from sparseety_prof.commands.collect import collect_into
 from sparseety_prof.commands.help_text import command_epilog, description
-from sparseety_prof.commands.recording_run import Frontend, run_recording
+from sparseety_prof.session.recording_run import Frontend, run_recording
 
 EXAMPLES = """\
   sparseety-prof record -p "$(pgrep -xo llama-server)" -o rec          # until Ctrl-C or the engine exits
@@ -45,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace) -> int:
     opts = options_from(args)
-    return run_recording(opts, Frontend(_log))
+    return run_recording(opts, Frontend(_log, collect_into))
 
 
 def _log(s: str) -> None:

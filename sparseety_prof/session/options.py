@@ -107,6 +107,9 @@ class Options:
     # samples per second of CPU time of each engine thread (capture/cpu_sampler.py, the cpu_stacks
     # table); 0: no sampling
     cpu_sample_hz: int = DEFAULT_RATE_HZ
+    # per-operator tracing (session/op_times.py, the op_times table): its probes in for ON seconds
+    # every PERIOD; None: off
+    trace_ops: DutySpec | None = None
     bpf_stats: bool = False  # count each probe program's runs and run time (capture/bpf_stats.py)
     # after the start-up work, drain the ring and discard the records: the probes' cost alone
     # ("drain"), or with each drain's logits rows reduced first ("logits"); "": not ablated

@@ -34,6 +34,7 @@ from sparseety_prof.session.drain_loop import DrainLoop
 from sparseety_prof.session.duty_driver import DutyDriver, open_duty_driver
 from sparseety_prof.session.memory_budget import resident_bytes
 from sparseety_prof.session.model_hasher import ModelHasher
+from sparseety_prof.session.op_times import OpTimes, open_op_times
 from sparseety_prof.session.options import Options, Progress
 from sparseety_prof.session.placement import place_recorder
 from sparseety_prof.session.policy import RecordingPolicy
@@ -87,6 +88,7 @@ class Recorder:
         self._cpu0 = 0.0
         self._attach_began = 0.0  # (time.monotonic) when the probes began to go in
         self._cpu: CpuProfile | None = None  # the CPU sampler and its join to steps (--cpu-sample-hz)
+        self._ops: OpTimes | None = None  # the node probes and their join to steps (--trace-ops)
 
     @property
     def serves_http(self) -> bool:
@@ -126,6 +128,16 @@ class Recorder:
             self.log(f"sparseety-prof: GPU ring not read: {e}")
             gpu = None
         self._cpu = open_cpu_profile(opts.pid, opts.cpu_sample_hz, self.log)
+        try:
+            libs = [lib.path for lib in a.target.libs]
+            self._ops = open_op_times(opts.pid, opts.trace_ops, libs, a.build.tensor, self.log)
+        except BaseException:
+            a.session.close()
+            a.model_file.close()
+            for part in (gpu, self._cpu):
+                if part is not None:
+                    part.close()
+            raise
         # From here on the consumer only drains, correlates and writes: it yields the CPU to the
         # engine whenever both want it (the ring buffer absorbs the delay; losses are counted).
         if opts.nice:
@@ -144,6 +156,8 @@ class Recorder:
                     gpu.close()
                 if self._cpu is not None:
                     self._cpu.close()
+                if self._ops is not None:
+                    self._ops.close()
                 raise
         try:
             return self._record(a, gpu, writer)
@@ -179,6 +193,9 @@ class Recorder:
         final, error = self._detach(loop, corr, a.session, gpu, duty, bpf_stats, error)
         if self._cpu is not None:
             final["cpu_sampler"] = self._cpu.meta()
+        if self._ops is not None:
+            final["trace_ops"] = self._ops.meta()
+            self._ops.close()
         final["start_unix_ms"] = start_unix_ms
         final.update(metadata.outcome(a, opts, corr))
         sha256, weights = hasher.finish(self.log)
@@ -277,6 +294,8 @@ class Recorder:
         sess.close()
         if self._cpu is not None:  # sampling ends with the probes
             self._cpu.stop()
+        if self._ops is not None:  # the node probes too (the nodes still open read)
+            self._ops.stop()
         self._stages.lap("detach")
         try:
             batches = loop.rest(rest, error)
@@ -575,6 +594,8 @@ class Recorder:
         cpu_tables = (
             self._cpu.rows(steps, apart.get("steps", ()), final=final) if self._cpu is not None else {}
         )
+        if self._ops is not None:
+            cpu_tables = {**cpu_tables, **self._ops.rows(steps, final=final)}
         if out.wanted:
             out.add_apart(apart)
             for table, cols in (*tables.items(), *gpu_tables.items(), *cpu_tables.items()):

@@ -225,6 +225,45 @@ CPU_STACKS: dict[str, pl.DataType] = {
     "t_first_ns": pl.Int64(),  # CLOCK_MONOTONIC: the first of these samples
 }
 
+#: Per-operator tracing (`record --trace-ops`: capture/op_trace.py, session/op_times.py): one row
+#: per graph node the CPU backend computed, per engine thread, in the steps that ran whole inside
+#: a tracing window (the probes are in for a window every period).
+OP_TIMES: dict[str, pl.DataType] = {
+    "step_id": pl.Int64(),
+    "ctx_id": pl.Int32(),
+    "tid": pl.Int32(),  # the engine thread
+    "thread": pl.Int32(),  # its index in the graph (ggml_compute_params.ith)
+    "node": pl.Int32(),  # the node's order among the nodes the thread computed in the step
+    # ggml's operator name (GGML_OP_NAME), or "op N" where it was not read; "RMS_NORM+MUL": the
+    # node and the MUL after it, computed by ggml-cpu as one (the MUL has no row of its own)
+    "op": pl.String(),
+    "name": pl.String(),  # the node's tensor name ("ffn_moe_gate-3")
+    "layer": pl.Int32(),  # from the name's "-N" suffix; null for a node of no layer
+    "t_start_ns": pl.Int64(),  # CLOCK_MONOTONIC: the thread entered the node
+    "dur_ns": pl.Int64(),  # to the last barrier it entered before its next node
+}
+
+#: Who took the CPU (capture/sched_waits.py, session/thread_waits.py; off with --no-sched-waits):
+#: one row per (step, engine thread that was on CPU, runnable or stopped during it), from the
+#: scheduler's tracepoints: where the thread's time went between the step's start and end.
+THREAD_WAITS: dict[str, pl.DataType] = {
+    "step_id": pl.Int64(),
+    "pid": pl.Int32(),
+    "tid": pl.Int32(),  # the engine thread
+    "step_thread": pl.Boolean(),  # the thread that ran the step (the steps row's tid)
+    "on_cpu_ns": pl.Int64(),
+    "runnable_ns": pl.Int64(),  # runnable, waiting for a CPU (preempted, or woken and not yet run)
+    "sleep_ns": pl.Int64(),  # waiting for something else (a lock, a condition, I/O)
+    "stopped_ns": pl.Int64(),  # stopped by a signal (SIGSTOP, SIGTSTP) or a tracer
+    # of runnable_ns, by who ran on the CPU just before the thread got it back:
+    "waited_recorder_ns": pl.Int64(),  # the recorder's threads (the profiler's own share)
+    "waited_engine_ns": pl.Int64(),  # another thread of the engine
+    "waited_other_ns": pl.Int64(),  # another process, or an idle CPU (a wakeup's latency)
+    "top_pid": pl.Int32(),  # the process that held the CPU longest while the thread waited; null: none
+    "top_comm": pl.String(),  # its thread's name, as that process set it (escape before printing)
+    "top_ns": pl.Int64(),  # how long the thread waited for it in the step
+}
+
 TABLES: dict[str, dict[str, pl.DataType]] = {
     "tokens": TOKENS,
     "steps": STEPS,
@@ -234,6 +273,7 @@ TABLES: dict[str, dict[str, pl.DataType]] = {
     "kernels": KERNELS,
     "aggregates": AGGREGATES,
     "cpu_stacks": CPU_STACKS,
+    "op_times": OP_TIMES,
 }
 
 #: Datasets (`collect`, store/dataset.py): every table of many recordings as one Hive-partitioned

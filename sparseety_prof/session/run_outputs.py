@@ -1,6 +1,7 @@
 """What a `record`/`attach` run opens beside the Recorder, from its Options: the OTLP exporter,
 the metrics endpoint (listening before anything is attached, so that a port in use is refused
-then), the CUPTI ring of --late-attach, and --dataset's collection of the closed recording."""
+then), and the CUPTI ring of --late-attach (its watched kernels made from --watch and --preset
+here, where they are used)."""
 
 from __future__ import annotations
 
@@ -54,15 +55,21 @@ def late_attach_from(opts: Options, log: Callable[[str], None]) -> None:
     """--late-attach: give the target a CUPTI ring before the recorder looks for one."""
     from sparseety_prof.gpu.late_attach import SETTINGS, late_attach
     from sparseety_prof.gpu.launch import library_path
+    from sparseety_prof.gpu.presets import watch_spec
+    from sparseety_prof.gpu.watch_rules import WatchSpecError
 
     if not opts.late_attach:
         return
+    try:  # each --watch entry was parsed with the flags; here the entries and the presets together
+        watch = watch_spec(opts.late_attach_watch, list(opts.late_attach_presets))
+    except WatchSpecError as e:
+        raise UsageError(f"--watch/--preset: {e}") from None
     lib = library_path()
     if not lib.is_file():
         raise UsageError(f"the CUPTI injection library {lib} is not built: run `sparseety-prof build-cupti`")
     settings = {k: v for k, v in os.environ.items() if k in SETTINGS}
-    if opts.late_attach_watch:
-        settings["SPARSEETY_WATCH"] = opts.late_attach_watch
+    if watch:
+        settings["SPARSEETY_WATCH"] = watch
     result = late_attach(opts.pid, lib, settings, log=log)
     if not result.injected:
         log(f"sparseety-prof: {result.message}")

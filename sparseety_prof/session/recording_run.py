@@ -1,7 +1,8 @@
-"""The run sequence `record` and `attach` share, from their Options to their exit code: open the
-outputs (a port in use or a bad URL is refused before anything is attached), one Recorder for
-the process (or, with --follow, one per process, session/follow.py), the status line, the
-summary, --dataset. What differs is how a command shows the run: a `Frontend`."""
+"""The run sequence `record` and `attach` share, from their Options to their exit code: check
+where the run writes (session/output_checks.py), open the outputs (a port in use or a bad URL is
+refused before anything is attached), one Recorder for the process (or, with --follow, one per
+process, session/follow.py), the status line, the summary, --dataset. What differs is how a
+command shows the run, and how it collects a recording into a dataset: a `Frontend`."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import sys
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sparseety_prof.commands.dataset_flag import collect_recording
-from sparseety_prof.commands.run_outputs import late_attach_from, metrics_sink_from, sinks_from
+from sparseety_prof.session.output_checks import check_outputs
+from sparseety_prof.session.run_outputs import late_attach_from, metrics_sink_from, sinks_from
 
 if TYPE_CHECKING:
     from sparseety_prof.session.follow_target import FollowTarget
@@ -33,6 +35,8 @@ class Frontend:
     """How a command shows a run. `record`: lines on stderr; `attach`: a live view as well."""
 
     log: Callable[[str], None]
+    # --dataset: collect these closed recordings into DEST, the command's exit code (`collect`'s)
+    collect: Callable[[list[Path], Path], int]
     on_update: OnUpdate | None = None  # each drain's rows, for a live view
     # around the run, given the clean stop (a quit key may call it): the live view, say
     showing: Callable[[Callable[[str], None]], AbstractContextManager[Any]] = _no_view
@@ -41,6 +45,7 @@ class Frontend:
 
 def run_recording(opts: Options, front: Frontend) -> int:
     """Record as `opts` ask, shown by `front`; the command's exit code."""
+    check_outputs(opts)
     if opts.follow is not None:
         return _follow(opts, opts.follow, front)
     return _record_one(opts, front)
@@ -80,19 +85,21 @@ def _record_one(opts: Options, front: Frontend) -> int:
         if metrics is not None:
             metrics.stop()  # a failed attach never reached the sinks' close
     front.log(summary_line(meta))
-    return collect_recording(opts)
+    if opts.outputs.dataset is None or opts.out is None:
+        return 0
+    return front.collect([opts.out], opts.outputs.dataset)
 
 
 def _follow(opts: Options, target: FollowTarget, front: Frontend) -> int:
     """--follow NAME / --follow-unit UNIT: one recording per process, until stopped
     (session/follow.py), with the output flags living as long as the follower
-    (commands/follow_outputs.py)."""
-    from sparseety_prof.commands.follow_outputs import FollowOutputs
+    (session/follow_outputs.py)."""
     from sparseety_prof.session.follow import Follower, install_follow_signal_handlers
+    from sparseety_prof.session.follow_outputs import FollowOutputs
     from sparseety_prof.session.metadata import summary_line
     from sparseety_prof.session.status_line import StatusTicker, status_interval
 
-    outputs = FollowOutputs(opts, front.log)  # the port is bound (or refused) before waiting
+    outputs = FollowOutputs(opts, front.log, front.collect)  # the port is bound (or refused) before waiting
 
     def make_recorder(o: Options) -> Recorder:
         return _new_recorder(o, front, outputs.sinks())
