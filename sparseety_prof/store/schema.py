@@ -264,24 +264,6 @@ THREAD_WAITS: dict[str, pl.DataType] = {
     "top_ns": pl.Int64(),  # how long the thread waited for it in the step
 }
 
-#: Per-operator tracing (`record --trace-ops`: capture/op_trace.py, session/op_times.py): one row
-#: per graph node the CPU backend computed, per engine thread, in the steps that ran whole inside
-#: a tracing window (the probes are in for a window every period).
-OP_TIMES: dict[str, pl.DataType] = {
-    "step_id": pl.Int64(),
-    "ctx_id": pl.Int32(),
-    "tid": pl.Int32(),  # the engine thread
-    "thread": pl.Int32(),  # its index in the graph (ggml_compute_params.ith)
-    "node": pl.Int32(),  # the node's order among the nodes the thread computed in the step
-    # ggml's operator name (GGML_OP_NAME), or "op N" where it was not read; "RMS_NORM+MUL": the
-    # node and the MUL after it, computed by ggml-cpu as one (the MUL has no row of its own)
-    "op": pl.String(),
-    "name": pl.String(),  # the node's tensor name ("ffn_moe_gate-3")
-    "layer": pl.Int32(),  # from the name's "-N" suffix; null for a node of no layer
-    "t_start_ns": pl.Int64(),  # CLOCK_MONOTONIC: the thread entered the node
-    "dur_ns": pl.Int64(),  # to the last barrier it entered before its next node
-}
-
 TABLES: dict[str, dict[str, pl.DataType]] = {
     "tokens": TOKENS,
     "steps": STEPS,

@@ -81,6 +81,10 @@ and an error line.
         number of KV cells that are not -inf; n_kv is the mask width (the KV cache view, which
         llama.cpp pads: 256 cells with these small prompts), so attended <= n_kv
   {"kind": "error", "eval": e, "name": tensor name, "error": "..."}
+  {"kind": "nodes", "eval": e, "nodes": [[op, name, empty, [src names]], ...]}
+        every node of the eval's graphs in the order the scheduler asked about them (once each):
+        its operator's name (ggml_op_name), its tensor name, whether it has no elements, and the
+        names of its first two sources; written after the eval's graph ran
 With n_batch == n_ubatch (this engine sets both) each llama_decode is one micro-batch; should a
 layer's tensor appear twice in one eval (several micro-batches), records carry "ubatch": j > 0,
 "positions": null, and an error line says so.
@@ -168,6 +172,16 @@ def _src(t: GgmlTensor, i: int) -> GgmlTensor | None:
     return _tensor(ptr)
 
 
+def _op_name(op: int) -> str:
+    """ggml's name of an operator (ggml_op_name, from the engine's own libggml)."""
+    from llama_cpp._ggml import libggml
+
+    fn = libggml.ggml_op_name
+    fn.restype, fn.argtypes = ctypes.c_char_p, [ctypes.c_int]
+    name: bytes = fn(op)
+    return name.decode()
+
+
 def _read(t: GgmlTensor) -> npt.NDArray[Any]:
     """A copy of the tensor's data as a numpy array of shape (ne[3], ne[2], ne[1], ne[0]), honouring
     the byte strides nb (so views, e.g. ffn_moe_topk of the argsort, read only their elements)."""
@@ -215,6 +229,7 @@ class GraphTrace:
         self._seen: set[tuple[str, int]] = set()
         self._ubatch = 0
         self._moe: dict[int, dict[str, Any]] = {}
+        self._nodes: list[list[Any]] = []
         wanted = {*MOE_PARTS, *ACT_MOE, *ACT_DENSE, ATTN_SOFT_MAX, ATTN_FATTN}
         if flash_attn:
             wanted.add(ATTN_FATTN_OUT)
@@ -327,6 +342,7 @@ class GraphTrace:
             self._seen.clear()
             self._ubatch = 0
             self._moe.clear()
+            self._nodes = []
             self.emit(
                 kind="eval",
                 eval=self.eval_idx,
@@ -344,6 +360,7 @@ class GraphTrace:
     def end_eval(self) -> None:
         for layer in sorted(self._moe):
             self._emit_incomplete(layer)
+        self.emit(kind="nodes", eval=self.eval_idx, nodes=self._nodes)
         self._eval = None
 
     def _emit_incomplete(self, layer: int) -> None:
@@ -365,6 +382,9 @@ class GraphTrace:
             base, sep, layer = name.rpartition("-")
             wanted = bool(sep) and layer.isdigit() and base in self._wanted
             if ask:
+                empty = min(int(t.ne[i]) for i in range(4)) <= 0
+                srcs = [_name(src) for i in range(2) if (src := _src(t, i)) is not None]
+                self._nodes.append([_op_name(int(t.op)), name, empty, srcs])
                 return wanted
             if wanted:
                 self._record(t, base, int(layer))

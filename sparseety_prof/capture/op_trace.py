@@ -1,0 +1,242 @@
+"""Per-operator tracing (issue 62, `record --trace-ops`): the entry and exit of every graph node the
+CPU backend computes, on every engine thread (probes/op_trace.bpf.c says where and how).
+
+Compiled and attached on its own, apart from the probes, as a `Session` of its own: the duty cycle
+(capture/probe_switch.py, session/duty_driver.py) takes its two probes out between windows and
+puts them back, as it does the sparse probes. The node's operator is an `enum ggml_op` number,
+named by the engine's own table: ggml_op_name(op) returns GGML_OP_NAME[op], and its code (one
+load from a table) says where that table is; the names are read from the engine's memory, once
+per operator seen. A build whose ggml_op_name is compiled otherwise leaves the numbers ("op 26").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sparseety_prof.capture import target as tg
+from sparseety_prof.capture.bpf_loader import AttachedProbe, Session, _attach, import_bcc
+from sparseety_prof.capture.elf import cheap_entry_probe_offset, emulated, load_segments, read_at_vaddr
+from sparseety_prof.capture.layouts import TensorLayout
+from sparseety_prof.capture.proc_maps import read_maps
+from sparseety_prof.capture.resources import PROBES_DIR
+from sparseety_prof.capture.tensor_probe import ProcessMemory
+from sparseety_prof.errors import BpfUnavailable, MissingPrivileges
+
+#: ggml-cpu's call at the start of every node it computes (ggml_compute_forward is static)
+SYM_NODE = "ggml_cpu_extra_compute_forward"
+#: where a graph thread waits after each node
+SYM_BARRIER = "ggml_barrier"
+#: the RMS_NORM + MUL kernel ggml-cpu calls instead of ggml_compute_forward (builds that fuse them)
+SYM_FUSED = "ggml_compute_forward_rms_norm_mul_fused"
+OP_SYMBOLS = (SYM_NODE, SYM_BARRIER, SYM_FUSED)
+SYM_OP_NAME = "ggml_op_name"
+SOURCE = "op_trace.bpf.c"
+OP_PAGES = 1024  # the node ring: 4 MiB, about 40,000 node records between drains
+NAME_LEN = 48  # probes/op_trace.bpf.c OP_NAME_LEN
+#: ggml_op_name's code in the builds seen: mov %edi,%edi; lea TABLE(%rip),%rax; mov (%rax,%rdi,8),%rax
+_OP_NAME_HEAD = b"\x89\xff\x48\x8d\x05"
+_OP_NAME_LOAD = b"\x48\x8b\x04\xf8"
+
+
+class _OpRec(ctypes.Structure):
+    _fields_ = [
+        ("t_start", ctypes.c_uint64),
+        ("t_end", ctypes.c_uint64),
+        ("node", ctypes.c_uint64),
+        ("tid", ctypes.c_uint32),
+        ("ith", ctypes.c_int32),
+        ("op", ctypes.c_int32),
+        ("fused", ctypes.c_uint32),
+        ("name", ctypes.c_char * NAME_LEN),
+    ]
+
+
+@dataclass(frozen=True)
+class NodeRun:
+    """One graph node computed by one engine thread: [t_start, t_end] (CLOCK_MONOTONIC ns), from
+    its entry to the last barrier the thread entered before its next node."""
+
+    t_start: int
+    t_end: int
+    tid: int
+    ith: int
+    node: int  # the ggml_tensor's address
+    op: int  # enum ggml_op
+    name: bytes
+    fused: bool = False  # an RMS_NORM node computed with the MUL after it (SYM_FUSED)
+
+
+def find_op_libs(libs: Iterable[Path]) -> dict[str, Path]:
+    """Which of the engine's mapped files defines each of OP_SYMBOLS and ggml_op_name."""
+    out: dict[str, Path] = {}
+    for lib in libs:
+        try:
+            syms = tg.elf_symbols(lib)
+        except (OSError, ValueError):
+            continue
+        for s in (*OP_SYMBOLS, SYM_OP_NAME):
+            if s in syms and s not in out:
+                out[s] = lib
+    return out
+
+
+def _runtime_address(pid: int, lib: Path, vaddr: int) -> int | None:
+    """Where the file address `vaddr` of `lib` is in the process (None where it is not mapped)."""
+    file_off = None
+    for seg_vaddr, seg_off, seg_size in load_segments(lib):
+        if seg_vaddr <= vaddr < seg_vaddr + seg_size:
+            file_off = seg_off + vaddr - seg_vaddr
+    if file_off is None:
+        return None
+    ino = lib.stat().st_ino
+    for m in read_maps(pid):
+        if m.inode == ino and m.offset <= file_off < m.offset + (m.end - m.start):
+            return m.start + file_off - m.offset
+    return None
+
+
+@dataclass
+class OpNames:
+    """enum ggml_op -> its name, read from the engine's GGML_OP_NAME table once per operator."""
+
+    pid: int
+    table: int | None  # the table's address in the process; None: not found (numbers shown)
+    _names: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def find(cls, pid: int, lib: Path | None) -> OpNames:
+        if lib is None:
+            return cls(pid, None)
+        vaddr = tg.elf_symbols(lib)[SYM_OP_NAME][0]
+        code = read_at_vaddr(lib, vaddr, 16)
+        if not (code.startswith(_OP_NAME_HEAD) and code[9:13] == _OP_NAME_LOAD):
+            return cls(pid, None)
+        (rel,) = struct.unpack_from("<i", code, 5)
+        return cls(pid, _runtime_address(pid, lib, vaddr + 9 + rel))
+
+    def name(self, op: int) -> str:
+        got = self._names.get(op)
+        if got is None:
+            got = self._names[op] = self._read(op) or f"op {op}"
+        return got
+
+    def _read(self, op: int) -> str | None:
+        if self.table is None or not 0 <= op < 1024:
+            return None
+        mem = ProcessMemory(self.pid)
+        ptr = mem.read(self.table + 8 * op, 8)
+        if ptr is None:
+            return None
+        raw = mem.read(struct.unpack("<Q", ptr)[0], 32)
+        if raw is None or b"\0" not in raw:
+            return None
+        text = raw.split(b"\0", 1)[0]
+        return text.decode() if text.isascii() and text.replace(b"_", b"").isalnum() else None
+
+
+@dataclass
+class OpTracer:
+    """The node probes of one engine, attached (armed); `session` is what the duty cycle's
+    ProbeSwitch takes out and puts back. `take()` returns the nodes finished since the last
+    call; `close()` detaches (idempotent)."""
+
+    session: Session
+    names: OpNames
+    _pending: list[NodeRun] = field(default_factory=list)
+    _closed: bool = False
+
+    @classmethod
+    def attach(cls, pid: int, libs: Iterable[Path], tensor: TensorLayout) -> OpTracer:
+        where = find_op_libs(libs)
+        missing = [s for s in (SYM_NODE, SYM_BARRIER) if s not in where]
+        if missing:
+            raise BpfUnavailable(
+                f"--trace-ops: the engine's ggml-cpu exports no {', '.join(missing)} (a build these "
+                f"probes do not know): nothing was attached for it"
+            )
+        bcc = import_bcc()
+        cflags = [
+            f"-DTARGET_TGID={pid}",
+            f"-DT_OP={tensor.nb + 32}",  # ggml_tensor: nb[4] (size_t) then enum ggml_op op
+            f"-DT_NAME={tensor.name}",
+            f"-DP_ITH={tensor.params_ith}",
+            f"-DOP_PAGES={OP_PAGES}",
+        ]
+        try:
+            b = bcc.BPF(text=(PROBES_DIR / SOURCE).read_text(), cflags=cflags)
+        except Exception as e:
+            if "Operation not permitted" in str(e):
+                raise MissingPrivileges(
+                    f"the kernel refused the operator probes' BPF program ({e}): run as root"
+                ) from None
+            raise BpfUnavailable(f"could not compile/load the operator probes' BPF program: {e}") from None
+        tracer = cls(Session(bpf=b, pid=pid, ring_pages=OP_PAGES), OpNames.find(pid, where.get(SYM_OP_NAME)))
+        b["ops"].open_ring_buffer(tracer._on_record)
+        try:
+            points = (
+                (SYM_BARRIER, "op_barrier_enter"),
+                (SYM_NODE, "op_node_enter"),
+                (SYM_FUSED, "op_fused_enter"),
+            )
+            for symbol, program in points:
+                lib = where.get(symbol)
+                if lib is None:  # (a build that does not fuse)
+                    continue
+                vaddr = tg.elf_symbols(lib)[symbol][0]
+                code = read_at_vaddr(lib, vaddr, 32)
+                off = cheap_entry_probe_offset(code)
+                at = vaddr + off
+                via = _attach(b.attach_uprobe, lib, at, program, pid)
+                tracer.session.attached.append(
+                    AttachedProbe(symbol, str(lib), off, "entry", at, via, emulated(code[off:]), program)
+                )
+        except BaseException:
+            tracer.session.close()
+            raise
+        return tracer
+
+    def _on_record(self, _ctx: object, data: int, _size: int) -> None:
+        r = ctypes.cast(data, ctypes.POINTER(_OpRec)).contents
+        self._pending.append(
+            NodeRun(r.t_start, r.t_end, r.tid, r.ith, r.node, r.op, bytes(r.name), bool(r.fused))
+        )
+
+    def take(self) -> list[NodeRun]:
+        """The nodes sent since the last call, in the ring's order."""
+        if not self._closed:
+            self.session.bpf.ring_buffer_consume()
+        got, self._pending = self._pending, []
+        return got
+
+    def open_nodes(self) -> list[NodeRun]:
+        """The nodes the probes' map still holds open (one per thread: its latest), those with a
+        barrier after their entry, and the map emptied. Only while the probes are out: nothing
+        changes the map then."""
+        table = self.session.bpf["open_nodes"]
+        out = [
+            NodeRun(
+                o.r.t_start, o.r.t_end, o.r.tid, o.r.ith, o.r.node, o.r.op, bytes(o.r.name), bool(o.r.fused)
+            )
+            for o in table.values()
+            if o.r.node and o.r.t_end
+        ]
+        table.clear()
+        return out
+
+    def lost(self) -> int:
+        """Nodes the ring could not take."""
+        return int(self.session.bpf["lost"][ctypes.c_int(0)].value)
+
+    def close(self) -> None:
+        """Detach; the nodes still in the ring are taken first (take() returns them)."""
+        if not self._closed:
+            self.take_pending()
+            self._closed = True
+        self.session.close()
+
+    def take_pending(self) -> None:
+        self.session.bpf.ring_buffer_consume()
