@@ -215,6 +215,15 @@ struct ev_attn {
 #define AGG_LAYER_MASK 127       /* AGG_LAYERS - 1, as a literal (idx_agg_layer()'s asm) */
 #endif
 #define AGG_MAX_K 8
+#ifndef LT_THREADS
+/* Engine threads (graph thread indices) whose layer times an aggregate record holds (a power of
+ * two: the loader passes events.lt_threads_for, sized to the host's CPUs); a probe point on a
+ * thread index past them is counted in lt_lost, not timed. */
+#define LT_THREADS 16
+#endif
+#ifndef LT_THREAD_MASK
+#define LT_THREAD_MASK 15        /* LT_THREADS - 1, as a literal (idx_lt_thread()'s asm) */
+#endif
 
 struct ev_step_agg {
     struct ev_hdr h;
@@ -239,6 +248,17 @@ struct ev_step_agg {
     __s32 att_layer[AGG_LAYERS];       /* layer from the node's name, -1 if unnamed */
     __u32 att_count[AGG_LAYERS];       /* cells attended by the row (when counted) */
     __u32 att_flags[AGG_LAYERS];       /* ATT_FLAG_*, plus ATT_FLAG_UNCOUNTED */
+    /* layer times (correlate/layer_times.py): when each engine thread first reached each layer's
+     * probe point (agg_layer_time in sparse_common.bpf.c), no probe of its own: the sparse
+     * probes' hits, timed */
+    __u64 t0_ns;                           /* the step's start: its EV_UBATCH record's ts_ns */
+    __u32 lt_lost;                         /* probe points not timed: a thread index past
+                                              LT_THREADS, a layer past AGG_LAYERS, or 2^32 ns or
+                                              more after t0 */
+    __u32 lt_pad;
+    __u32 lt_tid[LT_THREADS];              /* OS thread id of each graph thread index (0: none) */
+    __u32 lt_off[LT_THREADS][AGG_LAYERS];  /* ns after t0_ns when thread index t first reached
+                                              layer L's probe point; 0: it did not */
 };
 
 /* ---- serving context ------------------------------------------------------------------- */

@@ -24,9 +24,27 @@ PER_THREAD(act_args, struct act_args);
 
 int glu_enter(struct pt_regs *ctx) {
     u64 params = PT_REGS_PARM1(ctx), node = PT_REGS_PARM2(ctx);
+#ifdef AGG_STEPS
+    /* the whole name: a one-row pass times the layer's probe point here (agg_layer_time), on
+     * every thread, whether or not its activations are counted */
+    char name[NAME_LEN] = {};
+    bpf_probe_read_user(name, NAME_LEN, (void *)(node + T_NAME));
+    u32 w = 0;
+    __builtin_memcpy(&w, name, sizeof(w));
+#else
     u32 w = 0;
     bpf_probe_read_user(&w, sizeof(w), (void *)(node + T_NAME));
-    if (w != 0x5f6e6666 /* "ffn_" */ || act_sampled_out())
+#endif
+    if (w != 0x5f6e6666 /* "ffn_" */)
+        return 0;
+    s32 ith = 0, nth = 0;
+    thread_split(params, &ith, &nth);
+#ifdef AGG_STEPS
+    struct ev_step_agg *ag = agg_active();
+    if (ag)
+        agg_layer_time(ag, name_number(name), ith);
+#endif
+    if (act_sampled_out())
         return 0;
 #ifdef HAVE_TASK_STORAGE
     struct act_args *a = act_args.task_storage_get(CURRENT_TASK, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
@@ -37,7 +55,8 @@ int glu_enter(struct pt_regs *ctx) {
 #endif
     if (!a)
         return 0;
-    thread_split(params, &a->ith, &a->nth);
+    a->ith = ith;
+    a->nth = nth;
     a->node = node;
     return 0;
 }

@@ -153,6 +153,35 @@ static __always_inline s32 name_layer(const char *name) {
     return v < AGG_LAYERS ? v : -1;
 }
 
+/* ---- layer times: the probe points of a one-row micro-batch, timed (struct ev_step_agg) ------ */
+#ifdef AGG_STEPS
+static __always_inline u64 idx_lt_thread(u64 i) {
+    asm volatile("%[i] &= " AGG_STR(LT_THREAD_MASK) : [i] "+r"(i));
+    return i;
+}
+_Static_assert(LT_THREAD_MASK + 1 == LT_THREADS && (LT_THREADS & LT_THREAD_MASK) == 0,
+               "LT_THREADS: a power of two, LT_THREAD_MASK its mask");
+
+/* Graph thread `ith` reached a probe point of model layer `layer` (a node's name number, -1:
+ * none): the first such time in the pass is kept, as ns after the pass began. Each slot is
+ * written by its own thread only (a thread index is one thread's within a pass). What cannot be
+ * kept is counted in lt_lost, never dropped unsaid. */
+static __always_inline void agg_layer_time(struct ev_step_agg *a, s32 layer, s32 ith) {
+    if (layer < 0)
+        return; /* not a layer's node */
+    u64 d = bpf_ktime_get_ns() - a->t0_ns;
+    if (layer >= AGG_LAYERS || ith < 0 || ith >= LT_THREADS || d == 0 || d > 0xffffffffULL) {
+        __sync_fetch_and_add(&a->lt_lost, 1);
+        return;
+    }
+    u64 t = idx_lt_thread((u64)ith), l = idx_agg_layer((u64)layer);
+    if (!a->lt_off[t][l]) {
+        a->lt_off[t][l] = (u32)d;
+        a->lt_tid[t] = (u32)bpf_get_current_pid_tgid();
+    }
+}
+#endif
+
 /* ---- graph nodes ----------------------------------------------------------------------------- */
 /* thread index of a compute call: the probes that read inputs run on thread 0 only */
 static __always_inline s32 compute_ith(u64 params) { return rd32(params + P_ITH); }

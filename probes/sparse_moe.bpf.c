@@ -200,6 +200,23 @@ int moe_mul_enter(struct pt_regs *ctx) {
         return 0;
     s32 ith = 0, nth = 0;
     thread_split(params, &ith, &nth);
+    /* the layer: up to three digits after "ffn_moe_weighted-" (bytes 1-3 of the third word) */
+    s32 layer = -1;
+    for (int j = 1; j <= 3; j++) {
+        u8 c = (u8)(name[2] >> (8 * j));
+        if (c < '0' || c > '9')
+            break;
+        layer = (layer < 0 ? 0 : layer * 10) + (c - '0');
+    }
+#ifdef AGG_STEPS
+    {
+        /* the layer's probe point, timed on every thread (kept only where none came earlier in
+         * the layer: the GLU's, when its probe is attached too) */
+        struct ev_step_agg *ag = agg_active();
+        if (ag)
+            agg_layer_time(ag, layer, ith);
+    }
+#endif
     /* Thread 0 reads the routing; the other threads only count their share of the activations.
      * Where there are none to count (not captured, or a pass --act-every or a head-dropped
      * request leaves uncounted) they return before the tensor headers: three user reads a layer
@@ -211,14 +228,6 @@ int moe_mul_enter(struct pt_regs *ctx) {
     if (ith != 0)
         return 0;
 #endif
-    /* the layer: up to three digits after "ffn_moe_weighted-" (bytes 1-3 of the third word) */
-    s32 layer = -1;
-    for (int j = 1; j <= 3; j++) {
-        u8 c = (u8)(name[2] >> (8 * j));
-        if (c < '0' || c > '9')
-            break;
-        layer = (layer < 0 ? 0 : layer * 10) + (c - '0');
-    }
 #if defined(IDS_AT_MUL) || defined(ACT_AT_MUL)
     u32 z = 0;
     struct thdr_buf *hb = thdr.lookup(&z);

@@ -129,7 +129,8 @@ BPF_ARRAY(step_agg, struct ev_step_agg, 1);
 BPF_ARRAY(act_passes, u64, 1); /* one-row passes begun (--act-every) */
 #endif
 
-static __always_inline void agg_begin(u32 n_tokens, u64 serial) {
+/* t0: the step's start, its EV_UBATCH record's timestamp (the layer times count from it). */
+static __always_inline void agg_begin(u32 n_tokens, u64 serial, u64 t0) {
     int k = 0;
     struct ev_step_agg *a = step_agg.lookup(&k);
     if (!a)
@@ -147,8 +148,14 @@ static __always_inline void agg_begin(u32 n_tokens, u64 serial) {
         a->act_below[i] = 0;
         a->act_rows[i] = 0;
         a->act_nr[i] = 0;
+        for (int t = 0; t < LT_THREADS; t++)
+            a->lt_off[t][i] = 0;
         asm volatile("" ::: "memory"); /* keeps clang from turning the loop into memset() */
     }
+    for (int t = 0; t < LT_THREADS; t++)
+        a->lt_tid[t] = 0;
+    a->t0_ns = t0;
+    a->lt_lost = 0;
     a->serial = serial;
     a->overlap = 0;
     a->att_n = 0;
@@ -457,6 +464,7 @@ int ubatch_enter(struct pt_regs *ctx) {
     u32 tid = (u32)bpf_get_current_pid_tgid();
     decode_pending.delete(&tid);
     u64 seq = next_seq();
+    u64 t0 = 0; /* the micro-batch record's timestamp */
     u32 n = 0;
     bpf_probe_read_user(&n, sizeof(n), (void *)(ub + UB_N_TOKENS));
 #ifdef HEAD_KEEP_BELOW
@@ -474,6 +482,7 @@ int ubatch_enter(struct pt_regs *ctx) {
             return 0;
         }
         fill_hdr(&e->h, EV_UBATCH, lctx, seq);
+        t0 = e->h.ts_ns;
         UBATCH_FILL(e, UB_SMALL_TOK, ub, n);
 #ifdef HEAD_KEEP_BELOW
         if (hr)
@@ -487,6 +496,7 @@ int ubatch_enter(struct pt_regs *ctx) {
             return 0;
         }
         fill_hdr(&e->h, EV_UBATCH, lctx, seq);
+        t0 = e->h.ts_ns;
         UBATCH_FILL(e, MAX_UB_TOK, ub, n);
 #ifdef HEAD_KEEP_BELOW
         if (hr)
@@ -524,7 +534,7 @@ int ubatch_enter(struct pt_regs *ctx) {
     ui.serial = seq;
     ubatch_info.update(&tid, &ui);
 #ifdef AGG_STEPS
-    agg_begin(n, seq);
+    agg_begin(n, seq, t0);
 #ifdef HEAD_KEEP_BELOW
     if (ub_out && !ub_keep)
         agg_head_drop(seq);

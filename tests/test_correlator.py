@@ -402,7 +402,7 @@ def test_every_table_has_exactly_the_schema_columns() -> None:
         empty = c.take_tables()
         c.feed(decode_records(_mixed_script().recs, 1024))
         for tables in (empty, c.take_tables(final=True)):
-            assert tables.keys() == {"tokens", "steps", "routes", "masks", "requests"}
+            assert tables.keys() == {"tokens", "steps", "routes", "masks", "layer_times", "requests"}
             for name, cols in tables.items():
                 assert cols.keys() == schema.TABLES[name].keys(), name
                 assert schema.frame(name, dict(cols)).height == len(
@@ -1758,7 +1758,10 @@ def _compact(recs: list[bytes], agg_layers: int) -> list[bytes]:
             small = np.zeros(1, dt)
             for name in dt.names or ():
                 v = a[name]
-                small[name] = v[:, :agg_layers] if v.ndim > 1 else v
+                if name == "lt_off":  # [threads, layers]
+                    small[name] = v[:, :, :agg_layers]
+                else:  # lt_tid is per thread, not per layer
+                    small[name] = v[:, :agg_layers] if v.ndim > 1 and name != "lt_tid" else v
             raw = small.tobytes()
         out.append(raw)
     return out
@@ -1782,6 +1785,21 @@ def test_ubatch_s_and_agg_records_sized_to_the_model_mirror_the_c_structs(tmp_pa
         subprocess.run([cc, f"-I{ev.PROBES_DIR}", *flags, str(src), "-o", str(exe)], check=True)
         out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
         assert [int(x) for x in out] == [ev.UBATCH_S_DTYPE.itemsize, ev.STEP_AGG_DTYPES[layers].itemsize]
+    # and with the layer times' thread slots the loader passes (-DLT_THREADS)
+    for threads in ev.LT_THREAD_CHOICES:
+        exe = tmp_path / f"sizes_t{threads}"
+        flags = [
+            "-DAGG_LAYERS=16",
+            "-DAGG_LAYER_MASK=15",
+            f"-DLT_THREADS={threads}",
+            f"-DLT_THREAD_MASK={threads - 1}",
+        ]
+        subprocess.run([cc, f"-I{ev.PROBES_DIR}", *flags, str(src), "-o", str(exe)], check=True)
+        out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+        assert int(out[1]) == ev.STEP_AGG_LAYOUTS[16, threads].itemsize
+    assert [ev.lt_threads_for(n) for n in (None, 1, 2, 4, 5, 16, 17, 32, 33, 256)] == [
+        4, 4, 4, 4, 8, 16, 32, 32, 32, 32,
+    ]  # fmt: skip
     assert [ev.agg_layers_for(n) for n in (None, 0, 1, 6, 7, 14, 30, 31, 62, 63, 126, 127, 300)] == [
         128, 128, 8, 8, 16, 16, 32, 64, 64, 128, 128, 128, 128,
     ]  # fmt: skip

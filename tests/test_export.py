@@ -193,7 +193,7 @@ def test_perfetto_export_holds_every_step_token_and_kernel_with_exact_times(tmp_
         assert track_names[(ev["pid"], ev["tid"])] == f"GPU {row['device']} stream {row['stream_id']}"
         check_times(ev, origin, row["start_ns"], row["end_ns"])
     assert doc["otherData"]["skipped_without_times"] == {"steps": 0, "tokens": 0, "kernels": 1}
-    assert doc["otherData"]["events"] == {"steps": 20, "tokens": 40, "kernels": 61}
+    assert doc["otherData"]["events"] == {"steps": 20, "tokens": 40, "kernels": 61, "layers": 0}
 
     processes = names(doc, "process_name")
     assert processes[(4242, 0)] == "engine (pid 4242)"
@@ -202,6 +202,58 @@ def test_perfetto_export_holds_every_step_token_and_kernel_with_exact_times(tmp_
     assert track_names[(4242, 4243)] == "engine thread 4243"
     # Perfetto names threads by tid alone: no tid is shared by two tracks
     assert len({tid for _, tid in track_names}) == len(track_names)
+
+
+def layer_times_frame(n_steps: int, worker_tid: int) -> pl.DataFrame:
+    """Layer times of the one-row steps of steps_frame (all but step 0) on the step's thread
+    (4243, graph thread 0) and a worker: layer L's probe point 100 us x (L + 1) into the step."""
+    rows: dict[str, list[object]] = {c: [] for c in schema.LAYER_TIMES}
+    for step in range(1, n_steps):
+        for thread, tid in ((0, 4243), (1, worker_tid)):
+            prev = None
+            for layer in range(4):
+                t = 1_000_000 * step + 100_000 * (layer + 1) + 1_000 * thread
+                for name, v in (
+                    ("step_id", step),
+                    ("ctx_id", 0),
+                    ("layer", layer),
+                    ("thread", thread),
+                    ("tid", tid),
+                    ("t_ns", t),
+                    ("dur_ns", None if prev is None else t - prev),
+                    ("lag_ns", 1_000 * thread),
+                ):
+                    rows[name].append(v)
+                prev = t
+    return schema.frame("layer_times", rows)
+
+
+def test_perfetto_layer_slices_lie_under_their_step_on_each_thread(tmp_path: Path) -> None:
+    src = make_recording(tmp_path / "rec", kernels=False)
+    with RecordingWriter(tmp_path / "rec2", {**META, "model": MODEL, "layers": LAYERS}) as w:
+        rec0 = sparseety_prof.open(src)
+        for table in ("tokens", "steps", "requests"):
+            w.append(table, rec0.table(table))
+        w.append("layer_times", layer_times_frame(20, worker_tid=4250))
+    out = tmp_path / "trace.json"
+    assert export(tmp_path / "rec2", "perfetto", out) == 0
+    rec = sparseety_prof.open(tmp_path / "rec2")
+    doc = read_trace(out)
+    origin = doc["otherData"]["ts_origin_ns"]
+    want = rec.table("layer_times").drop_nulls("dur_ns").rows(named=True)
+    got = slices(doc, "layer")
+    assert len(got) == len(want) == 19 * 2 * 3 and doc["otherData"]["events"]["layers"] == len(want)
+    steps = {r["step_id"]: r for r in rec.steps().rows(named=True)}
+    for ev, row in zip(got, want, strict=True):
+        assert (ev["pid"], ev["tid"]) == (4242, row["tid"]) and ev["name"] == f"layer {row['layer']}"
+        assert ev["args"] == row
+        check_times(ev, origin, row["t_ns"] - row["dur_ns"], row["t_ns"])
+        step = steps[row["step_id"]]
+        assert step["t_start_ns"] <= row["t_ns"] - row["dur_ns"] and row["t_ns"] <= step["t_end_ns"]
+    track_names = names(doc, "thread_name")
+    assert track_names[(4242, 4250)] == "engine thread 4250"
+    assert track_names[(4242, 4243)] == "engine thread 4243"
+    assert len(track_names) == len({tid for _, tid in track_names})
 
 
 def _enclosing(doc: dict[str, Any], origin: int, ev: dict[str, Any]) -> dict[str, Any]:

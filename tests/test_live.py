@@ -63,6 +63,11 @@ def _routed() -> dict[str, Any]:
         "expert_ids": experts,
         "act_zero_ratio": zero,
         "act_below_ratio": [[min(1.0, x + 0.2) for x in z] for z in zero],
+        # the step's slowest layer: layer 2 but in the last three steps (layer 3), the first
+        # token's step (a prompt) without layer times
+        "slowest_layer": [None] + [2 if i < N - 3 else 3 for i in range(1, N)],
+        "slowest_layer_ms": [None] + [0.5 + 0.25 * (i % 3) for i in range(1, N)],
+        "slowest_tid": [None] + [4243] * (N - 1),
     }
 
 
@@ -143,6 +148,10 @@ def test_snapshot_numbers() -> None:
     assert s.requests[1].partial and s.requests[0].tokens[3].text == " w3"
     assert s.requests[0].tokens[5].experts == tuple(tuple(x) for x in _routed()["expert_ids"][5])
     assert s.moe_layers == (0, 1, 2, 3) and s.n_experts == 8
+    # layer 2 was the slowest in 12 of the 15 steps with layer times, at 0.5, 0.75, 1.0 ms in turn
+    assert (s.slowest_layer, s.slowest_layer_steps) == (2, (12, 15))
+    assert s.slowest_layer_ms == pytest.approx(0.75)
+    assert re.search(r"slowest layer +L2 0.75 ms \(12/15 steps\)", _text(120))
 
 
 def test_marks_are_the_detectors_tokens() -> None:

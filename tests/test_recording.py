@@ -55,6 +55,9 @@ def tokens_frame(n: int, *, start: int = 0, seq_ids: tuple[int, ...] = (0, 1)) -
         rows["attn_attended"].append([9 + step, min(9 + step, 4)])
         rows["attn_total"].append(10 + step)
         rows["kv_cells_used"].append(10 + step)
+        rows["slowest_layer"].append(None if first else step % 2)
+        rows["slowest_layer_ms"].append(None if first else 0.125 * (k % 3 + 1))
+        rows["slowest_tid"].append(None if first else 4243)
     return schema.frame("tokens", rows)
 
 

@@ -34,11 +34,13 @@ from sparseety_prof.capture.events import (
     LOGITS_HEAD_BYTES,
     LOGITS_REF,
     LOGITS_REF_DTYPE,
+    LT_THREADS_DEFAULT,
     PROBES_DIR,
     UBATCH_DTYPE,
     agg_layers_for,
     logits_chunk_for,
     logits_dtype,
+    lt_threads_for,
     record_sizes,
 )
 from sparseety_prof.capture.layouts import EngineBuild
@@ -178,6 +180,7 @@ class Session:
     compile_s: float = 0.0
     logits_chunk: int = 1024
     agg_layers: int = AGG_MAX_LAYERS  # layers an aggregate record holds (events.agg_layers_for)
+    lt_threads: int = LT_THREADS_DEFAULT  # engine threads it times (events.lt_threads_for)
     moe: MoePlan = field(default_factory=MoePlan)  # where the MoE probes read (as compiled)
     ring_pages: int = RING_BUFFER_PAGES  # size of the ring buffer the probes write to
     stats_fd: int | None = None  # the kernel's BPF run statistics are on while it is open (bpf_stats.py)
@@ -294,6 +297,7 @@ def compile_and_attach(
     http_reads = is_server(where) and HTTP_READS not in skip
     kv_mask = capture.attention and tg.SYM_KQ_MASK in where and tg.SYM_KQ_MASK not in skip
     agg_layers = agg_layers_for(n_layer)  # the aggregate record sized to the model (events.h)
+    lt_threads = lt_threads_for(os.cpu_count())  # and its layer times to the host's CPUs
     cflags = [
         f"-I{PROBES_DIR}",
         *build.ubatch.cflags(),
@@ -308,6 +312,8 @@ def compile_and_attach(
         f"-DRB_PAGES={ring_pages}",
         f"-DAGG_LAYERS={agg_layers}",
         f"-DAGG_LAYER_MASK={agg_layers - 1}",
+        f"-DLT_THREADS={lt_threads}",
+        f"-DLT_THREAD_MASK={lt_threads - 1}",
         *(["-DHAVE_TASK_STORAGE"] if task_storage_usable() else []),
         *([f"-DHEAD_KEEP_BELOW={head_keep_below}ULL"] if head_keep_below is not None else []),
         "-Wno-macro-redefined",
@@ -331,6 +337,7 @@ def compile_and_attach(
         compile_s=time.monotonic() - t0,
         logits_chunk=logits_chunk_for(n_vocab),
         agg_layers=agg_layers,
+        lt_threads=lt_threads,
         moe=moe,
         ring_pages=ring_pages,
     )
@@ -569,7 +576,7 @@ class RingReader:
                 size,
                 self.PRESIZE_BYTES if size == logits_size else size * records.get(size, self.PRESIZE_RECORDS),
             )
-            for size in record_sizes(sess.logits_chunk, sess.agg_layers)
+            for size in record_sizes(sess.logits_chunk, sess.agg_layers, sess.lt_threads)
         }
         self._logits_size = logits_size
         self._refs = _Arena(LOGITS_REF_DTYPE.itemsize, LOGITS_REF_DTYPE.itemsize * self.PRESIZE_RECORDS)

@@ -77,6 +77,7 @@ ATT_MAX_ROWS = _header_define("ATT_MAX_ROWS")
 AGG_MAX_LAYERS = _header_define("AGG_MAX_LAYERS")
 AGG_MAX_K = _header_define("AGG_MAX_K")
 HTTP_BYTES = _header_define("HTTP_BYTES")
+LT_THREADS_DEFAULT = _header_define("LT_THREADS")  # thread slots of layer times when none is passed
 
 
 def logits_chunk_for(n_vocab: int) -> int:
@@ -161,8 +162,9 @@ ATTN_DTYPE = np.dtype(
 )
 
 
-def step_agg_dtype(layers: int) -> np.dtype:
-    """struct ev_step_agg holding `layers` layers (AGG_LAYERS: see agg_layers_for)."""
+def step_agg_dtype(layers: int, threads: int = LT_THREADS_DEFAULT) -> np.dtype:
+    """struct ev_step_agg holding `layers` layers (AGG_LAYERS: see agg_layers_for) and the layer
+    times of `threads` engine threads (LT_THREADS: see lt_threads_for)."""
     return np.dtype(
         [
             *HDR,
@@ -185,6 +187,11 @@ def step_agg_dtype(layers: int) -> np.dtype:
             ("att_layer", "<i4", (layers,)),
             ("att_count", "<u4", (layers,)),
             ("att_flags", "<u4", (layers,)),
+            ("t0_ns", "<u8"),
+            ("lt_lost", "<u4"),
+            ("lt_pad", "<u4"),
+            ("lt_tid", "<u4", (threads,)),
+            ("lt_off", "<u4", (threads, layers)),
         ]
     )
 
@@ -195,8 +202,24 @@ AGG_LAYER_CHOICES = (8, 16, 32, 64, AGG_MAX_LAYERS)
 #: attention nodes a pass may add past one per layer (the set_input_kq_mask calls: one per kind
 #: of mask, full and sliding-window)
 AGG_ATTN_EXTRA = 2
-STEP_AGG_DTYPES = {layers: step_agg_dtype(layers) for layers in AGG_LAYER_CHOICES}
+#: the engine threads an aggregate record times (LT_THREADS: powers of two, bounded by one AND)
+LT_THREAD_CHOICES = (4, 8, 16, 32)
+#: every layout of the aggregate record: (layers, threads) -> dtype
+STEP_AGG_LAYOUTS = {
+    (lay, thr): step_agg_dtype(lay, thr) for lay in AGG_LAYER_CHOICES for thr in LT_THREAD_CHOICES
+}
+#: the layouts with the header's default thread slots, by layers
+STEP_AGG_DTYPES = {layers: STEP_AGG_LAYOUTS[layers, LT_THREADS_DEFAULT] for layers in AGG_LAYER_CHOICES}
 STEP_AGG_DTYPE = STEP_AGG_DTYPES[AGG_MAX_LAYERS]
+
+
+def lt_threads_for(cpus: int | None) -> int:
+    """The engine threads an aggregate record times on a host of `cpus` CPUs: the smallest
+    choice with a slot for each CPU (an engine rarely runs more compute threads than CPUs; those
+    past the slots are counted in lt_lost, not timed), the largest choice beyond it. The slots
+    are cleared and copied once per token: 4 bytes per thread and layer."""
+    want = max(int(cpus or 1), 1)
+    return next((c for c in LT_THREAD_CHOICES if c >= want), LT_THREAD_CHOICES[-1])
 
 
 def agg_layers_for(n_layer: int | None) -> int:
@@ -298,12 +321,19 @@ class EventBatch:
         return np.concatenate([g["seq"] for g in self.groups()])
 
 
-def _layouts(logits_chunk: int, agg_layers: int | None = None) -> dict[int, tuple[str, np.dtype]]:
+def _layouts(
+    logits_chunk: int, agg_layers: int | None = None, lt_threads: int = LT_THREADS_DEFAULT
+) -> dict[int, tuple[str, np.dtype]]:
     """Record size -> (EventBatch field, dtype). Every layout has a distinct size (checked here),
-    so the size alone routes a record. The aggregate record's size depends on the layers it was
-    built for: `agg_layers`, or every choice (AGG_LAYER_CHOICES) when None."""
+    so the size alone routes a record. The aggregate record's size depends on the layers and
+    threads it was built for: `agg_layers` and `lt_threads`, or every choice of both
+    (STEP_AGG_LAYOUTS) when `agg_layers` is None."""
     ldt = logits_dtype(logits_chunk)
-    aggs = [STEP_AGG_DTYPES[agg_layers]] if agg_layers is not None else list(STEP_AGG_DTYPES.values())
+    aggs = (
+        [STEP_AGG_LAYOUTS[agg_layers, lt_threads]]
+        if agg_layers is not None
+        else list(STEP_AGG_LAYOUTS.values())
+    )
     entries = [
         ("small", SMALL_DTYPE),
         ("ubatch", UBATCH_DTYPE),
@@ -329,9 +359,11 @@ def layout_names(logits_chunk: int) -> dict[int, str]:
     return {size: name for size, (name, _) in _layouts(logits_chunk).items()}
 
 
-def record_sizes(logits_chunk: int, agg_layers: int = AGG_MAX_LAYERS) -> list[int]:
+def record_sizes(
+    logits_chunk: int, agg_layers: int = AGG_MAX_LAYERS, lt_threads: int = LT_THREADS_DEFAULT
+) -> list[int]:
     """Sizes of every record layout of a session (its logits and aggregate records' included)."""
-    return sorted(_layouts(logits_chunk, agg_layers))
+    return sorted(_layouts(logits_chunk, agg_layers, lt_threads))
 
 
 def _unexpected(size: int) -> ValueError:

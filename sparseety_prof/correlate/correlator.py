@@ -29,6 +29,7 @@ from sparseety_prof.correlate.attention_map import AttentionMap
 from sparseety_prof.correlate.drain_index import G_SMALL, DrainIndex
 from sparseety_prof.correlate.fast_step import fast_sample, fast_step, make_unmade
 from sparseety_prof.correlate.feed_state import FeedState
+from sparseety_prof.correlate.layer_times import LayerClock
 from sparseety_prof.correlate.plain_run import plain_run
 from sparseety_prof.correlate.request_tokens import RequestTokens
 from sparseety_prof.correlate.routes import RoutesTables
@@ -130,6 +131,9 @@ class Correlator:
         )
         self._tokens_apart: list[ArrayRows] = []
         self.rows_set_apart = {"tokens": 0, "steps": 0}  # since the start
+        # the aggregate records' timed probe points, until their steps are taken (layer_times)
+        self.layer_clock = LayerClock()
+        requests.slowest = self.layer_clock.slowest_of
 
     # what the recorder and its metadata read (FeedState holds them)
     @property
@@ -244,6 +248,7 @@ class Correlator:
             # agg_begin marks a pass whose activations --act-every skips: active 2
             state.counters.act_sampled_out += int(np.count_nonzero(batch.step_agg["active"] == 2))
         state.agg_pre = dict(zip(batch.step_agg["seq"].tolist(), pre, strict=True)) if pre else {}
+        self.layer_clock.add_drain(batch.step_agg)
 
     def _small_from_columns(self, idx: DrainIndex, i: int, kind: int) -> None:
         """A decode call, a cache cut or a slot's token at record i, from the drain's columns
@@ -280,14 +285,18 @@ class Correlator:
         state = self.state
         routes, masks = state.routes.take()
         state.counters.sparse_unmapped_rows = state.problems.unmapped_rows
+        # the steps first: their layer times give their tokens' slowest layer
+        steps = state.steps.take()
+        layer_times = self.layer_clock.take(steps)
         tokens = state.requests.take_tokens()
         if self._apart_columns is not None:
             tokens = self._set_tokens_apart(tokens)
         return {
             "tokens": tokens,
-            "steps": state.steps.take(),
+            "steps": steps,
             "routes": routes,
             "masks": masks,
+            "layer_times": layer_times,
             "requests": state.requests.take_requests(state.ctxs.values(), final=final),
         }
 

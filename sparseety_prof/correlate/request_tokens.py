@@ -14,7 +14,7 @@ back to it; a token of a sequence never seen starts a request), so they live tog
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -34,6 +34,7 @@ from sparseety_prof.correlate.tables import (
     REQUEST_ROW,
     SPARSE_TOKEN_COLUMNS,
     TOKEN_ROW,
+    TOKEN_SLOWEST,
     TOKEN_TEXT,
     RowBuffer,
 )
@@ -107,13 +108,25 @@ class RequestTokens:
         self._later_rows: list[tuple[int, Step, int]] = []
         self.stats = PendingStats()
         self.requests = RowBuffer(REQUEST_ROW)  # finished requests
+        # the slowest layer of steps by their ids (the correlator's LayerClock.slowest_of), for the
+        # token rows when taken
+        self.slowest: Callable[[list[int]], Sequence[tuple[object, object, object]]] | None = None
 
     # ------------------------------------------------------------------ rows out
     def take_tokens(self) -> Columns | RowParts:
         """Token rows since the last call, with their logits statistics and texts: columns, or
-        RowParts when the per-layer lists of rows are in AggBlocks (block_tokens)."""
+        RowParts when the per-layer lists of rows are in AggBlocks (block_tokens). Their step's
+        slowest layer from `slowest` (LayerClock.slowest_of), null columns without it."""
         tok = self.tokens.take()
         self.stats.fill(tok)
+        step_ids = tok["step_id"]
+        if self.slowest is not None and step_ids:
+            per_token = self.slowest(step_ids)  # type: ignore[arg-type]
+            for name, col in zip(TOKEN_SLOWEST, zip(*per_token, strict=True), strict=True):
+                tok[name] = list(col)
+        else:
+            for name in TOKEN_SLOWEST:
+                tok[name] = [None] * len(step_ids)
         ids = tok["token_id"]
         if self.texts is not None and ids:
             tok[TOKEN_TEXT] = list(self.texts([int(t) for t in ids]))  # type: ignore[call-overload]

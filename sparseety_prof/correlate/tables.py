@@ -48,7 +48,9 @@ TOKEN_ROW = schema.columns(
 #: the logits row's statistics, computed for a whole drain when the rows are taken
 TOKEN_STATS = schema.columns("tokens", "log_prob", "top_ids", "top_log_probs", "entropy")
 (TOKEN_TEXT,) = schema.columns("tokens", "token_text")
-schema.check_columns("tokens", (*TOKEN_ROW, *TOKEN_STATS, TOKEN_TEXT))
+#: the step's slowest layer, filled when the rows are taken (layer_times.LayerClock.slowest)
+TOKEN_SLOWEST = schema.columns("tokens", "slowest_layer", "slowest_layer_ms", "slowest_tid")
+schema.check_columns("tokens", (*TOKEN_ROW, *TOKEN_STATS, TOKEN_TEXT, *TOKEN_SLOWEST))
 
 #: a steps row as it is emitted (StepsTable.add_values), one tuple per micro-batch in this order
 STEP_ROW = schema.columns(

@@ -47,6 +47,7 @@ def run_metadata(a: Attached, opts: Options) -> dict[str, Any]:
         "record_layout": {
             "logits_chunk": a.session.logits_chunk,
             "agg_layers": a.session.agg_layers,
+            "lt_threads": a.session.lt_threads,  # engine threads an aggregate record times (LT_THREADS)
             "ubatch_small_rows": UB_SMALL_TOK,
         },
         "model": a.model.to_meta(),
@@ -155,6 +156,10 @@ def losses(counters: dict[str, int], corr: Correlator, *, seq_gaps: int, records
         "samples_before_first_step": corr.counters.samples_before_first_step,
         "sparse_before_first_step": corr.counters.sparse_before_first_step,
         "program_misses": counters["program_misses"],
+        # layer times (layer_times table): probe points the probes could not time (a thread index
+        # past the record's thread slots), and timed steps that never reached the steps table
+        "layer_points_lost": corr.layer_clock.lost_points,
+        "layer_times_unjoined": corr.layer_clock.unjoined,
     }
 
 

@@ -24,7 +24,7 @@ from sparseety_prof.store.array_rows import ArrayRows
 POLICIES: tuple[str, ...] = ("full", "aggregate", "head:RATE", "tail:Q", "anomaly[:KINDS]")
 _DROPPED_TABLES: dict[str, frozenset[str]] = {
     "full": frozenset(),
-    "aggregate": frozenset({"tokens", "steps", "routes", "masks", "kernels"}),
+    "aggregate": frozenset({"tokens", "steps", "routes", "masks", "kernels", "layer_times"}),
 }
 
 

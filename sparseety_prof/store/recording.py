@@ -102,6 +102,7 @@ _SORT_KEYS: dict[str, tuple[str, ...]] = {
     "steps": ("step_id",),
     "routes": ("step_id", "row", "layer"),
     "masks": ("step_id", "row", "layer"),
+    "layer_times": ("step_id", "thread", "layer"),
     "requests": ("t_started_ns", "seq_id"),
     "kernels": ("launch_ns", "correlation_id"),
     "aggregates": ("bucket_unix_ms", "metric", "layer", "bin"),

@@ -52,6 +52,12 @@ TOKENS: dict[str, pl.DataType] = {
     "attn_attended": pl.List(pl.Int32()),  # per attention layer: unmasked cells in the mask row
     "attn_total": pl.Int32(),  # positions of the sequence so far (logits_pos + 1)
     "kv_cells_used": pl.Int32(),  # cells of the sequence visible to full attention (max attended)
+    # ---- the step's slowest layer (layer_times: the largest dur_ns of the step on any thread);
+    # null where the step's layer times were not captured (a step of several rows, a capture
+    # without the one-row aggregate: docs/recording-format.md, layer_times)
+    "slowest_layer": pl.Int32(),  # model layer
+    "slowest_layer_ms": pl.Float64(),  # its dur_ns, in ms
+    "slowest_tid": pl.Int32(),  # the engine thread (OS thread id) it was measured on
 }
 
 #: One row per micro-batch (one forward pass, `llama_context::process_ubatch`).
@@ -105,6 +111,29 @@ MASKS: dict[str, pl.DataType] = {
     "layer": pl.Int32(),
     "n_values": pl.Int32(),  # bits that are meaningful (the mask is padded to whole bytes)
     "nonzero_bits": pl.Binary(),
+}
+
+#: One row per (one-row micro-batch, model layer, engine thread) the sparse probes timed: when the
+#: thread reached the layer's probe point (its first FFN activation (GLU) node, or the MoE
+#: "ffn_moe_weighted" multiply where activations are read there: no probe of its own) and the time
+#: since its previous probe point in the step. Per step and thread, with the thread's probe points
+#: in time order, sum(dur_ns) + head + tail == steps.t_end_ns - steps.t_start_ns exactly, where the
+#: probes' own gaps are head = first t_ns - t_start_ns (graph build, inputs, the first layer up to
+#: its probe point) and tail = t_end_ns - last t_ns (the rest of the last layer, the output head,
+#: the logits). A layer's interval therefore ends at its own probe point and holds the end of the
+#: layer before. Steps of several rows (prompts) have none. Join to steps on step_id.
+LAYER_TIMES: dict[str, pl.DataType] = {
+    "step_id": pl.Int64(),
+    "ctx_id": pl.Int32(),
+    "layer": pl.Int32(),  # model layer (block) index
+    "thread": pl.Int32(),  # the engine's graph thread index (ggml_compute_params.ith)
+    "tid": pl.Int32(),  # its OS thread id
+    "t_ns": pl.Int64(),  # CLOCK_MONOTONIC: the thread reached the layer's probe point
+    "dur_ns": pl.Int64(),  # since its previous probe point in the step; null for its first (the head gap)
+    # after the first thread reached the same probe point: every thread leaves the same barrier
+    # before the node, so this is time the thread came late to it (woken late, preempted), not
+    # the barrier's wait itself, which the probes do not see
+    "lag_ns": pl.Int64(),
 }
 
 #: One row per request the profiler saw (HTTP engines: one per client request; other front ends:
@@ -269,6 +298,7 @@ TABLES: dict[str, dict[str, pl.DataType]] = {
     "steps": STEPS,
     "routes": ROUTES,
     "masks": MASKS,
+    "layer_times": LAYER_TIMES,
     "requests": REQUESTS,
     "kernels": KERNELS,
     "aggregates": AGGREGATES,

@@ -45,9 +45,14 @@ def check_preset(p: Preset, dtype: str, prune: Prune | None) -> None:
         raise ValueError(f"n_swa needs arch olmo2, not {p.arch}")
     if p.n_embd % p.n_head or p.n_head % p.n_head_kv:
         raise ValueError("n_embd must divide by n_head, n_head by n_head_kv")
+    if p.ff_widths and (p.arch != "deci" or p.n_expert or len(p.ff_widths) != p.n_layer):
+        raise ValueError("ff_widths: one width per layer, arch deci, no experts")
+    if p.arch == "deci" and p.n_expert:
+        raise ValueError("arch deci is dense here (the generator writes no expert tensors for it)")
     # every matrix row (ggml ne0) is n_embd long, except ffn_down's (n_ff); attn_output's is
     # n_head * head_dim == n_embd
     rows = {"n_embd": p.n_embd, "n_ff": p.n_ff}
+    rows.update({f"ff_widths[{i}]": n for i, n in enumerate(p.ff_widths)})
     if dtype in QUANT_TYPES:
         block = gguf.GGML_QUANT_SIZES[QUANT_TYPES[dtype]][0]
         for what, n in rows.items():
@@ -88,6 +93,8 @@ def write_gguf(
     if p.arch in MOE_ARCHS:  # the dense width is unused, the expert width is its own key
         w.add_feed_forward_length(F * p.n_expert_used)
         w.add_expert_feed_forward_length(F)
+    elif p.ff_widths:  # one width per layer: an array under the same key
+        w.add_array(gguf.Keys.LLM.FEED_FORWARD_LENGTH.format(arch=p.arch), list(p.ff_widths))
     else:
         w.add_feed_forward_length(F)
     if p.arch == "smallthinker":
@@ -183,9 +190,10 @@ def write_gguf(
             weight(b + "ffn_up_exps.weight", draw(E, F, D), ffn=True)
             weight(b + "ffn_down_exps.weight", draw(E, D, F), ffn=True)
         else:
-            weight(b + "ffn_gate.weight", draw(F, D), ffn=True)
-            weight(b + "ffn_up.weight", draw(F, D), ffn=True)
-            weight(b + "ffn_down.weight", draw(D, F), ffn=True)
+            fi = p.ff_widths[i] if p.ff_widths else F
+            weight(b + "ffn_gate.weight", draw(fi, D), ffn=True)
+            weight(b + "ffn_up.weight", draw(fi, D), ffn=True)
+            weight(b + "ffn_down.weight", draw(D, fi), ffn=True)
         if p.arch == "olmo2":
             norm(b + "post_ffw_norm.weight", D)
 

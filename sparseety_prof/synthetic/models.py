@@ -102,7 +102,7 @@ def model_spec(
         "gguf_version": getattr(gguf, "__version__", None) or _gguf_dist_version(),
         "numpy_version": np.__version__,
         "preset": preset,
-        "params": asdict(p),
+        "params": json.loads(json.dumps(asdict(p))),  # as the sidecar reads back (tuples as lists)
         "seed": seed,
         "dtype": dt,
         "n_vocab_min": nv,

@@ -49,7 +49,7 @@ FILE_TYPES: dict[str, gguf.LlamaFileType] = {
     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
 }
-ARCHS = ("llama", "qwen3moe", "smallthinker", "olmo2")
+ARCHS = ("llama", "qwen3moe", "smallthinker", "olmo2", "deci")
 MOE_ARCHS = ("qwen3moe", "smallthinker")  # archs that have no dense-FFN variant
 #: llama.cpp's olmo2 loader calls load_swa_pattern(ml, 4) with dense_first=false when the GGUF has
 #: no sliding_window_pattern key: layer il is SWA iff il % 4 < 4 - 1 (vendored llama.cpp 0c1e570,
@@ -86,6 +86,9 @@ class Preset:
     #: a vocabulary piece whose embedding is 1000x the others' under routing "context" (20x the usual
     #: full scale): its own position is routed by the token, not the prefix
     loud_token: str = ""
+    #: per-layer FFN widths (dense arch deci only, which reads feed_forward_length per layer; llama
+    #: sizes every layer's FFN by layer 0's): () = n_ff in every layer
+    ff_widths: tuple[int, ...] = ()
     description: str = ""
 
     # Hyper-parameters that the engine fixes per arch (not read from the GGUF), for consumers that
@@ -177,6 +180,12 @@ PRESETS: dict[str, Preset] = {
         loud_token=SPACE + "expert",
         description="context_routed, but the token '▁expert' has an embedding 1000x the others': its "
         "routing jumps",
+    ),
+    "wide_layer": Preset(
+        arch="deci",
+        ff_widths=(256, 256, 256 * 64, 256),
+        description="dense llama-like (arch deci: per-layer FFN widths) whose layer 2's FFN is 64x the "
+        "others' wide: that layer dominates each step's time (tests/test_layer_times.py)",
     ),
     "bench": Preset(
         arch="llama",

@@ -25,6 +25,7 @@ RATE_WINDOW_NS = 5_000_000_000  # tokens/s and steps/s over the last 5 s
 MAX_REQUESTS = 6  # requests shown, newest last
 MAX_TOKENS_PER_REQUEST = 48  # tail of each request's token stream: also the heat map's window
 STEPS_KEPT = 4096  # recent steps whose batch context a request's worst gap can name
+SLOWEST_KEPT = 256  # recent steps whose slowest layer the stats panel sums up
 #: heat map shades by a cell's selections / the busiest cell's; "·" is an expert never chosen
 HEAT_SHADES = "░▒▓█"
 JUMP_MARK, SPIKE_MARK = "↯", "◆"
@@ -99,6 +100,11 @@ class Snapshot:
     moe_layers: tuple[int, ...] | None = None  # model layer of each element of expert_ids
     ffn_layers: tuple[int, ...] | None = None  # ... of act_zero_ratio / act_below_ratio
     n_experts: int | None = None  # the model's expert count, when known
+    # the layer most often slowest in the recent steps with layer times (tokens' slowest_layer),
+    # its median time there, and in how many of those steps it was the slowest
+    slowest_layer: int | None = None
+    slowest_layer_ms: float | None = None
+    slowest_layer_steps: tuple[int, int] | None = None  # (steps it was slowest in, steps)
 
 
 @dataclass(frozen=True)
@@ -211,6 +217,8 @@ class LiveState:
         self._marks: dict[str, tuple[int, set[tuple[str, int]], set[tuple[str, int]]]] = {}
         self._timing: dict[str, _RequestTiming] = {}
         self._step_context: dict[int, StepContext] = {}  # step_id -> context, the newest STEPS_KEPT
+        # step_id -> (its slowest layer, ms), the newest SLOWEST_KEPT steps with layer times
+        self._slowest: dict[int, tuple[int, float]] = {}
         self.counters: dict[str, float] = {}
 
     def update(
@@ -229,6 +237,7 @@ class LiveState:
         def col(name: str) -> list[Any]:
             return tokens.get(name) or [None] * n
 
+        self._keep_slowest(col("step_id"), col("slowest_layer"), col("slowest_layer_ms"))
         for i in range(n):
             self.tokens += 1
             t_end = tokens["t_end_ns"][i]
@@ -277,6 +286,25 @@ class LiveState:
                 )
         while len(self._step_context) > STEPS_KEPT:  # insertion order: the oldest step first
             del self._step_context[next(iter(self._step_context))]
+
+    def _keep_slowest(self, step_ids: list[Any], layers: list[Any], ms: list[Any]) -> None:
+        """Each token's step's slowest layer (one per step: a step's tokens share it)."""
+        for step_id, layer, t in zip(step_ids, layers, ms, strict=True):
+            if step_id is not None and layer is not None and t is not None:
+                self._slowest[int(step_id)] = (int(layer), float(t))
+        while len(self._slowest) > SLOWEST_KEPT:  # insertion order: the oldest step first
+            del self._slowest[next(iter(self._slowest))]
+
+    def _slowest_summary(self) -> tuple[int | None, float | None, tuple[int, int] | None]:
+        """The layer most often slowest in the kept steps, its median ms when slowest, and
+        (steps it was slowest in, steps kept)."""
+        if not self._slowest:
+            return None, None, None
+        by_layer: dict[int, list[float]] = {}
+        for layer, t in self._slowest.values():
+            by_layer.setdefault(layer, []).append(t)
+        layer, times = max(by_layer.items(), key=lambda kv: (len(kv[1]), -kv[0]))
+        return layer, float(np.median(times)), (len(times), len(self._slowest))
 
     def _time(self, rid: str, t_end: int | None, step_id: int | None) -> None:
         """Fold a token's time into its request's timing (gap since its previous token)."""
@@ -340,6 +368,7 @@ class LiveState:
             return replace(view, jump=key in jumps, spike=key in spikes)
 
         moe, ffn = self.layers.get("moe"), self.layers.get("ffn")
+        slow_layer, slow_ms, slow_steps = self._slowest_summary()
         return Snapshot(
             pid=self.pid,
             engine=self.engine,
@@ -365,6 +394,9 @@ class LiveState:
             moe_layers=tuple(int(x) for x in moe) if isinstance(moe, list) else None,
             ffn_layers=tuple(int(x) for x in ffn) if isinstance(ffn, list) else None,
             n_experts=self.n_experts,
+            slowest_layer=slow_layer,
+            slowest_layer_ms=slow_ms,
+            slowest_layer_steps=slow_steps,
         )
 
 
@@ -383,6 +415,15 @@ def shade(log_prob: float | None) -> str:
 
 def _fmt_ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f} ms"
+
+
+def _fmt_slowest(s: Snapshot) -> str:
+    """The layer most often slowest in recent steps (tokens' slowest_layer): "L2 0.85 ms (9/10
+    steps)", "-" without layer times (steps of several rows, captures without the aggregate)."""
+    if s.slowest_layer is None or s.slowest_layer_steps is None:
+        return "-"
+    n, of = s.slowest_layer_steps
+    return f"L{s.slowest_layer} {_fmt_ms(s.slowest_layer_ms)} ({n}/{of} steps)"
 
 
 def _row_groups(layers: tuple[int, ...] | None, n: int, max_rows: int | None) -> list[tuple[str, list[int]]]:
@@ -407,7 +448,7 @@ def _stats(s: Snapshot, v: ViewSettings) -> RenderableType:
     stats.add_row("tokens", str(s.tokens), "steps", str(s.steps))
     cpu_pct = 100 * s.cpu_s / s.elapsed_s if s.elapsed_s > 0 else 0.0
     stats.add_row("profiler CPU", f"{s.cpu_s:.2f} s ({cpu_pct:.1f}%)", "lag", f"{s.lag_ms:.0f} ms")
-    stats.add_row("profiler mem", f"{s.rss_bytes / 2**20:.0f} MiB resident", "", "")
+    stats.add_row("profiler mem", f"{s.rss_bytes / 2**20:.0f} MiB resident", "slowest layer", _fmt_slowest(s))
     loss_style = "bold red" if (s.kernel_drops or s.seq_gaps or s.logits_incomplete) else "green"
     stats.add_row(
         "drops",

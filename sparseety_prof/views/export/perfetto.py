@@ -2,7 +2,9 @@
 
 Tracks (a trace-event "process" holds "threads", each thread one track):
 - the engine process (its real pid): one track per engine thread (real tid) with a slice per step
-  (micro-batch) from t_start_ns to t_end_ns, the steps table's row as its args;
+  (micro-batch) from t_start_ns to t_end_ns, the steps table's row as its args, and on every
+  engine thread that computed it, a slice per layer of a step with layer times (layer_times: from
+  the thread's previous probe point to this layer's, so under its step on the step's own thread);
 - "requests" (pid REQUESTS_PID): one track per request, named by its request id, with a slice per
   token over its step's time, the token's whole event (token_events.py) as its args;
 - "GPU kernels" (pid GPU_PID): one track per (device, stream) with a slice per kernel execution,
@@ -41,6 +43,7 @@ class TraceCounts:
     steps: int = 0
     tokens: int = 0
     kernels: int = 0
+    layers: int = 0
     flows: int = 0
     skipped: dict[str, int] = field(default_factory=lambda: {"steps": 0, "tokens": 0, "kernels": 0})
 
@@ -107,6 +110,7 @@ def write_perfetto(rec: Recording, out: BinaryIO) -> TraceCounts:
     counts.skipped["steps"] = steps.height - timed_steps.height
     out.write(b'{"traceEvents":[\n')
     _write_steps(w, timed_steps, counts)
+    _write_layers(w, rec.table("layer_times"), timed_steps, counts)
     step_ends = timed_steps.select(
         "step_id",
         pl.col("pid").fill_null(0).alias("_step_pid"),
@@ -124,7 +128,12 @@ def write_perfetto(rec: Recording, out: BinaryIO) -> TraceCounts:
         "complete": rec.complete,
         "redacted_text": rec.redacted,
         "redaction_levels": rec.redaction_levels,
-        "events": {"steps": counts.steps, "tokens": counts.tokens, "kernels": counts.kernels},
+        "events": {
+            "steps": counts.steps,
+            "tokens": counts.tokens,
+            "kernels": counts.kernels,
+            "layers": counts.layers,
+        },
         "skipped_without_times": counts.skipped,
     }
     # no displayTimeUnit: Perfetto would take "ns" as the unit of every ts, not of the display
@@ -153,6 +162,34 @@ def _write_steps(w: _Writer, steps: pl.DataFrame, counts: TraceCounts) -> None:
             }
         )
         counts.steps += 1
+
+
+def _write_layers(w: _Writer, layers: pl.DataFrame, steps: pl.DataFrame, counts: TraceCounts) -> None:
+    """A slice per layer_times row with an interval (a thread's first probe point has none: the
+    head gap), on its thread's track in the engine process, its row as its args."""
+    timed = layers.drop_nulls("dur_ns").join(
+        steps.select("step_id", pl.col("pid").fill_null(0).alias("_pid")), on="step_id", how="inner"
+    )
+    named = set(steps.select(pl.col("pid", "tid").fill_null(0)).iter_rows())
+    for pid, tid in timed.select("_pid", "tid").unique(maintain_order=True).iter_rows():
+        if (pid, tid) not in named:  # a worker thread that runs no step itself
+            w.name(pid, tid, f"engine thread {tid}")
+            named.add((pid, tid))
+    for r in iter_rows(timed):
+        pid = r.pop("_pid")
+        w.emit(
+            {
+                "ph": "X",
+                "cat": "layer",
+                "name": f"layer {r['layer']}",
+                "pid": pid,
+                "tid": r["tid"],
+                "ts": w.us(r["t_ns"] - r["dur_ns"]),
+                "dur": r["dur_ns"] / 1000,
+                "args": r,
+            }
+        )
+        counts.layers += 1
 
 
 def _kernel_tracks(kernels: pl.DataFrame) -> dict[tuple[int | None, int | None], int]:

@@ -1,0 +1,102 @@
+"""The layer_times rows made from aggregate records' timed probe points (correlate/layer_times.py),
+against values worked out by hand: the join to steps on (thread, start), each thread's intervals
+in time order, the head gap, the lag, the slowest layer, and what cannot be joined or timed."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from sparseety_prof.capture import events as ev
+from sparseety_prof.correlate.layer_times import NO_SLOWEST, LayerClock
+from sparseety_prof.store import schema
+
+LAYERS, THREADS = 8, 4
+DT = ev.STEP_AGG_LAYOUTS[LAYERS, THREADS]
+
+
+def _agg(tid: int, t0: int, off: dict[tuple[int, int], int], tids: dict[int, int], **kw: int) -> np.ndarray:
+    a = np.zeros(1, DT)
+    a["tid"], a["t0_ns"] = tid, t0
+    for (thread, layer), v in off.items():
+        a["lt_off"][0, thread, layer] = v
+    for thread, os_tid in tids.items():
+        a["lt_tid"][0, thread] = os_tid
+    for k, v in kw.items():
+        a[k] = v
+    return a
+
+
+def _steps(*rows: tuple[int, int, int, int]) -> dict[str, list[object]]:
+    """(step_id, tid, t_start_ns, t_end_ns) -> the steps columns the clock reads."""
+    return {
+        "step_id": [r[0] for r in rows],
+        "ctx_id": [0] * len(rows),
+        "tid": [r[1] for r in rows],
+        "t_start_ns": [r[2] for r in rows],
+        "t_end_ns": [r[3] for r in rows],
+    }
+
+
+def _frame(cols: object) -> pl.DataFrame:
+    return schema.frame("layer_times", dict(cols))  # type: ignore[call-overload]
+
+
+def test_rows_intervals_lag_and_slowest_of_a_step() -> None:
+    clock = LayerClock()
+    # thread 0 (tid 100) reaches layers 1, 2, 3 at +10, +30, +90; thread 1 (tid 101) at +12, +31, +95
+    off = {(0, 1): 10, (0, 2): 30, (0, 3): 90, (1, 1): 12, (1, 2): 31, (1, 3): 95}
+    clock.add_drain(_agg(100, 1_000, off, {0: 100, 1: 101}))
+    df = _frame(clock.take(_steps((7, 100, 1_000, 1_200)))).sort(["thread", "layer"])
+    assert df["step_id"].to_list() == [7] * 6
+    assert df["thread"].to_list() == [0, 0, 0, 1, 1, 1]
+    assert df["layer"].to_list() == [1, 2, 3] * 2
+    assert df["tid"].to_list() == [100] * 3 + [101] * 3
+    assert df["t_ns"].to_list() == [1_010, 1_030, 1_090, 1_012, 1_031, 1_095]
+    # the first point of each thread ends the head gap: no interval of its own
+    assert df["dur_ns"].to_list() == [None, 20, 60, None, 19, 64]
+    assert df["lag_ns"].to_list() == [0, 0, 0, 2, 1, 5]
+    # the identity per thread: intervals + head + tail == the step
+    for thread in (0, 1):
+        times = df.filter(pl.col("thread") == thread)["t_ns"].to_list()
+        durs = df.filter(pl.col("thread") == thread)["dur_ns"].drop_nulls().to_list()
+        head, tail = min(times) - 1_000, 1_200 - max(times)
+        assert sum(durs) + head + tail == 200
+    assert clock.slowest_of([7, 8]) == [(3, 64 / 1e6, 101), NO_SLOWEST]
+
+
+def test_points_out_of_layer_order_are_split_in_time_order() -> None:
+    clock = LayerClock()
+    clock.add_drain(_agg(5, 0, {(0, 0): 50, (0, 1): 20, (0, 2): 80}, {0: 5}))
+    df = _frame(clock.take(_steps((1, 5, 0, 100)))).sort("layer")
+    assert df["dur_ns"].to_list() == [30, None, 30]
+
+
+def test_a_step_taken_a_take_later_still_joins_then_records_are_dropped_and_counted() -> None:
+    clock = LayerClock()
+    clock.add_drain(_agg(5, 0, {(0, 0): 10, (0, 1): 20}, {0: 5}))
+    clock.add_drain(_agg(5, 500, {(0, 0): 510, (0, 1): 520}, {0: 5}))
+    # the first step ends in this take, the second in the next one; a third never comes
+    assert _frame(clock.take(_steps((1, 5, 0, 100))))["step_id"].to_list() == [1, 1]
+    clock.add_drain(_agg(6, 900, {(0, 0): 10}, {0: 6}))
+    assert _frame(clock.take(_steps((2, 5, 500, 600))))["step_id"].to_list() == [2, 2]
+    assert clock.unjoined == 0
+    # the token of step 1 taken a take after its step still finds its slowest layer
+    assert clock.slowest_of([1, 2]) == [(1, 10 / 1e6, 5), (1, 10 / 1e6, 5)]
+    assert _frame(clock.take(_steps()))["step_id"].to_list() == []
+    assert _frame(clock.take(_steps((3, 6, 900, 1_000))))["step_id"].to_list() == []
+    assert clock.unjoined == 1
+
+
+def test_overlapping_passes_hold_no_times_and_lost_points_are_counted() -> None:
+    clock = LayerClock()
+    clock.add_drain(_agg(5, 0, {(0, 0): 10}, {0: 5}, overlap=1, lt_lost=3))
+    clock.add_drain(_agg(5, 200, {}, {}, lt_lost=2))  # nothing timed
+    assert _frame(clock.take(_steps((1, 5, 0, 100), (2, 5, 200, 300)))).height == 0
+    assert clock.lost_points == 5
+
+
+def test_empty_take_has_every_column() -> None:
+    cols = LayerClock().take(_steps())
+    assert list(cols) == list(schema.LAYER_TIMES)
+    assert _frame(cols).height == 0
