@@ -13,14 +13,14 @@
 # What it builds: llama-server, libllama and the ggml libraries (shared, found through
 # RUNPATH=$ORIGIN) with GGML_CUDA=ON, then the GPU routing oracle (scripts/llamacpp_gpu_oracle.cpp)
 # linked against that libllama. The result is stripped and packed into one tar.xz that travels to a
-# GPU machine; MANIFEST.json beside it says the build, its sizes and the CUDA libraries it needs
-# there (NEEDED entries that are not in the package itself).
+# GPU machine; llamacpp-cuda-bBUILD.manifest.json beside it says the build, its sizes and the CUDA
+# libraries it needs there (NEEDED entries that are not in the package itself).
 #
 # --configure-only: install the toolchain, unpack the sources, apply the fixes and run the cmake
 # configure step, then stop (what CI checks; the full build takes most of an hour on 2 cores).
 #
 # Result (last line on stdout): ${SPARSEETY_CACHE:-/var/cache/sparseety-prof}/llamacpp-cuda/bBUILD
-# holding llamacpp-cuda-bBUILD.tar.xz, MANIFEST.json and the unpacked bin/ (a .complete marker,
+# holding llamacpp-cuda-bBUILD.tar.xz, its .manifest.json and the unpacked bin/ (a .complete marker,
 # written last, makes later calls return at once). Progress goes to stderr.
 #
 # Environment:
@@ -220,7 +220,7 @@ strip --strip-unneeded "$OUT"/bin/llama-server "$OUT"/bin/llamacpp-gpu-oracle
 find "$OUT/bin" -name '*.so*' -type f -exec strip --strip-unneeded {} +
 # GCC's runtimes travel along (found through RUNPATH=$ORIGIN): a bare GPU machine may lack
 # libgomp (ggml-cpu's OpenMP) or have an older libstdc++ than this compiler's. The CUDA libraries
-# do not: they are the GPU machine's own (MANIFEST.json names them).
+# do not: they are the GPU machine's own (the manifest names them).
 for rt in libgomp.so.1 libstdc++.so.6 libgcc_s.so.1; do
   f=$(ldd "$OUT/bin/llama-server" | awk -v n="$rt" '$1 == n {print $3}')
   if [ -n "$f" ]; then cp -L "$f" "$OUT/bin/$rt"; fi
@@ -230,7 +230,7 @@ SDIST_SHA=$(sha256sum "$SDIST" | cut -d' ' -f1)
 "$PYTHON" "$HERE/llamacpp_cuda_manifest.py" --bin "$OUT/bin" --archive "$OUT/llamacpp-cuda-b$BUILD.tar.xz" \
   --build "$BUILD" --sdist "$(basename "$SDIST")" --sdist-sha256 "$SDIST_SHA" \
   --nvcc "$NVCC_VERSION" --build-seconds "$BUILD_SECONDS" --jobs "$JOBS" \
-  --toolchain "${TOOLCHAIN_PINS[*]}" --cmake-args "${cmake_args[*]}" >"$OUT/MANIFEST.json"
+  --toolchain "${TOOLCHAIN_PINS[*]}" --cmake-args "${cmake_args[*]}" >"$OUT/llamacpp-cuda-b$BUILD.manifest.json"
 if [ "${KEEP_BUILD:-0}" != 1 ]; then rm -rf "$BLD"; fi
 touch "$MARKER"
 log "done in $(( SECONDS - T0 ))s: $OUT"

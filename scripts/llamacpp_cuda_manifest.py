@@ -1,10 +1,11 @@
-"""MANIFEST.json of a CUDA build of llama.cpp (scripts/build_llamacpp_cuda.sh writes it beside the
-archive): the build, the toolchain, every packed file with its size, and the shared libraries the
-package needs from the machine it runs on (ELF NEEDED entries that no packed file provides), the
-CUDA ones named apart: on the GPU machine they come from PyTorch's CUDA 13 wheels
-(site-packages/nvidia/cu13/lib) or the driver (libcuda.so.1).
+"""The manifest (llamacpp-cuda-bBUILD.manifest.json) of a CUDA build of llama.cpp
+(scripts/build_llamacpp_cuda.sh writes it beside the archive): the build, the toolchain, every
+packed file with its size, and the shared libraries the package needs from the machine it runs on
+(ELF NEEDED entries that no packed file provides), the CUDA ones named apart: on the GPU machine
+they come from PyTorch's CUDA 13 wheels (site-packages/nvidia/cu13/lib) or the driver
+(libcuda.so.1).
 
-    python3 scripts/llamacpp_cuda_manifest.py --bin DIR --archive FILE --build N ... > MANIFEST.json
+    python3 scripts/llamacpp_cuda_manifest.py --bin DIR --archive FILE --build N ... > MANIFEST
 
 Standard library only: it runs with whatever python3 built the package.
 """
