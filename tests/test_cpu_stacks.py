@@ -519,3 +519,17 @@ def test_a_recording_without_the_sampler_says_so_in_the_report(tmp_path: Path) -
     with page.open("wb") as f:
         write_html(open_recording(rec), f)
     assert "made without the CPU sampler" in page.read_text()
+
+
+def test_a_process_that_exits_leaves_names_by_file_offset_not_an_error() -> None:
+    child = subprocess.Popen(["/bin/sleep", "60"])
+    try:
+        names = Symboliser(child.pid)  # its mappings read now, while it lives
+        m = next(m for m in read_maps(child.pid) if "x" in m.perms and m.path.endswith("/sleep"))
+    finally:
+        child.kill()
+        child.wait()
+    # the file can no longer be opened through the process: the address is named by its offset
+    assert names.name(m.start + 0x10) == f"sleep+{m.offset + 0x10:#x}"
+    assert names.name(1) == "[unknown]"  # in no mapping, and the maps cannot be read again
+    assert names.files_meta()[0]["symbols"] == "none"

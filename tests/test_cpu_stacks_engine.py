@@ -3,17 +3,29 @@ threads and window, and its samples per request against the steps they fell in."
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
 import subprocess
+import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import polars as pl
 import pytest
-from conftest import ENGINES, Engine, Recorder, which
+from conftest import (
+    ENGINES,
+    Engine,
+    Recorder,
+    free_port,
+    require_build,
+    server_builds,
+    server_engine_args,
+    start_build,
+    which,
+)
 
 import sparseety_prof
 from sparseety_prof.views.cpu_stacks import stacks_by_request
@@ -68,13 +80,14 @@ def _same_name(ours: str, perf: str) -> bool:
     return ours == perf or ours.split("(")[0] == perf.split("(")[0]
 
 
-def test_the_sampled_profile_agrees_with_perf_on_the_same_threads(engine_cpu: Engine, tmp_path: Path) -> None:
-    engine_cpu.generate(PROMPTS[:1], max_tokens=4)  # the thread pool started before the tids are listed
-    tids = {int(t) for t in os.listdir(f"/proc/{engine_cpu.pid}/task")}
+def _agrees_with_perf(pid: int, load: Callable[[], object], tmp_path: Path) -> None:
+    """`load` run under the recorder's sampler and `perf record` on the same threads at once: the
+    top functions' self-time shares agree."""
+    tids = {int(t) for t in os.listdir(f"/proc/{pid}/task")}
     out, data = tmp_path / "rec", tmp_path / "perf.data"
-    rec = Recorder(engine_cpu.pid, out, "--cpu-sample-hz", str(RATE_HZ), "--mode", "tokens")
+    rec = Recorder(pid, out, "--cpu-sample-hz", str(RATE_HZ), "--mode", "tokens")
     # perf starts with its event off and turns it on when told (its control FIFO), answering on
-    # its ack FIFO: the generation then runs under both samplers
+    # its ack FIFO: the load then runs under both samplers
     ctl, ack = tmp_path / "ctl", tmp_path / "ack"
     os.mkfifo(ctl)
     os.mkfifo(ack)
@@ -90,7 +103,7 @@ def test_the_sampled_profile_agrees_with_perf_on_the_same_threads(engine_cpu: En
             c.write("enable\n")
             c.flush()
             assert a.readline().strip() == "ack"
-        engine_cpu.generate(PROMPTS * 8, max_tokens=128)
+        load()
     finally:
         perf.send_signal(signal.SIGINT)
         perf_err = perf.communicate(timeout=120)[1]
@@ -111,12 +124,54 @@ def test_the_sampled_profile_agrees_with_perf_on_the_same_threads(engine_cpu: En
         # samples has a standard error of sqrt(p(1-p)(1/n1 + 1/n2)); 4 of them, at least 3 points
         p = (p_ours + p_theirs) / 2
         tol = max(MIN_TOLERANCE, 4 * math.sqrt(p * (1 - p) * (1 / n_ours + 1 / n_theirs)))
-        assert abs(p_ours - p_theirs) <= tol, (name, p_ours, p_theirs, tol, ours.most_common(TOP), named[:TOP])
+        assert abs(p_ours - p_theirs) <= tol, (
+            name,
+            p_ours,
+            p_theirs,
+            tol,
+            ours.most_common(TOP),
+            named[:TOP],
+        )
     meta = r.meta["cpu_sampler"]
     assert meta["rate_hz"] == RATE_HZ
     assert meta["lost"] == {"ring": 0, "stacks": meta["lost"]["stacks"], "counts": 0}
     # every sample counted in the kernel reached the table (none lost to the ring)
     assert int(r.cpu_stacks()["samples"].sum()) == meta["samples"]
+
+
+def test_the_sampled_profile_agrees_with_perf_on_llama_cpp_python(engine_cpu: Engine, tmp_path: Path) -> None:
+    engine_cpu.generate(PROMPTS[:1], max_tokens=4)  # the thread pool started before the tids are listed
+    _agrees_with_perf(engine_cpu.pid, lambda: engine_cpu.generate(PROMPTS * 8, max_tokens=128), tmp_path)
+
+
+def test_the_sampled_profile_agrees_with_perf_on_a_llama_server_build(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    name, env = next((n, e) for n, e in server_builds() if e is not None and "LLAMA_SERVER_BIN" in e)
+    require_build(env)
+    server = start_build(name, server_engine_args(env, models["dense"], free_port()), env)
+    try:
+        url = str(server.ready["url"])
+
+        def complete(n: int) -> None:
+            for prompt in PROMPTS:
+                body = {
+                    "prompt": prompt,
+                    "n_predict": n,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+                req = urllib.request.Request(
+                    url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+                )
+                with urllib.request.urlopen(req, timeout=300) as answer:
+                    answer.read()  # (streamed: builds that fail to answer this model in one piece)
+
+        complete(4)  # the thread pool started before the tids are listed
+        _agrees_with_perf(server.pid, lambda: [complete(512) for _ in range(3)], tmp_path)
+    finally:
+        server.close()
 
 
 def test_folded_stacks_per_request_sum_to_the_samples_of_its_steps(

@@ -231,7 +231,8 @@ def recorded(
     got = {}
     moe = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])
     try:
-        got["moe"] = _record(moe, d / "moe")
+        # the CPU sampler above its default rate: the short generation gets samples for the flame graph
+        got["moe"] = _record(moe, d / "moe", "--cpu-sample-hz", "999")
         got["tokens"] = _record(moe, d / "tokens", "--mode", "tokens", "--redact-text")
         got["redacted"] = _record(moe, d / "redacted", "--redact", "routing,sparsity")
     finally:

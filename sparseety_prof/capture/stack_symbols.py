@@ -29,6 +29,7 @@ from pathlib import Path
 from sparseety_prof.capture.elf import load_segments
 from sparseety_prof.capture.proc_maps import MapsEntry, read_maps
 from sparseety_prof.capture.untrusted_files import RefusedFile, open_untrusted, trusted_tool
+from sparseety_prof.errors import ProfError
 
 NM_TIMEOUT_S = 120
 MAX_NAME = 400  # characters of a demangled name kept (template names run to thousands)
@@ -225,11 +226,12 @@ class Symboliser:
         self._map_starts: list[int] = []
         self._files: dict[tuple[str, int, int], FileSymbols] = {}
         self._names: dict[int, str] = {}
+        self._read_maps()  # now, while the process surely lives
 
     def _read_maps(self) -> None:
         try:
             maps = [m for m in read_maps(self.pid) if "x" in m.perms]
-        except OSError:
+        except (OSError, ProfError):  # the process exited (NoSuchProcess): the maps read before stay
             return
         self._maps = maps
         self._map_starts = [m.start for m in maps]

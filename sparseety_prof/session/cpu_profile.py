@@ -139,7 +139,7 @@ class CpuProfile:
     def poll(self, *, final: bool = False) -> schema.Tables:
         """The rows of the samples that can be joined now (every one with `final`)."""
         if self._stopped_meta is None:
-            self._pending.extend(self.sampler.take())
+            self._take()
         now = self._clock()
         ready: list[tuple[Sample, StepWindow | None]] = []
         held: list[Sample] = []
@@ -161,6 +161,14 @@ class CpuProfile:
             return
         self._windows = [self._windows[i] for i in keep]
         self._starts = [w.t_start for w in self._windows]
+
+    def _take(self) -> None:
+        """The sampler's new samples, held until joined; named at once, while the process and its
+        mappings are there to name them (an engine that exits takes its /proc files along)."""
+        new = self.sampler.take()
+        for s in new:
+            self._fold(s)
+        self._pending.extend(new)
 
     def _fold(self, s: Sample) -> str:
         key = (s.stack, s.kernel)
@@ -203,7 +211,7 @@ class CpuProfile:
         events closed. poll() then joins what is held."""
         if self._stopped_meta is not None:
             return
-        self._pending.extend(self.sampler.take())
+        self._take()
         self._stopped_meta = self.sampler.meta()
         self.sampler.close()
 
