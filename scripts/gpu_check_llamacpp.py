@@ -268,15 +268,20 @@ def compare_routes(
     oracle_ids: dict[tuple[int, int], list[int]],
 ) -> dict[str, Any]:
     """`routes` rows (step_id, row, layer, expert_ids) against the oracle's ids per (position,
-    layer): the first k ids of each recorded row (llama.cpp's rows rank every expert)."""
+    layer): the first k ids of each recorded row (llama.cpp's rows rank every expert). A layer with
+    fewer rows than its step ran only on the rows that give logits (llama.cpp's last layer, after
+    get_rows(inp_out_ids)): for one sequence those are the step's last rows."""
     per_step: dict[int, int] = {}
-    for step_id, row, _layer, _ids in rows:
+    per_layer: dict[tuple[int, int], int] = {}
+    for step_id, row, layer, _ids in rows:
         per_step[step_id] = max(per_step.get(step_id, 0), row + 1)
+        per_layer[(step_id, layer)] = max(per_layer.get((step_id, layer), 0), row + 1)
     start = positions_of_steps([(s, per_step[s]) for s in chronological_steps if s in per_step], n_prompt)
     recorded: dict[tuple[int, int], list[int]] = {}
     for step_id, row, layer, ids in rows:
         if step_id in start:
-            recorded[(start[step_id] + row, layer)] = list(ids)[:k]
+            skipped = per_step[step_id] - per_layer[(step_id, layer)]
+            recorded[(start[step_id] + skipped + row, layer)] = list(ids)[:k]
     both = sorted(set(recorded) & set(oracle_ids))
     differ = [key for key in both if recorded[key] != oracle_ids[key][:k]]
     same_set = [key for key in differ if sorted(recorded[key]) == sorted(oracle_ids[key][:k])]

@@ -101,6 +101,19 @@ def test_a_step_before_the_prompt_is_not_the_requests_and_a_difference_is_found(
     assert res["routes_first_difference"] == [0, 0] and res["routes_pairs_rank_swapped"] == 0
 
 
+def test_a_last_layer_run_only_on_the_output_row_is_that_rows_position(check: ModuleType) -> None:
+    """llama.cpp runs the last layer's FFN only on the rows giving logits: the prompt step's last
+    layer has one row, the prompt's last position."""
+    oracle = check.read_oracle(oracle_text(N_PROMPT + 4))
+    rows = recorded_rows([30, 31, 32, 33], N_PROMPT, 3)
+    last = LAYERS - 1
+    trimmed = [(s, r, la, ids) for s, r, la, ids in rows if not (s == 30 and la == last and r < N_PROMPT - 1)]
+    trimmed = [(s, (0 if (s == 30 and la == last) else r), la, ids) for s, r, la, ids in trimmed]
+    res = check.compare_routes(trimmed, [30, 31, 32, 33], N_PROMPT, 2, oracle["ids"])
+    assert res["routes_pairs"] == 12 - (N_PROMPT - 1)
+    assert res["routes_equal_oracle"] and res["routes_pairs_equal"] == res["routes_pairs_compared"]
+
+
 def test_oracle_errors_are_kept(check: ModuleType) -> None:
     text = oracle_text(2) + "\n" + json.dumps({"kind": "error", "error": "llama_decode returned 1"})
     assert check.read_oracle(text)["errors"] == ["llama_decode returned 1"]
