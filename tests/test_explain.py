@@ -34,6 +34,15 @@ STACKS = [
     (2, "decode", 78, "start_thread;ggml_barrier", 6),
     (None, "between_steps", 77, "main;poll", 9),
 ]
+#: op_times rows of step 1: (thread, node, op, name, dur_ns), two threads
+OP_ROWS = [
+    (0, 0, "MUL_MAT", "Qcur-0", 50_000),
+    (1, 0, "MUL_MAT", "Qcur-0", 60_000),
+    (0, 1, "ADD", "ffn_inp-0", 5_000),
+    (1, 1, "ADD", "ffn_inp-0", 4_000),
+    (0, 2, "MUL_MAT", "kq-0", 30_000),
+    (1, 2, "MUL_MAT", "kq-0", 20_000),
+]
 #: layer_times rows of step 1: (layer, thread, dur_ns, lag_ns); thread 1 came late to layer 3
 LAYER_ROWS = [
     (0, 0, None, 0),
@@ -52,6 +61,7 @@ def _recording(
     text2: str = " world",
     stacks: bool = False,
     layers: bool = False,
+    ops: bool = False,
 ) -> None:
     """Three steps: a prompt and two decode steps; the request's third token waited longest."""
     meta = {"engine": {"name": "llama-cpp-python"}, "layers": {"moe": [1, 3], "ffn": [0, 1, 3], "attn": [0]}}
@@ -96,6 +106,18 @@ def _recording(
             "tid": [r[2] for r in STACKS],
             "stack": [r[3] for r in STACKS],
             "samples": [r[4] for r in STACKS],
+        }
+    if ops:
+        tables["op_times"] = {
+            "step_id": [1] * len(OP_ROWS),
+            "tid": [77 + r[0] for r in OP_ROWS],
+            "thread": [r[0] for r in OP_ROWS],
+            "node": [r[1] for r in OP_ROWS],
+            "op": [r[2] for r in OP_ROWS],
+            "name": [r[3] for r in OP_ROWS],
+            "layer": [0] * len(OP_ROWS),
+            "t_start_ns": [10 * MS + 100_000 * r[1] for r in OP_ROWS],
+            "dur_ns": [r[4] for r in OP_ROWS],
         }
     if layers:
         tables["layer_times"] = {
@@ -239,6 +261,24 @@ def test_the_step_s_layer_times_are_shown_by_layer_and_thread(tmp_path: Path) ->
         other["rows"] == []
         and other["note"] == "layer_times: no rows for step 2 (its capture was not on then)"
     )
+
+
+def test_the_step_s_operators_are_summed_over_threads(tmp_path: Path) -> None:
+    _recording(tmp_path / "rec", ops=True)
+    section = _json(tmp_path / "rec", "chat:1:1")["timing"]["op_times"]
+    assert section["state"] == "rows" and [r["dur_ns"] for r in section["rows"]] == sorted(
+        (r[4] for r in OP_ROWS), reverse=True
+    )
+    by_op = {r["op"]: r for r in section["by_op"]}
+    assert list(by_op) == ["MUL_MAT", "ADD"]  # the larger total first
+    assert by_op["MUL_MAT"]["nodes"] == 2 and by_op["ADD"]["nodes"] == 1
+    assert by_op["MUL_MAT"]["total ms"] == pytest.approx(0.16)
+    assert by_op["MUL_MAT"]["longest ms"] == pytest.approx(0.06)
+    out = run_cli("report", str(tmp_path / "rec"), "--explain", "chat:1:1", env=ENV).stdout
+    assert "op_times by operator" in out
+    assert re.search(r"│ MUL_MAT +│ 2 +│ 0\.160 +│ 0\.060 +│", out)
+    # instants from the step's start (step 1 began at 10 ms); the longest row first
+    assert re.search(r"│ - +│ 78 +│ 1 +│ 0 +│ MUL_MAT +│ Qcur-0 +│ 0 +│ 0\.000 +│ 0\.060 +│", out)
 
 
 def test_strings_from_the_recording_are_escaped(tmp_path: Path) -> None:

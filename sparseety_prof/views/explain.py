@@ -43,6 +43,9 @@ CAPTURE_HINTS: dict[str, str] = {
     "cpu_stacks": "CPU sampling",
     "op_times": "per-operator tracing (record --trace-ops)",
 }
+#: the column a timing table's rows are ranked by, where its first duration is not the one: a
+#: thread's wait for a CPU, not its time on one
+RANK_BY = {"thread_waits": "runnable_ns"}
 #: rows of a timing table shown for one step (the largest first); --json gives them all
 SHOWN_ROWS = 12
 
@@ -170,8 +173,11 @@ def table_state(rec: Recording, name: str) -> tuple[str, str]:
     return "rows", ""
 
 
-def _duration_column(columns: Mapping[str, pl.DataType]) -> str | None:
-    """The column the rows are ranked by: a duration or a count, by its schema name."""
+def _duration_column(name: str, columns: Mapping[str, pl.DataType]) -> str | None:
+    """The column the rows are ranked by: the table's own (RANK_BY), else a duration or a count,
+    by its schema name."""
+    if RANK_BY.get(name) in columns:
+        return RANK_BY[name]
     for suffix in ("dur_ns", "_ns", "samples", "count"):
         for name, dtype in columns.items():
             if name.endswith(suffix) and dtype.is_numeric() and not name.startswith("t_"):
@@ -204,14 +210,30 @@ def timing_section(rec: Recording, name: str, step: Mapping[str, Any] | None) ->
     rows, note = _rows_for(rec, name, step)
     if name == "layer_times" and rows.height:
         out["by_layer"] = _records(layer_grid(rows))
-    by = _duration_column(schema.TABLES[name])
+    by = _duration_column(name, schema.TABLES[name])
     if by is not None and rows.height:
         rows = rows.sort(by, descending=True, nulls_last=True)
     out["note"] = note
     out["rank_by"] = by
     out["columns"] = [c for c in schema.TABLES[name] if c not in ("step_id", "pid")]
     out["rows"] = _records(rows)
+    if name == "op_times" and rows.height:
+        out["by_op"] = _records(op_summary(rows))
     return out
+
+
+def op_summary(rows: pl.DataFrame) -> pl.DataFrame:
+    """op_times rows of one step per operator: its nodes, their time summed over the threads,
+    and the longest one's on a thread (ms), the largest total first."""
+    return (
+        rows.group_by("op")
+        .agg(
+            pl.col("node").n_unique().alias("nodes"),
+            (pl.col("dur_ns").sum() / 1e6).alias("total ms"),
+            (pl.col("dur_ns").max() / 1e6).alias("longest ms"),
+        )
+        .sort(["total ms", "op"], descending=[True, False])
+    )
 
 
 def _thread_ms(dur: pl.Expr) -> pl.Expr:

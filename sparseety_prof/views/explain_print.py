@@ -120,6 +120,11 @@ def _print_timing(con: Console, name: str, section: Mapping[str, Any], step_star
             headers,
             [[_cell(r[h]) for h in headers] for r in grid],
         )
+    if name == "op_times" and section.get("by_op"):
+        summary = section["by_op"]
+        headers = list(summary[0])
+        cells = [[_cell(r[h]) for h in headers] for r in summary[:SHOWN_ROWS]]
+        print_fitted(con, "op_times by operator", headers, cells)
     columns, rows = section["columns"], section["rows"]
     cells = [[_ms_cell(c, r.get(c), step_start) for c in columns] for r in rows[:SHOWN_ROWS]]
     more = f", the largest {SHOWN_ROWS} of {len(rows)}" if len(rows) > SHOWN_ROWS else ""
