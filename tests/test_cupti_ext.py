@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from conftest import MappingProcess
 
+from sparseety_prof.capture.process_match import descendants
 from sparseety_prof.commands.exit_codes import CUPTI_LIBRARY_MISSING
 from sparseety_prof.errors import CommandNotStarted, CuptiLibraryMissing, UsageError
 from sparseety_prof.gpu import launch as launch_mod
@@ -39,7 +40,6 @@ from sparseety_prof.gpu.shm_ring import (
     MAGIC,
     RingError,
     ShmRing,
-    descendants,
     find_rings,
 )
 
@@ -478,7 +478,17 @@ def test_graph_rows_through_the_python_side(graph_run: GraphRun) -> None:
     """The correlator with the engine's own step windows (step 0 eager, then one per replay): each
     replay's kernels join their step by the graph launch's thread and time; only the watched nodes
     say buffer_captured; routes carry the ids each replay wrote, layer 0 and 1 in capture order."""
-    g = graph_run
+    check_graph_rows(graph_run)
+
+
+def test_graph_rows_are_the_same_when_clones_are_reported_before_instantiation(
+    build: Path, shm_name: str
+) -> None:
+    """The same rows, graph replays and the eager step alike, in the clone order the H200 run implies."""
+    check_graph_rows(GraphRun(build, shm_name, STUB_CUDA_CLONES_BEFORE_STARTING="1"))
+
+
+def check_graph_rows(g: GraphRun) -> None:
     c = KernelCorrelator()
     c.add_steps(HostStep(n, tid, t0, t1, g.pid) for n, tid, t0, t1 in g.steps)
     c.add(g.records)
@@ -778,7 +788,7 @@ def test_gpu_check_reads_the_driver_version_and_names_its_result_file(tmp_path: 
 
 def test_reader_loads_by_file_path_without_the_package(tmp_path: Path) -> None:
     # As scripts/gpu_check.py does on a machine without polars: records.py, errors.py, proc_maps.py,
-    # untrusted_files.py, then shm_ring.py by path.
+    # untrusted_files.py, process_match.py, then shm_ring.py by path.
     write_ring(tmp_path / "ring")
     code = f"""
 import importlib.util, os, sys
@@ -790,6 +800,7 @@ load("records", {str(ROOT / "sparseety_prof/gpu/records.py")!r})
 load("errors", {str(ROOT / "sparseety_prof/errors.py")!r})
 load("proc_maps", {str(ROOT / "sparseety_prof/capture/proc_maps.py")!r})
 load("untrusted_files", {str(ROOT / "sparseety_prof/capture/untrusted_files.py")!r})
+load("process_match", {str(ROOT / "sparseety_prof/capture/process_match.py")!r})
 shm_ring = load("shm_ring", {str(ROOT / "sparseety_prof/gpu/shm_ring.py")!r})
 ring = shm_ring.ShmRing({str(tmp_path / "ring")!r})
 assert ring.drain() == [] and shm_ring.find_rings(os.getpid()) == []  # this process maps no ring
