@@ -2,8 +2,8 @@
 
 Needs only what such a machine has preinstalled: Python with torch, triton and nvidia-cuda-cupti.
 The library comes prebuilt in cupti_ext/build/ (built on a machine without a GPU). No polars, no
-BCC: `records.py`, `errors.py`, `capture/proc_maps.py`, `capture/untrusted_files.py`, `shm_ring.py` and
-`launch.py` are loaded by file path.
+BCC: `records.py`, `errors.py`, `capture/proc_maps.py`, `capture/untrusted_files.py`,
+`capture/process_match.py`, `shm_ring.py` and `launch.py` are loaded by file path.
 
 A small MoE decode loop (hidden 1024, 16 experts, top-2, 4 layers, 8 sequences, greedy next token
 from a 4096-entry vocab head, 1000 timed steps) runs in child processes in three modes: library
@@ -770,6 +770,7 @@ def main() -> int:
     load("errors", ROOT / "sparseety_prof" / "errors.py")
     load("proc_maps", ROOT / "sparseety_prof" / "capture" / "proc_maps.py")
     load("untrusted_files", ROOT / "sparseety_prof" / "capture" / "untrusted_files.py")
+    load("process_match", ROOT / "sparseety_prof" / "capture" / "process_match.py")
     shm_ring = load("shm_ring", GPU / "shm_ring.py")
     launch = load("sparseety_launch", GPU / "launch.py")
     libcupti = launch.find_libcupti()

@@ -355,7 +355,7 @@ def test_yama_scope_3_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     scope.write_text("3\n")
     monkeypatch.setattr(la, "YAMA_SCOPE", scope)
     with pytest.raises(PtraceNotPermitted, match="Yama forbids ptrace"):
-        la.check_ptrace_allowed(os.getpid())
+        la.check_ptrace_allowed()
 
 
 def test_settings_text_refuses_what_the_library_would_misread() -> None:

@@ -1,4 +1,5 @@
-"""Which running processes `--follow NAME` means: the rule, and one cheap pass over /proc.
+"""Which running processes `--follow NAME` means: the rule, and one cheap pass over /proc; and
+which processes an engine's are (`descendants`: vLLM and SGLang run the GPU in worker processes).
 
 The rule (docs/usage.md: following a restarting engine): a process matches when its name, the kernel's
 /proc/PID/comm (the executable's file name, at most 15 bytes, as `pgrep -x` and `ps -o comm` show
@@ -98,3 +99,24 @@ def _read(path: Path) -> bytes | None:
             return f.read(4096)
     except OSError:  # the process exited, or it is not ours to read
         return None
+
+
+def descendants(pid: int, proc: Path = Path("/proc")) -> list[int]:
+    """`pid` and every live descendant (engine workers inherit CUDA_INJECTION64_PATH), from /proc/*/stat."""
+    children: dict[int, list[int]] = {}
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        # The command name is in parentheses and may contain spaces: the ppid follows the last ')'.
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out

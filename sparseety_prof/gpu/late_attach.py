@@ -23,17 +23,17 @@ import stat
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from sparseety_prof.capture.elf import load_segments
 from sparseety_prof.capture.proc_maps import MapsEntry, read_maps
+from sparseety_prof.capture.process_family import ProcessView, read_family
 from sparseety_prof.capture.target import check_process, elf_symbols
-from sparseety_prof.capture.untrusted_files import in_foreign_mount_ns
-from sparseety_prof.errors import InjectionRefused, MissingPrivileges, NoSuchProcess, PtraceNotPermitted
+from sparseety_prof.errors import InjectionRefused, MissingPrivileges, PtraceNotPermitted
 from sparseety_prof.gpu import ptrace_call
 from sparseety_prof.gpu.launch import find_libcupti
-from sparseety_prof.gpu.shm_ring import descendants, find_rings
+from sparseety_prof.gpu.shm_ring import ring_mappings
 
 RUN_DIR = Path("/run/sparseety-prof")
 #: the library's settings (cupti_ext/README.md) a late attach takes from sparseety-prof's own
@@ -71,12 +71,11 @@ _LOADER = re.compile(r"/ld-linux-x86-64\.so\.2$|/ld-2\.\d+\.so$")
 
 @dataclass
 class LateAttach:
-    """What happened: `injected` (the library was loaded now into at least one process), `rings`
-    found afterwards, `message` for the user."""
+    """What happened: `injected` (the library was loaded now into at least one process),
+    `message` for the user."""
 
     injected: bool
     message: str
-    rings: list[str] = field(default_factory=list)
 
 
 def _effective_caps() -> int:
@@ -93,8 +92,9 @@ def _privilege_hint() -> str:
     )
 
 
-def check_ptrace_allowed(pid: int) -> None:
-    """Refuse before touching the target when the kernel will not let us trace it."""
+def check_ptrace_allowed() -> None:
+    """Refuse before touching the target when this machine will not let us trace a process (a
+    target already traced is refused by _refuse_traced)."""
     try:
         scope: int | None = int(YAMA_SCOPE.read_text().strip())
     except FileNotFoundError:
@@ -107,21 +107,13 @@ def check_ptrace_allowed(pid: int) -> None:
     if not _effective_caps() >> CAP_SYS_PTRACE & 1:
         where = f"Yama ptrace_scope {scope}" if scope is not None else "no Yama module"
         raise PtraceNotPermitted(f"this process lacks CAP_SYS_PTRACE ({where}): {_privilege_hint()}")
-    tracer = _tracer_pid(pid)
-    if tracer:
+
+
+def _refuse_traced(process: ProcessView) -> None:
+    if process.tracer_pid:
         raise PtraceNotPermitted(
-            f"PID {pid} is already traced by PID {tracer} (a debugger?): detach it first"
+            f"PID {process.pid} is already traced by PID {process.tracer_pid} (a debugger?): detach it first"
         )
-
-
-def _tracer_pid(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("TracerPid:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def _check_x86_64(pid: int) -> None:
@@ -265,24 +257,20 @@ def late_attach(
     """Make sure `pid` and those of its descendants that are CUDA processes (vLLM/SGLang run the
     GPU in worker processes) publish to CUPTI rings: a process with a ring keeps it, one that maps
     libcuda without one receives the library; nothing happens when none of them is a CUDA
-    process. A refusal stops at the process refused (those before it keep their library)."""
+    process. A refusal stops at the process refused (those before it keep their library). The
+    processes are read once, before anything is done to them (capture/process_family.py)."""
     check_process(pid)
-    check_ptrace_allowed(pid)
-    maps = read_maps(pid)
-    if _mapped_file(maps, _LIBC) is None and not find_rings(pid):
+    check_ptrace_allowed()
+    family = read_family(pid)
+    target = family[0]
+    _refuse_traced(target)
+    with_ring = {p.pid for p in family if ring_mappings(p.maps)}
+    if _mapped_file(target.maps, _LIBC) is None and not with_ring:
         raise InjectionRefused(
             f"PID {pid} maps no libc.so.6 (statically linked, or not glibc): it has no dlopen to load the "
             "library with; run without --late-attach to record what the eBPF probes see"
         )
-    with_ring = {r.pid for r in find_rings(pid)}
-    cuda_procs: list[tuple[int, list[MapsEntry]]] = []
-    for q in descendants(pid):
-        try:
-            m = maps if q == pid else read_maps(q)
-        except NoSuchProcess:
-            continue
-        if q not in with_ring and _mapped_file(m, _LIBCUDA) is not None:
-            cuda_procs.append((q, m))
+    cuda_procs = [p for p in family if p.pid not in with_ring and _mapped_file(p.maps, _LIBCUDA) is not None]
     if not cuda_procs:
         if with_ring:
             pids = ", ".join(map(str, sorted(with_ring)))
@@ -292,25 +280,21 @@ def late_attach(
             f"PID {pid} has no libcuda loaded (not a CUDA process, nor its children): no GPU side to record",
         )
     lib = install_library(library, run_dir)
-    states = [_inject(q, m, lib, settings, log) for q, m in cuda_procs]
-    return LateAttach(True, "; ".join(states), [str(r.path) for r in find_rings(pid)])
+    states = [_inject(p, lib, settings, log) for p in cuda_procs]
+    return LateAttach(True, "; ".join(states))
 
 
-def _inject(
-    pid: int, maps: list[MapsEntry], lib: Path, settings: dict[str, str], log: Callable[[str], None]
-) -> str:
-    """Load `lib` into the CUDA process `pid` and call its entry point; the outcome in words."""
-    if _tracer_pid(pid):
-        raise PtraceNotPermitted(
-            f"PID {pid} is already traced by PID {_tracer_pid(pid)} (a debugger?): detach it first"
-        )
+def _inject(process: ProcessView, lib: Path, settings: dict[str, str], log: Callable[[str], None]) -> str:
+    """Load `lib` into the CUDA process `process` and call its entry point; the outcome in words."""
+    pid, maps = process.pid, process.maps
+    _refuse_traced(process)
     _check_x86_64(pid)
     libc, cuda = _mapped_file(maps, _LIBC), _mapped_file(maps, _LIBCUDA)
     if libc is None or cuda is None:
         raise InjectionRefused(
             f"PID {pid} maps libcuda but no libc.so.6: it has no dlopen to load the library with"
         )
-    if in_foreign_mount_ns(pid):
+    if process.foreign_mount_ns:
         raise InjectionRefused(
             f"PID {pid} runs in another mount namespace (a container): the library path would name another "
             "file there, so nothing is loaded; run sparseety-prof inside that namespace, or start the "
@@ -353,7 +337,8 @@ def _inject(
     held_ms = (time.monotonic() - t0) * 1e3
     rc32 = rc & 0xFFFFFFFF  # an int return: only eax is defined
     rc32 = rc32 - 2**32 if rc32 >= 2**31 else rc32
-    rings = [str(r.path) for r in find_rings(pid) if r.pid == pid]
+    # its own ring, by the name it maps (a process in another mount namespace was refused above)
+    rings = [m.path for m in ring_mappings(read_maps(pid))]
     if rc32 == -1 or not rings:
         raise InjectionRefused(
             f"the library loaded into PID {pid} could not create its ring (its stderr says why)"

@@ -62,12 +62,14 @@ from pathlib import Path
 try:
     # relative on purpose: loaded by file path, an absolute import would pull in the package
     from ..capture.proc_maps import MapsEntry, mapped_files
+    from ..capture.process_match import descendants
     from ..capture.untrusted_files import open_untrusted, process_uids, target_path
     from ..errors import ProfError
     from .records import KernelActivity, LaunchApi, MemcpyActivity, RingCounters, WatchedBuffer
 except ImportError:  # loaded by file path (scripts/gpu_check.py): these were loaded by their names
     from errors import ProfError  # type: ignore[no-redef]
     from proc_maps import MapsEntry, mapped_files  # type: ignore[no-redef]
+    from process_match import descendants  # type: ignore[no-redef]
     from records import (  # type: ignore[no-redef]
         KernelActivity,
         LaunchApi,
@@ -91,10 +93,10 @@ __all__ = [
     "RingFile",
     "RingHeader",
     "ShmRing",
-    "descendants",
     "find_rings",
     "open_ring",
     "remove_stale_rings",
+    "ring_mappings",
 ]
 
 SHM_DIR = Path("/dev/shm")
@@ -509,27 +511,6 @@ def _text(p: bytes, start: int, n: int) -> str:
     return p[start : start + n].decode("utf-8", "replace")
 
 
-def descendants(pid: int, proc: Path = Path("/proc")) -> list[int]:
-    """`pid` and every live descendant (engine workers inherit CUDA_INJECTION64_PATH), from /proc/*/stat."""
-    children: dict[int, list[int]] = {}
-    for d in proc.iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        # The command name is in parentheses and may contain spaces: the ppid follows the last ')'.
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
 @dataclass(frozen=True)
 class RingFile:
     """A ring that a process of the target maps: where to open it from here, and what it must be."""
@@ -549,10 +530,17 @@ def find_rings(pid: int, *, shm_dir: Path = SHM_DIR, proc: Path = Path("/proc"))
             maps = mapped_files(q, proc)
         except ProfError:  # exited meanwhile, or not ours to read
             continue
-        for m in maps:
-            where = Path(m.path)
-            if where.parent == shm_dir and where.name.startswith(SHM_PREFIX):
-                out.append(RingFile(target_path(q, where, proc), q, m))
+        out += [RingFile(target_path(q, m.path, proc), q, m) for m in ring_mappings(maps, shm_dir)]
+    return out
+
+
+def ring_mappings(maps: list[MapsEntry], shm_dir: Path = SHM_DIR) -> list[MapsEntry]:
+    """The mappings of a ring among a process's `maps`: a file of `shm_dir` named as a ring."""
+    out = []
+    for m in maps:
+        where = Path(m.path)
+        if m.file_backed and not m.deleted and where.parent == shm_dir and where.name.startswith(SHM_PREFIX):
+            out.append(m)
     return out
 
 
