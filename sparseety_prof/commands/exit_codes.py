@@ -72,8 +72,9 @@ EXIT_CODES: tuple[ExitCode, ...] = (
     ),
     ExitCode(
         UnsupportedEngineBuild.exit_code,
-        "unsupported engine build (its layout is unknown or failed verification)",
-        ATTACHING_COMMANDS,
+        "unsupported engine build (its layout, or with `launch --preset llamacpp` its routing kernels' "
+        "argument layout, is unknown or failed verification)",
+        (*ATTACHING_COMMANDS, "launch"),
     ),
     ExitCode(CorruptRecording.exit_code, "not a recording, or a corrupt one", READING_COMMANDS),
     ExitCode(
