@@ -110,6 +110,28 @@ def test_engine_files_are_the_executable_and_its_ggml_cuda(tmp_path: Path) -> No
     assert llamacpp_kernels.engine_files([str(tmp_path / "absent")]) == []
 
 
+def test_a_running_engines_files_are_its_executable_and_the_ggml_cuda_it_maps(tmp_path: Path) -> None:
+    lib = fake_binary(tmp_path / "libggml-cuda.so.0", fixture_names())
+    code = (
+        f"import mmap, sys; f = open({str(lib)!r}, 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ); "
+        "print('ok', flush=True); sys.stdin.read()"
+    )
+    mapper = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert mapper.stdout is not None and mapper.stdout.readline().strip() == "ok"
+        files = llamacpp_kernels.mapped_engine_files(mapper.pid)
+        assert files == [
+            Path(f"/proc/{mapper.pid}/exe"),
+            Path(f"/proc/{mapper.pid}/root") / str(lib).lstrip("/"),
+        ]
+        assert llamacpp_kernels.rules(llamacpp_kernels.kernel_names(files)) == PRESETS["llamacpp"]
+    finally:
+        mapper.kill()
+        mapper.wait()
+
+
 def test_watch_spec_needs_the_engines_files() -> None:
     with pytest.raises(watch_rules.WatchSpecError, match="llamacpp"):
         watch_spec(None, ["llamacpp"])

@@ -127,6 +127,22 @@ def engine_files(command: Sequence[str]) -> list[Path]:
     return files
 
 
+def mapped_engine_files(pid: int) -> list[Path]:
+    """The same files for a running engine (late attach): its executable and the libggml-cuda
+    libraries it maps, as /proc/PID/ names them (the root of its mount namespace in front, so a
+    container's files are read)."""
+    proc = Path(f"/proc/{pid}")
+    root = proc / "root"
+    files = [proc / "exe"]
+    seen: set[str] = set()
+    for line in (proc / "maps").read_text().splitlines():
+        path = line.split(maxsplit=5)[5] if len(line.split(maxsplit=5)) == 6 else ""
+        if re.fullmatch(r"/\S*/libggml-cuda\.so[.0-9]*", path) and path not in seen:
+            seen.add(path)
+            files.append(root / path.lstrip("/"))
+    return files
+
+
 def rules(names: Iterable[str]) -> tuple[PresetRule, ...]:
     """The watch rules for the routing kernels among `names`: one per n_expert of the fused
     kernel (both bias variants), then the descending argsort. UnsupportedEngineBuild when a
