@@ -137,6 +137,48 @@ def duty_cycle_flag(text: str) -> DutySpec:
         raise UsageError(f"--duty-cycle: {e}") from None
 
 
+def redact_flag(text: str) -> frozenset[str]:
+    """One --redact value: a level or a comma-separated list (store/redaction_levels.py)."""
+    from sparseety_prof.store.redaction_levels import parse_levels
+
+    try:
+        return parse_levels([text])
+    except ValueError as e:
+        raise UsageError(f"--redact: {e}") from None
+
+
+def redact_layers_flag(text: str) -> frozenset[int]:
+    """--redact-layers LAYERS, "0,2,5-7" (store/redaction_levels.py)."""
+    from sparseety_prof.store.redaction_levels import parse_layers
+
+    try:
+        return parse_layers(text)
+    except ValueError as e:
+        raise UsageError(f"--redact-layers: {e}") from None
+
+
+def ablate_consumer_flag(text: str) -> str:
+    """--ablate-consumer KIND, refused where this host cannot run it (session/ablation.py)."""
+    from sparseety_prof.session.ablation import ConsumerAblation
+
+    why = ConsumerAblation.check(text) if text in ABLATION_KINDS else None
+    if why is not None:
+        raise UsageError(why)
+    return text  # a KIND not among the choices: argparse's usage error
+
+
+def watch_flag(text: str) -> str:
+    """--watch SPEC, each entry as the library reads it (gpu/watch_rules.py); with the
+    --preset entries it is made into one spec where the late attach uses it."""
+    from sparseety_prof.gpu.watch_rules import WatchSpecError, parse
+
+    try:
+        parse(text)
+    except WatchSpecError as e:
+        raise UsageError(f"--watch/--preset: {e}") from None
+    return text
+
+
 def recorder_cpus_flag(text: str) -> str:
     """--recorder-cpus auto, none or a CPU list (session/placement.py)."""
     from sparseety_prof.session.placement import parse_recorder_cpus
@@ -279,6 +321,7 @@ def _add_output(g: argparse._ArgumentGroup, *, output_help: str, output_required
     g.add_argument(
         "--redact",
         action="append",
+        type=redact_flag,
         default=None,
         metavar="LEVEL[,LEVEL]",
         help="also leave out what recovers tokens: ids (token ids and text), routing (per-token "
@@ -287,6 +330,7 @@ def _add_output(g: argparse._ArgumentGroup, *, output_help: str, output_required
     )
     g.add_argument(
         "--redact-layers",
+        type=redact_layers_flag,
         default=None,
         metavar="LAYERS",
         help="apply the routing, sparsity and masks levels of --redact to these model layers only "
@@ -446,7 +490,13 @@ def _add_tuning(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slice-us", type=int, default=None, help=hidden)
     p.add_argument("--bpf-stats", action="store_true", default=None, help=hidden)
     p.add_argument(
-        "--ablate-consumer", nargs="?", const="drain", default=None, choices=ABLATION_KINDS, help=hidden
+        "--ablate-consumer",
+        nargs="?",
+        const="drain",
+        type=ablate_consumer_flag,
+        default=None,
+        choices=ABLATION_KINDS,
+        help=hidden,
     )
     p.add_argument("--moe-read", choices=("auto", "ops"), default=None, help=hidden)
     p.add_argument("--discover-layout", action="store_true", default=None, help=hidden)
@@ -467,6 +517,7 @@ def add_late_attach_flags(p: argparse._ActionsContainer) -> None:
     p.add_argument(
         "--watch",
         metavar="SPEC",
+        type=watch_flag,
         default=None,
         help="with --late-attach: watched kernels, as `launch --watch` ('name_substring:arg:dtype:rule;...')",
     )

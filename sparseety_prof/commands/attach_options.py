@@ -11,7 +11,6 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from sparseety_prof.commands.attach_flags import NO_MEMORY_LIMIT
-from sparseety_prof.commands.dataset_flag import check_dataset_flag
 from sparseety_prof.commands.flag_combinations import refuse_unworkable_combinations
 from sparseety_prof.errors import UsageError
 from sparseety_prof.session.options import (
@@ -43,11 +42,10 @@ def options_from(args: argparse.Namespace) -> Options:
         },
         outputs=_fleet(args),
     )
-    # the checks of the Options made: their values together, and what the host must allow
+    # the checks of the Options made, their values together (where the run writes is checked as
+    # it starts: session/output_checks.py)
     _check_run(opts)
     _check_tuning(opts)
-    _check_output_dir(opts)
-    check_dataset_flag(opts)
     return opts
 
 
@@ -77,17 +75,12 @@ def _target(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _late_attach(args: argparse.Namespace) -> dict[str, Any]:
-    """--late-attach and the kernels it watches (--watch, --preset)."""
-    from sparseety_prof.gpu.presets import watch_spec
-    from sparseety_prof.gpu.watch_rules import WatchSpecError
-
+    """--late-attach and the kernels it watches (--watch, --preset: made into one spec where the
+    late attach uses them, session/run_outputs.py)."""
     if not args.late_attach:
         return {}  # refuse_unworkable_combinations refused --watch and --preset without it
-    try:
-        watch = watch_spec(args.watch, args.preset)
-    except WatchSpecError as e:
-        raise UsageError(f"--watch/--preset: {e}") from None
-    return _given(late_attach=True, late_attach_watch=watch or None)
+    presets = tuple(args.preset) if args.preset else None
+    return _given(late_attach=True, late_attach_watch=args.watch or None, late_attach_presets=presets)
 
 
 def _follows(args: argparse.Namespace) -> bool:
@@ -203,9 +196,11 @@ def _sparse_capture(args: argparse.Namespace) -> Capture:
 
 
 def _output(args: argparse.Namespace) -> dict[str, Any]:
-    from sparseety_prof.store.redaction_levels import redaction_from_flags
+    from sparseety_prof.store.schema import REDACT_PER_LAYER
 
-    redact, redact_layers = redaction_from_flags(args.redact or [], args.redact_layers)
+    redact = frozenset[str]().union(*args.redact) if args.redact else None  # each value parsed as given
+    if args.redact_layers is not None and not (redact or frozenset()) & set(REDACT_PER_LAYER):
+        raise UsageError(f"--redact-layers needs --redact with one of {', '.join(REDACT_PER_LAYER)}")
     if args.max_disk is not None and args.output is None:
         raise UsageError("--max-disk needs -o (it bounds the recording on disk)")
     return {"out": args.output} | _given(
@@ -216,24 +211,8 @@ def _output(args: argparse.Namespace) -> dict[str, Any]:
         max_disk=args.max_disk,
         redact_text=args.redact_text,
         redact=redact,
-        redact_layers=redact_layers,
+        redact_layers=args.redact_layers,
     )
-
-
-def _check_output_dir(opts: Options) -> None:
-    """-o: refused before anything is attached."""
-    from sparseety_prof.store.output_dir import check_output_path, sudo_owner
-    from sparseety_prof.store.recording import META_FILE
-
-    if opts.out is None:
-        return
-    if opts.follow is not None:
-        from sparseety_prof.session.follow_dir import check_follow_output
-
-        # a new or empty directory, or one this follower made (a service manager restarted it)
-        check_follow_output(opts.out, opts.follow.to_meta(), sudo_owner())
-    else:
-        check_output_path(opts.out, META_FILE, sudo_owner())
 
 
 # ---------------------------------------------------------------- sampling and policy
@@ -347,12 +326,6 @@ def _check_tuning(opts: Options) -> None:
         raise UsageError(
             f"--slice-us must be 0 (the kernel's) or {SLICE_MIN_US}-{SLICE_MAX_US}, got {opts.slice_us}"
         )
-    if opts.ablate_consumer:
-        from sparseety_prof.session.ablation import ConsumerAblation
-
-        why = ConsumerAblation.check(opts.ablate_consumer)
-        if why is not None:
-            raise UsageError(why)
     if not opts.discover_timeout > 0:
         raise UsageError(
             f"--discover-timeout must be a positive number of seconds, got {opts.discover_timeout}"

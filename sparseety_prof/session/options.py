@@ -125,7 +125,10 @@ class Options:
     # (session/follow.py); None: the one process `pid`
     follow: FollowTarget | None = None
     late_attach: bool = False  # load the CUPTI injection library into the running process first
-    late_attach_watch: str | None = None  # with late_attach: the watched kernels (gpu/presets.py watch_spec)
+    # with late_attach: the watched kernels, --watch's entries and --preset's engines (made into
+    # the library's spec by gpu/presets.py watch_spec where the late attach uses them)
+    late_attach_watch: str | None = None
+    late_attach_presets: tuple[str, ...] = ()
     outputs: Outputs = field(default_factory=Outputs)
     # `policy` parsed, once per Options: what each recording's RecordingPolicy is made from
     policy_choice: PolicyChoice = field(init=False, repr=False, compare=False)
