@@ -293,6 +293,14 @@ def _add_capture(g: argparse._ArgumentGroup) -> None:
         "table for the steps that ran whole inside a window; its two probes are detached between "
         "windows (default: off; docs: usage, Per-operator tracing)",
     )
+    g.add_argument(
+        "--no-sched-waits",
+        dest="sched_waits",
+        action="store_false",
+        default=None,
+        help="no thread_waits table: by default the scheduler's tracepoints say, per step and engine "
+        "thread, its time on CPU, runnable (and which process ran instead), sleeping and stopped",
+    )
 
 
 def _add_output(g: argparse._ArgumentGroup, *, output_help: str, output_required: bool) -> None:

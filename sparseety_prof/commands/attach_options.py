@@ -151,6 +151,7 @@ def _capture(args: argparse.Namespace) -> dict[str, Any]:
         moe_read=args.moe_read,
         cpu_sample_hz=args.cpu_sample_hz,
         trace_ops=args.trace_ops,
+        sched_waits=args.sched_waits,
     )
 
 

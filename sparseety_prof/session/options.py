@@ -107,6 +107,9 @@ class Options:
     # samples per second of CPU time of each engine thread (capture/cpu_sampler.py, the cpu_stacks
     # table); 0: no sampling
     cpu_sample_hz: int = DEFAULT_RATE_HZ
+    # who took the CPU: per step and engine thread, time on CPU, runnable (and who ran instead),
+    # sleeping, stopped (capture/sched_waits.py, the thread_waits table)
+    sched_waits: bool = True
     # per-operator tracing (session/op_times.py, the op_times table): its probes in for ON seconds
     # every PERIOD; None: off
     trace_ops: DutySpec | None = None

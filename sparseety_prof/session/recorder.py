@@ -43,6 +43,7 @@ from sparseety_prof.session.sinks import FrameSink, SinkFanout
 from sparseety_prof.session.snapshot import engine_environment, host_info, process_info
 from sparseety_prof.session.stage_cpu import StageCpu
 from sparseety_prof.session.stop_flag import StopFlag
+from sparseety_prof.session.thread_waits import ThreadWaits, open_thread_waits
 from sparseety_prof.store import schema
 from sparseety_prof.store.aggregates import COUNTED, Aggregator
 from sparseety_prof.store.array_rows import part_rows
@@ -88,6 +89,7 @@ class Recorder:
         self._cpu0 = 0.0
         self._attach_began = 0.0  # (time.monotonic) when the probes began to go in
         self._cpu: CpuProfile | None = None  # the CPU sampler and its join to steps (--cpu-sample-hz)
+        self._waits: ThreadWaits | None = None  # the scheduler program and its join to steps
         self._ops: OpTimes | None = None  # the node probes and their join to steps (--trace-ops)
 
     @property
@@ -128,6 +130,7 @@ class Recorder:
             self.log(f"sparseety-prof: GPU ring not read: {e}")
             gpu = None
         self._cpu = open_cpu_profile(opts.pid, opts.cpu_sample_hz, self.log)
+        self._waits = open_thread_waits(opts.sched_waits, a.session, os.getpid(), self.log)
         try:
             libs = [lib.path for lib in a.target.libs]
             self._ops = open_op_times(opts.pid, opts.trace_ops, libs, a.build.tensor, self.log)
@@ -156,6 +159,8 @@ class Recorder:
                     gpu.close()
                 if self._cpu is not None:
                     self._cpu.close()
+                if self._waits is not None:
+                    self._waits.close()
                 if self._ops is not None:
                     self._ops.close()
                 raise
@@ -193,6 +198,9 @@ class Recorder:
         final, error = self._detach(loop, corr, a.session, gpu, duty, bpf_stats, error)
         if self._cpu is not None:
             final["cpu_sampler"] = self._cpu.meta()
+        if self._waits is not None:
+            final["sched_waits"] = self._waits.meta()
+            self._waits.close()
         if self._ops is not None:
             final["trace_ops"] = self._ops.meta()
             self._ops.close()
@@ -294,6 +302,8 @@ class Recorder:
         sess.close()
         if self._cpu is not None:  # sampling ends with the probes
             self._cpu.stop()
+        if self._waits is not None:  # its counts of what was lost, before it is unloaded
+            self._waits.stop()
         if self._ops is not None:  # the node probes too (the nodes still open read)
             self._ops.stop()
         self._stages.lap("detach")
@@ -594,6 +604,8 @@ class Recorder:
         cpu_tables = (
             self._cpu.rows(steps, apart.get("steps", ()), final=final) if self._cpu is not None else {}
         )
+        if self._waits is not None:
+            cpu_tables = {**cpu_tables, **self._waits.rows(steps, final=final)}
         if self._ops is not None:
             cpu_tables = {**cpu_tables, **self._ops.rows(steps, final=final)}
         if out.wanted:

@@ -106,6 +106,7 @@ _SORT_KEYS: dict[str, tuple[str, ...]] = {
     "requests": ("t_started_ns", "seq_id"),
     "kernels": ("launch_ns", "correlation_id"),
     "aggregates": ("bucket_unix_ms", "metric", "layer", "bin"),
+    "thread_waits": ("step_id", "tid"),
     "cpu_stacks": ("t_first_ns", "tid"),
 }
 for _table, _cols in (*TEXT_COLUMNS.items(), *_SORT_KEYS.items()):
@@ -221,7 +222,7 @@ class Recording:
         schema.ANOMALIES rows; computed on each call, never stored."""
         from sparseety_prof.store.anomalies import detect
 
-        return detect(self.tokens(), self.steps(), self.meta)
+        return detect(self.tokens(), self.steps(), self.meta, self.table("thread_waits"))
 
     def segments(self, table: str) -> list[Path]:
         """The segment files of `table`, in write order."""

@@ -32,9 +32,14 @@ __all__ = [
 ]
 
 
-def detect(tokens: pl.DataFrame, steps: pl.DataFrame, meta: Mapping[str, Any] | None = None) -> pl.DataFrame:
+def detect(
+    tokens: pl.DataFrame,
+    steps: pl.DataFrame,
+    meta: Mapping[str, Any] | None = None,
+    waits: pl.DataFrame | None = None,
+) -> pl.DataFrame:
     """Every detector with its default thresholds, in schema.ANOMALY_KINDS order, each kind's rows
-    by request and decode order."""
+    by request and decode order; `waits` (the thread_waits table) names slow steps' causes."""
     found = [
         repetition_loops(tokens),
         logprob_collapse(tokens),
@@ -42,7 +47,7 @@ def detect(tokens: pl.DataFrame, steps: pl.DataFrame, meta: Mapping[str, Any] | 
         routing_jumps(tokens, meta),
         sparsity_spikes(tokens, meta),
         attention_collapse(tokens, meta),
-        slow_steps(steps, tokens),
+        slow_steps(steps, tokens, waits=waits),
         load_imbalance(tokens, meta),
     ]
     return pl.concat([common.empty(), *found], how="vertical")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import polars as pl
 
 from sparseety_prof.store.anomalies import common
+from sparseety_prof.store.anomalies.waits import wait_causes
 
 #: a slow step: its duration (per token, for prompt steps, whose cost grows with their size) is
 #: SLOW_Z robust standard deviations above the phase's median (sigma floored at SLOW_SIGMA_FLOOR
@@ -28,6 +29,7 @@ def slow_steps(
     sigma_floor: float = SLOW_SIGMA_FLOOR,
     ratio: float = SLOW_RATIO,
     min_steps: int = SLOW_MIN_STEPS,
+    waits: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
     """Score: the step's cost in robust standard deviations above its phase's median. The anomaly
     names the first token the step produced (a step that produced none is reported without one).
@@ -38,7 +40,10 @@ def slow_steps(
     models, tests/test_anomalies_planted.py) and would otherwise be flagged in clean runs. Where
     such steps are too few to have a usual cost of their own (a recording of one request has one
     first decode step), a new-shape step is measured against its phase's steady steps at
-    SLOW_RESHAPED_RATIO times the ratio."""
+    SLOW_RESHAPED_RATIO times the ratio.
+
+    With the thread_waits table (`waits`), the reason names what held the step back where the
+    scheduler saw it: a stop, or a wait for another process (anomalies/waits.py)."""
     ms = (pl.col("t_end_ns") - pl.col("t_start_ns")) / 1e6
     cost = (
         pl.when(pl.col("phase") == "prefill")
@@ -97,6 +102,13 @@ def slow_steps(
         )
         .sort("step_id")
     )
+    causes = wait_causes(
+        waits if waits is not None else pl.DataFrame(),
+        {
+            r["step_id"]: r["t_end_ns"] - r["t_start_ns"]
+            for r in df.select("step_id", "t_start_ns", "t_end_ns").iter_rows(named=True)
+        },
+    )
     rows = [
         {
             **r,
@@ -107,7 +119,8 @@ def slow_steps(
             + f", {r['cost'] / r['usual']:.1f}x the usual {r['usual']:.2f} ms"
             + (" per token" if r["phase"] == "prefill" else "")
             + (" of steps with a new shape" if r["reshaped"] and not r["lone"] else "")
-            + (" of steady steps (a new shape, too few of its kind)" if r["lone"] else ""),
+            + (" of steady steps (a new shape, too few of its kind)" if r["lone"] else "")
+            + (f": {causes[r['step_id']]}" if r["step_id"] in causes else ""),
         }
         for r in df.iter_rows(named=True)
     ]
