@@ -167,18 +167,6 @@ def ablate_consumer_flag(text: str) -> str:
     return text  # a KIND not among the choices: argparse's usage error
 
 
-def watch_flag(text: str) -> str:
-    """--watch SPEC, each entry as the library reads it (gpu/watch_rules.py); with the
-    --preset entries it is made into one spec where the late attach uses it."""
-    from sparseety_prof.gpu.watch_rules import WatchSpecError, parse
-
-    try:
-        parse(text)
-    except WatchSpecError as e:
-        raise UsageError(f"--watch/--preset: {e}") from None
-    return text
-
-
 def recorder_cpus_flag(text: str) -> str:
     """--recorder-cpus auto, none or a CPU list (session/placement.py)."""
     from sparseety_prof.session.placement import parse_recorder_cpus
@@ -525,7 +513,6 @@ def add_late_attach_flags(p: argparse._ActionsContainer) -> None:
     p.add_argument(
         "--watch",
         metavar="SPEC",
-        type=watch_flag,
         default=None,
         help="with --late-attach: watched kernels, as `launch --watch` ('name_substring:arg:dtype:rule;...')",
     )

@@ -60,7 +60,7 @@ def late_attach_from(opts: Options, log: Callable[[str], None]) -> None:
 
     if not opts.late_attach:
         return
-    try:  # each --watch entry was parsed with the flags; here the entries and the presets together
+    try:  # --watch's entries and the presets', parsed together once
         watch = watch_spec(opts.late_attach_watch, list(opts.late_attach_presets))
     except WatchSpecError as e:
         raise UsageError(f"--watch/--preset: {e}") from None
