@@ -522,10 +522,18 @@ def test_a_recording_without_the_sampler_says_so_in_the_report(tmp_path: Path) -
 
 
 def test_a_process_that_exits_leaves_names_by_file_offset_not_an_error() -> None:
+    import time
+
     child = subprocess.Popen(["/bin/sleep", "60"])
     try:
+        deadline = time.monotonic() + 30
+        while True:  # its code mapped yet (exec'd)?
+            m = next((m for m in read_maps(child.pid) if "x" in m.perms and m.path.endswith("/sleep")), None)
+            if m is not None:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         names = Symboliser(child.pid)  # its mappings read now, while it lives
-        m = next(m for m in read_maps(child.pid) if "x" in m.perms and m.path.endswith("/sleep"))
     finally:
         child.kill()
         child.wait()
@@ -533,3 +541,73 @@ def test_a_process_that_exits_leaves_names_by_file_offset_not_an_error() -> None
     assert names.name(m.start + 0x10) == f"sleep+{m.offset + 0x10:#x}"
     assert names.name(1) == "[unknown]"  # in no mapping, and the maps cannot be read again
     assert names.files_meta()[0]["symbols"] == "none"
+
+
+# ---------------------------------------------------------------- the sampler itself (root)
+
+SPIN_C = r"""
+#include <pthread.h>
+#include <stdio.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+volatile unsigned long sink;
+__attribute__((noinline)) void hot_leaf(void) { while (++sink) {} }
+__attribute__((noinline)) void caller_of_leaf(void) { hot_leaf(); sink--; }
+__attribute__((noinline)) void *worker(void *arg) { (void)arg; caller_of_leaf(); return NULL; }
+int main(void) {
+    pthread_t t;
+    pthread_create(&t, NULL, worker, NULL);
+    printf("%ld\n", (long)syscall(SYS_gettid)); fflush(stdout);
+    for (;;) pause();  /* the main thread sleeps: it takes no CPU, so no sample */
+}
+"""
+
+
+@pytest.mark.root
+def test_the_sampler_takes_the_spinning_threads_stack_and_only_the_target_process(tmp_path: Path) -> None:
+    import time
+
+    from sparseety_prof.capture.cpu_sampler import CpuSampler
+
+    src, exe = tmp_path / "spin.c", tmp_path / "spin"
+    src.write_text(SPIN_C)
+    gcc = shutil.which("gcc")
+    assert gcc
+    # frame pointers, so that the kernel can walk the stack above the leaf
+    cflags = ["-O0", "-fno-omit-frame-pointer", "-pthread"]  # (-O0: the leaf, too, sets up its frame)
+    subprocess.run([gcc, *cflags, "-o", str(exe), str(src)], check=True, timeout=120)
+    spin = subprocess.Popen([str(exe)], stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen([str(exe)], stdout=subprocess.PIPE, text=True)  # the same code, not sampled
+    try:
+        assert spin.stdout is not None
+        main_tid = int(spin.stdout.readline())
+        sampler = CpuSampler.attach(spin.pid, 97)
+        try:
+            samples: list[Sample] = []
+            deadline = time.monotonic() + 60
+            while len(samples) < 50 and time.monotonic() < deadline:
+                time.sleep(0.2)
+                samples += sampler.take()
+            counted = sampler.counts()
+            lost = sampler.lost()
+        finally:
+            sampler.close()
+        names = Symboliser(spin.pid)
+        folded = Counter(";".join(names.frames(s.stack, kernel=s.kernel)) for s in samples)  # (while it runs)
+        tids = {s.tid for s in samples}
+        worker = next(int(t) for t in os.listdir(f"/proc/{spin.pid}/task") if int(t) != main_tid)
+    finally:
+        spin.kill()
+        other.kill()
+        spin.wait()
+        other.wait()
+    assert len(samples) >= 50
+    assert tids == {worker}  # the sleeping main thread and the other process: never sampled
+    user = {stack: n for stack, n in folded.items() if not stack.endswith(KERNEL_FRAME)}
+    # the user stack, root first: the thread's start in libc, then worker -> caller -> leaf
+    top, n_top = max(user.items(), key=lambda kv: kv[1])
+    assert top.endswith("worker;caller_of_leaf;hot_leaf"), folded
+    assert n_top >= 0.9 * len(samples), folded
+    # the kernel's counts hold every sample the records do (the records may only lag them)
+    assert sum(n for (tid, _), n in counted.items() if tid == worker) >= len(samples)
+    assert lost == {"ring": 0, "stacks": 0, "counts": 0}

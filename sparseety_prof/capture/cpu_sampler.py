@@ -89,7 +89,7 @@ class CpuSampler:
                 ) from None
             raise BpfUnavailable(f"could not compile/load the CPU sampler's BPF program: {e}") from None
         sampler = cls(bpf=b, pid=pid, rate_hz=rate_hz)
-        b["samples"].open_ring_buffer(sampler._on_record)
+        b[b"samples"].open_ring_buffer(sampler._on_record)
         try:
             b.attach_perf_event(
                 ev_type=bcc.PerfType.SOFTWARE,
@@ -122,7 +122,7 @@ class CpuSampler:
         got = self._stacks.get(stack_id)
         if got is None:
             try:
-                got = tuple(int(a) for a in self.bpf["stacks"].walk(stack_id))
+                got = tuple(int(a) for a in self.bpf[b"stacks"].walk(stack_id))
             except KeyError:
                 got = ()
             self._stacks[stack_id] = got
@@ -131,7 +131,7 @@ class CpuSampler:
     def counts(self) -> dict[tuple[int, bool], int]:
         """The kernel-side counts, per (thread, kernel-or-not): every sample, joined or not."""
         out: dict[tuple[int, bool], int] = {}
-        for k, v in self.bpf["counts"].items():
+        for k, v in self.bpf[b"counts"].items():
             key = (int(k.tid), bool(k.kernel))
             out[key] = out.get(key, 0) + int(v.value)
         return out
@@ -139,7 +139,7 @@ class CpuSampler:
     def lost(self) -> dict[str, int]:
         """Samples whose record the ring could not take, stacks the map could not keep, counts
         the count map could not keep."""
-        table = self.bpf["lost"]
+        table = self.bpf[b"lost"]
         got = [int(table[ctypes.c_int(i)].value) for i in (LOST_RING, LOST_STACK, LOST_COUNT)]
         return {"ring": got[0], "stacks": got[1], "counts": got[2]}
 
