@@ -117,8 +117,13 @@ def check_slowest(r: Recording, lt: pl.DataFrame) -> pl.DataFrame:
     return tokens
 
 
-def test_layer_times_split_each_step_on_llama_cpp_python(model_dir: Path, tmp_path: Path) -> None:
-    r = _record_llama(_model(model_dir, "dense"), tmp_path / "rec", max_tokens=12)
+@pytest.mark.parametrize("preset", ["dense", "moe"])
+def test_layer_times_split_each_step_on_llama_cpp_python(
+    model_dir: Path, tmp_path: Path, preset: str
+) -> None:
+    """dense: the probe point is the GLU node's entry; moe (every FFN an expert FFN): the weighted
+    multiply's, where the activations are read."""
+    r = _record_llama(_model(model_dir, preset), tmp_path / "rec", max_tokens=12)
     check_slowest(r, check_layer_times(r))
 
 

@@ -418,8 +418,9 @@ def _fmt_ms(v: float | None) -> str:
 
 
 def _fmt_slowest(s: Snapshot) -> str:
-    """The layer most often slowest in recent steps (tokens' slowest_layer): "L2 0.85 ms (9/10
-    steps)", "-" without layer times (steps of several rows, captures without the aggregate)."""
+    """The layer most often slowest in recent steps (tokens' slowest_layer): "L<layer> <median ms>
+    (<steps it was slowest in>/<steps> steps)", "-" without layer times (steps of several rows,
+    captures without the aggregate)."""
     if s.slowest_layer is None or s.slowest_layer_steps is None:
         return "-"
     n, of = s.slowest_layer_steps
