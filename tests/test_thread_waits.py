@@ -39,6 +39,9 @@ class _NoWaits:
     def losses(self) -> dict[str, int]:
         return {}
 
+    def program_costs(self) -> dict[str, dict[str, int]]:
+        return {}
+
     def close(self) -> None:
         pass
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sparseety_prof.capture import bpf_stats
 from sparseety_prof.capture import target as tg
 from sparseety_prof.capture.bpf_loader import Session, import_bcc
 from sparseety_prof.capture.resources import PROBES_DIR
@@ -141,6 +142,20 @@ class SchedWaits:
             "threads_not_counted": int(lost[ctypes.c_int(0)].value),
             "records_lost": int(lost[ctypes.c_int(1)].value),
         }
+
+    def program_costs(self) -> dict[str, dict[str, int]]:
+        """Each of its programs' runs and nanoseconds run so far, counted by the kernel while its run
+        statistics are on (record --bpf-stats); programs that never ran are left out."""
+        out: dict[str, dict[str, int]] = {}
+        for name, fn in list(getattr(self._bpf, "funcs", {}).items()):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                runs, ns = bpf_stats.program_runs(Path(f"/proc/self/fdinfo/{fn.fd}").read_text())
+                if runs:
+                    out[name.decode() if isinstance(name, bytes) else str(name)] = {
+                        "runs": runs,
+                        "run_ns": ns,
+                    }
+        return out
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

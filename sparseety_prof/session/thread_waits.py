@@ -106,6 +106,7 @@ class ThreadWaits:
         self.joined = 0
         self.unjoined = 0
         self._losses: dict[str, int] = {}
+        self._programs: dict[str, dict[str, int]] = {}
 
     def add_steps(self, steps: Mapping[str, list[Any]]) -> None:
         self._windows.add(steps)
@@ -168,6 +169,7 @@ class ThreadWaits:
     def stop(self) -> None:
         """The counts of what was lost, read while the program is loaded."""
         self._losses = self.waits.losses()
+        self._programs = self.waits.program_costs()
 
     def meta(self) -> dict[str, Any]:
         """meta.json `sched_waits`."""
@@ -176,6 +178,8 @@ class ThreadWaits:
             "records_unjoined": self.unjoined,
             "compile_s": round(self.waits.compile_s, 3),
             **(self._losses or self.waits.losses()),
+            # with --bpf-stats: its programs' runs and run time (the kernel's counts)
+            "programs": self._programs,
         }
 
     def close(self) -> None:
