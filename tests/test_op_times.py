@@ -6,6 +6,7 @@ the step; with short windows the node probes are out of the engine's code betwee
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -14,7 +15,18 @@ from typing import Any
 
 import polars as pl
 import pytest
-from conftest import ENGINES, Engine, Recorder, run_cli
+from conftest import (
+    ENGINES,
+    Engine,
+    Recorder,
+    free_port,
+    http_post,
+    require_build,
+    run_cli,
+    server_builds,
+    server_engine_args,
+    start_build,
+)
 from probe_memory import INT3, runtime_address
 
 import sparseety_prof
@@ -68,21 +80,27 @@ def test_each_traced_step_holds_the_nodes_the_engine_computed_on_each_thread(
     for x in lines:
         if x["kind"] == "nodes":
             key = (tuple(evals[x["eval"]]["positions"]), tuple(evals[x["eval"]]["tokens"]))
-            nodes = _computed(x["nodes"], fuses=fuses)
-            assert computed.setdefault(key, nodes) == nodes  # (two requests may feed the same row)
+            seen = _computed(x["nodes"], fuses=fuses)
+            assert computed.setdefault(key, seen) == seen  # (two requests may feed the same row)
     threads = set()
     for step in steps.iter_rows(named=True):
         want = computed[(tuple(step["positions"]), tuple(step["token_ids"]))]
         mine = ops.filter(pl.col("step_id") == step["step_id"])
         threads.add(mine["thread"].n_unique())
-        for (tid,), nodes in mine.group_by(["tid"]):
-            nodes = nodes.sort("node")
+        for (tid,), group in mine.group_by(["tid"]):
+            nodes = group.sort("node")
             assert nodes["node"].to_list() == list(range(len(want))), tid
             assert list(zip(nodes["op"], nodes["name"], strict=True)) == want, tid
             assert nodes["layer"].to_list() == [node_layer(n) for _, n in want]
             starts, durs = nodes["t_start_ns"].to_list(), nodes["dur_ns"].to_list()
             assert all(d >= 0 for d in durs)
+            # each node ends where the thread's next one begins, or at its graph's end (the graph
+            # trace computes a step's graph in pieces: a piece's last node ends with the piece)
             assert all(s + d <= nxt for s, d, nxt in zip(starts, durs, starts[1:], strict=False))
+            assert (
+                sum(s + d == nxt for s, d, nxt in zip(starts, durs, starts[1:], strict=False))
+                > len(want) // 2
+            )
             assert step["t_start_ns"] <= starts[0] and starts[-1] + durs[-1] <= step["t_end_ns"]
     assert threads == {2}  # both graph threads, every step
 
@@ -100,6 +118,66 @@ def _computed(nodes: list[list[Any]], *, fuses: bool) -> list[tuple[str, str]]:
             continue
         out.append((op, name))
     return out
+
+
+def _named(nodes: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Nodes with ggml's automatic names ("node_24": counters that differ between builds) blanked."""
+    return [(op, "" if re.fullmatch(r"node_\d+", name) else name) for op, name in nodes]
+
+
+@pytest.mark.root
+@pytest.mark.engine
+def test_a_llama_server_build_s_decode_steps_hold_the_nodes_of_the_same_graph(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """llama-server b11434 (static: ggml-cpu inside the executable, its barrier inlined): each
+    decode step's nodes, thread by thread, are the decode graph llama-cpp-python's graph callback
+    sees for the same model with flash attention (the server's default), ggml's automatic node
+    names aside."""
+    name, env = next(b for b in server_builds() if b[0] == "llama-server-b11434-static")
+    require_build(env)
+    trace = tmp_path / "trace.jsonl"
+    oracle = Engine(
+        [str(ENGINES / "llama_engine.py"), str(models["moe"]), "--flash-attn", "--graph-trace", str(trace)]
+    )
+    try:
+        oracle.generate(PROMPTS[:1], max_tokens=3)
+    finally:
+        oracle.close()
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    rows = {x["eval"]: x["n_batch_rows"] for x in lines if x["kind"] == "eval"}
+    decode = {
+        json.dumps(_computed(x["nodes"], fuses=True))
+        for x in lines
+        if x["kind"] == "nodes" and rows[x["eval"]] == 1
+    }
+    assert len(decode) == 1  # one decode graph
+    want = _named([tuple(n) for n in json.loads(decode.pop())])
+
+    port = free_port()
+    server = start_build(name, [*server_engine_args(env, models["moe"], port), "--threads", "2"], env)
+    try:
+        out = tmp_path / "rec"
+        rec = Recorder(server.pid, out, "--trace-ops", "60s/120s")
+        http_post(f"http://127.0.0.1:{port}", "/completion", {"prompt": PROMPTS[0], "n_predict": 6})
+        rc, err = rec.stop(signal.SIGINT)
+        assert rc == 0, err
+    finally:
+        server.close()
+    r = sparseety_prof.open(out)
+    ops, steps = r.table("op_times"), r.steps()
+    assert any(p["symbol"] == SYM_FUSED for p in r.meta["trace_ops"]["points"])
+    decode_steps = steps.filter(pl.col("n_tokens") == 1)
+    assert decode_steps.height == 5  # n_predict 6: the first token from the prompt's step
+    for step in decode_steps.iter_rows(named=True):
+        mine = ops.filter(pl.col("step_id") == step["step_id"])
+        assert mine["thread"].n_unique() == 2
+        for (tid,), group in mine.group_by(["tid"]):
+            nodes = group.sort("node")
+            assert _named(list(zip(nodes["op"], nodes["name"], strict=True))) == want, tid
+            starts, durs = nodes["t_start_ns"].to_list(), nodes["dur_ns"].to_list()
+            assert all(s + d == nxt for s, d, nxt in zip(starts, durs, starts[1:], strict=False))
+            assert step["t_start_ns"] <= starts[0] and starts[-1] + durs[-1] <= step["t_end_ns"]
 
 
 class _ByteReader:
@@ -142,6 +220,7 @@ def test_the_node_probes_are_out_of_the_engine_between_windows(llama_engine: Eng
     assert rc == 0, err
     meta: dict[str, Any] = sparseety_prof.open(out).meta["trace_ops"]
     windows = meta["windows_ns"]
+    traced_windows = meta["traced_windows_ns"]  # [in, out]: the node probes' own
     assert meta["switch"]["disarms"] >= 2 and meta["switch"]["failures"] == 0
     node_point = next(p for p in meta["points"] if p["symbol"] == SYM_NODE)
     assert node_point["address"] == _points(out)[0]["address"]  # the address the bytes were read at
@@ -167,7 +246,7 @@ def test_the_node_probes_are_out_of_the_engine_between_windows(llama_engine: Eng
     traced = set(r.table("op_times")["step_id"].unique().to_list())
     assert traced
     for s in r.steps().filter(pl.col("step_id").is_in(traced)).iter_rows(named=True):
-        assert any(w[1] <= s["t_start_ns"] and s["t_end_ns"] <= w[2] for w in windows)
+        assert any(w[0] <= s["t_start_ns"] and s["t_end_ns"] <= w[1] for w in traced_windows)
 
 
 def _points(out: Path) -> list[dict[str, Any]]:

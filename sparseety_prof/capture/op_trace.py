@@ -1,9 +1,10 @@
-"""Per-operator tracing (issue 62, `record --trace-ops`): the entry and exit of every graph node the
-CPU backend computes, on every engine thread (probes/op_trace.bpf.c says where and how).
+"""Per-operator tracing (issue 62, `record --trace-ops`): the entry of every graph node the CPU
+backend computes, on every engine thread, and the end of every graph (probes/op_trace.bpf.c says
+where); session/op_times.py pairs them into each node's time on each thread.
 
 Compiled and attached on its own, apart from the probes, as a `Session` of its own: the duty cycle
-(capture/probe_switch.py, session/duty_driver.py) takes its two probes out between windows and
-puts them back, as it does the sparse probes. The node's operator is an `enum ggml_op` number,
+(capture/probe_switch.py, session/duty_driver.py) takes its probes out between windows and puts
+them back, as it does the sparse probes. The node's operator is an `enum ggml_op` number,
 named by the engine's own table: ggml_op_name(op) returns GGML_OP_NAME[op], and its code (one
 load from a table) says where that table is; the names are read from the engine's memory, once
 per operator seen. A build whose ggml_op_name is compiled otherwise leaves the numbers ("op 26").
@@ -28,11 +29,13 @@ from sparseety_prof.errors import BpfUnavailable, MissingPrivileges
 
 #: ggml-cpu's call at the start of every node it computes (ggml_compute_forward is static)
 SYM_NODE = "ggml_cpu_extra_compute_forward"
-#: where a graph thread waits after each node
-SYM_BARRIER = "ggml_barrier"
 #: the RMS_NORM + MUL kernel ggml-cpu calls instead of ggml_compute_forward (builds that fuse them)
 SYM_FUSED = "ggml_compute_forward_rms_norm_mul_fused"
-OP_SYMBOLS = (SYM_NODE, SYM_BARRIER, SYM_FUSED)
+#: returns once every graph thread has passed the graph's last barrier
+SYM_GRAPH = "ggml_graph_compute"
+OP_SYMBOLS = (SYM_NODE, SYM_FUSED, SYM_GRAPH)
+#: probes/op_trace.bpf.c enum op_kind
+OP_NODE, OP_FUSED, OP_GRAPH_END = 0, 1, 2
 SYM_OP_NAME = "ggml_op_name"
 SOURCE = "op_trace.bpf.c"
 OP_PAGES = 1024  # the node ring: 4 MiB, about 40,000 node records between drains
@@ -44,30 +47,29 @@ _OP_NAME_LOAD = b"\x48\x8b\x04\xf8"
 
 class _OpRec(ctypes.Structure):
     _fields_ = [
-        ("t_start", ctypes.c_uint64),
-        ("t_end", ctypes.c_uint64),
+        ("ts", ctypes.c_uint64),
         ("node", ctypes.c_uint64),
         ("tid", ctypes.c_uint32),
         ("ith", ctypes.c_int32),
         ("op", ctypes.c_int32),
-        ("fused", ctypes.c_uint32),
+        ("kind", ctypes.c_uint32),
         ("name", ctypes.c_char * NAME_LEN),
     ]
 
 
 @dataclass(frozen=True)
-class NodeRun:
-    """One graph node computed by one engine thread: [t_start, t_end] (CLOCK_MONOTONIC ns), from
-    its entry to the last barrier the thread entered before its next node."""
+class OpEvent:
+    """A node's entry on an engine thread (kind OP_NODE, or OP_FUSED: an RMS_NORM computed with
+    the MUL after it), or the end of a graph (OP_GRAPH_END, on the thread that ran it); `ts`
+    CLOCK_MONOTONIC ns."""
 
-    t_start: int
-    t_end: int
+    ts: int
+    kind: int
     tid: int
-    ith: int
-    node: int  # the ggml_tensor's address
-    op: int  # enum ggml_op
-    name: bytes
-    fused: bool = False  # an RMS_NORM node computed with the MUL after it (SYM_FUSED)
+    ith: int = -1
+    node: int = 0  # the ggml_tensor's address
+    op: int = -1  # enum ggml_op
+    name: bytes = b""
 
 
 def find_op_libs(libs: Iterable[Path]) -> dict[str, Path]:
@@ -141,18 +143,18 @@ class OpNames:
 @dataclass
 class OpTracer:
     """The node probes of one engine, attached (armed); `session` is what the duty cycle's
-    ProbeSwitch takes out and puts back. `take()` returns the nodes finished since the last
+    ProbeSwitch takes out and puts back. `take()` returns the events sent since the last
     call; `close()` detaches (idempotent)."""
 
     session: Session
     names: OpNames
-    _pending: list[NodeRun] = field(default_factory=list)
+    _pending: list[OpEvent] = field(default_factory=list)
     _closed: bool = False
 
     @classmethod
     def attach(cls, pid: int, libs: Iterable[Path], tensor: TensorLayout) -> OpTracer:
         where = find_op_libs(libs)
-        missing = [s for s in (SYM_NODE, SYM_BARRIER) if s not in where]
+        missing = [s for s in (SYM_NODE, SYM_GRAPH) if s not in where]
         if missing:
             raise BpfUnavailable(
                 f"--trace-ops: the engine's ggml-cpu exports no {', '.join(missing)} (a build these "
@@ -177,22 +179,26 @@ class OpTracer:
         tracer = cls(Session(bpf=b, pid=pid, ring_pages=OP_PAGES), OpNames.find(pid, where.get(SYM_OP_NAME)))
         b["ops"].open_ring_buffer(tracer._on_record)
         try:
+            # the graph's return first (as compile_and_attach does): a graph whose nodes are seen
+            # has its end seen
             points = (
-                (SYM_BARRIER, "op_barrier_enter"),
-                (SYM_NODE, "op_node_enter"),
-                (SYM_FUSED, "op_fused_enter"),
+                (SYM_GRAPH, "op_graph_return", "return"),
+                (SYM_NODE, "op_node_enter", "entry"),
+                (SYM_FUSED, "op_fused_enter", "entry"),
             )
-            for symbol, program in points:
+            for symbol, program, kind in points:
                 lib = where.get(symbol)
                 if lib is None:  # (a build that does not fuse)
                     continue
                 vaddr = tg.elf_symbols(lib)[symbol][0]
                 code = read_at_vaddr(lib, vaddr, 32)
-                off = cheap_entry_probe_offset(code)
+                # a return probe needs the return address at [rsp]: at the function's first byte
+                off = cheap_entry_probe_offset(code) if kind == "entry" else 0
                 at = vaddr + off
-                via = _attach(b.attach_uprobe, lib, at, program, pid)
+                attach = b.attach_uprobe if kind == "entry" else b.attach_uretprobe
+                via = _attach(attach, lib, at, program, pid)
                 tracer.session.attached.append(
-                    AttachedProbe(symbol, str(lib), off, "entry", at, via, emulated(code[off:]), program)
+                    AttachedProbe(symbol, str(lib), off, kind, at, via, emulated(code[off:]), program)
                 )
         except BaseException:
             tracer.session.close()
@@ -201,34 +207,17 @@ class OpTracer:
 
     def _on_record(self, _ctx: object, data: int, _size: int) -> None:
         r = ctypes.cast(data, ctypes.POINTER(_OpRec)).contents
-        self._pending.append(
-            NodeRun(r.t_start, r.t_end, r.tid, r.ith, r.node, r.op, bytes(r.name), bool(r.fused))
-        )
+        self._pending.append(OpEvent(r.ts, r.kind, r.tid, r.ith, r.node, r.op, bytes(r.name)))
 
-    def take(self) -> list[NodeRun]:
-        """The nodes sent since the last call, in the ring's order."""
+    def take(self) -> list[OpEvent]:
+        """The events sent since the last call, in the ring's order."""
         if not self._closed:
             self.session.bpf.ring_buffer_consume()
         got, self._pending = self._pending, []
         return got
 
-    def open_nodes(self) -> list[NodeRun]:
-        """The nodes the probes' map still holds open (one per thread: its latest), those with a
-        barrier after their entry, and the map emptied. Only while the probes are out: nothing
-        changes the map then."""
-        table = self.session.bpf["open_nodes"]
-        out = [
-            NodeRun(
-                o.r.t_start, o.r.t_end, o.r.tid, o.r.ith, o.r.node, o.r.op, bytes(o.r.name), bool(o.r.fused)
-            )
-            for o in table.values()
-            if o.r.node and o.r.t_end
-        ]
-        table.clear()
-        return out
-
     def lost(self) -> int:
-        """Nodes the ring could not take."""
+        """Events the ring could not take."""
         return int(self.session.bpf["lost"][ctypes.c_int(0)].value)
 
     def close(self) -> None:

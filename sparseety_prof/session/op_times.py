@@ -3,15 +3,16 @@ computed in a step, on each engine thread, from the node probes of capture/op_tr
 a window of ON seconds every PERIOD by the duty cycle (session/duty_cycle.py and duty_driver.py,
 the same schedule and switching as `--duty-cycle`; the probes are detached between windows).
 
-Only the steps that ran whole inside a window are kept (the probes in before the step began, not
-taken out before it ended): a step cut by a window's edge would list part of its nodes. A node is
-numbered by its order among the nodes its thread computed in the step; every graph thread runs
-every node, so a node has the same number on each thread.
+A node runs on a thread from its entry to the thread's next node entry, or to the end of its graph
+(ggml_graph_compute's return: every thread has passed the graph's last barrier then): its share of
+the node's work and its wait at the barrier after it. Only the steps that ran whole inside a
+window are kept (the probes in before the step began, not taken out before it ended): a step cut
+by a window's edge would list part of its nodes. A node is numbered by its order among the nodes
+its thread computed in the step; every graph thread runs every node, so a node has the same number
+on each thread.
 
-A thread's node is sent when that thread enters its next node, so a step's last nodes come with
-the next step's first ones. A step's rows are made once every thread that ran it has sent a node
-that began after the step ended, or when the probes are taken out (the nodes still open are read
-from the probes' map then: nothing runs to change it).
+A step's events are all in the probes' ring before the step ends (its graphs end inside it), so
+its rows are made as soon as its steps row arrives.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sparseety_prof.capture.layouts import TensorLayout
-from sparseety_prof.capture.op_trace import OP_SYMBOLS, NodeRun, OpTracer
+from sparseety_prof.capture.op_trace import OP_FUSED, OP_GRAPH_END, OP_SYMBOLS, OpEvent, OpTracer
 from sparseety_prof.capture.probe_switch import ProbeSwitch
 from sparseety_prof.session.duty_cycle import DutySpec
 from sparseety_prof.session.duty_driver import DutyDriver
@@ -43,28 +44,29 @@ def node_layer(name: str) -> int | None:
     return int(tail) if sep and tail.isascii() and tail.isdigit() else None
 
 
+@dataclass(frozen=True)
+class NodeRun:
+    """One node on one thread: its entry event and when the thread left it (CLOCK_MONOTONIC ns)."""
+
+    entry: OpEvent
+    t_end: int
+
+
 class OpSwitch(ProbeSwitch):
-    """The node probes' switch, which keeps when they were in (CLOCK_MONOTONIC ns) and, each
-    time they come out, the nodes still open in the probes' map."""
+    """The node probes' switch, which keeps when they were in: [in, out] in CLOCK_MONOTONIC ns,
+    in once attached, out (None while in) as the detach begins."""
 
     def __init__(self, tracer: OpTracer) -> None:
         super().__init__(tracer.session, OP_SYMBOLS)
-        self.tracer = tracer
         self.lock = threading.Lock()
-        self.windows: list[list[int | None]] = [[time.monotonic_ns(), None]]  # [in, out]
-        self.flushed: list[NodeRun] = []
+        self.windows: list[list[int | None]] = [[time.monotonic_ns(), None]]
 
     def disarm(self) -> None:
-        """Out, then the nodes still open read: the window is closed (its end set) only with
-        them, so that a step seen inside a closed window has all its nodes."""
         if not self.armed:
             return
-        out = time.monotonic_ns()
-        super().disarm()
-        open_nodes = self.tracer.open_nodes()
         with self.lock:
-            self.windows[-1][1] = out
-            self.flushed.extend(open_nodes)
+            self.windows[-1][1] = time.monotonic_ns()
+        super().disarm()
 
     def arm(self) -> None:
         if self.armed:
@@ -73,10 +75,9 @@ class OpSwitch(ProbeSwitch):
         with self.lock:
             self.windows.append([time.monotonic_ns(), None])
 
-    def take(self) -> tuple[list[NodeRun], list[list[int | None]]]:
+    def snapshot(self) -> list[list[int | None]]:
         with self.lock:
-            got, self.flushed = self.flushed, []
-            return got, [list(w) for w in self.windows]
+            return [list(w) for w in self.windows]
 
 
 @dataclass
@@ -88,42 +89,70 @@ class _Step:
     runs: list[NodeRun] = field(default_factory=list)
 
 
+def _window(t0: int, t1: int, windows: list[list[int | None]]) -> bool:
+    """The probes were in for the whole of [t0, t1]."""
+    return any(w_in is not None and w_in <= t0 and (w_out is None or t1 <= w_out) for w_in, w_out in windows)
+
+
 class OpTimes:
-    """Node runs joined to whole traced steps, as op_times rows (`rows`)."""
+    """Node entries paired into runs, joined to whole traced steps, as op_times rows (`rows`)."""
 
     def __init__(self, tracer: OpTracer, spec: DutySpec, log: Callable[[str], None]) -> None:
         self.tracer = tracer
         self.spec = spec
         self.switch = OpSwitch(tracer)
         self.driver = DutyDriver(spec, self.switch, log)
-        self._steps: list[_Step] = []  # traced steps whose rows are not made yet
+        self._open: dict[int, OpEvent] = {}  # tid -> the node it is in
         self._runs: list[NodeRun] = []  # runs whose step is not known yet
-        self._last_seen: dict[int, int] = {}  # tid -> start of its latest node run
         self._latest_end = 0  # the latest step end given
         self.nodes = 0  # node runs recorded
-        self.outside = 0  # node runs outside every whole traced step
+        self.outside = 0  # node runs outside every whole traced step, or cut by a window's edge
         self.steps = 0  # steps recorded
         self._stopped = False
 
     def start(self) -> None:
         self.driver.start()
 
-    @staticmethod
-    def _window(t0: int, t1: int, windows: list[list[int | None]]) -> list[int | None] | None:
-        """The window the probes were in for the whole of [t0, t1], if any."""
-        for w in windows:
-            w_in, w_out = w
-            if w_in is not None and w_in <= t0 and (w_out is None or t1 <= w_out):
-                return w
-        return None
+    def _pair(self, events: list[OpEvent], windows: list[list[int | None]]) -> list[NodeRun]:
+        """Runs from the events in ring order: a thread's node ends at its next entry or at the
+        end of a graph; a node still open when the probes came out has no end (dropped)."""
+        runs: list[NodeRun] = []
+        outs = sorted(w[1] for w in windows if w[1] is not None)
+        for e in events:
+            if e.kind == OP_GRAPH_END:
+                # every graph thread passed the last barrier: the nodes open then are done
+                for tid, entry in list(self._open.items()):
+                    if entry.ts <= e.ts:
+                        runs.append(NodeRun(entry, e.ts))
+                        del self._open[tid]
+                continue
+            before = self._open.get(e.tid)
+            if before is not None:
+                runs.append(NodeRun(before, e.ts))
+            self._open[e.tid] = e
+        # an entry before the probes last came out, still open: its end was not seen
+        if outs:
+            for tid, entry in list(self._open.items()):
+                if entry.ts <= outs[-1]:
+                    del self._open[tid]
+                    self.outside += 1
+        return [r for r in runs if not self._cut(r, outs)]
+
+    def _cut(self, r: NodeRun, outs: list[int]) -> bool:
+        """The probes came out between the run's entry and its end (its end is a later node's)."""
+        i = bisect.bisect_left(outs, r.entry.ts)
+        if i < len(outs) and outs[i] < r.t_end:
+            self.outside += 1
+            return True
+        return False
 
     def rows(self, steps: Mapping[str, list[Any]], *, final: bool = False) -> schema.Tables:
-        """The rows that can be made now from the steps given (the recorder's steps columns) and
-        the nodes taken since; every held one with `final`."""
-        flushed, windows = self.switch.take()
-        runs = [*self.tracer.take(), *flushed]
-        for r in runs:
-            self._last_seen[r.tid] = max(self._last_seen.get(r.tid, 0), r.t_start)
+        """The rows of the traced steps given (the recorder's steps columns), from the events
+        taken since; the runs of steps not given yet wait for them (every held one is dropped
+        with `final`)."""
+        windows = self.switch.snapshot()
+        runs = [*self._runs, *self._pair(self.tracer.take(), windows)]
+        traced: list[_Step] = []
         for sid, ctx, t0, t1 in zip(
             steps.get("step_id") or [],
             steps.get("ctx_id") or [],
@@ -134,64 +163,48 @@ class OpTimes:
             if sid is None or t0 is None or t1 is None:
                 continue
             self._latest_end = max(self._latest_end, int(t1))
-            if self._window(int(t0), int(t1), windows) is not None:
-                self._steps.append(_Step(int(sid), ctx, int(t0), int(t1)))
-        self._steps.sort(key=lambda s: s.t_start)
-        self._place([*self._runs, *runs], final=final)
-        ready = [s for s in self._steps if final or self._complete(s, windows)]
-        if not ready:
-            return {}
-        done = {id(s) for s in ready}
-        self._steps = [s for s in self._steps if id(s) not in done]
-        return {"op_times": self._columns(ready)}
-
-    def _place(self, runs: list[NodeRun], *, final: bool) -> None:
-        """Each run into the traced step whose window holds it; a run is held while no step
-        ending after it is known (its step may come later), else counted outside every whole
-        traced step."""
-        starts = [s.t_start for s in self._steps]
+            if _window(int(t0), int(t1), windows):
+                traced.append(_Step(int(sid), ctx, int(t0), int(t1)))
+        traced.sort(key=lambda s: s.t_start)
+        starts = [s.t_start for s in traced]
         held: list[NodeRun] = []
         for r in runs:
-            i = bisect.bisect_right(starts, r.t_start) - 1
-            if i >= 0 and r.t_end <= self._steps[i].t_end:
-                self._steps[i].runs.append(r)
-            elif final or r.t_start <= self._latest_end:
+            i = bisect.bisect_right(starts, r.entry.ts) - 1
+            if i >= 0 and r.t_end <= traced[i].t_end:
+                traced[i].runs.append(r)
+            elif final or r.entry.ts <= self._latest_end:
                 self.outside += 1
             else:
                 held.append(r)
         self._runs = held
+        cols = self._columns(traced)
+        return {"op_times": cols} if cols["step_id"] else {}
 
-    def _complete(self, s: _Step, windows: list[list[int | None]]) -> bool:
-        """All the step's nodes are in: its window is closed (the open ones were read then), or
-        every thread that ran it has sent a node that began after it."""
-        w = self._window(s.t_start, s.t_end, windows)
-        if w is not None and w[1] is not None:
-            return True
-        return bool(s.runs) and all(self._last_seen.get(tid, 0) > s.t_end for tid in {r.tid for r in s.runs})
-
-    def _columns(self, ready: list[_Step]) -> schema.Columns:
+    def _columns(self, traced: list[_Step]) -> schema.Columns:
         cols: schema.Columns = {c: [] for c in _COLUMNS}
-        for s in ready:
+        for s in traced:
             if not s.runs:
                 continue
             self.steps += 1
             by_tid: dict[int, list[NodeRun]] = {}
             for r in s.runs:
-                by_tid.setdefault(r.tid, []).append(r)
+                by_tid.setdefault(r.entry.tid, []).append(r)
             for tid, runs in by_tid.items():
-                for i, r in enumerate(sorted(runs, key=lambda r: r.t_start)):
-                    name = r.name.split(b"\0", 1)[0].decode(errors="replace")
+                for i, r in enumerate(sorted(runs, key=lambda r: r.entry.ts)):
+                    e = r.entry
+                    name = e.name.split(b"\0", 1)[0].decode(errors="replace")
+                    op = self.tracer.names.name(e.op) + ("+MUL" if e.kind == OP_FUSED else "")
                     values = (
                         s.step_id,
                         s.ctx_id,
                         tid,
-                        r.ith,
+                        e.ith,
                         i,
-                        self.tracer.names.name(r.op) + ("+MUL" if r.fused else ""),
+                        op,
                         name,
                         node_layer(name),
-                        r.t_start,
-                        r.t_end - r.t_start,
+                        e.ts,
+                        r.t_end - e.ts,
                     )
                     for c, v in zip(_COLUMNS, values, strict=True):
                         cols[c].append(v)
@@ -199,8 +212,7 @@ class OpTimes:
         return cols
 
     def stop(self) -> None:
-        """The duty cycle stops and the probes come out (the nodes still open read); rows()
-        with final then makes the rest."""
+        """The duty cycle stops and the probes come out; rows() with final then makes the rest."""
         if self._stopped:
             return
         self._stopped = True
@@ -222,6 +234,8 @@ class OpTimes:
                 "lost": self.tracer.lost(),
                 "op_names": "engine's GGML_OP_NAME" if self.tracer.names.table is not None else "numbers",
                 "points": self.tracer.session.probes_meta(),
+                # [in, out] CLOCK_MONOTONIC ns: attached, detach began (the steps kept lie inside)
+                "traced_windows_ns": self.switch.snapshot(),
             }
         )
         return out
