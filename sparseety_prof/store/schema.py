@@ -269,7 +269,9 @@ OP_TIMES: dict[str, pl.DataType] = {
     "name": pl.String(),  # the node's tensor name ("ffn_moe_gate-3")
     "layer": pl.Int32(),  # from the name's "-N" suffix; null for a node of no layer
     "t_start_ns": pl.Int64(),  # CLOCK_MONOTONIC: the thread entered the node
-    "dur_ns": pl.Int64(),  # to the last barrier it entered before its next node
+    # to the thread's next node entry, or to the end of the graph (its wait at the barrier after
+    # the node included)
+    "dur_ns": pl.Int64(),
 }
 
 #: Who took the CPU (capture/sched_waits.py, session/thread_waits.py; off with --no-sched-waits):
