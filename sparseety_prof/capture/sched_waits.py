@@ -15,6 +15,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -69,36 +70,68 @@ def step_trap(sess: Session) -> StepTrap | None:
     return None
 
 
-class SchedWaits:
-    """The scheduler program attached to engine `pid`; `recorder_pid`'s threads are counted as the
-    recorder's. BpfUnavailable / MissingPrivileges when it cannot be loaded."""
+def load_program(pid: int, recorder_pid: int) -> tuple[Any, float]:
+    """The scheduler program compiled and loaded for engine `pid` (`recorder_pid`'s threads counted
+    as the recorder's), its tracepoints on and the engine's threads as they are now given their
+    slots: (the BCC object, seconds its compile took). It may be loaded before the token probes
+    attach (it does not need them until SchedWaits). BpfUnavailable / MissingPrivileges."""
+    bcc = import_bcc()
+    cflags = [
+        f"-DTARGET_TGID={pid}",
+        f"-DRECORDER_TGID={recorder_pid}",
+        f"-DMAX_THREADS={MAX_THREADS}",
+        f"-DMAX_CPUS={_possible_cpus()}",
+        f"-DWAIT_PAGES={WAIT_PAGES}",
+        "-Wno-macro-redefined",
+    ]
+    t0 = time.monotonic()
+    try:
+        b = bcc.BPF(src_file=str(PROBES_DIR / "sched_waits.bpf.c"), cflags=cflags)
+    except Exception as e:
+        if "Operation not permitted" in str(e):
+            raise MissingPrivileges(f"the kernel refused the scheduler program ({e}): run as root") from None
+        raise BpfUnavailable(f"could not load the scheduler program: {e}") from None
+    compile_s = time.monotonic() - t0
+    try:
+        more = b.load_func("close_more", bcc.BPF.KPROBE)
+        b["close_tail"][ctypes.c_int(0)] = ctypes.c_int(more.fd)
+        _seed_threads(b, pid)
+    except Exception as e:
+        with contextlib.suppress(Exception):
+            b.cleanup()
+        raise BpfUnavailable(f"could not load the scheduler program: {e}") from None
+    return b, compile_s
 
-    def __init__(self, pid: int, recorder_pid: int, trap: StepTrap) -> None:
-        bcc = import_bcc()
-        cflags = [
-            f"-DTARGET_TGID={pid}",
-            f"-DRECORDER_TGID={recorder_pid}",
-            f"-DMAX_THREADS={MAX_THREADS}",
-            f"-DMAX_CPUS={_possible_cpus()}",
-            f"-DWAIT_PAGES={WAIT_PAGES}",
-            "-Wno-macro-redefined",
-        ]
-        t0 = time.monotonic()
-        try:
-            self._bpf = bcc.BPF(src_file=str(PROBES_DIR / "sched_waits.bpf.c"), cflags=cflags)
-        except Exception as e:
-            if "Operation not permitted" in str(e):
-                raise MissingPrivileges(
-                    f"the kernel refused the scheduler program ({e}): run as root"
-                ) from None
-            raise BpfUnavailable(f"could not load the scheduler program: {e}") from None
-        self.compile_s = time.monotonic() - t0
+
+def _seed_threads(b: Any, pid: int) -> None:
+    """The engine's threads as they are now, each from its /proc state (their time before this is
+    nobody's); those the program already gave a slot (its tracepoints are on) keep theirs."""
+    thr, slots, count = b["thr"], b["tid_slot"], b["nslots"]
+    now = time.monotonic_ns()  # bpf_ktime_get_ns's clock
+    k = int(count[ctypes.c_int(0)].value)
+    for tid, state in _thread_states(pid):
+        if k >= MAX_THREADS:
+            break
+        if ctypes.c_uint32(tid) in slots:
+            continue
+        leaf = thr.Leaf()
+        leaf.tid, leaf.idx, leaf.state, leaf.since = tid, k, state, now
+        thr[ctypes.c_int(k)] = leaf
+        slots[ctypes.c_uint32(tid)] = ctypes.c_uint32(k)
+        k += 1
+        count[ctypes.c_int(0)] = ctypes.c_uint32(k)
+
+
+class SchedWaits:
+    """The scheduler program (load_program) attached to engine `pid`'s steps at `trap`.
+    BpfUnavailable when it cannot be; the program is unloaded then."""
+
+    def __init__(self, bpf: Any, compile_s: float, pid: int, trap: StepTrap) -> None:
+        self._bpf = bpf
+        self.compile_s = compile_s
         self.pid = pid
         self._chunks: list[bytes] = []
         try:
-            more = self._bpf.load_func("close_more", bcc.BPF.KPROBE)
-            self._bpf["close_tail"][ctypes.c_int(0)] = ctypes.c_int(more.fd)
-            self._seed_threads(pid)
             self._bpf["waits"].open_ring_buffer(self._on_record)
             # the return handler first: a step whose start this program sees must have its end seen
             self._bpf.attach_uretprobe(name=trap.via, addr=trap.address, fn_name="step_return", pid=pid)
@@ -110,22 +143,6 @@ class SchedWaits:
 
     def _on_record(self, _ctx: object, data: int, size: int) -> None:
         self._chunks.append(ctypes.string_at(data, size))
-
-    def _seed_threads(self, pid: int) -> None:
-        """The engine's threads as they are now, each from its /proc state (their time before this
-        is nobody's)."""
-        thr, slots, count = self._bpf["thr"], self._bpf["tid_slot"], self._bpf["nslots"]
-        k = 0
-        now = time.monotonic_ns()  # bpf_ktime_get_ns's clock
-        for tid, state in _thread_states(pid):
-            if k >= MAX_THREADS:
-                break
-            leaf = thr.Leaf()
-            leaf.tid, leaf.idx, leaf.state, leaf.since = tid, k, state, now
-            thr[ctypes.c_int(k)] = leaf
-            slots[ctypes.c_uint32(tid)] = ctypes.c_uint32(k)
-            k += 1
-        count[ctypes.c_int(0)] = ctypes.c_uint32(k)
 
     def take(self) -> np.ndarray:
         """The records the program left since the last take (WAIT_DTYPE)."""
@@ -173,8 +190,12 @@ def _possible_cpus() -> int:
 
 def _thread_states(pid: int) -> list[tuple[int, int]]:
     """(tid, program state) of each thread of `pid` (those gone meanwhile left out)."""
-    out = []
-    for entry in Path(f"/proc/{pid}/task").iterdir():
+    out: list[tuple[int, int]] = []
+    try:
+        entries = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:  # gone: the attach says so
+        return out
+    for entry in entries:
         try:
             stat = (entry / "stat").read_text()
         except OSError:

@@ -43,7 +43,7 @@ from sparseety_prof.session.sinks import FrameSink, SinkFanout
 from sparseety_prof.session.snapshot import engine_environment, host_info, process_info
 from sparseety_prof.session.stage_cpu import StageCpu
 from sparseety_prof.session.stop_flag import StopFlag
-from sparseety_prof.session.thread_waits import ThreadWaits, open_thread_waits
+from sparseety_prof.session.thread_waits import ProgramLoad, ThreadWaits, open_thread_waits
 from sparseety_prof.store import schema
 from sparseety_prof.store.aggregates import COUNTED, Aggregator
 from sparseety_prof.store.array_rows import part_rows
@@ -115,9 +115,14 @@ class Recorder:
         placement = place_recorder(opts.recorder_cpus, opts.pid)
         self.log(f"sparseety-prof: {placement.line()}")
         self._attach_began = time.monotonic()  # the duty cycle's first window: the probes go in
+        # the scheduler program's compile before the probes attach (thread_waits.py ProgramLoad)
+        waits_load = ProgramLoad(opts.sched_waits, opts.pid, os.getpid())
         try:
             a = attach(opts, self.log, self._stop.is_set)
-        except NotAnEngine:
+        except BaseException as e:
+            waits_load.discard()
+            if not isinstance(e, NotAnEngine):
+                raise
             # a CUDA engine with a Python decode loop (vLLM, SGLang, PyTorch): no llama.cpp to
             # probe, but started under `sparseety-prof launch`: record its GPU side alone
             gpu_only = _open_gpu(opts.pid)
@@ -130,7 +135,7 @@ class Recorder:
             self.log(f"sparseety-prof: GPU ring not read: {e}")
             gpu = None
         self._cpu = open_cpu_profile(opts.pid, opts.cpu_sample_hz, self.log)
-        self._waits = open_thread_waits(opts.sched_waits, a.session, os.getpid(), self.log)
+        self._waits = open_thread_waits(waits_load, a.session, self.log)
         try:
             libs = [lib.path for lib in a.target.libs]
             self._ops = open_op_times(opts.pid, opts.trace_ops, libs, a.build.tensor, self.log)

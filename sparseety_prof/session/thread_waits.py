@@ -12,6 +12,7 @@ were lost).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from sparseety_prof.capture.bpf_loader import Session
-from sparseety_prof.capture.sched_waits import WAIT_DTYPE, SchedWaits, StepTrap, step_trap
+from sparseety_prof.capture.sched_waits import WAIT_DTYPE, SchedWaits, StepTrap, load_program, step_trap
 from sparseety_prof.errors import ProfError
 from sparseety_prof.store import schema
 
@@ -186,19 +187,57 @@ class ThreadWaits:
         self.waits.close()
 
 
-def open_thread_waits(
-    on: bool, sess: Session, recorder_pid: int, log: Callable[[str], None]
-) -> ThreadWaits | None:
-    """The scheduler program on the engine `sess` is attached to (None: off, or it could not be
-    loaded: the recording goes on without the table, and says why)."""
-    if not on:
-        return None
+class ProgramLoad:
+    """The scheduler program compiled and loaded (capture/sched_waits.py load_program) before the
+    token probes attach: its compile then delays the attach, not the first drain after it, while
+    records would pile up in the ring (BCC cannot compile two programs at once in one process).
+    `take()` hands the program over once; `discard()` unloads it when nobody took it."""
+
+    def __init__(self, on: bool, pid: int, recorder_pid: int) -> None:
+        self._result: tuple[Any, float] | None = None
+        self._error: ProfError | None = None
+        self._taken = not on
+        if on:
+            try:
+                self._result = load_program(pid, recorder_pid)
+            except ProfError as e:
+                self._error = e
+
+    def take(self) -> tuple[Any, float] | None:
+        """The loaded program and its compile time (None: off); ProfError when it could not load."""
+        if self._taken:
+            return None
+        self._taken = True
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def discard(self) -> None:
+        """Unload the program if it was never taken (the attach failed)."""
+        if not self._taken and self._result is not None:
+            _unload(self._result[0])
+        self._taken = True
+
+
+def _unload(bpf: Any) -> None:
+    with contextlib.suppress(Exception):
+        bpf.cleanup()
+
+
+def open_thread_waits(load: ProgramLoad, sess: Session, log: Callable[[str], None]) -> ThreadWaits | None:
+    """The loaded scheduler program attached to the steps of the engine `sess` is attached to
+    (None: off, or it could not be loaded or attached: the recording goes on without the table,
+    and says why)."""
     trap: StepTrap | None = step_trap(sess)
-    if trap is None:
-        log("sparseety-prof: thread waits not recorded: the step probe is not attached")
-        return None
     try:
-        return ThreadWaits(SchedWaits(sess.pid, recorder_pid, trap))
+        loaded = load.take()
+        if loaded is None:
+            return None
+        if trap is None:
+            loaded[0].cleanup()
+            log("sparseety-prof: thread waits not recorded: the step probe is not attached")
+            return None
+        return ThreadWaits(SchedWaits(loaded[0], loaded[1], sess.pid, trap))
     except ProfError as e:
         log(f"sparseety-prof: thread waits not recorded: {e}")
         return None
