@@ -581,7 +581,9 @@ def test_the_sampler_takes_the_spinning_threads_stack_and_only_the_target_proces
     try:
         assert spin.stdout is not None
         main_tid = int(spin.stdout.readline())
+        held_before = _bpf_and_perf_fds()
         sampler = CpuSampler.attach(spin.pid, 97)
+        assert _bpf_and_perf_fds() - held_before  # its program, maps and one perf event per CPU
         try:
             samples: list[Sample] = []
             deadline = time.monotonic() + 60
@@ -592,6 +594,7 @@ def test_the_sampler_takes_the_spinning_threads_stack_and_only_the_target_proces
             lost = sampler.lost()
         finally:
             sampler.close()
+        assert _bpf_and_perf_fds() == held_before  # closed: nothing of it is left in this process
         names = Symboliser(spin.pid)
         folded = Counter(";".join(names.frames(s.stack, kernel=s.kernel)) for s in samples)  # (while it runs)
         tids = {s.tid for s in samples}
@@ -611,3 +614,16 @@ def test_the_sampler_takes_the_spinning_threads_stack_and_only_the_target_proces
     # the kernel's counts hold every sample the records do (the records may only lag them)
     assert sum(n for (tid, _), n in counted.items() if tid == worker) >= len(samples)
     assert lost == {"ring": 0, "stacks": 0, "counts": 0}
+
+
+def _bpf_and_perf_fds() -> Counter[str]:
+    """This process's descriptors of BPF objects and perf events, by kind."""
+    kinds: Counter[str] = Counter()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("anon_inode:") and ("bpf" in target or "perf_event" in target):
+            kinds[target] += 1
+    return kinds

@@ -81,7 +81,7 @@ class CpuSampler:
             f"-DSAMPLE_PAGES={SAMPLE_PAGES}",
         ]
         try:
-            b = bcc.BPF(text=(PROBES_DIR / SOURCE).read_text(), cflags=cflags)
+            b = bcc.BPF(text=(PROBES_DIR / SOURCE).read_bytes(), cflags=cflags)
         except Exception as e:
             if "Operation not permitted" in str(e):
                 raise MissingPrivileges(
@@ -94,7 +94,7 @@ class CpuSampler:
             b.attach_perf_event(
                 ev_type=bcc.PerfType.SOFTWARE,
                 ev_config=bcc.PerfSWConfig.CPU_CLOCK,
-                fn_name="on_cpu_sample",
+                fn_name=b"on_cpu_sample",
                 sample_freq=rate_hz,
             )
         except Exception as e:
