@@ -247,6 +247,16 @@ def test_the_node_probes_are_out_of_the_engine_between_windows(llama_engine: Eng
     assert traced
     for s in r.steps().filter(pl.col("step_id").is_in(traced)).iter_rows(named=True):
         assert any(w[0] <= s["t_start_ns"] and s["t_end_ns"] <= w[1] for w in traced_windows)
+    # and whole: each thread of a step has the same nodes, every step of one row the same
+    ops = r.table("op_times").join(r.steps().select("step_id", "n_tokens"), on="step_id")
+    lists = {
+        (sid, tid): list(zip(g.sort("node")["op"], g.sort("node")["name"], strict=True))
+        for (sid, tid), g in ops.group_by(["step_id", "tid"])
+    }
+    for (sid, _), nodes in lists.items():
+        assert all(v == nodes for (s2, _), v in lists.items() if s2 == sid)
+    one_row = {str(lists[k]) for k in lists if ops.filter(pl.col("step_id") == k[0])["n_tokens"][0] == 1}
+    assert len(one_row) == 1
 
 
 def _points(out: Path) -> list[dict[str, Any]]:

@@ -38,8 +38,9 @@ OP_SYMBOLS = (SYM_NODE, SYM_FUSED, SYM_GRAPH)
 OP_NODE, OP_FUSED, OP_GRAPH_END = 0, 1, 2
 SYM_OP_NAME = "ggml_op_name"
 SOURCE = "op_trace.bpf.c"
-OP_PAGES = 1024  # the node ring: 4 MiB, about 40,000 node records between drains
+OP_PAGES = 4096  # the event ring: 16 MiB, about 190,000 node entries between drains
 NAME_LEN = 48  # probes/op_trace.bpf.c OP_NAME_LEN
+EVENT_BYTES = 88  # sizeof(struct op_rec) (80) and the ring's 8-byte header of each record
 #: ggml_op_name's code in the builds seen: mov %edi,%edi; lea TABLE(%rip),%rax; mov (%rax,%rdi,8),%rax
 _OP_NAME_HEAD = b"\x89\xff\x48\x8d\x05"
 _OP_NAME_LOAD = b"\x48\x8b\x04\xf8"

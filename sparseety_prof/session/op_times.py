@@ -18,6 +18,7 @@ its rows are made as soon as its steps row arrives.
 from __future__ import annotations
 
 import bisect
+import mmap
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -26,7 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from sparseety_prof.capture.layouts import TensorLayout
-from sparseety_prof.capture.op_trace import OP_FUSED, OP_GRAPH_END, OP_SYMBOLS, OpEvent, OpTracer
+from sparseety_prof.capture.op_trace import (
+    EVENT_BYTES,
+    OP_FUSED,
+    OP_GRAPH_END,
+    OP_PAGES,
+    OP_SYMBOLS,
+    OpEvent,
+    OpTracer,
+)
 from sparseety_prof.capture.probe_switch import ProbeSwitch
 from sparseety_prof.session.duty_cycle import DutySpec
 from sparseety_prof.session.duty_driver import DutyDriver
@@ -36,6 +45,9 @@ _COLUMNS = schema.columns(
     "op_times", "step_id", "ctx_id", "tid", "thread", "node", "op", "name", "layer", "t_start_ns", "dur_ns"
 )
 schema.check_columns("op_times", _COLUMNS)
+#: how long a time of lost events is remembered after the latest step end: steps come in order,
+#: at most a drain's batch behind the events
+LOSS_HOLD_NS = 60_000_000_000
 
 
 def node_layer(name: str) -> int | None:
@@ -105,6 +117,11 @@ class OpTimes:
         self._open: dict[int, OpEvent] = {}  # tid -> the node it is in
         self._runs: list[NodeRun] = []  # runs whose step is not known yet
         self._latest_end = 0  # the latest step end given
+        self._steps_seen = 0  # steps given, traced or not
+        self._lost_seen = 0  # the ring's lost count at the last call
+        self._last_call_ns = time.monotonic_ns()
+        self._lossy: list[tuple[int, int]] = []  # times whose steps may have lost events
+        self.steps_lossy = 0  # traced steps not kept: some of their events may be lost
         self.nodes = 0  # node runs recorded
         self.outside = 0  # node runs outside every whole traced step, or cut by a window's edge
         self.steps = 0  # steps recorded
@@ -151,7 +168,9 @@ class OpTimes:
         taken since; the runs of steps not given yet wait for them (every held one is dropped
         with `final`)."""
         windows = self.switch.snapshot()
-        runs = [*self._runs, *self._pair(self.tracer.take(), windows)]
+        self._note_losses()
+        events = self.tracer.take()
+        runs = [*self._runs, *self._pair(events, windows)]
         traced: list[_Step] = []
         for sid, ctx, t0, t1 in zip(
             steps.get("step_id") or [],
@@ -163,7 +182,9 @@ class OpTimes:
             if sid is None or t0 is None or t1 is None:
                 continue
             self._latest_end = max(self._latest_end, int(t1))
-            if _window(int(t0), int(t1), windows):
+            if any(a <= t1 and t0 <= b for a, b in self._lossy):
+                self.steps_lossy += 1  # some of its events may be among those lost: not kept
+            elif _window(int(t0), int(t1), windows):
                 traced.append(_Step(int(sid), ctx, int(t0), int(t1)))
         traced.sort(key=lambda s: s.t_start)
         starts = [s.t_start for s in traced]
@@ -177,8 +198,27 @@ class OpTimes:
             else:
                 held.append(r)
         self._runs = held
+        self._observe(len(steps.get("step_id") or []), len(events))
         cols = self._columns(traced)
         return {"op_times": cols} if cols["step_id"] else {}
+
+    def _note_losses(self) -> None:
+        """Events the ring could not take since the last call: they belong to steps running since
+        then (CLOCK_MONOTONIC [last call, now]), whose rows would lack nodes."""
+        now, lost = time.monotonic_ns(), self.tracer.lost()
+        if lost > self._lost_seen:
+            self._lost_seen = lost
+            self._lossy.append((self._last_call_ns, now))
+        self._last_call_ns = now
+        self._lossy = [(a, b) for a, b in self._lossy if b >= self._latest_end - LOSS_HOLD_NS]
+
+    def _observe(self, n_steps: int, n_events: int) -> None:
+        """What the duty cycle's controller weighs (DutyCycle.observe): the engine's steps so far
+        (its pace in and out of windows; steps stand for tokens), the share of the ring this
+        drain found filled, and the events lost."""
+        self._steps_seen += n_steps
+        fill = n_events * EVENT_BYTES / (OP_PAGES * mmap.PAGESIZE)
+        self.driver.observe(time.monotonic(), self._steps_seen, fill, self.tracer.lost())
 
     def _columns(self, traced: list[_Step]) -> schema.Columns:
         cols: schema.Columns = {c: [] for c in _COLUMNS}
@@ -231,6 +271,7 @@ class OpTimes:
                 "nodes": self.nodes,
                 "steps": self.steps,
                 "nodes_outside_whole_steps": self.outside,
+                "steps_with_lost_events": self.steps_lossy,
                 "lost": self.tracer.lost(),
                 "op_names": "engine's GGML_OP_NAME" if self.tracer.names.table is not None else "numbers",
                 "points": self.tracer.session.probes_meta(),
