@@ -627,3 +627,29 @@ def _bpf_and_perf_fds() -> Counter[str]:
         if target.startswith("anon_inode:") and ("bpf" in target or "perf_event" in target):
             kinds[target] += 1
     return kinds
+
+
+def test_a_step_belongs_to_the_requests_of_its_sequences_running_at_its_start() -> None:
+    from sparseety_prof.views.cpu_stacks import request_steps
+
+    steps = pl.DataFrame(
+        {
+            "step_id": [1, 2, 3, 4, 5],
+            "ctx_id": [0, 0, 0, 0, 0],
+            "t_start_ns": [10, 20, 30, 45, 60],
+            "seq_ids": [[0], [0, 1], [1], [0], [0]],
+        }
+    )
+    requests = pl.DataFrame(
+        {
+            "request_id": ["a", "b", "c"],
+            "ctx_id": [0, 0, 0],
+            "seq_id": [0, 1, 0],
+            "t_started_ns": [5, 18, 50],
+            "t_last_token_ns": [35, 40, 70],
+        }
+    )
+    got = sorted(request_steps(steps, requests).iter_rows())
+    # step 2 batched a and b (both count its samples); step 4 ran after a's last token and before
+    # c started on the same sequence: no request's
+    assert got == [(1, "a"), (2, "a"), (2, "b"), (3, "b"), (5, "c")]

@@ -31,8 +31,14 @@ def request_steps(steps: pl.DataFrame, requests: pl.DataFrame) -> pl.DataFrame:
         .drop_nulls(["t_started_ns", "seq_id", "ctx_id"])
         .sort("t_started_ns")
     )
+    # both sorted by time above (polars cannot check it within the `by` groups: said, not warned)
     joined = seqs.join_asof(
-        windows, left_on="t_start_ns", right_on="t_started_ns", by=["ctx_id", "seq_id"], strategy="backward"
+        windows,
+        left_on="t_start_ns",
+        right_on="t_started_ns",
+        by=["ctx_id", "seq_id"],
+        strategy="backward",
+        check_sortedness=False,
     )
     inside = pl.col("t_last_token_ns").is_null() | (pl.col("t_start_ns") <= pl.col("t_last_token_ns"))
     return joined.filter(pl.col("request_id").is_not_null() & inside).select("step_id", "request_id").unique()
