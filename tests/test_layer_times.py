@@ -13,6 +13,7 @@ the slowest layer of most steps and of most tokens."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import urllib.request
 from collections import Counter
@@ -24,6 +25,7 @@ import pytest
 from conftest import ENGINES, Engine, Recorder, free_port
 
 import sparseety_prof
+from sparseety_prof.capture.events import lt_threads_for
 from sparseety_prof.store.recording import Recording
 from sparseety_prof.synthetic import make_model
 
@@ -46,8 +48,8 @@ def _model(model_dir: Path, preset: str) -> Path:
     return path
 
 
-def _record_llama(model: Path, out: Path, max_tokens: int) -> Recording:
-    e = Engine([str(ENGINES / "llama_engine.py"), str(model), "--threads", str(THREADS)])
+def _record_llama(model: Path, out: Path, max_tokens: int, threads: int = THREADS) -> Recording:
+    e = Engine([str(ENGINES / "llama_engine.py"), str(model), "--threads", str(threads)])
     try:
         rec = Recorder(e.pid, out)
         e.generate([PROMPT], max_tokens=max_tokens)
@@ -58,12 +60,13 @@ def _record_llama(model: Path, out: Path, max_tokens: int) -> Recording:
     return sparseety_prof.open(out)
 
 
-def check_layer_times(r: Recording) -> pl.DataFrame:
-    """The identity and the edges, per (step, thread); returns the layer_times rows."""
+def check_layer_times(r: Recording, threads: int = THREADS) -> pl.DataFrame:
+    """The identity and the edges, per (step, thread) of the first `threads` graph threads (the
+    record's slots); returns the layer_times rows."""
     lt = r.table("layer_times")
     steps = r.steps()
     assert lt.height > 0
-    assert r.meta["losses"]["layer_points_lost"] == 0
+    assert r.meta["losses"]["layer_times_unjoined"] == 0
     by_step = {s["step_id"]: s for s in steps.iter_rows(named=True)}
     decode = [s for s in by_step.values() if s["n_tokens"] == 1]
     timed = set(lt["step_id"].to_list())
@@ -86,10 +89,12 @@ def check_layer_times(r: Recording) -> pl.DataFrame:
         # later one's runs from the point before
         assert durs[0] is None and durs[1:] == [b - a for a, b in pairwise(times)]
         assert sum(durs[1:]) + head + tail == t_end - t_start
-        assert 0 <= thread < THREADS
+        assert 0 <= thread < threads
         assert g["tid"].n_unique() == 1
         if thread == 0:  # graph thread 0 is the caller: the thread that ran the step
             assert g["tid"][0] == s["tid"]
+    # every thread slot at every layer of every step
+    assert lt.height == len(timed) * threads * len(ffn_layers)
     # the lag: after the first thread at that layer of that step
     first = lt.group_by(["step_id", "layer"]).agg(pl.col("lag_ns").min())
     assert first["lag_ns"].to_list() == [0] * first.height
@@ -124,7 +129,21 @@ def test_layer_times_split_each_step_on_llama_cpp_python(
     """dense: the probe point is the GLU node's entry; moe (every FFN an expert FFN): the weighted
     multiply's, where the activations are read."""
     r = _record_llama(_model(model_dir, preset), tmp_path / "rec", max_tokens=12)
+    assert r.meta["losses"]["layer_points_lost"] == 0
     check_slowest(r, check_layer_times(r))
+
+
+def test_threads_past_the_records_slots_are_counted_not_dropped(model_dir: Path, tmp_path: Path) -> None:
+    """Two engine threads more than the aggregate record has slots for (sized to this host's
+    CPUs): each of their probe points is counted in losses.layer_points_lost, exactly, and the
+    slots' threads still split their steps."""
+    slots = lt_threads_for(os.cpu_count())
+    r = _record_llama(_model(model_dir, "dense"), tmp_path / "rec", max_tokens=8, threads=slots + 2)
+    assert r.meta["record_layout"]["lt_threads"] == slots
+    lt = check_layer_times(r, threads=slots)
+    assert sorted(set(lt["thread"].to_list())) == list(range(slots))
+    n_steps, n_layers = lt["step_id"].n_unique(), len(r.meta["layers"]["ffn"])
+    assert r.meta["losses"]["layer_points_lost"] == 2 * n_layers * n_steps
 
 
 def test_layer_times_split_each_step_on_llama_server(model_dir: Path, tmp_path: Path) -> None:
@@ -147,6 +166,7 @@ def test_layer_times_split_each_step_on_llama_server(model_dir: Path, tmp_path: 
     finally:
         e.close()
     r = sparseety_prof.open(tmp_path / "rec")
+    assert r.meta["losses"]["layer_points_lost"] == 0
     check_slowest(r, check_layer_times(r))
 
 
