@@ -301,7 +301,7 @@ def test_a_real_recording_explains_its_tokens_with_their_own_rows(
     llama_engine: Engine, tmp_path: Path
 ) -> None:
     out = tmp_path / "rec"
-    rec = Recorder(llama_engine.pid, out)
+    rec = Recorder(llama_engine.pid, out, "--trace-ops", "60s/120s")  # every step traced
     truth = llama_engine.generate(PROMPTS, max_tokens=12)
     rc, err = rec.stop(signal.SIGINT)
     assert rc == 0, err
@@ -324,6 +324,23 @@ def test_a_real_recording_explains_its_tokens_with_their_own_rows(
         got = {d["layer"]: d.get("expert_ids") for d in e["decisions"] if "expert_ids" in d}
         assert got == dict(zip(layers["moe"], row["expert_ids"], strict=True))
         assert got, "the MoE model's tokens have routes"
+        # the step's operators: its op_times rows, summed by hand
+        ops = r.table("op_times").filter(pl.col("step_id") == row["step_id"])
+        section = e["timing"]["op_times"]
+        assert ops.height and len(section["rows"]) == ops.height
+        by_hand: dict[str, float] = {}
+        for op, dur in zip(ops["op"], ops["dur_ns"], strict=True):
+            by_hand[op] = by_hand.get(op, 0.0) + dur / MS
+        assert {x["op"]: pytest.approx(x["total ms"]) for x in section["by_op"]} == by_hand
+        # its layer times where the step has them (one-row steps), as a layer x thread grid
+        if table_state(r, "layer_times")[0] == "rows":
+            lt = r.table("layer_times").filter(pl.col("step_id") == row["step_id"])
+            grid = {g["layer"]: g for g in e["timing"]["layer_times"].get("by_layer", [])}
+            for x in lt.filter(pl.col("dur_ns").is_not_null()).iter_rows(named=True):
+                cells = lt.filter((pl.col("layer") == x["layer"]) & (pl.col("thread") == x["thread"]))
+                assert grid[x["layer"]][f"thread {x['thread']} ms"] == pytest.approx(
+                    cells["dur_ns"].sum() / MS
+                )
     # without a decode order: the token with the longest gap
     gaps = mine.sort("t_end_ns").with_columns(pl.col("t_end_ns").diff().alias("gap"))
     slowest = gaps.sort("gap", descending=True, nulls_last=True).row(0, named=True)
