@@ -76,8 +76,9 @@ def _ours_self_counts(stacks: pl.DataFrame, tids: set[int]) -> Counter[str]:
 
 
 def _same_name(ours: str, perf: str) -> bool:
-    """perf prints C++ names without their parameters where nm -C keeps them"""
-    return ours == perf or ours.split("(")[0] == perf.split("(")[0]
+    """The same function: perf prints a C++ name without its parameters, nm -C with them and, for
+    a function template, with its return type ("void std::__adjust_heap<...>(...)")."""
+    return ours == perf or perf in ours or ours in perf
 
 
 def _agrees_with_perf(pid: int, load: Callable[[], object], tmp_path: Path) -> None:
