@@ -78,7 +78,8 @@ def _ours_self_counts(stacks: pl.DataFrame, tids: set[int]) -> Counter[str]:
 def _same_name(ours: str, perf: str) -> bool:
     """The same function: perf prints a C++ name without its parameters, nm -C with them and, for
     a function template, with its return type ("void std::__adjust_heap<...>(...)")."""
-    return ours == perf or perf in ours or ours in perf
+    o, p = ours.split("(")[0], perf.split("(")[0]
+    return o == p or o.endswith(" " + p)
 
 
 def _agrees_with_perf(pid: int, load: Callable[[], object], tmp_path: Path) -> None:
