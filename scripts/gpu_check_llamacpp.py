@@ -92,6 +92,36 @@ def unresolved(binary: Path, env: dict[str, str]) -> list[str]:
 # ---------------------------------------------------------------- the server
 
 
+#: how the server is started per mode: plain, or under `launch` with these flags
+MODES: dict[str, list[str] | None] = {
+    "off": None,
+    "kernels": ["--flush-ms", "100"],
+    "buffers": ["--preset", "llamacpp", "--flush-ms", "100"],
+}
+RECORD_LAUNCH = ["--preset", "llamacpp", "--flush-ms", "50"]
+
+
+def server_argv(bindir: Path, model: Path, port: int, launch: list[str] | None) -> list[str]:
+    argv = [
+        str(bindir / "llama-server"),
+        *("-m", str(model), "-ngl", str(N_GPU_LAYERS), "--port", str(port)),
+        *("-np", "1", "-c", "2048", "--no-warmup"),
+    ]
+    return argv if launch is None else [*CLI, "launch", *launch, "--", *argv]
+
+
+def plan(bindir: Path, model: Path) -> dict[str, Any]:
+    """The commands the check runs (--dry-run), with placeholder ports and pids."""
+    return {
+        "throughput_modes": {m: server_argv(bindir, model, 8080, f) for m, f in MODES.items()},
+        "record": {
+            "server": server_argv(bindir, model, 8080, RECORD_LAUNCH),
+            "record": [*CLI, "record", "--pid", "PID", "-o", "REC"],
+        },
+        "oracle": [str(bindir / "llamacpp-gpu-oracle"), str(model), str(N_GPU_LAYERS), "TOKENS_FILE"],
+    }
+
+
 class Server:
     """llama-server on the test model, started plain or under `sparseety-prof launch`."""
 
@@ -100,13 +130,7 @@ class Server:
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [
-            str(bindir / "llama-server"),
-            *("-m", str(model), "-ngl", str(N_GPU_LAYERS), "--port", str(self.port)),
-            *("-np", "1", "-c", "2048", "--no-warmup"),
-        ]
-        if launch is not None:
-            argv = [*CLI, "launch", *launch, "--", *argv]
+        argv = server_argv(bindir, model, self.port, launch)
         self.argv = argv
         self.log = log
         self._log = open(log, "w")  # noqa: SIM115 (closed in stop)
@@ -302,11 +326,7 @@ def compare_routes(
 def throughput(
     bindir: Path, model: Path, env: dict[str, str], tmp: Path, rounds: int, n: int
 ) -> dict[str, Any]:
-    modes: dict[str, list[str] | None] = {
-        "off": None,
-        "kernels": ["--flush-ms", "100"],
-        "buffers": ["--preset", "llamacpp", "--flush-ms", "100"],
-    }
+    modes = MODES
     runs: dict[str, list[float]] = {m: [] for m in modes}
     names = list(modes)
     for rnd in range(rounds):
@@ -330,7 +350,7 @@ def throughput(
 
 def record_case(bindir: Path, model: Path, env: dict[str, str], tmp: Path, n: int) -> dict[str, Any]:
     rec = tmp / "rec"
-    srv = Server(bindir, model, env, tmp / "server.log", ["--preset", "llamacpp", "--flush-ms", "50"])
+    srv = Server(bindir, model, env, tmp / "server.log", RECORD_LAUNCH)
     result: dict[str, Any] = {"server": " ".join(srv.argv[2:])}
     rec_log = tmp / "record.log"
     rec_proc: subprocess.Popen[bytes] | None = None
@@ -421,7 +441,15 @@ def main() -> int:
         "--record-tokens", type=int, default=32, help="tokens of the recorded completion (default 32)"
     )
     ap.add_argument("--results", type=Path, default=RESULTS, help=f"folder for the JSON (default {RESULTS})")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the commands it would run, as JSON, and exit (no GPU needed)",
+    )
     args = ap.parse_args()
+    if args.dry_run:
+        print(json.dumps(plan(Path("PKG/bin"), Path("MODEL.gguf")), indent=1))
+        return 0
     t0 = time.monotonic()
     if not (Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia").exists()):
         fail("no GPU on this machine: run this on the GPU machine")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -117,3 +119,25 @@ def test_a_last_layer_run_only_on_the_output_row_is_that_rows_position(check: Mo
 def test_oracle_errors_are_kept(check: ModuleType) -> None:
     text = oracle_text(2) + "\n" + json.dumps({"kind": "error", "error": "llama_decode returned 1"})
     assert check.read_oracle(text)["errors"] == ["llama_decode returned 1"]
+
+
+def test_dry_run_plans_the_preset_the_record_and_the_oracle() -> None:
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_check_llamacpp.py"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    assert p["throughput_modes"]["off"][0] == "PKG/bin/llama-server"
+    buffers = p["throughput_modes"]["buffers"]
+    assert buffers[buffers.index("launch") + 1 : buffers.index("--")] == [
+        "--preset",
+        "llamacpp",
+        "--flush-ms",
+        "100",
+    ]
+    assert "--preset" not in p["throughput_modes"]["kernels"]
+    assert p["record"]["record"][-5:] == ["record", "--pid", "PID", "-o", "REC"]
+    assert p["oracle"] == ["PKG/bin/llamacpp-gpu-oracle", "MODEL.gguf", "99", "TOKENS_FILE"]
