@@ -214,3 +214,22 @@ def engine_cpu(models: dict[str, Path]) -> Iterator[Engine]:
     e = Engine([str(ENGINES / "llama_engine.py"), str(models["dense"])])
     yield e
     e.close()
+
+
+def test_steps_a_head_policy_drops_keep_their_samples_apart(engine_cpu: Engine, tmp_path: Path) -> None:
+    out = tmp_path / "rec"
+    # head sampling in the probes: a dropped request's steps are set apart, their windows only
+    rec = Recorder(engine_cpu.pid, out, "--cpu-sample-hz", str(RATE_HZ), "--policy", "head:0.5")
+    engine_cpu.generate([f"{p} {i}" for i in range(6) for p in PROMPTS], max_tokens=24)
+    rc, err = rec.stop()
+    assert rc == 0, err
+    r = sparseety_prof.open(out)
+    stacks, steps = r.cpu_stacks(), r.steps()
+    kinds = set(stacks["step_kind"])
+    dropped = r.meta["policy"]["rows_dropped"].get("steps", 0)
+    assert dropped > 0 and steps.height > 0  # (12 requests, each kept with probability 1/2)
+    assert "unrecorded_step" in kinds and kinds & {"prompt", "decode"}
+    # a step id always names a step the recording holds
+    ids = stacks["step_id"].drop_nulls().unique()
+    assert ids.is_in(steps["step_id"].implode()).all()
+    assert int(stacks["samples"].sum()) == r.meta["cpu_sampler"]["samples"]
