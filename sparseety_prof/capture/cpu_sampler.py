@@ -69,6 +69,15 @@ class CpuSampler:
 
     @classmethod
     def attach(cls, pid: int, rate_hz: int = DEFAULT_RATE_HZ) -> CpuSampler:
+        """Loaded and started: sampling from now on."""
+        sampler = cls.load(pid, rate_hz)
+        sampler.start()
+        return sampler
+
+    @classmethod
+    def load(cls, pid: int, rate_hz: int = DEFAULT_RATE_HZ) -> CpuSampler:
+        """The program compiled and loaded, not yet sampling (`start`): the recorder compiles it
+        before the probes attach, so that the compile holds back no drain of their records."""
         if not 0 < rate_hz <= MAX_RATE_HZ:
             raise ValueError(f"the CPU sampling rate must be within 1..{MAX_RATE_HZ} Hz, got {rate_hz}")
         from sparseety_prof.capture.bpf_loader import import_bcc  # (numpy and bcc: at attach only)
@@ -90,17 +99,24 @@ class CpuSampler:
             raise BpfUnavailable(f"could not compile/load the CPU sampler's BPF program: {e}") from None
         sampler = cls(bpf=b, pid=pid, rate_hz=rate_hz)
         b[b"samples"].open_ring_buffer(sampler._on_record)
+        return sampler
+
+    def start(self) -> None:
+        """The perf events opened on every CPU: sampling begins. BpfUnavailable (the program
+        unloaded) when the kernel refuses them."""
+        from sparseety_prof.capture.bpf_loader import import_bcc
+
+        bcc = import_bcc()
         try:
-            b.attach_perf_event(
+            self.bpf.attach_perf_event(
                 ev_type=bcc.PerfType.SOFTWARE,
                 ev_config=bcc.PerfSWConfig.CPU_CLOCK,
                 fn_name=b"on_cpu_sample",
-                sample_freq=rate_hz,
+                sample_freq=self.rate_hz,
             )
         except Exception as e:
-            b.cleanup()
+            self.close()
             raise BpfUnavailable(f"could not open the CPU sampler's perf events: {e}") from None
-        return sampler
 
     def _on_record(self, _ctx: Any, data: Any, _size: int) -> None:
         r = ctypes.cast(data, ctypes.POINTER(_SampleRec)).contents

@@ -243,13 +243,27 @@ class CpuProfile:
 
 
 def open_cpu_profile(pid: int, rate_hz: int, log: Callable[[str], None]) -> CpuProfile | None:
-    """The sampler of `pid` at `rate_hz`, or None when off (0) or when it cannot run here (said
-    in the log: the recording goes on without the cpu_stacks rows)."""
+    """The sampler of `pid` at `rate_hz`, loaded but not started (`start_cpu_profile`), or None
+    when off (0) or when it cannot run here (said in the log: the recording goes on without the
+    cpu_stacks rows)."""
     if rate_hz <= 0:
         return None
     try:
-        sampler = CpuSampler.attach(pid, rate_hz)
+        sampler = CpuSampler.load(pid, rate_hz)
     except ProfError as e:
-        log(f"sparseety-prof: CPU sampler not attached: {e}")
+        log(f"sparseety-prof: CPU sampler not loaded: {e}")
         return None
     return CpuProfile(sampler, Symboliser(pid))
+
+
+def start_cpu_profile(profile: CpuProfile | None, log: Callable[[str], None]) -> CpuProfile | None:
+    """The loaded sampler started (the probes are in), or None when it was off or cannot start
+    (said in the log)."""
+    if profile is None:
+        return None
+    try:
+        profile.sampler.start()
+    except ProfError as e:
+        log(f"sparseety-prof: CPU sampler not started: {e}")
+        return None
+    return profile

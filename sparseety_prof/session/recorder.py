@@ -29,7 +29,7 @@ from sparseety_prof.gpu.shm_ring import RingError
 from sparseety_prof.session import metadata
 from sparseety_prof.session.attach import Attached, attach
 from sparseety_prof.session.collector import FlushTimedCollector
-from sparseety_prof.session.cpu_profile import CpuProfile, open_cpu_profile
+from sparseety_prof.session.cpu_profile import CpuProfile, open_cpu_profile, start_cpu_profile
 from sparseety_prof.session.drain_loop import DrainLoop
 from sparseety_prof.session.duty_driver import DutyDriver, open_duty_driver
 from sparseety_prof.session.memory_budget import resident_bytes
@@ -117,10 +117,13 @@ class Recorder:
         self._attach_began = time.monotonic()  # the duty cycle's first window: the probes go in
         # the scheduler program's compile before the probes attach (thread_waits.py ProgramLoad)
         waits_load = ProgramLoad(opts.sched_waits, opts.pid, os.getpid())
+        cpu_load = open_cpu_profile(opts.pid, opts.cpu_sample_hz, self.log)  # (the same: compiled first)
         try:
             a = attach(opts, self.log, self._stop.is_set)
         except BaseException as e:
             waits_load.discard()
+            if cpu_load is not None:
+                cpu_load.close()
             if not isinstance(e, NotAnEngine):
                 raise
             # a CUDA engine with a Python decode loop (vLLM, SGLang, PyTorch): no llama.cpp to
@@ -134,7 +137,7 @@ class Recorder:
         except ProfError as e:
             self.log(f"sparseety-prof: GPU ring not read: {e}")
             gpu = None
-        self._cpu = open_cpu_profile(opts.pid, opts.cpu_sample_hz, self.log)
+        self._cpu = start_cpu_profile(cpu_load, self.log)
         self._waits = open_thread_waits(waits_load, a.session, self.log)
         try:
             libs = [lib.path for lib in a.target.libs]
