@@ -36,12 +36,12 @@ JSON_VERSION = 1
 
 #: the timing tables an explanation reads, in the order shown
 TIME_TABLES = ("layer_times", "thread_waits", "cpu_stacks", "op_times")
-#: what turns each table's capture on, for the sentence that says it was off
+#: what turns each table's capture on or off, for the sentence that says it was off
 CAPTURE_HINTS: dict[str, str] = {
-    "layer_times": "per-layer step times",
-    "thread_waits": "scheduler waits",
-    "cpu_stacks": "CPU sampling",
-    "op_times": "per-operator tracing (record --trace-ops)",
+    "layer_times": "the sparse probes time one-row steps; --mode tokens has none",
+    "thread_waits": "--no-sched-waits turns it off",
+    "cpu_stacks": "--cpu-sample-hz 0 turns it off",
+    "op_times": "record --trace-ops turns it on",
 }
 #: the column a timing table's rows are ranked by, where its first duration is not the one: a
 #: thread's wait for a CPU, not its time on one
@@ -166,9 +166,10 @@ def table_state(rec: Recording, name: str) -> tuple[str, str]:
             f"without the {name} table)"
         )
     if not rec.table(name).height:
-        return "empty", (
-            f"{name}: no rows in this recording ({CAPTURE_HINTS.get(name, name)} was off, or "
-            f"captured nothing)"
+        hint = f": {CAPTURE_HINTS[name]}" if name in CAPTURE_HINTS else ""
+        return (
+            "empty",
+            f"{name}: no rows in this recording (its capture was off{hint}; or it captured nothing)",
         )
     return "rows", ""
 
