@@ -215,6 +215,8 @@ struct ev_attn {
 #define AGG_LAYER_MASK 127       /* AGG_LAYERS - 1, as a literal (idx_agg_layer()'s asm) */
 #endif
 #define AGG_MAX_K 8
+#define AGG_TIMES_ONLY 3         /* ev_step_agg.active of a pass of several rows: only its layer
+                                    times are gathered (the sparse probes send their records) */
 #ifndef LT_THREADS
 /* Engine threads (graph thread indices) whose layer times an aggregate record holds (a power of
  * two: the loader passes events.lt_threads_for, sized to the host's CPUs); a probe point on a
@@ -228,7 +230,7 @@ struct ev_attn {
 struct ev_step_agg {
     struct ev_hdr h;
     __u64 serial;                          /* sequence number of the micro-batch's EV_UBATCH */
-    __u32 active;
+    __u32 active;                          /* 1 (2: activations not counted), AGG_TIMES_ONLY */
     __u32 overlap;                         /* another micro-batch ran meanwhile: not attributable */
     __u32 k_ids[AGG_LAYERS];           /* expert ids present for the layer (0: not seen) */
     __u32 k_wts[AGG_LAYERS];

@@ -40,7 +40,7 @@ int glu_enter(struct pt_regs *ctx) {
     s32 ith = 0, nth = 0;
     thread_split(params, &ith, &nth);
 #ifdef AGG_STEPS
-    struct ev_step_agg *ag = agg_active();
+    struct ev_step_agg *ag = agg_timing();
     if (ag)
         agg_layer_time(ag, name_number(name), ith);
 #endif

@@ -84,6 +84,13 @@ static __always_inline u64 *tensor_hdr(struct thdr_buf *b, const int slot, u64 t
 static __always_inline struct ev_step_agg *agg_active(void) {
     int k = 0;
     struct ev_step_agg *a = step_agg.lookup(&k);
+    return a && a->active && a->active != AGG_TIMES_ONLY ? a : 0;
+}
+
+/* The micro-batch whose layer times are gathered (every one, whatever its rows), or NULL. */
+static __always_inline struct ev_step_agg *agg_timing(void) {
+    int k = 0;
+    struct ev_step_agg *a = step_agg.lookup(&k);
     return a && a->active ? a : 0;
 }
 #else
@@ -153,7 +160,7 @@ static __always_inline s32 name_layer(const char *name) {
     return v < AGG_LAYERS ? v : -1;
 }
 
-/* ---- layer times: the probe points of a one-row micro-batch, timed (struct ev_step_agg) ------ */
+/* ---- layer times: the probe points of a micro-batch, timed (struct ev_step_agg) ------------- */
 #ifdef AGG_STEPS
 static __always_inline u64 idx_lt_thread(u64 i) {
     asm volatile("%[i] &= " AGG_STR(LT_THREAD_MASK) : [i] "+r"(i));

@@ -212,7 +212,7 @@ int moe_mul_enter(struct pt_regs *ctx) {
     {
         /* the layer's probe point, timed on every thread (kept only where none came earlier in
          * the layer: the GLU's, when its probe is attached too) */
-        struct ev_step_agg *ag = agg_active();
+        struct ev_step_agg *ag = agg_timing();
         if (ag)
             agg_layer_time(ag, layer, ith);
     }

@@ -139,15 +139,9 @@ static __always_inline void agg_begin(u32 n_tokens, u64 serial, u64 t0) {
         a->overlap = 1;
         return;
     }
-    if (n_tokens != 1)
-        return;
+    /* every pass: its layer times (sent in this record; a pass of several rows sends nothing else
+     * in it, its sparse probes send their own records) */
     for (int i = 0; i < AGG_LAYERS; i++) {
-        a->k_ids[i] = 0;
-        a->k_wts[i] = 0;
-        a->act_zero[i] = 0;
-        a->act_below[i] = 0;
-        a->act_rows[i] = 0;
-        a->act_nr[i] = 0;
         for (int t = 0; t < LT_THREADS; t++)
             a->lt_off[t][i] = 0;
         asm volatile("" ::: "memory"); /* keeps clang from turning the loop into memset() */
@@ -158,6 +152,19 @@ static __always_inline void agg_begin(u32 n_tokens, u64 serial, u64 t0) {
     a->lt_lost = 0;
     a->serial = serial;
     a->overlap = 0;
+    if (n_tokens != 1) {
+        a->active = AGG_TIMES_ONLY;
+        return;
+    }
+    for (int i = 0; i < AGG_LAYERS; i++) {
+        a->k_ids[i] = 0;
+        a->k_wts[i] = 0;
+        a->act_zero[i] = 0;
+        a->act_below[i] = 0;
+        a->act_rows[i] = 0;
+        a->act_nr[i] = 0;
+        asm volatile("" ::: "memory"); /* keeps clang from turning the loop into memset() */
+    }
     a->att_n = 0;
     a->active = 1;
 #ifdef ACT_EVERY

@@ -68,12 +68,10 @@ def check_layer_times(r: Recording, threads: int = THREADS) -> pl.DataFrame:
     assert lt.height > 0
     assert r.meta["losses"]["layer_times_unjoined"] == 0
     by_step = {s["step_id"]: s for s in steps.iter_rows(named=True)}
-    decode = [s for s in by_step.values() if s["n_tokens"] == 1]
     timed = set(lt["step_id"].to_list())
-    # every step with layer times is a one-row step the steps table holds, and (nothing lost)
-    # every one-row step has them
-    assert timed <= {s["step_id"] for s in decode}
-    assert timed == {s["step_id"] for s in decode}
+    # every step has layer times, the prompt's (several rows) and the decode steps' (one row)
+    assert timed == set(by_step)
+    assert {by_step[s]["n_tokens"] > 1 for s in timed} == {True, False}
     ffn_layers = r.meta["layers"]["ffn"]
     for (step_id, thread), g in lt.group_by(["step_id", "thread"]):
         s = by_step[step_id]

@@ -78,6 +78,8 @@ AGG_MAX_LAYERS = _header_define("AGG_MAX_LAYERS")
 AGG_MAX_K = _header_define("AGG_MAX_K")
 HTTP_BYTES = _header_define("HTTP_BYTES")
 LT_THREADS_DEFAULT = _header_define("LT_THREADS")  # thread slots of layer times when none is passed
+#: ev_step_agg.active of a pass of several rows: the record holds its layer times alone
+AGG_TIMES_ONLY = _header_define("AGG_TIMES_ONLY")
 
 
 def logits_chunk_for(n_vocab: int) -> int:

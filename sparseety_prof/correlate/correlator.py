@@ -243,12 +243,15 @@ class Correlator:
         sequence number, for _on_step_agg and the fast paths."""
         state = self.state
         pre = None
-        if len(batch.step_agg):
-            pre = agg_rows_batch(batch.step_agg, state.layers)
-            # agg_begin marks a pass whose activations --act-every skips: active 2
-            state.counters.act_sampled_out += int(np.count_nonzero(batch.step_agg["active"] == 2))
-        state.agg_pre = dict(zip(batch.step_agg["seq"].tolist(), pre, strict=True)) if pre else {}
         self.layer_clock.add_drain(batch.step_agg)
+        aggs = batch.step_agg
+        if len(aggs) and (aggs["active"] == ev.AGG_TIMES_ONLY).any():
+            aggs = aggs[aggs["active"] != ev.AGG_TIMES_ONLY]  # passes of several rows: times alone
+        if len(aggs):
+            pre = agg_rows_batch(aggs, state.layers)
+            # agg_begin marks a pass whose activations --act-every skips: active 2
+            state.counters.act_sampled_out += int(np.count_nonzero(aggs["active"] == 2))
+        state.agg_pre = dict(zip(aggs["seq"].tolist(), pre, strict=True)) if pre else {}
 
     def _small_from_columns(self, idx: DrainIndex, i: int, kind: int) -> None:
         """A decode call, a cache cut or a slot's token at record i, from the drain's columns
@@ -432,6 +435,8 @@ class Correlator:
         """The aggregate of a one-row micro-batch, sent by its own thread before its end record.
         Records of layers that did not fit it (e.g. attention) may have come before: merge."""
         state = self.state
+        if int(r["active"]) == ev.AGG_TIMES_ONLY:  # a pass of several rows: its layer times alone
+            return  # (the layer clock took them with the drain)
         step = state.open_steps.get(int(r["tid"]))
         if step is None or int(r["overlap"]):
             unattributed(state)

@@ -1,5 +1,5 @@
-"""Layer times: how long each layer of a one-row step took on each engine thread, from the
-aggregate records' timed probe points (agg_layer_time in probes/sparse_common.bpf.c: the sparse
+"""Layer times: how long each layer of a step took on each engine thread, from the aggregate
+records' timed probe points (agg_layer_time in probes/sparse_common.bpf.c: the sparse
 probes' own hits, no probe of their own).
 
 An aggregate record holds, per graph thread index and model layer, when the thread first reached

@@ -53,8 +53,8 @@ TOKENS: dict[str, pl.DataType] = {
     "attn_total": pl.Int32(),  # positions of the sequence so far (logits_pos + 1)
     "kv_cells_used": pl.Int32(),  # cells of the sequence visible to full attention (max attended)
     # ---- the step's slowest layer (layer_times: the largest dur_ns of the step on any thread);
-    # null where the step's layer times were not captured (a step of several rows, a capture
-    # without the one-row aggregate: docs/recording-format.md, layer_times)
+    # null where the step's layer times were not captured (a capture without the aggregate
+    # record: docs/recording-format.md, layer_times)
     "slowest_layer": pl.Int32(),  # model layer
     "slowest_layer_ms": pl.Float64(),  # its dur_ns, in ms
     "slowest_tid": pl.Int32(),  # the engine thread (OS thread id) it was measured on
@@ -113,7 +113,7 @@ MASKS: dict[str, pl.DataType] = {
     "nonzero_bits": pl.Binary(),
 }
 
-#: One row per (one-row micro-batch, model layer, engine thread) the sparse probes timed: when the
+#: One row per (micro-batch, model layer, engine thread) the sparse probes timed: when the
 #: thread reached the layer's probe point (its first FFN activation (GLU) node, or the MoE
 #: "ffn_moe_weighted" multiply where activations are read there: no probe of its own) and the time
 #: since its previous probe point in the step. Per step and thread, with the thread's probe points
@@ -121,7 +121,7 @@ MASKS: dict[str, pl.DataType] = {
 #: probes' own gaps are head = first t_ns - t_start_ns (graph build, inputs, the first layer up to
 #: its probe point) and tail = t_end_ns - last t_ns (the rest of the last layer, the output head,
 #: the logits). A layer's interval therefore ends at its own probe point and holds the end of the
-#: layer before. Steps of several rows (prompts) have none. Join to steps on step_id.
+#: layer before. Join to steps on step_id.
 LAYER_TIMES: dict[str, pl.DataType] = {
     "step_id": pl.Int64(),
     "ctx_id": pl.Int32(),

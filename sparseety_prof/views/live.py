@@ -419,8 +419,8 @@ def _fmt_ms(v: float | None) -> str:
 
 def _fmt_slowest(s: Snapshot) -> str:
     """The layer most often slowest in recent steps (tokens' slowest_layer): "L<layer> <median ms>
-    (<steps it was slowest in>/<steps> steps)", "-" without layer times (steps of several rows,
-    captures without the aggregate)."""
+    (<steps it was slowest in>/<steps> steps)", "-" without layer times (a capture without the
+    aggregate record)."""
     if s.slowest_layer is None or s.slowest_layer_steps is None:
         return "-"
     n, of = s.slowest_layer_steps
