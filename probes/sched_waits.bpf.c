@@ -53,6 +53,8 @@ struct thr {
     u64 oth_ns; /* ... any other process, or the CPU idle (a wakeup's latency) */
     u32 cand_tgid[N_CAND];
     u32 idx; /* this slot's index */
+    u32 wait_cpu; /* the CPU it waits for, while runnable (cpu_wait) */
+    u32 pad;
     u64 cand_ns[N_CAND];
     char cand_comm[N_CAND][16];
 };
@@ -191,6 +193,7 @@ static __always_inline void waits_for(u32 cpu, struct thr *t, u64 now) {
     if (w) {
         w->slot = t->idx + 1;
         w->since = now;
+        t->wait_cpu = cpu;
     }
 }
 
@@ -203,16 +206,22 @@ TRACEPOINT_PROBE(sched, sched_switch) {
     if (w && w->slot) { /* an engine thread waits for this CPU: the task leaving had it */
         u32 k = w->slot - 1;
         struct thr *t = thr.lookup(&k);
-        if (t && t->state == ST_RUN) {
+        if (t && t->state == ST_RUN && t->wait_cpu == cpu) {
             now = bpf_ktime_get_ns();
-            if (now > w->since) {
+            /* from the step's start at the earliest: what came before is the last step's */
+            int z = 0;
+            struct step_now *s = step.lookup(&z);
+            u64 from = w->since;
+            if (s && s->t_start > from)
+                from = s->t_start;
+            if (now > from) {
                 char comm[16];
                 __builtin_memcpy(comm, args->prev_comm, 16);
-                charge(t, now - w->since, args->prev_pid ? tgid : 0, comm);
+                charge(t, now - from, args->prev_pid ? tgid : 0, comm);
             }
             w->since = now;
         } else {
-            w->slot = 0; /* it runs (elsewhere), sleeps or stopped */
+            w->slot = 0; /* it runs, sleeps or stopped, or waits for another CPU now */
         }
     }
     if (tgid == TARGET_TGID) {
