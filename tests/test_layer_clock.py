@@ -8,6 +8,8 @@ import numpy as np
 import polars as pl
 
 from sparseety_prof.capture import events as ev
+from sparseety_prof.capture.plans import LayerSet
+from sparseety_prof.correlate.correlator import Correlator
 from sparseety_prof.correlate.layer_times import NO_SLOWEST, LayerClock
 from sparseety_prof.store import schema
 
@@ -100,3 +102,68 @@ def test_empty_take_has_every_column() -> None:
     cols = LayerClock().take(_steps())
     assert list(cols) == list(schema.LAYER_TIMES)
     assert _frame(cols).height == 0
+
+
+class _Records:
+    """One engine thread's records, with increasing sequence numbers and times."""
+
+    def __init__(self) -> None:
+        self.recs: list[bytes] = []
+        self.seq, self.t = 0, 1_000_000
+
+    def put(self, a: np.ndarray, kind: int) -> int:
+        a["seq"], a["ts_ns"], a["ctx"], a["tid"], a["kind"] = self.seq, self.t, 7, 100, kind
+        self.seq += 1
+        self.t += 100_000
+        self.recs.append(a.tobytes())
+        return int(a["ts_ns"][0])
+
+    def small(self, kind: int, a: int = 0, b: int = 0, c: int = 0) -> None:
+        r = np.zeros(1, ev.SMALL_DTYPE)
+        r["a"], r["b"], r["c"] = a, b, c
+        self.put(r, kind)
+
+    def step(self, tokens: list[int], active: int, sampled: int) -> None:
+        """A micro-batch, its aggregate record (`active`: 1 or AGG_TIMES_ONLY, the routing
+        fields then stale values the correlator must not read), its end and a sampler call."""
+        self.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
+        u = np.zeros(1, ev.UBATCH_DTYPE)
+        n = len(tokens)
+        u["n_tokens"] = u["n_copied"] = n
+        u["token"][0, :n], u["pos"][0, :n] = tokens, range(self.pos, self.pos + n)
+        u["output"][0, n - 1] = 1
+        t0 = self.put(u, ev.EV_UBATCH)
+        a = np.zeros(1, ev.STEP_AGG_DTYPE)
+        a["active"], a["t0_ns"] = active, t0
+        a["k_ids"][0, :2] = a["k_wts"][0, :2] = 2  # (stale in a times-only record)
+        a["ids"][0, 0, :2], a["ids"][0, 1, :2] = [1, 2], [3, 4]
+        a["lt_tid"][0, :2] = [100, 101]
+        a["lt_off"][0, :2, :2] = [[20_000, 50_000], [21_000, 52_000]]
+        self.put(a, ev.EV_STEP_AGG)
+        self.small(ev.EV_UBATCH_END)
+        self.small(ev.EV_SAMPLE_BEGIN, -1, ev.SAMPLER_LLAMA)
+        self.small(ev.EV_SAMPLE_END, sampled, ev.SAMPLER_LLAMA, -1)
+        self.pos += n
+
+    pos = 0
+
+
+def test_a_prompts_times_only_record_gives_layer_times_and_no_routing() -> None:
+    r = _Records()
+    r.step([1, 2, 3], ev.AGG_TIMES_ONLY, sampled=9)  # a prompt: its aggregate holds times alone
+    r.step([9], 1, sampled=4)
+    c = Correlator(pid=1, n_vocab=64, wall_offset_ns=0, layers=LayerSet(moe=(0, 1), ffn=(0, 1)), n_expert=8)
+    c.feed(ev.decode_records(r.recs, 1024))
+    tables = c.take_tables()
+    lt = _frame(tables["layer_times"])
+    steps = tables["steps"]
+    assert sorted(set(lt["step_id"].to_list())) == steps["step_id"] and len(steps["step_id"]) == 2
+    assert lt.height == 2 * 2 * 2  # steps x threads x layers
+    tok = tables["tokens"]
+    assert tok["batch_size"] == [3, 1]
+    # the prompt's token: no routing from the times-only record's stale fields; the decode step's
+    # token: its aggregate's routing
+    assert tok["expert_ids"] == [None, [[1, 2], [3, 4]]]
+    # both tokens' slowest layer: layer 1 on thread 1 (52 - 21 > 50 - 20 us)
+    assert tok["slowest_layer"] == [1, 1] and tok["slowest_tid"] == [101, 101]
+    assert tok["slowest_layer_ms"] == [0.031, 0.031]
