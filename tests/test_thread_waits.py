@@ -330,7 +330,7 @@ def test_each_step_has_its_threads_time_split_over_its_window(
     off = joined.select(
         (total - (pl.col("t_end_ns") - pl.col("t_start_ns"))).abs().alias("off"), "tid", "step_id"
     )
-    assert off["off"].max() < 200_000, off.sort("off").tail(5).to_dicts()
+    assert off.filter(pl.col("off") >= 200_000).is_empty(), off.sort("off").tail(5).to_dicts()
     shares = pl.col("waited_recorder_ns") + pl.col("waited_engine_ns") + pl.col("waited_other_ns")
     over = joined.filter(shares > pl.col("runnable_ns") + 1000)
     assert over.is_empty(), str(over.to_dicts())
