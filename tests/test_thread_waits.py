@@ -334,3 +334,16 @@ def test_each_step_has_its_threads_time_split_over_its_window(
     shares = pl.col("waited_recorder_ns") + pl.col("waited_engine_ns") + pl.col("waited_other_ns")
     over = joined.filter(shares > pl.col("runnable_ns") + 1000)
     assert over.is_empty(), str(over.to_dicts())
+
+
+def test_no_sched_waits_turns_the_table_off_and_it_is_on_by_default() -> None:
+    from sparseety_prof.cli import build_parser
+    from sparseety_prof.commands.attach_options import options_from
+
+    for command in ("record", "attach"):
+        given = ["-p", "7", "-o", "rec"]
+        assert options_from(build_parser().parse_args([command, *given])).sched_waits is True
+        assert (
+            options_from(build_parser().parse_args([command, *given, "--no-sched-waits"])).sched_waits
+            is False
+        )
