@@ -59,7 +59,7 @@ class LayerClock:
     def add_drain(self, arr: np.ndarray) -> None:
         """A drain's aggregate records (every one: those with another pass running meanwhile
         are not attributable, as for their routing, and those with no point timed hold none)."""
-        if not len(arr) or "lt_off" not in (arr.dtype.names or ()):
+        if not len(arr):
             return
         self.lost_points += int(arr["lt_lost"].sum())
         off = arr["lt_off"]
