@@ -306,6 +306,7 @@ TABLES: dict[str, dict[str, pl.DataType]] = {
     "aggregates": AGGREGATES,
     "cpu_stacks": CPU_STACKS,
     "op_times": OP_TIMES,
+    "thread_waits": THREAD_WAITS,
 }
 
 #: Datasets (`collect`, store/dataset.py): every table of many recordings as one Hive-partitioned
