@@ -709,7 +709,7 @@ def test_fast_one_row_steps_equal_the_record_by_record_path(
     monkeypatch.setattr(Correlator, "_fast_step", lambda self, idx, i: 0)
     monkeypatch.setattr(Correlator, "_fast_sample", lambda self, idx, i: 0)
     want, want_states = _replay(s, drains, with_masks=with_masks)
-    not_correlated = {"kernels", "aggregates", "cpu_stacks", "op_times"}
+    not_correlated = {"kernels", "aggregates", "cpu_stacks", "op_times", "thread_waits"}
     assert got.keys() == want.keys() == set(schema.TABLES) - not_correlated
     for name in want:
         assert got[name].keys() == want[name].keys() == schema.TABLES[name].keys(), name
