@@ -187,6 +187,7 @@ def test_a_sigstop_inside_a_step_is_that_steps_stopped_time(models: dict[str, Pa
     assert meta["sched_waits"]["rows"] == waits.height > 0
     own = waits.filter(pl.col("step_thread"))
     landed = 0
+    stopped_steps: list[int] = []
     for t0, t1, t2 in stops:
         inside = steps.filter((pl.col("t_start_ns") < t0) & (pl.col("t_end_ns") > t2))
         if inside.height != 1:
@@ -211,7 +212,15 @@ def test_a_sigstop_inside_a_step_is_that_steps_stopped_time(models: dict[str, Pa
             )
         )
         landed += 1
+        stopped_steps.append(sid)
     assert landed >= 1, "no stop landed inside a step"
+    # slow_step names the stop where it flags a stopped step
+    r = recording.open(tmp_path / "rec")
+    slow = slow_steps(r.steps(), r.tokens(), waits=waits).filter(pl.col("step_id").is_in(stopped_steps))
+    assert slow.height > 0
+    assert all("stopped" in reason and "(SIGSTOP or a tracer)" in reason for reason in slow["reason"]), slow[
+        "reason"
+    ].to_list()
     # the steps no stop touched were never stopped
     touched = {
         s
