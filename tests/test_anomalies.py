@@ -400,3 +400,51 @@ def test_greedy_loops_of_a_real_engine_are_found_where_the_ids_repeat(
     # of the machine the engine shares)
     quiet = found.filter(~pl.col("kind").is_in(["repetition_loop", "slow_step"]))
     assert quiet.is_empty(), quiet
+
+
+def _layer_times(steps: pl.DataFrame, slow: dict[int, tuple[int, float]]) -> pl.DataFrame:
+    """Four layers on two threads for every one-row step, the step's time shared evenly between
+    layers 1-3 (layer 0's point opens the step: no duration), except `slow`: step -> (layer, ms)."""
+    cols: dict[str, list[object]] = {c: [] for c in schema.LAYER_TIMES}
+    for sid, t0, t1, n in steps.select("step_id", "t_start_ns", "t_end_ns", "n_tokens").iter_rows():
+        if n != 1:
+            continue
+        layer_ns = {layer: (t1 - t0) // 4 for layer in (1, 2, 3)}
+        if sid in slow:
+            layer, ms = slow[sid]
+            layer_ns = {
+                layer: int(ms * 1e6) // 4 if layer != slow[sid][0] else int(ms * 1e6 * 0.7)
+                for layer in layer_ns
+            }
+        for thread, tid in ((0, 100), (1, 101)):
+            for layer in range(4):
+                cols["step_id"].append(sid)
+                cols["ctx_id"].append(0)
+                cols["layer"].append(layer)
+                cols["thread"].append(thread)
+                cols["tid"].append(tid)
+                cols["t_ns"].append(t0)
+                cols["dur_ns"].append(layer_ns.get(layer))
+                cols["lag_ns"].append(0)
+    return schema.frame("layer_times", cols)
+
+
+def test_a_slow_step_names_the_layer_that_took_far_more_than_its_median() -> None:
+    tokens = schema.empty("tokens")
+    steps = _reshaping_steps([2.5] * 10)
+    slow_sid = 3 * 21 + 10
+    steps = steps.with_columns(
+        pl.when(pl.col("step_id") == slow_sid)
+        .then(pl.col("t_start_ns") + 12_000_000)
+        .otherwise(pl.col("t_end_ns"))
+        .alias("t_end_ns")
+    )
+    found = anomalies.slow_steps(steps, tokens, layer_times=_layer_times(steps, {slow_sid: (2, 12.0)}))
+    assert found["step_id"].to_list() == [slow_sid]
+    # layer 2: 0.7 x 12 ms = 8.40 ms against its median 0.25 ms (a quarter of a 1 ms step)
+    assert found["reason"][0].endswith(
+        ": layer 2 took 33.6x its median (8.40 ms against 0.25 ms, thread 100)"
+    )
+    # a step slow all over (no one layer beyond its usual share): no layer named
+    even = anomalies.slow_steps(steps, tokens, layer_times=_layer_times(steps, {}))
+    assert even["step_id"].to_list() == [slow_sid] and "layer" not in even["reason"][0]

@@ -222,7 +222,9 @@ class Recording:
         schema.ANOMALIES rows; computed on each call, never stored."""
         from sparseety_prof.store.anomalies import detect
 
-        return detect(self.tokens(), self.steps(), self.meta, self.table("thread_waits"))
+        return detect(
+            self.tokens(), self.steps(), self.meta, self.table("thread_waits"), self.table("layer_times")
+        )
 
     def segments(self, table: str) -> list[Path]:
         """The segment files of `table`, in write order."""

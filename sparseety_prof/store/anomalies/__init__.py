@@ -37,9 +37,11 @@ def detect(
     steps: pl.DataFrame,
     meta: Mapping[str, Any] | None = None,
     waits: pl.DataFrame | None = None,
+    layer_times: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
     """Every detector with its default thresholds, in schema.ANOMALY_KINDS order, each kind's rows
-    by request and decode order; `waits` (the thread_waits table) names slow steps' causes."""
+    by request and decode order; `waits` (the thread_waits table) and `layer_times` name slow
+    steps' causes."""
     found = [
         repetition_loops(tokens),
         logprob_collapse(tokens),
@@ -47,7 +49,7 @@ def detect(
         routing_jumps(tokens, meta),
         sparsity_spikes(tokens, meta),
         attention_collapse(tokens, meta),
-        slow_steps(steps, tokens, waits=waits),
+        slow_steps(steps, tokens, waits=waits, layer_times=layer_times),
         load_imbalance(tokens, meta),
     ]
     return pl.concat([common.empty(), *found], how="vertical")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import polars as pl
 
 from sparseety_prof.store.anomalies import common
+from sparseety_prof.store.anomalies.layer_causes import layer_causes
 from sparseety_prof.store.anomalies.waits import wait_causes
 
 #: a slow step: its duration (per token, for prompt steps, whose cost grows with their size) is
@@ -30,6 +31,7 @@ def slow_steps(
     ratio: float = SLOW_RATIO,
     min_steps: int = SLOW_MIN_STEPS,
     waits: pl.DataFrame | None = None,
+    layer_times: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
     """Score: the step's cost in robust standard deviations above its phase's median. The anomaly
     names the first token the step produced (a step that produced none is reported without one).
@@ -43,7 +45,9 @@ def slow_steps(
     SLOW_RESHAPED_RATIO times the ratio.
 
     With the thread_waits table (`waits`), the reason names what held the step back where the
-    scheduler saw it: a stop, or a wait for another process (anomalies/waits.py)."""
+    scheduler saw it: a stop, or a wait for another process (anomalies/waits.py); with the
+    layer_times table (`layer_times`), the layer that took far more than its usual time
+    (anomalies/layer_causes.py). Both when both hold: a preempted thread makes its layer slow."""
     ms = (pl.col("t_end_ns") - pl.col("t_start_ns")) / 1e6
     cost = (
         pl.when(pl.col("phase") == "prefill")
@@ -102,13 +106,15 @@ def slow_steps(
         )
         .sort("step_id")
     )
-    causes = wait_causes(
-        waits if waits is not None else pl.DataFrame(),
-        {
-            r["step_id"]: r["t_end_ns"] - r["t_start_ns"]
-            for r in df.select("step_id", "t_start_ns", "t_end_ns").iter_rows(named=True)
-        },
-    )
+    step_ns = {
+        r["step_id"]: r["t_end_ns"] - r["t_start_ns"]
+        for r in df.select("step_id", "t_start_ns", "t_end_ns").iter_rows(named=True)
+    }
+    causes = wait_causes(waits if waits is not None else pl.DataFrame(), step_ns)
+    for sid, cause in layer_causes(
+        layer_times if layer_times is not None else pl.DataFrame(), step_ns
+    ).items():
+        causes[sid] = f"{causes[sid]}; {cause}" if sid in causes else cause
     rows = [
         {
             **r,
