@@ -193,7 +193,7 @@ def test_perfetto_export_holds_every_step_token_and_kernel_with_exact_times(tmp_
         assert track_names[(ev["pid"], ev["tid"])] == f"GPU {row['device']} stream {row['stream_id']}"
         check_times(ev, origin, row["start_ns"], row["end_ns"])
     assert doc["otherData"]["skipped_without_times"] == {"steps": 0, "tokens": 0, "kernels": 1}
-    assert doc["otherData"]["events"] == {"steps": 20, "tokens": 40, "kernels": 61, "layers": 0}
+    assert doc["otherData"]["events"] == {"steps": 20, "tokens": 40, "kernels": 61, "layers": 0, "waits": 0}
 
     processes = names(doc, "process_name")
     assert processes[(4242, 0)] == "engine (pid 4242)"
@@ -254,6 +254,56 @@ def test_perfetto_layer_slices_lie_under_their_step_on_each_thread(tmp_path: Pat
     assert track_names[(4242, 4250)] == "engine thread 4250"
     assert track_names[(4242, 4243)] == "engine thread 4243"
     assert len(track_names) == len({tid for _, tid in track_names})
+
+
+def test_perfetto_waits_are_counters_over_each_step_and_name_who_took_the_cpu(tmp_path: Path) -> None:
+    src = make_recording(tmp_path / "rec", kernels=False)
+    rec0 = sparseety_prof.open(src)
+    steps = rec0.steps().sort("step_id")
+    waits = {c: [] for c in schema.THREAD_WAITS}  # type: dict[str, list[object]]
+    for i, (sid, tid) in enumerate(steps.select("step_id", "tid").iter_rows()):
+        row = {
+            "step_id": sid,
+            "pid": 4242,
+            "tid": tid,
+            "step_thread": True,
+            "on_cpu_ns": 500_000,
+            "runnable_ns": 100_000 * i,
+            "sleep_ns": 7_000,
+            "stopped_ns": 250_000 if i == 3 else 0,
+            "waited_recorder_ns": 0,
+            "waited_engine_ns": 0,
+            "waited_other_ns": 100_000 * i,
+            "top_pid": 881 if i % 2 else None,
+            "top_comm": "stress\x1b[31m" if i % 2 else None,
+            "top_ns": 100_000 * i if i % 2 else None,
+        }
+        for k, v in row.items():
+            waits[k].append(v)
+    with RecordingWriter(tmp_path / "rec2", {**META, "model": MODEL, "layers": LAYERS}) as w:
+        for table in ("tokens", "steps", "requests"):
+            w.append(table, rec0.table(table))
+        w.append("thread_waits", schema.frame("thread_waits", waits))
+    out = tmp_path / "trace.json"
+    assert export(tmp_path / "rec2", "perfetto", out) == 0
+    doc = read_trace(out)
+    origin = doc["otherData"]["ts_origin_ns"]
+    counters = [e for e in doc["traceEvents"] if e["ph"] == "C"]
+    assert len(counters) == 2 * steps.height and doc["otherData"]["events"]["waits"] == steps.height
+    for i, r in enumerate(steps.rows(named=True)):
+        up, down = counters[2 * i], counters[2 * i + 1]
+        assert up["name"] == down["name"] == f"waits {r['tid']}" and up["pid"] == 4242
+        assert ns(origin, up["ts"]) == r["t_start_ns"] and ns(origin, down["ts"]) == r["t_end_ns"]
+        assert up["args"] == {
+            "runnable_ms": 100_000 * i / 1e6,
+            "stopped_ms": 0.25 if i == 3 else 0.0,
+            "sleep_ms": 0.007,
+        }
+        assert down["args"] == {"runnable_ms": 0.0, "stopped_ms": 0.0, "sleep_ms": 0.0}
+    named = [e for e in doc["traceEvents"] if e.get("cat") == "wait"]
+    assert len(named) == steps.height // 2
+    assert named[0]["name"] == "waited 0.10 ms for PID 881 (stress\\x1b[31m)"  # the escape made visible
+    assert named[0]["tid"] == steps["tid"][1] and ns(origin, named[0]["ts"]) == steps["t_end_ns"][1]
 
 
 def _enclosing(doc: dict[str, Any], origin: int, ev: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,11 @@ Tracks (a trace-event "process" holds "threads", each thread one track):
 - the engine process (its real pid): one track per engine thread (real tid) with a slice per step
   (micro-batch) from t_start_ns to t_end_ns, the steps table's row as its args, and on every
   engine thread that computed it, a slice per layer of a step with layer times (layer_times: from
-  the thread's previous probe point to this layer's, so under its step on the step's own thread);
+  the thread's previous probe point to this layer's, so under its step on the step's own thread),
+  and with thread_waits a counter track per engine thread, "waits <tid>", holding for each step's
+  span the milliseconds that thread was runnable but not running, stopped and asleep in it (0
+  between steps), with an instant event at the step's end naming the process it waited for
+  longest;
 - "requests" (pid REQUESTS_PID): one track per request, named by its request id, with a slice per
   token over its step's time, the token's whole event (token_events.py) as its args;
 - "GPU kernels" (pid GPU_PID): one track per (device, stream) with a slice per kernel execution,
@@ -24,6 +28,7 @@ from typing import Any, BinaryIO
 import polars as pl
 
 from sparseety_prof.store.recording import Recording
+from sparseety_prof.terminal_text import visible
 from sparseety_prof.views.export.json_text import dumps
 from sparseety_prof.views.export.token_events import TokenEvents, iter_rows, token_rows
 
@@ -44,6 +49,7 @@ class TraceCounts:
     tokens: int = 0
     kernels: int = 0
     layers: int = 0
+    waits: int = 0
     flows: int = 0
     skipped: dict[str, int] = field(default_factory=lambda: {"steps": 0, "tokens": 0, "kernels": 0})
 
@@ -111,6 +117,7 @@ def write_perfetto(rec: Recording, out: BinaryIO) -> TraceCounts:
     out.write(b'{"traceEvents":[\n')
     _write_steps(w, timed_steps, counts)
     _write_layers(w, rec.table("layer_times"), timed_steps, counts)
+    _write_waits(w, rec.table("thread_waits"), timed_steps, counts)
     step_ends = timed_steps.select(
         "step_id",
         pl.col("pid").fill_null(0).alias("_step_pid"),
@@ -133,6 +140,7 @@ def write_perfetto(rec: Recording, out: BinaryIO) -> TraceCounts:
             "tokens": counts.tokens,
             "kernels": counts.kernels,
             "layers": counts.layers,
+            "waits": counts.waits,
         },
         "skipped_without_times": counts.skipped,
     }
@@ -190,6 +198,42 @@ def _write_layers(w: _Writer, layers: pl.DataFrame, steps: pl.DataFrame, counts:
             }
         )
         counts.layers += 1
+
+
+def _write_waits(w: _Writer, waits: pl.DataFrame, steps: pl.DataFrame, counts: TraceCounts) -> None:
+    """Per thread_waits row, the counter "waits <tid>" set to the step's runnable, stopped and
+    sleeping milliseconds of that thread at the step's start and back to 0 at its end; and where
+    a process held the thread's CPU, an instant event at the step's end on the thread's track
+    saying which (its name as the process set it, made visible)."""
+    timed = waits.join(
+        steps.select("step_id", pl.col("t_start_ns").alias("_start"), pl.col("t_end_ns").alias("_end")),
+        on="step_id",
+        how="inner",
+    ).sort("_start")
+    zero = {"runnable_ms": 0.0, "stopped_ms": 0.0, "sleep_ms": 0.0}
+    for r in iter_rows(timed):
+        start, end = r.pop("_start"), r.pop("_end")
+        pid, tid, name = r["pid"] or 0, r["tid"] or 0, f"waits {r['tid']}"
+        values = {k: (r[f"{k[:-3]}_ns"] or 0) / 1e6 for k in zero}
+        w.emit({"ph": "C", "name": name, "pid": pid, "ts": w.us(start), "args": values})
+        w.emit({"ph": "C", "name": name, "pid": pid, "ts": w.us(end), "args": zero})
+        if r["top_pid"] is not None and r["top_ns"]:
+            who = (
+                f"waited {r['top_ns'] / 1e6:.2f} ms for PID {r['top_pid']} ({visible(r['top_comm'] or '?')})"
+            )
+            w.emit(
+                {
+                    "ph": "i",
+                    "s": "t",
+                    "cat": "wait",
+                    "name": who,
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": w.us(end),
+                    "args": r,
+                }
+            )
+        counts.waits += 1
 
 
 def _kernel_tracks(kernels: pl.DataFrame) -> dict[tuple[int | None, int | None], int]:
