@@ -190,6 +190,9 @@ cmake_args=(
   -DLLAMA_BUILD_NUMBER="$BUILD" -DLLAMA_BUILD_COMMIT=unknown
   -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DCMAKE_INSTALL_RPATH=\$ORIGIN
   -DCMAKE_INSTALL_RPATH_USE_LINK_PATH=OFF
+  # Fix 5: with RUNPATH=$ORIGIN only, the executables' link cannot find libggml-cuda's own
+  # libcublas.so.13 (a NEEDED entry of a library, not of the executable): name its folder to ld
+  -DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath-link,$CU/lib"
 )
 s=$SECONDS
 cmake "${cmake_args[@]}" >"$BLD.configure.log" 2>&1 || { tail -40 "$BLD.configure.log"; die "cmake configure failed"; }
@@ -210,7 +213,7 @@ log "built in ${BUILD_SECONDS}s"
 # The GPU oracle: one C++ file against the libllama just built
 g++ -O2 -std=c++17 -o "$BLD/bin/llamacpp-gpu-oracle" "$HERE/llamacpp_gpu_oracle.cpp" \
   -I"$LLAMA_SRC/include" -I"$LLAMA_SRC/ggml/include" -L"$BLD/bin" -lllama -lggml -lggml-base \
-  -Wl,-rpath,'$ORIGIN' || die "the GPU oracle did not compile"
+  -Wl,-rpath,'$ORIGIN' -Wl,-rpath-link,"$BLD/bin" -Wl,-rpath-link,"$CU/lib" || die "the GPU oracle did not compile"
 
 # --- 5. package: strip, pack, manifest ----------------------------------------------------------
 rm -rf "$OUT"
@@ -218,10 +221,12 @@ mkdir -p "$OUT/bin"
 cp -a "$BLD/bin/llama-server" "$BLD/bin/llamacpp-gpu-oracle" "$BLD"/bin/*.so* "$OUT/bin/"
 strip --strip-unneeded "$OUT"/bin/llama-server "$OUT"/bin/llamacpp-gpu-oracle
 find "$OUT/bin" -name '*.so*' -type f -exec strip --strip-unneeded {} +
-# GCC's runtimes travel along (found through RUNPATH=$ORIGIN): a bare GPU machine may lack
-# libgomp (ggml-cpu's OpenMP) or have an older libstdc++ than this compiler's. The CUDA libraries
-# do not: they are the GPU machine's own (the manifest names them).
-for rt in libgomp.so.1 libstdc++.so.6 libgcc_s.so.1; do
+# GCC's OpenMP runtime travels along (found through RUNPATH=$ORIGIN): a bare GPU machine may lack
+# libgomp (ggml-cpu's OpenMP). Not libstdc++ or libgcc_s: this machine's need GLIBC_2.36 / 2.35,
+# more than the package itself (GLIBC_2.34, the manifest's newest_symbol_versions), and every
+# machine that runs PyTorch has its own. The CUDA libraries do not travel either: they are the
+# GPU machine's own (the manifest names them).
+for rt in libgomp.so.1; do
   f=$(ldd "$OUT/bin/llama-server" | awk -v n="$rt" '$1 == n {print $3}')
   if [ -n "$f" ]; then cp -L "$f" "$OUT/bin/$rt"; fi
 done

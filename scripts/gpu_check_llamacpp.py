@@ -480,6 +480,13 @@ def main() -> int:
         report["unresolved_libraries"] = sorted(set(missing))
         if missing:
             raise RuntimeError(f"libraries not found: {sorted(set(missing))}")
+        # a C or C++ runtime older than the package's (GLIBC_2.34, GLIBCXX_3.4.30) fails here
+        v = subprocess.run(
+            [str(bindir / "llama-server"), "--version"], env=env, capture_output=True, text=True, timeout=60
+        )
+        report["server_version"] = (v.stdout + v.stderr).strip()[-400:]
+        if v.returncode != 0:
+            raise RuntimeError(f"llama-server --version exited {v.returncode}")
         model = tmp / "moe.gguf"
         subprocess.run(
             [sys.executable, "-m", "sparseety_prof.synthetic", str(model), "--preset", "moe"],
