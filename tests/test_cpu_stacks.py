@@ -24,6 +24,7 @@ from sparseety_prof.capture.stack_symbols import (
     KERNEL_FRAME,
     SYMBOLS_DYNAMIC,
     SYMBOLS_FULL,
+    UNKNOWN_FRAME,
     Symboliser,
     build_id,
 )
@@ -653,3 +654,22 @@ def test_a_step_belongs_to_the_requests_of_its_sequences_running_at_its_start() 
     # step 2 batched a and b (both count its samples); step 4 ran after a's last token and before
     # c started on the same sequence: no request's
     assert got == [(1, "a"), (2, "a"), (2, "b"), (3, "b"), (5, "c")]
+
+
+def test_addresses_outside_every_mapping_reread_the_maps_at_most_once_a_period(tmp_path: Path) -> None:
+    """A stack walked through code without frame pointers ends in addresses no mapping holds:
+    each would re-read the process's maps. They are re-read once per MAPS_REREAD_S at most, and a
+    library mapped after a read is named once the next read is due."""
+    now = [100.0]
+    names = Symboliser(os.getpid(), clock=lambda: now[0])
+    assert names.maps_reads == 1
+    astray = [0x10 + 8 * i for i in range(500)]  # below every mapping
+    assert {names.name(a) for a in astray} == {UNKNOWN_FRAME}
+    assert names.maps_reads == 1  # none of them re-read the maps: read an instant ago
+    plain = _build_lib(tmp_path, "libmappedlate.so", strip=False)
+    ctypes.CDLL(str(plain))
+    entry = _symbol_address(plain, "visible_entry", _load_base(plain))
+    assert names.name(entry) == UNKNOWN_FRAME  # mapped after the last read: not yet known
+    now[0] += Symboliser.MAPS_REREAD_S
+    assert names.name(entry) == "visible_entry" and names.maps_reads == 2
+    assert names.name(astray[0]) == UNKNOWN_FRAME and names.maps_reads == 2

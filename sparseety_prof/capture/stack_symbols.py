@@ -23,6 +23,8 @@ import bisect
 import os
 import struct
 import subprocess
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -218,17 +220,31 @@ def load_file_symbols(pid: int, m: MapsEntry) -> FileSymbols:
 
 class Symboliser:
     """Frame names for one process's addresses; its maps re-read when an address lies outside
-    every mapping known (a library loaded since), at most once per `frames` call."""
+    every mapping known (a library loaded since), at most every MAPS_REREAD_S: a stack walked
+    through code built without frame pointers ends in addresses that lie in no mapping at all, a
+    new one at nearly every sample, and reading the maps for each would cost more than the
+    sampling itself. `clock` is time.monotonic (tests replace it)."""
 
-    def __init__(self, pid: int) -> None:
+    #: the shortest time between two reads of the process's maps
+    MAPS_REREAD_S = 1.0
+    #: names kept per address (addresses of stack walks gone astray are many): beyond it the
+    #: cache starts over
+    MAX_NAMES = 1 << 18
+
+    def __init__(self, pid: int, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.pid = pid
         self._maps: list[MapsEntry] = []
         self._map_starts: list[int] = []
         self._files: dict[tuple[str, int, int], FileSymbols] = {}
         self._names: dict[int, str] = {}
+        self._clock = clock
+        self._maps_read_at = -self.MAPS_REREAD_S
+        self.maps_reads = 0
         self._read_maps()  # now, while the process surely lives
 
     def _read_maps(self) -> None:
+        self._maps_read_at = self._clock()
+        self.maps_reads += 1
         try:
             maps = [m for m in read_maps(self.pid) if "x" in m.perms]
         except (OSError, ProfError):  # the process exited (NoSuchProcess): the maps read before stay
@@ -255,11 +271,16 @@ class Symboliser:
         if got is not None:
             return got
         m = self._mapping(addr)
-        if m is None:
+        read_now = False
+        if m is None and self._clock() - self._maps_read_at >= self.MAPS_REREAD_S:
             self._read_maps()
             m = self._mapping(addr)
+            read_now = True
         got = self._name_in(addr, m)
-        self._names[addr] = got
+        if m is not None or read_now:  # (outside the maps read a while ago: asked again later)
+            if len(self._names) >= self.MAX_NAMES:
+                self._names.clear()
+            self._names[addr] = got
         return got
 
     def _name_in(self, addr: int, m: MapsEntry | None) -> str:
