@@ -423,6 +423,11 @@ class Recorder:
         """The correlator for this engine, making the rows that something reads."""
         opts, hp = self.opts, a.model.hyperparameters
         wants_routes = self._out.sinks.wants("routes")
+        n_expert_used = int(hp.get("expert_used_count", 0) or 0)
+        if gpu is not None and n_expert_used:
+            # a llama.cpp engine on a GPU: its routing kernels' rows rank every expert, the
+            # first n_expert_used are the chosen ones (gpu/llamacpp_kernels.py)
+            gpu.correlator.route_columns = n_expert_used
         return Correlator(
             pid=opts.pid,
             n_vocab=len(a.vocab),
@@ -430,7 +435,7 @@ class Recorder:
             texts=a.vocab.texts,
             layers=a.layers,
             n_expert=int(hp.get("expert_count", 0) or 0),
-            n_expert_used=int(hp.get("expert_used_count", 0) or 0),
+            n_expert_used=n_expert_used,
             with_masks=opts.capture.masks,
             serving=ServingTracker(opts.pid, opts.request_header) if is_server(a.where) else None,
             slot_tokens=any(p.symbol == tg.SYM_PROCESS_TOKEN for p in a.session.attached),
