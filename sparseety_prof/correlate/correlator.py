@@ -101,14 +101,7 @@ class Correlator:
         # head_rows_apart: the columns kept of each table's rows set apart
         self._apart_columns: Mapping[str, Collection[str]] | None = None
         if (head_drops_routes or head_rows_apart) and head_verdicts is not None and not with_masks:
-            self.head_dropped = requests.head_dropped = HeadDropped()
-            if head_drops_routes:
-                routes.head_dropped = self.head_dropped
-            if head_rows_apart:
-                self._apart_columns = head_rows_apart
-                requests.dropped_requests = set()
-                kept = head_rows_apart.get("tokens", ())
-                requests.apart_without_attention = not any(c in kept for c in ATTENTION_COLUMNS)
+            self._drop_heads(requests, routes, drops_routes=head_drops_routes, rows_apart=head_rows_apart)
         steps = StepsTable(
             pid=pid,
             wall_offset_ns=wall_offset_ns,
@@ -134,6 +127,25 @@ class Correlator:
         # the aggregate records' timed probe points, until their steps are taken (layer_times)
         self.layer_clock = LayerClock()
         requests.slowest = self.layer_clock.slowest_of
+
+    def _drop_heads(
+        self,
+        requests: RequestTokens,
+        routes: RoutesTables,
+        *,
+        drops_routes: bool,
+        rows_apart: Mapping[str, Collection[str]] | None,
+    ) -> None:
+        """Head sampling in the probes: the rows of requests drawn to drop counted instead of made
+        (routes, `drops_routes`) or set apart with the columns named (`rows_apart`)."""
+        self.head_dropped = requests.head_dropped = HeadDropped()
+        if drops_routes:
+            routes.head_dropped = self.head_dropped
+        if rows_apart:
+            self._apart_columns = rows_apart
+            requests.dropped_requests = set()
+            kept = rows_apart.get("tokens", ())
+            requests.apart_without_attention = not any(c in kept for c in ATTENTION_COLUMNS)
 
     # what the recorder and its metadata read (FeedState holds them)
     @property
