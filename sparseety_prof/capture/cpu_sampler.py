@@ -21,11 +21,8 @@ from sparseety_prof.capture.resources import PROBES_DIR
 from sparseety_prof.errors import BpfUnavailable, MissingPrivileges
 
 #: samples per second of CPU time a sampled thread gets (--cpu-sample-hz): a prime, so that the
-#: sampling does not beat in step with periodic work at round rates; below the usual 49/99 Hz of
-#: perf tools because the recorder pays for each sample while it stays attached (docs/overhead.md,
-#: "The CPU sampler and the scheduler waits, sustained"); a minute of one engine thread is still
-#: over a thousand samples
-DEFAULT_RATE_HZ = 19
+#: sampling does not beat in step with periodic work at round rates (the usual 49/99 Hz of perf tools)
+DEFAULT_RATE_HZ = 49
 MAX_RATE_HZ = 10_000
 STACK_SLOTS = 16384  # distinct user stacks kept (a full map loses new stacks, counted)
 COUNT_SLOTS = 65536  # distinct (thread, stack, kernel) counts
