@@ -47,6 +47,10 @@ class FakeSampler:
     def __init__(self) -> None:
         self.queue: list[Sample] = []
         self.closed = False
+        self.paused = False
+
+    def pause(self) -> None:
+        self.paused = True
 
     def take(self) -> list[Sample]:
         got, self.queue = self.queue, []
@@ -591,8 +595,13 @@ def test_the_sampler_takes_the_spinning_threads_stack_and_only_the_target_proces
             while len(samples) < 50 and time.monotonic() < deadline:
                 time.sleep(0.2)
                 samples += sampler.take()
+            lagging = sum(sampler.counts().values())
+            sampler.pause()  # no sample after this: the records and the counts agree
+            samples += sampler.take()
             counted = sampler.counts()
             lost = sampler.lost()
+            time.sleep(0.1)  # a spinning thread would be sampled ten times over by now
+            assert sampler.take() == [] and sampler.counts() == counted
         finally:
             sampler.close()
         assert _bpf_and_perf_fds() == held_before  # closed: nothing of it is left in this process
@@ -612,8 +621,9 @@ def test_the_sampler_takes_the_spinning_threads_stack_and_only_the_target_proces
     top, n_top = max(user.items(), key=lambda kv: kv[1])
     assert top.endswith("worker;caller_of_leaf;hot_leaf"), folded
     assert n_top >= 0.9 * len(samples), folded
-    # the kernel's counts hold every sample the records do (the records may only lag them)
-    assert sum(n for (tid, _), n in counted.items() if tid == worker) >= len(samples)
+    # paused, the kernel's counts and the records hold the same samples (while it ran, the
+    # records could only lag the counts)
+    assert sum(n for (tid, _), n in counted.items() if tid == worker) == len(samples) >= lagging
     assert lost == {"ring": 0, "stacks": 0, "counts": 0}
 
 

@@ -12,6 +12,7 @@ stacks cut short at its frames (the sampled function itself, the leaf, is always
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ class CpuSampler:
     _pending: list[tuple[int, int, int, int]] = field(default_factory=list)
     _stacks: dict[int, tuple[int, ...]] = field(default_factory=dict)
     _closed: bool = False
+    _paused: bool = False
 
     @classmethod
     def attach(cls, pid: int, rate_hz: int = DEFAULT_RATE_HZ) -> CpuSampler:
@@ -117,6 +119,19 @@ class CpuSampler:
         except Exception as e:
             self.close()
             raise BpfUnavailable(f"could not open the CPU sampler's perf events: {e}") from None
+
+    def pause(self) -> None:
+        """The perf events closed: no sample after this one, so that what `take()` returns next
+        and the kernel's counts (`meta()`) cover the same samples. Idempotent."""
+        if self._closed or self._paused:
+            return
+        from sparseety_prof.capture.bpf_loader import import_bcc
+
+        bcc = import_bcc()
+        self._paused = True
+        # (never attached, or already gone: nothing samples either way)
+        with contextlib.suppress(Exception):
+            self.bpf.detach_perf_event(ev_type=bcc.PerfType.SOFTWARE, ev_config=bcc.PerfSWConfig.CPU_CLOCK)
 
     def _on_record(self, _ctx: Any, data: Any, _size: int) -> None:
         r = ctypes.cast(data, ctypes.POINTER(_SampleRec)).contents

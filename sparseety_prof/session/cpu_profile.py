@@ -211,6 +211,7 @@ class CpuProfile:
         events closed. poll() then joins what is held."""
         if self._stopped_meta is not None:
             return
+        self.sampler.pause()  # first: a sample between the last take and the counts would differ
         self._take()
         self._stopped_meta = self.sampler.meta()
         self.sampler.close()
