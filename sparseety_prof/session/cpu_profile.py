@@ -243,24 +243,28 @@ class CpuProfile:
         return self.poll(final=final)
 
 
-def open_cpu_profile(pid: int, rate_hz: int, log: Callable[[str], None]) -> CpuProfile | None:
-    """The sampler of `pid` at `rate_hz`, loaded but not started (`start_cpu_profile`), or None
-    when off (0) or when it cannot run here (said in the log: the recording goes on without the
-    cpu_stacks rows)."""
+def open_cpu_profile(pid: int, rate_hz: int) -> CpuProfile | ProfError | None:
+    """The sampler of `pid` at `rate_hz`, loaded but not started (`start_cpu_profile`); None when
+    off (0); the error when it cannot load here, said by `start_cpu_profile` once the probes are
+    in: an attach that fails for the same cause (no bcc, no privileges) says it once, itself."""
     if rate_hz <= 0:
         return None
     try:
         sampler = CpuSampler.load(pid, rate_hz)
     except ProfError as e:
-        log(f"sparseety-prof: CPU sampler not loaded: {e}")
-        return None
+        return e
     return CpuProfile(sampler, Symboliser(pid))
 
 
-def start_cpu_profile(profile: CpuProfile | None, log: Callable[[str], None]) -> CpuProfile | None:
-    """The loaded sampler started (the probes are in), or None when it was off or cannot start
-    (said in the log)."""
+def start_cpu_profile(
+    profile: CpuProfile | ProfError | None, log: Callable[[str], None]
+) -> CpuProfile | None:
+    """The loaded sampler started (the probes are in), or None when it was off or cannot load or
+    start (said in the log: the recording goes on without the cpu_stacks rows)."""
     if profile is None:
+        return None
+    if isinstance(profile, ProfError):
+        log(f"sparseety-prof: CPU sampler not loaded: {profile}")
         return None
     try:
         profile.sampler.start()

@@ -117,12 +117,12 @@ class Recorder:
         self._attach_began = time.monotonic()  # the duty cycle's first window: the probes go in
         # the scheduler program's compile before the probes attach (thread_waits.py ProgramLoad)
         waits_load = ProgramLoad(opts.sched_waits, opts.pid, os.getpid())
-        cpu_load = open_cpu_profile(opts.pid, opts.cpu_sample_hz, self.log)  # (the same: compiled first)
+        cpu_load = open_cpu_profile(opts.pid, opts.cpu_sample_hz)  # (the same: compiled first)
         try:
             a = attach(opts, self.log, self._stop.is_set)
         except BaseException as e:
             waits_load.discard()
-            if cpu_load is not None:
+            if isinstance(cpu_load, CpuProfile):
                 cpu_load.close()
             if not isinstance(e, NotAnEngine):
                 raise
