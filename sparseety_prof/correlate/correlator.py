@@ -97,16 +97,22 @@ class Correlator:
             head_verdicts=head_verdicts,
         )
         routes = RoutesTables(layers, problems, with_masks=with_masks, rows=routes_rows)
-        self.head_dropped: HeadDropped | None = None
-        # head_rows_apart: the columns kept of each table's rows set apart
-        self._apart_columns: Mapping[str, Collection[str]] | None = None
+        # locals, not the attributes read back: compiled (mypyc), an attribute read right after
+        # `= None` kept the narrowed type None and refused the object _drop_heads set
+        head_dropped: HeadDropped | None = None
+        apart_columns: Mapping[str, Collection[str]] | None = None  # of each table's rows set apart
         if (head_drops_routes or head_rows_apart) and head_verdicts is not None and not with_masks:
-            self._drop_heads(requests, routes, drops_routes=head_drops_routes, rows_apart=head_rows_apart)
+            head_dropped = self._drop_heads(requests, routes, drops_routes=head_drops_routes)
+            if head_rows_apart:
+                apart_columns = head_rows_apart
+                self._set_rows_apart(requests, head_rows_apart)
+        self.head_dropped = head_dropped
+        self._apart_columns = apart_columns
         steps = StepsTable(
             pid=pid,
             wall_offset_ns=wall_offset_ns,
-            head_dropped=self.head_dropped,
-            apart=self._apart_columns is not None,
+            head_dropped=head_dropped,
+            apart=apart_columns is not None,
         )
         self.state = FeedState(
             layers=layers,
@@ -128,24 +134,21 @@ class Correlator:
         self.layer_clock = LayerClock()
         requests.slowest = self.layer_clock.slowest_of
 
-    def _drop_heads(
-        self,
-        requests: RequestTokens,
-        routes: RoutesTables,
-        *,
-        drops_routes: bool,
-        rows_apart: Mapping[str, Collection[str]] | None,
-    ) -> None:
-        """Head sampling in the probes: the rows of requests drawn to drop counted instead of made
-        (routes, `drops_routes`) or set apart with the columns named (`rows_apart`)."""
-        self.head_dropped = requests.head_dropped = HeadDropped()
+    @staticmethod
+    def _drop_heads(requests: RequestTokens, routes: RoutesTables, *, drops_routes: bool) -> HeadDropped:
+        """Head sampling in the probes: the sequences whose requests drew drop, shared by the
+        request tokens and (with `drops_routes`: their rows counted, not made) the routes."""
+        dropped = requests.head_dropped = HeadDropped()
         if drops_routes:
-            routes.head_dropped = self.head_dropped
-        if rows_apart:
-            self._apart_columns = rows_apart
-            requests.dropped_requests = set()
-            kept = rows_apart.get("tokens", ())
-            requests.apart_without_attention = not any(c in kept for c in ATTENTION_COLUMNS)
+            routes.head_dropped = dropped
+        return dropped
+
+    @staticmethod
+    def _set_rows_apart(requests: RequestTokens, rows_apart: Mapping[str, Collection[str]]) -> None:
+        """The token rows of requests drawn to drop set apart, with the columns named per table."""
+        requests.dropped_requests = set()
+        kept = rows_apart.get("tokens", ())
+        requests.apart_without_attention = not any(c in kept for c in ATTENTION_COLUMNS)
 
     # what the recorder and its metadata read (FeedState holds them)
     @property
