@@ -66,8 +66,11 @@ class FakeSampler:
 class NamesOf:
     """Frames named after their addresses: "f<addr>"."""
 
-    def frames(self, stack: tuple[int, ...], *, kernel: bool = False) -> list[str]:
-        return [f"f{a}" for a in reversed(stack)] + ([KERNEL_FRAME] if kernel else [])
+    def frames_many(self, stacks: list[tuple[tuple[int, ...], bool]]) -> list[list[str]]:
+        return [
+            [f"f{a}" for a in reversed(stack)] + ([KERNEL_FRAME] if kernel else [])
+            for stack, kernel in stacks
+        ]
 
     def files_meta(self) -> list[dict[str, str]]:
         return []

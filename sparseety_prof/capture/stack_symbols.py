@@ -4,8 +4,9 @@ it, demangled.
 
 The files are the target's, so hostile (capture/untrusted_files.py): each is opened through the
 process's own mapping (/proc/PID/map_files/START-END, which the kernel follows to the very file
-mapped, never through a name), is read by binutils' nm from /usr/bin through that descriptor
-(a regular file only), and only once per file.
+mapped, never through a name), a regular file only, its symbol tables read in-process with
+bounded reads (capture/elf_symbols.py), once per file. C++ names are demangled by binutils'
+c++filt from /usr/bin, the new names of a drain in one run (capture/demangle.py).
 
 What cannot be named, said plainly in meta.json (`files`):
 - a stripped file has its dynamic symbols only (.dynsym): its static and hidden functions show
@@ -22,18 +23,18 @@ from __future__ import annotations
 import bisect
 import os
 import struct
-import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sparseety_prof.capture.demangle import demangle, mangled
 from sparseety_prof.capture.elf import load_segments
+from sparseety_prof.capture.elf_symbols import NotElf, SymbolTable, read_symbols
 from sparseety_prof.capture.proc_maps import MapsEntry, read_maps
-from sparseety_prof.capture.untrusted_files import RefusedFile, open_untrusted, trusted_tool
+from sparseety_prof.capture.untrusted_files import RefusedFile, open_untrusted
 from sparseety_prof.errors import ProfError
 
-NM_TIMEOUT_S = 120
 MAX_NAME = 400  # characters of a demangled name kept (template names run to thousands)
 KERNEL_FRAME = "[kernel]"
 ANON_FRAME = "[anon]"
@@ -42,8 +43,6 @@ UNKNOWN_FRAME = "[unknown]"
 #: the target's: the host's system directory)
 DEBUG_ROOT = Path("/usr/lib/debug/.build-id")
 NOTE_MAX = 1 << 16  # bytes of a PT_NOTE segment read
-#: nm's type letters of code symbols (text, weak, indirect)
-_CODE = frozenset("TtWwi")
 
 #: what each file's names come from, in meta.json
 SYMBOLS_FULL = "symtab"  # .symtab (with .dynsym): every function
@@ -54,14 +53,12 @@ SYMBOLS_NONE = "none"  # no symbol at all, or the file could not be read (why sa
 
 @dataclass
 class FileSymbols:
-    """One mapped ELF file's function symbols, sorted by address, and how its virtual addresses
-    sit in the file (PT_LOAD segments)."""
+    """One mapped ELF file's function symbols (raw: mangled), and how its virtual addresses sit
+    in the file (PT_LOAD segments)."""
 
     path: str
     source: str  # SYMBOLS_*
-    starts: list[int] = field(default_factory=list)
-    ends: list[int] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
+    table: SymbolTable | None = None
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (vaddr, offset, size)
     why: str = ""  # why it has no symbols, when it has none
 
@@ -72,58 +69,13 @@ class FileSymbols:
         return None
 
     def name(self, vaddr: int) -> str | None:
-        i = bisect.bisect_right(self.starts, vaddr) - 1
-        if i < 0:
+        """The raw name of the function around `vaddr` (a version cut: memmove@@GLIBC_2.2.5)."""
+        table = self.table
+        i = table.index_of(vaddr) if table is not None else None
+        if table is None or i is None:
             return None
-        # a symbol with a size covers [start, end); without one (end == start) the nearest below
-        if self.ends[i] > self.starts[i] and vaddr >= self.ends[i]:
-            return None
-        return self.names[i]
-
-
-def _nm(fd: int, *extra: str) -> tuple[str, str]:
-    nm = trusted_tool("nm")
-    done = subprocess.run(
-        [nm, *extra, "--defined-only", "-S", "-C", f"/dev/fd/{fd}"],
-        capture_output=True,
-        text=True,
-        errors="replace",
-        pass_fds=(fd,),
-        timeout=NM_TIMEOUT_S,
-    )
-    return done.stdout, done.stderr
-
-
-def _rank(size: int, kind: str, name: str) -> tuple[int, int, int, int, int]:
-    """Of several names at one address (aliases: memcpy's and memmove's code is one), the one
-    perf shows (tools/perf/util/symbol.c choose_best_symbol): one with a size, not weak, global,
-    with fewer leading underscores, the longest."""
-    underscores = len(name) - len(name.lstrip("_"))
-    return (size > 0, kind not in "Ww", kind.isupper(), -min(underscores, 2), len(name))
-
-
-def _parse_nm(text: str, into: dict[int, tuple[int, str, tuple[int, int, int, int, int]]]) -> None:
-    """nm -S -C lines: "ADDR SIZE TYPE NAME" or "ADDR TYPE NAME" (no size); names may hold spaces."""
-    for line in text.splitlines():
-        parts = line.split(" ", 3)
-        if len(parts) >= 3 and len(parts[1]) == 1:  # no size
-            addr, size, kind, name = parts[0], "0", parts[1], " ".join(parts[2:])
-        elif len(parts) == 4 and len(parts[2]) == 1:
-            addr, size, kind, name = parts
-        else:
-            continue
-        if kind not in _CODE:
-            continue
-        try:
-            a, n = int(addr, 16), int(size, 16)
-        except ValueError:
-            continue
-        name = (
-            name.split("@", 1)[0] if "@" in name and "(" not in name else name
-        )  # version: memmove@@GLIBC_2.2.5
-        rank = _rank(n, kind, name)
-        if a and (a not in into or into[a][2] < rank):
-            into[a] = (n, name[:MAX_NAME], rank)
+        name = table.raw_name(i)
+        return name.split("@", 1)[0] if "@" in name and "(" not in name else name
 
 
 def build_id(fd: int) -> str | None:
@@ -157,25 +109,23 @@ def build_id(fd: int) -> str | None:
     return None
 
 
-def _debug_symbols(fd: int, into: dict[int, tuple[int, str, tuple[int, int, int, int, int]]]) -> bool:
-    """The .symtab of the host's separate debug file of the file at `fd`, if any, into `into`."""
+def _debug_symbols(fd: int) -> SymbolTable | None:
+    """The .symtab of the host's separate debug file of the file at `fd`, if it has one."""
     bid = build_id(fd)
     if not bid or len(bid) < 4:
-        return False
+        return None
     path = DEBUG_ROOT / bid[:2] / f"{bid[2:]}.debug"
     try:
         dfd, _ = open_untrusted(path)
     except OSError:
-        return False
+        return None
     try:
-        text, _ = _nm(dfd)
-    except (subprocess.TimeoutExpired, OSError):
-        return False
+        table = read_symbols(dfd)
+    except (OSError, NotElf):
+        return None
     finally:
         os.close(dfd)
-    before = len(into)
-    _parse_nm(text, into)
-    return len(into) > before
+    return table if len(table) else None
 
 
 def load_file_symbols(pid: int, m: MapsEntry) -> FileSymbols:
@@ -187,35 +137,20 @@ def load_file_symbols(pid: int, m: MapsEntry) -> FileSymbols:
         fd, _ = open_untrusted(link)
     except (RefusedFile, OSError) as e:
         return FileSymbols(m.path, SYMBOLS_NONE, why=str(e))
-    syms: dict[int, tuple[int, str, tuple[int, int, int, int, int]]] = {}
     try:
-        full, err = _nm(fd)
-        _parse_nm(full, syms)
-        has_symtab = bool(syms)
-        from_debug = not has_symtab and _debug_symbols(fd, syms)
-        dyn, _ = _nm(fd, "-D")
-        _parse_nm(dyn, syms)
+        table = read_symbols(fd)
+        source = SYMBOLS_FULL if table.has_symtab else SYMBOLS_DYNAMIC if len(table) else SYMBOLS_NONE
+        if not table.has_symtab:
+            debug = _debug_symbols(fd)
+            if debug is not None:  # (a debug file's .symtab holds the dynamic symbols too)
+                table, source = debug, SYMBOLS_DEBUG_FILE
         segments = load_segments(Path(f"/dev/fd/{fd}"))
-    except (subprocess.TimeoutExpired, OSError, ValueError, struct.error) as e:
+    except (OSError, ValueError, struct.error) as e:  # (NotElf is a ValueError)
         return FileSymbols(m.path, SYMBOLS_NONE, why=str(e))
     finally:
         os.close(fd)
-    source = (
-        SYMBOLS_FULL
-        if has_symtab
-        else SYMBOLS_DEBUG_FILE
-        if from_debug
-        else SYMBOLS_DYNAMIC
-        if syms
-        else SYMBOLS_NONE
-    )
-    fs = FileSymbols(m.path, source, segments=segments, why="" if syms else (err.strip() or "no symbols"))
-    for a in sorted(syms):
-        n, name, _ = syms[a]
-        fs.starts.append(a)
-        fs.ends.append(a + n)
-        fs.names.append(name)
-    return fs
+    why = "" if len(table) else "no symbols"
+    return FileSymbols(m.path, source, table=table, segments=segments, why=why)
 
 
 class Symboliser:
@@ -227,8 +162,8 @@ class Symboliser:
 
     #: the shortest time between two reads of the process's maps
     MAPS_REREAD_S = 1.0
-    #: names kept per address (addresses of stack walks gone astray are many): beyond it the
-    #: cache starts over
+    #: names kept per address (addresses of stack walks gone astray are many), and demangled
+    #: names kept: beyond it the cache starts over
     MAX_NAMES = 1 << 18
 
     def __init__(self, pid: int, *, clock: Callable[[], float] = time.monotonic) -> None:
@@ -236,7 +171,8 @@ class Symboliser:
         self._maps: list[MapsEntry] = []
         self._map_starts: list[int] = []
         self._files: dict[tuple[str, int, int], FileSymbols] = {}
-        self._names: dict[int, str] = {}
+        self._names: dict[int, str] = {}  # address -> raw name
+        self._shown: dict[str, str] = {}  # raw name -> the name shown (demangled, cut short)
         self._clock = clock
         self._maps_read_at = -self.MAPS_REREAD_S
         self.maps_reads = 0
@@ -261,12 +197,39 @@ class Symboliser:
     def frames(self, stack: tuple[int, ...], *, kernel: bool = False) -> list[str]:
         """Names of a stack's frames, root first (the folded order), "[kernel]" last for a
         sample taken in the kernel."""
-        out = [self.name(a) for a in reversed(stack)]
-        if kernel:
-            out.append(KERNEL_FRAME)
-        return out or [UNKNOWN_FRAME]
+        return self.frames_many([(stack, kernel)])[0]
+
+    def frames_many(self, stacks: Sequence[tuple[tuple[int, ...], bool]]) -> list[list[str]]:
+        """frames() of each (stack, kernel), the names new to them demangled in one run."""
+        raw = [[self._raw_name(a) for a in reversed(stack)] for stack, _ in stacks]
+        self._learn({n for frames in raw for n in frames})
+        shown = self._shown
+        out = []
+        for frames, (_, kernel) in zip(raw, stacks, strict=True):
+            named = [shown.get(n, n) for n in frames]
+            if kernel:
+                named.append(KERNEL_FRAME)
+            out.append(named or [UNKNOWN_FRAME])
+        return out
 
     def name(self, addr: int) -> str:
+        """The name shown for `addr`: its function's, demangled; else FILE+0xOFFSET or [anon]."""
+        raw = self._raw_name(addr)
+        self._learn((raw,))
+        return self._shown.get(raw, raw)
+
+    def _learn(self, raw: Iterable[str]) -> None:
+        """The names shown for raw names not seen before: demangled (together), cut short."""
+        new = [n for n in raw if n not in self._shown]
+        if not new:
+            return
+        if len(self._shown) + len(new) > self.MAX_NAMES:
+            self._shown.clear()
+        demangled = demangle(n for n in new if mangled(n))
+        for n in new:
+            self._shown[n] = demangled.get(n, n)[:MAX_NAME]
+
+    def _raw_name(self, addr: int) -> str:
         got = self._names.get(addr)
         if got is not None:
             return got

@@ -164,17 +164,21 @@ class CpuProfile:
 
     def _take(self) -> None:
         """The sampler's new samples, held until joined; named at once, while the process and its
-        mappings are there to name them (an engine that exits takes its /proc files along)."""
+        mappings are there to name them (an engine that exits takes its /proc files along): the
+        stacks not seen before together, so that their new names are demangled in one run."""
         new = self.sampler.take()
-        for s in new:
-            self._fold(s)
+        unseen = list(
+            dict.fromkeys((s.stack, s.kernel) for s in new if (s.stack, s.kernel) not in self._folded)
+        )
+        for key, frames in zip(unseen, self.symbols.frames_many(unseen), strict=True):
+            self._folded[key] = ";".join(frames)
         self._pending.extend(new)
 
     def _fold(self, s: Sample) -> str:
         key = (s.stack, s.kernel)
         got = self._folded.get(key)
         if got is None:
-            got = self._folded[key] = ";".join(self.symbols.frames(s.stack, kernel=s.kernel))
+            got = self._folded[key] = ";".join(self.symbols.frames_many([key])[0])
         return got
 
     def _rows(self, ready: list[tuple[Sample, StepWindow | None]]) -> schema.Columns:
