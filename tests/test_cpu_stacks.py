@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import gzip
+import itertools
 import os
 import shutil
 import subprocess
@@ -686,3 +687,28 @@ def test_addresses_outside_every_mapping_reread_the_maps_at_most_once_a_period(t
     now[0] += Symboliser.MAPS_REREAD_S
     assert names.name(entry) == "visible_entry" and names.maps_reads == 2
     assert names.name(astray[0]) == UNKNOWN_FRAME and names.maps_reads == 2
+
+
+def test_re_reads_that_place_nothing_back_off_and_one_that_places_a_library_resets(tmp_path: Path) -> None:
+    """Addresses astray at every drain re-read the maps at doubling periods, up to the most;
+    a library mapped meanwhile is named at the next re-read, and the period starts over."""
+    now = [100.0]
+    names = Symboliser(os.getpid(), clock=lambda: now[0])
+    reads_at = []
+    for step in range(200):  # one drain a second, each with a new address astray
+        now[0] = 101.0 + step
+        before = names.maps_reads
+        assert names.name(0x10 + 8 * step) == UNKNOWN_FRAME
+        if names.maps_reads > before:
+            reads_at.append(step)
+    gaps = [b - a for a, b in itertools.pairwise(reads_at)]
+    assert gaps[:5] == [2, 4, 8, 16, 32]
+    assert set(gaps[5:]) == {32}  # Symboliser.MAPS_REREAD_MAX_S
+    plain = _build_lib(tmp_path, "libmappedlater.so", strip=False)
+    ctypes.CDLL(str(plain))
+    entry = _symbol_address(plain, "visible_entry", _load_base(plain))
+    now[0] = 101.0 + reads_at[-1] + Symboliser.MAPS_REREAD_MAX_S
+    assert names.name(entry) == "visible_entry"
+    now[0] += Symboliser.MAPS_REREAD_S
+    before = names.maps_reads
+    assert names.name(0x8) == UNKNOWN_FRAME and names.maps_reads == before + 1  # back to the shortest

@@ -199,30 +199,37 @@ def read_symbols(fd: int) -> SymbolTable:
 
 def _one_per_address(syms: np.ndarray, tabs: np.ndarray, strtabs: list[bytes]) -> np.ndarray:
     """Indices of the symbol kept at each address, sorted by address: of several (aliases, and the
-    same function in .symtab and .dynsym), the one perf shows (rank)."""
-    order = np.argsort(syms["value"], kind="stable")
+    same function in .symtab and .dynsym), the one perf shows (tools/perf/util/symbol.c
+    choose_best_symbol): one with a size, not weak, global, with fewer leading underscores (two
+    or more count as two), the longest name; of equals, the first in the file's tables (perf keeps
+    the one it read first). Sorted on those keys at once: libc has thousands of aliases."""
+    lengths = np.zeros(len(syms), np.int64)
+    underscores = np.zeros(len(syms), np.int64)
+    for t, strtab in enumerate(strtabs):
+        mine = np.flatnonzero(tabs == t)
+        if not len(mine):
+            continue
+        chars = np.frombuffer(strtab, np.uint8)
+        nuls = np.append(np.flatnonzero(chars == 0), len(chars))
+        offs = syms["name"][mine].astype(np.int64)
+        lengths[mine] = np.minimum(nuls[np.searchsorted(nuls, offs)] - offs, MAX_NAME_BYTES)
+        first = chars[offs] == ord("_")
+        second = first & (offs + 1 < len(chars))
+        second[second] = chars[offs[second] + 1] == ord("_")
+        underscores[mine] = first.astype(np.int64) + second
+    bind = syms["info"] >> 4
+    order = np.lexsort(
+        (
+            np.arange(len(syms)),  # the first in the tables
+            -lengths,
+            underscores,
+            -(bind == STB_GLOBAL).astype(np.int64),
+            -(bind != STB_WEAK).astype(np.int64),
+            -(syms["size"] > 0).astype(np.int64),
+            syms["value"],  # (the last key sorts first)
+        )
+    )
     values = syms["value"][order]
-    first = np.ones(len(order), bool)
-    first[1:] = values[1:] != values[:-1]
-    starts = np.flatnonzero(first)
-    bounds = np.append(starts, len(order))
-    out = order[starts].copy()
-    for j in np.flatnonzero(np.diff(bounds) > 1):  # addresses with several names: ranked by name
-        group = order[bounds[j] : bounds[j + 1]]
-        out[j] = max(group, key=lambda i: _rank_of(syms, tabs, strtabs, int(i)))
-    return out
-
-
-def _rank_of(syms: np.ndarray, tabs: np.ndarray, strtabs: list[bytes], i: int) -> tuple[int, ...]:
-    name = _name_at(strtabs[int(tabs[i])], int(syms["name"][i]))
-    return rank(int(syms["info"][i]), int(syms["size"][i]), name)
-
-
-def rank(info: int, size: int, name: str) -> tuple[int, ...]:
-    """Of several names at one address, the one perf shows (tools/perf/util/symbol.c
-    choose_best_symbol): one with a size, not weak, global, with fewer leading underscores, the
-    longest; of equals, the first in the file's tables (perf keeps the one it read first).
-    `info`: the symbol's st_info (its binding in the high half)."""
-    bind = info >> 4
-    underscores = len(name) - len(name.lstrip("_"))
-    return (size > 0, bind != STB_WEAK, bind == STB_GLOBAL, -min(underscores, 2), len(name))
+    first_of_address = np.ones(len(order), bool)
+    first_of_address[1:] = values[1:] != values[:-1]
+    return order[first_of_address]

@@ -158,10 +158,13 @@ class Symboliser:
     every mapping known (a library loaded since), at most every MAPS_REREAD_S: a stack walked
     through code built without frame pointers ends in addresses that lie in no mapping at all, a
     new one at nearly every sample, and reading the maps for each would cost more than the
-    sampling itself. `clock` is time.monotonic (tests replace it)."""
+    sampling itself. A re-read that still leaves the address outside every mapping (an address
+    astray, not a new library) doubles that period, up to MAPS_REREAD_MAX_S; one that places it
+    sets it back. `clock` is time.monotonic (tests replace it)."""
 
-    #: the shortest time between two reads of the process's maps
+    #: the shortest time between two reads of the process's maps, and the longest it grows to
     MAPS_REREAD_S = 1.0
+    MAPS_REREAD_MAX_S = 32.0
     #: names kept per address (addresses of stack walks gone astray are many), and demangled
     #: names kept: beyond it the cache starts over
     MAX_NAMES = 1 << 18
@@ -175,6 +178,7 @@ class Symboliser:
         self._shown: dict[str, str] = {}  # raw name -> the name shown (demangled, cut short)
         self._clock = clock
         self._maps_read_at = -self.MAPS_REREAD_S
+        self._reread_s = self.MAPS_REREAD_S
         self.maps_reads = 0
         self._read_maps()  # now, while the process surely lives
 
@@ -235,10 +239,13 @@ class Symboliser:
             return got
         m = self._mapping(addr)
         read_now = False
-        if m is None and self._clock() - self._maps_read_at >= self.MAPS_REREAD_S:
+        if m is None and self._clock() - self._maps_read_at >= self._reread_s:
             self._read_maps()
             m = self._mapping(addr)
             read_now = True
+            self._reread_s = (
+                self.MAPS_REREAD_S if m is not None else min(2 * self._reread_s, self.MAPS_REREAD_MAX_S)
+            )
         got = self._name_in(addr, m)
         if m is not None or read_now:  # (outside the maps read a while ago: asked again later)
             if len(self._names) >= self.MAX_NAMES:
