@@ -140,6 +140,36 @@ def test_process_that_is_not_an_engine(tmp_path: Path) -> None:
 
 
 @pytest.mark.root
+def test_the_optional_programs_compile_only_once_the_target_is_an_engine(llama_engine: Engine) -> None:
+    """The recorder compiles the CPU sampler and the scheduler program in attach's before_probes:
+    a process that is no engine is refused before it runs, an engine runs it once."""
+    from sparseety_prof.session.attach import attach
+    from sparseety_prof.session.options import Options
+
+    calls: list[int] = []
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        with pytest.raises(NotAnEngine):
+            attach(
+                Options(pid=p.pid, out=None), log=lambda _s: None, before_probes=lambda: calls.append(p.pid)
+            )
+    finally:
+        p.kill()
+        p.wait()
+    assert calls == []
+    a = attach(
+        Options(pid=llama_engine.pid, out=None),
+        log=lambda _s: None,
+        before_probes=lambda: calls.append(llama_engine.pid),
+    )
+    try:
+        assert calls == [llama_engine.pid]
+    finally:
+        a.session.close()
+        a.model_file.close()
+
+
+@pytest.mark.root
 def test_missing_privileges(models: dict[str, Path], tmp_path: Path) -> None:
     """Root with every capability dropped (as in a locked-down container) may not load BPF."""
     e = Engine([str(ENGINES / "llama_engine.py"), str(models["moe"])])

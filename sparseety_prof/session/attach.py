@@ -37,10 +37,15 @@ class Attached:
 
 
 def attach(
-    opts: Options, log: Callable[[str], None] = print, stop: Callable[[], bool] = lambda: False
+    opts: Options,
+    log: Callable[[str], None] = print,
+    stop: Callable[[], bool] = lambda: False,
+    before_probes: Callable[[], None] = lambda: None,
 ) -> Attached:
     """Validate the target, learn its layout where needed, then compile and attach the probes.
-    Every failure is a ProfError."""
+    `before_probes` runs once the target proved to be an engine with its model, before the
+    probes' compile (the recorder compiles its other BPF programs there: never for a process
+    that is not an engine). Every failure is a ProfError."""
     tg.check_process(opts.pid)
     tg.check_privileges()
     t = tg.inspect(opts.pid)
@@ -58,6 +63,7 @@ def attach(
         model = read_model_info(model_file, with_sha256=False)
         vocab = Vocab.from_gguf(model_file)
         tensors = read_tensor_infos(model_file)
+        before_probes()
         return _attach_probes(
             opts, t, where, build, layers_found, model_file, model, vocab, tensors, log, stop
         )

@@ -115,11 +115,19 @@ class Recorder:
         placement = place_recorder(opts.recorder_cpus, opts.pid)
         self.log(f"sparseety-prof: {placement.line()}")
         self._attach_began = time.monotonic()  # the duty cycle's first window: the probes go in
-        # the scheduler program's compile before the probes attach (thread_waits.py ProgramLoad)
-        waits_load = ProgramLoad(opts.sched_waits, opts.pid, os.getpid())
-        cpu_load = open_cpu_profile(opts.pid, opts.cpu_sample_hz)  # (the same: compiled first)
+        # the scheduler program and the CPU sampler compiled once the target proved to be an
+        # engine, before the probes attach: their compile then delays the attach, not the first
+        # drain after it (thread_waits.py ProgramLoad)
+        waits_load = ProgramLoad(False, opts.pid, os.getpid())
+        cpu_load: CpuProfile | ProfError | None = None
+
+        def compile_optional() -> None:
+            nonlocal waits_load, cpu_load
+            waits_load = ProgramLoad(opts.sched_waits, opts.pid, os.getpid())
+            cpu_load = open_cpu_profile(opts.pid, opts.cpu_sample_hz)
+
         try:
-            a = attach(opts, self.log, self._stop.is_set)
+            a = attach(opts, self.log, self._stop.is_set, before_probes=compile_optional)
         except BaseException as e:
             waits_load.discard()
             if isinstance(cpu_load, CpuProfile):
@@ -308,13 +316,17 @@ class Recorder:
         counters["program_misses"] = sess.program_misses()  # before close: read off the fds
         programs = sess.program_costs() if bpf_stats == "on" else {}
         sess.close()
+        stages = self._stages
+        stages.lap("detach")
         if self._cpu is not None:  # sampling ends with the probes
             self._cpu.stop()
+            stages.lap("cpu_stacks")
         if self._waits is not None:  # its counts of what was lost, before it is unloaded
             self._waits.stop()
+            stages.lap("thread_waits")
         if self._ops is not None:  # the node probes too (the nodes still open read)
             self._ops.stop()
-        self._stages.lap("detach")
+            stages.lap("op_times")
         try:
             batches = loop.rest(rest, error)
             for i, b in enumerate(batches):
@@ -614,13 +626,17 @@ class Recorder:
         tok, steps = tables["tokens"], tables["steps"]
         gpu_tables = self._poll_gpu(gpu, steps, final=final)
         apart = corr.take_apart()
+        stages.lap("frames_sinks")
         cpu_tables = (
             self._cpu.rows(steps, apart.get("steps", ()), final=final) if self._cpu is not None else {}
         )
+        stages.lap("cpu_stacks")
         if self._waits is not None:
             cpu_tables = {**cpu_tables, **self._waits.rows(steps, final=final)}
+            stages.lap("thread_waits")
         if self._ops is not None:
             cpu_tables = {**cpu_tables, **self._ops.rows(steps, final=final)}
+            stages.lap("op_times")
         if out.wanted:
             out.add_apart(apart)
             for table, cols in (*tables.items(), *gpu_tables.items(), *cpu_tables.items()):

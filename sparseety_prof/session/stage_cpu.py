@@ -24,6 +24,9 @@ STAGES: tuple[str, ...] = (
     "correlate",  # records to steps, tokens and requests (Correlator.feed)
     "logits",  # the log-prob, top-k and entropy of each logits row (C)
     "rows",  # the drain's token, step, request and routes columns (Correlator.take_tables)
+    "cpu_stacks",  # the CPU sampler's samples taken, named and joined to steps (--cpu-sample-hz)
+    "thread_waits",  # the scheduler program's waits taken and joined to steps (--no-sched-waits)
+    "op_times",  # the operator probes' records joined to steps (--trace-ops)
     "frames_sinks",  # frames from those columns; aggregates, policy, sinks, the writer's buffers
     "flush",  # Parquet segments, aggregates, meta.json (a due flush, or --max-memory's)
     "loop",  # the rest: the pace, the liveness check, the progress counters
