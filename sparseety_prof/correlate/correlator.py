@@ -51,6 +51,19 @@ from sparseety_prof.store.schema import PHASE_DECODE, PHASE_PREFILL, Columns, Ro
 
 
 class Correlator:
+    """Drained records to the recording's rows. Its options:
+    `routes_rows`: make the routes table's rows, or only count them (RoutesTables).
+    `head_verdicts`: with head sampling in the probes, each request's verdict (the draw its
+    first token saw) is put there by request id, for the head policy (request_verdicts.Head).
+    `head_drops_routes` (with `head_verdicts`, when nothing but the recording reads routes
+    rows): the routes rows of a request the probes drew to drop are counted, not made, from
+    its draw on (RoutesTables.head_dropped, take_head_dropped): the policy would drop them.
+    `head_rows_apart` (with `head_verdicts`, when nothing but the recording and the always-on
+    aggregates reads token and steps rows): the token rows of a request the probes drew to
+    drop, and the steps rows all of whose sequences' requests drew drop when made, are set
+    apart (take_apart) with only the columns named per table (the others null): what the
+    aggregates count and what the policy learns from them, never framed whole nor held."""
+
     def __init__(
         self,
         *,
@@ -69,17 +82,6 @@ class Correlator:
         head_drops_routes: bool = False,
         head_rows_apart: Mapping[str, Collection[str]] | None = None,
     ) -> None:
-        """`routes_rows`: make the routes table's rows, or only count them (RoutesTables).
-        `head_verdicts`: with head sampling in the probes, each request's verdict (the draw its
-        first token saw) is put there by request id, for the head policy (request_verdicts.Head).
-        `head_drops_routes` (with `head_verdicts`, when nothing but the recording reads routes
-        rows): the routes rows of a request the probes drew to drop are counted, not made, from
-        its draw on (RoutesTables.head_dropped, take_head_dropped): the policy would drop them.
-        `head_rows_apart` (with `head_verdicts`, when nothing but the recording and the always-on
-        aggregates reads token and steps rows): the token rows of a request the probes drew to
-        drop, and the steps rows all of whose sequences' requests drew drop when made, are set
-        apart (take_apart) with only the columns named per table (the others null): what the
-        aggregates count and what the policy learns from them, never framed whole nor held."""
         self.pid = pid
         self.wall_offset_ns = wall_offset_ns
         layers = layers or LayerSet()
