@@ -6,9 +6,9 @@ every read bounded (section headers, symbol tables, string tables), every offset
 what was read; a table that does not fit is skipped, never trusted. Names stay raw (mangled) bytes
 until asked for: a library has thousands of functions and a profile names a few dozen.
 
-`nm` did this before, twice per file (the full table, then the dynamic one): about 25 ms of a
-forked process per run, whatever the file's size, paid at the first sample that lands in each of
-the engine's libraries (dozens, under Python).
+`nm` did this before, twice per file (the full table, then the dynamic one): a forked process per
+run, whatever the file's size, paid at the first sample that lands in each of the engine's
+libraries (dozens, under Python); docs/overhead.md has both timed (scripts/bench_symbols.py).
 """
 
 from __future__ import annotations
