@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sparseety_prof.capture.demangle import demangle, mangled
+from sparseety_prof.capture.demangle import demangle
 from sparseety_prof.capture.elf import load_segments
 from sparseety_prof.capture.elf_symbols import NotElf, SymbolTable, read_symbols
 from sparseety_prof.capture.proc_maps import MapsEntry, read_maps
@@ -229,7 +229,7 @@ class Symboliser:
             return
         if len(self._shown) + len(new) > self.MAX_NAMES:
             self._shown.clear()
-        demangled = demangle(n for n in new if mangled(n))
+        demangled = demangle(new)  # (the mangled ones; the others stay as they are)
         for n in new:
             self._shown[n] = demangled.get(n, n)[:MAX_NAME]
 

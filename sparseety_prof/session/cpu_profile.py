@@ -175,11 +175,8 @@ class CpuProfile:
         self._pending.extend(new)
 
     def _fold(self, s: Sample) -> str:
-        key = (s.stack, s.kernel)
-        got = self._folded.get(key)
-        if got is None:
-            got = self._folded[key] = ";".join(self.symbols.frames_many([key])[0])
-        return got
+        """The folded stack of a sample `_take` held (it folded every stack it took)."""
+        return self._folded[(s.stack, s.kernel)]
 
     def _rows(self, ready: list[tuple[Sample, StepWindow | None]]) -> schema.Columns:
         groups: dict[tuple[Any, ...], list[int]] = {}  # key -> [samples, first ts]
