@@ -24,7 +24,7 @@ PER_THREAD(act_args, struct act_args);
 
 int glu_enter(struct pt_regs *ctx) {
     u64 params = PT_REGS_PARM1(ctx), node = PT_REGS_PARM2(ctx);
-#ifdef AGG_STEPS
+#if defined(AGG_STEPS) && defined(CAPTURE_LAYER_TIMES)
     /* the whole name: a one-row pass times the layer's probe point here (agg_layer_time), on
      * every thread, whether or not its activations are counted */
     char name[NAME_LEN] = {};
@@ -39,7 +39,7 @@ int glu_enter(struct pt_regs *ctx) {
         return 0;
     s32 ith = 0, nth = 0;
     thread_split(params, &ith, &nth);
-#ifdef AGG_STEPS
+#if defined(AGG_STEPS) && defined(CAPTURE_LAYER_TIMES)
     struct ev_step_agg *ag = agg_timing();
     if (ag)
         agg_layer_time(ag, name_number(name), ith);

@@ -16,6 +16,7 @@
  *                                          features captured (what the files' #ifs test within)
  *   IDS_AT_MUL ACT_AT_MUL                  MoE read points (capture/plans.py MoePlan)
  *   AGG_STEPS                              one aggregate record per one-row micro-batch
+ *   CAPTURE_LAYER_TIMES                    its probe points timed (off: --no-layer-times)
  *   HAVE_TASK_STORAGE                      per-thread state in task storage (token_probes.bpf.c)
  *
  * Entry probes read inputs of the node (complete: every thread passed the previous barrier) on
@@ -174,6 +175,7 @@ _Static_assert(LT_THREAD_MASK + 1 == LT_THREADS && (LT_THREADS & LT_THREAD_MASK)
  * written by its own thread only (a thread index is one thread's within a pass). What cannot be
  * kept is counted in lt_lost, never dropped unsaid. */
 static __always_inline void agg_layer_time(struct ev_step_agg *a, s32 layer, s32 ith) {
+#ifdef CAPTURE_LAYER_TIMES /* off (--no-layer-times): no clock read on the engine's thread */
     if (layer < 0)
         return; /* not a layer's node */
     u64 d = bpf_ktime_get_ns() - a->t0_ns;
@@ -186,6 +188,7 @@ static __always_inline void agg_layer_time(struct ev_step_agg *a, s32 layer, s32
         a->lt_off[t][l] = (u32)d;
         a->lt_tid[t] = (u32)bpf_get_current_pid_tgid();
     }
+#endif
 }
 #endif
 

@@ -208,7 +208,7 @@ int moe_mul_enter(struct pt_regs *ctx) {
             break;
         layer = (layer < 0 ? 0 : layer * 10) + (c - '0');
     }
-#ifdef AGG_STEPS
+#if defined(AGG_STEPS) && defined(CAPTURE_LAYER_TIMES)
     {
         /* the layer's probe point, timed on every thread (kept only where none came earlier in
          * the layer: the GLU's, when its probe is attached too) */

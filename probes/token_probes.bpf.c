@@ -140,7 +140,9 @@ static __always_inline void agg_begin(u32 n_tokens, u64 serial, u64 t0) {
         return;
     }
     /* every pass: its layer times (sent in this record; a pass of several rows sends nothing else
-     * in it, its sparse probes send their own records) */
+     * in it, its sparse probes send their own records). Without them (--no-layer-times) the
+     * slots stay as the map made them: zero */
+#ifdef CAPTURE_LAYER_TIMES
     for (int i = 0; i < AGG_LAYERS; i++) {
         for (int t = 0; t < LT_THREADS; t++)
             a->lt_off[t][i] = 0;
@@ -148,6 +150,7 @@ static __always_inline void agg_begin(u32 n_tokens, u64 serial, u64 t0) {
     }
     for (int t = 0; t < LT_THREADS; t++)
         a->lt_tid[t] = 0;
+#endif
     a->t0_ns = t0;
     a->lt_lost = 0;
     a->serial = serial;

@@ -131,6 +131,30 @@ def test_layer_times_split_each_step_on_llama_cpp_python(
     check_slowest(r, check_layer_times(r))
 
 
+def test_no_layer_times_leaves_the_table_out_and_the_tokens_exact(model_dir: Path, tmp_path: Path) -> None:
+    """--no-layer-times: no layer_times rows, null slowest columns, the capture says so, and the
+    tokens (ids and log-probs the engine computed) and routes are recorded as without it."""
+    e = Engine([str(ENGINES / "llama_engine.py"), str(_model(model_dir, "moe")), "--threads", str(THREADS)])
+    try:
+        rec = Recorder(e.pid, tmp_path / "rec", "--no-layer-times")
+        (truth,) = e.generate([PROMPT], max_tokens=12)
+        rc, err = rec.stop(signal.SIGINT)
+        assert rc == 0, err
+    finally:
+        e.close()
+    r = sparseety_prof.open(tmp_path / "rec")
+    assert r.meta["capture"]["layer_times"] is False
+    assert r.table("layer_times").height == 0
+    assert r.meta["losses"]["layer_points_lost"] == 0
+    tokens = r.tokens().sort("decode_order")
+    assert tokens["token_id"].to_list() == truth["ids"]
+    assert tokens["log_prob"].to_list() == pytest.approx(truth["log_probs"], abs=1e-4)
+    assert tokens["slowest_layer"].null_count() == tokens.height
+    decode = tokens.filter(pl.col("phase") == "decode")
+    assert decode.height == len(truth["ids"]) - 1
+    assert decode["expert_ids"].null_count() == 0  # the sparse capture itself goes on
+
+
 def test_threads_past_the_records_slots_are_counted_not_dropped(model_dir: Path, tmp_path: Path) -> None:
     """Two engine threads more than the aggregate record has slots for (sized to this host's
     CPUs): each of their probe points is counted in losses.layer_points_lost, exactly, and the

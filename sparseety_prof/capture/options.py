@@ -29,6 +29,9 @@ class Capture:
     # activations counted on one one-row forward pass in act_every (--act-every): the rest of the
     # decode steps keep their routing, their activation ratios are null
     act_every: int = 1
+    # when each engine thread reached each layer's probe point, per one-row step (the layer_times
+    # table, the tokens' slowest layer): --no-layer-times leaves the probes' timestamps out
+    layer_times: bool = True
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.act_threshold) and self.act_threshold > 0):
@@ -64,6 +67,7 @@ class Capture:
             (self.activations, "CAPTURE_ACT"),
             (self.masks, "CAPTURE_MASKS"),
             (self.attention, "CAPTURE_ATTN"),
+            (self.layer_times, "CAPTURE_LAYER_TIMES"),
         ):
             if on:
                 flags.append(f"-D{name}")
@@ -79,4 +83,6 @@ class Capture:
         return asdict(self)
 
 
-TOKENS_ONLY = Capture(routes=False, router_probs=False, activations=False, masks=False, attention=False)
+TOKENS_ONLY = Capture(
+    routes=False, router_probs=False, activations=False, masks=False, attention=False, layer_times=False
+)

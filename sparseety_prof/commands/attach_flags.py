@@ -282,6 +282,14 @@ def _add_capture(g: argparse._ArgumentGroup) -> None:
         "windows (default: off; docs: usage, Per-operator tracing)",
     )
     g.add_argument(
+        "--no-layer-times",
+        dest="layer_times",
+        action="store_false",
+        default=None,
+        help="no layer_times table: by default the sparse probes also time when each engine thread "
+        "reached each layer of a one-row step, which says where a slow step's time went",
+    )
+    g.add_argument(
         "--no-sched-waits",
         dest="sched_waits",
         action="store_false",

@@ -168,6 +168,7 @@ def _tokens_only(args: argparse.Namespace) -> Capture:
             ("--act-threshold", args.act_threshold is not None),
             ("--moe-read", args.moe_read is not None),
             ("--duty-cycle", args.duty_cycle is not None),  # (it switches the sparse probes only)
+            ("--no-layer-times", args.layer_times is False),  # (the sparse probes time the layers)
         )
         if on
     ]
@@ -186,6 +187,7 @@ def _sparse_capture(args: argparse.Namespace) -> Capture:
         masks=args.capture_masks,
         act_threshold=args.act_threshold,
         act_every=args.act_every,
+        layer_times=args.layer_times,
     )
     try:
         return Capture(**given)

@@ -38,7 +38,7 @@ JSON_VERSION = 1
 TIME_TABLES = ("layer_times", "thread_waits", "cpu_stacks", "op_times")
 #: what turns each table's capture on or off, for the sentence that says it was off
 CAPTURE_HINTS: dict[str, str] = {
-    "layer_times": "the sparse probes time one-row steps; --mode tokens has none",
+    "layer_times": "the sparse probes time one-row steps; --mode tokens and --no-layer-times have none",
     "thread_waits": "--no-sched-waits turns it off",
     "cpu_stacks": "--cpu-sample-hz 0 turns it off",
     "op_times": "record --trace-ops turns it on",
