@@ -10,7 +10,7 @@ import polars as pl
 from sparseety_prof.capture import events as ev
 from sparseety_prof.capture.plans import LayerSet
 from sparseety_prof.correlate.correlator import Correlator
-from sparseety_prof.correlate.layer_times import NO_SLOWEST, LayerClock
+from sparseety_prof.correlate.layer_times import NO_SLOWEST, LayerClock, split_points
 from sparseety_prof.store import schema
 
 LAYERS, THREADS = 8, 4
@@ -72,6 +72,61 @@ def test_points_out_of_layer_order_are_split_in_time_order() -> None:
     clock.add_drain(_agg(5, 0, {(0, 0): 50, (0, 1): 20, (0, 2): 80}, {0: 5}))
     df = _frame(clock.take(_steps((1, 5, 0, 100)))).sort("layer")
     assert df["dur_ns"].to_list() == [30, None, 30]
+
+
+def _split_by_definition(
+    off: np.ndarray,
+) -> tuple[dict[tuple[int, int, int], int], set[tuple[int, int, int]], dict[tuple[int, int, int], int]]:
+    """split_points' values at the reached points, worked out point by point from its docstring."""
+    dur, first, lag = {}, set(), {}
+    steps, threads, layers = off.shape
+    for s in range(steps):
+        for t in range(threads):
+            points = sorted((int(off[s, t, lay]), lay) for lay in range(layers) if off[s, t, lay])
+            prev = 0
+            for k, (v, lay) in enumerate(points):
+                dur[s, t, lay] = v - prev
+                if k == 0:
+                    first.add((s, t, lay))
+                prev = v
+            for v, lay in points:
+                lag[s, t, lay] = v - min(int(off[s, u, lay]) for u in range(threads) if off[s, u, lay])
+    return dur, first, lag
+
+
+def test_split_points_equals_its_definition_in_and_out_of_layer_order() -> None:
+    """Random offsets, some points not reached: rows in layer order (the sort skipped) and rows
+    out of it (sorted), each point against its definition."""
+    rng = np.random.default_rng(7)
+    for ordered in (True, False, None):
+        off = rng.integers(1, 1_000, size=(20, 3, 6)).astype(np.int64)
+        if ordered:
+            off = np.sort(off, axis=2)
+            off[:, 2, 4:] = 0  # a thread that stopped early: unreached points last
+        elif ordered is None:
+            off[rng.random(off.shape) < 0.3] = 0  # gaps anywhere
+        dur, first, lag = split_points(off)
+        want_dur, want_first, want_lag = _split_by_definition(off)
+        for point, v in want_dur.items():
+            assert dur[point] == v, (ordered, point)
+            assert bool(first[point]) == (point in want_first), (ordered, point)
+            assert lag[point] == want_lag[point], (ordered, point)
+
+
+def test_a_take_over_two_drains_with_unused_slots_and_layers() -> None:
+    """Steps whose records came in two drains, on thread slots 0 and 2 only and layers 1 and 5
+    only: rows name the record's slot and layer, not their place among those used."""
+    clock = LayerClock()
+    clock.add_drain(_agg(5, 0, {(0, 1): 10, (2, 1): 12, (0, 5): 40, (2, 5): 41}, {0: 5, 2: 9}))
+    clock.add_drain(_agg(5, 100, {(0, 1): 110, (0, 5): 190}, {0: 5}))
+    df = _frame(clock.take(_steps((1, 5, 0, 50), (2, 5, 100, 200)))).sort(["step_id", "thread", "layer"])
+    assert df["step_id"].to_list() == [1, 1, 1, 1, 2, 2]
+    assert df["thread"].to_list() == [0, 0, 2, 2, 0, 0]
+    assert df["layer"].to_list() == [1, 5, 1, 5, 1, 5]
+    assert df["tid"].to_list() == [5, 5, 9, 9, 5, 5]
+    assert df["dur_ns"].to_list() == [None, 30, None, 29, None, 80]
+    assert df["lag_ns"].to_list() == [0, 0, 2, 1, 0, 0]
+    assert clock.slowest_of([1, 2]) == [(5, 30 / 1e6, 5), (5, 80 / 1e6, 5)]
 
 
 def test_a_step_taken_a_take_later_still_joins_then_records_are_dropped_and_counted() -> None:

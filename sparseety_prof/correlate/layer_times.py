@@ -106,37 +106,62 @@ class LayerClock:
 
     def _rows(
         self, steps: Mapping[str, Sequence[Any]], found: list[tuple[int, int, int]], drains: list[_Drain]
-    ) -> RowParts:
-        at_step = np.array([f[0] for f in found], dtype=np.intp)
-        off = np.stack([drains[d][0][i] for _, d, i in found]).astype(np.int64)  # [S, T, L]
-        tids = np.stack([drains[d][1][i] for _, d, i in found]).astype(np.int64)  # [S, T]
-        t0 = np.array([drains[d][2][i] for _, d, i in found], dtype=np.int64)
+    ) -> schema.Columns | RowParts:
+        at = np.array(found, dtype=np.intp).reshape(-1, 3)
+        at_step, of_drain, at_record = at[:, 0], at[:, 1], at[:, 2]
+        # each drain's records taken at once (a take holds the records of a drain or two)
+        first = drains[int(of_drain[0])]
+        off = np.empty((len(at), *first[0].shape[1:]), dtype=np.int64)  # [S, T, L]
+        tids = np.empty((len(at), *first[1].shape[1:]), dtype=np.int64)  # [S, T]
+        t0 = np.empty(len(at), dtype=np.int64)
+        for d in np.unique(of_drain).tolist():
+            rows = of_drain == d
+            recs = at_record[rows]
+            off[rows], tids[rows], t0[rows] = (a[recs] for a in drains[d])
         step_id = np.asarray(steps["step_id"], dtype=np.int64)[at_step]
         ctx_id = np.asarray(steps["ctx_id"], dtype=np.int64)[at_step]
-        dur, first, lag = split_points(off)
+        # the thread slots and layers some step reached: the record has slots for every CPU and
+        # the next power of two of layers, most of them empty
         reached = off != 0
-        s_i, t_i, l_i = np.nonzero(reached)
-        n = len(s_i)
+        threads = np.flatnonzero(reached.any(axis=(0, 2)))
+        layers = np.flatnonzero(reached.any(axis=(0, 1)))
+        if not len(layers):
+            return empty_columns()  # (add_drain keeps records with a point: not expected)
+        off, tids = off[:, threads][:, :, layers], tids[:, threads]
+        dur, first_point, lag = split_points(off)
+        reached = off != 0
+        n = int(np.count_nonzero(reached))
+        shape = off.shape
+
+        def each(per: np.ndarray) -> np.ndarray:
+            """A value per (step, thread, layer) reached, in C order (as np.nonzero lists them)."""
+            return np.broadcast_to(per, shape)[reached]
+
         arrays = {
-            "step_id": step_id[s_i],
-            "ctx_id": ctx_id[s_i],
-            "layer": l_i.astype(np.int64),
-            "thread": t_i.astype(np.int64),
-            "tid": tids[s_i, t_i],
-            "t_ns": t0[s_i] + off[s_i, t_i, l_i],
-            "dur_ns": dur[s_i, t_i, l_i],
-            "lag_ns": lag[s_i, t_i, l_i],
+            "step_id": each(step_id[:, None, None]),
+            "ctx_id": each(ctx_id[:, None, None]),
+            "layer": each(layers.astype(np.int64)),
+            "thread": each(threads.astype(np.int64)[:, None]),
+            "tid": each(tids[:, :, None]),
+            "t_ns": (off + t0[:, None, None])[reached],
+            "dur_ns": dur[reached],
+            "lag_ns": lag[reached],
         }
         # each step's slowest (layer, thread): the largest interval, a head gap not counted
-        timed = np.where(reached & ~first, dur, -1).reshape(len(found), -1)
+        timed = np.where(reached & ~first_point, dur, -1).reshape(len(at), -1)
         best = timed.argmax(axis=1)
         width = off.shape[2]
-        has = timed[np.arange(len(found)), best] >= 0
-        b_thread, b_layer = best // width, best % width
-        for k in np.flatnonzero(has).tolist():
-            thr, lay = int(b_thread[k]), int(b_layer[k])
-            self._slowest[int(step_id[k])] = (lay, int(timed[k, best[k]]) / 1e6, int(tids[k, thr]))
-        rows = ArrayRows(n, {name: arrays[name] for name in LAYER_TIME_ROW}, {"dur_ns": first[s_i, t_i, l_i]})
+        longest = timed[np.arange(len(at)), best]
+        has = longest >= 0
+        b_thread, b_layer = best[has] // width, best[has] % width
+        slowest = zip(
+            layers[b_layer].tolist(),
+            (longest[has] / 1e6).tolist(),
+            tids[np.flatnonzero(has), b_thread].tolist(),
+            strict=True,
+        )
+        self._slowest.update(zip(step_id[has].tolist(), slowest, strict=True))
+        rows = ArrayRows(n, {name: arrays[name] for name in LAYER_TIME_ROW}, {"dur_ns": first_point[reached]})
         return RowParts({name: [] for name in LAYER_TIME_ROW}, [rows], np.ones(n, dtype=bool))
 
 
@@ -147,16 +172,20 @@ def split_points(off: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     thread reached it. Values where a point was not reached are meaningless."""
     reached = off != 0
     key = np.where(reached, off, _FAR)
+    first_in_time = np.zeros(off.shape, dtype=bool)
+    first_in_time[:, :, 0] = True
+    lag = off - key.min(axis=1, keepdims=True)
+    if bool((key[:, :, 1:] >= key[:, :, :-1]).all()):
+        # every thread reached the layers in layer order (as a forward pass goes): no sort
+        prev = np.concatenate([np.zeros_like(key[:, :, :1]), key[:, :, :-1]], axis=2)
+        return key - prev, first_in_time, lag
     order = np.argsort(key, axis=2, kind="stable")
     in_time = np.take_along_axis(key, order, axis=2)
     prev = np.concatenate([np.zeros_like(in_time[:, :, :1]), in_time[:, :, :-1]], axis=2)
     dur = np.empty_like(off)
     np.put_along_axis(dur, order, in_time - prev, axis=2)
-    first_in_time = np.zeros(off.shape, dtype=bool)
-    first_in_time[:, :, 0] = True
     first = np.empty(off.shape, dtype=bool)
     np.put_along_axis(first, order, first_in_time, axis=2)
-    lag = off - key.min(axis=1, keepdims=True)
     return dur, first, lag
 
 
