@@ -49,7 +49,7 @@ JOURNAL_GAP_S = 0.5
 class RowOutlet:
     """The rows' readers (`writer` may be None: nothing recorded; `aggregates` None: none kept)
     and the flushes that feed them. `collector` is told after each flush (collector.py);
-    `stages` is charged for the flushes' pieces ("flush")."""
+    `stages` is charged for the flushes' pieces ("flush") and the journal's appends ("journal")."""
 
     def __init__(
         self,
@@ -123,12 +123,14 @@ class RowOutlet:
         `flush_pieces` between drains."""
         if self._journaled and drained_at >= self._next_journal:
             self._next_journal = drained_at + JOURNAL_GAP_S
+            self._stages.lap("flush")
             if self._as_gathered:
                 self._journal_gathered()
             else:
                 self._frame_gathered()
             assert self.writer is not None
             self.writer.write_journal()
+            self._stages.lap("journal")
         if self.wanted and flush.due(drained_at):
             if in_pieces:
                 self._start_flush()

@@ -28,6 +28,7 @@ STAGES: tuple[str, ...] = (
     "thread_waits",  # the scheduler program's waits taken and joined to steps (--no-sched-waits)
     "op_times",  # the operator probes' records joined to steps (--trace-ops)
     "frames_sinks",  # frames from those columns; aggregates, policy, sinks, the writer's buffers
+    "journal",  # the drain's rows encoded and appended to the recording's journal (--no-journal)
     "flush",  # Parquet segments, aggregates, meta.json (a due flush, or --max-memory's)
     "loop",  # the rest: the pace, the liveness check, the progress counters
     "detach",  # the probes detached and the BPF programs unloaded at the end
