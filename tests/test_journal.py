@@ -123,6 +123,35 @@ def test_each_drain_appends_a_record_per_table_that_a_killed_recording_is_read_f
     w.close()
 
 
+def test_an_append_cut_short_by_the_kernel_goes_on_where_it_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """writev may write less than asked (a signal, a pipe-like file): the rest follows, in order,
+    whatever the cut; one that writes nothing is an error, never a loop."""
+    parts = [bytes([k]) * n for k, n in enumerate([5, 0, 3, 17, 1, 64])]
+    real = os.writev
+    for cap in (1, 2, 7, 16, 1000):
+
+        def short(fd: int, views: list[memoryview], cap: int = cap) -> int:
+            left, out = cap, []
+            for v in views:
+                out.append(bytes(v[:left]))
+                left -= len(out[-1])
+            return real(fd, out)
+
+        monkeypatch.setattr(journal.os, "writev", short)
+        path = tmp_path / f"log{cap}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            assert journal._append(fd, parts) == sum(map(len, parts))
+        finally:
+            os.close(fd)
+        assert path.read_bytes() == b"".join(parts), cap
+    monkeypatch.setattr(journal.os, "writev", lambda fd, views: 0)
+    with pytest.raises(OSError, match="wrote nothing"):
+        journal._append(1, parts)
+
+
 def test_a_flush_removes_the_logs_its_segments_hold_and_close_removes_the_journal(tmp_path: Path) -> None:
     w = _writer(tmp_path / "rec")
     w.append("steps", _steps(0, 3))
@@ -479,15 +508,15 @@ def test_a_record_that_does_not_fit_stops_the_journal_not_the_recording(
     w.append("steps", _steps(0, 2))
     w.write_journal()
     assert len(_records(tmp_path / "rec")) == 1
-    real = os.write
+    real = os.writev
 
     def full(fd: int, data: object) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(journal.os, "write", full)
+    monkeypatch.setattr(journal.os, "writev", full)
     w.append("steps", _steps(2, 2))
     w.write_journal()
-    monkeypatch.setattr(journal.os, "write", real)
+    monkeypatch.setattr(journal.os, "writev", real)
     assert w.write_error is None
     assert not (tmp_path / "rec" / JOURNAL_DIR).exists()  # its room back to the segments
     w.append("steps", _steps(4, 1))

@@ -70,7 +70,7 @@ def encode(parts: Sequence[Mapping[str, Any]]) -> bytes:
         else:
             body.append((0, _plain_columns(cols)))
     rows = sum(part_rows(cols) for cols in parts)
-    return MAGIC + _ROWS.pack(rows) + marshal.dumps(body, 4)
+    return b"".join((MAGIC, _ROWS.pack(rows), marshal.dumps(body, 4)))
 
 
 def _array_rows(p: ArrayRows) -> tuple[Any, ...]:
@@ -81,7 +81,8 @@ def _array_rows(p: ArrayRows) -> tuple[Any, ...]:
             cols[name] = p.column(name)  # an array of another kind: as values
         elif isinstance(a, np.ndarray):
             assert code is not None
-            cols[name] = (code, a.shape, np.ascontiguousarray(a, dtype=_DTYPES[code]).tobytes())
+            # marshal writes a buffer as bytes (read back as bytes): the array's own memory, no copy
+            cols[name] = (code, a.shape, np.ascontiguousarray(a, dtype=_DTYPES[code]).data)
         elif isinstance(a, list):
             cols[name] = a if _looks_plain(a) else _plain(a)
         else:
@@ -109,7 +110,7 @@ def _plain_columns(cols: Mapping[str, list[Any]]) -> dict[str, list[Any]]:
     to that on real drains); a column of numpy values shows in its first one. A numpy value
     further down a column would come back as bytes, which the reader refuses in any column but
     a binary one (`decode`): that drain's rows are then named damaged, never read wrong."""
-    return {name: values if _looks_plain(values) else _plain(values) for name, values in cols.items()}
+    return {k: v if not v or _looks_plain(v) else _plain(v) for k, v in cols.items()}
 
 
 def _looks_plain(values: list[Any]) -> bool:

@@ -40,6 +40,7 @@ its records; reading them back is store/journal_reader.py's.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import struct
@@ -65,6 +66,26 @@ HEADER = struct.Struct("<4s16sIQQI")
 
 def log_name(n: int) -> str:
     return f"log-{n:06d}.arrows"
+
+
+#: buffers per writev(2) call (the kernel's IOV_MAX is 1024)
+_IOV_MAX = 1024
+
+
+def _append(fd: int, parts: list[bytes]) -> int:
+    """`parts` written in order at the end of `fd` without joining them first (writev), short
+    writes continued; the bytes written."""
+    views = [memoryview(p) for p in parts if p]
+    size = sum(len(v) for v in views)
+    while views:
+        done = os.writev(fd, views[:_IOV_MAX])
+        if done <= 0:
+            raise OSError(errno.EIO, "the journal's append wrote nothing")
+        while views and done >= len(views[0]):
+            done -= len(views.pop(0))
+        if views and done:
+            views[0] = views[0][done:]
+    return size
 
 
 @dataclass
@@ -181,16 +202,13 @@ class JournalWriter:
             ends[table] = max(ends.get(table, 0), end)
         if parts:
             log = self._current()
-            data = b"".join(parts)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(log.fd, view) :]
+            size = _append(log.fd, parts)
             for table, end in ends.items():
                 log.ends[table] = max(log.ends.get(table, 0), end)
-            log.nbytes += len(data)
+            log.nbytes += size
             log.unsynced = True
             self.records += len(parts) // 2
-            self.bytes_written += len(data)
+            self.bytes_written += size
         if time.monotonic() >= self._next_sync and any(log.unsynced for log in self._logs):
             self.sync()
 
