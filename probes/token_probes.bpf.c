@@ -156,8 +156,10 @@ static __always_inline void agg_begin(u32 n_tokens, u64 serial, u64 t0) {
     a->serial = serial;
     a->overlap = 0;
     if (n_tokens != 1) {
+#ifdef CAPTURE_LAYER_TIMES
         a->active = AGG_TIMES_ONLY;
-        return;
+#endif
+        return; /* without layer times a pass of several rows has nothing to send here */
     }
     for (int i = 0; i < AGG_LAYERS; i++) {
         a->k_ids[i] = 0;

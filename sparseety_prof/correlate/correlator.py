@@ -262,8 +262,10 @@ class Correlator:
         pre = None
         self.layer_clock.add_drain(batch.step_agg)
         aggs = batch.step_agg
-        if len(aggs) and (aggs["active"] == ev.AGG_TIMES_ONLY).any():
-            aggs = aggs[aggs["active"] != ev.AGG_TIMES_ONLY]  # passes of several rows: times alone
+        if len(aggs):
+            several = aggs["active"] == ev.AGG_TIMES_ONLY  # passes of several rows: times alone
+            if several.any():
+                aggs = aggs[~several]
         if len(aggs):
             pre = agg_rows_batch(aggs, state.layers)
             # agg_begin marks a pass whose activations --act-every skips: active 2
