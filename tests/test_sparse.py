@@ -336,8 +336,29 @@ def test_aggregate_rows_of_a_drain_at_once_equal_the_per_record_path() -> None:
     no_act["active"] = 2
     for f in ("act_nr", "act_rows", "act_zero", "act_below", "act_ne0", "act_slots"):
         no_act[f][:] = 0
-    arr = np.array([recs[0], partial, recs[1], short_k, no_act, *recs[2:]], dtype=ev.STEP_AGG_DTYPE)
-    for layers in (LAYERS_3, LayerSet(moe=(0, 2), ffn=(0, 1, 2), attn=(0, 1, 2, 3)), LayerSet(ffn=(0, 1))):
+    # steps the sparse probes did not see (out between --duty-cycle windows): nothing routed or
+    # counted, the attention nodes still there or not
+    unseen_attn = _complete_agg_record(13)
+    for f in (
+        "k_ids",
+        "k_wts",
+        "ids",
+        "wts",
+        "act_nr",
+        "act_rows",
+        "act_zero",
+        "act_below",
+        "act_ne0",
+        "act_slots",
+    ):
+        unseen_attn[f] = 0
+    unseen = unseen_attn.copy()
+    unseen["att_n"] = 0
+    mixed = [recs[0], partial, recs[1], unseen, short_k, no_act, unseen_attn, *recs[2:]]
+    all_unseen = [unseen, unseen_attn, unseen]
+    drains = [np.array(d, dtype=ev.STEP_AGG_DTYPE) for d in (mixed, all_unseen)]
+    layer_sets = (LAYERS_3, LayerSet(moe=(0, 2), ffn=(0, 1, 2), attn=(0, 1, 2, 3)), LayerSet(ffn=(0, 1)))
+    for arr, layers in ((a, ls) for a in drains for ls in layer_sets):
         batch = agg_rows_batch(arr, layers)
         assert batch is not None and len(batch) == len(arr)
         for rec, pre in zip(arr, batch, strict=True):
@@ -351,7 +372,7 @@ def test_aggregate_rows_of_a_drain_at_once_equal_the_per_record_path() -> None:
             assert a.add_agg_attn_lists(pre.attn, (2, 3)) == b.add_agg_attn(r, (2, 3))
             assert (a.attn_mask, a.attn_counts) == (b.attn_mask, b.attn_counts)
     # a layer beyond what the record holds: no batch, every record takes from_agg_row
-    assert agg_rows_batch(arr, LayerSet(moe=(0, ev.AGG_MAX_LAYERS))) is None
+    assert agg_rows_batch(drains[0], LayerSet(moe=(0, ev.AGG_MAX_LAYERS))) is None
 
 
 def test_aggregate_attention_merges_into_records_that_came_first() -> None:

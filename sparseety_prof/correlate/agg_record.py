@@ -155,12 +155,27 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
     )
     none_moe = [None] * len(layers.moe)
     none_ffn, zero_ffn = [None] * len(layers.ffn), [0] * len(layers.ffn)
+    # nothing routed, nothing counted: a step the sparse probes did not see (out between
+    # --duty-cycle windows, or gone from the engine's graph); agg_row_values' result for it
+    empty = (k_ids == 0).all(axis=1) & (arr["k_wts"] == 0).all(axis=1) & ffn_none
+    nothing: dict[str, list[Any]] = {
+        "expert_ids": none_moe,
+        "expert_weights": none_moe,
+        "router_probs": none_moe,
+        "act_zero_ratio": none_ffn,
+        "act_below_ratio": none_ffn,
+        "act_values": zero_ffn,
+    }
     out: list[AggRow] = []
-    rows_kind = zip((moe_full & ffn_full).tolist(), (moe_full & ffn_none).tolist(), att_n, strict=True)
-    for i, (full, no_act, n_att) in enumerate(rows_kind):
+    rows_kind = zip(
+        (moe_full & ffn_full).tolist(), (moe_full & ffn_none).tolist(), empty.tolist(), att_n, strict=True
+    )
+    for i, (full, no_act, unseen, n_att) in enumerate(rows_kind):
         at: AggBlock | None = None
         values: dict[str, list[Any]] | None
-        if (full or no_act) and block is not None:
+        if unseen and not no_act:  # (a model without MoE layers: its no_act rows are these)
+            values, moe_seen, ffn_seen = nothing, [], []
+        elif (full or no_act) and block is not None:
             at, values = block, None
             moe_seen, ffn_seen = moe, ffn if full else []
         elif full or no_act:
