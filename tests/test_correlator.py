@@ -466,7 +466,7 @@ def _mixed_script() -> Script:
     prompts, cache removals (past the end and cutting), a token that is not the one sampled,
     incomplete logits, a second sampler call on the same step, a sampler call whose end was
     lost, other contexts (one whose decode calls are not probed), steps without an aggregate
-    record, samples by positive index."""
+    record, steps whose aggregate record saw nothing, samples by positive index."""
     s = Script()
     logits = np.linspace(-2, 2, N_VOCAB, dtype=np.float32)
     s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
@@ -481,6 +481,8 @@ def _mixed_script() -> Script:
         s.small(ev.EV_DECODE_BEGIN, -1, -1, -1)
         if i % 17 == 5:
             s.ubatch([tok], [pos])  # no aggregate record (token mode)
+        elif i % 11 == 7:  # nothing routed or counted: the sparse probes out (--duty-cycle)
+            _agg_step(s, tok, pos, layers=0, ops=False)
         else:
             # layer 1 is seen only after verification, on steps that can take the fast path;
             # from step 30 on, attention comes from the learned map only (graph-op probes gone);

@@ -205,7 +205,10 @@ def _made_step(
     state.steps.add_step(step, 1, PHASE_DECODE, [seq], [token], [pos], [seq], [0])
     if step.sparse is not None:
         seen["attn"].update(state.attn_map.observe(step.sparse))
-        state.routes.emit(step)
+        # a step whose record routed and counted nothing (the sparse probes out: --duty-cycle)
+        # has no routes row to make: a layer gets one for its expert ids or activations
+        if pre is None or pre.moe_seen or pre.ffn_seen:
+            state.routes.emit(step)
     # _on_sample_begin .. _on_sample_end
     c.sampling.pop(tid, None)
     sampled = f.s_a[idx.row[sample_at]]
