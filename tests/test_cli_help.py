@@ -195,6 +195,7 @@ def test_metrics_expert_modes_are_the_sinks() -> None:
         (["--mode", "tokens", "--duty-cycle", "2s/20s"], "--duty-cycle: --mode tokens"),
         (["--duty-cycle", "20s/2s"], "--duty-cycle: the period must be longer"),
         (["--duty-cycle", "2s"], "--duty-cycle: expected ON/PERIOD"),
+        (["--duty-logits"], "--duty-logits switches the logits probes with --duty-cycle's windows"),
         (["--recorder-cpus", "all"], "--recorder-cpus must be auto, none or a CPU list"),
         (["-d", "0"], "--duration must be a positive"),
         (["--nice", "40"], "--nice must be from -20 to 19"),

@@ -161,6 +161,10 @@ def test_the_flags_reach_the_options() -> None:
             p.parse_args([command, "-p", "7", "-o", "rec", "--duty-cycle", "2s/20s", "--recorder-cpus", "1"])
         )
         assert (o.duty_cycle, o.recorder_cpus) == (DutySpec(2.0, 20.0), "1")
+        o = options_from(
+            p.parse_args([command, "-p", "7", "-o", "rec", "--duty-cycle", "2s/20s", "--duty-logits"])
+        )
+        assert o.duty_cycle == DutySpec(2.0, 20.0, logits=True)
         o = options_from(p.parse_args([command, "-p", "7", "-o", "rec"]))
         assert (o.duty_cycle, o.recorder_cpus) == (None, "auto")  # always in, placed by the engine's cores
 

@@ -127,3 +127,50 @@ def test_duty_cycle_records_every_token_and_sparse_rows_only_in_windows(
             seen[p].add(byte)
     assert seen["in"] == {INT3}, seen
     assert len(seen["out"]) == 1 and INT3 not in seen["out"], seen  # the instruction itself
+
+
+@pytest.mark.root
+@pytest.mark.engine
+def test_duty_logits_leaves_log_probs_to_the_windows(llama_engine: Engine, tmp_path: Path) -> None:
+    """--duty-logits: the logits probe switched with the per-layer ones. Every token is still
+    recorded with its exact id; a token sampled wholly in a window has its log-prob (the engine's,
+    within 1e-4), one sampled wholly between windows has none."""
+    out = tmp_path / "rec"
+    rec = Recorder(llama_engine.pid, out, "--duty-cycle", "1s/3s", "--duty-logits")
+    truth = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        truth += llama_engine.generate(PROMPTS, max_tokens=12)
+    rc, err = rec.stop(signal.SIGINT)
+    assert rc == 0, err
+
+    r = sparseety_prof.open(out)
+    dc = r.meta["duty_cycle"]
+    windows = dc["windows_ns"]
+    assert tg.SYM_LOGITS_ITH in dc["probes"] and tg.SYM_MUL in dc["probes"]
+    toks = r.tokens().sort("t_end_ns")
+    requests = [g for _, g in toks.group_by("request_id", maintain_order=True)]
+    assert [g["token_id"].to_list() for g in requests] == [t["ids"] for t in truth]
+
+    def inside(t0: int, t1: int) -> bool:
+        return any(w[1] <= t0 and t1 <= w[2] for w in windows)
+
+    def outside(t0: int, t1: int) -> bool:
+        edges = [w[3] for w in windows]
+        starts = [w[0] for w in windows[1:]] + [None]
+        return any(
+            d is not None and d <= t0 and (s is None or t1 <= s) for d, s in zip(edges, starts, strict=True)
+        )
+
+    kinds = {"in": 0, "out": 0}
+    for g, t in zip(requests, truth, strict=True):
+        for t0, t1, lp, want in zip(
+            g["t_start_ns"], g["t_end_ns"], g["log_prob"], t["log_probs"], strict=True
+        ):
+            if inside(t0, t1):
+                kinds["in"] += 1
+                assert lp == pytest.approx(want, abs=1e-4)
+            elif outside(t0, t1):
+                kinds["out"] += 1
+                assert lp is None
+    assert kinds["in"] > 0 and kinds["out"] > 0, kinds

@@ -20,6 +20,10 @@ from sparseety_prof.capture.bpf_loader import AttachedProbe, Session
 
 #: the probes a duty cycle takes out between windows: the per-layer MoE/FFN graph ops
 DUTY_SYMBOLS = (tg.SYM_GET_ROWS, tg.SYM_MUL, tg.SYM_GLU)
+#: with --duty-logits, the logits row's probe too: its copy of the row is the largest per-token
+#: transfer, and its statistics the consumer's costliest per-token work (the sampler probes stay:
+#: each token is still recorded, with a null log-prob outside windows)
+DUTY_SYMBOLS_LOGITS = (*DUTY_SYMBOLS, tg.SYM_LOGITS_ITH)
 
 
 @dataclass

@@ -455,6 +455,14 @@ def _add_footprint(g: argparse._ArgumentGroup) -> None:
         "the windows and their coverage. The share of time in windows is lowered when windows slow "
         "the engine or the recorder lags (default: always in; docs: tuning)",
     )
+    g.add_argument(
+        "--duty-logits",
+        action="store_true",
+        default=None,
+        help="with --duty-cycle: the logits probes out between windows too, so that a token's "
+        "logits row is copied only in windows (tokens outside them have no log-prob, top-k or "
+        "entropy; default: every token's)",
+    )
 
 
 def _add_fleet(g: argparse._ArgumentGroup) -> None:

@@ -7,6 +7,7 @@ place a default is set. One function per flag group."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -243,9 +244,14 @@ def _policy(args: argparse.Namespace) -> dict[str, Any]:
 def _footprint(args: argparse.Namespace) -> dict[str, Any]:
     if args.nice is not None and not -20 <= args.nice <= 19:
         raise UsageError(f"--nice must be from -20 to 19, got {args.nice}")
-    footprint = _given(
-        sched=args.sched, nice=args.nice, duty_cycle=args.duty_cycle, max_memory=args.max_memory
-    )
+    duty = args.duty_cycle
+    if args.duty_logits:
+        if duty is None:
+            raise UsageError(
+                "--duty-logits switches the logits probes with --duty-cycle's windows: give --duty-cycle"
+            )
+        duty = dataclasses.replace(duty, logits=True)
+    footprint = _given(sched=args.sched, nice=args.nice, duty_cycle=duty, max_memory=args.max_memory)
     if args.max_memory == NO_MEMORY_LIMIT:
         footprint["max_memory"] = None  # --max-memory none
     return footprint

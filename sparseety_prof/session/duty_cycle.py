@@ -39,6 +39,8 @@ def _seconds(text: str) -> float:
 class DutySpec:
     on_s: float
     period_s: float
+    # --duty-logits: the logits rows out between windows too (log-probs in windows only)
+    logits: bool = False
 
     @property
     def share(self) -> float:

@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sparseety_prof.capture.probe_switch import ProbeSwitch
+from sparseety_prof.capture.bpf_loader import Session
+from sparseety_prof.capture.probe_switch import DUTY_SYMBOLS, DUTY_SYMBOLS_LOGITS, ProbeSwitch
 from sparseety_prof.session.duty_cycle import DutyCycle, DutySpec
 from sparseety_prof.session.options import Progress
 
@@ -119,13 +120,15 @@ def _engine_priority() -> None:
 
 
 def open_duty_driver(
-    spec: DutySpec | None, switch: ProbeSwitch, log: Callable[[str], None], since: float | None = None
+    spec: DutySpec | None, session: Session, log: Callable[[str], None], since: float | None = None
 ) -> DutyDriver | None:
-    """The duty cycle asked for, started; None when none is asked, or when the capture attached
-    none of the probes it switches (--mode tokens: nothing to take out)."""
+    """The duty cycle asked for, started on the session's probes; None when none is asked, or
+    when the capture attached none of the per-layer probes it switches (--mode tokens: nothing
+    to take out)."""
     if spec is None:
         return None
-    if not switch.probes:
+    switch = ProbeSwitch(session, DUTY_SYMBOLS_LOGITS if spec.logits else DUTY_SYMBOLS)
+    if not any(p.symbol in DUTY_SYMBOLS for p in switch.probes):
         log("sparseety-prof: --duty-cycle: no per-layer MoE/FFN probe attached, nothing to switch")
         return None
     driver = DutyDriver(spec, switch, log, since)

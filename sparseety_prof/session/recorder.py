@@ -20,7 +20,6 @@ from sparseety_prof import __version__
 from sparseety_prof.capture import target as tg
 from sparseety_prof.capture.bpf_loader import ATTENTION_OPS, Session, is_server
 from sparseety_prof.capture.events import EventBatch, SeqTracker
-from sparseety_prof.capture.probe_switch import ProbeSwitch
 from sparseety_prof.correlate.correlator import Correlator
 from sparseety_prof.correlate.serving import ServingTracker
 from sparseety_prof.errors import GpuRingUnreadable, NotAnEngine, ProfError
@@ -203,7 +202,7 @@ class Recorder:
         )
         bpf_stats = self._bpf_stats(a.session)
         loop = DrainLoop.open(opts, a.session, self.progress, self._stages)
-        duty = open_duty_driver(opts.duty_cycle, ProbeSwitch(a.session), self.log, since=self._attach_began)
+        duty = open_duty_driver(opts.duty_cycle, a.session, self.log, since=self._attach_began)
         cpu_drains0 = _cpu_s()
         self._stages.restart()  # on this thread; attach's CPU is not a stage's
         self._collector.start()  # the cyclic collector runs after flushes only (collector.py)
