@@ -536,9 +536,12 @@ def _regular_list_series(name: str, values: list[object], dtype: pl.DataType) ->
     valid = [v is not None for v in values]
     if not any(valid):
         return None
-    s = _numpy_list_series(name, values, valid, np_type, depth, dtype)
-    if s is not None:
-        return s
+    first = values[valid.index(True)]
+    if not (isinstance(first, list) and first and first.count(None) == len(first)):
+        # (a first row of nulls: the numpy conversion of all rows would fail on it)
+        s = _numpy_list_series(name, values, valid, np_type, depth, dtype)
+        if s is not None:
+            return s
     # rows of nulls among regular rows: converted as a regular row, then put back as nulls
     nulls = [isinstance(v, list) and len(v) > 0 and v.count(None) == len(v) for v in values]
     null_rows = [v for v, n in zip(values, nulls, strict=True) if n]
