@@ -155,17 +155,9 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
     )
     none_moe = [None] * len(layers.moe)
     none_ffn, zero_ffn = [None] * len(layers.ffn), [0] * len(layers.ffn)
-    # nothing routed, nothing counted: a step the sparse probes did not see (out between
-    # --duty-cycle windows, or gone from the engine's graph); agg_row_values' result for it
+    # nothing routed, nothing counted: a step the sparse probes did not see
     empty = (k_ids == 0).all(axis=1) & (arr["k_wts"] == 0).all(axis=1) & ffn_none
-    nothing: dict[str, list[Any]] = {
-        "expert_ids": none_moe,
-        "expert_weights": none_moe,
-        "router_probs": none_moe,
-        "act_zero_ratio": none_ffn,
-        "act_below_ratio": none_ffn,
-        "act_values": zero_ffn,
-    }
+    nothing = _unseen_values(none_moe, none_ffn, zero_ffn)
     out: list[AggRow] = []
     rows_kind = zip(
         (moe_full & ffn_full).tolist(), (moe_full & ffn_none).tolist(), empty.tolist(), att_n, strict=True
@@ -193,6 +185,20 @@ def agg_rows_batch(arr: np.ndarray, layers: LayerSet) -> list[AggRow] | None:
         attn = (c_mask[i][:n_att], c_layer[i][:n_att], c_count[i][:n_att], c_flags[i][:n_att])
         out.append(AggRow(values, moe_seen, ffn_seen, attn, at, i))
     return out
+
+
+def _unseen_values(none_moe: list[None], none_ffn: list[None], zero_ffn: list[int]) -> dict[str, list[Any]]:
+    """agg_row_values' result for a record that routed and counted nothing: a step the sparse
+    probes did not see (out between --duty-cycle windows, or gone from the engine's graph). One
+    dict for all such rows of a drain: nothing changes a row's values once made."""
+    return {
+        "expert_ids": none_moe,
+        "expert_weights": none_moe,
+        "router_probs": none_moe,
+        "act_zero_ratio": none_ffn,
+        "act_below_ratio": none_ffn,
+        "act_values": zero_ffn,
+    }
 
 
 _AGG_ROW_FIELDS = (
