@@ -542,27 +542,23 @@ def _regular_list_series(name: str, values: list[object], dtype: pl.DataType) ->
         s = _numpy_list_series(name, values, valid, np_type, depth, dtype)
         if s is not None:
             return s
-    # rows of nulls among regular rows: converted as a regular row, then put back as nulls
+    # rows of nulls among regular rows (or alone: a step whose probes were out, --duty-cycle): the
+    # regular rows converted, the rows of nulls put in as one repeated row
     nulls = [isinstance(v, list) and len(v) > 0 and v.count(None) == len(v) for v in values]
     null_rows = [v for v, n in zip(values, nulls, strict=True) if n]
     regular = [ok and not n for n, ok in zip(nulls, valid, strict=True)]
     if not null_rows or len({len(v) for v in null_rows}) > 1:  # type: ignore[arg-type]
         return None
-    if not any(regular):  # every row a list of nulls, or null: a step whose probes were out (--duty-cycle)
-        return _rows_of_nulls(name, null_rows[0], nulls, dtype)
-    s = _numpy_list_series(name, values, regular, np_type, depth, dtype)
-    if s is None:
-        return None
     row_of_nulls = repeated_series(name, null_rows[0], dtype, len(values))
-    return pl.select(pl.when(pl.Series(nulls)).then(row_of_nulls).otherwise(s).alias(name)).to_series()
-
-
-def _rows_of_nulls(name: str, null_row: object, nulls: list[bool], dtype: pl.DataType) -> pl.Series:
-    """`null_row` (a list of Nones) at the rows `nulls` marks, null at the others."""
-    s = repeated_series(name, null_row, dtype, len(nulls))
     if all(nulls):
-        return s
-    return pl.select(pl.when(pl.Series(nulls)).then(s).otherwise(None).alias(name)).to_series()
+        return row_of_nulls
+    if any(regular):
+        s = _numpy_list_series(name, values, regular, np_type, depth, dtype)
+        if s is None:
+            return None
+    else:
+        s = null_series(name, dtype, len(values))
+    return pl.select(pl.when(pl.Series(nulls)).then(row_of_nulls).otherwise(s).alias(name)).to_series()
 
 
 @dataclass(frozen=True)
